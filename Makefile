@@ -1,0 +1,40 @@
+# The two commands: `make up` and `make test`. Both install into .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install up test lint typecheck unit e2e bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(BIN)/llmgw up
+
+lint: $(STAMP)
+	$(BIN)/ruff check extproc llmgw enginesim tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -m "not e2e"
+
+e2e: $(STAMP)
+	$(BIN)/python -m pytest -m e2e
+
+# Needs a load generator: `apt-get install wrk`.
+bench: $(STAMP)
+	$(BIN)/llmgw bench overhead --output docs/bench-overhead.md
+
+clean:
+	rm -rf $(VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,3 @@
+from enginesim.server import main
+
+main()

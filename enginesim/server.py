@@ -1,0 +1,309 @@
+"""A vLLM-compatible OpenAI server over the simulated engine (aiohttp).
+
+Endpoints as vLLM serves them: POST /v1/chat/completions (stream or not, include_usage, [DONE]),
+GET /v1/models, GET /health, GET /metrics (vLLM's names), POST /tokenize. Simulator-only:
+GET/DELETE /admin/requests (what this engine received), POST /admin/faults (inject faults).
+
+Faults, by request header `x-enginesim-fault` or queued by the admin endpoint:
+  status=503          answer that status (vLLM's error body) before any header
+  delay_ms=300        wait before answering
+  stall_after=3       send 3 chunks, then go silent (until the client goes away)
+  disconnect_after=3  send 3 chunks, then drop the connection
+  malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
+  exit                end the whole process at once
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from enginesim.engine import Engine, Sequence
+from enginesim.metrics import render_metrics
+from enginesim.physics import EngineProfile, profile
+from enginesim.tokenizer import TextSampler, apply_chat_template, encode
+
+log = logging.getLogger("enginesim")
+FAULT_HEADER = "x-enginesim-fault"
+_STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
+                 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def vllm_error(status: int, message: str, param: str | None = None) -> web.Response:
+    """vLLM's error body: `code` is the HTTP status as an integer."""
+    body = {"error": {"message": message, "type": _STATUS_TYPES.get(status, "APIError"), "param": param,
+                      "code": status}}
+    return web.json_response(body, status=status)
+
+
+@dataclass
+class Fault:
+    status: int | None = None
+    delay_ms: int = 0
+    stall_after: int | None = None
+    disconnect_after: int | None = None
+    malformed_after: int | None = None
+    exit: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        f = cls()
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key == "exit":
+                f.exit = True
+            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after"):
+                setattr(f, key, int(value))
+            else:
+                raise ValueError(f"unknown fault {key!r}")
+        return f
+
+
+class EngineServer:
+    def __init__(self, engine: Engine, served_model: str, seed: int = 0):
+        self.engine = engine
+        self.served_model = served_model
+        self.seed = seed
+        self.requests: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self.faults: deque[Fault] = deque()
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_post("/tokenize", self.tokenize)
+        self.app.router.add_get("/admin/requests", self.list_requests)
+        self.app.router.add_delete("/admin/requests", self.clear_requests)
+        self.app.router.add_post("/admin/faults", self.add_faults)
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+
+    async def _start(self, _: web.Application) -> None:
+        self.engine.start()
+
+    async def _stop(self, _: web.Application) -> None:
+        await self.engine.stop()
+
+    # -- plain endpoints ---------------------------------------------------------------------------
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.served_model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+            "root": self.served_model, "parent": None, "max_model_len": self.engine.profile.max_model_len,
+            "permission": []}]})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text=render_metrics(self.engine, self.served_model),
+                            content_type="text/plain", charset="utf-8")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return vllm_error(400, "request body is not valid JSON")
+        if "messages" in body:
+            tokens = apply_chat_template(body["messages"])
+        elif isinstance(body.get("prompt"), str):
+            tokens = encode(body["prompt"])
+        else:
+            return vllm_error(400, "either `prompt` or `messages` is required")
+        return web.json_response({"count": len(tokens), "max_model_len": self.engine.profile.max_model_len,
+                                  "tokens": tokens, "token_strs": None})
+
+    async def list_requests(self, _: web.Request) -> web.Response:
+        return web.json_response(list(self.requests))
+
+    async def clear_requests(self, _: web.Request) -> web.Response:
+        self.requests.clear()
+        return web.Response(status=204)
+
+    async def add_faults(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            fault = Fault.parse(body["fault"])
+        except (KeyError, ValueError) as e:
+            return vllm_error(400, f"bad fault: {e}")
+        self.faults.extend([fault] * int(body.get("count", 1)))
+        return web.json_response({"queued": len(self.faults)})
+
+    # -- chat completions --------------------------------------------------------------------------
+
+    def _validate(self, body: Any) -> web.Response | None:
+        if not isinstance(body, dict):
+            return vllm_error(400, "request body must be a JSON object")
+        if body.get("model") != self.served_model:
+            return vllm_error(404, f"The model `{body.get('model')}` does not exist.", "model")
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return vllm_error(400, "`messages` must be a non-empty list", "messages")
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            return vllm_error(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
+                              "cache_salt")
+        if body.get("priority", 0) != 0:
+            return vllm_error(400, "Priority scheduling is not enabled.", "priority")
+        return None
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        fault = self._take_fault(request)
+        if isinstance(fault, web.Response):
+            return fault
+        try:
+            body = await request.json()
+        except ValueError:
+            return vllm_error(400, "request body is not valid JSON")
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        bad = self._validate(body)
+        self._log_request(rid, request, body, 400 if bad else 200)
+        if bad is not None:
+            return bad
+        if fault.exit:
+            os._exit(3)
+        if fault.status:
+            await asyncio.sleep(fault.delay_ms / 1000)
+            return vllm_error(fault.status, f"injected fault: status {fault.status}")
+
+        prompt = apply_chat_template(body["messages"])
+        max_len = self.engine.profile.max_model_len
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or (max_len - len(prompt))
+        if len(prompt) + max_tokens > max_len:
+            return vllm_error(400, (
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion."), "max_tokens")
+        seed = body.get("seed")
+        seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["messages"]).encode()) ^ self.seed
+        sampler = TextSampler(seed)
+        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens,
+                       natural_length=sampler.natural_length, salt=body.get("cache_salt"),
+                       arrival=self.engine.now())
+        if fault.delay_ms:
+            await asyncio.sleep(fault.delay_ms / 1000)
+        self.engine.submit(seq)
+        try:
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return await self._stream(request, seq, sampler, rid, include_usage, fault)
+            return await self._complete(seq, sampler, rid)
+        finally:
+            self.engine.abort(seq)  # a no-op when it finished; frees the engine when the client left
+
+    def _take_fault(self, request: web.Request) -> Fault | web.Response:
+        spec = request.headers.get(FAULT_HEADER)
+        try:
+            if spec:
+                return Fault.parse(spec)
+        except ValueError as e:
+            return vllm_error(400, str(e))
+        return self.faults.popleft() if self.faults else Fault()
+
+    def _log_request(self, rid: str, request: web.Request, body: Any, status: int) -> None:
+        body = body if isinstance(body, dict) else {}
+        self.requests.append({
+            "request_id": rid, "time": time.time(), "status": status, "model": body.get("model"),
+            "cache_salt": body.get("cache_salt"), "stream": bool(body.get("stream")),
+            "messages": body.get("messages"), "max_tokens": body.get("max_tokens"),
+            "stream_options": body.get("stream_options"),
+            "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() != "authorization"},
+            "authorization_present": "Authorization" in request.headers,
+        })
+
+    def _base(self, rid: str) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{rid}", "created": int(time.time()), "model": self.served_model}
+
+    @staticmethod
+    def _usage(seq: Sequence) -> dict[str, Any]:
+        return {"prompt_tokens": len(seq.prompt), "total_tokens": len(seq.prompt) + seq.output_len,
+                "completion_tokens": seq.output_len, "prompt_tokens_details": None}
+
+    async def _complete(self, seq: Sequence, sampler: TextSampler, rid: str) -> web.Response:
+        pieces = []
+        while (idx := await seq.out.get()) is not None:
+            pieces.append(sampler.next_piece(idx))
+        return web.json_response({
+            **self._base(rid), "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces),
+                                                 "refusal": None, "annotations": None, "audio": None,
+                                                 "function_call": None, "tool_calls": [],
+                                                 "reasoning_content": None},
+                         "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}],
+            "service_tier": None, "system_fingerprint": None, "usage": self._usage(seq),
+            "prompt_logprobs": None, "kv_transfer_params": None,
+        })
+
+    async def _stream(self, request: web.Request, seq: Sequence, sampler: TextSampler, rid: str,
+                      include_usage: bool, fault: Fault) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        base = {**self._base(rid), "object": "chat.completion.chunk"}
+
+        async def send(obj: Any) -> None:
+            await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+        await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]})
+        sent = 0
+        while (idx := await seq.out.get()) is not None:
+            if fault.stall_after is not None and sent >= fault.stall_after:
+                await asyncio.sleep(3600)  # silent until the client or the gateway gives up
+            if fault.disconnect_after is not None and sent >= fault.disconnect_after:
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+            if fault.malformed_after is not None and sent >= fault.malformed_after:
+                await resp.write(b'data: {"id": "broken", "choices": [\n\n')
+                await resp.write_eof()
+                return resp
+            done = seq.output_len >= seq.max_tokens or seq.output_len >= seq.natural_length
+            await send({**base, "choices": [{
+                "index": 0, "delta": {"content": sampler.next_piece(idx)}, "logprobs": None,
+                "finish_reason": (seq.finish_reason if done else None)}]})
+            sent += 1
+        if include_usage:
+            await send({**base, "choices": [], "usage": self._usage(seq)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def build_engine(profile_name: str, time_scale: float, **overrides: Any) -> Engine:
+    prof: EngineProfile = profile(profile_name, **{k: v for k, v in overrides.items() if v is not None})
+    return Engine(prof, time_scale=time_scale)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m enginesim", description="simulated vLLM engine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default="meta-llama/Llama-3.1-8B-Instruct")
+    p.add_argument("--profile", default="llama-3-8b@h100", help="model@accelerator[xTP]")
+    p.add_argument("--time-scale", type=float, default=1.0, help="real seconds per simulated second")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    import uvloop
+
+    uvloop.install()
+    engine = build_engine(args.profile, args.time_scale, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          num_blocks_override=args.num_blocks_override)
+    server = EngineServer(engine, args.served_model_name, seed=args.seed)
+    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None)

@@ -1,0 +1,3 @@
+from extproc.server import main
+
+main()

@@ -1,0 +1,188 @@
+"""Turns a policy directory into one immutable, cross-checked Snapshot with a revision hash.
+
+The hot path only reads the Snapshot; nothing here runs per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from extproc.config.schema import ApiKey, Deployment, GatewayConfig, Route
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    file: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}: {self.field}" if self.field else self.file
+        return f"{where}: {self.message}"
+
+
+class ConfigError(Exception):
+    """Every problem found in a policy directory, each naming its file and field."""
+
+    def __init__(self, issues: list[ConfigIssue]):
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+@dataclass(frozen=True)
+class KeyOwner:
+    tenant: str
+    key: ApiKey
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    directory: Path
+    gateway: GatewayConfig
+    routes: Mapping[str, Route]
+    deployments: Mapping[str, Deployment]
+    rego: Mapping[str, str]
+    revision: str
+    warnings: tuple[str, ...] = ()
+    keys_by_hash: Mapping[str, KeyOwner] = field(default_factory=dict)
+
+    def pool_of(self, deployment: Deployment) -> str:
+        """Envoy cluster name for a deployment's upstream."""
+        return f"pool_{deployment.pool}" if deployment.pool else f"dep_{deployment.deployment}"
+
+
+def _read_yaml(path: Path, root: Path, issues: list[ConfigIssue]) -> Any:
+    rel = str(path.relative_to(root))
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        issues.append(ConfigIssue(rel, "", f"cannot read YAML: {e}"))
+        return None
+
+
+def _parse(model: type[M], data: Any, rel: str, issues: list[ConfigIssue]) -> M | None:
+    if not isinstance(data, dict):
+        issues.append(ConfigIssue(rel, "", "expected a mapping at the top level"))
+        return None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            issues.append(ConfigIssue(rel, loc, err["msg"]))
+        return None
+
+
+def _revision(gateway: GatewayConfig, routes: dict[str, Route], deployments: dict[str, Deployment],
+              rego: dict[str, str]) -> str:
+    doc = {
+        "gateway": gateway.model_dump(mode="json"),
+        "routes": {k: v.model_dump(mode="json") for k, v in sorted(routes.items())},
+        "deployments": {k: v.model_dump(mode="json") for k, v in sorted(deployments.items())},
+        "rego": dict(sorted(rego.items())),
+    }
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
+                 deployments: dict[str, tuple[str, Deployment]], today: date,
+                 issues: list[ConfigIssue], warnings: list[str]) -> None:
+    known_classes = set(gateway.data_classes)
+    for rel, dep in deployments.values():
+        if dep.pool is not None and dep.pool not in gateway.pools:
+            issues.append(ConfigIssue(rel, "pool", f"no pool named {dep.pool!r} in gateway.yaml"))
+        for dc in set(dep.data_classes) - known_classes:
+            issues.append(ConfigIssue(rel, "data_classes", f"unknown data class {dc!r}"))
+        if dep.retire_at is not None and dep.retire_at <= today:
+            warnings.append(f"{rel}: deployment {dep.deployment} is retired since {dep.retire_at}")
+        elif dep.retire_at is not None and (dep.retire_at - today).days <= 30:
+            warnings.append(f"{rel}: deployment {dep.deployment} retires on {dep.retire_at}")
+    for rel, route in routes.values():
+        for i, cand in enumerate(route.candidates):
+            where = f"candidates.{i}"
+            found = deployments.get(cand.deployment_name)
+            if found is None:
+                issues.append(ConfigIssue(rel, f"{where}.deployment_ref",
+                                          f"no deployment named {cand.deployment_name!r}"))
+                continue
+            dep = found[1]
+            if cand.deployment_ref != dep.ref:
+                issues.append(ConfigIssue(
+                    rel, f"{where}.deployment_ref",
+                    f"fingerprint does not match the deployment's; it is now {dep.ref}"))
+            for dc in cand.data_classes:
+                if dc not in known_classes:
+                    issues.append(ConfigIssue(rel, f"{where}.data_classes", f"unknown data class {dc!r}"))
+                elif dc not in dep.data_classes:
+                    issues.append(ConfigIssue(rel, f"{where}.data_classes",
+                                              f"deployment {dep.deployment} does not serve {dc!r}"))
+            for region in set(cand.regions) - set(dep.regions):
+                issues.append(ConfigIssue(rel, f"{where}.regions",
+                                          f"deployment {dep.deployment} is not in region {region!r}"))
+
+
+def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
+    """Load and cross-check a policy directory. Raises ConfigError listing every problem."""
+    root = Path(directory).resolve()
+    issues: list[ConfigIssue] = []
+    warnings: list[str] = []
+    if not (root / "gateway.yaml").is_file():
+        raise ConfigError([ConfigIssue(str(root), "", "gateway.yaml not found")])
+
+    gateway = _parse(GatewayConfig, _read_yaml(root / "gateway.yaml", root, issues), "gateway.yaml", issues)
+
+    deployments: dict[str, tuple[str, Deployment]] = {}
+    for path in sorted((root / "deployments").glob("*.yaml")):
+        rel = str(path.relative_to(root))
+        dep = _parse(Deployment, _read_yaml(path, root, issues), rel, issues)
+        if dep is None:
+            continue
+        if dep.deployment in deployments:
+            issues.append(ConfigIssue(rel, "deployment", f"{dep.deployment!r} also defined in "
+                                                         f"{deployments[dep.deployment][0]}"))
+        deployments[dep.deployment] = (rel, dep)
+
+    routes: dict[str, tuple[str, Route]] = {}
+    for path in sorted((root / "routes").glob("*.yaml")):
+        rel = str(path.relative_to(root))
+        route = _parse(Route, _read_yaml(path, root, issues), rel, issues)
+        if route is None:
+            continue
+        if route.route_contract in routes:
+            issues.append(ConfigIssue(rel, "route_contract", f"{route.route_contract!r} also defined in "
+                                                             f"{routes[route.route_contract][0]}"))
+        routes[route.route_contract] = (rel, route)
+
+    rego = {str(p.relative_to(root)): p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.rego"))}
+
+    if gateway is not None:
+        _cross_check(gateway, routes, deployments, today or date.today(), issues, warnings)
+    if issues or gateway is None:
+        raise ConfigError(issues)
+
+    plain_routes = {k: v for k, (_, v) in routes.items()}
+    plain_deps = {k: v for k, (_, v) in deployments.items()}
+    keys = {k.sha256: KeyOwner(t, k) for t, tenant in gateway.tenants.items() for k in tenant.api_keys}
+    return Snapshot(
+        directory=root,
+        gateway=gateway,
+        routes=MappingProxyType(plain_routes),
+        deployments=MappingProxyType(plain_deps),
+        rego=MappingProxyType(rego),
+        revision=_revision(gateway, plain_routes, plain_deps, rego),
+        warnings=tuple(warnings),
+        keys_by_hash=MappingProxyType(keys),
+    )

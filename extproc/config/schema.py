@@ -1,0 +1,199 @@
+"""Configuration schema: gateway.yaml, routes/*.yaml, deployments/*.yaml.
+
+Every model is frozen and refuses unknown fields, so a typo in a policy file is an error that names
+the file and the field instead of a setting that silently does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import date
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
+HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+CredentialRef = Annotated[str, StringConstraints(pattern=r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")]
+HostPort = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-]+:[0-9]{1,5}$")]
+DEPLOYMENT_REF = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._-]{0,62})@sha256:(?P<digest>[0-9a-f]{64})$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- gateway.yaml -------------------------------------------------------------------------------
+
+
+class ApiKey(Strict):
+    id: Name
+    sha256: HexDigest  # hash of the key; the key itself is never stored
+    expires: date | None = None
+    revoked: bool = False
+
+
+class Tenant(Strict):
+    default_data_class: Name
+    allowed_data_classes: tuple[Name, ...]
+    api_keys: tuple[ApiKey, ...] = ()
+
+
+class Pool(Strict):
+    """A set of interchangeable engine endpoints: one Envoy cluster."""
+
+    endpoints: tuple[HostPort, ...] = Field(min_length=1)
+    connect_timeout_ms: int = Field(default=1000, gt=0)
+
+
+class EnvoySettings(Strict):
+    listen: HostPort = "127.0.0.1:8080"
+    admin: HostPort = "127.0.0.1:9901"
+    extproc: tuple[HostPort, ...] = ("127.0.0.1:50051",)
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    extproc_message_timeout_ms: int = Field(default=1000, gt=0)
+    concurrency: int = Field(default=1, ge=1)
+
+
+class Limits(Strict):
+    max_messages: int = Field(default=1024, gt=0)
+    default_max_tokens: int = Field(default=1024, gt=0)
+
+
+class GatewayConfig(Strict):
+    data_classes: tuple[Name, ...] = Field(min_length=1)  # ordered, least to most sensitive
+    tenants: dict[Name, Tenant]
+    pools: dict[Name, Pool] = {}
+    envoy: EnvoySettings = EnvoySettings()
+    limits: Limits = Limits()
+
+    @model_validator(mode="after")
+    def _tenants_use_known_classes(self) -> GatewayConfig:
+        known = set(self.data_classes)
+        if len(known) != len(self.data_classes):
+            raise ValueError("data_classes: duplicate entries")
+        for name, tenant in self.tenants.items():
+            unknown = ({tenant.default_data_class, *tenant.allowed_data_classes}) - known
+            if unknown:
+                raise ValueError(f"tenants.{name}: unknown data class(es) {sorted(unknown)}")
+            if tenant.default_data_class not in tenant.allowed_data_classes:
+                raise ValueError(f"tenants.{name}: default_data_class must be one of allowed_data_classes")
+        key_ids = [k.id for t in self.tenants.values() for k in t.api_keys]
+        dup = {k for k in key_ids if key_ids.count(k) > 1}
+        if dup:
+            raise ValueError(f"tenants: api key ids used twice: {sorted(dup)}")
+        return self
+
+
+# --- deployments/*.yaml -------------------------------------------------------------------------
+
+
+class Fingerprint(Strict):
+    """What makes two deployments the same served system. Its hash is the deployment's identity."""
+
+    adapter: str
+    engine: str
+    model_digest: str
+    tokenizer_digest: str
+    prompt_template: str
+    precision: str
+    placement: str
+    kv_cache_policy: str
+    decoding_policy: str
+    batching_policy: str
+    hardware: str
+    route_retry_policy: str = "envoy-router"
+
+    def digest(self) -> str:
+        canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class Prices(Strict):
+    """Integer micro-units of `currency` per million tokens."""
+
+    version: str
+    currency: str = "USD"
+    input_per_mtok: int = Field(ge=0)
+    cached_input_per_mtok: int = Field(ge=0)
+    output_per_mtok: int = Field(ge=0)
+
+
+class Deployment(Strict):
+    deployment: Name
+    fingerprint: Fingerprint
+    served_model: str  # the model name the upstream answers to
+    pool: Name | None = None
+    endpoints: tuple[HostPort, ...] = ()
+    context_window: int = Field(gt=0)
+    template_allowance_tokens: int = Field(default=8, ge=0)  # per-message chat template overhead
+    prices: Prices
+    regions: tuple[Name, ...] = Field(min_length=1)
+    data_classes: tuple[Name, ...] = Field(min_length=1)
+    retire_at: date | None = None
+    withdrawn: bool = False
+
+    @model_validator(mode="after")
+    def _one_upstream(self) -> Deployment:
+        if (self.pool is None) == (not self.endpoints):
+            raise ValueError("exactly one of `pool` or `endpoints` must be set")
+        return self
+
+    @property
+    def ref(self) -> str:
+        return f"{self.deployment}@sha256:{self.fingerprint.digest()}"
+
+
+# --- routes/*.yaml ------------------------------------------------------------------------------
+
+
+class Candidate(Strict):
+    deployment_ref: str
+    adapter_ref: str
+    data_classes: tuple[Name, ...] = Field(min_length=1)
+    regions: tuple[Name, ...] = Field(min_length=1)
+
+    @field_validator("deployment_ref")
+    @classmethod
+    def _ref_shape(cls, v: str) -> str:
+        if not DEPLOYMENT_REF.match(v):
+            raise ValueError("must be `<deployment>@sha256:<64 hex digits of the fingerprint>`")
+        return v
+
+    @property
+    def deployment_name(self) -> str:
+        return v.group("name") if (v := DEPLOYMENT_REF.match(self.deployment_ref)) else ""
+
+
+class RetryPolicy(Strict):
+    attempts: int = Field(default=1, ge=1, le=5)
+    eligible_failures: tuple[
+        Literal["connect_before_send", "rate_limited", "overloaded", "unavailable"], ...
+    ] = ("connect_before_send",)
+    requires: Literal["read_only_or_idempotency_key", "idempotency_key", "never"] = (
+        "read_only_or_idempotency_key"
+    )
+
+
+class FallbackPolicy(Strict):
+    requires_same_contract: bool = True
+
+
+class TelemetryPolicy(Strict):
+    record_content: bool = False
+    propagate_trace_context: bool = True
+
+
+class Route(Strict):
+    route_contract: Name
+    request_class: Name
+    candidates: tuple[Candidate, ...] = Field(min_length=1)
+    credential_ref: CredentialRef | None = None
+    deadline_ms: int = Field(default=30_000, gt=0)
+    max_tokens_cap: int | None = Field(default=None, gt=0)
+    budget_reservation: Literal["required", "optional", "off"] = "required"
+    retry: RetryPolicy = RetryPolicy()
+    fallback: FallbackPolicy = FallbackPolicy()
+    telemetry: TelemetryPolicy = TelemetryPolicy()

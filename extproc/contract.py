@@ -1,0 +1,93 @@
+"""The external contract's fixed names: error codes, headers, metadata keys (design.md section 4).
+
+One error tree: every refusal the gateway produces is a `GatewayError` carrying one `ErrorCode`, whose
+value is the contract's `code` and doubles as the metric label.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+
+METADATA_NAMESPACE = "io.llmgw"
+
+
+class ErrorCode(str, Enum):
+    INVALID_REQUEST = "invalid_request"
+    UNSUPPORTED_FIELD = "unsupported_field"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
+    ROUTE_NOT_FOUND = "route_not_found"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    RATE_LIMITED = "rate_limited"
+    CONCURRENCY_LIMITED = "concurrency_limited"
+    UPSTREAM_ERROR = "upstream_error"
+    NO_QUALIFIED_ROUTE = "no_qualified_route"
+    POLICY_UNAVAILABLE = "policy_unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    STREAM_INTERRUPTED = "stream_interrupted"
+
+    @property
+    def status(self) -> int:
+        return _STATUS[self]
+
+    @property
+    def error_type(self) -> str:
+        """OpenAI-style `type`: what SDKs show beside the code."""
+        s = self.status
+        if s == 401:
+            return "authentication_error"
+        if s == 403:
+            return "permission_error"
+        if s == 404:
+            return "not_found_error"
+        if s == 429:
+            return "rate_limit_error"
+        return "invalid_request_error" if s < 500 else "server_error"
+
+
+_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.UNSUPPORTED_FIELD: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.ROUTE_NOT_FOUND: 404,
+    ErrorCode.IDEMPOTENCY_CONFLICT: 409,
+    ErrorCode.IDEMPOTENCY_KEY_REUSED: 422,
+    ErrorCode.BUDGET_EXHAUSTED: 429,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.CONCURRENCY_LIMITED: 429,
+    ErrorCode.UPSTREAM_ERROR: 502,
+    ErrorCode.NO_QUALIFIED_ROUTE: 503,
+    ErrorCode.POLICY_UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.STREAM_INTERRUPTED: 502,
+}
+
+
+class GatewayError(Exception):
+    """A refusal that ends the exchange with the contract's JSON error."""
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    @property
+    def status(self) -> int:
+        return self.code.status
+
+    def body(self) -> bytes:
+        return error_body(self.code, self.message, self.param)
+
+
+def error_body(code: ErrorCode, message: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": code.error_type, "code": code.value,
+                                 "param": param}}).encode()

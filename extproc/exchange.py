@@ -1,0 +1,53 @@
+"""Per-request state. One Exchange per HTTP request, created when its ext_proc stream starts and
+dropped when the stream ends; every stage reads and writes it, nothing else holds request state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.config import Snapshot
+from extproc.config.schema import Deployment, Route
+
+
+@dataclass(slots=True)
+class Identity:
+    tenant: str
+    subject: str
+    kind: str  # "api_key" (JWT workload identity arrives with the identity issue)
+
+
+@dataclass(slots=True)
+class Exchange:
+    snapshot: Snapshot  # taken when the stream starts: the whole request sees one revision
+    request_id: str = ""
+    method: str = ""
+    path: str = ""
+    headers: dict[str, str] = field(default_factory=dict)  # the request headers ext_proc was sent
+    arrived_at: float = field(default_factory=time.time)  # wall clock at Envoy, when known
+    raw_body: bytes = b""
+    body: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    identity: Identity | None = None
+    data_class: str = ""
+    route: Route | None = None
+    deployment: Deployment | None = None
+    cluster: str = ""
+    upstream_body: bytes | None = None  # the body as the upstream must receive it, when rewritten
+    upstream_headers: dict[str, str] = field(default_factory=dict)
+    remove_headers: list[str] = field(default_factory=list)
+    stage_us: dict[str, float] = field(default_factory=dict)
+
+    def metadata(self) -> dict[str, str]:
+        """What Envoy keeps for routing, response headers and its access log (io.llmgw namespace)."""
+        md = {"revision": self.snapshot.revision, "request_id": self.request_id}
+        if self.identity is not None:
+            md["tenant"] = self.identity.tenant
+        if self.route is not None:
+            md["route"] = self.route.route_contract
+        if self.deployment is not None:
+            md["deployment"] = self.deployment.deployment
+        if self.cluster:
+            md["cluster"] = self.cluster
+        return md

@@ -1,0 +1,36 @@
+"""The ordered stages and the one runner that times them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from extproc.exchange import Exchange
+from extproc.stages import Stage
+from extproc.stages.authorize import DataClassAuthorization
+from extproc.stages.identity import ApiKeyIdentity
+from extproc.stages.intake import Intake
+from extproc.stages.placeholders import BudgetReservation, Redaction
+from extproc.stages.route import RouteSelection
+
+# design.md section 1, in order. Identity runs on the request headers, before Envoy buffers the body,
+# so an unauthenticated caller costs little and learns nothing else; the rest runs on the body.
+HEADER_STAGES: tuple[Stage, ...] = (ApiKeyIdentity(),)
+BODY_STAGES: tuple[Stage, ...] = (
+    Intake(),
+    DataClassAuthorization(),
+    BudgetReservation(),
+    Redaction(),
+    RouteSelection(),
+)
+
+
+async def run_stages(stages: Sequence[Stage], ex: Exchange) -> None:
+    """Run each stage in order; a GatewayError from any of them ends the exchange."""
+    clock = time.perf_counter
+    for stage in stages:
+        t0 = clock()
+        try:
+            await stage.run(ex)
+        finally:
+            ex.stage_us[stage.name] = (clock() - t0) * 1e6

@@ -1,0 +1,64 @@
+"""The one place that turns Exchange results into Envoy ext_proc messages."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from extproc.contract import METADATA_NAMESPACE, GatewayError
+from extproc.exchange import Exchange
+
+_JSON = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+
+
+def _metadata(values: dict[str, str]) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.fields[METADATA_NAMESPACE].struct_value.update(values)
+    return md
+
+
+# The usual answer to the request-headers message: continue, the decision comes with the body.
+CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+
+
+def admit(ex: Exchange) -> ep.ProcessingResponse:
+    """Let the buffered request continue to the cluster ext_proc chose, with its mutations."""
+    set_headers = [_header(k, v) for k, v in ex.upstream_headers.items()]
+    body_mutation = None
+    if ex.upstream_body is not None:
+        body_mutation = ep.BodyMutation(body=ex.upstream_body)
+        set_headers.append(_header("content-length", str(len(ex.upstream_body))))
+    common = ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=ex.remove_headers),
+        body_mutation=body_mutation,
+        clear_route_cache=True,  # re-match: only now does the admitted route's metadata match
+    )
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
+                                 dynamic_metadata=_metadata(ex.metadata()))
+
+
+def immediate(ex: Exchange, status: int, body: bytes, details: str,
+              headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
+    hdrs = [_JSON, _header("x-llmgw-route-revision", ex.snapshot.revision)]
+    hdrs += [_header(k, v) for k, v in (headers or {}).items()]
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            headers=ep.HeaderMutation(set_headers=hdrs),
+            body=body,
+            details=details,
+        ),
+        dynamic_metadata=_metadata(ex.metadata()),
+    )
+
+
+def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
+    """End the exchange with the contract's JSON error. `details` starts with `llmgw` so Envoy's
+    local-reply rewriting leaves this body alone."""
+    return immediate(ex, err.status, err.body(), f"llmgw_{err.code.value}", err.headers)

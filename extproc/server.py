@@ -1,0 +1,129 @@
+"""The ext_proc gRPC service: one receive loop, one Exchange per HTTP request.
+
+Envoy sends the request headers (identity is decided there, before the body is buffered), then the
+buffered body (everything else). Response phases are not sent until a stage needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from extproc.config import Snapshot, load_snapshot
+from extproc.contract import ErrorCode, GatewayError
+from extproc.exchange import Exchange
+from extproc.pipeline import BODY_STAGES, HEADER_STAGES, run_stages
+from extproc.replies import CONTINUE_HEADERS, admit, immediate, refuse
+from extproc.stages.intake import CHAT_PATH
+
+log = logging.getLogger("llmgw.extproc")
+MODELS_PATH = "/v1/models"
+
+
+def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:
+    for h in headers.headers:
+        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        key = h.key
+        if key[0] == ":":
+            if key == ":path":
+                ex.path = value
+            elif key == ":method":
+                ex.method = value
+        else:
+            ex.headers[key] = value
+    ex.request_id = ex.headers.get("x-request-id", "")
+
+
+class Processor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot
+
+    async def Process(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        ex = Exchange(snapshot=self.snapshot)
+        async for req in request_iterator:
+            kind = req.WhichOneof("request")
+            try:
+                match kind:
+                    case "request_headers":
+                        yield await self._on_request_headers(ex, req.request_headers)
+                    case "request_body":
+                        ex.raw_body = req.request_body.body
+                        await run_stages(BODY_STAGES, ex)
+                        yield admit(ex)
+                    case "response_headers":
+                        yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+                    case "response_body":
+                        yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+                    case "request_trailers":
+                        yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                    case "response_trailers":
+                        yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                    case _:
+                        log.warning("unexpected ext_proc message %s", kind)
+                        return
+            except GatewayError as err:
+                yield refuse(ex, err)
+                return
+            except Exception:  # never crash on input: fail closed with the contract's error
+                log.exception("request %s: internal error", ex.request_id)
+                yield refuse(ex, GatewayError(ErrorCode.POLICY_UNAVAILABLE,
+                                              "the gateway could not evaluate this request"))
+                return
+
+    async def _on_request_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
+        apply_headers(ex, msg.headers)
+        await run_stages(HEADER_STAGES, ex)
+        path = ex.path.split("?", 1)[0]
+        if path == MODELS_PATH and ex.method == "GET":
+            data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+                    for name in sorted(self.snapshot.routes)]
+            return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
+        if path != CHAT_PATH:
+            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {path}")
+        if msg.end_of_stream:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "a JSON request body is required")
+        return CONTINUE_HEADERS
+
+
+async def serve(snapshot: Snapshot, listen: str) -> None:
+    server = grpc.aio.server(options=[
+        ("grpc.max_concurrent_streams", 100_000),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.so_reuseport", 0),
+    ])
+    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(snapshot), server)
+    if server.add_insecure_port(listen) == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    log.info("ext_proc listening on %s, revision %s", listen, snapshot.revision)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m extproc", description="llmgw ext_proc service")
+    p.add_argument("--config", required=True, help="policy directory")
+    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    snapshot = load_snapshot(args.config)
+    import uvloop
+
+    uvloop.install()
+    asyncio.run(serve(snapshot, args.listen))

@@ -1,0 +1,17 @@
+"""The pipeline: one small stage per step of design.md section 1, run in this order.
+
+A stage either returns (having mutated the Exchange) or raises GatewayError, which ends the exchange
+with the contract's JSON error. The runner in extproc.pipeline times every stage.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from extproc.exchange import Exchange
+
+
+class Stage(Protocol):
+    name: str
+
+    async def run(self, ex: Exchange) -> None: ...

@@ -1,0 +1,24 @@
+"""Stages whose step of design.md section 1 lands in a later issue. They hold their place in the order
+so that the pipeline's shape, timing and tests do not change when they are filled in."""
+
+from __future__ import annotations
+
+from extproc.exchange import Exchange
+
+
+class BudgetReservation:
+    """Atomic reservation, quotas and bulkheads (the budgets issue)."""
+
+    name = "budget"
+
+    async def run(self, ex: Exchange) -> None:
+        return None
+
+
+class Redaction:
+    """PII redaction per the decision's obligations (the identity and policy issue)."""
+
+    name = "redact"
+
+    async def run(self, ex: Exchange) -> None:
+        return None

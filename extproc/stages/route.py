@@ -1,0 +1,52 @@
+"""Routing: the `model` names a route contract; pick the first qualified candidate and address it.
+
+Eligibility here (invariant 2): the candidate and its deployment serve the request's data class, the
+deployment is neither withdrawn nor retired. Evidence, regions, context windows and fallback order land
+with the routing issue.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+from extproc.config import Snapshot
+from extproc.config.schema import Candidate, Deployment
+from extproc.contract import ErrorCode, GatewayError
+from extproc.exchange import Exchange
+
+
+def eligible(snap: Snapshot, cand: Candidate, data_class: str, today: datetime) -> Deployment | None:
+    dep = snap.deployments.get(cand.deployment_name)
+    if dep is None or dep.ref != cand.deployment_ref or dep.withdrawn:
+        return None
+    if dep.retire_at is not None and dep.retire_at <= today.date():
+        return None
+    if data_class not in cand.data_classes or data_class not in dep.data_classes:
+        return None
+    return dep
+
+
+class RouteSelection:
+    name = "route"
+
+    async def run(self, ex: Exchange) -> None:
+        snap = ex.snapshot
+        route = snap.routes.get(ex.body["model"])
+        if route is None:
+            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no route named {ex.body['model']!r}", "model")
+        ex.route = route
+        now = datetime.now(UTC)
+        for cand in route.candidates:
+            dep = eligible(snap, cand, ex.data_class, now)
+            if dep is not None:
+                break
+        else:
+            raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,
+                               f"no candidate of route {route.route_contract!r} qualifies for data class "
+                               f"{ex.data_class!r}")
+        ex.deployment = dep
+        ex.cluster = snap.pool_of(dep)
+        body = dict(ex.body)
+        body["model"] = dep.served_model
+        ex.upstream_body = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

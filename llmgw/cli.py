@@ -1,0 +1,138 @@
+"""`llmgw`: the operator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from extproc.config import ConfigError, load_snapshot
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        snap = load_snapshot(args.dir)
+    except ConfigError as e:
+        for issue in e.issues:
+            print(f"error: {issue}", file=sys.stderr)
+        return 1
+    for w in snap.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    for dep in snap.deployments.values():
+        print(f"deployment {dep.ref}")
+    print(f"routes: {', '.join(sorted(snap.routes))}")
+    print(f"revision {snap.revision}")
+    return 0
+
+
+def cmd_envoy_render(args: argparse.Namespace) -> int:
+    from llmgw.envoy_render import RenderOptions, render_yaml
+
+    try:
+        snap = load_snapshot(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    text = render_yaml(snap, RenderOptions.from_snapshot(snap))
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} (revision {snap.revision})", file=sys.stderr)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from llmgw.stack import Stack, StackOptions
+
+    opts = StackOptions(config_dir=Path(args.config), state_dir=Path(args.state_dir), listen_port=args.port,
+                        admin_port=args.admin_port, workers=args.workers, time_scale=args.time_scale,
+                        engine_profile=args.engine_profile, valkey_port=args.valkey_port)
+    try:
+        stack = Stack(opts)
+    except ConfigError as e:
+        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    t0 = time.monotonic()
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"error: the gateway did not start: {e}", file=sys.stderr)
+        return 1
+    up_json = stack.write_up_json()
+    print(f"llmgw is up in {time.monotonic() - t0:.1f}s (revision {stack.snapshot.revision})")
+    print(f"  gateway:  {stack.url}/v1   (OpenAI-compatible; model = a route name)")
+    print(f"  admin:    {stack.admin_url}")
+    for tenant, key in stack.demo_keys().items():
+        print(f"  tenant {tenant:<8} api key: {key}")
+    print(f"  routes:   {', '.join(sorted(stack.snapshot.routes))}")
+    print(f"  details:  {up_json}; logs in {stack.logs}")
+    print("Ctrl-C stops every process.", flush=True)
+    try:
+        while not stop.is_set():
+            dead = [c.name for c in [stack.envoy, *stack.extprocs, *stack.engines.values(), stack.valkey]
+                    if c is not None and not c.alive]
+            if dead:
+                print(f"error: {', '.join(dead)} exited; stopping (see {stack.logs})", file=sys.stderr)
+                return 1
+            stop.wait(0.5)
+    finally:
+        stack.stop()
+        up_json.unlink(missing_ok=True)
+    print("llmgw stopped.")
+    return 0
+
+
+def cmd_bench_overhead(args: argparse.Namespace) -> int:
+    from llmgw.bench import run_overhead
+
+    return run_overhead(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmgw", description="LLM gateway: Envoy + ext_proc")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("check", help="validate a policy directory and print its revision")
+    c.add_argument("dir", nargs="?", default="policy")
+    c.set_defaults(func=cmd_check)
+
+    e = sub.add_parser("envoy", help="Envoy configuration")
+    esub = e.add_subparsers(dest="envoy_command", required=True)
+    r = esub.add_parser("render", help="render the Envoy bootstrap for a policy directory")
+    r.add_argument("--config", default="policy")
+    r.add_argument("-o", "--output", default="-")
+    r.set_defaults(func=cmd_envoy_render)
+
+    u = sub.add_parser("up", help="run the whole gateway locally until Ctrl-C")
+    u.add_argument("--config", default="policy")
+    u.add_argument("--state-dir", default=".llmgw")
+    u.add_argument("--port", type=int, help="gateway port (default: gateway.yaml envoy.listen)")
+    u.add_argument("--admin-port", type=int)
+    u.add_argument("--valkey-port", type=int, default=6390)
+    u.add_argument("--workers", type=int, default=1, help="ext_proc worker processes")
+    u.add_argument("--engine-profile", default="llama-3-8b@h100")
+    u.add_argument("--time-scale", type=float, default=1.0)
+    u.set_defaults(func=cmd_up)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    o = bsub.add_parser("overhead", help="bare Envoy vs Envoy + ext_proc, one run")
+    o.add_argument("--config", default="policy")
+    o.add_argument("--duration", type=float, default=10.0)
+    o.add_argument("--concurrency", default="1,32")
+    o.add_argument("--workers", type=int, default=1)
+    o.add_argument("--output", help="also write the markdown table here")
+    o.set_defaults(func=cmd_bench_overhead)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))

@@ -1,0 +1,395 @@
+"""Render a config Snapshot into an Envoy bootstrap, built from Envoy's own typed protobuf messages.
+
+Shape of the data path (design.md section 7, reference/envoy-notes.md):
+  header_mutation  adds x-llmgw-* response headers from the metadata ext_proc returned
+  ext_proc         request headers SEND (identity decided there), request body BUFFERED (the rest);
+                   response phases off until a stage needs them
+  custom_response  rewrites upstream error statuses into the contract's JSON
+  router           routes match on dynamic metadata only ext_proc can set, so a request that
+                   ext_proc never admitted (no body, service down) can never reach an upstream
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import yaml
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    extension_pb2,
+    grpc_service_pb2,
+    health_check_pb2,
+    protocol_pb2,
+    substitution_format_string_pb2,
+)
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import metadata_pb2, status_code_input_pb2, string_pb2, value_pb2
+from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
+from xds.core.v3 import extension_pb2 as xds_extension_pb2
+from xds.type.matcher.v3 import matcher_pb2
+
+from extproc.config import Snapshot
+from extproc.contract import METADATA_NAMESPACE, ErrorCode
+
+EXTPROC_CLUSTER = "llmgw_extproc"
+ADMIT_KEY = "cluster"  # io.llmgw metadata key naming the cluster ext_proc admitted the request to
+OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Where the processes of one gateway listen; defaults come from gateway.yaml's `envoy`."""
+
+    listen: tuple[str, int]
+    admin: tuple[str, int]
+    extproc: tuple[tuple[str, int], ...]
+    pools: dict[str, tuple[tuple[str, int], ...]]
+    access_log: bool = True
+
+    @classmethod
+    def from_snapshot(cls, snap: Snapshot, **overrides: object) -> RenderOptions:
+        env = snap.gateway.envoy
+        opts = {
+            "listen": _hp(env.listen),
+            "admin": _hp(env.admin),
+            "extproc": tuple(_hp(e) for e in env.extproc),
+            "pools": {name: tuple(_hp(e) for e in pool.endpoints) for name, pool in snap.gateway.pools.items()},
+        }
+        opts.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**opts)  # type: ignore[arg-type]
+
+
+def _hp(s: str) -> tuple[str, int]:
+    host, port = s.rsplit(":", 1)
+    return host, int(port)
+
+
+def _any(msg: object) -> any_pb2.Any:
+    a = any_pb2.Any()
+    a.Pack(msg)  # type: ignore[arg-type]
+    return a
+
+
+def _dur(ms: int) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(ms)
+    return d
+
+
+def _addr(host: str, port: int) -> address_pb2.Address:
+    return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
+
+
+def _contract_json(code: ErrorCode, message: str, status_fmt: str | None = None) -> (
+        substitution_format_string_pb2.SubstitutionFormatString):
+    """The contract's error body as an Envoy JSON format string."""
+    error = struct_pb2.Struct()
+    error.update({"message": message, "type": code.error_type, "code": code.value})
+    error.fields["param"].null_value = struct_pb2.NULL_VALUE
+    body = struct_pb2.Struct()
+    body.fields["error"].struct_value.CopyFrom(error)
+    return substitution_format_string_pb2.SubstitutionFormatString(
+        json_format=body, content_type="application/json")
+
+
+def _cel_filter(expr: str) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel",
+        typed_config=_any(cel_pb2.ExpressionFilter(expression=expr))))
+
+
+# Envoy's own local replies -> contract errors. ext_proc's ImmediateResponses (details `llmgw*`) and
+# direct responses (already contract JSON) pass untouched.
+# custom_response's replies carry empty details.
+_NOT_OURS = (f"!response.code_details.startsWith('{OWN_REPLY_PREFIX}') && "
+             "response.code_details != 'direct_response' && response.code_details != ''")
+LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
+    ("response.code_details.startsWith('ext_proc')", 503, ErrorCode.POLICY_UNAVAILABLE,
+     "the gateway's policy service is unavailable; the request was not processed"),
+    (f"{_NOT_OURS} && response.code == 413", 413, ErrorCode.INVALID_REQUEST,
+     "request body exceeds the gateway's size limit"),
+    (f"{_NOT_OURS} && response.code == 504", 504, ErrorCode.DEADLINE_EXCEEDED,
+     "the upstream did not answer within the deadline"),
+    (f"{_NOT_OURS} && response.code == 404", 404, ErrorCode.ROUTE_NOT_FOUND, "no such endpoint"),
+    (f"{_NOT_OURS} && response.code >= 500", 502, ErrorCode.UPSTREAM_ERROR,
+     "every eligible upstream attempt failed before the first byte"),
+    (f"{_NOT_OURS} && response.code >= 400", 400, ErrorCode.INVALID_REQUEST,
+     "the request could not be processed"),
+)
+
+
+def _local_reply_config() -> hcm_pb2.LocalReplyConfig:
+    return hcm_pb2.LocalReplyConfig(mappers=[
+        hcm_pb2.ResponseMapper(
+            filter=_cel_filter(expr),
+            status_code=wrappers_pb2.UInt32Value(value=status),
+            body_format_override=_contract_json(code, message),
+        )
+        for expr, status, code, message in LOCAL_REPLY_RULES
+    ])
+
+
+# Upstream error statuses -> contract errors (the upstream's own body shape is not the contract's).
+UPSTREAM_ERROR_RULES: tuple[tuple[int, int, ErrorCode, str], ...] = (
+    (400, 400, ErrorCode.INVALID_REQUEST, "the upstream rejected the request as invalid"),
+    (408, 504, ErrorCode.DEADLINE_EXCEEDED, "the upstream timed out"),
+    (413, 413, ErrorCode.INVALID_REQUEST, "the upstream rejected the request as too large"),
+    (422, 400, ErrorCode.INVALID_REQUEST, "the upstream rejected the request as invalid"),
+    (429, 502, ErrorCode.UPSTREAM_ERROR, "the upstream is overloaded (429)"),
+    (500, 502, ErrorCode.UPSTREAM_ERROR, "the upstream failed (500)"),
+    (502, 502, ErrorCode.UPSTREAM_ERROR, "the upstream failed (502)"),
+    (503, 502, ErrorCode.UPSTREAM_ERROR, "the upstream is unavailable (503)"),
+    (504, 504, ErrorCode.DEADLINE_EXCEEDED, "the upstream timed out (504)"),
+    (529, 502, ErrorCode.UPSTREAM_ERROR, "the upstream is overloaded (529)"),
+)
+
+
+def _custom_response_filter() -> custom_response_pb2.CustomResponse:
+    status_input = xds_extension_pb2.TypedExtensionConfig(
+        name="status", typed_config=_any(status_code_input_pb2.HttpResponseStatusCodeMatchInput()))
+    tree = matcher_pb2.Matcher.MatcherTree(
+        input=status_input,
+        exact_match_map=matcher_pb2.Matcher.MatcherTree.MatchMap(map={
+            str(upstream): matcher_pb2.Matcher.OnMatch(action=xds_extension_pb2.TypedExtensionConfig(
+                name=f"upstream_{upstream}",
+                typed_config=_any(local_response_policy_pb2.LocalResponsePolicy(
+                    status_code=wrappers_pb2.UInt32Value(value=status),
+                    body_format=_contract_json(code, message),
+                    # Its content_type is ignored in 1.40; the header is set here instead.
+                    response_headers_to_add=[*_upstream_answer_headers(), base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)],
+                ))))
+            for upstream, status, code, message in UPSTREAM_ERROR_RULES
+        }))
+    return custom_response_pb2.CustomResponse(custom_response_matcher=matcher_pb2.Matcher(matcher_tree=tree))
+
+
+def _admitted_route_filters() -> dict[str, any_pb2.Any]:
+    """Upstream errors are rewritten only on admitted routes, so ext_proc's own replies stay as sent."""
+    return {"envoy.filters.http.custom_response": _any(_custom_response_filter())}
+
+
+# The contract's response headers, from the metadata ext_proc returned with its decision.
+ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
+    ("x-llmgw-route-revision", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:revision)%"),
+    ("x-llmgw-deployment", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:deployment)%"),
+    ("x-llmgw-attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
+)
+
+
+def _upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
+    return [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, value=v),
+                                       append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+            for k, v in ANSWER_HEADERS]
+
+
+def _header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
+    return header_mutation_pb2.HeaderMutation(mutations=header_mutation_pb2.Mutations(response_mutations=[
+        mutation_rules_pb2.HeaderMutation(append=h) for h in _upstream_answer_headers()]))
+
+
+def _ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        failure_mode_allow=False,
+        # Headers SEND: Envoy holds them until ext_proc answers, so nothing is routed before the
+        # decision (with SKIP the router would start the upstream request at once).
+        processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
+                           response_header_mode=pm.SKIP, response_body_mode=pm.NONE),
+        message_timeout=_dur(snap.gateway.envoy.extproc_message_timeout_ms),
+        mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_envoy=wrappers_pb2.BoolValue(value=True)),
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
+                untyped=[METADATA_NAMESPACE, "envoy.lb"])),
+    )
+
+
+def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
+    return hcm_pb2.HttpFilter(name=name, typed_config=_any(msg))
+
+
+def _direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.DirectResponseAction:
+    body = json.dumps({"error": {"message": message, "type": code.error_type, "code": code.value,
+                                 "param": None}})
+    return route_components_pb2.DirectResponseAction(status=status, body=base_pb2.DataSource(inline_string=body))
+
+
+def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
+    return {"envoy.filters.http.ext_proc": _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+
+
+def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
+    json_ct = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
+                                                                      value="application/json"))]
+    routes = [
+        route_components_pb2.Route(
+            name="healthz", match=route_components_pb2.RouteMatch(path="/healthz"),
+            direct_response=route_components_pb2.DirectResponseAction(
+                status=200, body=base_pb2.DataSource(inline_string='{"status":"ok"}')),
+            response_headers_to_add=json_ct, typed_per_filter_config=_ext_proc_disabled()),
+        # GET /v1/models is answered by ext_proc from the request headers; this is never reached.
+        route_components_pb2.Route(
+            name="models", match=route_components_pb2.RouteMatch(path="/v1/models"),
+            direct_response=_direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
+            response_headers_to_add=json_ct),
+    ]
+    # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these.
+    for cluster in clusters:
+        routes.append(route_components_pb2.Route(
+            name=f"admitted_{cluster}",
+            match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
+                metadata_pb2.MetadataMatcher(
+                    filter=METADATA_NAMESPACE,
+                    path=[metadata_pb2.MetadataMatcher.PathSegment(key=ADMIT_KEY)],
+                    value=_string_value_matcher(cluster))]),
+            route=route_components_pb2.RouteAction(
+                cluster=cluster, timeout=_dur(0), idle_timeout=_dur(300_000),
+                retry_policy=route_components_pb2.RetryPolicy(
+                    retry_on="connect-failure,refused-stream", num_retries=wrappers_pb2.UInt32Value(value=1)),
+            ),
+            typed_per_filter_config=_admitted_route_filters()))
+    routes += [
+        # Reached only if ext_proc let a request continue without admitting it: refuse.
+        route_components_pb2.Route(
+            name="not_admitted", match=route_components_pb2.RouteMatch(prefix="/v1/"),
+            direct_response=_direct(503, ErrorCode.POLICY_UNAVAILABLE, "the request was not admitted"),
+            response_headers_to_add=json_ct),
+        route_components_pb2.Route(
+            name="not_found", match=route_components_pb2.RouteMatch(prefix="/"),
+            direct_response=_direct(404, ErrorCode.ROUTE_NOT_FOUND, "no such endpoint"),
+            response_headers_to_add=json_ct, typed_per_filter_config=_ext_proc_disabled()),
+    ]
+    return route_pb2.RouteConfiguration(name="llmgw", virtual_hosts=[route_components_pb2.VirtualHost(
+        name="llmgw", domains=["*"], routes=routes, include_attempt_count_in_response=True)])
+
+
+def _string_value_matcher(s: str) -> value_pb2.ValueMatcher:
+    return value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(exact=s))
+
+
+def _access_log() -> accesslog_pb2.AccessLog:
+    ns = METADATA_NAMESPACE
+    fmt = struct_pb2.Struct()
+    fmt.update({
+        "time": "%START_TIME%", "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%",
+        "path": "%REQ(:PATH)%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
+        "flags": "%RESPONSE_FLAGS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+        "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
+        "tenant": f"%DYNAMIC_METADATA({ns}:tenant)%", "route": f"%DYNAMIC_METADATA({ns}:route)%",
+        "deployment": f"%DYNAMIC_METADATA({ns}:deployment)%",
+        "revision": f"%DYNAMIC_METADATA({ns}:revision)%",
+    })
+    return accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout", typed_config=_any(
+        stream_pb2.StdoutAccessLog(log_format=substitution_format_string_pb2.SubstitutionFormatString(
+            json_format=fmt))))
+
+
+def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpConnectionManager:
+    return hcm_pb2.HttpConnectionManager(
+        stat_prefix="llmgw",
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+        always_set_request_id_in_response=True,
+        stream_idle_timeout=_dur(300_000),
+        request_timeout=_dur(0),
+        route_config=_route_config(clusters),
+        local_reply_config=_local_reply_config(),
+        access_log=[_access_log()] if access_log else [],
+        http_filters=[
+            _http_filter("envoy.filters.http.header_mutation", _header_mutation_filter()),
+            _http_filter("envoy.filters.http.ext_proc", _ext_proc_filter(snap)),
+            _http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
+            _http_filter("envoy.filters.http.router", router_pb2.Router()),
+        ],
+    )
+
+
+def _protocol_options(http2: bool) -> dict[str, any_pb2.Any]:
+    opts = http_protocol_options_pb2.HttpProtocolOptions
+    explicit = (opts.ExplicitHttpConfig(http2_protocol_options=protocol_pb2.Http2ProtocolOptions(
+        max_concurrent_streams=wrappers_pb2.UInt32Value(value=100_000)))
+                if http2 else opts.ExplicitHttpConfig(http_protocol_options=protocol_pb2.Http1ProtocolOptions()))
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(opts(explicit_http_config=explicit))}
+
+
+def _static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, connect_ms: int,
+                    metadata: dict[str, str] | None = None) -> cluster_pb2.Cluster:
+    endpoints = []
+    for host, port in hosts:
+        lb = endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(address=_addr(host, port)))
+        if metadata:
+            lb.metadata.filter_metadata[METADATA_NAMESPACE].update(metadata)
+        endpoints.append(lb)
+    return cluster_pb2.Cluster(
+        name=name, type=cluster_pb2.Cluster.STATIC, connect_timeout=_dur(connect_ms),
+        lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
+        typed_extension_protocol_options=_protocol_options(http2),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
+            max_connections=wrappers_pb2.UInt32Value(value=100_000),
+            max_pending_requests=wrappers_pb2.UInt32Value(value=100_000),
+            max_requests=wrappers_pb2.UInt32Value(value=100_000))]),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=name, endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=endpoints)]),
+    )
+
+
+def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connect_ms: int) -> cluster_pb2.Cluster:
+    cluster = _static_cluster(name, hosts, http2=False, connect_ms=connect_ms, metadata={"pool": pool})
+    cluster.health_checks.append(health_check_pb2.HealthCheck(
+        timeout=_dur(1000), interval=_dur(2000),
+        unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),
+        healthy_threshold=wrappers_pb2.UInt32Value(value=1),
+        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/health")))
+    cluster.common_lb_config.healthy_panic_threshold.value = 0  # never send to hosts known to be down
+    return cluster
+
+
+def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Bootstrap:
+    pool_clusters = {f"pool_{name}": name for name in snap.gateway.pools}
+    clusters = [_static_cluster(EXTPROC_CLUSTER, opts.extproc, http2=True, connect_ms=1000)]
+    for cluster_name, pool in pool_clusters.items():
+        hosts = opts.pools.get(pool) or tuple(_hp(e) for e in snap.gateway.pools[pool].endpoints)
+        clusters.append(_pool_cluster(cluster_name, pool, hosts, snap.gateway.pools[pool].connect_timeout_ms))
+    for dep in snap.deployments.values():
+        if dep.endpoints:
+            clusters.append(_static_cluster(snap.pool_of(dep), (_hp(e) for e in dep.endpoints),
+                                            http2=False, connect_ms=1000))
+    hcm = _hcm(snap, [c.name for c in clusters[1:]], opts.access_log)
+    listener = listener_pb2.Listener(
+        name="llmgw", address=_addr(*opts.listen),
+        per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes),
+        filter_chains=[listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
+            name="envoy.filters.network.http_connection_manager", typed_config=_any(hcm))])])
+    return bootstrap_pb2.Bootstrap(
+        node=base_pb2.Node(id="llmgw", cluster="llmgw"),
+        admin=bootstrap_pb2.Admin(address=_addr(*opts.admin)),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),
+    )
+
+
+def render_yaml(snap: Snapshot, opts: RenderOptions) -> str:
+    # Through JSON so that Any payloads become plain dicts YAML can write.
+    doc = json.loads(json_format.MessageToJson(render_bootstrap(snap, opts), preserving_proto_field_name=True))
+    header = f"# Rendered by `llmgw envoy render` from policy revision {snap.revision}. Do not edit.\n"
+    return header + yaml.safe_dump(doc, sort_keys=False, width=120)

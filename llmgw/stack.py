@@ -1,0 +1,195 @@
+"""The whole gateway on one machine: embedded Valkey, engines, ext_proc workers and Envoy.
+
+`llmgw up` runs one Stack until it is told to stop; the end-to-end tests run the same Stack on free
+ports, so what the tests prove is what a user starts.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from extproc.config import Snapshot, load_snapshot
+from llmgw.envoy_render import RenderOptions, render_yaml
+from llmgw.procs import (
+    Child,
+    envoy_binary,
+    free_port,
+    http_ok,
+    python_module,
+    tcp_open,
+    valkey_binary,
+    wait_until,
+)
+
+# The demo policy stores only the hashes of these keys; `llmgw up` hands them to the user.
+DEMO_KEYS = {
+    "acme": "sk-llmgw-demo-acme-4f1c9a7e2b6d",
+    "globex": "sk-llmgw-demo-globex-8e3d5b1a9c7f",
+}
+
+
+@dataclass
+class StackOptions:
+    config_dir: Path
+    state_dir: Path
+    listen_port: int | None = None  # None: gateway.yaml's envoy.listen
+    admin_port: int | None = None
+    extproc_ports: tuple[int, ...] | None = None
+    workers: int = 1
+    engine_ports: dict[str, tuple[int, ...]] | None = None  # per pool; None: gateway.yaml's endpoints
+    engine_profile: str = "llama-3-8b@h100"
+    engine_args: tuple[str, ...] = ()
+    time_scale: float = 1.0
+    valkey_port: int | None = None
+    with_valkey: bool = True
+    envoy_concurrency: int | None = None
+
+    @classmethod
+    def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
+        workers = int(kw.pop("workers", 1))  # type: ignore[call-overload]
+        return cls(config_dir=config_dir, state_dir=state_dir, listen_port=free_port(), admin_port=free_port(),
+                   extproc_ports=tuple(free_port() for _ in range(workers)), workers=workers,
+                   engine_ports={p: tuple(free_port() for _ in pool.endpoints)
+                                 for p, pool in snap.gateway.pools.items()},
+                   valkey_port=free_port(), **kw)  # type: ignore[arg-type]
+
+
+@dataclass
+class Stack:
+    opts: StackOptions
+    snapshot: Snapshot = field(init=False)
+    envoy: Child | None = None
+    valkey: Child | None = None
+    engines: dict[str, Child] = field(default_factory=dict)  # "host:port" -> child
+    extprocs: list[Child] = field(default_factory=list)
+    render: RenderOptions = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.opts.state_dir = self.opts.state_dir.resolve()
+        self.snapshot = load_snapshot(self.opts.config_dir)
+        o, env = self.opts, self.snapshot.gateway.envoy
+        listen_host = env.listen.rsplit(":", 1)[0]
+        overrides: dict[str, object] = {}
+        if o.listen_port:
+            overrides["listen"] = (listen_host, o.listen_port)
+        if o.admin_port:
+            overrides["admin"] = ("127.0.0.1", o.admin_port)
+        if o.extproc_ports:
+            overrides["extproc"] = tuple(("127.0.0.1", p) for p in o.extproc_ports)
+        elif o.workers > 1:
+            base = int(env.extproc[0].rsplit(":", 1)[1])
+            overrides["extproc"] = tuple(("127.0.0.1", base + i) for i in range(o.workers))
+        if o.engine_ports:
+            overrides["pools"] = {p: tuple(("127.0.0.1", port) for port in ports)
+                                  for p, ports in o.engine_ports.items()}
+        self.render = RenderOptions.from_snapshot(self.snapshot, **overrides)
+
+    # -- addresses ---------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        host, port = self.render.listen
+        return f"http://{host}:{port}"
+
+    @property
+    def admin_url(self) -> str:
+        host, port = self.render.admin
+        return f"http://{host}:{port}"
+
+    def engine_urls(self, pool: str | None = None) -> list[str]:
+        pools = [pool] if pool else list(self.render.pools)
+        return [f"http://{h}:{p}" for name in pools for h, p in self.render.pools[name]]
+
+    @property
+    def logs(self) -> Path:
+        return self.opts.state_dir / "logs"
+
+    def demo_keys(self) -> dict[str, str]:
+        import hashlib
+
+        return {t: k for t, k in DEMO_KEYS.items()
+                if hashlib.sha256(k.encode()).hexdigest() in self.snapshot.keys_by_hash}
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> Stack:
+        self.opts.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.opts.with_valkey:
+                self._start_valkey(timeout)
+            self._start_engines(timeout)
+            self._start_extprocs(timeout)
+            self._start_envoy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_valkey(self, timeout: float) -> None:
+        port = self.opts.valkey_port or 6379
+        data = self.opts.state_dir / "valkey"
+        data.mkdir(parents=True, exist_ok=True)
+        self.valkey = Child("valkey", [str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1",
+                                       "--dir", str(data), "--appendonly", "yes", "--save", "",
+                                       "--protected-mode", "yes"], self.logs / "valkey.log").start()
+        wait_until(lambda: tcp_open("127.0.0.1", port), timeout, "valkey", self.valkey)
+
+    def _served_model(self, pool: str) -> str:
+        for dep in self.snapshot.deployments.values():
+            if dep.pool == pool:
+                return dep.served_model
+        return "unused"
+
+    def _start_engines(self, timeout: float) -> None:
+        for pool, hosts in self.render.pools.items():
+            for host, port in hosts:
+                argv = python_module("enginesim", "--host", host, "--port", str(port),
+                                     "--served-model-name", self._served_model(pool),
+                                     "--profile", self.opts.engine_profile,
+                                     "--time-scale", str(self.opts.time_scale), *self.opts.engine_args)
+                self.engines[f"{host}:{port}"] = Child(f"engine-{port}", argv,
+                                                       self.logs / f"engine-{port}.log").start()
+        for addr, child in self.engines.items():
+            wait_until(lambda a=addr: http_ok(f"http://{a}/health"), timeout, f"engine {addr}", child)
+
+    def _start_extprocs(self, timeout: float) -> None:
+        for host, port in self.render.extproc:
+            self.extprocs.append(Child(f"extproc-{port}", python_module(
+                "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}"),
+                self.logs / f"extproc-{port}.log").start())
+        for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
+            wait_until(lambda h=host, p=port: tcp_open(h, p), timeout, f"ext_proc {host}:{port}", child)
+
+    def _start_envoy(self, timeout: float) -> None:
+        path = self.opts.state_dir / "envoy.yaml"
+        path.write_text(render_yaml(self.snapshot, self.render))
+        argv = [str(envoy_binary()), "-c", str(path), "--log-level", "warn", "--disable-hot-restart"]
+        if self.opts.envoy_concurrency:
+            argv += ["--concurrency", str(self.opts.envoy_concurrency)]
+        self.envoy = Child("envoy", argv, self.logs / "envoy.log").start()
+        wait_until(lambda: http_ok(f"{self.admin_url}/ready"), timeout, "envoy", self.envoy)
+        wait_until(self._pool_healthy, timeout, "engine pool health checks", self.envoy)
+
+    def _pool_healthy(self) -> bool:
+        with urllib.request.urlopen(f"{self.admin_url}/clusters", timeout=1) as r:
+            text = r.read().decode()
+        want = {f"pool_{p}::{h}:{port}::health_flags::healthy"
+                for p, hosts in self.render.pools.items() for h, port in hosts}
+        return want <= set(text.splitlines())
+
+    def stop(self) -> None:
+        for child in [self.envoy, *self.extprocs, *self.engines.values(), self.valkey]:
+            if child is not None:
+                child.stop()
+
+    def write_up_json(self) -> Path:
+        path = self.opts.state_dir / "up.json"
+        path.write_text(json.dumps({
+            "url": self.url, "admin_url": self.admin_url, "revision": self.snapshot.revision,
+            "tenants": {t: {"api_key": k} for t, k in self.demo_keys().items()},
+            "engines": self.engine_urls(), "logs": str(self.logs),
+        }, indent=2) + "\n")
+        return path

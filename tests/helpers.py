@@ -1,0 +1,51 @@
+"""Plain HTTP helpers for tests: raw requests where the SDK would hide what the gateway sent."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def request(url: str, method: str = "GET", body: bytes | str | dict[str, Any] | None = None,
+            headers: dict[str, str] | None = None, timeout: float = 10.0) -> Response:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    data = json.dumps(body).encode() if isinstance(body, dict) else (
+        body.encode() if isinstance(body, str) else body)
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    try:
+        conn.request(method, u.path + (f"?{u.query}" if u.query else ""), body=data, headers=hdrs)
+        r = conn.getresponse()
+        return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    finally:
+        conn.close()
+
+
+def chat_body(model: str = "chat-default", content: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def assert_contract_error(resp: Response, status: int, code: str) -> dict[str, Any]:
+    """The contract's error shape: {"error": {"message", "type", "code", "param"}}."""
+    assert resp.status == status, (resp.status, resp.body[:500])
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp.headers
+    doc = resp.json()
+    assert set(doc) == {"error"}, doc
+    err = doc["error"]
+    assert set(err) == {"message", "type", "code", "param"}, err
+    assert err["code"] == code, err
+    assert isinstance(err["message"], str) and err["message"], err
+    return err

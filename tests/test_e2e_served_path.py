@@ -1,0 +1,236 @@
+"""The served path end to end: the openai SDK -> real Envoy -> ext_proc -> simulated vLLM pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from typing import Any
+
+import openai
+import pytest
+
+from llmgw.stack import Stack
+from tests.helpers import assert_contract_error, chat_body, request
+
+pytestmark = pytest.mark.e2e
+
+
+def engine_log(stack: Stack) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for url in stack.engine_urls():
+        out += request(f"{url}/admin/requests").json()
+    return out
+
+
+def clear_engine_logs(stack: Stack) -> None:
+    for url in stack.engine_urls():
+        request(f"{url}/admin/requests", "DELETE")
+
+
+def sdk(stack: Stack, key: str, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0, timeout=30, **kw)
+
+
+def test_non_streaming_completion(stack: Stack, acme_key: str) -> None:
+    client = sdk(stack, acme_key)
+    raw = client.chat.completions.with_raw_response.create(
+        model="chat-default", messages=[{"role": "user", "content": "Say hello"}], max_tokens=12)
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 12
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    h = raw.headers
+    assert h["x-llmgw-route-revision"] == stack.snapshot.revision
+    assert h["x-llmgw-deployment"] == "pool-llama-8b"
+    assert h["x-llmgw-attempts"] == "1"
+    # The request id Envoy assigned is the one the engine used (vLLM: chatcmpl-<X-Request-Id>).
+    assert completion.id == f"chatcmpl-{h['x-request-id']}"
+
+
+def test_streaming_with_usage(stack: Stack, acme_key: str) -> None:
+    client = sdk(stack, acme_key)
+    stream = client.chat.completions.create(
+        model="chat-default", messages=[{"role": "user", "content": "Stream please"}], max_tokens=8,
+        stream=True, stream_options={"include_usage": True})
+    text, finish, usage, chunks = "", None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text and finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens == chunks - 2  # role chunk + usage chunk
+    assert usage.completion_tokens <= 8
+
+
+def test_raw_stream_ends_with_done(stack: Stack, acme_key: str) -> None:
+    resp = request(f"{stack.url}/v1/chat/completions", "POST",
+                   chat_body(max_tokens=4, stream=True), {"authorization": f"Bearer {acme_key}"})
+    assert resp.status == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in resp.body.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert e.startswith("data: ")
+        json.loads(e[6:])
+
+
+def test_fifty_concurrent_streams(stack: Stack, acme_key: str, globex_key: str) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> int:
+        stream = await client.chat.completions.create(
+            model="chat-default", messages=[{"role": "user", "content": f"request {i}"}], max_tokens=16,
+            stream=True, stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    async def main() -> list[int]:
+        clients = [openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=k, max_retries=0, timeout=60)
+                   for k in (acme_key, globex_key)]
+        try:
+            return await asyncio.gather(*(one(clients[i % 2], i) for i in range(50)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    counts = asyncio.run(main())
+    assert len(counts) == 50 and all(0 < c <= 16 for c in counts)
+
+
+def test_models_lists_routes(stack: Stack, acme_key: str) -> None:
+    models = sdk(stack, acme_key).models.list()
+    assert [m.id for m in models.data] == sorted(stack.snapshot.routes)
+
+
+def test_unknown_route_is_404(stack: Stack, acme_key: str) -> None:
+    with pytest.raises(openai.NotFoundError) as exc:
+        sdk(stack, acme_key).chat.completions.create(model="no-such-route",
+                                                     messages=[{"role": "user", "content": "x"}])
+    assert exc.value.status_code == 404
+    assert exc.value.code == "route_not_found"
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    {"authorization": "Bearer sk-not-a-key"},
+    {"authorization": "Basic dXNlcjpwYXNz"},
+    {"authorization": "Bearer "},
+])
+def test_bad_credentials_are_401_and_never_dispatched(stack: Stack, headers: dict[str, str]) -> None:
+    clear_engine_logs(stack)
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(), headers)
+    assert_contract_error(resp, 401, "unauthenticated")
+    assert resp.headers["x-request-id"]
+    assert resp.headers["x-llmgw-route-revision"] == stack.snapshot.revision
+    assert engine_log(stack) == []  # invariant 1: nothing reached an upstream
+
+
+@pytest.mark.parametrize(("body", "status", "code"), [
+    (b"{not json", 400, "invalid_request"),
+    (b"[1, 2]", 400, "invalid_request"),
+    (json.dumps({"model": "chat-default"}).encode(), 400, "invalid_request"),
+    (json.dumps({"model": "chat-default", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
+     "invalid_request"),
+    (json.dumps(chat_body(max_tokens=-1)).encode(), 400, "invalid_request"),
+    (json.dumps(chat_body(stream="yes")).encode(), 400, "invalid_request"),
+    (b"\xff\xfe\x00garbage", 400, "invalid_request"),
+    (None, 400, "invalid_request"),  # no body at all
+])
+def test_malformed_requests_get_contract_errors(stack: Stack, acme_key: str, body: bytes | None,
+                                                status: int, code: str) -> None:
+    clear_engine_logs(stack)
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", body, {"authorization": f"Bearer {acme_key}"})
+    assert_contract_error(resp, status, code)
+    assert engine_log(stack) == []
+
+
+def test_huge_body_is_refused_in_contract_shape(stack: Stack, acme_key: str) -> None:
+    limit = stack.snapshot.gateway.envoy.max_request_bytes
+    body = chat_body(content="x" * (limit + 1024))
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", body, {"authorization": f"Bearer {acme_key}"})
+    assert_contract_error(resp, 413, "invalid_request")
+
+
+def test_unknown_path_is_404(stack: Stack, acme_key: str) -> None:
+    resp = request(f"{stack.url}/v1/embeddings", "POST", {"input": "x"}, {"authorization": f"Bearer {acme_key}"})
+    assert_contract_error(resp, 404, "route_not_found")
+
+
+def test_unknown_data_class_is_400_and_disallowed_is_403(stack: Stack, globex_key: str) -> None:
+    auth = {"authorization": f"Bearer {globex_key}"}
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(),
+                   {**auth, "x-llmgw-data-class": "top-secret"})
+    assert_contract_error(resp, 400, "invalid_request")
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(),
+                   {**auth, "x-llmgw-data-class": "confidential"})  # globex may not send confidential
+    assert_contract_error(resp, 403, "forbidden")
+
+
+def test_upstream_sees_served_model_and_no_gateway_credential(stack: Stack, acme_key: str) -> None:
+    clear_engine_logs(stack)
+    marker = uuid.uuid4().hex
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(content=marker, max_tokens=2),
+                   {"authorization": f"Bearer {acme_key}"})
+    assert resp.status == 200
+    (entry,) = [e for e in engine_log(stack) if marker in json.dumps(e["messages"])]
+    assert entry["model"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert entry["authorization_present"] is False
+    assert entry["request_id"] == resp.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_upstream_error_becomes_contract_error(stack: Stack, acme_key: str, status: int) -> None:
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(),
+                   {"authorization": f"Bearer {acme_key}", "x-enginesim-fault": f"status={status}"})
+    assert_contract_error(resp, 502, "upstream_error")
+    assert resp.headers["x-llmgw-deployment"] == "pool-llama-8b"
+    assert resp.headers["x-llmgw-route-revision"] == stack.snapshot.revision
+
+
+def test_upstream_503_through_sdk(stack: Stack, acme_key: str) -> None:
+    client = sdk(stack, acme_key, default_headers={"x-enginesim-fault": "status=503"})
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.chat.completions.create(model="chat-default", messages=[{"role": "user", "content": "x"}])
+    assert exc.value.status_code == 502
+    assert exc.value.code == "upstream_error"
+
+
+def test_context_overflow_from_engine_is_a_contract_400(stack: Stack, acme_key: str) -> None:
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(max_tokens=100_000),
+                   {"authorization": f"Bearer {acme_key}"})
+    assert_contract_error(resp, 400, "invalid_request")
+
+
+def test_extproc_killed_fails_closed(fresh_stack: Stack, acme_key: str) -> None:
+    stack = fresh_stack
+    ok = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(max_tokens=2),
+                 {"authorization": f"Bearer {acme_key}"})
+    assert ok.status == 200
+    for child in stack.extprocs:
+        child.signal(signal.SIGKILL)
+        assert child.proc is not None
+        child.proc.wait(5)
+    clear_engine_logs(stack)
+    for headers in ({"authorization": f"Bearer {acme_key}"}, {}):
+        resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(), headers)
+        assert_contract_error(resp, 503, "policy_unavailable")
+    resp = request(f"{stack.url}/v1/models", headers={"authorization": f"Bearer {acme_key}"})
+    assert_contract_error(resp, 503, "policy_unavailable")
+    assert engine_log(stack) == []  # Envoy passed nothing through unprocessed
+
+
+def test_dead_pool_is_502_in_contract_shape(fresh_stack: Stack, acme_key: str) -> None:
+    for child in fresh_stack.engines.values():
+        child.stop()
+    resp = request(f"{fresh_stack.url}/v1/chat/completions", "POST", chat_body(),
+                   {"authorization": f"Bearer {acme_key}"})
+    assert_contract_error(resp, 502, "upstream_error")
