@@ -32,7 +32,6 @@ class Sequence:
     finish_reason: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    prefix_looked_up: bool = False
     out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)  # token index, None = done
 
     @property
@@ -112,7 +111,6 @@ class Engine:
         victim = self.running.pop()
         self.kv.free(victim.table)
         victim.num_computed = 0
-        victim.prefix_looked_up = False
         self.waiting.appendleft(victim)
         self.stats.preemptions += 1
         return victim
@@ -140,13 +138,15 @@ class Engine:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.prefix_looked_up:
-                # A preempted sequence recomputes prompt and output so far; only the prompt is cached.
-                seq.num_computed = self.kv.lookup_prefix(seq.table, len(seq.prompt))
-                seq.prefix_looked_up = True
+            # A preempted sequence recomputes prompt and output so far; only the prompt is cached.
+            hit = self.kv.lookup_prefix(seq.table, len(seq.prompt))
+            seq.num_computed = hit
             n = max(min(seq.prefill_target - seq.num_computed, budget), 1)
             if not self.kv.allocate(seq.table, seq.num_computed + n):
+                self.kv.free(seq.table)  # give the cached blocks back: a waiting request holds nothing
+                seq.num_computed = 0
                 break
+            self.kv.record_query(len(seq.prompt), hit)
             self.waiting.popleft()
             self.running.append(seq)
             plan.append((seq, n))

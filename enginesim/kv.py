@@ -68,10 +68,12 @@ class KVCache:
                 self._free.pop(b.id, None)
             b.ref_count += 1
         table.blocks.extend(hits)
-        hit = len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def record_query(self, prompt_len: int, hit_tokens: int) -> None:
+        """Count a lookup once its allocation went through (vllm:prefix_cache_queries/hits_total)."""
         self.queries_tokens += prompt_len
-        self.hit_tokens += hit
-        return hit
+        self.hit_tokens += hit_tokens
 
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(table.blocks))

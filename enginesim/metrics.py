@@ -71,5 +71,5 @@ def render_metrics(engine: Engine, model_name: str) -> str:
               f'num_gpu_blocks="{engine.kv.num_blocks}"}} 1.0']
     lines += ["# HELP vllm:lora_requests_info Running stats on lora requests.",
               "# TYPE vllm:lora_requests_info gauge",
-              f'vllm:lora_requests_info{{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}} 0.0']
+              'vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""} 0.0']
     return "\n".join(lines) + "\n"

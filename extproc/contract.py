@@ -7,12 +7,12 @@ value is the contract's `code` and doubles as the metric label.
 from __future__ import annotations
 
 import json
-from enum import Enum
+from enum import StrEnum
 
 METADATA_NAMESPACE = "io.llmgw"
 
 
-class ErrorCode(str, Enum):
+class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
     UNSUPPORTED_FIELD = "unsupported_field"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

@@ -49,7 +49,7 @@ def immediate(ex: Exchange, status: int, body: bytes, details: str,
     hdrs += [_header(k, v) for k, v in (headers or {}).items()]
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=ep.HeaderMutation(set_headers=hdrs),
             body=body,
             details=details,

@@ -47,7 +47,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, snapshot: Snapshot):
         self.snapshot = snapshot
 
-    async def Process(  # noqa: N802 (gRPC method name)
+    async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         ex = Exchange(snapshot=self.snapshot)

@@ -36,7 +36,8 @@ def cmd_envoy_render(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    text = render_yaml(snap, RenderOptions.from_snapshot(snap))
+    opts = RenderOptions.for_compose(snap) if args.compose else RenderOptions.from_snapshot(snap)
+    text = render_yaml(snap, opts)
     if args.output == "-":
         sys.stdout.write(text)
     else:
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = esub.add_parser("render", help="render the Envoy bootstrap for a policy directory")
     r.add_argument("--config", default="policy")
     r.add_argument("-o", "--output", default="-")
+    r.add_argument("--compose", action="store_true", help="addresses of docker-compose.yml's services")
     r.set_defaults(func=cmd_envoy_render)
 
     u = sub.add_parser("up", help="run the whole gateway locally until Ctrl-C")

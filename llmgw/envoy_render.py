@@ -11,6 +11,7 @@ Shape of the data path (design.md section 7, reference/envoy-notes.md):
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,7 +24,6 @@ from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
     address_pb2,
     base_pb2,
-    extension_pb2,
     grpc_service_pb2,
     health_check_pb2,
     protocol_pb2,
@@ -43,6 +43,7 @@ from envoy.extensions.http.custom_response.local_response_policy.v3 import local
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, status_code_input_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
+from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
@@ -65,9 +66,16 @@ class RenderOptions:
     access_log: bool = True
 
     @classmethod
+    def for_compose(cls, snap: Snapshot) -> RenderOptions:
+        """docker-compose.yml's topology: services reach each other by name on one network."""
+        return cls(listen=("0.0.0.0", 8080), admin=("127.0.0.1", 9901), extproc=(("extproc", 50051),),
+                   pools={name: tuple((f"{name}-{i + 1}", 8000) for i in range(len(pool.endpoints)))
+                          for name, pool in snap.gateway.pools.items()})
+
+    @classmethod
     def from_snapshot(cls, snap: Snapshot, **overrides: object) -> RenderOptions:
         env = snap.gateway.envoy
-        opts = {
+        opts: dict[str, object] = {
             "listen": _hp(env.listen),
             "admin": _hp(env.admin),
             "extproc": tuple(_hp(e) for e in env.extproc),
@@ -82,9 +90,17 @@ def _hp(s: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _any(msg: object) -> any_pb2.Any:
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _any(msg: Message) -> any_pb2.Any:
     a = any_pb2.Any()
-    a.Pack(msg)  # type: ignore[arg-type]
+    a.Pack(msg)
     return a
 
 
@@ -341,8 +357,11 @@ def _static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, co
         if metadata:
             lb.metadata.filter_metadata[METADATA_NAMESPACE].update(metadata)
         endpoints.append(lb)
+    hosts = list(hosts)
+    # Compose and Kubernetes address services by name; loopback deployments by IP.
+    kind = cluster_pb2.Cluster.STATIC if all(_is_ip(h) for h, _ in hosts) else cluster_pb2.Cluster.STRICT_DNS
     return cluster_pb2.Cluster(
-        name=name, type=cluster_pb2.Cluster.STATIC, connect_timeout=_dur(connect_ms),
+        name=name, type=kind, connect_timeout=_dur(connect_ms),
         lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
         typed_extension_protocol_options=_protocol_options(http2),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
@@ -389,7 +408,8 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
 
 
 def render_yaml(snap: Snapshot, opts: RenderOptions) -> str:
-    # Through JSON so that Any payloads become plain dicts YAML can write.
-    doc = json.loads(json_format.MessageToJson(render_bootstrap(snap, opts), preserving_proto_field_name=True))
+    # Through JSON so that Any payloads become plain dicts YAML can write; sorted so renders are stable.
+    doc = json.loads(json_format.MessageToJson(render_bootstrap(snap, opts), preserving_proto_field_name=True,
+                                               sort_keys=True))  # map order is not stable otherwise
     header = f"# Rendered by `llmgw envoy render` from policy revision {snap.revision}. Do not edit.\n"
     return header + yaml.safe_dump(doc, sort_keys=False, width=120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -18,10 +19,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from extproc.config import Snapshot, load_snapshot
@@ -153,7 +154,7 @@ class Stack:
                 self.engines[f"{host}:{port}"] = Child(f"engine-{port}", argv,
                                                        self.logs / f"engine-{port}.log").start()
         for addr, child in self.engines.items():
-            wait_until(lambda a=addr: http_ok(f"http://{a}/health"), timeout, f"engine {addr}", child)
+            wait_until(partial(http_ok, f"http://{addr}/health"), timeout, f"engine {addr}", child)
 
     def _start_extprocs(self, timeout: float) -> None:
         for host, port in self.render.extproc:
@@ -161,7 +162,7 @@ class Stack:
                 "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}"),
                 self.logs / f"extproc-{port}.log").start())
         for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
-            wait_until(lambda h=host, p=port: tcp_open(h, p), timeout, f"ext_proc {host}:{port}", child)
+            wait_until(partial(tcp_open, host, port), timeout, f"ext_proc {host}:{port}", child)
 
     def _start_envoy(self, timeout: float) -> None:
         path = self.opts.state_dir / "envoy.yaml"

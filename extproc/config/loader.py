@@ -81,7 +81,10 @@ def _parse(model: type[M], data: Any, rel: str, issues: list[ConfigIssue]) -> M 
     except ValidationError as e:
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            issues.append(ConfigIssue(rel, loc, err["msg"]))
+            msg = err["msg"].removeprefix("Value error, ")
+            if not loc and ": " in msg:  # model-level checks name their field first
+                loc, msg = msg.split(": ", 1)
+            issues.append(ConfigIssue(rel, loc, msg))
         return None
 
 

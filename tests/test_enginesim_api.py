@@ -1,0 +1,163 @@
+"""The simulator speaks vLLM's OpenAI-compatible API, errors and metrics (real HTTP, own process)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
+from tests.helpers import chat_body, request
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = Path(tmp_path_factory.mktemp("engine")) / "engine.log"
+    child = Child("engine", python_module("enginesim", "--port", str(port), "--time-scale", "0.02",
+                                          "--max-model-len", "4096"), log).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+    yield url
+    child.stop()
+
+
+def sse_events(body: bytes) -> list[str]:
+    return [e for e in body.decode().split("\n\n") if e]
+
+
+def test_health_is_empty_200(engine: str) -> None:
+    r = request(f"{engine}/health")
+    assert r.status == 200 and r.body == b""
+
+
+def test_models(engine: str) -> None:
+    doc = request(f"{engine}/v1/models").json()
+    assert doc["object"] == "list" and doc["data"][0]["id"] == MODEL
+    assert doc["data"][0]["max_model_len"] == 4096
+
+
+def test_non_streaming_shape(engine: str) -> None:
+    r = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=5),
+                {"X-Request-Id": "abc123"})
+    doc = r.json()
+    assert doc["id"] == "chatcmpl-abc123" and doc["object"] == "chat.completion" and doc["model"] == MODEL
+    choice = doc["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert doc["usage"]["completion_tokens"] == 5
+    assert doc["usage"]["total_tokens"] == doc["usage"]["prompt_tokens"] + 5
+
+
+def test_streaming_chunks_usage_and_done(engine: str) -> None:
+    r = request(f"{engine}/v1/chat/completions", "POST",
+                chat_body(MODEL, max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.body)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = chunks[1:-1]
+    assert len(content) == 4 and content[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_streaming_without_usage_has_no_usage_chunk(engine: str) -> None:
+    r = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=3, stream=True))
+    chunks = [json.loads(e[6:]) for e in sse_events(r.body)[:-1]]
+    assert all("usage" not in c for c in chunks)
+
+
+@pytest.mark.parametrize(("body", "status", "param", "starts"), [
+    (chat_body("other-model"), 404, "model", "The model `other-model` does not exist."),
+    (chat_body(MODEL, max_tokens=100_000), 400, "max_tokens", "This model's maximum context length is 4096"),
+    (chat_body(MODEL, cache_salt=""), 400, "cache_salt", "Parameter 'cache_salt'"),
+    (chat_body(MODEL, priority=3), 400, "priority", "Priority scheduling"),
+])
+def test_vllm_error_bodies(engine: str, body: dict, status: int, param: str, starts: str) -> None:  # type: ignore[type-arg]
+    r = request(f"{engine}/v1/chat/completions", "POST", body)
+    assert r.status == status
+    err = r.json()["error"]
+    assert err["code"] == status and err["param"] == param and err["message"].startswith(starts)
+    assert err["type"] in ("BadRequestError", "NotFoundError")
+
+
+def test_tokenize(engine: str) -> None:
+    doc = request(f"{engine}/tokenize", "POST", {"prompt": "hello world"}).json()
+    assert doc["count"] == len(doc["tokens"]) == 2 and doc["max_model_len"] == 4096
+
+
+def test_metrics_use_vllm_names(engine: str) -> None:
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=2))
+    text = request(f"{engine}/metrics").body.decode()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_sum", "vllm:num_preemptions_total",
+                 "vllm:request_success_total", "vllm:cache_config_info", "vllm:generation_tokens_total"):
+        assert name in text, name
+    assert f'model_name="{MODEL}"' in text
+    assert "vllm:gpu_cache_usage_perc" not in text  # removed in vLLM 0.12
+
+
+def test_same_prompt_and_salt_hits_prefix_cache(engine: str) -> None:
+    def hits() -> float:
+        for line in request(f"{engine}/metrics").body.decode().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no hits metric")
+
+    long = "shared system prompt " * 80
+    base = hits()
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="a"))
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="a"))
+    after_a = hits()
+    assert after_a - base >= 160
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="b"))
+    assert hits() == after_a
+
+
+@pytest.mark.parametrize("status", [429, 500, 503])
+def test_fault_status_before_headers(engine: str, status: int) -> None:
+    r = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL), {"x-enginesim-fault": f"status={status}"})
+    assert r.status == status and r.json()["error"]["code"] == status
+
+
+def test_fault_malformed_chunk(engine: str) -> None:
+    r = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=10, stream=True),
+                {"x-enginesim-fault": "malformed_after=2"})
+    events = sse_events(r.body)
+    assert len(events) == 4  # role chunk, two tokens, then the broken one
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(events[-1][6:])
+
+
+def test_fault_disconnect_mid_stream(engine: str) -> None:
+    with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+        request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=50, stream=True),
+                {"x-enginesim-fault": "disconnect_after=2"})
+
+
+def test_fault_queued_by_admin_endpoint(engine: str) -> None:
+    assert request(f"{engine}/admin/faults", "POST", {"fault": "status=503", "count": 1}).status == 200
+    assert request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL)).status == 503
+    assert request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=1)).status == 200
+
+
+def test_delay_before_headers(engine: str) -> None:
+    import time
+    t0 = time.monotonic()
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=1),
+            {"x-enginesim-fault": "delay_ms=300"})
+    assert time.monotonic() - t0 >= 0.3
+
+
+def test_same_seed_same_text(engine: str) -> None:
+    a = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, "x", max_tokens=10, seed=7)).json()
+    b = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, "y", max_tokens=10, seed=7)).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]

@@ -1,0 +1,109 @@
+"""The rendered Envoy bootstrap: valid for the real Envoy binary, and wired to fail closed."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import load_snapshot
+from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
+from llmgw.procs import envoy_binary
+from tests.conftest import POLICY
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Any]:
+    snap = load_snapshot(POLICY)
+    return yaml.safe_load(render_yaml(snap, RenderOptions.from_snapshot(snap)))
+
+
+def hcm(doc: dict[str, Any]) -> dict[str, Any]:
+    (listener,) = doc["static_resources"]["listeners"]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def filters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f["name"]: f["typed_config"] for f in hcm(doc)["http_filters"]}
+
+
+def test_envoy_binary_runs() -> None:
+    out = subprocess.run([str(envoy_binary()), "--version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "/1.40." in out.stdout
+
+
+def test_rendered_config_passes_envoy_validate(tmp_path: Path) -> None:
+    snap = load_snapshot(POLICY)
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_yaml(snap, RenderOptions.from_snapshot(snap)))
+    out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "OK" in out.stdout
+
+
+def test_ext_proc_fails_closed_and_holds_headers(rendered: dict[str, Any]) -> None:
+    ep = filters(rendered)["envoy.filters.http.ext_proc"]
+    assert ep.get("failure_mode_allow", False) is False
+    # SEND: Envoy holds the headers until ext_proc answers; SKIP would route before the decision.
+    assert ep["processing_mode"]["request_header_mode"] == "SEND"
+    assert ep["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ep["mutation_rules"]["allow_envoy"] is True
+    assert ep["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
+
+
+def test_filter_order(rendered: dict[str, Any]) -> None:
+    assert list(filters(rendered)) == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+                                       "envoy.filters.http.custom_response", "envoy.filters.http.router"]
+
+
+def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> None:
+    routes = hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]
+    to_clusters = [r for r in routes if "route" in r]
+    assert to_clusters, "no route reaches an upstream"
+    for r in to_clusters:
+        (md,) = r["match"]["dynamic_metadata"]
+        assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
+        assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
+    # Everything else is answered by Envoy itself in the contract's JSON.
+    for r in routes:
+        if "direct_response" in r and r["direct_response"]["status"] >= 400:
+            body = yaml.safe_load(r["direct_response"]["body"]["inline_string"])
+            assert set(body["error"]) == {"message", "type", "code", "param"}
+
+
+def test_admin_on_loopback_and_extproc_breakers_raised(rendered: dict[str, Any]) -> None:
+    assert rendered["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    (ext,) = [c for c in rendered["static_resources"]["clusters"] if c["name"] == EXTPROC_CLUSTER]
+    thresholds = ext["circuit_breakers"]["thresholds"][0]
+    assert thresholds["max_requests"] >= 100_000
+    opts = ext["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in opts["explicit_http_config"]
+
+
+def test_pool_cluster_health_checked(rendered: dict[str, Any]) -> None:
+    (pool,) = [c for c in rendered["static_resources"]["clusters"] if c["name"] == "pool_engine-pool"]
+    assert pool["health_checks"][0]["http_health_check"]["path"] == "/health"
+    lb_endpoints = pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    hosts = [e["endpoint"]["address"]["socket_address"] for e in lb_endpoints]
+    assert [(h["address"], h["port_value"]) for h in hosts] == [("127.0.0.1", 8101), ("127.0.0.1", 8102)]
+
+
+def test_every_local_reply_is_contract_json(rendered: dict[str, Any]) -> None:
+    mappers = hcm(rendered)["local_reply_config"]["mappers"]
+    assert any("ext_proc" in m["filter"]["extension_filter"]["typed_config"]["expression"] for m in mappers)
+    for m in mappers:
+        err = m["body_format_override"]["json_format"]["error"]
+        assert set(err) == {"message", "type", "code", "param"}
+
+
+def test_render_cli_writes_file(tmp_path: Path) -> None:
+    import sys
+    out = tmp_path / "envoy.yaml"
+    r = subprocess.run([sys.executable, "-m", "llmgw", "envoy", "render", "--config", str(POLICY), "-o", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(out.read_text())["static_resources"]["listeners"][0]["name"] == "llmgw"

@@ -1,0 +1,248 @@
+"""The pipeline's stages in isolation, and the receive loop with real ext_proc messages (no Envoy)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.config import load_snapshot
+from extproc.contract import ErrorCode, GatewayError
+from extproc.exchange import Exchange, Identity
+from extproc.pipeline import BODY_STAGES, HEADER_STAGES, run_stages
+from extproc.server import Processor
+from extproc.stages.identity import ApiKeyIdentity, bearer_token
+from extproc.stages.intake import Intake
+from extproc.stages.route import RouteSelection
+from llmgw.stack import DEMO_KEYS
+from tests.conftest import POLICY
+
+SNAP = load_snapshot(POLICY)
+
+
+def exchange(body: Any = None, headers: dict[str, str] | None = None, tenant: str | None = "acme") -> Exchange:
+    ex = Exchange(snapshot=SNAP, method="POST", path="/v1/chat/completions", headers=headers or {})
+    ex.raw_body = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
+    if tenant:
+        ex.identity = Identity(tenant=tenant, subject="k", kind="api_key")
+    return ex
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def code_of(ex: Exchange, stages: Any) -> ErrorCode | None:
+    try:
+        run(run_stages(stages, ex))
+    except GatewayError as e:
+        return e.code
+    return None
+
+
+@pytest.mark.parametrize(("auth", "expected"), [
+    (None, ErrorCode.UNAUTHENTICATED),
+    ("", ErrorCode.UNAUTHENTICATED),
+    ("Bearer", ErrorCode.UNAUTHENTICATED),
+    ("Token " + DEMO_KEYS["acme"], ErrorCode.UNAUTHENTICATED),
+    ("Bearer " + DEMO_KEYS["acme"] + "x", ErrorCode.UNAUTHENTICATED),
+    ("Bearer " + DEMO_KEYS["acme"], None),
+    ("bearer " + DEMO_KEYS["acme"], None),
+])
+def test_identity(auth: str | None, expected: ErrorCode | None) -> None:
+    ex = exchange(headers={"authorization": auth} if auth is not None else {}, tenant=None)
+    assert code_of(ex, HEADER_STAGES) == expected
+    if expected is None:
+        assert ex.identity is not None and ex.identity.tenant == "acme"
+        assert "authorization" in ex.remove_headers
+
+
+def _policy_with_key(tmp_path: Path, **key_fields: Any) -> Path:
+    dst = tmp_path / "p"
+    shutil.copytree(POLICY, dst)
+    doc = yaml.safe_load((dst / "gateway.yaml").read_text())
+    doc["tenants"]["acme"]["api_keys"][0].update(key_fields)
+    (dst / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    return dst
+
+
+@pytest.mark.parametrize("fields", [{"revoked": True}, {"expires": "2020-01-01"}])
+def test_revoked_or_expired_key_is_refused(tmp_path: Path, fields: dict[str, Any]) -> None:
+    snap = load_snapshot(_policy_with_key(tmp_path, **fields))
+    ex = Exchange(snapshot=snap, headers={"authorization": "Bearer " + DEMO_KEYS["acme"]})
+    with pytest.raises(GatewayError) as e:
+        run(ApiKeyIdentity().run(ex))
+    assert e.value.code is ErrorCode.UNAUTHENTICATED
+
+
+@given(st.text(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_identity_never_crashes_on_any_header(value: str) -> None:
+    ex = exchange(headers={"authorization": value}, tenant=None)
+    assert code_of(ex, HEADER_STAGES) in (ErrorCode.UNAUTHENTICATED, None)
+
+
+@given(st.text(max_size=200))
+def test_bearer_token_parsing(value: str) -> None:
+    tok = bearer_token(value)
+    assert tok is None or (tok and value.lower().startswith("bearer ") and tok == tok.strip())
+
+
+@given(st.binary(max_size=2000))
+@settings(max_examples=300, deadline=None)
+def test_intake_never_crashes_on_bytes(body: bytes) -> None:
+    ex = exchange(body)
+    assert code_of(ex, (Intake(),)) in (ErrorCode.INVALID_REQUEST, None)
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                           max_leaves=20)
+
+
+@given(st.dictionaries(st.sampled_from(["model", "messages", "stream", "max_tokens", "x"]), json_values))
+@settings(max_examples=300, deadline=None)
+def test_body_stages_only_raise_contract_errors(body: dict[str, Any]) -> None:
+    ex = exchange(body)
+    try:
+        run(run_stages(BODY_STAGES, ex))
+    except GatewayError as e:
+        assert e.code in (ErrorCode.INVALID_REQUEST, ErrorCode.ROUTE_NOT_FOUND)
+
+
+def test_route_rewrites_model_for_the_deployment() -> None:
+    ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]})
+    run(run_stages(BODY_STAGES, ex))
+    assert ex.cluster == "pool_engine-pool" and ex.deployment is not None
+    assert json.loads(ex.upstream_body or b"")["model"] == "meta-llama/Llama-3.1-8B-Instruct"
+    md = ex.metadata()
+    assert md["cluster"] == "pool_engine-pool" and md["tenant"] == "acme" and md["revision"] == SNAP.revision
+
+
+def _variant(tmp_path: Path, **dep_fields: Any) -> Path:
+    dst = tmp_path / "p"
+    shutil.copytree(POLICY, dst)
+    path = dst / "deployments/pool-llama-8b.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc.update(dep_fields)
+    path.write_text(yaml.safe_dump(doc))
+    return dst
+
+
+@pytest.mark.parametrize("fields", [{"withdrawn": True}, {"retire_at": "2020-01-01"}])
+def test_withdrawn_or_retired_deployment_is_never_chosen(tmp_path: Path, fields: dict[str, Any]) -> None:
+    snap = load_snapshot(_variant(tmp_path, **fields))
+    ex = Exchange(snapshot=snap, data_class="internal",
+                  body={"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(GatewayError) as e:
+        run(RouteSelection().run(ex))
+    assert e.value.code is ErrorCode.NO_QUALIFIED_ROUTE and ex.cluster == ""
+
+
+def test_data_class_not_served_by_candidate_is_no_qualified_route() -> None:
+    ex = Exchange(snapshot=SNAP, data_class="restricted",
+                  body={"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(GatewayError) as e:
+        run(RouteSelection().run(ex))
+    assert e.value.code is ErrorCode.NO_QUALIFIED_ROUTE
+
+
+def test_authorization_without_identity_fails_closed() -> None:
+    ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "x"}]}, tenant=None)
+    assert code_of(ex, BODY_STAGES) is ErrorCode.POLICY_UNAVAILABLE
+
+
+def test_every_stage_is_timed() -> None:
+    ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
+    run(run_stages(BODY_STAGES, ex))
+    assert list(ex.stage_us) == [s.name for s in BODY_STAGES]
+
+
+# -- the receive loop, with real ext_proc protobuf messages ----------------------------------------
+
+def headers_msg(path: str, method: str = "POST", end: bool = False, **hdrs: str) -> ep.ProcessingRequest:
+    hv = [base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+          base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
+          base_pb2.HeaderValue(key="x-request-id", raw_value=b"rid-1")]
+    hv += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v.encode()) for k, v in hdrs.items()]
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv),
+                                                               end_of_stream=end))
+
+
+def body_msg(body: bytes) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+
+
+def converse(*msgs: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+    async def it() -> AsyncIterator[ep.ProcessingRequest]:
+        for m in msgs:
+            yield m
+
+    async def main() -> list[ep.ProcessingResponse]:
+        return [r async for r in Processor(SNAP).Process(it(), None)]  # type: ignore[arg-type]
+
+    return run(main())
+
+
+AUTH = {"authorization": "Bearer " + DEMO_KEYS["acme"]}
+
+
+def test_loop_admits_with_metadata_and_mutations() -> None:
+    body = json.dumps({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    first, second = converse(headers_msg("/v1/chat/completions", **AUTH), body_msg(body))
+    assert first.WhichOneof("response") == "request_headers"
+    assert second.WhichOneof("response") == "request_body"
+    common = second.request_body.response
+    assert common.clear_route_cache
+    assert "authorization" in common.header_mutation.remove_headers
+    md = second.dynamic_metadata.fields["io.llmgw"].struct_value.fields
+    assert md["cluster"].string_value == "pool_engine-pool" and md["request_id"].string_value == "rid-1"
+    new_body = common.body_mutation.body
+    lengths = [h.header.raw_value for h in common.header_mutation.set_headers if h.header.key == "content-length"]
+    assert lengths == [str(len(new_body)).encode()]
+
+
+def test_loop_refuses_unauthenticated_on_headers() -> None:
+    (resp,) = converse(headers_msg("/v1/chat/completions"), body_msg(b"{}"))
+    imm = resp.immediate_response
+    assert imm.status.code == 401 and imm.details == "llmgw_unauthenticated"
+    assert json.loads(imm.body)["error"]["code"] == "unauthenticated"
+    assert "cluster" not in resp.dynamic_metadata.fields["io.llmgw"].struct_value.fields
+
+
+def test_loop_refuses_bodyless_chat() -> None:
+    (resp,) = converse(headers_msg("/v1/chat/completions", end=True, **AUTH))
+    assert resp.immediate_response.status.code == 400
+
+
+def test_loop_lists_models() -> None:
+    (resp,) = converse(headers_msg("/v1/models", "GET", end=True, **AUTH))
+    doc = json.loads(resp.immediate_response.body)
+    assert [m["id"] for m in doc["data"]] == ["chat-default"]
+
+
+def test_loop_turns_internal_errors_into_policy_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def boom(self: Any, ex: Exchange) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(RouteSelection, "run", boom)
+    body = json.dumps({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    _, resp = converse(headers_msg("/v1/chat/completions", **AUTH), body_msg(body))
+    assert resp.immediate_response.status.code == 503
+    assert json.loads(resp.immediate_response.body)["error"]["code"] == "policy_unavailable"
+
+
+def test_demo_keys_match_policy_hashes() -> None:
+    for tenant, key in DEMO_KEYS.items():
+        assert SNAP.keys_by_hash[hashlib.sha256(key.encode()).hexdigest()].tenant == tenant

@@ -1,0 +1,97 @@
+"""`llmgw up` as a user runs it: one command, a streaming answer, up.json, and a clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from llmgw.procs import free_port
+from tests.conftest import POLICY
+
+pytestmark = pytest.mark.e2e
+
+
+def children_of(pid: int) -> set[int]:
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -> None:
+    policy = tmp_path / "policy"
+    shutil.copytree(POLICY, policy)
+    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
+    doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    doc["envoy"]["extproc"] = [f"127.0.0.1:{free_port()}"]
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    state = tmp_path / "state"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--config", str(policy), "--state-dir",
+                             str(state), "--port", str(port), "--admin-port", str(free_port()),
+                             "--valkey-port", str(free_port()), "--time-scale", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t0 = time.monotonic()
+        up_json = state / "up.json"
+        while not up_json.exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() - t0 < 60, "not up within 60 s"
+            time.sleep(0.1)
+        info = json.loads(up_json.read_text())
+        assert info["url"] == f"http://127.0.0.1:{port}"
+        assert info["admin_url"].startswith("http://127.0.0.1:")
+        key = info["tenants"]["acme"]["api_key"]
+        client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key=key, max_retries=0)
+        stream = client.chat.completions.create(model="chat-default", max_tokens=5, stream=True,
+                                                messages=[{"role": "user", "content": "hi"}])
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        kids = children_of(proc.pid)
+        assert len(kids) == 5  # valkey, two engines, ext_proc, envoy
+    finally:
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "llmgw stopped." in out and "tenant acme" in out
+    deadline = time.monotonic() + 10
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if alive(k)], "orphaned children"
+    assert not (state / "up.json").exists()
+
+
+def test_up_refuses_invalid_config(tmp_path: Path) -> None:
+    policy = tmp_path / "policy"
+    shutil.copytree(POLICY, policy)
+    (policy / "gateway.yaml").write_text("data_classes: []\ntenants: {}\n")
+    r = subprocess.run([sys.executable, "-m", "llmgw", "up", "--config", str(policy), "--state-dir",
+                        str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "invalid configuration" in r.stderr
