@@ -35,8 +35,6 @@ class Exchange:
     deployment: Deployment | None = None
     cluster: str = ""
     upstream_body: bytes | None = None  # the body as the upstream must receive it, when rewritten
-    upstream_headers: dict[str, str] = field(default_factory=dict)
-    remove_headers: list[str] = field(default_factory=list)
     stage_us: dict[str, float] = field(default_factory=dict)
 
     def metadata(self) -> dict[str, str]:

@@ -13,10 +13,10 @@ from extproc.stages.intake import Intake
 from extproc.stages.placeholders import BudgetReservation, Redaction
 from extproc.stages.route import RouteSelection
 
-# design.md section 1, in order. Identity runs on the request headers, before Envoy buffers the body,
-# so an unauthenticated caller costs little and learns nothing else; the rest runs on the body.
-HEADER_STAGES: tuple[Stage, ...] = (ApiKeyIdentity(),)
-BODY_STAGES: tuple[Stage, ...] = (
+# design.md section 1, in order, all on the one message Envoy sends: the buffered body with the
+# headers as attributes. Identity comes first: an unauthenticated caller learns nothing else.
+REQUEST_STAGES: tuple[Stage, ...] = (
+    ApiKeyIdentity(),
     Intake(),
     DataClassAuthorization(),
     BudgetReservation(),

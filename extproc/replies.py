@@ -23,22 +23,15 @@ def _metadata(values: dict[str, str]) -> struct_pb2.Struct:
     return md
 
 
-# The usual answer to the request-headers message: continue, the decision comes with the body.
-CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-
-
 def admit(ex: Exchange) -> ep.ProcessingResponse:
-    """Let the buffered request continue to the cluster ext_proc chose, with its mutations."""
-    set_headers = [_header(k, v) for k, v in ex.upstream_headers.items()]
-    body_mutation = None
-    if ex.upstream_body is not None:
-        body_mutation = ep.BodyMutation(body=ex.upstream_body)
-        set_headers.append(_header("content-length", str(len(ex.upstream_body))))
-    common = ep.CommonResponse(
-        header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=ex.remove_headers),
-        body_mutation=body_mutation,
-        clear_route_cache=True,  # re-match: only now does the admitted route's metadata match
-    )
+    """Let the buffered request continue to the cluster ext_proc chose: metadata the admitted route
+    matches on, the route cache cleared so it is matched now, and the body as a stage rewrote it.
+    With request headers SKIPped Envoy applies no header mutation here (per-request headers go through
+    metadata), yet it clears the route cache only for a reply that carries one: hence the empty
+    mutation. The buffer filter after ext_proc sets content-length for the new body."""
+    body_mutation = ep.BodyMutation(body=ex.upstream_body) if ex.upstream_body is not None else None
+    common = ep.CommonResponse(header_mutation=ep.HeaderMutation(), body_mutation=body_mutation,
+                               clear_route_cache=True)
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
                                  dynamic_metadata=_metadata(ex.metadata()))
 

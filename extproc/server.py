@@ -1,7 +1,9 @@
 """The ext_proc gRPC service: one receive loop, one Exchange per HTTP request.
 
-Envoy sends the request headers (identity is decided there, before the body is buffered), then the
-buffered body (everything else). Response phases are not sent until a stage needs them.
+A chat completion costs one message: Envoy sends the buffered request body with the headers ext_proc
+needs as CEL attributes, and ext_proc answers with its decision. GET /v1/models, which has no body,
+is sent as request headers and answered from them. Response phases are not sent until a stage needs
+them.
 """
 
 from __future__ import annotations
@@ -17,50 +19,72 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import struct_pb2
 
 from extproc.config import Snapshot, load_snapshot
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
-from extproc.pipeline import BODY_STAGES, HEADER_STAGES, run_stages
-from extproc.replies import CONTINUE_HEADERS, admit, immediate, refuse
-from extproc.stages.intake import CHAT_PATH
+from extproc.pipeline import REQUEST_STAGES, run_stages
+from extproc.replies import admit, immediate, refuse
+from extproc.stages.identity import ApiKeyIdentity
 
 log = logging.getLogger("llmgw.extproc")
+ATTRIBUTES = "envoy.filters.http.ext_proc"
 MODELS_PATH = "/v1/models"
+_HEADER_ATTR = "request.headers['"
+
+
+def apply_attributes(ex: Exchange, attrs: struct_pb2.Struct) -> None:
+    """Copy the CEL attributes Envoy sent; a header the request lacks is simply absent."""
+    for key, value in attrs.fields.items():
+        if value.WhichOneof("kind") != "string_value":
+            continue
+        s = value.string_value
+        if key.startswith(_HEADER_ATTR):
+            ex.headers[key[len(_HEADER_ATTR):-2]] = s
+        elif key == "request.id":
+            ex.request_id = s
+        elif key == "request.path":
+            ex.path = s
+        elif key == "request.method":
+            ex.method = s
 
 
 def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:
     for h in headers.headers:
         value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        key = h.key
-        if key[0] == ":":
-            if key == ":path":
-                ex.path = value
-            elif key == ":method":
-                ex.method = value
-        else:
-            ex.headers[key] = value
-    ex.request_id = ex.headers.get("x-request-id", "")
+        if h.key == ":path":
+            ex.path = value
+        elif h.key == ":method":
+            ex.method = value
+        elif h.key[0] != ":":
+            ex.headers[h.key] = value
+    ex.request_id = ex.headers.get("x-request-id", ex.request_id)
 
 
 class Processor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, snapshot: Snapshot):
         self.snapshot = snapshot
+        self._identity = ApiKeyIdentity()
 
-    async def Process(
+    async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         ex = Exchange(snapshot=self.snapshot)
         async for req in request_iterator:
+            attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
+            if attrs is not None:
+                apply_attributes(ex, attrs)
             kind = req.WhichOneof("request")
             try:
                 match kind:
-                    case "request_headers":
-                        yield await self._on_request_headers(ex, req.request_headers)
                     case "request_body":
                         ex.raw_body = req.request_body.body
-                        await run_stages(BODY_STAGES, ex)
+                        await run_stages(REQUEST_STAGES, ex)
                         yield admit(ex)
+                    case "request_headers":
+                        apply_headers(ex, req.request_headers.headers)
+                        yield await self._list_models(ex)
                     case "response_headers":
                         yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
                     case "response_body":
@@ -81,19 +105,14 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                                               "the gateway could not evaluate this request"))
                 return
 
-    async def _on_request_headers(self, ex: Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
-        apply_headers(ex, msg.headers)
-        await run_stages(HEADER_STAGES, ex)
-        path = ex.path.split("?", 1)[0]
-        if path == MODELS_PATH and ex.method == "GET":
-            data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-                    for name in sorted(self.snapshot.routes)]
-            return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
-        if path != CHAT_PATH:
-            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {path}")
-        if msg.end_of_stream:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, "a JSON request body is required")
-        return CONTINUE_HEADERS
+    async def _list_models(self, ex: Exchange) -> ep.ProcessingResponse:
+        """Only GET /v1/models is sent with its headers: answer it from the routes."""
+        if ex.path.split("?", 1)[0] != MODELS_PATH or ex.method != "GET":
+            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
+        await self._identity.run(ex)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+                for name in sorted(self.snapshot.routes)]
+        return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
 
 
 async def serve(snapshot: Snapshot, listen: str) -> None:

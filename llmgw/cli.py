@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--duration", type=float, default=10.0)
     o.add_argument("--concurrency", default="1,32")
     o.add_argument("--workers", type=int, default=1)
+    o.add_argument("--rounds", type=int, default=3)
     o.add_argument("--output", help="also write the markdown table here")
     o.set_defaults(func=cmd_bench_overhead)
     return p

@@ -2,8 +2,9 @@
 
 Shape of the data path (design.md section 7, reference/envoy-notes.md):
   header_mutation  adds x-llmgw-* response headers from the metadata ext_proc returned
-  ext_proc         request headers SEND (identity decided there), request body BUFFERED (the rest);
-                   response phases off until a stage needs them
+  ext_proc         request body BUFFERED with the headers it needs as attributes: one message per
+                   request; response phases off until a stage needs them
+  buffer           holds the headers until the whole body, and so ext_proc's decision, is through
   custom_response  rewrites upstream error statuses into the contract's JSON
   router           routes match on dynamic metadata only ext_proc can set, so a request that
                    ext_proc never admitted (no body, service down) can never reach an upstream
@@ -34,6 +35,7 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
@@ -223,16 +225,27 @@ def _header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
         mutation_rules_pb2.HeaderMutation(append=h) for h in _upstream_answer_headers()]))
 
 
+# Headers ext_proc reads as CEL attributes on the body message (the whole map is not serializable).
+REQUEST_ATTRIBUTES = (
+    "request.id", "request.path", "request.method", "request.time",
+    "request.headers['authorization']", "request.headers['x-llmgw-data-class']",
+    "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
+    "request.headers['traceparent']", "request.headers['tracestate']",
+)
+
+
 def _ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
         failure_mode_allow=False,
-        # Headers SEND: Envoy holds them until ext_proc answers, so nothing is routed before the
-        # decision (with SKIP the router would start the upstream request at once).
-        processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
+        # One message per request: the buffered body, with the headers ext_proc needs as attributes.
+        # Header mode SKIP lets the headers pass ext_proc at once; the buffer filter after it holds them
+        # until the body (and so ext_proc's decision) is through, so the router never routes early.
+        processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.BUFFERED,
                            response_header_mode=pm.SKIP, response_body_mode=pm.NONE),
+        request_attributes=list(REQUEST_ATTRIBUTES),
         message_timeout=_dur(snap.gateway.envoy.extproc_message_timeout_ms),
         mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_envoy=wrappers_pb2.BoolValue(value=True)),
         metadata_options=ext_proc_pb2.MetadataOptions(
@@ -264,11 +277,16 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
             direct_response=route_components_pb2.DirectResponseAction(
                 status=200, body=base_pb2.DataSource(inline_string='{"status":"ok"}')),
             response_headers_to_add=json_ct, typed_per_filter_config=_ext_proc_disabled()),
-        # GET /v1/models is answered by ext_proc from the request headers; this is never reached.
+        # GET /v1/models has no body: ext_proc takes its headers and answers it; this is never reached.
         route_components_pb2.Route(
             name="models", match=route_components_pb2.RouteMatch(path="/v1/models"),
             direct_response=_direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
-            response_headers_to_add=json_ct),
+            response_headers_to_add=json_ct,
+            typed_per_filter_config={"envoy.filters.http.ext_proc": _any(ext_proc_pb2.ExtProcPerRoute(
+                overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=processing_mode_pb2.ProcessingMode(
+                    request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+                    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+                    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP))))}),
     ]
     # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these.
     for cluster in clusters:
@@ -284,8 +302,15 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                 retry_policy=route_components_pb2.RetryPolicy(
                     retry_on="connect-failure,refused-stream", num_retries=wrappers_pb2.UInt32Value(value=1)),
             ),
+            # The caller's gateway credential never travels upstream.
+            request_headers_to_remove=["authorization"],
             typed_per_filter_config=_admitted_route_filters()))
     routes += [
+        # Reached only when ext_proc never saw the request: a chat completion without a body.
+        route_components_pb2.Route(
+            name="chat_without_body", match=route_components_pb2.RouteMatch(prefix="/v1/chat/completions"),
+            direct_response=_direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
+            response_headers_to_add=json_ct),
         # Reached only if ext_proc let a request continue without admitting it: refuse.
         route_components_pb2.Route(
             name="not_admitted", match=route_components_pb2.RouteMatch(prefix="/v1/"),
@@ -335,6 +360,8 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
         http_filters=[
             _http_filter("envoy.filters.http.header_mutation", _header_mutation_filter()),
             _http_filter("envoy.filters.http.ext_proc", _ext_proc_filter(snap)),
+            _http_filter("envoy.filters.http.buffer", buffer_pb2.Buffer(
+                max_request_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes))),
             _http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
             _http_filter("envoy.filters.http.router", router_pb2.Router()),
         ],

@@ -46,6 +46,7 @@ class StackOptions:
     time_scale: float = 1.0
     valkey_port: int | None = None
     with_valkey: bool = True
+    start_engines: bool = True  # False: the pools' endpoints are already served (benchmarks, real vLLM)
     envoy_concurrency: int | None = None
 
     @classmethod
@@ -121,7 +122,8 @@ class Stack:
         try:
             if self.opts.with_valkey:
                 self._start_valkey(timeout)
-            self._start_engines(timeout)
+            if self.opts.start_engines:
+                self._start_engines(timeout)
             self._start_extprocs(timeout)
             self._start_envoy(timeout)
         except BaseException:

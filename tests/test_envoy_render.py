@@ -45,19 +45,22 @@ def test_rendered_config_passes_envoy_validate(tmp_path: Path) -> None:
     assert "OK" in out.stdout
 
 
-def test_ext_proc_fails_closed_and_holds_headers(rendered: dict[str, Any]) -> None:
+def test_ext_proc_fails_closed_with_one_message(rendered: dict[str, Any]) -> None:
     ep = filters(rendered)["envoy.filters.http.ext_proc"]
     assert ep.get("failure_mode_allow", False) is False
-    # SEND: Envoy holds the headers until ext_proc answers; SKIP would route before the decision.
-    assert ep["processing_mode"]["request_header_mode"] == "SEND"
+    assert ep["processing_mode"]["request_header_mode"] == "SKIP"
     assert ep["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert "request.headers['authorization']" in ep["request_attributes"]
     assert ep["mutation_rules"]["allow_envoy"] is True
     assert ep["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
 
 
 def test_filter_order(rendered: dict[str, Any]) -> None:
+    # The buffer filter after ext_proc holds the headers until ext_proc has decided on the body:
+    # with header mode SKIP the router would otherwise route (and dispatch) before the decision.
     assert list(filters(rendered)) == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
-                                       "envoy.filters.http.custom_response", "envoy.filters.http.router"]
+                                       "envoy.filters.http.buffer", "envoy.filters.http.custom_response",
+                                       "envoy.filters.http.router"]
 
 
 def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> None:
@@ -68,6 +71,7 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         (md,) = r["match"]["dynamic_metadata"]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
+        assert r["request_headers_to_remove"] == ["authorization"]
     # Everything else is answered by Envoy itself in the contract's JSON.
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:

@@ -14,13 +14,14 @@ import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.config import load_snapshot
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
-from extproc.pipeline import BODY_STAGES, HEADER_STAGES, run_stages
+from extproc.pipeline import REQUEST_STAGES, run_stages
 from extproc.server import Processor
 from extproc.stages.identity import ApiKeyIdentity, bearer_token
 from extproc.stages.intake import Intake
@@ -29,6 +30,8 @@ from llmgw.stack import DEMO_KEYS
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
+HEADER_STAGES = REQUEST_STAGES[:1]  # identity: needs only the headers
+BODY_STAGES = REQUEST_STAGES[1:]
 
 
 def exchange(body: Any = None, headers: dict[str, str] | None = None, tenant: str | None = "acme") -> Exchange:
@@ -65,7 +68,6 @@ def test_identity(auth: str | None, expected: ErrorCode | None) -> None:
     assert code_of(ex, HEADER_STAGES) == expected
     if expected is None:
         assert ex.identity is not None and ex.identity.tenant == "acme"
-        assert "authorization" in ex.remove_headers
 
 
 def _policy_with_key(tmp_path: Path, **key_fields: Any) -> Path:
@@ -171,17 +173,23 @@ def test_every_stage_is_timed() -> None:
 
 # -- the receive loop, with real ext_proc protobuf messages ----------------------------------------
 
-def headers_msg(path: str, method: str = "POST", end: bool = False, **hdrs: str) -> ep.ProcessingRequest:
+def body_msg(body: bytes, path: str = "/v1/chat/completions", **hdrs: str) -> ep.ProcessingRequest:
+    """What Envoy sends: the buffered body, the headers as CEL attributes."""
+    attrs = struct_pb2.Struct()
+    attrs.update({"request.id": "rid-1", "request.path": path, "request.method": "POST",
+                  **{f"request.headers['{k}']": v for k, v in hdrs.items()}})
+    req = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+    req.attributes["envoy.filters.http.ext_proc"].CopyFrom(attrs)
+    return req
+
+
+def headers_msg(path: str, method: str = "GET", **hdrs: str) -> ep.ProcessingRequest:
     hv = [base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
           base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
-          base_pb2.HeaderValue(key="x-request-id", raw_value=b"rid-1")]
-    hv += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v.encode()) for k, v in hdrs.items()]
+          base_pb2.HeaderValue(key="x-request-id", raw_value=b"rid-2")]
+    hv += [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hdrs.items()]
     return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=hv),
-                                                               end_of_stream=end))
-
-
-def body_msg(body: bytes) -> ep.ProcessingRequest:
-    return ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+                                                               end_of_stream=True))
 
 
 def converse(*msgs: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
@@ -196,40 +204,39 @@ def converse(*msgs: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
 
 
 AUTH = {"authorization": "Bearer " + DEMO_KEYS["acme"]}
+CHAT = json.dumps({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def test_loop_admits_with_metadata_and_mutations() -> None:
-    body = json.dumps({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]}).encode()
-    first, second = converse(headers_msg("/v1/chat/completions", **AUTH), body_msg(body))
-    assert first.WhichOneof("response") == "request_headers"
-    assert second.WhichOneof("response") == "request_body"
-    common = second.request_body.response
-    assert common.clear_route_cache
-    assert "authorization" in common.header_mutation.remove_headers
-    md = second.dynamic_metadata.fields["io.llmgw"].struct_value.fields
+def test_loop_admits_with_metadata_and_new_body() -> None:
+    (resp,) = converse(body_msg(CHAT, **AUTH))
+    assert resp.WhichOneof("response") == "request_body"
+    common = resp.request_body.response
+    assert common.clear_route_cache and common.HasField("header_mutation")  # Envoy needs both to re-route
+    md = resp.dynamic_metadata.fields["io.llmgw"].struct_value.fields
     assert md["cluster"].string_value == "pool_engine-pool" and md["request_id"].string_value == "rid-1"
-    new_body = common.body_mutation.body
-    lengths = [h.header.raw_value for h in common.header_mutation.set_headers if h.header.key == "content-length"]
-    assert lengths == [str(len(new_body)).encode()]
+    assert md["tenant"].string_value == "acme" and md["route"].string_value == "chat-default"
+    assert json.loads(common.body_mutation.body)["model"] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def test_loop_refuses_unauthenticated_on_headers() -> None:
-    (resp,) = converse(headers_msg("/v1/chat/completions"), body_msg(b"{}"))
+def test_loop_refuses_unauthenticated() -> None:
+    (resp,) = converse(body_msg(CHAT))
     imm = resp.immediate_response
     assert imm.status.code == 401 and imm.details == "llmgw_unauthenticated"
     assert json.loads(imm.body)["error"]["code"] == "unauthenticated"
     assert "cluster" not in resp.dynamic_metadata.fields["io.llmgw"].struct_value.fields
 
 
-def test_loop_refuses_bodyless_chat() -> None:
-    (resp,) = converse(headers_msg("/v1/chat/completions", end=True, **AUTH))
-    assert resp.immediate_response.status.code == 400
-
-
-def test_loop_lists_models() -> None:
-    (resp,) = converse(headers_msg("/v1/models", "GET", end=True, **AUTH))
+def test_loop_lists_models_from_headers() -> None:
+    (resp,) = converse(headers_msg("/v1/models", **AUTH))
     doc = json.loads(resp.immediate_response.body)
     assert [m["id"] for m in doc["data"]] == ["chat-default"]
+    (resp,) = converse(headers_msg("/v1/models"))
+    assert resp.immediate_response.status.code == 401
+
+
+def test_loop_refuses_other_header_only_requests() -> None:
+    (resp,) = converse(headers_msg("/v1/other", **AUTH))
+    assert resp.immediate_response.status.code == 404
 
 
 def test_loop_turns_internal_errors_into_policy_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,8 +244,7 @@ def test_loop_turns_internal_errors_into_policy_unavailable(monkeypatch: pytest.
         raise RuntimeError("bug")
 
     monkeypatch.setattr(RouteSelection, "run", boom)
-    body = json.dumps({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]}).encode()
-    _, resp = converse(headers_msg("/v1/chat/completions", **AUTH), body_msg(body))
+    (resp,) = converse(body_msg(CHAT, **AUTH))
     assert resp.immediate_response.status.code == 503
     assert json.loads(resp.immediate_response.body)["error"]["code"] == "policy_unavailable"
 

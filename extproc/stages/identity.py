@@ -36,5 +36,3 @@ class ApiKeyIdentity:
         if owner.key.expires is not None and owner.key.expires < datetime.now(UTC).date():
             raise GatewayError(ErrorCode.UNAUTHENTICATED, _UNAUTHENTICATED)
         ex.identity = Identity(tenant=owner.tenant, subject=owner.key.id, kind="api_key")
-        # The caller's gateway credential never travels upstream.
-        ex.remove_headers.append("authorization")
