@@ -306,4 +306,5 @@ def main(argv: list[str] | None = None) -> None:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks_override=args.num_blocks_override)
     server = EngineServer(engine, args.served_model_name, seed=args.seed)
-    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None)
+    # Like vLLM, a client that goes away aborts its request in the engine.
+    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)

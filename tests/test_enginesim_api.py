@@ -161,3 +161,57 @@ def test_same_seed_same_text(engine: str) -> None:
     a = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, "x", max_tokens=10, seed=7)).json()
     b = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, "y", max_tokens=10, seed=7)).json()
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def _metric(engine: str, prefix: str) -> float:
+    for line in request(f"{engine}/metrics").body.decode().splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {prefix}")
+
+
+def test_fault_stall_goes_silent_mid_stream(engine: str) -> None:
+    import socket
+    with pytest.raises((TimeoutError, socket.timeout)):
+        request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=50, stream=True),
+                {"x-enginesim-fault": "stall_after=2"}, timeout=1.0)
+
+
+def test_client_cancel_aborts_the_request_in_the_engine(tmp_path: Path) -> None:
+    import socket
+    import time
+    port = free_port()
+    # Real time (scale 1): 2,000 tokens take ~20 s, so only an abort can end this request early.
+    child = Child("engine", python_module("enginesim", "--port", str(port)), tmp_path / "e.log").start()
+    engine = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_ok(f"{engine}/health"), 30, "enginesim", child)
+        aborted = 'vllm:request_success_total{engine="0",model_name="' + MODEL + '",finished_reason="abort"}'
+        assert _metric(engine, aborted) == 0
+        body = json.dumps(chat_body(MODEL, max_tokens=2000, stream=True)).encode()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            assert _metric(engine, "vllm:num_requests_running{") == 1
+        deadline = time.monotonic() + 10
+        while _metric(engine, aborted) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(engine, aborted) == 1
+        assert _metric(engine, "vllm:num_requests_running{") == 0
+        assert _metric(engine, "vllm:kv_cache_usage_perc{") == 0.0  # its blocks were freed
+    finally:
+        child.stop()
+
+
+def test_fault_exit_ends_the_process(tmp_path: Path) -> None:
+    port = free_port()
+    child = Child("engine", python_module("enginesim", "--port", str(port)), tmp_path / "e.log").start()
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "enginesim", child)
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+            request(f"http://127.0.0.1:{port}/v1/chat/completions", "POST", chat_body(MODEL),
+                    {"x-enginesim-fault": "exit"})
+        assert child.proc is not None and child.proc.wait(10) == 3
+    finally:
+        child.stop()
