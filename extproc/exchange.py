@@ -3,7 +3,6 @@ dropped when the stream ends; every stage reads and writes it, nothing else hold
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,6 @@ class Exchange:
     method: str = ""
     path: str = ""
     headers: dict[str, str] = field(default_factory=dict)  # the request headers ext_proc was sent
-    arrived_at: float = field(default_factory=time.time)  # wall clock at Envoy, when known
     raw_body: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False

@@ -227,7 +227,7 @@ def _header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
 
 # Headers ext_proc reads as CEL attributes on the body message (the whole map is not serializable).
 REQUEST_ATTRIBUTES = (
-    "request.id", "request.path", "request.method", "request.time",
+    "request.id", "request.path", "request.method",
     "request.headers['authorization']", "request.headers['x-llmgw-data-class']",
     "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
     "request.headers['traceparent']", "request.headers['tracestate']",

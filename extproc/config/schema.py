@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 from datetime import date
+from functools import cached_property
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
@@ -141,8 +142,9 @@ class Deployment(Strict):
             raise ValueError("exactly one of `pool` or `endpoints` must be set")
         return self
 
-    @property
+    @cached_property
     def ref(self) -> str:
+        """`name@sha256:<fingerprint digest>`: how a route contract names exactly this system."""
         return f"{self.deployment}@sha256:{self.fingerprint.digest()}"
 
 
