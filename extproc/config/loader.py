@@ -137,6 +137,22 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                                           f"deployment {dep.deployment} is not in region {region!r}"))
 
 
+def _load_named(root: Path, folder: str, model: type[M], name_field: str,
+                issues: list[ConfigIssue]) -> dict[str, tuple[str, M]]:
+    """Every `folder/*.yaml` as `model`, keyed by its name field; a name used twice is an issue."""
+    found: dict[str, tuple[str, M]] = {}
+    for path in sorted((root / folder).glob("*.yaml")):
+        rel = str(path.relative_to(root))
+        doc = _parse(model, _read_yaml(path, root, issues), rel, issues)
+        if doc is None:
+            continue
+        name = getattr(doc, name_field)
+        if name in found:
+            issues.append(ConfigIssue(rel, name_field, f"{name!r} also defined in {found[name][0]}"))
+        found[name] = (rel, doc)
+    return found
+
+
 def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     """Load and cross-check a policy directory. Raises ConfigError listing every problem."""
     root = Path(directory).resolve()
@@ -147,27 +163,8 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
 
     gateway = _parse(GatewayConfig, _read_yaml(root / "gateway.yaml", root, issues), "gateway.yaml", issues)
 
-    deployments: dict[str, tuple[str, Deployment]] = {}
-    for path in sorted((root / "deployments").glob("*.yaml")):
-        rel = str(path.relative_to(root))
-        dep = _parse(Deployment, _read_yaml(path, root, issues), rel, issues)
-        if dep is None:
-            continue
-        if dep.deployment in deployments:
-            issues.append(ConfigIssue(rel, "deployment", f"{dep.deployment!r} also defined in "
-                                                         f"{deployments[dep.deployment][0]}"))
-        deployments[dep.deployment] = (rel, dep)
-
-    routes: dict[str, tuple[str, Route]] = {}
-    for path in sorted((root / "routes").glob("*.yaml")):
-        rel = str(path.relative_to(root))
-        route = _parse(Route, _read_yaml(path, root, issues), rel, issues)
-        if route is None:
-            continue
-        if route.route_contract in routes:
-            issues.append(ConfigIssue(rel, "route_contract", f"{route.route_contract!r} also defined in "
-                                                             f"{routes[route.route_contract][0]}"))
-        routes[route.route_contract] = (rel, route)
+    deployments = _load_named(root, "deployments", Deployment, "deployment", issues)
+    routes = _load_named(root, "routes", Route, "route_contract", issues)
 
     rego = {str(p.relative_to(root)): p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.rego"))}
 
