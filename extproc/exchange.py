@@ -3,6 +3,7 @@ dropped when the stream ends; every stage reads and writes it, nothing else hold
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ class Identity:
 @dataclass(slots=True)
 class Exchange:
     snapshot: Snapshot  # taken when the stream starts: the whole request sees one revision
+    cache_salts: Mapping[str, str] = field(default_factory=dict)  # tenant -> prefix-cache salt
     request_id: str = ""
     method: str = ""
     path: str = ""

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -26,7 +26,9 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.pipeline import REQUEST_STAGES, run_stages
 from extproc.replies import admit, immediate, refuse
+from extproc.secrets import SecretUnavailable, resolve
 from extproc.stages.identity import ApiKeyIdentity
+from extproc.stages.route import tenant_salts
 
 log = logging.getLogger("llmgw.extproc")
 ATTRIBUTES = "envoy.filters.http.ext_proc"
@@ -63,14 +65,15 @@ def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:
 
 
 class Processor(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, snapshot: Snapshot):
+    def __init__(self, snapshot: Snapshot, cache_salts: Mapping[str, str]):
         self.snapshot = snapshot
+        self.cache_salts = cache_salts
         self._identity = ApiKeyIdentity()
 
     async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        ex = Exchange(snapshot=self.snapshot)
+        ex = Exchange(snapshot=self.snapshot, cache_salts=self.cache_salts)
         async for req in request_iterator:
             attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
             if attrs is not None:
@@ -115,13 +118,19 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
 
 
+def processor_for(snapshot: Snapshot) -> Processor:
+    """Resolve the snapshot's secrets; a missing one stops the service from starting (fail closed)."""
+    secret = resolve(snapshot.gateway.cache_salt_secret_ref, snapshot.directory)
+    return Processor(snapshot, tenant_salts(secret, snapshot.gateway.tenants))
+
+
 async def serve(snapshot: Snapshot, listen: str) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.so_reuseport", 0),
     ])
-    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(snapshot), server)
+    ep_grpc.add_ExternalProcessorServicer_to_server(processor_for(snapshot), server)
     if server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
@@ -142,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     snapshot = load_snapshot(args.config)
+    try:
+        processor_for(snapshot)
+    except SecretUnavailable as e:
+        raise SystemExit(f"ext_proc: {e}") from None
     import uvloop
 
     uvloop.install()

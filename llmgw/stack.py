@@ -7,6 +7,8 @@ ports, so what the tests prove is what a user starts.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import urllib.request
 from dataclasses import dataclass, field
 from functools import partial
@@ -158,11 +160,24 @@ class Stack:
         for addr, child in self.engines.items():
             wait_until(partial(http_ok, f"http://{addr}/health"), timeout, f"engine {addr}", child)
 
+    def _extproc_env(self) -> dict[str, str]:
+        """The default salt secret is an env reference: when the environment lacks it, use a random
+        key kept in the state directory, so restarts and all workers share it."""
+        kind, _, name = self.snapshot.gateway.cache_salt_secret_ref.partition(":")
+        if kind != "env" or os.environ.get(name):
+            return {}
+        key = self.opts.state_dir / "cache-salt.key"
+        if not key.exists():
+            key.touch(mode=0o600)
+            key.write_text(secrets.token_hex(32))
+        return {name: key.read_text().strip()}
+
     def _start_extprocs(self, timeout: float) -> None:
+        env = self._extproc_env()
         for host, port in self.render.extproc:
             self.extprocs.append(Child(f"extproc-{port}", python_module(
                 "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}"),
-                self.logs / f"extproc-{port}.log").start())
+                self.logs / f"extproc-{port}.log", env=env).start())
         for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
             wait_until(partial(tcp_open, host, port), timeout, f"ext_proc {host}:{port}", child)
 

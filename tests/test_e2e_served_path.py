@@ -18,10 +18,11 @@ pytestmark = pytest.mark.e2e
 
 
 def engine_log(stack: Stack) -> list[dict[str, Any]]:
+    """What the engines received, each entry marked with the engine that received it."""
     out: list[dict[str, Any]] = []
     for url in stack.engine_urls():
-        out += request(f"{url}/admin/requests").json()
-    return out
+        out += [{**e, "engine": url} for e in request(f"{url}/admin/requests").json()]
+    return sorted(out, key=lambda e: e["time"])
 
 
 def clear_engine_logs(stack: Stack) -> None:
@@ -234,3 +235,38 @@ def test_dead_pool_is_502_in_contract_shape(fresh_stack: Stack, acme_key: str) -
     resp = request(f"{fresh_stack.url}/v1/chat/completions", "POST", chat_body(),
                    {"authorization": f"Bearer {acme_key}"})
     assert_contract_error(resp, 502, "upstream_error")
+
+
+def _metric(url: str, prefix: str) -> float:
+    for line in request(f"{url}/metrics").body.decode().splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(prefix)
+
+
+def test_tenants_never_share_a_prefix_cache_salt(stack: Stack, acme_key: str, globex_key: str) -> None:
+    """Invariant 10: the same long prompt from two tenants hits the prefix cache only within a tenant."""
+    clear_engine_logs(stack)
+    prompt = f"{uuid.uuid4().hex} " + "a long shared system prompt about the gateway " * 40
+    body = chat_body(content=prompt, max_tokens=1, cache_salt="client-chosen")
+    before = {u: _metric(u, "vllm:prefix_cache_hits_total{") for u in stack.engine_urls()}
+    for key in [acme_key, globex_key] * 4:  # 4 each over 2 engines: each tenant repeats on some engine
+        resp = request(f"{stack.url}/v1/chat/completions", "POST", body, {"authorization": f"Bearer {key}"})
+        assert resp.status == 200
+    entries = [e for e in engine_log(stack) if prompt in json.dumps(e["messages"])]
+    assert len(entries) == 8
+    salts = {e["cache_salt"] for e in entries}
+    assert len(salts) == 2 and "client-chosen" not in salts
+    # A repeat hits every full 16-token block of the prompt but the last token's.
+    tokenized = request(f"{stack.engine_urls()[0]}/tokenize", "POST", {"messages": entries[0]["messages"]})
+    n_tokens = tokenized.json()["count"]
+    per_repeat = (n_tokens - 1) // 16 * 16
+    for url in stack.engine_urls():
+        seen: set[str] = set()
+        repeats = 0  # requests this engine got after one with the same salt
+        for e in (e for e in entries if e["engine"] == url):
+            repeats += e["cache_salt"] in seen
+            seen.add(e["cache_salt"])
+        gained = _metric(url, "vllm:prefix_cache_hits_total{") - before[url]
+        # Hits exactly where the same tenant came before; never from the other tenant's blocks.
+        assert gained == repeats * per_repeat, (url, gained, repeats, per_repeat)

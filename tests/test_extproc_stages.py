@@ -25,17 +25,19 @@ from extproc.pipeline import REQUEST_STAGES, run_stages
 from extproc.server import Processor
 from extproc.stages.identity import ApiKeyIdentity, bearer_token
 from extproc.stages.intake import Intake
-from extproc.stages.route import RouteSelection
+from extproc.stages.route import RouteSelection, tenant_salts
 from llmgw.stack import DEMO_KEYS
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
+SALTS = tenant_salts("test-secret", SNAP.gateway.tenants)
 HEADER_STAGES = REQUEST_STAGES[:1]  # identity: needs only the headers
 BODY_STAGES = REQUEST_STAGES[1:]
 
 
 def exchange(body: Any = None, headers: dict[str, str] | None = None, tenant: str | None = "acme") -> Exchange:
-    ex = Exchange(snapshot=SNAP, method="POST", path="/v1/chat/completions", headers=headers or {})
+    ex = Exchange(snapshot=SNAP, cache_salts=SALTS, method="POST", path="/v1/chat/completions",
+                  headers=headers or {})
     ex.raw_body = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
     if tenant:
         ex.identity = Identity(tenant=tenant, subject="k", kind="api_key")
@@ -132,6 +134,28 @@ def test_route_rewrites_model_for_the_deployment() -> None:
     assert md["cluster"] == "pool_engine-pool" and md["tenant"] == "acme" and md["revision"] == SNAP.revision
 
 
+def test_route_sets_the_tenants_cache_salt_over_the_clients() -> None:
+    salts = {}
+    for tenant in ("acme", "globex"):
+        ex = exchange({"model": "chat-default", "cache_salt": "chosen-by-client",
+                       "messages": [{"role": "user", "content": "hi"}]}, tenant=tenant)
+        run(run_stages(BODY_STAGES, ex))
+        salts[tenant] = json.loads(ex.upstream_body or b"")["cache_salt"]
+    assert salts["acme"] == SALTS["acme"] and salts["globex"] == SALTS["globex"]
+    assert salts["acme"] != salts["globex"] and "chosen-by-client" not in salts.values()
+
+
+def test_salts_depend_on_the_secret() -> None:
+    assert tenant_salts("a", ["acme"]) != tenant_salts("b", ["acme"])
+    assert tenant_salts("a", ["acme"]) == tenant_salts("a", ["acme"])
+
+
+def test_missing_salt_fails_closed() -> None:
+    ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]})
+    ex.cache_salts = {}
+    assert code_of(ex, BODY_STAGES) is ErrorCode.POLICY_UNAVAILABLE
+
+
 def _variant(tmp_path: Path, **dep_fields: Any) -> Path:
     dst = tmp_path / "p"
     shutil.copytree(POLICY, dst)
@@ -145,7 +169,7 @@ def _variant(tmp_path: Path, **dep_fields: Any) -> Path:
 @pytest.mark.parametrize("fields", [{"withdrawn": True}, {"retire_at": "2020-01-01"}])
 def test_withdrawn_or_retired_deployment_is_never_chosen(tmp_path: Path, fields: dict[str, Any]) -> None:
     snap = load_snapshot(_variant(tmp_path, **fields))
-    ex = Exchange(snapshot=snap, data_class="internal",
+    ex = Exchange(snapshot=snap, cache_salts=SALTS, data_class="internal", identity=Identity("acme", "k", "api_key"),
                   body={"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(GatewayError) as e:
         run(RouteSelection().run(ex))
@@ -153,7 +177,7 @@ def test_withdrawn_or_retired_deployment_is_never_chosen(tmp_path: Path, fields:
 
 
 def test_data_class_not_served_by_candidate_is_no_qualified_route() -> None:
-    ex = Exchange(snapshot=SNAP, data_class="restricted",
+    ex = Exchange(snapshot=SNAP, cache_salts=SALTS, data_class="restricted",
                   body={"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(GatewayError) as e:
         run(RouteSelection().run(ex))
@@ -198,7 +222,7 @@ def converse(*msgs: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
             yield m
 
     async def main() -> list[ep.ProcessingResponse]:
-        return [r async for r in Processor(SNAP).Process(it(), None)]  # type: ignore[arg-type]
+        return [r async for r in Processor(SNAP, SALTS).Process(it(), None)]  # type: ignore[arg-type]
 
     return run(main())
 

@@ -65,6 +65,8 @@ class Limits(Strict):
 
 class GatewayConfig(Strict):
     data_classes: tuple[Name, ...] = Field(min_length=1)  # ordered, least to most sensitive
+    # Keys the per-tenant prefix-cache salt (HMAC(secret, tenant)); resolved when ext_proc starts.
+    cache_salt_secret_ref: CredentialRef = "env:LLMGW_CACHE_SALT_SECRET"
     tenants: dict[Name, Tenant]
     pools: dict[Name, Pool] = {}
     envoy: EnvoySettings = EnvoySettings()

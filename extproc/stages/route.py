@@ -1,4 +1,5 @@
-"""Routing: the `model` names a route contract; pick the first qualified candidate and address it.
+"""Routing: the `model` names a route contract; pick the first qualified candidate and address it:
+the body names the deployment's served model and carries the tenant's prefix-cache salt.
 
 Eligibility here (invariant 2): the candidate and its deployment serve the request's data class, the
 deployment is neither withdrawn nor retired. Evidence, regions, context windows and fallback order land
@@ -7,13 +8,21 @@ with the routing issue.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from extproc.config import Snapshot
 from extproc.config.schema import Candidate, Deployment
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
+
+
+def tenant_salts(secret: str, tenants: Iterable[str]) -> dict[str, str]:
+    """HMAC(secret, tenant): stable per tenant, unguessable without the secret, never shared."""
+    return {t: hmac.new(secret.encode(), t.encode(), hashlib.sha256).hexdigest()[:32] for t in tenants}
 
 
 def eligible(snap: Snapshot, cand: Candidate, data_class: str, today: datetime) -> Deployment | None:
@@ -49,4 +58,10 @@ class RouteSelection:
         ex.cluster = snap.pool_of(dep)
         body = dict(ex.body)
         body["model"] = dep.served_model
+        # Invariant 10: the prefix-cache salt is the tenant's, whatever the client sent.
+        assert ex.identity is not None  # identity ran first; authorization refuses otherwise
+        salt = ex.cache_salts.get(ex.identity.tenant)
+        if salt is None:
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no prefix-cache salt for this tenant")
+        body["cache_salt"] = salt
         ex.upstream_body = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

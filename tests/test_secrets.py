@@ -1,0 +1,36 @@
+"""Credential references resolve at run time; failures name the reference, never a value."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from extproc.secrets import SecretUnavailable, resolve
+from tests.conftest import POLICY
+
+
+def test_env_and_file_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMGW_TEST_SECRET", "s3cret-env")
+    assert resolve("env:LLMGW_TEST_SECRET") == "s3cret-env"
+    (tmp_path / "k").write_text("s3cret-file\n")
+    assert resolve("file:k", tmp_path) == "s3cret-file"
+    assert resolve(f"file:{tmp_path / 'k'}") == "s3cret-file"
+
+
+@pytest.mark.parametrize("ref", ["env:LLMGW_NOT_SET_ANYWHERE", "file:/nonexistent/key", "vault:x"])
+def test_unresolvable_references(ref: str) -> None:
+    with pytest.raises(SecretUnavailable) as e:
+        resolve(ref)
+    assert ref.split(":")[0] in str(e.value)
+
+
+def test_extproc_refuses_to_start_without_its_salt_secret() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_CACHE_SALT_SECRET"}
+    r = subprocess.run([sys.executable, "-m", "extproc", "--config", str(POLICY), "--listen", "127.0.0.1:0"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0
+    assert "env:LLMGW_CACHE_SALT_SECRET is not set" in r.stderr
