@@ -52,9 +52,12 @@ class Sequence:
 class EngineStats:
     steps: int = 0
     preemptions: int = 0
+    aborted: int = 0  # simulator-only: requests whose client went away
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    # vLLM's finished_reason labels. A client that goes away is not counted here (vLLM 0.32 does not).
+    finished: dict[str, int] = field(default_factory=lambda: {
+        "stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0})
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
@@ -103,7 +106,7 @@ class Engine:
             self.waiting.remove(seq)
         self.kv.free(seq.table)
         seq.finish_reason = "abort"
-        self.stats.finished["abort"] += 1
+        self.stats.aborted += 1
 
     # -- scheduling --------------------------------------------------------------------------------
 

@@ -36,15 +36,22 @@ from enginesim.tokenizer import TextSampler, apply_chat_template, encode
 
 log = logging.getLogger("enginesim")
 FAULT_HEADER = "x-enginesim-fault"
+SYSTEM_FINGERPRINT = "vllm-0.32.0-enginesim"  # the vLLM release whose API this simulator follows
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
                  500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-def vllm_error(status: int, message: str, param: str | None = None) -> web.Response:
+def vllm_error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
     """vLLM's error body: `code` is the HTTP status as an integer."""
-    body = {"error": {"message": message, "type": _STATUS_TYPES.get(status, "APIError"), "param": param,
+    body = {"error": {"message": message, "type": type_ or _STATUS_TYPES.get(status, "APIError"), "param": param,
                       "code": status}}
     return web.json_response(body, status=status)
+
+
+def schema_error(loc: str, kind: str, msg: str) -> web.Response:
+    """vLLM's answer to a body that fails request validation (FastAPI/pydantic)."""
+    return vllm_error(400, f"1 validation error:\n  {{'type': '{kind}', 'loc': '{loc}', 'msg': '{msg}'}}",
+                      loc, "Bad Request")
 
 
 @dataclass
@@ -101,10 +108,15 @@ class EngineServer:
         return web.Response(status=200)
 
     async def models(self, _: web.Request) -> web.Response:
+        now = int(time.time())
         return web.json_response({"object": "list", "data": [{
-            "id": self.served_model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+            "id": self.served_model, "object": "model", "created": now, "owned_by": "vllm",
             "root": self.served_model, "parent": None, "max_model_len": self.engine.profile.max_model_len,
-            "permission": []}]})
+            "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
+                            "created": now, "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None,
+                            "is_blocking": False}]}]})
 
     async def metrics(self, _: web.Request) -> web.Response:
         return web.Response(text=render_metrics(self.engine, self.served_model),
@@ -144,17 +156,24 @@ class EngineServer:
 
     def _validate(self, body: Any) -> web.Response | None:
         if not isinstance(body, dict):
-            return vllm_error(400, "request body must be a JSON object")
+            return schema_error("body", "model_attributes_type", "Input should be a valid dictionary")
+        if not isinstance(body.get("messages"), list):
+            return schema_error("body.messages", "missing", "Field required")
         if body.get("model") != self.served_model:
-            return vllm_error(404, f"The model `{body.get('model')}` does not exist.", "model")
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
-            return vllm_error(400, "`messages` must be a non-empty list", "messages")
+            return vllm_error(404, f"The model `{body.get('model')}` does not exist. Valid aliases: "
+                                   f"{self.served_model}.", "model")
+        if not body["messages"]:
+            return vllm_error(400, "Cannot apply chat template to an empty conversation. Provide at least "
+                                   "one message.")
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
-            return vllm_error(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
-                              "cache_salt")
-        if body.get("priority", 0) != 0:
-            return vllm_error(400, "Priority scheduling is not enabled.", "priority")
+            return vllm_error(400, "Parameter 'cache_salt' must be a non-empty string if provided. "
+                                   "(parameter=cache_salt)", "cache_salt")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            return vllm_error(400, f"max_tokens must be at least 1, got {max_tokens}. "
+                                   f"(parameter=max_tokens, value={max_tokens})", "max_tokens")
+        # `priority` without priority scheduling is accepted and ignored, as vLLM 0.32 does.
         return None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -164,8 +183,8 @@ class EngineServer:
         try:
             body = await request.json()
         except ValueError:
-            return vllm_error(400, "request body is not valid JSON")
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            return schema_error("body", "json_invalid", "JSON decode error")
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         bad = self._validate(body)
         self._log_request(rid, request, body, 400 if bad else 200)
         if bad is not None:
@@ -178,12 +197,19 @@ class EngineServer:
 
         prompt = apply_chat_template(body["messages"])
         max_len = self.engine.profile.max_model_len
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or (max_len - len(prompt))
-        if len(prompt) + max_tokens > max_len:
+        requested = body.get("max_completion_tokens") or body.get("max_tokens")
+        if requested is not None and requested > max_len:
+            return vllm_error(400, f"max_tokens={requested} cannot be greater than max_model_len={max_len}. "
+                                   f"Please request fewer output tokens. (parameter=max_tokens, value={requested})",
+                              "max_tokens")
+        if len(prompt) >= max_len:
             return vllm_error(400, (
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion."), "max_tokens")
+                f"This model's maximum context length is {max_len} tokens. However, your prompt contains at "
+                f"least {len(prompt)} input tokens, which exceeds this limit even without any output tokens. "
+                f"Please reduce the length of the input prompt. (parameter=input_tokens, value={len(prompt)})"),
+                "input_tokens")
+        # Like vLLM 0.32: generation stops at the context window rather than being refused.
+        max_tokens = min(requested or max_len, max_len - len(prompt))
         seed = body.get("seed")
         seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["messages"]).encode()) ^ self.seed
         sampler = TextSampler(seed)
@@ -221,27 +247,29 @@ class EngineServer:
             "authorization_present": "Authorization" in request.headers,
         })
 
-    def _base(self, rid: str) -> dict[str, Any]:
-        return {"id": f"chatcmpl-{rid}", "created": int(time.time()), "model": self.served_model}
+    def _base(self, rid: str, obj: str) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.served_model}
 
     @staticmethod
     def _usage(seq: Sequence) -> dict[str, Any]:
         return {"prompt_tokens": len(seq.prompt), "total_tokens": len(seq.prompt) + seq.output_len,
-                "completion_tokens": seq.output_len, "prompt_tokens_details": None}
+                "completion_tokens": seq.output_len}
 
     async def _complete(self, seq: Sequence, sampler: TextSampler, rid: str) -> web.Response:
         pieces = []
         while (idx := await seq.out.get()) is not None:
             pieces.append(sampler.next_piece(idx))
         return web.json_response({
-            **self._base(rid), "object": "chat.completion",
+            **self._base(rid, "chat.completion"),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces),
                                                  "refusal": None, "annotations": None, "audio": None,
-                                                 "function_call": None, "tool_calls": [],
-                                                 "reasoning_content": None},
-                         "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}],
-            "service_tier": None, "system_fingerprint": None, "usage": self._usage(seq),
-            "prompt_logprobs": None, "kv_transfer_params": None,
+                                                 "function_call": None, "reasoning": None},
+                         "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None,
+                         "token_ids": None, "routed_experts": None}],
+            "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": {**self._usage(seq), "prompt_tokens_details": None, "completion_tokens_details": None},
+            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None,
         })
 
     async def _stream(self, request: web.Request, seq: Sequence, sampler: TextSampler, rid: str,
@@ -249,13 +277,14 @@ class EngineServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        base = {**self._base(rid), "object": "chat.completion.chunk"}
+        base = self._base(rid, "chat.completion.chunk")
 
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
         await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
+                                         "logprobs": None, "finish_reason": None}],
+                    "prompt_token_ids": None, "prompt_text": None})
         sent = 0
         while (idx := await seq.out.get()) is not None:
             if fault.stall_after is not None and sent >= fault.stall_after:
@@ -269,12 +298,15 @@ class EngineServer:
                 await resp.write_eof()
                 return resp
             done = seq.output_len >= seq.max_tokens or seq.output_len >= seq.natural_length
-            await send({**base, "choices": [{
-                "index": 0, "delta": {"content": sampler.next_piece(idx)}, "logprobs": None,
-                "finish_reason": (seq.finish_reason if done else None)}]})
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": sampler.next_piece(idx)}, "logprobs": None,
+                                      "finish_reason": seq.finish_reason if done else None}
+            if done:
+                choice["stop_reason"] = None
+            choice["token_ids"] = None
+            await send({**base, "choices": [choice]})
             sent += 1
         if include_usage:
-            await send({**base, "choices": [], "usage": self._usage(seq)})
+            await send({**base, "choices": [], "usage": self._usage(seq), "system_fingerprint": SYSTEM_FINGERPRINT})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
