@@ -34,6 +34,8 @@ class Exchange:
     route: Route | None = None
     deployment: Deployment | None = None
     cluster: str = ""
+    cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route
+    endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
     upstream_body: bytes | None = None  # the body as the upstream must receive it, when rewritten
     stage_us: dict[str, float] = field(default_factory=dict)
 

@@ -6,12 +6,13 @@ import time
 from collections.abc import Sequence
 
 from extproc.exchange import Exchange
+from extproc.picker import Picker
 from extproc.stages import Stage
 from extproc.stages.authorize import DataClassAuthorization
 from extproc.stages.identity import ApiKeyIdentity
 from extproc.stages.intake import Intake
 from extproc.stages.placeholders import BudgetReservation, Redaction
-from extproc.stages.route import RouteSelection
+from extproc.stages.route import PickEndpoint, RouteSelection
 
 # design.md section 1, in order, all on the one message Envoy sends: the buffered body with the
 # headers as attributes. Identity comes first: an unauthenticated caller learns nothing else.
@@ -23,6 +24,11 @@ REQUEST_STAGES: tuple[Stage, ...] = (
     Redaction(),
     RouteSelection(),
 )
+
+
+def build_stages(picker: Picker | None) -> tuple[Stage, ...]:
+    """The request stages, with the endpoint picker after routing when the service runs one."""
+    return REQUEST_STAGES if picker is None else (*REQUEST_STAGES, PickEndpoint(picker))
 
 
 async def run_stages(stages: Sequence[Stage], ex: Exchange) -> None:

@@ -9,6 +9,7 @@ from google.protobuf import struct_pb2
 
 from extproc.contract import METADATA_NAMESPACE, GatewayError
 from extproc.exchange import Exchange
+from extproc.picker import LB_KEY, LB_NAMESPACE
 
 _JSON = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
 
@@ -17,9 +18,11 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
 
 
-def _metadata(values: dict[str, str]) -> struct_pb2.Struct:
+def _metadata(values: dict[str, str], endpoints: list[str] | None = None) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.fields[METADATA_NAMESPACE].struct_value.update(values)
+    if endpoints:  # read by the pool cluster's override_host load-balancing policy
+        md.fields[LB_NAMESPACE].struct_value.update({LB_KEY: ",".join(endpoints)})
     return md
 
 
@@ -33,7 +36,7 @@ def admit(ex: Exchange) -> ep.ProcessingResponse:
     common = ep.CommonResponse(header_mutation=ep.HeaderMutation(), body_mutation=body_mutation,
                                clear_route_cache=True)
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
-                                 dynamic_metadata=_metadata(ex.metadata()))
+                                 dynamic_metadata=_metadata(ex.metadata(), ex.endpoints))
 
 
 def immediate(ex: Exchange, status: int, body: bytes, details: str,

@@ -24,7 +24,8 @@ from google.protobuf import struct_pb2
 from extproc.config import Snapshot, load_snapshot
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
-from extproc.pipeline import REQUEST_STAGES, run_stages
+from extproc.picker import Picker
+from extproc.pipeline import build_stages, run_stages
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.stages.identity import ApiKeyIdentity
@@ -65,9 +66,10 @@ def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:
 
 
 class Processor(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, snapshot: Snapshot, cache_salts: Mapping[str, str]):
+    def __init__(self, snapshot: Snapshot, cache_salts: Mapping[str, str], picker: Picker | None = None):
         self.snapshot = snapshot
         self.cache_salts = cache_salts
+        self.stages = build_stages(picker)
         self._identity = ApiKeyIdentity()
 
     async def Process(  # the gRPC method's name
@@ -83,7 +85,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                 match kind:
                     case "request_body":
                         ex.raw_body = req.request_body.body
-                        await run_stages(REQUEST_STAGES, ex)
+                        await run_stages(self.stages, ex)
                         yield admit(ex)
                     case "request_headers":
                         apply_headers(ex, req.request_headers.headers)
@@ -118,19 +120,34 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
 
 
-def processor_for(snapshot: Snapshot) -> Processor:
+def processor_for(snapshot: Snapshot, picker: Picker | None = None) -> Processor:
     """Resolve the snapshot's secrets; a missing one stops the service from starting (fail closed)."""
     secret = resolve(snapshot.gateway.cache_salt_secret_ref, snapshot.directory)
-    return Processor(snapshot, tenant_salts(secret, snapshot.gateway.tenants))
+    return Processor(snapshot, tenant_salts(secret, snapshot.gateway.tenants), picker)
 
 
-async def serve(snapshot: Snapshot, listen: str) -> None:
+def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[str]]:
+    """The engines of each pool: gateway.yaml's, or `--pool NAME=host:port,...` where Envoy was
+    rendered with other addresses (llmgw up on free ports)."""
+    pools = {name: list(pool.endpoints) for name, pool in snapshot.gateway.pools.items()}
+    for item in overrides:
+        name, _, eps = item.partition("=")
+        if name not in pools:
+            raise SystemExit(f"ext_proc: --pool names unknown pool {name!r}")
+        pools[name] = [e for e in eps.split(",") if e]
+    return pools
+
+
+async def serve(snapshot: Snapshot, listen: str, pools: Mapping[str, list[str]] | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.so_reuseport", 0),
     ])
-    ep_grpc.add_ExternalProcessorServicer_to_server(processor_for(snapshot), server)
+    picker = Picker(pools) if pools else None
+    if picker is not None:
+        await picker.start()
+    ep_grpc.add_ExternalProcessorServicer_to_server(processor_for(snapshot, picker), server)
     if server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
@@ -141,12 +158,17 @@ async def serve(snapshot: Snapshot, listen: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=2)
+    if picker is not None:
+        await picker.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m extproc", description="llmgw ext_proc service")
     p.add_argument("--config", required=True, help="policy directory")
     p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--pool", action="append", default=[], metavar="NAME=HOST:PORT,...",
+                   help="a pool's engine addresses, where they differ from gateway.yaml's")
+    p.add_argument("--no-picker", action="store_true", help="leave engine choice to Envoy's least-request")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -158,4 +180,4 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     uvloop.install()
-    asyncio.run(serve(snapshot, args.listen))
+    asyncio.run(serve(snapshot, args.listen, None if args.no_picker else pool_endpoints(snapshot, args.pool)))

@@ -25,6 +25,7 @@ from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
     address_pb2,
     base_pb2,
+    extension_pb2,
     grpc_service_pb2,
     health_check_pb2,
     protocol_pb2,
@@ -42,8 +43,11 @@ from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, status_code_input_pb2, string_pb2, value_pb2
+from envoy.type.metadata.v3 import metadata_pb2 as metadata_key_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
@@ -51,6 +55,7 @@ from xds.type.matcher.v3 import matcher_pb2
 
 from extproc.config import Snapshot
 from extproc.contract import METADATA_NAMESPACE, ErrorCode
+from extproc.picker import LB_KEY, LB_NAMESPACE
 
 EXTPROC_CLUSTER = "llmgw_extproc"
 ADMIT_KEY = "cluster"  # io.llmgw metadata key naming the cluster ext_proc admitted the request to
@@ -340,6 +345,7 @@ def _access_log() -> accesslog_pb2.AccessLog:
         "tenant": f"%DYNAMIC_METADATA({ns}:tenant)%", "route": f"%DYNAMIC_METADATA({ns}:route)%",
         "deployment": f"%DYNAMIC_METADATA({ns}:deployment)%",
         "revision": f"%DYNAMIC_METADATA({ns}:revision)%",
+        "picked": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{LB_KEY})%",
     })
     return accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout", typed_config=_any(
         stream_pb2.StdoutAccessLog(log_format=substitution_format_string_pb2.SubstitutionFormatString(
@@ -400,8 +406,27 @@ def _static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, co
     )
 
 
+def _override_host_policy() -> cluster_pb2.LoadBalancingPolicy:
+    """ext_proc's picker orders the engines in `envoy.lb` metadata (never a header a client could
+    send); without an order (no fresh metrics) Envoy's least-request decides."""
+    fallback = cluster_pb2.LoadBalancingPolicy(policies=[cluster_pb2.LoadBalancingPolicy.Policy(
+        typed_extension_config=extension_pb2.TypedExtensionConfig(
+            name="envoy.load_balancing_policies.least_request",
+            typed_config=_any(least_request_pb2.LeastRequest())))])
+    policy = override_host_pb2.OverrideHost(
+        override_host_sources=[override_host_pb2.OverrideHost.OverrideHostSource(
+            metadata=metadata_key_pb2.MetadataKey(key=LB_NAMESPACE, path=[
+                metadata_key_pb2.MetadataKey.PathSegment(key=LB_KEY)]))],
+        fallback_policy=fallback)
+    return cluster_pb2.LoadBalancingPolicy(policies=[cluster_pb2.LoadBalancingPolicy.Policy(
+        typed_extension_config=extension_pb2.TypedExtensionConfig(
+            name="envoy.load_balancing_policies.override_host", typed_config=_any(policy)))])
+
+
 def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connect_ms: int) -> cluster_pb2.Cluster:
     cluster = _static_cluster(name, hosts, http2=False, connect_ms=connect_ms, metadata={"pool": pool})
+    cluster.ClearField("lb_policy")
+    cluster.load_balancing_policy.CopyFrom(_override_host_policy())
     cluster.health_checks.append(health_check_pb2.HealthCheck(
         timeout=_dur(1000), interval=_dur(2000),
         unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),

@@ -58,6 +58,7 @@ class StackOptions:
     vllm_venv: Path | None = None  # default: .venv-vllm beside the project
     engine_timeout: float = 60.0  # vLLM takes ~45-60 s to be ready on 2 cores
     envoy_concurrency: int | None = None
+    extproc_args: tuple[str, ...] = ()
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -196,17 +197,20 @@ class Stack:
 
     def _start_extprocs(self, timeout: float) -> None:
         env = self._extproc_env()
+        pools = [f"--pool={name}=" + ",".join(f"{h}:{p}" for h, p in hosts)
+                 for name, hosts in self.render.pools.items()]
         for host, port in self.render.extproc:
             self.extprocs.append(Child(f"extproc-{port}", python_module(
-                "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}"),
-                self.logs / f"extproc-{port}.log", env=env).start())
+                "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}", *pools,
+                *self.opts.extproc_args), self.logs / f"extproc-{port}.log", env=env).start())
         for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
             wait_until(partial(tcp_open, host, port), timeout, f"ext_proc {host}:{port}", child)
 
     def _start_envoy(self, timeout: float) -> None:
         path = self.opts.state_dir / "envoy.yaml"
         path.write_text(render_yaml(self.snapshot, self.render))
-        argv = [str(envoy_binary()), "-c", str(path), "--log-level", "warn", "--disable-hot-restart"]
+        argv = [str(envoy_binary()), "-c", str(path), "--log-level", "warn", "--disable-hot-restart",
+                "--file-flush-interval-msec", "250"]  # access log lines reach envoy.log within 250 ms
         if self.opts.envoy_concurrency:
             argv += ["--concurrency", str(self.opts.envoy_concurrency)]
         self.envoy = Child("envoy", argv, self.logs / "envoy.log").start()

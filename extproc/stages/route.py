@@ -18,11 +18,25 @@ from extproc.config import Snapshot
 from extproc.config.schema import Candidate, Deployment
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
+from extproc.picker import Picker
 
 
 def tenant_salts(secret: str, tenants: Iterable[str]) -> dict[str, str]:
     """HMAC(secret, tenant): stable per tenant, unguessable without the secret, never shared."""
     return {t: hmac.new(secret.encode(), t.encode(), hashlib.sha256).hexdigest()[:32] for t in tenants}
+
+
+class PickEndpoint:
+    """Order the engines of the chosen pool by load and tenant-keyed prefix affinity."""
+
+    name = "pick"
+
+    def __init__(self, picker: Picker):
+        self.picker = picker
+
+    async def run(self, ex: Exchange) -> None:
+        if ex.deployment is not None and ex.deployment.pool is not None:
+            ex.endpoints = self.picker.pick(ex.deployment.pool, ex.cache_salt, ex.body.get("messages"))
 
 
 def eligible(snap: Snapshot, cand: Candidate, data_class: str, today: datetime) -> Deployment | None:
@@ -63,5 +77,5 @@ class RouteSelection:
         salt = ex.cache_salts.get(ex.identity.tenant)
         if salt is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no prefix-cache salt for this tenant")
-        body["cache_salt"] = salt
+        body["cache_salt"] = ex.cache_salt = salt
         ex.upstream_body = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

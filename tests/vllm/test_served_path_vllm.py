@@ -116,3 +116,28 @@ def test_client_cache_salt_cannot_join_another_tenant(vllm_stack: Stack, vllm_ur
                     {"authorization": f"Bearer {key}"}, timeout=60)
         assert r.status == 200
         assert _hits(vllm_url) == before  # same client salt, different tenants: no sharing
+
+
+def test_picker_reads_real_vllm_metrics(vllm_url: str) -> None:
+    from extproc.picker import parse_load
+
+    load = parse_load(request(f"{vllm_url}/metrics").body.decode(), at=0.0)
+    assert load.waiting >= 0 and load.running >= 0 and 0.0 <= load.kv_usage <= 1.0
+
+
+def test_requests_are_picked_from_real_metrics(vllm_stack: Stack, vllm_url: str) -> None:
+    """The picker scored vLLM's live /metrics and named the engine; Envoy's override_host obeyed.
+    (With stale or unreadable metrics the picker names nothing and `picked` stays empty.)"""
+    r = request(f"{vllm_stack.url}/v1/chat/completions", "POST", chat_body(max_tokens=1),
+                {"authorization": f"Bearer {ACME}"}, timeout=60)
+    assert r.status == 200
+    engine = vllm_url.removeprefix("http://")
+    deadline = time.monotonic() + 5
+    entry = None
+    while entry is None and time.monotonic() < deadline:
+        time.sleep(0.3)
+        for line in (vllm_stack.logs / "envoy.log").read_text().splitlines():
+            if line.startswith("{") and r.headers["x-request-id"] in line:
+                entry = json.loads(line)
+    assert entry is not None, "no access log line for the request"
+    assert entry["picked"] == engine and entry["upstream"] == engine

@@ -1,0 +1,163 @@
+"""Endpoint picker for an engine pool: one Envoy cluster, N vLLM engines.
+
+Every engine's `/metrics` is scraped every `interval` (75 ms); a reading older than `stale_after`
+(2 s) does not count, so a dead or hung engine is never picked. Candidates are scored with the Gateway
+API Inference Extension's default weights - waiting queue (2), free KV cache (2), prefix affinity (3) -
+plus running requests (1), each term in [0, 1] on absolute load (1 / (1 + queue)), and ordered best
+first. Envoy's `override_host` policy takes
+that order from the `envoy.lb` metadata and falls back to least-request when the list is empty.
+
+Prefix affinity is keyed by tenant: block hashes of the prompt chain from the tenant's cache salt, so
+one tenant's traffic never steers towards blocks another tenant cached (invariant 10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger("llmgw.picker")
+
+LB_NAMESPACE = "envoy.lb"
+LB_KEY = "x-gateway-destination-endpoint"
+WEIGHTS = {"queue": 2.0, "kv": 2.0, "prefix": 3.0, "running": 1.0}
+AFFINITY_BLOCK_CHARS = 256  # prompt characters per affinity block
+AFFINITY_ENTRIES = 100_000
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    waiting: float
+    running: float
+    kv_usage: float
+    at: float  # monotonic time of the scrape
+
+
+_WANTED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+           "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+def parse_load(text: str, at: float) -> EngineLoad:
+    """Read the three gauges from a vLLM /metrics page (summed over label sets, e.g. engines)."""
+    found = {"waiting": 0.0, "running": 0.0, "kv_usage": 0.0}
+    seen = set()
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in _WANTED:
+            continue
+        try:
+            found[_WANTED[name]] += float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+        seen.add(name)
+    if len(seen) < len(_WANTED):
+        raise ValueError(f"metrics page lacks {sorted(set(_WANTED) - seen)}")
+    return EngineLoad(at=at, **found)
+
+
+def prompt_blocks(salt: str, messages: object) -> list[int]:
+    """Chained hashes of the prompt in fixed-size character blocks, seeded with the tenant's salt."""
+    text = repr(messages)
+    out, prev = [], hash(("affinity", salt))
+    for i in range(0, len(text) - AFFINITY_BLOCK_CHARS + 1, AFFINITY_BLOCK_CHARS):
+        prev = hash((prev, text[i:i + AFFINITY_BLOCK_CHARS]))
+        out.append(prev)
+    return out
+
+
+class Picker:
+    def __init__(self, pools: Mapping[str, Iterable[str]], interval: float = 0.075, stale_after: float = 2.0):
+        self.pools = {name: tuple(eps) for name, eps in pools.items()}
+        self.interval = interval
+        self.stale_after = stale_after
+        self.loads: dict[str, EngineLoad] = {}
+        self._affinity: OrderedDict[int, str] = OrderedDict()  # block hash -> endpoint
+        self._picked_at: dict[str, list[float]] = {}  # picks per endpoint, newest last
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
+        for endpoints in self.pools.values():
+            for ep in endpoints:
+                self._tasks.append(asyncio.create_task(self._scrape_forever(ep)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._session is not None:
+            await self._session.close()
+
+    async def _scrape_forever(self, endpoint: str) -> None:
+        assert self._session is not None
+        while True:
+            try:
+                async with self._session.get(f"http://{endpoint}/metrics") as r:
+                    if r.status == 200:
+                        self.loads[endpoint] = parse_load(await r.text(), time.monotonic())
+            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("scrape %s failed: %s", endpoint, e)
+            await asyncio.sleep(self.interval)
+
+    def fresh(self, endpoint: str, now: float) -> EngineLoad | None:
+        load = self.loads.get(endpoint)
+        return load if load is not None and now - load.at <= self.stale_after else None
+
+    def pick(self, pool: str, salt: str, messages: object) -> list[str]:
+        """Endpoints of `pool`, best first; empty when no engine has fresh metrics (Envoy then picks)."""
+        now = time.monotonic()
+        loads = {ep: ld for ep in self.pools.get(pool, ()) if (ld := self.fresh(ep, now)) is not None}
+        if not loads:
+            return []
+        blocks = prompt_blocks(salt, messages)
+        matched = self._matched_blocks(blocks)
+        # Picks made since an engine's last scrape are load its metrics cannot show yet: a burst
+        # arriving between two scrapes spreads instead of piling onto one engine.
+        pending = {ep: self._pending(ep, ld.at) for ep, ld in loads.items()}
+
+        def score(ep: str) -> float:
+            ld = loads[ep]
+            return (WEIGHTS["queue"] / (1.0 + ld.waiting + pending[ep])
+                    + WEIGHTS["kv"] * (1.0 - min(max(ld.kv_usage, 0.0), 1.0))
+                    + WEIGHTS["prefix"] * (matched.get(ep, 0) / len(blocks) if blocks else 0.0)
+                    + WEIGHTS["running"] / (1.0 + ld.running))
+
+        order = sorted(loads, key=lambda ep: (-score(ep), pending[ep], ep))
+        self._record(order[0], blocks, now)
+        return order
+
+    def _matched_blocks(self, blocks: list[int]) -> dict[str, int]:
+        """For each endpoint, how many leading blocks of this prompt it served last."""
+        matched: dict[str, int] = {}
+        for i, h in enumerate(blocks):
+            ep = self._affinity.get(h)
+            if ep is None:
+                break
+            matched[ep] = i + 1
+        return matched
+
+    def _pending(self, ep: str, scraped_at: float) -> float:
+        times = [t for t in self._picked_at.get(ep, ()) if t > scraped_at]
+        self._picked_at[ep] = times
+        return float(len(times))
+
+    def _record(self, ep: str, blocks: list[int], now: float) -> None:
+        self._picked_at.setdefault(ep, []).append(now)
+        for h in blocks:
+            self._affinity[h] = ep
+            self._affinity.move_to_end(h)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)

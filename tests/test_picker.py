@@ -1,0 +1,119 @@
+"""The endpoint picker: metrics parsing, scoring, staleness, tenant-keyed affinity, and Envoy obeying it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from extproc.picker import EngineLoad, Picker, parse_load
+from llmgw.stack import DEMO_KEYS, Stack
+from tests.conftest import start_stack
+from tests.helpers import chat_body, request
+
+# vLLM 0.32's page puts labels in its own order and prints floats; the parser must not care.
+VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0
+"""
+
+
+def test_parse_vllm_page() -> None:
+    load = parse_load(VLLM_PAGE, at=1.0)
+    assert (load.waiting, load.running, load.kv_usage) == (7.0, 3.0, 0.25)
+
+
+def test_parse_refuses_a_page_without_the_gauges() -> None:
+    with pytest.raises(ValueError):
+        parse_load("vllm:num_requests_running 1\n", at=0.0)
+
+
+def picker_with(loads: dict[str, tuple[float, float, float]], age: float = 0.0) -> Picker:
+    p = Picker({"pool": list(loads)})
+    now = time.monotonic()
+    p.loads = {ep: EngineLoad(waiting=w, running=r, kv_usage=kv, at=now - age) for ep, (w, r, kv) in loads.items()}
+    return p
+
+
+MSGS = [{"role": "user", "content": "x" * 2000}]
+
+
+@pytest.mark.parametrize(("loads", "best"), [
+    ({"a:1": (5, 8, 0.5), "b:1": (0, 8, 0.5)}, "b:1"),  # shorter queue
+    ({"a:1": (0, 8, 0.9), "b:1": (0, 8, 0.2)}, "b:1"),  # more free KV cache
+    ({"a:1": (0, 2, 0.3), "b:1": (0, 9, 0.3)}, "a:1"),  # fewer running
+])
+def test_scores_prefer_the_less_loaded_engine(loads: dict[str, tuple[float, float, float]], best: str) -> None:
+    assert picker_with(loads).pick("pool", "salt", MSGS)[0] == best
+
+
+def test_stale_or_missing_metrics_are_never_picked() -> None:
+    assert picker_with({"a:1": (0, 0, 0.0)}, age=3.0).pick("pool", "s", MSGS) == []
+    p = picker_with({"a:1": (9, 9, 0.9)})
+    p.pools["pool"] = ("a:1", "dead:1")  # no reading at all for dead:1
+    assert p.pick("pool", "s", MSGS) == ["a:1"]
+
+
+def test_prefix_affinity_is_per_tenant() -> None:
+    p = picker_with({"a:1": (0, 0, 0.0), "b:1": (0, 0, 0.0)})
+    first = p.pick("pool", "tenant-1", MSGS)[0]
+    p.loads = {ep: EngineLoad(0, 0, 0.0, at=time.monotonic()) for ep in p.loads}  # a new scrape: idle again
+    assert p.pick("pool", "tenant-1", MSGS)[0] == first
+    # Another tenant's identical prompt matches none of tenant-1's blocks.
+    from extproc.picker import prompt_blocks
+    assert p._matched_blocks(prompt_blocks("tenant-1", MSGS)) == {first: len(prompt_blocks("t", MSGS))}
+    assert p._matched_blocks(prompt_blocks("tenant-2", MSGS)) == {}
+
+
+def test_affinity_yields_to_heavy_load() -> None:
+    p = picker_with({"a:1": (0, 0, 0.0), "b:1": (0, 0, 0.0)})
+    first = p.pick("pool", "t", MSGS)[0]
+    other = "b:1" if first == "a:1" else "a:1"
+    now = time.monotonic()
+    p.loads[first] = EngineLoad(waiting=50, running=256, kv_usage=0.98, at=now)
+    p.loads[other] = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=now)
+    assert p.pick("pool", "t", MSGS)[0] == other
+
+
+def test_a_burst_spreads_before_metrics_catch_up() -> None:
+    p = picker_with({"a:1": (0, 0, 0.0), "b:1": (0, 0, 0.0)})
+    firsts = [p.pick("pool", f"t{i}", [{"role": "user", "content": f"{i}"}])[0] for i in range(10)]
+    assert abs(firsts.count("a:1") - firsts.count("b:1")) <= 2
+
+
+# -- end to end: Envoy's override_host follows the picker -----------------------------------------
+
+@pytest.fixture
+def slow_stack(tmp_path: Path) -> Stack:
+    # Real-time engines that run one sequence at a time: a busy engine queues.
+    s = start_stack(tmp_path, time_scale=1.0, engine_args=("--max-num-seqs", "1"))
+    yield s  # type: ignore[misc]
+    s.stop()
+
+
+@pytest.mark.e2e
+def test_requests_avoid_the_busy_engine(slow_stack: Stack) -> None:
+    busy, idle = slow_stack.engine_urls()
+    # Occupy one engine directly: one running, two waiting, for several seconds.
+    threads = [threading.Thread(target=request, args=(f"{busy}/v1/chat/completions", "POST",
+                                                      chat_body("meta-llama/Llama-3.1-8B-Instruct", max_tokens=400)),
+                                kwargs={"timeout": 60}, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # several scrapes
+    marker = uuid.uuid4().hex
+    for i in range(6):
+        r = request(f"{slow_stack.url}/v1/chat/completions", "POST", chat_body(content=f"{marker} {i}", max_tokens=2),
+                    {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30)
+        assert r.status == 200
+    served = {url: sum(marker in json.dumps(e["messages"]) for e in request(f"{url}/admin/requests").json())
+              for url in (busy, idle)}
+    assert served == {busy: 0, idle: 6}, served
