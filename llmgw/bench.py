@@ -68,9 +68,18 @@ def _direct(body: str, content_type: str, stream: bool | None) -> route_componen
             key="content-type", value=content_type))])
 
 
+# A vLLM metrics page, so the gateway's endpoint picker scores the fake engine on every request.
+METRICS = "".join(f'{name}{{engine="0",model_name="bench"}} {value}\n' for name, value in (
+    ("vllm:num_requests_running", 0.0), ("vllm:num_requests_waiting", 0.0), ("vllm:kv_cache_usage_perc", 0.0)))
+
+
 def upstream_bootstrap(port: int, admin: int) -> bootstrap_pb2.Bootstrap:
-    """A fast fake engine: SSE when the client asked for a stream (marked by a header), else JSON."""
-    routes = [_direct(SSE, "text/event-stream", True), _direct(COMPLETION, "application/json", None)]
+    """A fast fake engine: SSE when the client asked for a stream (marked by a header), else JSON;
+    /metrics answers like vLLM's."""
+    metrics = _direct(METRICS, "text/plain", None)
+    metrics.match.ClearField("prefix")
+    metrics.match.path = "/metrics"
+    routes = [metrics, _direct(SSE, "text/event-stream", True), _direct(COMPLETION, "application/json", None)]
     return bootstrap_pb2.Bootstrap(
         admin=bootstrap_pb2.Admin(address=_addr("127.0.0.1", admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener_pb2.Listener(
@@ -167,15 +176,22 @@ def run_overhead(args: argparse.Namespace) -> int:
                     gw.append(run_wrk(f"{stack.url}/v1/chat/completions", script, c, args.duration / args.rounds))
                 rows.append(_row("stream" if stream else "json", c, bare, gw))
                 print(rows[-1], flush=True)
+        picked = _picked_share(stack.logs / "envoy.log", f"127.0.0.1:{up_port}")
     finally:
         stack.stop()
         for ch in children:
             ch.stop()
-    table = _table(rows, args)
+    table = _table(rows, args) + f"Endpoint picker named the engine on {picked:.0%} of the gateway's requests.\n"
     print(table)
     if args.output:
         Path(args.output).write_text(table)
     return 0
+
+
+def _picked_share(envoy_log: Path, engine: str) -> float:
+    """Share of access-log lines in which the picker's order named the engine (it scored it)."""
+    lines = [json.loads(ln) for ln in envoy_log.read_text().splitlines() if ln.startswith("{")]
+    return sum(1 for ln in lines if ln.get("picked") == engine) / max(1, len(lines))
 
 
 def _med(xs: list[float]) -> float:

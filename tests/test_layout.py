@@ -1,0 +1,36 @@
+"""The layout is the architecture: the data plane (extproc/) imports neither the control plane
+(llmgw/) nor the simulator (enginesim/), and the simulator knows nothing of the gateway."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def imported_packages(package: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        out[str(path.relative_to(ROOT))] = {name.split(".")[0] for name in names}
+    return out
+
+
+@pytest.mark.parametrize(("package", "forbidden"), [
+    ("extproc", {"llmgw", "enginesim"}),
+    ("enginesim", {"llmgw", "extproc"}),
+])
+def test_no_forbidden_imports(package: str, forbidden: set[str]) -> None:
+    bad = {f: sorted(pkgs & forbidden) for f, pkgs in imported_packages(package).items() if pkgs & forbidden}
+    assert bad == {}
+
+
+def test_layout_exists() -> None:
+    for p in ("extproc", "llmgw", "enginesim", "envoy", "protos", "policy", "tests", "docker-compose.yml",
+              "README.md", "Makefile", ".ci/run", "pyproject.toml"):
+        assert Path(ROOT / p).exists(), p

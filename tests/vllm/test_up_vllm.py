@@ -1,0 +1,51 @@
+"""`llmgw up --engine vllm` as a user runs it: real vLLM engines, a streaming answer through Envoy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import yaml
+
+from llmgw.procs import free_port
+from tests.conftest import POLICY
+
+
+def test_up_with_real_vllm_streams(tmp_path: Path) -> None:
+    policy = tmp_path / "policy"
+    shutil.copytree(POLICY, policy)
+    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
+    doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{free_port()}"]  # one engine: 2 cores here
+    doc["envoy"]["extproc"] = [f"127.0.0.1:{free_port()}"]
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    state = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--engine", "vllm", "--config", str(policy),
+                             "--state-dir", str(state), "--port", str(free_port()), "--admin-port", str(free_port()),
+                             "--valkey-port", str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        t0 = time.monotonic()
+        while not (state / "up.json").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() - t0 < 300, "not up within 300 s"
+            time.sleep(0.5)
+        info = json.loads((state / "up.json").read_text())
+        client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key=info["tenants"]["acme"]["api_key"],
+                               max_retries=0, timeout=120)
+        chunks = list(client.chat.completions.create(
+            model="chat-default", max_tokens=5, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "hello"}]))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+        assert (state / "tiny-model" / "llmgw-tiny-model.json").exists()
+        engine_logs = [p.read_text(errors="replace") for p in (state / "logs").glob("engine-*.log")]
+        assert engine_logs and all("(APIServer pid=" in text for text in engine_logs)  # real vLLM, not the sim
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
