@@ -73,8 +73,7 @@ class RouteSelection:
         body = dict(ex.body)
         body["model"] = dep.served_model
         # Invariant 10: the prefix-cache salt is the tenant's, whatever the client sent.
-        assert ex.identity is not None  # identity ran first; authorization refuses otherwise
-        salt = ex.cache_salts.get(ex.identity.tenant)
+        salt = ex.cache_salts.get(ex.identity.tenant) if ex.identity is not None else None
         if salt is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no prefix-cache salt for this tenant")
         body["cache_salt"] = ex.cache_salt = salt
