@@ -186,7 +186,7 @@ class EngineServer:
             return schema_error("body", "json_invalid", "JSON decode error")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         bad = self._validate(body)
-        self._log_request(rid, request, body, 400 if bad else 200)
+        entry = self._log_request(rid, request, body, 400 if bad else 200)
         if bad is not None:
             return bad
         if fault.exit:
@@ -226,6 +226,10 @@ class EngineServer:
             return await self._complete(seq, sampler, rid)
         finally:
             self.engine.abort(seq)  # a no-op when it finished; frees the engine when the client left
+            # Simulated seconds, for benchmarks that read the engine's view of latency.
+            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len,
+                         ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
+                         finish_reason=seq.finish_reason)
 
     def _take_fault(self, request: web.Request) -> Fault | web.Response:
         spec = request.headers.get(FAULT_HEADER)
@@ -236,7 +240,7 @@ class EngineServer:
             return vllm_error(400, str(e))
         return self.faults.popleft() if self.faults else Fault()
 
-    def _log_request(self, rid: str, request: web.Request, body: Any, status: int) -> None:
+    def _log_request(self, rid: str, request: web.Request, body: Any, status: int) -> dict[str, Any]:
         body = body if isinstance(body, dict) else {}
         self.requests.append({
             "request_id": rid, "time": time.time(), "status": status, "model": body.get("model"),
@@ -246,6 +250,7 @@ class EngineServer:
             "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() != "authorization"},
             "authorization_present": "Authorization" in request.headers,
         })
+        return self.requests[-1]
 
     def _base(self, rid: str, obj: str) -> dict[str, Any]:
         return {"id": f"chatcmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.served_model}

@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--rounds", type=int, default=3)
     o.add_argument("--output", help="also write the markdown table here")
     o.set_defaults(func=cmd_bench_overhead)
+    from llmgw.bench_picker import add_parser as add_picker_bench
+
+    add_picker_bench(bsub)
     return p
 
 

@@ -71,6 +71,7 @@ class RenderOptions:
     extproc: tuple[tuple[str, int], ...]
     pools: dict[str, tuple[tuple[str, int], ...]]
     access_log: bool = True
+    pool_lb: str = "picker"  # "picker": override_host from ext_proc's order; "round_robin": a baseline
 
     @classmethod
     def for_compose(cls, snap: Snapshot) -> RenderOptions:
@@ -423,10 +424,14 @@ def _override_host_policy() -> cluster_pb2.LoadBalancingPolicy:
             name="envoy.load_balancing_policies.override_host", typed_config=_any(policy)))])
 
 
-def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connect_ms: int) -> cluster_pb2.Cluster:
+def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connect_ms: int,
+                  lb: str = "picker") -> cluster_pb2.Cluster:
     cluster = _static_cluster(name, hosts, http2=False, connect_ms=connect_ms, metadata={"pool": pool})
-    cluster.ClearField("lb_policy")
-    cluster.load_balancing_policy.CopyFrom(_override_host_policy())
+    if lb == "round_robin":
+        cluster.lb_policy = cluster_pb2.Cluster.ROUND_ROBIN
+    else:
+        cluster.ClearField("lb_policy")
+        cluster.load_balancing_policy.CopyFrom(_override_host_policy())
     cluster.health_checks.append(health_check_pb2.HealthCheck(
         timeout=_dur(1000), interval=_dur(2000),
         unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),
@@ -441,7 +446,8 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
     clusters = [_static_cluster(EXTPROC_CLUSTER, opts.extproc, http2=True, connect_ms=1000)]
     for cluster_name, pool in pool_clusters.items():
         hosts = opts.pools.get(pool) or tuple(_hp(e) for e in snap.gateway.pools[pool].endpoints)
-        clusters.append(_pool_cluster(cluster_name, pool, hosts, snap.gateway.pools[pool].connect_timeout_ms))
+        clusters.append(_pool_cluster(cluster_name, pool, hosts, snap.gateway.pools[pool].connect_timeout_ms,
+                                      opts.pool_lb))
     for dep in snap.deployments.values():
         if dep.endpoints:
             clusters.append(_static_cluster(snap.pool_of(dep), (_hp(e) for e in dep.endpoints),

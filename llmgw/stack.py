@@ -59,6 +59,7 @@ class StackOptions:
     engine_timeout: float = 60.0  # vLLM takes ~45-60 s to be ready on 2 cores
     envoy_concurrency: int | None = None
     extproc_args: tuple[str, ...] = ()
+    pool_lb: str = "picker"  # or "round_robin" (a benchmark baseline: no picker)
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -98,6 +99,9 @@ class Stack:
         if o.engine_ports:
             overrides["pools"] = {p: tuple(("127.0.0.1", port) for port in ports)
                                   for p, ports in o.engine_ports.items()}
+        overrides["pool_lb"] = o.pool_lb
+        if o.pool_lb != "picker":
+            o.extproc_args = (*o.extproc_args, "--no-picker")
         self.render = RenderOptions.from_snapshot(self.snapshot, **overrides)
 
     # -- addresses ---------------------------------------------------------------------------------

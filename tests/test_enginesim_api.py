@@ -51,6 +51,8 @@ def test_non_streaming_shape(engine: str) -> None:
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
     assert doc["usage"]["completion_tokens"] == 5
     assert doc["usage"]["total_tokens"] == doc["usage"]["prompt_tokens"] + 5
+    (logged,) = [e for e in request(f"{engine}/admin/requests").json() if e["request_id"] == "abc123"]
+    assert logged["output_tokens"] == 5 and 0 < logged["ttft_s"] < 1.0  # simulated seconds
 
 
 def test_streaming_chunks_usage_and_done(engine: str) -> None:

@@ -111,3 +111,22 @@ def test_render_cli_writes_file(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(out.read_text())["static_resources"]["listeners"][0]["name"] == "llmgw"
+
+
+def test_pool_uses_override_host_from_picker_metadata(rendered: dict[str, Any]) -> None:
+    (pool,) = [c for c in rendered["static_resources"]["clusters"] if c["name"] == "pool_engine-pool"]
+    (policy,) = pool["load_balancing_policy"]["policies"]
+    cfg = policy["typed_extension_config"]
+    assert cfg["name"] == "envoy.load_balancing_policies.override_host"
+    (source,) = cfg["typed_config"]["override_host_sources"]
+    assert source == {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    fallback = cfg["typed_config"]["fallback_policy"]["policies"][0]["typed_extension_config"]["name"]
+    assert fallback == "envoy.load_balancing_policies.least_request"
+
+
+def test_round_robin_baseline_has_no_override() -> None:
+    snap = load_snapshot(POLICY)
+    opts = RenderOptions.from_snapshot(snap, pool_lb="round_robin")
+    doc = yaml.safe_load(render_yaml(snap, opts))
+    (pool,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "pool_engine-pool"]
+    assert pool["lb_policy"] == "ROUND_ROBIN" and "load_balancing_policy" not in pool
