@@ -32,7 +32,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.protobuf import json_format
 
 from extproc.config import load_snapshot
-from llmgw.envoy_render import _addr, _any, _dur, _static_cluster
+from llmgw.envoy_render import duration_ms, pack, socket_address, static_cluster
 from llmgw.procs import Child, envoy_binary, free_port, http_ok, wait_until
 from llmgw.stack import DEMO_KEYS, Stack, StackOptions
 
@@ -53,8 +53,8 @@ def _hcm(routes: list[route_components_pb2.Route]) -> listener_components_pb2.Fi
         stat_prefix="bench", codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         route_config=route_pb2.RouteConfiguration(virtual_hosts=[route_components_pb2.VirtualHost(
             name="all", domains=["*"], routes=routes)]),
-        http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))])
-    return listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager", typed_config=_any(hcm))
+        http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router()))])
+    return listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))
 
 
 def _direct(body: str, content_type: str, stream: bool | None) -> route_components_pb2.Route:
@@ -81,22 +81,22 @@ def upstream_bootstrap(port: int, admin: int) -> bootstrap_pb2.Bootstrap:
     metrics.match.path = "/metrics"
     routes = [metrics, _direct(SSE, "text/event-stream", True), _direct(COMPLETION, "application/json", None)]
     return bootstrap_pb2.Bootstrap(
-        admin=bootstrap_pb2.Admin(address=_addr("127.0.0.1", admin)),
+        admin=bootstrap_pb2.Admin(address=socket_address("127.0.0.1", admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener_pb2.Listener(
-            name="up", address=_addr("127.0.0.1", port),
+            name="up", address=socket_address("127.0.0.1", port),
             filter_chains=[listener_components_pb2.FilterChain(filters=[_hcm(routes)])])]))
 
 
 def bare_bootstrap(port: int, admin: int, upstream: int) -> bootstrap_pb2.Bootstrap:
     route = route_components_pb2.Route(match=route_components_pb2.RouteMatch(prefix="/"),
-                                       route=route_components_pb2.RouteAction(cluster="up", timeout=_dur(0)))
+                                       route=route_components_pb2.RouteAction(cluster="up", timeout=duration_ms(0)))
     return bootstrap_pb2.Bootstrap(
-        admin=bootstrap_pb2.Admin(address=_addr("127.0.0.1", admin)),
+        admin=bootstrap_pb2.Admin(address=socket_address("127.0.0.1", admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(
-            listeners=[listener_pb2.Listener(name="bare", address=_addr("127.0.0.1", port),
+            listeners=[listener_pb2.Listener(name="bare", address=socket_address("127.0.0.1", port),
                                              filter_chains=[listener_components_pb2.FilterChain(
                                                  filters=[_hcm([route])])])],
-            clusters=[_static_cluster("up", [("127.0.0.1", upstream)], http2=False, connect_ms=1000)]))
+            clusters=[static_cluster("up", [("127.0.0.1", upstream)], http2=False, connect_ms=1000)]))
 
 
 def _start_envoy(name: str, boot: bootstrap_pb2.Bootstrap, workdir: Path, admin: int) -> Child:

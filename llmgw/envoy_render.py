@@ -106,19 +106,19 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _any(msg: Message) -> any_pb2.Any:
+def pack(msg: Message) -> any_pb2.Any:
     a = any_pb2.Any()
     a.Pack(msg)
     return a
 
 
-def _dur(ms: int) -> duration_pb2.Duration:
+def duration_ms(ms: int) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
     d.FromMilliseconds(ms)
     return d
 
 
-def _addr(host: str, port: int) -> address_pb2.Address:
+def socket_address(host: str, port: int) -> address_pb2.Address:
     return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
 
 
@@ -137,7 +137,7 @@ def _contract_json(code: ErrorCode, message: str, status_fmt: str | None = None)
 def _cel_filter(expr: str) -> accesslog_pb2.AccessLogFilter:
     return accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
         name="envoy.access_loggers.extension_filters.cel",
-        typed_config=_any(cel_pb2.ExpressionFilter(expression=expr))))
+        typed_config=pack(cel_pb2.ExpressionFilter(expression=expr))))
 
 
 # Envoy's own local replies -> contract errors. ext_proc's ImmediateResponses (details `llmgw*`) and
@@ -188,13 +188,13 @@ UPSTREAM_ERROR_RULES: tuple[tuple[int, int, ErrorCode, str], ...] = (
 
 def _custom_response_filter() -> custom_response_pb2.CustomResponse:
     status_input = xds_extension_pb2.TypedExtensionConfig(
-        name="status", typed_config=_any(status_code_input_pb2.HttpResponseStatusCodeMatchInput()))
+        name="status", typed_config=pack(status_code_input_pb2.HttpResponseStatusCodeMatchInput()))
     tree = matcher_pb2.Matcher.MatcherTree(
         input=status_input,
         exact_match_map=matcher_pb2.Matcher.MatcherTree.MatchMap(map={
             str(upstream): matcher_pb2.Matcher.OnMatch(action=xds_extension_pb2.TypedExtensionConfig(
                 name=f"upstream_{upstream}",
-                typed_config=_any(local_response_policy_pb2.LocalResponsePolicy(
+                typed_config=pack(local_response_policy_pb2.LocalResponsePolicy(
                     status_code=wrappers_pb2.UInt32Value(value=status),
                     body_format=_contract_json(code, message),
                     # Its content_type is ignored in 1.40; the header is set here instead.
@@ -209,7 +209,7 @@ def _custom_response_filter() -> custom_response_pb2.CustomResponse:
 
 def _admitted_route_filters() -> dict[str, any_pb2.Any]:
     """Upstream errors are rewritten only on admitted routes, so ext_proc's own replies stay as sent."""
-    return {"envoy.filters.http.custom_response": _any(_custom_response_filter())}
+    return {"envoy.filters.http.custom_response": pack(_custom_response_filter())}
 
 
 # The contract's response headers, from the metadata ext_proc returned with its decision.
@@ -252,7 +252,7 @@ def _ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
         processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.BUFFERED,
                            response_header_mode=pm.SKIP, response_body_mode=pm.NONE),
         request_attributes=list(REQUEST_ATTRIBUTES),
-        message_timeout=_dur(snap.gateway.envoy.extproc_message_timeout_ms),
+        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
         mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_envoy=wrappers_pb2.BoolValue(value=True)),
         metadata_options=ext_proc_pb2.MetadataOptions(
             receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
@@ -261,7 +261,7 @@ def _ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
 
 
 def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
-    return hcm_pb2.HttpFilter(name=name, typed_config=_any(msg))
+    return hcm_pb2.HttpFilter(name=name, typed_config=pack(msg))
 
 
 def _direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.DirectResponseAction:
@@ -271,7 +271,7 @@ def _direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.
 
 
 def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
-    return {"envoy.filters.http.ext_proc": _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+    return {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
 
 
 def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
@@ -288,7 +288,7 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
             name="models", match=route_components_pb2.RouteMatch(path="/v1/models"),
             direct_response=_direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
             response_headers_to_add=json_ct,
-            typed_per_filter_config={"envoy.filters.http.ext_proc": _any(ext_proc_pb2.ExtProcPerRoute(
+            typed_per_filter_config={"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(
                 overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=processing_mode_pb2.ProcessingMode(
                     request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
                     request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
@@ -304,7 +304,7 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                     path=[metadata_pb2.MetadataMatcher.PathSegment(key=ADMIT_KEY)],
                     value=_string_value_matcher(cluster))]),
             route=route_components_pb2.RouteAction(
-                cluster=cluster, timeout=_dur(0), idle_timeout=_dur(300_000),
+                cluster=cluster, timeout=duration_ms(0), idle_timeout=duration_ms(300_000),
                 retry_policy=route_components_pb2.RetryPolicy(
                     retry_on="connect-failure,refused-stream", num_retries=wrappers_pb2.UInt32Value(value=1)),
             ),
@@ -348,7 +348,7 @@ def _access_log() -> accesslog_pb2.AccessLog:
         "revision": f"%DYNAMIC_METADATA({ns}:revision)%",
         "picked": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{LB_KEY})%",
     })
-    return accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout", typed_config=_any(
+    return accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout", typed_config=pack(
         stream_pb2.StdoutAccessLog(log_format=substitution_format_string_pb2.SubstitutionFormatString(
             json_format=fmt))))
 
@@ -359,8 +359,8 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         always_set_request_id_in_response=True,
-        stream_idle_timeout=_dur(300_000),
-        request_timeout=_dur(0),
+        stream_idle_timeout=duration_ms(300_000),
+        request_timeout=duration_ms(0),
         route_config=_route_config(clusters),
         local_reply_config=_local_reply_config(),
         access_log=[_access_log()] if access_log else [],
@@ -380,14 +380,15 @@ def _protocol_options(http2: bool) -> dict[str, any_pb2.Any]:
     explicit = (opts.ExplicitHttpConfig(http2_protocol_options=protocol_pb2.Http2ProtocolOptions(
         max_concurrent_streams=wrappers_pb2.UInt32Value(value=100_000)))
                 if http2 else opts.ExplicitHttpConfig(http_protocol_options=protocol_pb2.Http1ProtocolOptions()))
-    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(opts(explicit_http_config=explicit))}
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": pack(opts(explicit_http_config=explicit))}
 
 
-def _static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, connect_ms: int,
+def static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, connect_ms: int,
                     metadata: dict[str, str] | None = None) -> cluster_pb2.Cluster:
     endpoints = []
     for host, port in hosts:
-        lb = endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(address=_addr(host, port)))
+        lb = endpoint_components_pb2.LbEndpoint(
+            endpoint=endpoint_components_pb2.Endpoint(address=socket_address(host, port)))
         if metadata:
             lb.metadata.filter_metadata[METADATA_NAMESPACE].update(metadata)
         endpoints.append(lb)
@@ -395,7 +396,7 @@ def _static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, co
     # Compose and Kubernetes address services by name; loopback deployments by IP.
     kind = cluster_pb2.Cluster.STATIC if all(_is_ip(h) for h, _ in hosts) else cluster_pb2.Cluster.STRICT_DNS
     return cluster_pb2.Cluster(
-        name=name, type=kind, connect_timeout=_dur(connect_ms),
+        name=name, type=kind, connect_timeout=duration_ms(connect_ms),
         lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
         typed_extension_protocol_options=_protocol_options(http2),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
@@ -413,7 +414,7 @@ def _override_host_policy() -> cluster_pb2.LoadBalancingPolicy:
     fallback = cluster_pb2.LoadBalancingPolicy(policies=[cluster_pb2.LoadBalancingPolicy.Policy(
         typed_extension_config=extension_pb2.TypedExtensionConfig(
             name="envoy.load_balancing_policies.least_request",
-            typed_config=_any(least_request_pb2.LeastRequest())))])
+            typed_config=pack(least_request_pb2.LeastRequest())))])
     policy = override_host_pb2.OverrideHost(
         override_host_sources=[override_host_pb2.OverrideHost.OverrideHostSource(
             metadata=metadata_key_pb2.MetadataKey(key=LB_NAMESPACE, path=[
@@ -421,19 +422,19 @@ def _override_host_policy() -> cluster_pb2.LoadBalancingPolicy:
         fallback_policy=fallback)
     return cluster_pb2.LoadBalancingPolicy(policies=[cluster_pb2.LoadBalancingPolicy.Policy(
         typed_extension_config=extension_pb2.TypedExtensionConfig(
-            name="envoy.load_balancing_policies.override_host", typed_config=_any(policy)))])
+            name="envoy.load_balancing_policies.override_host", typed_config=pack(policy)))])
 
 
 def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connect_ms: int,
                   lb: str = "picker") -> cluster_pb2.Cluster:
-    cluster = _static_cluster(name, hosts, http2=False, connect_ms=connect_ms, metadata={"pool": pool})
+    cluster = static_cluster(name, hosts, http2=False, connect_ms=connect_ms, metadata={"pool": pool})
     if lb == "round_robin":
         cluster.lb_policy = cluster_pb2.Cluster.ROUND_ROBIN
     else:
         cluster.ClearField("lb_policy")
         cluster.load_balancing_policy.CopyFrom(_override_host_policy())
     cluster.health_checks.append(health_check_pb2.HealthCheck(
-        timeout=_dur(1000), interval=_dur(2000),
+        timeout=duration_ms(1000), interval=duration_ms(2000),
         unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),
         healthy_threshold=wrappers_pb2.UInt32Value(value=1),
         http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/health")))
@@ -443,24 +444,24 @@ def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connec
 
 def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Bootstrap:
     pool_clusters = {f"pool_{name}": name for name in snap.gateway.pools}
-    clusters = [_static_cluster(EXTPROC_CLUSTER, opts.extproc, http2=True, connect_ms=1000)]
+    clusters = [static_cluster(EXTPROC_CLUSTER, opts.extproc, http2=True, connect_ms=1000)]
     for cluster_name, pool in pool_clusters.items():
         hosts = opts.pools.get(pool) or tuple(_hp(e) for e in snap.gateway.pools[pool].endpoints)
         clusters.append(_pool_cluster(cluster_name, pool, hosts, snap.gateway.pools[pool].connect_timeout_ms,
                                       opts.pool_lb))
     for dep in snap.deployments.values():
         if dep.endpoints:
-            clusters.append(_static_cluster(snap.pool_of(dep), (_hp(e) for e in dep.endpoints),
+            clusters.append(static_cluster(snap.pool_of(dep), (_hp(e) for e in dep.endpoints),
                                             http2=False, connect_ms=1000))
     hcm = _hcm(snap, [c.name for c in clusters[1:]], opts.access_log)
     listener = listener_pb2.Listener(
-        name="llmgw", address=_addr(*opts.listen),
+        name="llmgw", address=socket_address(*opts.listen),
         per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes),
         filter_chains=[listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
-            name="envoy.filters.network.http_connection_manager", typed_config=_any(hcm))])])
+            name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))])])
     return bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id="llmgw", cluster="llmgw"),
-        admin=bootstrap_pb2.Admin(address=_addr(*opts.admin)),
+        admin=bootstrap_pb2.Admin(address=socket_address(*opts.admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),
     )
 

@@ -6,6 +6,7 @@ ports, so what the tests prove is what a user starts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -100,8 +101,6 @@ class Stack:
             overrides["pools"] = {p: tuple(("127.0.0.1", port) for port in ports)
                                   for p, ports in o.engine_ports.items()}
         overrides["pool_lb"] = o.pool_lb
-        if o.pool_lb != "picker":
-            o.extproc_args = (*o.extproc_args, "--no-picker")
         self.render = RenderOptions.from_snapshot(self.snapshot, **overrides)
 
     # -- addresses ---------------------------------------------------------------------------------
@@ -125,8 +124,6 @@ class Stack:
         return self.opts.state_dir / "logs"
 
     def demo_keys(self) -> dict[str, str]:
-        import hashlib
-
         return {t: k for t, k in DEMO_KEYS.items()
                 if hashlib.sha256(k.encode()).hexdigest() in self.snapshot.keys_by_hash}
 
@@ -206,7 +203,8 @@ class Stack:
         for host, port in self.render.extproc:
             self.extprocs.append(Child(f"extproc-{port}", python_module(
                 "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}", *pools,
-                *self.opts.extproc_args), self.logs / f"extproc-{port}.log", env=env).start())
+                *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else [])),
+                self.logs / f"extproc-{port}.log", env=env).start())
         for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
             wait_until(partial(tcp_open, host, port), timeout, f"ext_proc {host}:{port}", child)
 
