@@ -3,6 +3,7 @@ dropped when the stream ends; every stage reads and writes it, nothing else hold
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ class Exchange:
     method: str = ""
     path: str = ""
     headers: dict[str, str] = field(default_factory=dict)  # the request headers ext_proc was sent
+    arrived_at: float = field(default_factory=time.time)  # wall clock at Envoy (request.time), when sent
+    remaining_ms: int = 0  # of the effective deadline, when ext_proc admitted the request
     raw_body: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
@@ -50,4 +53,7 @@ class Exchange:
             md["deployment"] = self.deployment.deployment
         if self.cluster:
             md["cluster"] = self.cluster
+        if self.remaining_ms:
+            # Read by the request-side header mutation after the buffer filter (Envoy's router).
+            md["per_try_timeout_ms" if self.stream else "rq_timeout_ms"] = str(self.remaining_ms)
         return md

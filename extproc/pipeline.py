@@ -9,6 +9,7 @@ from extproc.exchange import Exchange
 from extproc.picker import Picker
 from extproc.stages import Stage
 from extproc.stages.authorize import DataClassAuthorization
+from extproc.stages.deadline import Deadline
 from extproc.stages.identity import ApiKeyIdentity
 from extproc.stages.intake import Intake
 from extproc.stages.placeholders import BudgetReservation, Redaction
@@ -23,6 +24,7 @@ REQUEST_STAGES: tuple[Stage, ...] = (
     BudgetReservation(),
     Redaction(),
     RouteSelection(),
+    Deadline(),
 )
 
 

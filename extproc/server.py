@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 from collections.abc import AsyncIterator, Mapping
+from datetime import datetime
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -51,6 +53,10 @@ def apply_attributes(ex: Exchange, attrs: struct_pb2.Struct) -> None:
             ex.path = s
         elif key == "request.method":
             ex.method = s
+        elif key == "request.time":
+            # Unparsable: keep ext_proc's own clock, and the deadline counts from a little later.
+            with contextlib.suppress(ValueError):
+                ex.arrived_at = datetime.fromisoformat(s).timestamp()
 
 
 def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:

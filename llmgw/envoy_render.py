@@ -5,6 +5,8 @@ Shape of the data path (design.md section 7, reference/envoy-notes.md):
   ext_proc         request body BUFFERED with the headers it needs as attributes: one message per
                    request; response phases off until a stage needs them
   buffer           holds the headers until the whole body, and so ext_proc's decision, is through
+  header_mutation  (request side, "llmgw.deadline_headers") hands ext_proc's remaining deadline to
+                   the router as x-envoy-upstream-rq-timeout-ms / -per-try-timeout-ms
   custom_response  rewrites upstream error statuses into the contract's JSON
   router           routes match on dynamic metadata only ext_proc can set, so a request that
                    ext_proc never admitted (no body, service down) can never reach an upstream
@@ -226,6 +228,22 @@ def _upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
             for k, v in ANSWER_HEADERS]
 
 
+# The remaining deadline ext_proc computed, handed to the router (ext_proc's body reply cannot set
+# request headers when headers were skipped). Empty values - no metadata - add no header.
+DEADLINE_HEADERS: tuple[tuple[str, str], ...] = (
+    ("x-envoy-upstream-rq-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:rq_timeout_ms)%"),
+    ("x-envoy-upstream-rq-per-try-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:per_try_timeout_ms)%"),
+)
+
+
+def _deadline_headers_filter() -> header_mutation_pb2.HeaderMutation:
+    return header_mutation_pb2.HeaderMutation(mutations=header_mutation_pb2.Mutations(request_mutations=[
+        mutation_rules_pb2.HeaderMutation(append=base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=k, value=v),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
+        for k, v in DEADLINE_HEADERS]))
+
+
 def _header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
     return header_mutation_pb2.HeaderMutation(mutations=header_mutation_pb2.Mutations(response_mutations=[
         mutation_rules_pb2.HeaderMutation(append=h) for h in _upstream_answer_headers()]))
@@ -233,7 +251,7 @@ def _header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
 
 # Headers ext_proc reads as CEL attributes on the body message (the whole map is not serializable).
 REQUEST_ATTRIBUTES = (
-    "request.id", "request.path", "request.method",
+    "request.id", "request.path", "request.method", "request.time",
     "request.headers['authorization']", "request.headers['x-llmgw-data-class']",
     "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
     "request.headers['traceparent']", "request.headers['tracestate']",
@@ -369,6 +387,7 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             _http_filter("envoy.filters.http.ext_proc", _ext_proc_filter(snap)),
             _http_filter("envoy.filters.http.buffer", buffer_pb2.Buffer(
                 max_request_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes))),
+            _http_filter("llmgw.deadline_headers", _deadline_headers_filter()),
             _http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
             _http_filter("envoy.filters.http.router", router_pb2.Router()),
         ],

@@ -58,9 +58,10 @@ def test_ext_proc_fails_closed_with_one_message(rendered: dict[str, Any]) -> Non
 def test_filter_order(rendered: dict[str, Any]) -> None:
     # The buffer filter after ext_proc holds the headers until ext_proc has decided on the body:
     # with header mode SKIP the router would otherwise route (and dispatch) before the decision.
+    # The deadline's header mutation runs after the buffer, when ext_proc's metadata is set.
     assert list(filters(rendered)) == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
-                                       "envoy.filters.http.buffer", "envoy.filters.http.custom_response",
-                                       "envoy.filters.http.router"]
+                                       "envoy.filters.http.buffer", "llmgw.deadline_headers",
+                                       "envoy.filters.http.custom_response", "envoy.filters.http.router"]
 
 
 def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> None:

@@ -1,0 +1,118 @@
+"""Deadlines (invariant 5, the single-attempt part): min(header, route), counted from arrival at
+Envoy, handed to Envoy's router; the upstream is told the remainder; a stream's deadline bounds its
+first byte only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from enginesim.tokenizer import TextSampler
+from extproc.config import load_snapshot
+from extproc.contract import ErrorCode, GatewayError
+from extproc.exchange import Exchange
+from extproc.stages.deadline import Deadline
+from llmgw.stack import DEMO_KEYS, Stack
+from tests.conftest import POLICY, start_stack
+from tests.helpers import assert_contract_error, chat_body, request
+
+AUTH = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
+
+
+def chat(stack: Stack, body: dict, headers: dict[str, str], timeout: float = 30) -> tuple[float, object]:  # type: ignore[type-arg]
+    t0 = time.monotonic()
+    r = request(f"{stack.url}/v1/chat/completions", "POST", body, {**AUTH, **headers}, timeout=timeout)
+    return time.monotonic() - t0, r
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True])
+def test_deadline_header_bounds_the_wait(stack: Stack, stream: bool) -> None:
+    elapsed, r = chat(stack, chat_body(max_tokens=2, stream=stream),
+                      {"x-llmgw-deadline-ms": "400", "x-enginesim-fault": "delay_ms=3000"})
+    assert_contract_error(r, 504, "deadline_exceeded")  # type: ignore[arg-type]
+    assert 0.35 <= elapsed <= 0.5, elapsed
+
+
+@pytest.mark.e2e
+def test_upstream_is_told_the_remaining_time(stack: Stack) -> None:
+    marker = f"deadline-{time.time_ns()}"
+    _, r = chat(stack, chat_body(content=marker, max_tokens=1), {"x-llmgw-deadline-ms": "1500"})
+    assert r.status == 200  # type: ignore[attr-defined]
+    (entry,) = [e for u in stack.engine_urls() for e in request(f"{u}/admin/requests").json()
+                if marker in json.dumps(e["messages"])]
+    assert 1400 <= int(entry["headers"]["x-envoy-expected-rq-timeout-ms"]) <= 1500
+
+
+@pytest.mark.e2e
+def test_clients_cannot_set_envoys_timeout(stack: Stack) -> None:
+    # A client's own x-envoy-upstream-rq-timeout-ms is dropped; the gateway's deadline is what counts.
+    _, r = chat(stack, chat_body(max_tokens=1), {"x-envoy-upstream-rq-timeout-ms": "50",
+                                                  "x-enginesim-fault": "delay_ms=300"})
+    assert r.status == 200  # type: ignore[attr-defined]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "1e3", "99999999999"])
+def test_malformed_deadline_header(stack: Stack, value: str) -> None:
+    _, r = chat(stack, chat_body(), {"x-llmgw-deadline-ms": value})
+    err = assert_contract_error(r, 400, "invalid_request")  # type: ignore[arg-type]
+    assert err["param"] == "x-llmgw-deadline-ms"
+
+
+@pytest.fixture
+def short_route_stack(tmp_path: Path) -> Iterator[Stack]:
+    """The route's own deadline is 500 ms; engines answer in real time."""
+    policy = tmp_path / "policy"
+    shutil.copytree(POLICY, policy)
+    route = policy / "routes/chat-default.yaml"
+    doc = yaml.safe_load(route.read_text())
+    doc["deadline_ms"] = 500
+    route.write_text(yaml.safe_dump(doc))
+    s = start_stack(tmp_path / "state", policy, time_scale=1.0)
+    yield s
+    s.stop()
+
+
+@pytest.mark.e2e
+def test_route_deadline_applies_and_caps_the_header(short_route_stack: Stack) -> None:
+    for headers in ({}, {"x-llmgw-deadline-ms": "5000"}):
+        elapsed, r = chat(short_route_stack, chat_body(max_tokens=1), {**headers, "x-enginesim-fault": "delay_ms=3000"})
+        assert_contract_error(r, 504, "deadline_exceeded")  # type: ignore[arg-type]
+        assert 0.45 <= elapsed <= 0.65, elapsed
+
+
+@pytest.mark.e2e
+def test_a_stream_may_outlive_its_deadline_once_started(short_route_stack: Stack) -> None:
+    seed = next(s for s in range(1000) if TextSampler(s).natural_length >= 120)
+    elapsed, r = chat(short_route_stack, chat_body(max_tokens=100, stream=True, seed=seed), {})
+    assert r.status == 200  # type: ignore[attr-defined]
+    body = r.body.decode()  # type: ignore[attr-defined]
+    assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in body
+    assert elapsed > 0.5  # ~100 decode steps of ~10 ms: longer than the 500 ms deadline
+
+
+def test_deadline_spent_before_dispatch_is_refused() -> None:
+    snap = load_snapshot(POLICY)
+    ex = Exchange(snapshot=snap, route=snap.routes["chat-default"], arrived_at=time.time() - 31)
+    with pytest.raises(GatewayError) as e:
+        asyncio.run(Deadline().run(ex))
+    assert e.value.code is ErrorCode.DEADLINE_EXCEEDED
+
+
+def test_remaining_time_goes_to_the_matching_envoy_timeout() -> None:
+    snap = load_snapshot(POLICY)
+    for stream, key in ((False, "rq_timeout_ms"), (True, "per_try_timeout_ms")):
+        ex = Exchange(snapshot=snap, route=snap.routes["chat-default"], stream=stream,
+                      headers={"x-llmgw-deadline-ms": "2000"})
+        asyncio.run(Deadline().run(ex))
+        assert 1900 <= ex.remaining_ms <= 2000
+        md = ex.metadata()
+        assert md[key] == str(ex.remaining_ms) and len({"rq_timeout_ms", "per_try_timeout_ms"} & set(md)) == 1
