@@ -7,9 +7,11 @@ import signal
 import sys
 import threading
 import time
+from datetime import date
 from pathlib import Path
 
 from extproc.config import ConfigError, load_snapshot
+from extproc.config.schema import REQUIRED_EVIDENCE
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -23,6 +25,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"warning: {w}", file=sys.stderr)
     for dep in snap.deployments.values():
         print(f"deployment {dep.ref}")
+    today = date.today()
+    for name, route in sorted(snap.routes.items()):
+        for cand in route.candidates:
+            missing = sorted(REQUIRED_EVIDENCE - snap.passing_evidence(cand.deployment_ref, today))
+            state = "qualified" if not missing else f"NOT ELIGIBLE: no passing {', '.join(missing)} evidence"
+            print(f"route {name}: candidate {cand.deployment_name}: {state}")
     print(f"routes: {', '.join(sorted(snap.routes))}")
     print(f"revision {snap.revision}")
     return 0

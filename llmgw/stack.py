@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from extproc.config import Snapshot, load_snapshot
+from extproc.config.schema import Deployment
 from llmgw import vllm_env
 from llmgw.envoy_render import RenderOptions, render_yaml
 from llmgw.procs import (
@@ -152,11 +153,12 @@ class Stack:
                                        "--protected-mode", "yes"], self.logs / "valkey.log").start()
         wait_until(lambda: tcp_open("127.0.0.1", port), timeout, "valkey", self.valkey)
 
+    def _pool_deployment(self, pool: str) -> Deployment | None:
+        return next((d for d in self.snapshot.deployments.values() if d.pool == pool), None)
+
     def _served_model(self, pool: str) -> str:
-        for dep in self.snapshot.deployments.values():
-            if dep.pool == pool:
-                return dep.served_model
-        return "unused"
+        dep = self._pool_deployment(pool)
+        return dep.served_model if dep else "unused"
 
     def _start_engines(self, timeout: float) -> None:
         launch = self._vllm_launcher() if self.opts.engine == "vllm" else self._sim_launcher()
@@ -170,10 +172,13 @@ class Stack:
             wait_until(partial(http_ok, f"http://{addr}/health"), wait, f"engine {addr}", child)
 
     def _sim_launcher(self) -> EngineLauncher:
+        windows = {d.served_model: d.context_window for d in self.snapshot.deployments.values()}
+
         def launch(served: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+            # The engine's window is the deployment's, so gateway and engine agree on what fits.
             return python_module("enginesim", "--host", host, "--port", str(port), "--served-model-name", served,
                                  "--profile", self.opts.engine_profile, "--time-scale", str(self.opts.time_scale),
-                                 *self.opts.engine_args), {}
+                                 "--max-model-len", str(windows.get(served, 8192)), *self.opts.engine_args), {}
         return launch
 
     def _vllm_launcher(self) -> EngineLauncher:

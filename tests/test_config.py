@@ -117,6 +117,14 @@ def test_check_cli_prints_revision() -> None:
     assert f"revision {load_snapshot(POLICY).revision}" in r.stdout
 
 
+def test_check_cli_reports_qualification(policy: Path) -> None:
+    assert "route chat-default: candidate pool-llama-8b: qualified" in run_cli("check", str(policy)).stdout
+    (policy / "evidence/pool-llama-8b-quality-gate.yaml").unlink()
+    r = run_cli("check", str(policy))
+    assert r.returncode == 0  # valid configuration; the candidate just cannot serve
+    assert "candidate pool-llama-8b: NOT ELIGIBLE: no passing quality_gate evidence" in r.stdout
+
+
 def test_check_cli_lists_every_error(policy: Path) -> None:
     edit(policy / "gateway.yaml", lambda d: d.update(surprise=1))
     edit(policy / "routes/chat-default.yaml", lambda d: d.update(deadline_ms=0))

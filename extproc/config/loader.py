@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from extproc.config.schema import ApiKey, Deployment, GatewayConfig, Route
+from extproc.config.schema import ApiKey, Deployment, Evidence, GatewayConfig, Route
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -57,6 +57,12 @@ class Snapshot:
     revision: str
     warnings: tuple[str, ...] = ()
     keys_by_hash: Mapping[str, KeyOwner] = field(default_factory=dict)
+    evidence: Mapping[str, tuple[Evidence, ...]] = field(default_factory=dict)  # by deployment_ref
+
+    def passing_evidence(self, deployment_ref: str, today: date) -> set[str]:
+        """Kinds of evidence that pass, unexpired, for exactly this fingerprint."""
+        return {e.kind for e in self.evidence.get(deployment_ref, ())
+                if e.result == "pass" and (e.expires_at is None or e.expires_at > today)}
 
     def pool_of(self, deployment: Deployment) -> str:
         """Envoy cluster name for a deployment's upstream."""
@@ -89,8 +95,9 @@ def _parse(model: type[M], data: Any, rel: str, issues: list[ConfigIssue]) -> M 
 
 
 def _revision(gateway: GatewayConfig, routes: dict[str, Route], deployments: dict[str, Deployment],
-              rego: dict[str, str]) -> str:
+              rego: dict[str, str], evidence: dict[str, list[Evidence]]) -> str:
     doc = {
+        "evidence": {k: [e.model_dump(mode="json") for e in v] for k, v in sorted(evidence.items())},
         "gateway": gateway.model_dump(mode="json"),
         "routes": {k: v.model_dump(mode="json") for k, v in sorted(routes.items())},
         "deployments": {k: v.model_dump(mode="json") for k, v in sorted(deployments.items())},
@@ -166,6 +173,16 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     deployments = _load_named(root, "deployments", Deployment, "deployment", issues)
     routes = _load_named(root, "routes", Route, "route_contract", issues)
 
+    evidence: dict[str, list[Evidence]] = {}
+    for path in sorted((root / "evidence").glob("*.yaml")):
+        rel = str(path.relative_to(root))
+        record = _parse(Evidence, _read_yaml(path, root, issues), rel, issues)
+        if record is not None:
+            evidence.setdefault(record.deployment_ref, []).append(record)
+    current_refs = {d.ref for _, d in deployments.values()}
+    for ref in sorted(set(evidence) - current_refs):
+        warnings.append(f"evidence for {ref} matches no current fingerprint; it qualifies nothing")
+
     rego = {str(p.relative_to(root)): p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.rego"))}
 
     if gateway is not None:
@@ -177,12 +194,13 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     plain_deps = {k: v for k, (_, v) in deployments.items()}
     keys = {k.sha256: KeyOwner(t, k) for t, tenant in gateway.tenants.items() for k in tenant.api_keys}
     return Snapshot(
+        evidence=MappingProxyType({ref: tuple(recs) for ref, recs in evidence.items()}),
         directory=root,
         gateway=gateway,
         routes=MappingProxyType(plain_routes),
         deployments=MappingProxyType(plain_deps),
         rego=MappingProxyType(rego),
-        revision=_revision(gateway, plain_routes, plain_deps, rego),
+        revision=_revision(gateway, plain_routes, plain_deps, rego, evidence),
         warnings=tuple(warnings),
         keys_by_hash=MappingProxyType(keys),
     )

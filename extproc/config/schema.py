@@ -39,6 +39,7 @@ class ApiKey(Strict):
 class Tenant(Strict):
     default_data_class: Name
     allowed_data_classes: tuple[Name, ...]
+    regions: tuple[Name, ...] | None = None  # residency: where its requests may be served; None = any
     api_keys: tuple[ApiKey, ...] = ()
 
 
@@ -148,6 +149,32 @@ class Deployment(Strict):
     def ref(self) -> str:
         """`name@sha256:<fingerprint digest>`: how a route contract names exactly this system."""
         return f"{self.deployment}@sha256:{self.fingerprint.digest()}"
+
+
+# --- evidence/*.yaml ----------------------------------------------------------------------------
+
+
+class Evidence(Strict):
+    """A qualification record for one exact fingerprint. Until the conformance issue produces them,
+    they are files in the policy directory; a candidate without passing records of every required
+    kind is not eligible (unknown evidence does not pass)."""
+
+    deployment_ref: str
+    kind: Literal["conformance", "quality_gate"]
+    result: Literal["pass", "fail"]
+    recorded_at: date
+    expires_at: date | None = None
+    source: str = ""
+
+    @field_validator("deployment_ref")
+    @classmethod
+    def _ref_shape(cls, v: str) -> str:
+        if not DEPLOYMENT_REF.match(v):
+            raise ValueError("must be `<deployment>@sha256:<64 hex digits of the fingerprint>`")
+        return v
+
+
+REQUIRED_EVIDENCE = frozenset({"conformance", "quality_gate"})
 
 
 # --- routes/*.yaml ------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Routing: the `model` names a route contract; pick the first qualified candidate and address it:
 the body names the deployment's served model and carries the tenant's prefix-cache salt.
 
-Eligibility here (invariant 2): the candidate and its deployment serve the request's data class, the
-deployment is neither withdrawn nor retired. Evidence, regions, context windows and fallback order land
-with the routing issue.
+Eligibility (invariant 2): the candidate and its deployment serve the request's data class and a
+region the tenant allows; passing, unexpired evidence of every required kind exists for the exact
+fingerprint; the deployment is neither withdrawn nor retired; and its context window holds the prompt's
+upper bound (UTF-8 bytes + template allowance per message) plus max_tokens. None left: 503
+no_qualified_route, or 400 context_length_exceeded when size was the only reason.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import hashlib
 import hmac
 import json
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from typing import Any
 
 from extproc.config import Snapshot
-from extproc.config.schema import Candidate, Deployment
+from extproc.config.schema import REQUIRED_EVIDENCE, Candidate
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.picker import Picker
@@ -39,15 +43,57 @@ class PickEndpoint:
             ex.endpoints = self.picker.pick(ex.deployment.pool, ex.cache_salt, ex.body.get("messages"))
 
 
-def eligible(snap: Snapshot, cand: Candidate, data_class: str, today: datetime) -> Deployment | None:
+def prompt_bytes(body: dict[str, Any]) -> int:
+    """UTF-8 bytes of everything that becomes prompt tokens: an upper bound on their number for
+    byte-level BPE and byte-fallback tokenizers (invariant 3)."""
+    total = 0
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content.encode("utf-8", "surrogatepass"))
+        elif content is not None:  # parts (and anything else): their JSON text bounds their tokens
+            total += len(json.dumps(content, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if body.get("tools"):
+        total += len(json.dumps(body["tools"], ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return total
+
+
+def requested_max_tokens(body: dict[str, Any], route_cap: int | None, default: int) -> int:
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return int(value) if value else (route_cap or default)
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What qualification needs to know about the request."""
+
+    data_class: str
+    regions: tuple[str, ...] | None  # the tenant's residency; None = any region
+    today: date
+    prompt_bound: int  # upper bound on prompt tokens, before the per-message template allowance
+    n_messages: int
+    max_tokens: int
+
+
+def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set[str]:
+    """Every check this candidate fails (invariant 2 plus the context window); empty = eligible."""
     dep = snap.deployments.get(cand.deployment_name)
-    if dep is None or dep.ref != cand.deployment_ref or dep.withdrawn:
-        return None
-    if dep.retire_at is not None and dep.retire_at <= today.date():
-        return None
-    if data_class not in cand.data_classes or data_class not in dep.data_classes:
-        return None
-    return dep
+    if dep is None or dep.ref != cand.deployment_ref:
+        return {"fingerprint"}
+    failed = set()
+    if dep.withdrawn:
+        failed.add("withdrawn")
+    if dep.retire_at is not None and dep.retire_at <= req.today:
+        failed.add("retired")
+    if req.data_class not in cand.data_classes or req.data_class not in dep.data_classes:
+        failed.add("data_class")
+    if req.regions is not None and not set(req.regions) & set(cand.regions) & set(dep.regions):
+        failed.add("region")
+    if not REQUIRED_EVIDENCE.issubset(snap.passing_evidence(dep.ref, req.today)):
+        failed.add("evidence")
+    if req.prompt_bound + dep.template_allowance_tokens * req.n_messages + req.max_tokens > dep.context_window:
+        failed.add("context")
+    return failed
 
 
 class RouteSelection:
@@ -59,15 +105,27 @@ class RouteSelection:
         if route is None:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no route named {ex.body['model']!r}", "model")
         ex.route = route
-        now = datetime.now(UTC)
+        tenant = snap.gateway.tenants.get(ex.identity.tenant) if ex.identity is not None else None
+        facts = RequestFacts(data_class=ex.data_class, regions=tenant.regions if tenant else None,
+                             today=datetime.now(UTC).date(), prompt_bound=prompt_bytes(ex.body),
+                             n_messages=len(ex.body.get("messages") or ()),
+                             max_tokens=requested_max_tokens(ex.body, route.max_tokens_cap,
+                                                             snap.gateway.limits.default_max_tokens))
+        refused: dict[str, set[str]] = {}
         for cand in route.candidates:
-            dep = eligible(snap, cand, ex.data_class, now)
-            if dep is not None:
+            failed = disqualifications(snap, cand, facts)
+            if not failed:
+                dep = snap.deployments[cand.deployment_name]
                 break
+            refused[cand.deployment_name] = failed
         else:
+            reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
+            if all(f == {"context"} for f in refused.values()):
+                raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                   "prompt and max_tokens exceed every eligible candidate's context window",
+                                   "messages")
             raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,
-                               f"no candidate of route {route.route_contract!r} qualifies for data class "
-                               f"{ex.data_class!r}")
+                               f"no candidate of route {route.route_contract!r} qualifies ({reasons})")
         ex.deployment = dep
         ex.cluster = snap.pool_of(dep)
         body = dict(ex.body)

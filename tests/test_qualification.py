@@ -1,0 +1,141 @@
+"""Qualification (invariant 2 and the context window): only candidates with passing evidence for the
+exact fingerprint, in a region the tenant allows, serving the data class, not withdrawn or retired, and
+large enough, are ever dispatched to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import load_snapshot
+from extproc.contract import ErrorCode, GatewayError
+from extproc.exchange import Exchange, Identity
+from extproc.stages.route import RouteSelection, prompt_bytes, tenant_salts
+from llmgw.stack import DEMO_KEYS, Stack
+from tests.conftest import POLICY, start_stack
+from tests.helpers import assert_contract_error, chat_body, request
+
+
+def policy_copy(tmp_path: Path, edit: Callable[[Path], None] | None = None) -> Path:
+    dst = tmp_path / "policy"
+    shutil.copytree(POLICY, dst)
+    if edit:
+        edit(dst)
+    return dst
+
+
+def yaml_edit(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
+    doc = yaml.safe_load(path.read_text())
+    fn(doc)
+    path.write_text(yaml.safe_dump(doc))
+
+
+def route(policy: Path, body: dict[str, Any], tenant: str = "acme", data_class: str = "internal") -> Exchange:
+    snap = load_snapshot(policy)
+    ex = Exchange(snapshot=snap, cache_salts=tenant_salts("s", snap.gateway.tenants), body=body,
+                  identity=Identity(tenant, "k", "api_key"), data_class=data_class)
+    asyncio.run(RouteSelection().run(ex))
+    return ex
+
+
+def refusal(policy: Path, body: dict[str, Any] | None = None, **kw: str) -> GatewayError:
+    with pytest.raises(GatewayError) as e:
+        route(policy, body or chat_body(), **kw)
+    return e.value
+
+
+EVIDENCE = "evidence/pool-llama-8b-quality-gate.yaml"
+
+
+@pytest.mark.parametrize(("why", "edit"), [
+    ("no evidence", lambda p: shutil.rmtree(p / "evidence")),
+    ("one kind missing", lambda p: (p / EVIDENCE).unlink()),
+    ("failed gate", lambda p: yaml_edit(p / EVIDENCE, lambda d: d.update(result="fail"))),
+    ("expired", lambda p: yaml_edit(p / EVIDENCE, lambda d: d.update(expires_at="2020-01-01"))),
+    ("another fingerprint", lambda p: yaml_edit(p / EVIDENCE, lambda d: d.update(
+        deployment_ref="pool-llama-8b@sha256:" + "0" * 64))),
+    ("tenant residency", lambda p: yaml_edit(p / "gateway.yaml",
+                                             lambda d: d["tenants"]["acme"].update(regions=["us"]))),
+    ("withdrawn", lambda p: yaml_edit(p / "deployments/pool-llama-8b.yaml", lambda d: d.update(withdrawn=True))),
+    ("retired", lambda p: yaml_edit(p / "deployments/pool-llama-8b.yaml", lambda d: d.update(retire_at="2020-01-01"))),
+])
+def test_unqualified_candidates_are_never_chosen(tmp_path: Path, why: str, edit: Callable[[Path], None]) -> None:
+    err = refusal(policy_copy(tmp_path, edit))
+    assert err.code is ErrorCode.NO_QUALIFIED_ROUTE, why
+    assert err.status == 503
+
+
+def test_the_demo_policy_qualifies(tmp_path: Path) -> None:
+    ex = route(policy_copy(tmp_path), chat_body())
+    assert ex.deployment is not None and ex.deployment.deployment == "pool-llama-8b"
+
+
+def test_size_alone_is_context_length_exceeded(tmp_path: Path) -> None:
+    err = refusal(policy_copy(tmp_path), chat_body(max_tokens=131_072))
+    assert err.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and err.status == 400
+
+
+def test_size_and_another_reason_is_no_qualified_route(tmp_path: Path) -> None:
+    err = refusal(policy_copy(tmp_path, lambda p: shutil.rmtree(p / "evidence")), chat_body(max_tokens=131_072))
+    assert err.code is ErrorCode.NO_QUALIFIED_ROUTE
+
+
+def test_the_bound_counts_bytes_templates_and_max_tokens(tmp_path: Path) -> None:
+    # Window 131,072: 8 tokens of template for one message; 1,000 max_tokens; the rest is prompt bytes.
+    fits = 131_072 - 8 - 1000
+    route(policy_copy(tmp_path), chat_body(content="x" * fits, max_tokens=1000))
+    assert refusal(policy_copy(tmp_path / "b"), chat_body(content="x" * (fits + 1), max_tokens=1000)).code \
+        is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert prompt_bytes(chat_body(content="é")) == 2  # UTF-8 bytes, not characters
+    assert prompt_bytes({"messages": [], "tools": [{"type": "function"}]}) > 0  # tool schemas are prompt too
+
+
+def test_stale_evidence_is_reported_by_check(tmp_path: Path) -> None:
+    p = policy_copy(tmp_path, lambda p: yaml_edit(p / "deployments/pool-llama-8b.yaml",
+                                                  lambda d: d["fingerprint"].update(precision="fp8")))
+    yaml_edit(p / "routes/chat-default.yaml", lambda d: d["candidates"][0].update(
+        deployment_ref=load_snapshot_ref(p)))
+    snap = load_snapshot(p)
+    assert any("matches no current fingerprint" in w for w in snap.warnings)
+    assert refusal(p).code is ErrorCode.NO_QUALIFIED_ROUTE  # a new fingerprint needs new evidence
+
+
+def load_snapshot_ref(p: Path) -> str:
+    from extproc.config.schema import Deployment
+
+    return Deployment.model_validate(yaml.safe_load((p / "deployments/pool-llama-8b.yaml").read_text())).ref
+
+
+# -- end to end: an unqualified candidate is never dispatched to ---------------------------------
+
+@pytest.fixture
+def unqualified_stack(tmp_path: Path) -> Iterator[Stack]:
+    s = start_stack(tmp_path / "state", policy_copy(tmp_path, lambda p: shutil.rmtree(p / "evidence")))
+    yield s
+    s.stop()
+
+
+@pytest.mark.e2e
+def test_no_evidence_no_dispatch(unqualified_stack: Stack) -> None:
+    r = request(f"{unqualified_stack.url}/v1/chat/completions", "POST", chat_body(),
+                {"authorization": f"Bearer {DEMO_KEYS['acme']}"})
+    err = assert_contract_error(r, 503, "no_qualified_route")
+    assert "evidence" in err["message"]
+    assert all(request(f"{u}/admin/requests").json() == [] for u in unqualified_stack.engine_urls())
+
+
+@pytest.mark.e2e
+def test_oversized_request_is_refused_before_dispatch(stack: Stack) -> None:
+    marker = f"ctx-{id(stack)}-oversized"
+    r = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(content=marker, max_tokens=200_000),
+                {"authorization": f"Bearer {DEMO_KEYS['acme']}"})
+    assert_contract_error(r, 400, "context_length_exceeded")
+    seen = [e for u in stack.engine_urls() for e in request(f"{u}/admin/requests").json()]
+    assert not any(marker in json.dumps(e["messages"]) for e in seen)
