@@ -35,6 +35,7 @@ from envoy.config.core.v3 import (
 )
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.overload.v3 import overload_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
@@ -47,6 +48,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.extensions.resource_monitors.downstream_connections.v3 import downstream_connections_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, status_code_input_pb2, string_pb2, value_pb2
 from envoy.type.metadata.v3 import metadata_pb2 as metadata_key_pb2
@@ -478,8 +480,14 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes),
         filter_chains=[listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
             name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))])])
+    # A bounded number of client connections: each can make ext_proc buffer a body before its verdict.
+    overload = overload_pb2.OverloadManager(resource_monitors=[overload_pb2.ResourceMonitor(
+        name="envoy.resource_monitors.global_downstream_max_connections",
+        typed_config=pack(downstream_connections_pb2.DownstreamConnectionsConfig(
+            max_active_downstream_connections=snap.gateway.envoy.max_connections)))])
     return bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id="llmgw", cluster="llmgw"),
+        overload_manager=overload,
         admin=bootstrap_pb2.Admin(address=socket_address(*opts.admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),
     )

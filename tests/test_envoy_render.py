@@ -132,3 +132,9 @@ def test_round_robin_baseline_has_no_override() -> None:
     (pool,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "pool_engine-pool"]
     # ROUND_ROBIN is the enum default, which the JSON render omits.
     assert pool.get("lb_policy", "ROUND_ROBIN") == "ROUND_ROBIN" and "load_balancing_policy" not in pool
+
+
+def test_downstream_connections_are_bounded(rendered: dict[str, Any]) -> None:
+    (monitor,) = rendered["overload_manager"]["resource_monitors"]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert monitor["typed_config"]["max_active_downstream_connections"] == "10000"

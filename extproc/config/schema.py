@@ -55,6 +55,7 @@ class EnvoySettings(Strict):
     admin: HostPort = "127.0.0.1:9901"
     extproc: tuple[HostPort, ...] = ("127.0.0.1:50051",)
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_connections: int = Field(default=10_000, gt=0)  # downstream connections Envoy accepts at once
     extproc_message_timeout_ms: int = Field(default=1000, gt=0)
     concurrency: int = Field(default=1, ge=1)
 
