@@ -124,16 +124,16 @@ class Picker:
             return []
         blocks = prompt_blocks(salt, messages)
         matched = self._matched_blocks(blocks)
-        # Picks made since an engine's last scrape are load its metrics cannot show yet: a burst
-        # arriving between two scrapes spreads instead of piling onto one engine.
+        # Picks made since an engine's last scrape are requests its metrics cannot show yet; they
+        # count as running there, so a burst between two scrapes spreads instead of piling up.
         pending = {ep: self._pending(ep, ld.at) for ep, ld in loads.items()}
 
         def score(ep: str) -> float:
             ld = loads[ep]
-            return (WEIGHTS["queue"] / (1.0 + ld.waiting + pending[ep])
+            return (WEIGHTS["queue"] / (1.0 + ld.waiting)
                     + WEIGHTS["kv"] * (1.0 - min(max(ld.kv_usage, 0.0), 1.0))
                     + WEIGHTS["prefix"] * (matched.get(ep, 0) / len(blocks) if blocks else 0.0)
-                    + WEIGHTS["running"] / (1.0 + ld.running))
+                    + WEIGHTS["running"] / (1.0 + ld.running + pending[ep]))
 
         order = sorted(loads, key=lambda ep: (-score(ep), pending[ep], ep))
         self._record(order[0], blocks, now)

@@ -1,0 +1,72 @@
+"""Picking between two real vLLM engines from their live /metrics: a busy engine is avoided."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from extproc.config import load_snapshot
+from llmgw.stack import DEMO_KEYS, Stack, StackOptions
+from tests.conftest import POLICY
+from tests.helpers import chat_body, request
+from tests.promtext import scrape, value
+from tests.vllm.conftest import MODEL
+
+
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("vllm2")
+    policy = tmp / "policy"
+    shutil.copytree(POLICY, policy)
+    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
+    doc["pools"]["engine-pool"]["endpoints"] = ["127.0.0.1:8101", "127.0.0.1:8102"]
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    opts = StackOptions.on_free_ports(policy, tmp / "state", load_snapshot(policy), engine="vllm",
+                                      engine_timeout=300.0, with_valkey=False)
+    stack = Stack(opts).start(timeout=300)
+    yield stack
+    stack.stop()
+
+
+def _access_log(stack: Stack, request_ids: set[str]) -> dict[str, dict]:  # type: ignore[type-arg]
+    found: dict[str, dict] = {}  # type: ignore[type-arg]
+    deadline = time.monotonic() + 5
+    while len(found) < len(request_ids) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        for line in (stack.logs / "envoy.log").read_text().splitlines():
+            if line.startswith("{"):
+                entry = json.loads(line)
+                if entry["request_id"] in request_ids:
+                    found[entry["request_id"]] = entry
+    return found
+
+
+def test_requests_avoid_the_busy_real_engine(two_engines: Stack) -> None:
+    busy, idle = two_engines.engine_urls()
+    long = chat_body(MODEL, max_tokens=900, ignore_eos=True)
+    load = [threading.Thread(target=request, args=(f"{busy}/v1/chat/completions", "POST", long),
+                             kwargs={"timeout": 120}, daemon=True) for _ in range(2)]
+    for t in load:
+        t.start()
+    deadline = time.monotonic() + 10
+    while value(scrape(busy), "vllm:num_requests_running") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert value(scrape(busy), "vllm:num_requests_running") == 2
+    time.sleep(0.3)  # the picker's scrapes see it
+    ids = set()
+    for i in range(4):
+        r = request(f"{two_engines.url}/v1/chat/completions", "POST", chat_body(content=f"q{i}", max_tokens=1),
+                    {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=60)
+        assert r.status == 200
+        ids.add(r.headers["x-request-id"])
+    entries = _access_log(two_engines, ids)
+    assert len(entries) == 4
+    idle_addr = idle.removeprefix("http://")
+    got = [(e["upstream"], e["picked"]) for e in entries.values()]
+    assert all(up == idle_addr and picked.startswith(idle_addr) for up, picked in got), (idle_addr, got)
