@@ -13,7 +13,7 @@ import pytest
 from extproc.picker import EngineLoad, Picker, parse_load
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import start_stack
-from tests.helpers import chat_body, request
+from tests.helpers import chat_body, request, request_quietly
 
 # vLLM 0.32's page puts labels in its own order and prints floats; the parser must not care.
 VLLM_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -103,7 +103,7 @@ def slow_stack(tmp_path: Path) -> Stack:
 def test_requests_avoid_the_busy_engine(slow_stack: Stack) -> None:
     busy, idle = slow_stack.engine_urls()
     # Occupy one engine directly: one running, two waiting, for several seconds.
-    threads = [threading.Thread(target=request, args=(f"{busy}/v1/chat/completions", "POST",
+    threads = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST",
                                                       chat_body("meta-llama/Llama-3.1-8B-Instruct", max_tokens=400)),
                                 kwargs={"timeout": 60}, daemon=True) for _ in range(3)]
     for t in threads:

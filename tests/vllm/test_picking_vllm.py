@@ -14,7 +14,7 @@ import yaml
 from extproc.config import load_snapshot
 from llmgw.stack import DEMO_KEYS, Stack, StackOptions
 from tests.conftest import POLICY
-from tests.helpers import chat_body, request
+from tests.helpers import chat_body, request, request_quietly
 from tests.promtext import scrape, value
 from tests.vllm.conftest import MODEL
 
@@ -50,7 +50,7 @@ def _access_log(stack: Stack, request_ids: set[str]) -> dict[str, dict]:  # type
 def test_requests_avoid_the_busy_real_engine(two_engines: Stack) -> None:
     busy, idle = two_engines.engine_urls()
     long = chat_body(MODEL, max_tokens=900, ignore_eos=True)
-    load = [threading.Thread(target=request, args=(f"{busy}/v1/chat/completions", "POST", long),
+    load = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST", long),
                              kwargs={"timeout": 120}, daemon=True) for _ in range(2)]
     for t in load:
         t.start()
