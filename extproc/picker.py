@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,7 @@ LB_KEY = "x-gateway-destination-endpoint"
 WEIGHTS = {"queue": 2.0, "kv": 2.0, "prefix": 3.0, "running": 1.0}
 AFFINITY_BLOCK_CHARS = 256  # prompt characters per affinity block
 AFFINITY_ENTRIES = 100_000
+PENDING_TAU_S = 0.025  # a pick not yet in metrics counts exp(-age / tau): likely still in flight
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,9 @@ class Picker:
         blocks = prompt_blocks(salt, messages)
         matched = self._matched_blocks(blocks)
         # Picks made since an engine's last scrape are requests its metrics cannot show yet; they
-        # count as running there, so a burst between two scrapes spreads instead of piling up.
-        pending = {ep: self._pending(ep, ld.at) for ep, ld in loads.items()}
+        # count as running there, each weighted by the chance it is still in flight (exp(-age/tau)),
+        # so a burst spreads while a trickle of short requests does not look like load.
+        pending = {ep: self._pending(ep, ld.at, now) for ep, ld in loads.items()}
 
         def score(ep: str) -> float:
             ld = loads[ep]
@@ -149,10 +152,10 @@ class Picker:
             matched[ep] = i + 1
         return matched
 
-    def _pending(self, ep: str, scraped_at: float) -> float:
+    def _pending(self, ep: str, scraped_at: float, now: float) -> float:
         times = [t for t in self._picked_at.get(ep, ()) if t > scraped_at]
         self._picked_at[ep] = times
-        return float(len(times))
+        return sum(math.exp(-(now - t) / PENDING_TAU_S) for t in times)
 
     def _record(self, ep: str, blocks: list[int], now: float) -> None:
         self._picked_at.setdefault(ep, []).append(now)

@@ -117,3 +117,13 @@ def test_requests_avoid_the_busy_engine(slow_stack: Stack) -> None:
     served = {url: sum(marker in json.dumps(e["messages"]) for e in request(f"{url}/admin/requests").json())
               for url in (busy, idle)}
     assert served == {busy: 0, idle: 6}, served
+
+
+def test_a_trickle_of_earlier_picks_is_not_load() -> None:
+    p = picker_with({"idle:1": (0, 0, 0.0), "busy:1": (0, 3, 0.0)})
+    now = time.monotonic()
+    p.loads = {ep: EngineLoad(ld.waiting, ld.running, ld.kv_usage, at=now - 0.2) for ep, ld in p.loads.items()}
+    p._picked_at["idle:1"] = [now - 0.04 * i for i in range(1, 6)]  # five picks 40-200 ms ago, since the scrape
+    assert p.pick("pool", "t", [{"role": "user", "content": "x"}])[0] == "idle:1"
+    p._picked_at["idle:1"] = [now] * 5  # the same five picks in a burst are load
+    assert p.pick("pool", "t", [{"role": "user", "content": "y"}])[0] == "busy:1"
