@@ -13,13 +13,22 @@ from datetime import date
 from functools import cached_property
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
 HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 CredentialRef = Annotated[str, StringConstraints(pattern=r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")]
 HostPort = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-]+:[0-9]{1,5}$")]
 DEPLOYMENT_REF = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._-]{0,62})@sha256:(?P<digest>[0-9a-f]{64})$")
+
+
+def _deployment_ref(v: str) -> str:
+    if not DEPLOYMENT_REF.match(v):
+        raise ValueError("must be `<deployment>@sha256:<64 hex digits of the fingerprint>`")
+    return v
+
+
+DeploymentRef = Annotated[str, AfterValidator(_deployment_ref)]
 
 
 class Strict(BaseModel):
@@ -160,19 +169,12 @@ class Evidence(Strict):
     they are files in the policy directory; a candidate without passing records of every required
     kind is not eligible (unknown evidence does not pass)."""
 
-    deployment_ref: str
+    deployment_ref: DeploymentRef
     kind: Literal["conformance", "quality_gate"]
     result: Literal["pass", "fail"]
     recorded_at: date
     expires_at: date | None = None
     source: str = ""
-
-    @field_validator("deployment_ref")
-    @classmethod
-    def _ref_shape(cls, v: str) -> str:
-        if not DEPLOYMENT_REF.match(v):
-            raise ValueError("must be `<deployment>@sha256:<64 hex digits of the fingerprint>`")
-        return v
 
 
 REQUIRED_EVIDENCE = frozenset({"conformance", "quality_gate"})
@@ -182,17 +184,10 @@ REQUIRED_EVIDENCE = frozenset({"conformance", "quality_gate"})
 
 
 class Candidate(Strict):
-    deployment_ref: str
+    deployment_ref: DeploymentRef
     adapter_ref: str
     data_classes: tuple[Name, ...] = Field(min_length=1)
     regions: tuple[Name, ...] = Field(min_length=1)
-
-    @field_validator("deployment_ref")
-    @classmethod
-    def _ref_shape(cls, v: str) -> str:
-        if not DEPLOYMENT_REF.match(v):
-            raise ValueError("must be `<deployment>@sha256:<64 hex digits of the fingerprint>`")
-        return v
 
     @property
     def deployment_name(self) -> str:

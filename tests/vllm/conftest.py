@@ -24,19 +24,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
 
 
+def start_vllm_stack(tmp: Path, engines: int) -> Stack:
+    """The gateway with `engines` real vLLM engines in the pool (each on a free port)."""
+    policy = tmp / "policy"
+    shutil.copytree(POLICY, policy)
+    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
+    doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{8101 + i}" for i in range(engines)]
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    opts = StackOptions.on_free_ports(policy, tmp / "state", load_snapshot(policy), engine="vllm",
+                                      engine_timeout=300.0, with_valkey=False)
+    return Stack(opts).start(timeout=300)
+
+
 @pytest.fixture(scope="session")
 def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One real vLLM engine in the pool: on 2 cores one is fast to start, and with one engine every
     request meets the same prefix cache, which makes cache assertions exact."""
-    tmp = tmp_path_factory.mktemp("vllm")
-    policy = tmp / "policy"
-    shutil.copytree(POLICY, policy)
-    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
-    doc["pools"]["engine-pool"]["endpoints"] = ["127.0.0.1:8101"]
-    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
-    opts = StackOptions.on_free_ports(policy, tmp / "state", load_snapshot(policy), engine="vllm",
-                                      engine_timeout=300.0, with_valkey=False)
-    stack = Stack(opts).start(timeout=300)
+    stack = start_vllm_stack(tmp_path_factory.mktemp("vllm"), engines=1)
     yield stack
     stack.stop()
 

@@ -3,33 +3,21 @@
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import yaml
 
-from extproc.config import load_snapshot
-from llmgw.stack import DEMO_KEYS, Stack, StackOptions
-from tests.conftest import POLICY
+from llmgw.stack import DEMO_KEYS, Stack
 from tests.helpers import chat_body, request, request_quietly
 from tests.promtext import scrape, value
-from tests.vllm.conftest import MODEL
+from tests.vllm.conftest import MODEL, start_vllm_stack
 
 
 @pytest.fixture(scope="module")
 def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("vllm2")
-    policy = tmp / "policy"
-    shutil.copytree(POLICY, policy)
-    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
-    doc["pools"]["engine-pool"]["endpoints"] = ["127.0.0.1:8101", "127.0.0.1:8102"]
-    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
-    opts = StackOptions.on_free_ports(policy, tmp / "state", load_snapshot(policy), engine="vllm",
-                                      engine_timeout=300.0, with_valkey=False)
-    stack = Stack(opts).start(timeout=300)
+    stack = start_vllm_stack(tmp_path_factory.mktemp("vllm2"), engines=2)
     yield stack
     stack.stop()
 
