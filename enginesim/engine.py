@@ -52,7 +52,6 @@ class Sequence:
 class EngineStats:
     steps: int = 0
     preemptions: int = 0
-    aborted: int = 0  # simulator-only: requests whose client went away
     prompt_tokens: int = 0
     generation_tokens: int = 0
     # vLLM's finished_reason labels. A client that goes away is not counted here (vLLM 0.32 does not).
@@ -105,8 +104,7 @@ class Engine:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.table)
-        seq.finish_reason = "abort"
-        self.stats.aborted += 1
+        seq.finish_reason = "abort"  # not counted in request_success_total, as in vLLM 0.32
 
     # -- scheduling --------------------------------------------------------------------------------
 

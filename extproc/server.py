@@ -126,10 +126,10 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
 
 
-def processor_for(snapshot: Snapshot, picker: Picker | None = None) -> Processor:
-    """Resolve the snapshot's secrets; a missing one stops the service from starting (fail closed)."""
+def salts_for(snapshot: Snapshot) -> dict[str, str]:
+    """Resolve the salt secret; a missing one stops the service from starting (fail closed)."""
     secret = resolve(snapshot.gateway.cache_salt_secret_ref, snapshot.directory)
-    return Processor(snapshot, tenant_salts(secret, snapshot.gateway.tenants), picker)
+    return tenant_salts(secret, snapshot.gateway.tenants)
 
 
 def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[str]]:
@@ -144,7 +144,8 @@ def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[s
     return pools
 
 
-async def serve(snapshot: Snapshot, listen: str, pools: Mapping[str, list[str]] | None = None) -> None:
+async def serve(snapshot: Snapshot, cache_salts: Mapping[str, str], listen: str,
+                pools: Mapping[str, list[str]] | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -153,7 +154,7 @@ async def serve(snapshot: Snapshot, listen: str, pools: Mapping[str, list[str]] 
     picker = Picker(pools) if pools else None
     if picker is not None:
         await picker.start()
-    ep_grpc.add_ExternalProcessorServicer_to_server(processor_for(snapshot, picker), server)
+    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(snapshot, cache_salts, picker), server)
     if server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
@@ -180,10 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     snapshot = load_snapshot(args.config)
     try:
-        processor_for(snapshot)
+        cache_salts = salts_for(snapshot)
     except SecretUnavailable as e:
         raise SystemExit(f"ext_proc: {e}") from None
     import uvloop
 
     uvloop.install()
-    asyncio.run(serve(snapshot, args.listen, None if args.no_picker else pool_endpoints(snapshot, args.pool)))
+    pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
+    asyncio.run(serve(snapshot, cache_salts, args.listen, pools))
