@@ -9,14 +9,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.config import Snapshot
+from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Identity:
     tenant: str
-    subject: str
-    kind: str  # "api_key" (JWT workload identity arrives with the identity issue)
+    subject: str  # the API key's id or the JWT's subject claim
+    kind: str  # "api_key" or "jwt"
+    groups: tuple[str, ...] = ()
+    effects: tuple[str, ...] = ()  # tool effects the caller is granted
 
 
 @dataclass(slots=True)
@@ -34,6 +37,8 @@ class Exchange:
     stream: bool = False
     identity: Identity | None = None
     data_class: str = ""
+    decision: Decision | None = None  # the authorization decision, recorded for the ledger
+    redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
     route: Route | None = None
     deployment: Deployment | None = None
     cluster: str = ""
@@ -47,6 +52,14 @@ class Exchange:
         md = {"revision": self.snapshot.revision, "request_id": self.request_id}
         if self.identity is not None:
             md["tenant"] = self.identity.tenant
+            md["subject"] = self.identity.subject
+        if self.decision is not None:
+            md["decision"] = "allow" if self.decision.allow else "deny"
+            md["policy_revision"] = self.decision.policy_revision
+            if self.decision.reasons:
+                md["reasons"] = "; ".join(self.decision.reasons)
+        if self.redactions:
+            md["redactions"] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
         if self.route is not None:
             md["route"] = self.route.route_contract
         if self.deployment is not None:

@@ -6,31 +6,32 @@ import time
 from collections.abc import Sequence
 
 from extproc.exchange import Exchange
+from extproc.jwks import JwksCache
 from extproc.picker import Picker
 from extproc.stages import Stage
-from extproc.stages.authorize import DataClassAuthorization
+from extproc.stages.authorize import Authorization
 from extproc.stages.deadline import Deadline
-from extproc.stages.identity import ApiKeyIdentity
+from extproc.stages.identity import CallerIdentity
 from extproc.stages.intake import Intake
-from extproc.stages.placeholders import BudgetReservation, Redaction
+from extproc.stages.placeholders import BudgetReservation
+from extproc.stages.redact import Redaction
 from extproc.stages.route import PickEndpoint, RouteSelection
+
 
 # design.md section 1, in order, all on the one message Envoy sends: the buffered body with the
 # headers as attributes. Identity comes first: an unauthenticated caller learns nothing else.
-REQUEST_STAGES: tuple[Stage, ...] = (
-    ApiKeyIdentity(),
-    Intake(),
-    DataClassAuthorization(),
-    BudgetReservation(),
-    Redaction(),
-    RouteSelection(),
-    Deadline(),
-)
-
-
-def build_stages(picker: Picker | None) -> tuple[Stage, ...]:
+def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None) -> tuple[Stage, ...]:
     """The request stages, with the endpoint picker after routing when the service runs one."""
-    return REQUEST_STAGES if picker is None else (*REQUEST_STAGES, PickEndpoint(picker))
+    stages: tuple[Stage, ...] = (
+        CallerIdentity(jwks),
+        Intake(),
+        Authorization(),
+        BudgetReservation(),
+        Redaction(),
+        RouteSelection(),
+        Deadline(),
+    )
+    return stages if picker is None else (*stages, PickEndpoint(picker))
 
 
 async def run_stages(stages: Sequence[Stage], ex: Exchange) -> None:

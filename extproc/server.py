@@ -18,19 +18,22 @@ from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
 
 import grpc
+from aiohttp import web
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
 from extproc.config import Snapshot, load_snapshot
+from extproc.config.reload import Live, Reloader
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
+from extproc.jwks import JwksCache
 from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.stages.identity import ApiKeyIdentity
+from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
 
 log = logging.getLogger("llmgw.extproc")
@@ -72,16 +75,18 @@ def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:
 
 
 class Processor(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, snapshot: Snapshot, cache_salts: Mapping[str, str], picker: Picker | None = None):
-        self.snapshot = snapshot
-        self.cache_salts = cache_salts
-        self.stages = build_stages(picker)
-        self._identity = ApiKeyIdentity()
+    def __init__(self, live: Live | Reloader, picker: Picker | None = None, jwks: JwksCache | None = None):
+        self._live = live  # a Reloader swaps its `live` on reload; a Live is fixed
+        jwks = jwks or JwksCache()
+        self.stages = build_stages(picker, jwks)
+        self._identity = CallerIdentity(jwks)
 
     async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        ex = Exchange(snapshot=self.snapshot, cache_salts=self.cache_salts)
+        live = self._live.live if isinstance(self._live, Reloader) else self._live
+        # The whole request is decided under this one revision, whatever a reload does meanwhile.
+        ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts)
         async for req in request_iterator:
             attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
             if attrs is not None:
@@ -122,7 +127,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
         await self._identity.run(ex)
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-                for name in sorted(self.snapshot.routes)]
+                for name in sorted(ex.snapshot.routes)]
         return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
 
 
@@ -130,6 +135,38 @@ def salts_for(snapshot: Snapshot) -> dict[str, str]:
     """Resolve the salt secret; a missing one stops the service from starting (fail closed)."""
     secret = resolve(snapshot.gateway.cache_salt_secret_ref, snapshot.directory)
     return tenant_salts(secret, snapshot.gateway.tenants)
+
+
+def live_for(snapshot: Snapshot) -> Live:
+    return Live(snapshot, salts_for(snapshot))
+
+
+async def status_app(reloader: Reloader, listen: str) -> web.AppRunner:
+    """GET /status: the serving revision and the last reload's outcome (errors name file and field)."""
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(reloader.status)
+
+    async def reload(_: web.Request) -> web.Response:
+        reloader.reload("admin request")
+        return web.json_response(reloader.status)
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    app.router.add_post("/reload", reload)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, _, port = listen.rpartition(":")
+    await web.TCPSite(runner, host, int(port)).start()
+    return runner
+
+
+def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials:
+    """mTLS for Envoy -> ext_proc: ext_proc presents `cert` and admits only clients signed by the CA."""
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_server_credentials([(read(key), read(cert))], root_certificates=read(client_ca),
+                                       require_client_auth=True)
 
 
 def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[str]]:
@@ -144,8 +181,8 @@ def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[s
     return pools
 
 
-async def serve(snapshot: Snapshot, cache_salts: Mapping[str, str], listen: str,
-                pools: Mapping[str, list[str]] | None = None) -> None:
+async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] | None = None,
+                status_listen: str | None = None, credentials: grpc.ServerCredentials | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -154,17 +191,28 @@ async def serve(snapshot: Snapshot, cache_salts: Mapping[str, str], listen: str,
     picker = Picker(pools) if pools else None
     if picker is not None:
         await picker.start()
-    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(snapshot, cache_salts, picker), server)
-    if server.add_insecure_port(listen) == 0:
+    jwks = JwksCache()
+    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(reloader, picker, jwks), server)
+    bound = (server.add_secure_port(listen, credentials) if credentials is not None
+             else server.add_insecure_port(listen))
+    if bound == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
-    log.info("ext_proc listening on %s, revision %s", listen, snapshot.revision)
+    runner = await status_app(reloader, status_listen) if status_listen else None
+    log.info("ext_proc listening on %s%s, revision %s", listen, " (mTLS)" if credentials else "",
+             reloader.live.snapshot.revision)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+    watcher = asyncio.create_task(reloader.watch(stop))
     await stop.wait()
+    await watcher
     await server.stop(grace=2)
+    if runner is not None:
+        await runner.cleanup()
+    await jwks.close()
     if picker is not None:
         await picker.stop()
 
@@ -176,16 +224,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pool", action="append", default=[], metavar="NAME=HOST:PORT,...",
                    help="a pool's engine addresses, where they differ from gateway.yaml's")
     p.add_argument("--no-picker", action="store_true", help="leave engine choice to Envoy's least-request")
+    p.add_argument("--status-listen", metavar="HOST:PORT", help="serve GET /status (revision, last reload)")
+    p.add_argument("--reload-runs-policy-tests", action="store_true",
+                   help="refuse a new revision whose Rego test_* rules fail")
+    p.add_argument("--tls-cert", help="mTLS: ext_proc's certificate (PEM)")
+    p.add_argument("--tls-key", help="mTLS: ext_proc's private key (PEM)")
+    p.add_argument("--tls-client-ca", help="mTLS: CA that signs Envoy's client certificate (PEM)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     snapshot = load_snapshot(args.config)
     try:
-        cache_salts = salts_for(snapshot)
+        live = live_for(snapshot)
     except SecretUnavailable as e:
         raise SystemExit(f"ext_proc: {e}") from None
+    tls = (args.tls_cert, args.tls_key, args.tls_client_ca)
+    if any(tls) and not all(tls):
+        raise SystemExit("ext_proc: --tls-cert, --tls-key and --tls-client-ca go together")
+    credentials = server_credentials(*tls) if all(tls) else None
     import uvloop
 
     uvloop.install()
+    reloader = Reloader(snapshot.directory, live_for, live, run_tests=args.reload_runs_policy_tests)
     pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
-    asyncio.run(serve(snapshot, cache_salts, args.listen, pools))
+    asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials))

@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.config import load_snapshot
+from extproc.config.reload import Live
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
-from extproc.pipeline import REQUEST_STAGES, run_stages
+from extproc.pipeline import build_stages, run_stages
 from extproc.server import Processor
-from extproc.stages.identity import ApiKeyIdentity, bearer_token
+from extproc.stages.identity import CallerIdentity, bearer_token
 from extproc.stages.intake import Intake
 from extproc.stages.route import RouteSelection, tenant_salts
 from llmgw.stack import DEMO_KEYS
@@ -31,6 +32,7 @@ from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
 SALTS = tenant_salts("test-secret", SNAP.gateway.tenants)
+REQUEST_STAGES = build_stages()
 HEADER_STAGES = REQUEST_STAGES[:1]  # identity: needs only the headers
 BODY_STAGES = REQUEST_STAGES[1:]
 
@@ -86,7 +88,7 @@ def test_revoked_or_expired_key_is_refused(tmp_path: Path, fields: dict[str, Any
     snap = load_snapshot(_policy_with_key(tmp_path, **fields))
     ex = Exchange(snapshot=snap, headers={"authorization": "Bearer " + DEMO_KEYS["acme"]})
     with pytest.raises(GatewayError) as e:
-        run(ApiKeyIdentity().run(ex))
+        run(CallerIdentity().run(ex))
     assert e.value.code is ErrorCode.UNAUTHENTICATED
 
 
@@ -170,6 +172,7 @@ def _variant(tmp_path: Path, **dep_fields: Any) -> Path:
 def test_withdrawn_or_retired_deployment_is_never_chosen(tmp_path: Path, fields: dict[str, Any]) -> None:
     snap = load_snapshot(_variant(tmp_path, **fields))
     ex = Exchange(snapshot=snap, cache_salts=SALTS, data_class="internal", identity=Identity("acme", "k", "api_key"),
+                  route=snap.routes["chat-default"],
                   body={"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(GatewayError) as e:
         run(RouteSelection().run(ex))
@@ -177,7 +180,7 @@ def test_withdrawn_or_retired_deployment_is_never_chosen(tmp_path: Path, fields:
 
 
 def test_data_class_not_served_by_candidate_is_no_qualified_route() -> None:
-    ex = Exchange(snapshot=SNAP, cache_salts=SALTS, data_class="restricted",
+    ex = Exchange(snapshot=SNAP, cache_salts=SALTS, data_class="restricted", route=SNAP.routes["chat-default"],
                   body={"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(GatewayError) as e:
         run(RouteSelection().run(ex))
@@ -222,7 +225,7 @@ def converse(*msgs: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
             yield m
 
     async def main() -> list[ep.ProcessingResponse]:
-        return [r async for r in Processor(SNAP, SALTS).Process(it(), None)]  # type: ignore[arg-type]
+        return [r async for r in Processor(Live(SNAP, SALTS)).Process(it(), None)]  # type: ignore[arg-type]
 
     return run(main())
 

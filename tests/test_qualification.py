@@ -40,7 +40,7 @@ def yaml_edit(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
 def route(policy: Path, body: dict[str, Any], tenant: str = "acme", data_class: str = "internal") -> Exchange:
     snap = load_snapshot(policy)
     ex = Exchange(snapshot=snap, cache_salts=tenant_salts("s", snap.gateway.tenants), body=body,
-                  identity=Identity(tenant, "k", "api_key"), data_class=data_class)
+                  identity=Identity(tenant, "k", "api_key"), data_class=data_class, route=snap.routes[body["model"]])
     asyncio.run(RouteSelection().run(ex))
     return ex
 

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from extproc.config.schema import ApiKey, Deployment, Evidence, GatewayConfig, Route
+from extproc.config.policy import CompiledPolicy, PolicyCompileError
+from extproc.config.schema import ApiKey, Deployment, Evidence, GatewayConfig, KeysFile, Route
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -58,6 +59,8 @@ class Snapshot:
     warnings: tuple[str, ...] = ()
     keys_by_hash: Mapping[str, KeyOwner] = field(default_factory=dict)
     evidence: Mapping[str, tuple[Evidence, ...]] = field(default_factory=dict)  # by deployment_ref
+    policy: CompiledPolicy | None = None  # None only for snapshots built without their Rego
+    policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
 
     def passing_evidence(self, deployment_ref: str, today: date) -> set[str]:
         """Kinds of evidence that pass, unexpired, for exactly this fingerprint."""
@@ -95,8 +98,9 @@ def _parse(model: type[M], data: Any, rel: str, issues: list[ConfigIssue]) -> M 
 
 
 def _revision(gateway: GatewayConfig, routes: dict[str, Route], deployments: dict[str, Deployment],
-              rego: dict[str, str], evidence: dict[str, list[Evidence]]) -> str:
+              rego: dict[str, str], evidence: dict[str, list[Evidence]], keys: list[Any]) -> str:
     doc = {
+        "keys": keys,
         "evidence": {k: [e.model_dump(mode="json") for e in v] for k, v in sorted(evidence.items())},
         "gateway": gateway.model_dump(mode="json"),
         "routes": {k: v.model_dump(mode="json") for k, v in sorted(routes.items())},
@@ -105,6 +109,20 @@ def _revision(gateway: GatewayConfig, routes: dict[str, Route], deployments: dic
     }
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def policy_data(gateway: GatewayConfig) -> dict[str, Any]:
+    """The static facts Rego sees as `data.gateway`: baked into the bundle, not sent per request."""
+    return {
+        "data_classes": list(gateway.data_classes),
+        "class_rank": {c: i for i, c in enumerate(gateway.data_classes)},
+        "tenants": {name: {"allowed_data_classes": list(t.allowed_data_classes),
+                           "regions": list(t.regions) if t.regions is not None else None}
+                    for name, t in gateway.tenants.items()},
+        "tools": {name: {"effects": list(t.effects)} for name, t in gateway.tools.items()},
+        "redaction": {"entities": list(gateway.redaction.entities),
+                      "from_data_class": gateway.redaction.from_data_class},
+    }
 
 
 def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
@@ -185,14 +203,35 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
 
     rego = {str(p.relative_to(root)): p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.rego"))}
 
+    managed: tuple[ApiKey, ...] = ()
+    managed_owner: dict[str, str] = {}
+    if (root / "keys.yaml").is_file():
+        keys_file = _parse(KeysFile, _read_yaml(root / "keys.yaml", root, issues) or {"keys": []},
+                           "keys.yaml", issues)
+        if keys_file is not None:
+            managed = keys_file.keys
+            managed_owner = {k.sha256: k.tenant for k in keys_file.keys}
+
     if gateway is not None:
         _cross_check(gateway, routes, deployments, today or date.today(), issues, warnings)
+        for i, k in enumerate(managed):
+            if managed_owner[k.sha256] not in gateway.tenants:
+                issues.append(ConfigIssue("keys.yaml", f"keys.{i}.tenant",
+                                          f"unknown tenant {managed_owner[k.sha256]!r}"))
     if issues or gateway is None:
         raise ConfigError(issues)
 
     plain_routes = {k: v for k, (_, v) in routes.items()}
     plain_deps = {k: v for k, (_, v) in deployments.items()}
     keys = {k.sha256: KeyOwner(t, k) for t, tenant in gateway.tenants.items() for k in tenant.api_keys}
+    keys.update({k.sha256: KeyOwner(managed_owner[k.sha256], k) for k in managed})
+    revision = _revision(gateway, plain_routes, plain_deps, rego, evidence,
+                         [k.model_dump(mode="json") for k in managed])
+    data = policy_data(gateway)
+    try:
+        policy = CompiledPolicy(rego, data, revision)
+    except PolicyCompileError as e:
+        raise ConfigError([ConfigIssue("*.rego", "", f"policy does not compile: {e}")]) from None
     return Snapshot(
         evidence=MappingProxyType({ref: tuple(recs) for ref, recs in evidence.items()}),
         directory=root,
@@ -200,7 +239,9 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
         routes=MappingProxyType(plain_routes),
         deployments=MappingProxyType(plain_deps),
         rego=MappingProxyType(rego),
-        revision=_revision(gateway, plain_routes, plain_deps, rego, evidence),
+        revision=revision,
         warnings=tuple(warnings),
         keys_by_hash=MappingProxyType(keys),
+        policy=policy,
+        policy_data=MappingProxyType(data),
     )

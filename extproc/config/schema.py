@@ -43,6 +43,87 @@ class ApiKey(Strict):
     sha256: HexDigest  # hash of the key; the key itself is never stored
     expires: date | None = None
     revoked: bool = False
+    effects: tuple[Name, ...] = ()  # tool effects this key's caller may exercise (input.identity.effects)
+
+
+class ManagedKey(ApiKey):
+    """An entry of `keys.yaml`, the file `llmgw keys` writes; hand-written keys live in gateway.yaml."""
+
+    tenant: Name
+    created: date | None = None
+
+
+class KeysFile(Strict):
+    keys: tuple[ManagedKey, ...] = ()
+
+
+JwtAlgorithm = Literal["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA"]
+
+
+class JwtIssuer(Strict):
+    """A workload-identity issuer. Only asymmetric algorithms exist here: `none` and HS* cannot be
+    configured, so a public key can never be used as an HMAC secret (key confusion)."""
+
+    issuer: str = Field(min_length=1)
+    audiences: tuple[str, ...] = Field(min_length=1)
+    jwks_file: str | None = None  # relative to the policy directory
+    jwks_url: str | None = None
+    algorithms: tuple[JwtAlgorithm, ...] = ("RS256", "ES256", "EdDSA")
+    max_lifetime_s: int = Field(default=3600, gt=0)  # exp - iat; only short-lived tokens pass
+    leeway_s: int = Field(default=30, ge=0, le=300)
+    jwks_cache_s: int = Field(default=300, gt=0)
+    tenant_claim: str = "tenant"
+    subject_claim: str = "sub"
+    groups_claim: str = "groups"
+    tenants: tuple[Name, ...] | None = None  # tenants this issuer may assert; None = any configured
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> JwtIssuer:
+        if (self.jwks_file is None) == (self.jwks_url is None):
+            raise ValueError("exactly one of `jwks_file` or `jwks_url` must be set")
+        return self
+
+
+class Tool(Strict):
+    """A tool callers may offer the model; `effects` name what calling it can change."""
+
+    effects: tuple[Name, ...] = ()
+
+
+EntityType = Literal["email", "phone", "payment_card", "iban", "us_ssn", "ip_address", "secret"]
+ENTITY_TYPES: tuple[EntityType, ...] = ("email", "phone", "payment_card", "iban", "us_ssn", "ip_address", "secret")
+
+
+class RedactionSettings(Strict):
+    """What the example policy's `redact` obligation draws from (data.gateway.redaction)."""
+
+    entities: tuple[EntityType, ...] = ENTITY_TYPES
+    from_data_class: Name | None = "internal"  # redact requests at or above this class
+
+
+class ListenerTls(Strict):
+    """TLS Envoy terminates for clients. Files only: Envoy reads them, config never holds them."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+    require_client_certificate: bool = False
+
+
+class ExtprocTls(Strict):
+    """mTLS between Envoy and ext_proc: both sides present certificates signed by `ca_file`."""
+
+    ca_file: str
+    server_cert_file: str
+    server_key_file: str
+    client_cert_file: str
+    client_key_file: str
+    server_name: str = "extproc.llmgw.internal"
+
+
+class TlsSettings(Strict):
+    listener: ListenerTls | None = None
+    extproc: ExtprocTls | None = None
 
 
 class Tenant(Strict):
@@ -82,6 +163,11 @@ class GatewayConfig(Strict):
     pools: dict[Name, Pool] = {}
     envoy: EnvoySettings = EnvoySettings()
     limits: Limits = Limits()
+    jwt_issuers: tuple[JwtIssuer, ...] = ()
+    group_effects: dict[str, tuple[Name, ...]] = {}  # JWT group -> tool effects its members may use
+    tools: dict[str, Tool] = {}  # the tool catalog; a tool not listed here is unknown to policy
+    redaction: RedactionSettings = RedactionSettings()
+    tls: TlsSettings = TlsSettings()
 
     @model_validator(mode="after")
     def _tenants_use_known_classes(self) -> GatewayConfig:
@@ -98,6 +184,15 @@ class GatewayConfig(Strict):
         dup = {k for k in key_ids if key_ids.count(k) > 1}
         if dup:
             raise ValueError(f"tenants: api key ids used twice: {sorted(dup)}")
+        issuers = [i.issuer for i in self.jwt_issuers]
+        if len(set(issuers)) != len(issuers):
+            raise ValueError("jwt_issuers: an issuer is listed twice")
+        for i, iss in enumerate(self.jwt_issuers):
+            if iss.tenants and set(iss.tenants) - set(self.tenants):
+                raise ValueError(f"jwt_issuers.{i}.tenants: unknown tenant(s) "
+                                 f"{sorted(set(iss.tenants) - set(self.tenants))}")
+        if self.redaction.from_data_class is not None and self.redaction.from_data_class not in known:
+            raise ValueError(f"redaction.from_data_class: unknown data class {self.redaction.from_data_class!r}")
         return self
 
 

@@ -1,28 +1,83 @@
-"""Authorization, data-class part: the request's data class must be known and allowed for the tenant.
+"""Authorization: the Rego policy (package `llmgw.authz`) decides whether this caller may send this
+data class to this route with these tools and effects, and which obligations (redaction, content
+recording) apply. Default deny; any evaluation problem fails closed with 503 policy_unavailable.
 
-The Rego decision (tools, effects, obligations) lands with the identity and policy issue; this stage
-already fails closed: no identity, no admission.
+The input document (documented in policy/README.md) carries no message content: policy decides on
+who, what class, which route and which tools, never on the prompt text.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from extproc.config.policy import PolicyEvaluationError
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
+from extproc.stages.route import requested_max_tokens
 
 
-class DataClassAuthorization:
+def requested_tools(ex: Exchange) -> list[dict[str, Any]]:
+    """Each tool the request offers, with its effects from the catalog (unknown: `known` false)."""
+    tools = ex.body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "`tools` must be an array", "tools")
+    catalog = ex.snapshot.gateway.tools
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"tools[{i}] needs a function name",
+                               f"tools[{i}].function.name")
+        entry = catalog.get(name)
+        out.append({"name": name, "known": entry is not None, "effects": list(entry.effects) if entry else []})
+    return out
+
+
+def policy_input(ex: Exchange, data_class: str) -> dict[str, Any]:
+    assert ex.identity is not None and ex.route is not None
+    ident, route = ex.identity, ex.route
+    return {
+        "identity": {"tenant": ident.tenant, "subject": ident.subject, "kind": ident.kind,
+                     "groups": list(ident.groups), "effects": list(ident.effects)},
+        "request": {
+            "route": route.route_contract, "request_class": route.request_class, "data_class": data_class,
+            "model": ex.body["model"], "tools": requested_tools(ex), "stream": ex.stream,
+            "max_tokens": requested_max_tokens(ex.body, route.max_tokens_cap,
+                                               ex.snapshot.gateway.limits.default_max_tokens),
+            "idempotency_key": bool(ex.headers.get("idempotency-key")),
+        },
+        "route": {"name": route.route_contract, "request_class": route.request_class,
+                  "record_content": route.telemetry.record_content},
+        "candidates": [{"deployment": c.deployment_name, "data_classes": list(c.data_classes),
+                        "regions": list(c.regions)} for c in route.candidates],
+    }
+
+
+class Authorization:
     name = "authorize"
 
     async def run(self, ex: Exchange) -> None:
         if ex.identity is None:  # identity must have run; never admit without it
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no verified identity for this request")
-        gw = ex.snapshot.gateway
-        tenant = gw.tenants[ex.identity.tenant]
-        requested = ex.headers.get("x-llmgw-data-class") or tenant.default_data_class
-        if requested not in gw.data_classes:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"unknown data class {requested!r}",
+        snap = ex.snapshot
+        route = snap.routes.get(ex.body["model"])
+        if route is None:
+            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no route named {ex.body['model']!r}", "model")
+        ex.route = route
+        data_class = ex.headers.get("x-llmgw-data-class") or snap.gateway.tenants[ex.identity.tenant].default_data_class
+        if data_class not in snap.gateway.data_classes:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"unknown data class {data_class!r}",
                                "x-llmgw-data-class")
-        if requested not in tenant.allowed_data_classes:
-            raise GatewayError(ErrorCode.FORBIDDEN,
-                               f"tenant may not send data class {requested!r}")
-        ex.data_class = requested
+        ex.data_class = data_class
+        if snap.policy is None:
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorization policy is loaded")
+        try:
+            ex.decision = snap.policy.decide(policy_input(ex, data_class))
+        except PolicyEvaluationError as e:
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the authorization policy could not be evaluated") from e
+        if not ex.decision.allow:
+            why = "; ".join(ex.decision.reasons) or "denied by policy"
+            raise GatewayError(ErrorCode.FORBIDDEN, f"forbidden: {why}")

@@ -1,5 +1,5 @@
-"""Stages whose step of design.md section 1 lands in a later issue. They hold their place in the order
-so that the pipeline's shape, timing and tests do not change when they are filled in."""
+"""A stage whose step of design.md section 1 lands in a later issue. It holds its place in the order
+so that the pipeline's shape, timing and tests do not change when it is filled in."""
 
 from __future__ import annotations
 
@@ -14,11 +14,3 @@ class BudgetReservation:
     async def run(self, ex: Exchange) -> None:
         return None
 
-
-class Redaction:
-    """PII redaction per the decision's obligations (the identity and policy issue)."""
-
-    name = "redact"
-
-    async def run(self, ex: Exchange) -> None:
-        return None

@@ -101,10 +101,9 @@ class RouteSelection:
 
     async def run(self, ex: Exchange) -> None:
         snap = ex.snapshot
-        route = snap.routes.get(ex.body["model"])
+        route = ex.route  # resolved by authorization, which needs the route's facts
         if route is None:
-            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no route named {ex.body['model']!r}", "model")
-        ex.route = route
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorized route for this request")
         tenant = snap.gateway.tenants.get(ex.identity.tenant) if ex.identity is not None else None
         facts = RequestFacts(data_class=ex.data_class, regions=tenant.regions if tenant else None,
                              today=datetime.now(UTC).date(), prompt_bound=prompt_bytes(ex.body),
