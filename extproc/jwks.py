@@ -55,7 +55,6 @@ def parse_jwks(doc: Any) -> dict[str, jwt.PyJWK]:
 class JwksCache:
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
-        self._session: aiohttp.ClientSession | None = None
 
     async def key(self, issuer: JwtIssuer, kid: str, base: Path) -> jwt.PyJWK | None:
         """The key for `kid`, or None when the issuer's current set lacks it. `base` is the policy
@@ -92,13 +91,9 @@ class JwksCache:
     async def _load(self, issuer: JwtIssuer, base: Path) -> Any:
         if issuer.jwks_file is not None:
             return json.loads((base / issuer.jwks_file).read_text(encoding="utf-8"))
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S))
         assert issuer.jwks_url is not None
-        async with self._session.get(issuer.jwks_url) as resp:
+        # A session per fetch: refreshes are minutes apart, and nothing is left open on shutdown.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)) as session, \
+                session.get(issuer.jwks_url) as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()

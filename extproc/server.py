@@ -212,7 +212,6 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     await server.stop(grace=2)
     if runner is not None:
         await runner.cleanup()
-    await jwks.close()
     if picker is not None:
         await picker.stop()
 
@@ -230,8 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-cert", help="mTLS: ext_proc's certificate (PEM)")
     p.add_argument("--tls-key", help="mTLS: ext_proc's private key (PEM)")
     p.add_argument("--tls-client-ca", help="mTLS: CA that signs Envoy's client certificate (PEM)")
+    p.add_argument("--no-decision-cache", action="store_true",
+                   help="evaluate Rego for every request even when the policy is pure (benchmarks)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if args.no_decision_cache:
+        from extproc.config import policy
+
+        policy.DECISION_CACHE = False
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     snapshot = load_snapshot(args.config)
     try:

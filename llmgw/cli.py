@@ -60,7 +60,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     opts = StackOptions(config_dir=Path(args.config), state_dir=Path(args.state_dir), listen_port=args.port,
                         admin_port=args.admin_port, workers=args.workers, time_scale=args.time_scale,
                         engine_profile=args.engine_profile, valkey_port=args.valkey_port, engine=args.engine,
-                        start_engines=args.engine != "none", engine_timeout=180.0 if args.engine == "vllm" else 60.0)
+                        start_engines=args.engine != "none", engine_timeout=180.0 if args.engine == "vllm" else 60.0,
+                        tls=args.tls or args.require_client_cert, require_client_certificate=args.require_client_cert)
     try:
         stack = Stack(opts)
     except ConfigError as e:
@@ -149,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or none: the pools' endpoints in gateway.yaml are already served (e.g. GPU vLLM)")
     u.add_argument("--engine-profile", default="llama-3-8b@h100")
     u.add_argument("--time-scale", type=float, default=1.0)
+    u.add_argument("--tls", action="store_true",
+                   help="TLS for clients and mTLS Envoy -> ext_proc, with demo certificates in STATE_DIR/tls")
+    u.add_argument("--require-client-cert", action="store_true", help="with --tls: callers must present "
+                   "a certificate signed by the demo CA (STATE_DIR/tls/client.crt is one)")
     u.set_defaults(func=cmd_up)
 
     en = sub.add_parser("engines", help="real engines")
@@ -173,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.bench_picker import add_parser as add_picker_bench
 
     add_picker_bench(bsub)
+    from llmgw.bench_policy import add_parser as add_policy_bench
+
+    add_policy_bench(bsub)
+    from llmgw.keys_cmd import add_parsers as add_key_and_policy_commands
+
+    add_key_and_policy_commands(sub)
     return p
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -49,6 +50,8 @@ from envoy.extensions.http.custom_response.local_response_policy.v3 import local
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.resource_monitors.downstream_connections.v3 import downstream_connections_pb2
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, status_code_input_pb2, string_pb2, value_pb2
 from envoy.type.metadata.v3 import metadata_pb2 as metadata_key_pb2
@@ -58,6 +61,7 @@ from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
 from extproc.config import Snapshot
+from extproc.config.schema import ExtprocTls, ListenerTls, TlsSettings
 from extproc.contract import METADATA_NAMESPACE, ErrorCode
 from extproc.picker import LB_KEY, LB_NAMESPACE
 
@@ -76,6 +80,7 @@ class RenderOptions:
     pools: dict[str, tuple[tuple[str, int], ...]]
     access_log: bool = True
     pool_lb: str = "picker"  # "picker": override_host from ext_proc's order; "round_robin": a baseline
+    tls: TlsSettings = field(default_factory=TlsSettings)  # file paths as Envoy must open them
 
     @classmethod
     def for_compose(cls, snap: Snapshot) -> RenderOptions:
@@ -92,9 +97,52 @@ class RenderOptions:
             "admin": _hp(env.admin),
             "extproc": tuple(_hp(e) for e in env.extproc),
             "pools": {name: tuple(_hp(e) for e in pool.endpoints) for name, pool in snap.gateway.pools.items()},
+            "tls": absolute_tls(snap.gateway.tls, snap.directory),
         }
         opts.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**opts)  # type: ignore[arg-type]
+
+
+def absolute_tls(tls: TlsSettings, base: Path) -> TlsSettings:
+    """gateway.yaml's certificate paths are relative to the policy directory; Envoy needs them whole."""
+    def fix(model: ListenerTls | ExtprocTls | None) -> dict[str, object] | None:
+        if model is None:
+            return None
+        return {k: (str(base / v) if k.endswith("_file") and isinstance(v, str) else v)
+                for k, v in model.model_dump().items()}
+    return TlsSettings.model_validate({"listener": fix(tls.listener), "extproc": fix(tls.extproc)})
+
+
+def _file(path: str) -> base_pb2.DataSource:
+    return base_pb2.DataSource(filename=path)  # Envoy reads the file; the config never holds a key
+
+
+def _listener_tls(tls: ListenerTls) -> base_pb2.TransportSocket:
+    common = tls_pb2.CommonTlsContext(
+        tls_certificates=[tls_common_pb2.TlsCertificate(certificate_chain=_file(tls.cert_file),
+                                                        private_key=_file(tls.key_file))],
+        alpn_protocols=["h2", "http/1.1"])
+    if tls.client_ca_file:
+        common.validation_context.trusted_ca.CopyFrom(_file(tls.client_ca_file))
+    ctx = tls_pb2.DownstreamTlsContext(
+        common_tls_context=common,
+        require_client_certificate=wrappers_pb2.BoolValue(value=tls.require_client_certificate))
+    return base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=pack(ctx))
+
+
+def _extproc_mtls(tls: ExtprocTls) -> base_pb2.TransportSocket:
+    """Envoy -> ext_proc: verify ext_proc's certificate against the CA and present Envoy's own."""
+    common = tls_pb2.CommonTlsContext(
+        tls_certificates=[tls_common_pb2.TlsCertificate(certificate_chain=_file(tls.client_cert_file),
+                                                        private_key=_file(tls.client_key_file))],
+        validation_context=tls_common_pb2.CertificateValidationContext(
+            trusted_ca=_file(tls.ca_file),
+            match_typed_subject_alt_names=[tls_common_pb2.SubjectAltNameMatcher(
+                san_type=tls_common_pb2.SubjectAltNameMatcher.DNS,
+                matcher=string_pb2.StringMatcher(exact=tls.server_name))]),
+        alpn_protocols=["h2"])
+    ctx = tls_pb2.UpstreamTlsContext(common_tls_context=common, sni=tls.server_name)
+    return base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=pack(ctx))
 
 
 def _hp(s: str) -> tuple[str, int]:
@@ -366,6 +414,10 @@ def _access_log() -> accesslog_pb2.AccessLog:
         "tenant": f"%DYNAMIC_METADATA({ns}:tenant)%", "route": f"%DYNAMIC_METADATA({ns}:route)%",
         "deployment": f"%DYNAMIC_METADATA({ns}:deployment)%",
         "revision": f"%DYNAMIC_METADATA({ns}:revision)%",
+        "subject": f"%DYNAMIC_METADATA({ns}:subject)%",
+        "decision": f"%DYNAMIC_METADATA({ns}:decision)%",
+        "reasons": f"%DYNAMIC_METADATA({ns}:reasons)%",
+        "redactions": f"%DYNAMIC_METADATA({ns}:redactions)%",
         "picked": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{LB_KEY})%",
     })
     return accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout", typed_config=pack(
@@ -466,6 +518,8 @@ def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connec
 def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Bootstrap:
     pool_clusters = {f"pool_{name}": name for name in snap.gateway.pools}
     clusters = [static_cluster(EXTPROC_CLUSTER, opts.extproc, http2=True, connect_ms=1000)]
+    if opts.tls.extproc is not None:
+        clusters[0].transport_socket.CopyFrom(_extproc_mtls(opts.tls.extproc))
     for cluster_name, pool in pool_clusters.items():
         hosts = opts.pools.get(pool) or tuple(_hp(e) for e in snap.gateway.pools[pool].endpoints)
         clusters.append(_pool_cluster(cluster_name, pool, hosts, snap.gateway.pools[pool].connect_timeout_ms,
@@ -480,6 +534,8 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes),
         filter_chains=[listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
             name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))])])
+    if opts.tls.listener is not None:
+        listener.filter_chains[0].transport_socket.CopyFrom(_listener_tls(opts.tls.listener))
     # A bounded number of client connections: each can make ext_proc buffer a body before its verdict.
     overload = overload_pb2.OverloadManager(resource_monitors=[overload_pb2.ResourceMonitor(
         name="envoy.resource_monitors.global_downstream_max_connections",

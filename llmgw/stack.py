@@ -30,6 +30,7 @@ from llmgw.procs import (
     valkey_binary,
     wait_until,
 )
+from llmgw.tls import demo_certs
 
 # (served model name, host, port) -> (argv, extra environment) of one engine process
 EngineLauncher = Callable[[str, str, int], tuple[list[str], dict[str, str]]]
@@ -62,6 +63,9 @@ class StackOptions:
     envoy_concurrency: int | None = None
     extproc_args: tuple[str, ...] = ()
     pool_lb: str = "picker"  # or "round_robin" (a benchmark baseline: no picker)
+    tls: bool = False  # demo certificates: TLS for clients, mTLS between Envoy and ext_proc
+    require_client_certificate: bool = False
+    status_ports: tuple[int, ...] | None = None  # ext_proc status endpoints; None: free ports
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -102,14 +106,22 @@ class Stack:
             overrides["pools"] = {p: tuple(("127.0.0.1", port) for port in ports)
                                   for p, ports in o.engine_ports.items()}
         overrides["pool_lb"] = o.pool_lb
+        if o.tls:
+            overrides["tls"] = demo_certs(o.state_dir / "tls", o.require_client_certificate)
         self.render = RenderOptions.from_snapshot(self.snapshot, **overrides)
+        self.status_ports = o.status_ports or tuple(free_port() for _ in self.render.extproc)
 
     # -- addresses ---------------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
         host, port = self.render.listen
-        return f"http://{host}:{port}"
+        return f"{'https' if self.render.tls.listener else 'http'}://{host}:{port}"
+
+    @property
+    def status_urls(self) -> list[str]:
+        """Each ext_proc worker's GET /status: serving revision and the last reload's outcome."""
+        return [f"http://127.0.0.1:{p}/status" for p in self.status_ports]
 
     @property
     def admin_url(self) -> str:
@@ -205,9 +217,13 @@ class Stack:
         env = self._extproc_env()
         pools = [f"--pool={name}=" + ",".join(f"{h}:{p}" for h, p in hosts)
                  for name, hosts in self.render.pools.items()]
-        for host, port in self.render.extproc:
+        mtls = self.render.tls.extproc
+        tls_args = ["--tls-cert", mtls.server_cert_file, "--tls-key", mtls.server_key_file,
+                    "--tls-client-ca", mtls.ca_file] if mtls else []
+        for (host, port), status in zip(self.render.extproc, self.status_ports, strict=True):
             self.extprocs.append(Child(f"extproc-{port}", python_module(
                 "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}", *pools,
+                "--status-listen", f"127.0.0.1:{status}", *tls_args,
                 *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else [])),
                 self.logs / f"extproc-{port}.log", env=env).start())
         for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
@@ -241,6 +257,7 @@ class Stack:
         path.write_text(json.dumps({
             "url": self.url, "admin_url": self.admin_url, "revision": self.snapshot.revision,
             "tenants": {t: {"api_key": k} for t, k in self.demo_keys().items()},
-            "engines": self.engine_urls(), "logs": str(self.logs),
+            "engines": self.engine_urls(), "logs": str(self.logs), "extproc_status": self.status_urls,
+            **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")
         return path

@@ -20,6 +20,7 @@ import regopy
 # never served from the decision cache.
 _IMPURE = re.compile(r"\b(time\.|http\.send|rand\.|uuid\.|opa\.runtime|crypto\.x509|net\.lookup)")
 CACHE_SIZE = 4096
+DECISION_CACHE = True  # ext_proc's --no-decision-cache turns it off (benchmarks measure both)
 
 PACKAGE = "llmgw.authz"
 ENTRYPOINT = "llmgw/authz/decision"
@@ -79,7 +80,7 @@ class CompiledPolicy:
         self.revision = revision
         # A pure policy's decision is a function of its input (data is fixed per revision), so equal
         # inputs share one evaluation: most requests repeat tenant, route, class and tools.
-        self.cacheable = not any(_IMPURE.search(text) for text in policy.values())
+        self.cacheable = DECISION_CACHE and not any(_IMPURE.search(text) for text in policy.values())
         self._cache: OrderedDict[str, Decision] = OrderedDict()
 
     def decide(self, input_doc: Mapping[str, Any]) -> Decision:

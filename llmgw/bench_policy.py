@@ -1,0 +1,153 @@
+"""`llmgw bench policy`: what identity + authorization (Rego) + redaction add over the served path.
+
+One run, one upstream (an Envoy answering like an engine), four proxies measured in alternating
+rounds with the same wrk load:
+  bare     Envoy alone (the reference every ratio in BENCHMARKS.md is about)
+  served   the gateway with an allow-all Rego policy and no obligations: the served-path pipeline
+  full     the example policy (tenant, class, tools, residency; redaction obligations at `internal`)
+           on a prompt carrying an e-mail, a card number and an IP address, with a tool
+  full-nc  the same with the decision cache off: Rego evaluated on every request
+Plus in-process figures: one Rego evaluation, and redaction of a 32 KiB prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from extproc.config import load_snapshot
+from extproc.redact import Redactor
+from extproc.stages.redact import redact_messages
+from llmgw.bench import WRK_LUA, Result, _med, _start_envoy, bare_bootstrap, run_wrk, upstream_bootstrap
+from llmgw.procs import free_port
+from llmgw.stack import DEMO_KEYS, Stack, StackOptions
+
+ALLOW_ALL = ('package llmgw.authz\n\nimport rego.v1\n\n'
+             'decision := {"allow": true, "reasons": [], "obligations": {"redact": [], "record_content": false}}\n')
+PROMPT = ("Please summarise the ticket from jane.doe@example.com about card 4111 1111 1111 1111 "
+          "seen from 10.20.30.40, and suggest a reply.")
+
+
+def _served_path_policy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for p in dst.rglob("*.rego"):
+        p.unlink()
+    (dst / "allow_all.rego").write_text(ALLOW_ALL)
+    return dst
+
+
+def _micro(config: Path) -> dict[str, float]:
+    snap = load_snapshot(config)
+    assert snap.policy is not None
+    doc = {"identity": {"tenant": "acme", "subject": "k", "kind": "api_key", "groups": [], "effects": []},
+           "request": {"route": "chat-default", "request_class": "read_only_chat", "data_class": "internal",
+                       "model": "chat-default", "tools": [{"name": "search_docs", "known": True, "effects": []}],
+                       "stream": False, "max_tokens": 16, "idempotency_key": False},
+           "route": {"name": "chat-default", "request_class": "read_only_chat", "record_content": False},
+           "candidates": [{"deployment": "pool-llama-8b", "data_classes": ["internal"], "regions": ["eu"]}]}
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        snap.policy.evaluate(doc)
+    rego_us = (time.perf_counter() - t0) / n * 1e6
+    t0 = time.perf_counter()
+    for _ in range(n):
+        snap.policy.decide(doc)
+    cached_us = (time.perf_counter() - t0) / n * 1e6
+    rng = random.Random(0)
+    words = ["the", "gateway", "routes", "each", "tenant", "request", "to", "a", "qualified",
+             "deployment", "über", "数据", "данные"]
+    parts: list[str] = []
+    while sum(len(w) + 1 for w in parts) < 32 * 1024:
+        parts.append(rng.choice(words) if rng.random() > 0.01 else rng.choice(
+            ["a.b@example.com", "4111 1111 1111 1111", "+44 20 7946 0958", "10.0.0.1", "123-45-6789"]))
+    messages = [{"role": "user", "content": " ".join(parts)}]
+    entities = frozenset(snap.policy_data["redaction"]["entities"])
+    times = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        redact_messages(messages, Redactor(entities))
+        times.append(time.perf_counter() - t0)
+    return {"rego_eval_us": rego_us, "rego_cached_us": cached_us,
+            "redact_32k_p50_ms": statistics.median(times) * 1e3,
+            "redact_32k_p99_ms": sorted(times)[int(len(times) * 0.99)] * 1e3}
+
+
+def run_policy_bench(args: argparse.Namespace) -> int:
+    if shutil.which("wrk") is None:
+        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+        return 2
+    config = Path(args.config).resolve()
+    micro = _micro(config)
+    print(json.dumps(micro), flush=True)
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-policy-"))
+    up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
+    children = [_start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin),
+                _start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)]
+    variants = {"served": (_served_path_policy(config, work / "served-policy"), ()),
+                "full": (config, ()), "full-nc": (config, ("--no-decision-cache",))}
+    stacks: dict[str, Stack] = {}
+    body = json.dumps({"model": "chat-default", "max_tokens": 16, "messages": [{"role": "user", "content": PROMPT}],
+                       "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
+    script = work / "req.lua"
+    script.write_text(WRK_LUA.format(body=body, key=DEMO_KEYS["acme"], extra=""))
+    urls = {"bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
+    results: dict[tuple[str, int], list[Result]] = {}
+    try:
+        for name, (cfg, extra) in variants.items():
+            snap = load_snapshot(cfg)
+            opts = StackOptions.on_free_ports(cfg, work / name, snap, with_valkey=False, start_engines=False,
+                                              envoy_concurrency=1, extproc_args=extra)
+            opts.engine_ports = {p: (up_port,) for p in snap.gateway.pools}
+            stacks[name] = Stack(opts).start()
+            urls[name] = f"{stacks[name].url}/v1/chat/completions"
+        for c in (int(x) for x in args.concurrency.split(",")):
+            for url in urls.values():
+                run_wrk(url, script, c, 2)  # warm-up
+            for _ in range(args.rounds):
+                for name, url in urls.items():
+                    results.setdefault((name, c), []).append(run_wrk(url, script, c, args.duration / args.rounds))
+    finally:
+        for s in stacks.values():
+            s.stop()
+        for ch in children:
+            ch.stop()
+    table = _table(results, args, micro)
+    print(table)
+    if args.output:
+        Path(args.output).write_text(table)
+    return 0
+
+
+def _table(results: dict[tuple[str, int], list[Result]], args: argparse.Namespace, micro: dict[str, Any]) -> str:
+    rows = ["| proxy | conc. | p50 ms | p99 ms | req/s | p50 over served | req/s vs served | non-2xx |",
+            "|---|---|---|---|---|---|---|---|"]
+    for (name, c), rs in results.items():
+        p50, p99, rps = _med([r.p50_ms for r in rs]), _med([r.p99_ms for r in rs]), _med([r.rps for r in rs])
+        srv = results[("served", c)]
+        s50, srps = _med([r.p50_ms for r in srv]), _med([r.rps for r in srv])
+        rows.append(f"| {name} | {c} | {p50:.3f} | {p99:.3f} | {rps:,.0f} | {p50 - s50:+.3f} | {rps / srps:.2f} "
+                    f"| {sum(r.non_2xx for r in rs)} |")
+    note = (f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.rounds} alternating rounds, "
+            f"{args.duration:.0f}s per proxy and level; medians of rounds.\n"
+            f"In process: one Rego evaluation {micro['rego_eval_us']:.0f} us (decision cache hit "
+            f"{micro['rego_cached_us']:.0f} us); redaction of a 32 KiB prompt p50 {micro['redact_32k_p50_ms']:.2f} ms, "
+            f"p99 {micro['redact_32k_p99_ms']:.2f} ms.\n")
+    return "\n".join(rows) + "\n" + note
+
+
+def add_parser(bsub: Any) -> None:
+    b = bsub.add_parser("policy", help="identity + Rego + redaction over the served path, one run")
+    b.add_argument("--config", default="policy")
+    b.add_argument("--duration", type=float, default=9.0)
+    b.add_argument("--concurrency", default="1,32")
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--output")
+    b.set_defaults(func=run_policy_bench)

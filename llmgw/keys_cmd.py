@@ -1,0 +1,132 @@
+"""`llmgw keys` and `llmgw policy test`: the policy author's commands.
+
+Keys made here go to the policy directory's `keys.yaml` as SHA-256 hashes; the key itself is printed
+once and never stored. ext_proc picks the change up with its next reload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import secrets
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.config import ConfigError, load_snapshot
+from extproc.config.policy import run_policy_tests
+from extproc.config.schema import KeysFile, ManagedKey
+
+KEY_PREFIX = "sk-llmgw-"
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    doc = yaml.safe_load(path.read_text()) or {}
+    return [ManagedKey.model_validate(k).model_dump(mode="json", exclude_defaults=True)
+            for k in KeysFile.model_validate(doc).keys]
+
+
+def _write(path: Path, keys: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text("# Managed by `llmgw keys`: SHA-256 hashes of API keys, never the keys.\n"
+                   + yaml.safe_dump({"keys": keys}, sort_keys=False))
+    tmp.replace(path)  # atomic: the reloader never sees half a file
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    root = Path(args.config)
+    try:
+        snap = load_snapshot(root)
+    except ConfigError as e:
+        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+        return 1
+    if args.tenant not in snap.gateway.tenants:
+        print(f"error: no tenant {args.tenant!r} in {root / 'gateway.yaml'}", file=sys.stderr)
+        return 1
+    path = root / "keys.yaml"
+    keys = _read(path)
+    key_id = args.id or f"{args.tenant}-{secrets.token_hex(4)}"
+    taken = {k["id"] for k in keys} | {k.key.id for k in snap.keys_by_hash.values()}
+    if key_id in taken:
+        print(f"error: a key with id {key_id!r} exists", file=sys.stderr)
+        return 1
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    entry = ManagedKey(id=key_id, tenant=args.tenant, sha256=hashlib.sha256(key.encode()).hexdigest(),
+                       expires=args.expires, effects=tuple(args.effect), created=date.today())
+    _write(path, [*keys, entry.model_dump(mode="json", exclude_defaults=True)])
+    print(key)  # the only time the key exists outside the caller's hands
+    print(f"key {key_id} for tenant {args.tenant} stored as a hash in {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    path = Path(args.config) / "keys.yaml"
+    keys = _read(path)
+    hit = [k for k in keys if k["id"] == args.id]
+    if not hit:
+        print(f"error: no key {args.id!r} in {path} (keys in gateway.yaml are revoked there)", file=sys.stderr)
+        return 1
+    hit[0]["revoked"] = True
+    _write(path, keys)
+    print(f"key {args.id} revoked", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    try:
+        snap = load_snapshot(args.config)
+    except ConfigError as e:
+        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+        return 1
+    for owner in sorted(snap.keys_by_hash.values(), key=lambda o: (o.tenant, o.key.id)):
+        k = owner.key
+        state = "revoked" if k.revoked else f"expires {k.expires}" if k.expires else "active"
+        print(f"{owner.tenant:<12} {k.id:<28} {state}  effects={','.join(k.effects) or '-'}")
+    return 0
+
+
+def cmd_policy_test(args: argparse.Namespace) -> int:
+    """Run every `test_*` rule of the directory's Rego, as `opa test` does; exit 1 on any failure."""
+    try:
+        snap = load_snapshot(args.dir)
+    except ConfigError as e:
+        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+        return 1
+    results = run_policy_tests(snap.rego, snap.policy_data)
+    for r in results:
+        line = f"{'PASS' if r.passed else 'FAIL'}: {r.module}: {r.rule}"
+        print(line + (f" ({r.error})" if r.error else ""))
+    failed = sum(not r.passed for r in results)
+    print("-" * 40)
+    print(f"PASS: {len(results) - failed}/{len(results)}" + (f", FAIL: {failed}" if failed else ""))
+    return 1 if failed or not results else 0
+
+
+def add_parsers(sub: Any) -> None:
+    k = sub.add_parser("keys", help="API keys (stored as hashes in the policy directory's keys.yaml)")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    c = ksub.add_parser("create", help="make a key for a tenant; prints it once")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("--id", help="key id (default: <tenant>-<random>)")
+    c.add_argument("--expires", type=date.fromisoformat, help="last valid day, YYYY-MM-DD")
+    c.add_argument("--effect", action="append", default=[], help="a tool effect the key may use (repeatable)")
+    c.add_argument("--config", default="policy")
+    c.set_defaults(func=cmd_keys_create)
+    r = ksub.add_parser("revoke", help="revoke a key by id")
+    r.add_argument("id")
+    r.add_argument("--config", default="policy")
+    r.set_defaults(func=cmd_keys_revoke)
+    ls = ksub.add_parser("list", help="every key's tenant, id and state")
+    ls.add_argument("--config", default="policy")
+    ls.set_defaults(func=cmd_keys_list)
+
+    p = sub.add_parser("policy", help="Rego policy")
+    psub = p.add_subparsers(dest="policy_command", required=True)
+    t = psub.add_parser("test", help="run the Rego test_* rules next to the policies")
+    t.add_argument("dir", nargs="?", default="policy")
+    t.set_defaults(func=cmd_policy_test)
