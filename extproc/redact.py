@@ -86,9 +86,12 @@ def _valid(kind: str, value: str) -> bool:
 
 
 @lru_cache(maxsize=64)
-def _combined(entities: frozenset[str]) -> Any:
-    kinds = [k for k in _PATTERNS if _ENTITY_OF[k] in entities]
-    return re2.compile("|".join(f"(?P<{k}>{_PATTERNS[k]})" for k in kinds))
+def _combined(entities: frozenset[str]) -> tuple[Any, tuple[str, ...]]:
+    """The pattern, and the pattern kind of each capture group (the patterns' own groups are all
+    non-capturing, so group i is kinds[i - 1])."""
+    kinds = tuple(k for k in _PATTERNS if _ENTITY_OF[k] in entities)
+    # A bytes pattern over UTF-8: with str input the wrapper maps byte offsets back to characters.
+    return re2.compile("|".join(f"({_PATTERNS[k]})" for k in kinds).encode()), kinds
 
 
 @dataclass
@@ -97,24 +100,36 @@ class Redactor:
 
     entities: frozenset[str]
     counts: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
-    _labels: dict[str, str] = field(default_factory=dict)  # value -> placeholder (never leaves)
+    _labels: dict[bytes, bytes] = field(default_factory=dict)  # value -> placeholder (never leaves)
     _distinct: dict[str, int] = field(default_factory=dict)  # entity type -> distinct values seen
 
     def redact(self, text: str) -> str:
         if not self.entities or not text:
             return text
-        return _combined(self.entities).sub(self._replace, text)
+        data = text.encode("utf-8", "surrogatepass")
+        pattern, kinds = _combined(self.entities)
+        pieces: list[bytes] = []
+        last = 0
+        for m in pattern.finditer(data):
+            start, end = m.span()
+            label = self._label(kinds[m.lastindex - 1], data[start:end])
+            if label is not None:
+                pieces += (data[last:start], label)
+                last = end
+        if not pieces:
+            return text
+        pieces.append(data[last:])
+        return b"".join(pieces).decode("utf-8", "surrogatepass")
 
-    def _replace(self, m: Any) -> str:
-        kind = m.lastgroup or ""
-        value = m.group()
-        if not _valid(kind, value):
-            return value
+    def _label(self, kind: str, value: bytes) -> bytes | None:
+        """The placeholder for a verified value; None leaves a candidate that fails its check."""
+        if not _valid(kind, value.decode("utf-8", "surrogatepass")):
+            return None
         entity = _ENTITY_OF[kind]
         label = self._labels.get(value)
         if label is None:
             n = self._distinct[entity] = self._distinct.get(entity, 0) + 1
-            label = self._labels[value] = f"[{entity.upper()}_{n}]"
+            label = self._labels[value] = f"[{entity.upper()}_{n}]".encode()
         self.counts[entity] = self.counts.get(entity, 0) + 1
         return label
 
