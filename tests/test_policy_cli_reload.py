@@ -1,0 +1,119 @@
+"""`llmgw keys`, `llmgw policy test`, the reloader's refusal rules, and JWKS fetched over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from extproc.config import load_snapshot
+from extproc.config.reload import Live, Reloader
+from extproc.config.schema import JwtIssuer
+from extproc.exchange import Exchange
+from extproc.jwks import JwksCache
+from extproc.stages.identity import CallerIdentity
+from tests.conftest import POLICY
+from tests.idp import Idp
+
+
+def llmgw(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def policy(tmp_path: Path) -> Path:
+    dst = tmp_path / "policy"
+    shutil.copytree(POLICY, dst)
+    return dst
+
+
+def test_keys_create_prints_once_stores_hash_and_revoke_works(policy: Path) -> None:
+    out = llmgw("keys", "create", "--tenant", "globex", "--id", "globex-ci", "--effect", "write",
+                "--config", str(policy))
+    assert out.returncode == 0, out.stderr
+    key = out.stdout.strip()
+    assert key.startswith("sk-llmgw-") and key not in (policy / "keys.yaml").read_text()
+    ex = Exchange(snapshot=load_snapshot(policy), headers={"authorization": f"Bearer {key}"})
+    asyncio.run(CallerIdentity().run(ex))
+    assert ex.identity is not None and (ex.identity.tenant, ex.identity.effects) == ("globex", ("write",))
+    assert llmgw("keys", "revoke", "globex-ci", "--config", str(policy)).returncode == 0
+    snap = load_snapshot(policy)
+    assert [o.key.revoked for o in snap.keys_by_hash.values() if o.key.id == "globex-ci"] == [True]
+    assert llmgw("keys", "create", "--tenant", "nobody", "--config", str(policy)).returncode == 1
+
+
+def test_policy_test_reports_each_rule_and_fails_on_a_failing_one(policy: Path) -> None:
+    out = llmgw("policy", "test", str(policy))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS: authz_test.rego: test_write_tool_without_grant" in out.stdout
+    (policy / "extra_test.rego").write_text(
+        "package llmgw.extra_test\nimport rego.v1\nimport data.llmgw.authz\n"
+        'input_wrong := {"identity": {"tenant": "acme", "effects": []}, "request": {"data_class": "internal", '
+        '"tools": []}, "route": {"name": "r"}, "candidates": []}\n'
+        "test_wrong if authz.decision.allow\n")  # no candidate serves internal: denied, so this fails
+    out = llmgw("policy", "test", str(policy))
+    assert out.returncode == 1 and "FAIL: extra_test.rego: test_wrong" in out.stdout
+
+
+def _reloader(policy: Path, run_tests: bool = False) -> Reloader:
+    snap = load_snapshot(policy)
+    return Reloader(policy, lambda s: Live(s, {}), Live(snap, {}), run_tests=run_tests)
+
+
+def test_reloader_refuses_invalid_config_and_failing_policy_tests(policy: Path) -> None:
+    r = _reloader(policy, run_tests=True)
+    old = r.live.snapshot.revision
+    (policy / "routes/chat-default.yaml").write_text("route_contract: chat-default\n")  # no candidates
+    assert not r.reload("test") and r.live.snapshot.revision == old
+    assert any("candidates" in e for e in r.status["last_error"])
+    shutil.copy(POLICY / "routes/chat-default.yaml", policy / "routes/chat-default.yaml")
+    (policy / "authz_test.rego").write_text((policy / "authz_test.rego").read_text().replace(
+        "test_write_tool_with_grant if authz.decision.allow", "test_write_tool_with_grant if not authz.decision.allow"))
+    assert not r.reload("test") and "test_write_tool_with_grant" in r.status["last_error"][0]
+    assert r.status["refused"] == 2 and r.live.snapshot.revision == old
+
+
+def test_reloader_swaps_a_good_revision(policy: Path) -> None:
+    r = _reloader(policy)
+    old = r.live
+    (policy / "routes/chat-default.yaml").write_text(
+        (policy / "routes/chat-default.yaml").read_text().replace("deadline_ms: 30000", "deadline_ms: 20000"))
+    assert r.reload("test")
+    assert r.live is not old and r.live.snapshot.routes["chat-default"].deadline_ms == 20000
+    assert old.snapshot.routes["chat-default"].deadline_ms == 30000  # requests holding it keep it
+
+
+def test_jwks_from_a_url_is_fetched_cached_and_refetched_on_rotation() -> None:
+    idp = Idp()
+    served = {"doc": idp.jwks(), "hits": 0}
+
+    async def main() -> None:
+        async def jwks(_: web.Request) -> web.Response:
+            served["hits"] += 1
+            return web.json_response(served["doc"])
+        app = web.Application()
+        app.router.add_get("/jwks", jwks)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        issuer = JwtIssuer(issuer="i", audiences=("a",), jwks_url=f"http://127.0.0.1:{port}/jwks")
+        cache = JwksCache()
+        try:
+            assert await cache.key(issuer, "rsa-1", Path(".")) is not None
+            assert await cache.key(issuer, "ec-1", Path(".")) is not None
+            assert served["hits"] == 1  # cached
+            assert await cache.key(issuer, "rsa-9", Path(".")) is None  # unknown; refresh rate-limited
+            assert served["hits"] == 1
+        finally:
+            await runner.cleanup()
+        # The IdP is now down: cached keys keep working.
+        assert await cache.key(issuer, "rsa-1", Path(".")) is not None
+
+    asyncio.run(main())
