@@ -6,11 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc.config import Snapshot
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
+
+if TYPE_CHECKING:
+    from extproc.stages.budget import Held
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,7 @@ class Exchange:
     data_class: str = ""
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
+    held: Held | None = None  # the budget reservation, once the store granted it
     route: Route | None = None
     deployment: Deployment | None = None
     cluster: str = ""
@@ -46,6 +50,23 @@ class Exchange:
     endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
     upstream_body: bytes | None = None  # the body as the upstream must receive it, when rewritten
     stage_us: dict[str, float] = field(default_factory=dict)
+
+    def ledger_facts(self) -> dict[str, Any]:
+        """What the ledger records about the request itself (design.md invariant 8); never content."""
+        tp = self.headers.get("traceparent", "")
+        facts: dict[str, Any] = {
+            "request_id": self.request_id, "trace_id": tp.split("-")[1] if tp.count("-") == 3 else "",
+            "time": round(self.arrived_at, 3), "route_revision": self.snapshot.revision,
+            "data_class": self.data_class, "stream": self.stream,
+        }
+        if self.identity is not None:
+            facts.update(tenant=self.identity.tenant, subject=self.identity.subject, identity_kind=self.identity.kind)
+        if self.route is not None:
+            facts.update(route=self.route.route_contract, request_class=self.route.request_class)
+        if self.decision is not None:
+            facts["decision"] = {"allow": self.decision.allow, "reasons": list(self.decision.reasons),
+                                 "policy_revision": self.decision.policy_revision}
+        return facts
 
     def metadata(self) -> dict[str, str]:
         """What Envoy keeps for routing, response headers and its access log (io.llmgw namespace)."""
@@ -60,6 +81,8 @@ class Exchange:
                 md["reasons"] = "; ".join(self.decision.reasons)
         if self.redactions:
             md["redactions"] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
+        if self.held is not None:
+            md["reserved"] = "1"  # the meter settles only requests that hold a reservation
         if self.route is not None:
             md["route"] = self.route.route_contract
         if self.deployment is not None:

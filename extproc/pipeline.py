@@ -10,23 +10,25 @@ from extproc.jwks import JwksCache
 from extproc.picker import Picker
 from extproc.stages import Stage
 from extproc.stages.authorize import Authorization
+from extproc.stages.budget import BudgetReservation
 from extproc.stages.deadline import Deadline
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.intake import Intake
-from extproc.stages.placeholders import BudgetReservation
 from extproc.stages.redact import Redaction
 from extproc.stages.route import PickEndpoint, RouteSelection
+from extproc.store import Store
 
 
 # design.md section 1, in order, all on the one message Envoy sends: the buffered body with the
 # headers as attributes. Identity comes first: an unauthenticated caller learns nothing else.
-def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None) -> tuple[Stage, ...]:
+def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None,
+                 store: Store | None = None) -> tuple[Stage, ...]:
     """The request stages, with the endpoint picker after routing when the service runs one."""
     stages: tuple[Stage, ...] = (
         CallerIdentity(jwks),
         Intake(),
         Authorization(),
-        BudgetReservation(),
+        BudgetReservation(store),
         Redaction(),
         RouteSelection(),
         Deadline(),

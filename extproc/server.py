@@ -16,6 +16,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -33,8 +34,11 @@ from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
+from extproc.settlement import Meter, Sweeper, record_refusal, release
+from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
+from extproc.store import Store
 
 log = logging.getLogger("llmgw.extproc")
 ATTRIBUTES = "envoy.filters.http.ext_proc"
@@ -75,19 +79,52 @@ def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:
 
 
 class Processor(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, live: Live | Reloader, picker: Picker | None = None, jwks: JwksCache | None = None):
+    def __init__(self, live: Live | Reloader, picker: Picker | None = None, jwks: JwksCache | None = None,
+                 store: Store | None = None):
         self._live = live  # a Reloader swaps its `live` on reload; a Live is fixed
         jwks = jwks or JwksCache()
-        self.stages = build_stages(picker, jwks)
+        self.store = store
+        self.stages = build_stages(picker, jwks, store)
         self._identity = CallerIdentity(jwks)
+        self.meter = Meter(store, lambda: self.live.snapshot) if store is not None else None
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def live(self) -> Live:
+        return self._live.live if isinstance(self._live, Reloader) else self._live
+
+    def _later(self, coro: Any) -> None:
+        """Ledger writes for refusals: after the reply, so a refusal is never slower for them."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        live = self._live.live if isinstance(self._live, Reloader) else self._live
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("request") == "response_headers":
+            # The meter filter (observability mode): Envoy does not wait for answers; none are sent.
+            if self.meter is not None:
+                await self.meter.observe(first, request_iterator)
+            return
+        live = self.live
         # The whole request is decided under this one revision, whatever a reload does meanwhile.
         ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts)
-        async for req in request_iterator:
+        async for resp in self._decide(ex, first, request_iterator):
+            yield resp
+
+    async def _decide(self, ex: Exchange, first: ep.ProcessingRequest,
+                      rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
+        async def messages() -> AsyncIterator[ep.ProcessingRequest]:
+            yield first
+            async for m in rest:
+                yield m
+
+        async for req in messages():
             attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
             if attrs is not None:
                 apply_attributes(ex, attrs)
@@ -112,14 +149,29 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                     case _:
                         log.warning("unexpected ext_proc message %s", kind)
                         return
+            except Replay as replay:  # Idempotency-Key seen and completed: its recorded outcome
+                yield immediate(ex, replay.status, replay.body.encode(), "llmgw_idempotent_replay",
+                                {"x-llmgw-idempotent-replay": "true"})
+                self._later(record_refusal(self.store, ex, "idempotent_replay", replay.status, ""))
+                return
             except GatewayError as err:
                 yield refuse(ex, err)
+                self._ended(ex, err)
                 return
             except Exception:  # never crash on input: fail closed with the contract's error
                 log.exception("request %s: internal error", ex.request_id)
-                yield refuse(ex, GatewayError(ErrorCode.POLICY_UNAVAILABLE,
-                                              "the gateway could not evaluate this request"))
+                failure = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not evaluate this request")
+                yield refuse(ex, failure)
+                self._ended(ex, failure)
                 return
+
+    def _ended(self, ex: Exchange, err: GatewayError) -> None:
+        """A refused request: release what it reserved, or record the refusal in the ledger."""
+        termination = "denied" if err.code is ErrorCode.FORBIDDEN else "refused"
+        if ex.held is not None:
+            self._later(release(self.store, ex, termination, err.status))
+        elif ex.identity is not None and err.code is not ErrorCode.POLICY_UNAVAILABLE:
+            self._later(record_refusal(self.store, ex, termination, err.status, err.code.value))
 
     async def _list_models(self, ex: Exchange) -> ep.ProcessingResponse:
         """Only GET /v1/models is sent with its headers: answer it from the routes."""
@@ -182,7 +234,8 @@ def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[s
 
 
 async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] | None = None,
-                status_listen: str | None = None, credentials: grpc.ServerCredentials | None = None) -> None:
+                status_listen: str | None = None, credentials: grpc.ServerCredentials | None = None,
+                store_url: str | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -192,7 +245,10 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if picker is not None:
         await picker.start()
     jwks = JwksCache()
-    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(reloader, picker, jwks), server)
+    store_cfg = reloader.live.snapshot.gateway.store
+    store_url = store_url or store_cfg.url
+    store = Store(store_url, store_cfg.timeout_ms) if store_url else None
+    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(reloader, picker, jwks, store), server)
     bound = (server.add_secure_port(listen, credentials) if credentials is not None
              else server.add_insecure_port(listen))
     if bound == 0:
@@ -207,13 +263,19 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
     watcher = asyncio.create_task(reloader.watch(stop))
+    sweeper = (asyncio.create_task(Sweeper(store, lambda: reloader.live.snapshot.gateway.tenants).run(stop))
+               if store is not None else None)
     await stop.wait()
     await watcher
+    if sweeper is not None:
+        await sweeper
     await server.stop(grace=2)
     if runner is not None:
         await runner.cleanup()
     if picker is not None:
         await picker.stop()
+    if store is not None:
+        await store.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a pool's engine addresses, where they differ from gateway.yaml's")
     p.add_argument("--no-picker", action="store_true", help="leave engine choice to Envoy's least-request")
     p.add_argument("--status-listen", metavar="HOST:PORT", help="serve GET /status (revision, last reload)")
+    p.add_argument("--store-url", help="redis:// URL of the budget store (default: gateway.yaml store.url)")
     p.add_argument("--reload-runs-policy-tests", action="store_true",
                    help="refuse a new revision whose Rego test_* rules fail")
     p.add_argument("--tls-cert", help="mTLS: ext_proc's certificate (PEM)")
@@ -252,4 +315,4 @@ def main(argv: list[str] | None = None) -> None:
     uvloop.install()
     reloader = Reloader(snapshot.directory, live_for, live, run_tests=args.reload_runs_policy_tests)
     pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
-    asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials))
+    asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials, args.store_url))

@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.bench_policy import add_parser as add_policy_bench
 
     add_policy_bench(bsub)
+    from llmgw.ledger_cmd import add_parser as add_ledger
+
+    add_ledger(sub)
     from llmgw.keys_cmd import add_parsers as add_key_and_policy_commands
 
     add_key_and_policy_commands(sub)

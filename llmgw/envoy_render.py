@@ -64,6 +64,7 @@ from extproc.config import Snapshot
 from extproc.config.schema import ExtprocTls, ListenerTls, TlsSettings
 from extproc.contract import METADATA_NAMESPACE, ErrorCode
 from extproc.picker import LB_KEY, LB_NAMESPACE
+from extproc.settlement import METER_ATTRIBUTES
 
 EXTPROC_CLUSTER = "llmgw_extproc"
 ADMIT_KEY = "cluster"  # io.llmgw metadata key naming the cluster ext_proc admitted the request to
@@ -328,6 +329,26 @@ def _ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     )
 
 
+METER_FILTER = "llmgw.meter"
+
+
+def _meter_filter() -> ext_proc_pb2.ExternalProcessor:
+    """The response side, for settlement: observability mode, so Envoy sends the response headers and
+    body chunks to ext_proc without waiting (no added latency, no mutation). The settlement it drives
+    is bounded by leases: a lost meter stream ends in the sweeper's ambiguous charge."""
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        observability_mode=True,
+        failure_mode_allow=True,  # metering never breaks a response; the lease covers a lost stream
+        processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
+                           response_header_mode=pm.SEND, response_body_mode=pm.STREAMED,
+                           request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        response_attributes=list(METER_ATTRIBUTES),
+    )
+
+
 def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=name, typed_config=pack(msg))
 
@@ -339,7 +360,12 @@ def _direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.
 
 
 def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
-    return {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+    return {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_meter()}
+
+
+def _no_meter() -> dict[str, any_pb2.Any]:
+    """Only admitted routes carry a reservation to settle."""
+    return {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
 
 
 def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
@@ -360,7 +386,7 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                 overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=processing_mode_pb2.ProcessingMode(
                     request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
                     request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-                    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP))))}),
+                    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP)))), **_no_meter()}),
     ]
     # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these.
     for cluster in clusters:
@@ -384,6 +410,8 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
         route_components_pb2.Route(
             name="chat_without_body", match=route_components_pb2.RouteMatch(prefix="/v1/chat/completions"),
             direct_response=_direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
+            # No per-route meter switch here: a chat request matches this route before ext_proc admits
+            # it, and filters read their per-route config then. The meter ignores unreserved responses.
             response_headers_to_add=json_ct),
         # Reached only if ext_proc let a request continue without admitting it: refuse.
         route_components_pb2.Route(
@@ -439,6 +467,7 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
         http_filters=[
             _http_filter("envoy.filters.http.header_mutation", _header_mutation_filter()),
             _http_filter("envoy.filters.http.ext_proc", _ext_proc_filter(snap)),
+            _http_filter(METER_FILTER, _meter_filter()),
             _http_filter("envoy.filters.http.buffer", buffer_pb2.Buffer(
                 max_request_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes))),
             _http_filter("llmgw.deadline_headers", _deadline_headers_filter()),

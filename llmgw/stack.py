@@ -213,6 +213,17 @@ class Stack:
             key.write_text(secrets.token_hex(32))
         return {name: key.read_text().strip()}
 
+    def _store_args(self) -> list[str]:
+        """ext_proc uses the Valkey this stack started, unless gateway.yaml names a store."""
+        if not self.opts.with_valkey or self.snapshot.gateway.store.url:
+            return []
+        return ["--store-url", f"redis://127.0.0.1:{self.opts.valkey_port or 6379}/0"]
+
+    @property
+    def store_url(self) -> str | None:
+        return self.snapshot.gateway.store.url or (
+            f"redis://127.0.0.1:{self.opts.valkey_port or 6379}/0" if self.opts.with_valkey else None)
+
     def _start_extprocs(self, timeout: float) -> None:
         env = self._extproc_env()
         pools = [f"--pool={name}=" + ",".join(f"{h}:{p}" for h, p in hosts)
@@ -223,7 +234,7 @@ class Stack:
         for (host, port), status in zip(self.render.extproc, self.status_ports, strict=True):
             self.extprocs.append(Child(f"extproc-{port}", python_module(
                 "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}", *pools,
-                "--status-listen", f"127.0.0.1:{status}", *tls_args,
+                "--status-listen", f"127.0.0.1:{status}", *tls_args, *self._store_args(),
                 *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else [])),
                 self.logs / f"extproc-{port}.log", env=env).start())
         for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
@@ -258,6 +269,7 @@ class Stack:
             "url": self.url, "admin_url": self.admin_url, "revision": self.snapshot.revision,
             "tenants": {t: {"api_key": k} for t, k in self.demo_keys().items()},
             "engines": self.engine_urls(), "logs": str(self.logs), "extproc_status": self.status_urls,
+            "store_url": self.store_url,
             **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")
         return path

@@ -8,12 +8,33 @@ from pathlib import Path
 import pytest
 
 from extproc.config import load_snapshot
+from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import DEMO_KEYS, Stack, StackOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "policy"
 # Simulated seconds run 20x faster than real ones: an 8B decode step of ~9 ms takes ~0.5 ms.
 TIME_SCALE = 0.05
+
+
+_VALKEY: list[tuple[Child, str]] = []
+
+
+def valkey_url() -> str:
+    """One real Valkey for the tests that need a store without a whole stack (started on first use,
+    stopped at exit). Each test uses its own tenants' keys or flushes what it reads."""
+    if not _VALKEY:
+        import atexit
+        import tempfile
+
+        port, data = free_port(), Path(tempfile.mkdtemp(prefix="llmgw-valkey-"))
+        child = Child("valkey-tests", [str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1",
+                                       "--dir", str(data), "--save", "", "--appendonly", "no"],
+                      data / "valkey.log").start()
+        wait_until(lambda: tcp_open("127.0.0.1", port), 30, "valkey", child)
+        atexit.register(child.stop)
+        _VALKEY.append((child, f"redis://127.0.0.1:{port}/0"))
+    return _VALKEY[0][1]
 
 
 def start_stack(tmp: Path, config: Path = POLICY, **kw: object) -> Stack:

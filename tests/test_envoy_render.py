@@ -58,10 +58,20 @@ def test_ext_proc_fails_closed_with_one_message(rendered: dict[str, Any]) -> Non
 def test_filter_order(rendered: dict[str, Any]) -> None:
     # The buffer filter after ext_proc holds the headers until ext_proc has decided on the body:
     # with header mode SKIP the router would otherwise route (and dispatch) before the decision.
-    # The deadline's header mutation runs after the buffer, when ext_proc's metadata is set.
+    # The deadline's header mutation runs after the buffer, when ext_proc's metadata is set. The meter
+    # (observability mode) sees responses on their way out, after custom_response wrote them.
     assert list(filters(rendered)) == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
-                                       "envoy.filters.http.buffer", "llmgw.deadline_headers",
+                                       "llmgw.meter", "envoy.filters.http.buffer", "llmgw.deadline_headers",
                                        "envoy.filters.http.custom_response", "envoy.filters.http.router"]
+
+
+def test_meter_observes_responses_without_holding_them(rendered: dict[str, Any]) -> None:
+    meter = filters(rendered)["llmgw.meter"]
+    assert meter["observability_mode"] is True and meter["failure_mode_allow"] is True
+    pm = meter["processing_mode"]
+    assert pm["request_header_mode"] == "SKIP" and pm["response_header_mode"] == "SEND"
+    assert pm["response_body_mode"] == "STREAMED"
+    assert "metadata.filter_metadata['io.llmgw']['tenant']" in meter["response_attributes"]
 
 
 def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> None:

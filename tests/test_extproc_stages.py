@@ -27,14 +27,18 @@ from extproc.server import Processor
 from extproc.stages.identity import CallerIdentity, bearer_token
 from extproc.stages.intake import Intake
 from extproc.stages.route import RouteSelection, tenant_salts
+from extproc.store import Store
 from llmgw.stack import DEMO_KEYS
-from tests.conftest import POLICY
+from tests.conftest import POLICY, valkey_url
 
 SNAP = load_snapshot(POLICY)
 SALTS = tenant_salts("test-secret", SNAP.gateway.tenants)
-REQUEST_STAGES = build_stages()
-HEADER_STAGES = REQUEST_STAGES[:1]  # identity: needs only the headers
-BODY_STAGES = REQUEST_STAGES[1:]
+HEADER_STAGES = build_stages()[:1]  # identity: needs only the headers
+
+
+def body_stages() -> tuple[Any, ...]:
+    """The stages after identity, with a real store (one client per event loop)."""
+    return build_stages(store=Store(valkey_url()))[1:]
 
 
 def exchange(body: Any = None, headers: dict[str, str] | None = None, tenant: str | None = "acme") -> Exchange:
@@ -122,14 +126,14 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(m
 def test_body_stages_only_raise_contract_errors(body: dict[str, Any]) -> None:
     ex = exchange(body)
     try:
-        run(run_stages(BODY_STAGES, ex))
+        run(run_stages(body_stages(), ex))
     except GatewayError as e:
         assert e.code in (ErrorCode.INVALID_REQUEST, ErrorCode.ROUTE_NOT_FOUND)
 
 
 def test_route_rewrites_model_for_the_deployment() -> None:
     ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]})
-    run(run_stages(BODY_STAGES, ex))
+    run(run_stages(body_stages(), ex))
     assert ex.cluster == "pool_engine-pool" and ex.deployment is not None
     assert json.loads(ex.upstream_body or b"")["model"] == "meta-llama/Llama-3.1-8B-Instruct"
     md = ex.metadata()
@@ -141,7 +145,7 @@ def test_route_sets_the_tenants_cache_salt_over_the_clients() -> None:
     for tenant in ("acme", "globex"):
         ex = exchange({"model": "chat-default", "cache_salt": "chosen-by-client",
                        "messages": [{"role": "user", "content": "hi"}]}, tenant=tenant)
-        run(run_stages(BODY_STAGES, ex))
+        run(run_stages(body_stages(), ex))
         salts[tenant] = json.loads(ex.upstream_body or b"")["cache_salt"]
     assert salts["acme"] == SALTS["acme"] and salts["globex"] == SALTS["globex"]
     assert salts["acme"] != salts["globex"] and "chosen-by-client" not in salts.values()
@@ -155,7 +159,7 @@ def test_salts_depend_on_the_secret() -> None:
 def test_missing_salt_fails_closed() -> None:
     ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]})
     ex.cache_salts = {}
-    assert code_of(ex, BODY_STAGES) is ErrorCode.POLICY_UNAVAILABLE
+    assert code_of(ex, body_stages()) is ErrorCode.POLICY_UNAVAILABLE
 
 
 def _variant(tmp_path: Path, **dep_fields: Any) -> Path:
@@ -189,13 +193,13 @@ def test_data_class_not_served_by_candidate_is_no_qualified_route() -> None:
 
 def test_authorization_without_identity_fails_closed() -> None:
     ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "x"}]}, tenant=None)
-    assert code_of(ex, BODY_STAGES) is ErrorCode.POLICY_UNAVAILABLE
+    assert code_of(ex, body_stages()) is ErrorCode.POLICY_UNAVAILABLE
 
 
 def test_every_stage_is_timed() -> None:
     ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "x"}]})
-    run(run_stages(BODY_STAGES, ex))
-    assert list(ex.stage_us) == [s.name for s in BODY_STAGES]
+    run(run_stages(body_stages(), ex))
+    assert list(ex.stage_us) == [s.name for s in body_stages()]
 
 
 # -- the receive loop, with real ext_proc protobuf messages ----------------------------------------
@@ -225,7 +229,7 @@ def converse(*msgs: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
             yield m
 
     async def main() -> list[ep.ProcessingResponse]:
-        return [r async for r in Processor(Live(SNAP, SALTS)).Process(it(), None)]  # type: ignore[arg-type]
+        return [r async for r in Processor(Live(SNAP, SALTS), store=Store(valkey_url())).Process(it(), None)]  # type: ignore[arg-type]
 
     return run(main())
 

@@ -126,11 +126,61 @@ class TlsSettings(Strict):
     extproc: ExtprocTls | None = None
 
 
+class Bulkhead(Strict):
+    """Per-tenant caps on what it may have in flight at once (invariant 11): beyond them, 429
+    concurrency_limited, while other tenants' permits are untouched."""
+
+    max_in_flight: int = Field(gt=0)
+    max_in_flight_tokens: int | None = Field(default=None, gt=0)  # sum of reserved token bounds
+
+
 class Tenant(Strict):
     default_data_class: Name
     allowed_data_classes: tuple[Name, ...]
     regions: tuple[Name, ...] | None = None  # residency: where its requests may be served; None = any
     api_keys: tuple[ApiKey, ...] = ()
+    bulkhead: Bulkhead | None = None
+
+
+class Scope(Strict):
+    """Who a budget or quota counts: a tenant, narrowed to one API key or JWT subject and/or one route."""
+
+    tenant: Name
+    api_key: Name | None = None
+    subject: str | None = None
+    route: Name | None = None
+
+    def matches(self, tenant: str, subject: str, route: str) -> bool:
+        return (self.tenant == tenant and (self.api_key is None or self.api_key == subject)
+                and (self.subject is None or self.subject == subject)
+                and (self.route is None or self.route == route))
+
+
+class Budget(Scope):
+    name: Name
+    window: Literal["daily", "monthly", "total"] = "monthly"  # calendar windows in UTC
+    limit_micros: int | None = Field(default=None, ge=0)  # money, integer micro-units of the price currency
+    limit_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _has_a_limit(self) -> Budget:
+        if self.limit_micros is None and self.limit_tokens is None:
+            raise ValueError("a budget needs limit_micros and/or limit_tokens")
+        return self
+
+
+class Quota(Scope):
+    name: Name
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)  # reserved with the bound, corrected at settlement
+
+
+class StoreSettings(Strict):
+    url: str | None = None  # redis:// or rediss://; None: the one `llmgw up` starts (ext_proc --store-url)
+    timeout_ms: int = Field(default=250, gt=0)  # per command: a dead store fails requests fast, closed
+    lease_grace_ms: int = Field(default=10_000, ge=0)  # after the deadline, before the sweeper charges
+    idempotency_ttl_s: int = Field(default=86_400, gt=0)
+    idempotency_max_body_bytes: int = Field(default=1 << 20, gt=0)  # larger outcomes replay as 409
 
 
 class Pool(Strict):
@@ -168,6 +218,9 @@ class GatewayConfig(Strict):
     tools: dict[str, Tool] = {}  # the tool catalog; a tool not listed here is unknown to policy
     redaction: RedactionSettings = RedactionSettings()
     tls: TlsSettings = TlsSettings()
+    store: StoreSettings = StoreSettings()
+    budgets: tuple[Budget, ...] = ()
+    quotas: tuple[Quota, ...] = ()
 
     @model_validator(mode="after")
     def _tenants_use_known_classes(self) -> GatewayConfig:
@@ -191,6 +244,13 @@ class GatewayConfig(Strict):
             if iss.tenants and set(iss.tenants) - set(self.tenants):
                 raise ValueError(f"jwt_issuers.{i}.tenants: unknown tenant(s) "
                                  f"{sorted(set(iss.tenants) - set(self.tenants))}")
+        for kind, items in (("budgets", self.budgets), ("quotas", self.quotas)):
+            names = [b.name for b in items]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{kind}: a name is used twice")
+            for i, b in enumerate(items):
+                if b.tenant not in self.tenants:
+                    raise ValueError(f"{kind}.{i}.tenant: unknown tenant {b.tenant!r}")
         if self.redaction.from_data_class is not None and self.redaction.from_data_class not in known:
             raise ValueError(f"redaction.from_data_class: unknown data class {self.redaction.from_data_class!r}")
         return self
@@ -314,6 +374,7 @@ class Route(Strict):
     candidates: tuple[Candidate, ...] = Field(min_length=1)
     credential_ref: CredentialRef | None = None
     deadline_ms: int = Field(default=30_000, gt=0)
+    max_stream_ms: int = Field(default=600_000, gt=0)  # a stream's whole length after its first byte
     max_tokens_cap: int | None = Field(default=None, gt=0)
     budget_reservation: Literal["required", "optional", "off"] = "required"
     retry: RetryPolicy = RetryPolicy()

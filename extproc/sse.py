@@ -1,0 +1,70 @@
+"""An incremental Server-Sent Events reader for OpenAI-style chat streams: fed arbitrary chunks (a
+boundary may fall anywhere, even inside a UTF-8 sequence or a `\\r\\n`), it yields each event's data."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_EVENT_BYTES = 1 << 20  # an event larger than this is malformed; the stream is reported as such
+
+
+class MalformedStream(Exception):
+    pass
+
+
+@dataclass
+class SseReader:
+    _buf: bytearray = field(default_factory=bytearray)
+
+    def feed(self, chunk: bytes) -> Iterator[str]:
+        self._buf += chunk
+        while True:
+            buf = self._buf
+            cut, sep = -1, 0
+            for s in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+                i = buf.find(s)
+                if i != -1 and (cut == -1 or i < cut):
+                    cut, sep = i, len(s)
+            if cut == -1:
+                if len(buf) > MAX_EVENT_BYTES:
+                    raise MalformedStream("an SSE event exceeds 1 MiB")
+                return
+            event = bytes(buf[:cut])
+            del buf[: cut + sep]
+            data = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n")
+                    if ln.startswith(b"data:")]
+            if data:
+                yield b"\n".join(data).decode("utf-8", "replace")
+
+
+@dataclass
+class StreamUsage:
+    """What a chat stream says about its tokens: the usage chunk when there is one, and how many
+    chunks carried generated content (vLLM sends one token per chunk by default)."""
+
+    usage: dict[str, Any] | None = None
+    content_chunks: int = 0
+    done: bool = False
+    error: bool = False
+
+    def observe(self, data: str) -> None:
+        if data.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise MalformedStream("an SSE event is not JSON") from None
+        if not isinstance(obj, dict):
+            raise MalformedStream("an SSE event is not a JSON object")
+        if "error" in obj:
+            self.error = True
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls") or delta.get("reasoning")):
+                self.content_chunks += 1

@@ -1,0 +1,182 @@
+"""Budget reservation, quotas, bulkheads and idempotency: one atomic store script before dispatch.
+
+The reservation is the upper bound of invariant 3: UTF-8 bytes of the prompt text plus the largest
+per-message template allowance among the route's candidates, plus max_tokens (or the route's cap),
+priced at the most expensive candidate's price version, so whichever candidate serves, the charge
+fits. Every budget that applies (tenant, key or subject, route; daily, monthly, total) must hold it;
+quotas (requests and tokens per minute, GCRA) and the tenant's bulkhead (in-flight requests and
+reserved tokens, as lease-based permits) are checked in the same script. The reservation carries a
+lease (deadline, plus the stream's maximum length for streams, plus grace); a sweeper charges expired
+leases in full as `ambiguous` (extproc/settlement.py).
+"""
+
+from __future__ import annotations
+
+import calendar
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from extproc.config.schema import Budget, Deployment, Route
+from extproc.contract import ErrorCode, GatewayError
+from extproc.exchange import Exchange
+from extproc.stages.deadline import HEADER as DEADLINE_HEADER
+from extproc.stages.deadline import requested_deadline_ms
+from extproc.stages.route import prompt_bytes, requested_max_tokens
+from extproc.store import (
+    PERIOD_MS,
+    BudgetCharge,
+    RateCharge,
+    Reservation,
+    Store,
+    StoreUnavailable,
+    budget_key,
+    idem_key,
+    rate_key,
+)
+
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+class Replay(Exception):
+    """A completed request with the same Idempotency-Key and body: answer with its recorded outcome."""
+
+    def __init__(self, status: int, body: str):
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What the Exchange knows of its reservation (the store holds the rest)."""
+
+    micros: int
+    tokens: int
+    prompt_bound: int
+    max_tokens: int
+    price_version: str
+    idempotent: bool
+
+
+def window_id(window: str, now: datetime) -> tuple[str, int]:
+    """The calendar window a charge falls in (UTC) and when its key may expire (0 = never)."""
+    if window == "daily":
+        end = datetime(now.year, now.month, now.day, tzinfo=UTC).timestamp() + 86_400
+        return now.strftime("d%Y%m%d"), int(end) + 7 * 86_400
+    if window == "monthly":
+        days = calendar.monthrange(now.year, now.month)[1]
+        end = datetime(now.year, now.month, 1, tzinfo=UTC).timestamp() + days * 86_400
+        return now.strftime("m%Y%m"), int(end) + 35 * 86_400
+    return "total", 0
+
+
+def candidate_deployments(ex: Exchange, route: Route) -> list[Deployment]:
+    return [d for c in route.candidates if (d := ex.snapshot.deployments.get(c.deployment_name)) is not None]
+
+
+def bound_of(ex: Exchange) -> tuple[int, int, int, str, int]:
+    """(prompt token bound, max tokens, micros, price version, token bound) for this request."""
+    assert ex.route is not None
+    deps = candidate_deployments(ex, ex.route)
+    n = len(ex.body.get("messages") or ())
+    allowance = max((d.template_allowance_tokens for d in deps), default=0)
+    prompt = prompt_bytes(ex.body) + allowance * n
+    max_tokens = requested_max_tokens(ex.body, ex.route.max_tokens_cap, ex.snapshot.gateway.limits.default_max_tokens)
+    micros, version = 0, ""
+    for d in deps:
+        m = math.ceil(prompt * d.prices.input_per_mtok / 1e6) + math.ceil(max_tokens * d.prices.output_per_mtok / 1e6)
+        if m >= micros:
+            micros, version = m, d.prices.version
+    return prompt, max_tokens, micros, version, prompt + max_tokens
+
+
+def applies(b: Budget, ex: Exchange) -> bool:
+    assert ex.identity is not None and ex.route is not None
+    return b.matches(ex.identity.tenant, ex.identity.subject, ex.route.route_contract)
+
+
+class BudgetReservation:
+    name = "budget"
+
+    def __init__(self, store: Store | None = None):
+        self.store = store
+
+    async def run(self, ex: Exchange) -> None:
+        route, ident = ex.route, ex.identity
+        if route is None or ident is None:
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorized route for the reservation")
+        if route.budget_reservation == "off":
+            return
+        if self.store is None:
+            if route.budget_reservation == "required":
+                raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the budget store is not configured")
+            return
+        gw = ex.snapshot.gateway
+        prompt, max_tokens, micros, version, tokens = bound_of(ex)
+        now = time.time()
+        when = datetime.fromtimestamp(now, UTC)
+        budgets = []
+        for b in gw.budgets:
+            if applies(b, ex):
+                wid, expire = window_id(b.window, when)
+                budgets.append(BudgetCharge(budget_key(ident.tenant, b.name, wid), b.limit_micros, b.limit_tokens,
+                                            expire))
+        rates = []
+        for q in gw.quotas:
+            if q.matches(ident.tenant, ident.subject, route.route_contract):
+                if q.requests_per_minute:
+                    rates.append(RateCharge(rate_key(ident.tenant, q.name, "rpm"), PERIOD_MS / q.requests_per_minute,
+                                            1, False))
+                if q.tokens_per_minute:
+                    rates.append(RateCharge(rate_key(ident.tenant, q.name, "tpm"), PERIOD_MS / q.tokens_per_minute,
+                                            tokens, True))
+        requested = requested_deadline_ms(ex.headers.get(DEADLINE_HEADER))
+        deadline = route.deadline_ms if requested is None else min(requested, route.deadline_ms)
+        lease_ms = deadline + (route.max_stream_ms if ex.stream else 0) + gw.store.lease_grace_ms
+        bulkhead = gw.tenants[ident.tenant].bulkhead
+        idem = ex.headers.get(IDEMPOTENCY_HEADER)
+        if idem is not None and not 0 < len(idem) <= 255:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "Idempotency-Key must be 1-255 characters", "Idempotency-Key")
+        reservation = Reservation(
+            tenant=ident.tenant, rid=ex.request_id, now_ms=int(now * 1000),
+            lease_until_ms=int(ex.arrived_at * 1000) + lease_ms, micros=micros, tokens=tokens,
+            budgets=budgets, rates=rates,
+            max_in_flight=bulkhead.max_in_flight if bulkhead else None,
+            max_in_flight_tokens=bulkhead.max_in_flight_tokens if bulkhead else None,
+            record={**ex.ledger_facts(), "prompt_bound": prompt, "max_tokens": max_tokens, "price_version": version},
+            idem_key=idem_key(ident.tenant, hashlib.sha256(idem.encode()).hexdigest()) if idem else None,
+            idem_body_hash=hashlib.sha256(ex.raw_body).hexdigest() if idem else "",
+            idem_ttl_ms=gw.store.idempotency_ttl_s * 1000)
+        try:
+            result = await self.store.reserve(reservation)
+        except StoreUnavailable as e:
+            if route.budget_reservation == "required":
+                raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the budget store is unavailable") from e
+            return  # optional: served unmetered, and the log says so
+        match result.outcome:
+            case "ok":
+                ex.held = Held(micros, tokens, prompt, max_tokens, version, idem is not None)
+            case "budget_exhausted":
+                name = budgets[int(result.detail[0]) - 1].key.rsplit(":", 2)[1]
+                raise GatewayError(ErrorCode.BUDGET_EXHAUSTED, f"budget {name!r} cannot hold this request's "
+                                   f"reservation ({micros} micro-units, {tokens} tokens)")
+            case "rate_limited":
+                retry = max(1, math.ceil(int(result.detail[0]) / 1000))
+                raise GatewayError(ErrorCode.RATE_LIMITED, "quota exceeded; retry later",
+                                   headers={"retry-after": str(retry)})
+            case "concurrency_limited":
+                raise GatewayError(ErrorCode.CONCURRENCY_LIMITED,
+                                   f"tenant is at its in-flight limit ({result.detail[0]})",
+                                   headers={"retry-after": "1"})
+            case "idempotency_conflict":
+                raise GatewayError(ErrorCode.IDEMPOTENCY_CONFLICT, "a request with this Idempotency-Key is in flight",
+                                   "Idempotency-Key")
+            case "idempotency_key_reused":
+                raise GatewayError(ErrorCode.IDEMPOTENCY_KEY_REUSED,
+                                   "this Idempotency-Key was used with a different body", "Idempotency-Key")
+            case "replay":
+                raise Replay(int(result.detail[0]), result.detail[1])
+            case other:
+                raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, f"unexpected reservation outcome {other!r}")

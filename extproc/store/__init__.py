@@ -1,0 +1,190 @@
+"""The Redis-protocol store: reservations with leases, budgets, quotas, bulkheads, idempotency and
+the ledger. One async client (redis-py) behind this small interface; every change is a Lua script.
+
+Keys carry the tenant as a hash tag (`llmgw:{acme}:...`): everything one request touches lives in
+one slot, so the scripts also run on Redis Cluster. A store that cannot answer within
+`store.timeout_ms` raises StoreUnavailable, which the stages turn into 503 (fail closed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from extproc.store.scripts import RESERVE, SETTLE
+
+PERIOD_MS = 60_000  # quotas are per minute
+
+
+class StoreUnavailable(Exception):
+    """The store could not be read or written: refuse rather than admit unmetered traffic."""
+
+
+def tag(tenant: str) -> str:
+    return f"llmgw:{{{tenant}}}"
+
+
+def res_key(tenant: str, rid: str) -> str:
+    return f"{tag(tenant)}:res:{rid}"
+
+
+def leases_key(tenant: str) -> str:
+    return f"{tag(tenant)}:leases"
+
+
+def inflight_key(tenant: str) -> str:
+    return f"{tag(tenant)}:inflight"
+
+
+def ledger_key(tenant: str) -> str:
+    return f"{tag(tenant)}:ledger"
+
+
+def budget_key(tenant: str, name: str, window_id: str) -> str:
+    return f"{tag(tenant)}:budget:{name}:{window_id}"
+
+
+def rate_key(tenant: str, name: str, kind: str) -> str:
+    return f"{tag(tenant)}:rate:{name}:{kind}"
+
+
+def idem_key(tenant: str, key_hash: str) -> str:
+    return f"{tag(tenant)}:idem:{key_hash}"
+
+
+@dataclass(frozen=True)
+class BudgetCharge:
+    key: str
+    limit_micros: int | None
+    limit_tokens: int | None
+    expire_at_s: int  # the window's end plus a margin; 0 = never (total budgets)
+
+
+@dataclass(frozen=True)
+class RateCharge:
+    key: str
+    ms_per_unit: float  # PERIOD_MS / limit
+    cost: int  # 1 for requests, the token bound for tokens
+    per_token: bool  # corrected to actual tokens at settlement
+
+
+@dataclass(frozen=True)
+class Reservation:
+    tenant: str
+    rid: str
+    now_ms: int
+    lease_until_ms: int
+    micros: int
+    tokens: int
+    budgets: Sequence[BudgetCharge]
+    rates: Sequence[RateCharge]
+    max_in_flight: int | None
+    max_in_flight_tokens: int | None
+    record: dict[str, Any]  # ledger facts known at admission (no content)
+    idem_key: str | None = None
+    idem_body_hash: str = ""
+    idem_ttl_ms: int = 0
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    outcome: str  # ok, budget_exhausted, rate_limited, concurrency_limited, idempotency_*, replay
+    detail: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Settled:
+    reserved_micros: int
+    reserved_tokens: int
+    charged_micros: int
+    charged_tokens: int
+
+
+class Store:
+    def __init__(self, url: str, timeout_ms: int = 250):
+        timeout = timeout_ms / 1000
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                           decode_responses=True, health_check_interval=0,
+                                           retry_on_timeout=False)
+        self._reserve = self.client.register_script(RESERVE)
+        self._settle = self.client.register_script(SETTLE)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"store unavailable: {type(e).__name__}") from None
+
+    async def reserve(self, r: Reservation) -> ReserveResult:
+        t = r.tenant
+        idem = r.idem_key or f"{tag(t)}:idem:-"
+        keys = [res_key(t, r.rid), leases_key(t), inflight_key(t), idem,
+                *(b.key for b in r.budgets), *(q.key for q in r.rates)]
+        tpm = [q for q in r.rates if q.per_token]
+        args: list[Any] = [
+            r.rid, r.now_ms, r.lease_until_ms, r.micros, r.tokens,
+            -1 if r.max_in_flight is None else r.max_in_flight,
+            -1 if r.max_in_flight_tokens is None else r.max_in_flight_tokens,
+            len(r.budgets), len(r.rates), r.idem_body_hash, r.idem_ttl_ms,
+            json.dumps(r.record, separators=(",", ":")),
+            " ".join(b.key for b in r.budgets),
+            " ".join(f"{q.key}={q.ms_per_unit!r}" for q in tpm),
+        ]
+        for b in r.budgets:
+            args += [-1 if b.limit_micros is None else b.limit_micros,
+                     -1 if b.limit_tokens is None else b.limit_tokens, b.expire_at_s]
+        for q in r.rates:
+            args += [repr(q.ms_per_unit), q.cost]
+        out = await self._call(self._reserve(keys=keys, args=args))
+        return ReserveResult(out[0], tuple(str(x) for x in out[1:]))
+
+    async def reservation(self, tenant: str, rid: str) -> dict[str, str]:
+        held: dict[str, str] = await self._call(self.client.hgetall(res_key(tenant, rid)))
+        return held
+
+    async def settle(self, tenant: str, rid: str, record: dict[str, Any], charge_micros: int = -1,
+                     charge_tokens: int = -1, idem_status: str = "", idem_response: str = "",
+                     idem_ttl_ms: int = 0, held: dict[str, str] | None = None) -> Settled | None:
+        """Settle once: budgets move from reserved to settled, the lease and permit are released and the
+        ledger record is appended, in one script. None when it was already settled (by anyone).
+        A charge of -1 charges the whole reservation (the sweeper's ambiguous case)."""
+        held = held if held is not None else await self.reservation(tenant, rid)
+        if not held:
+            return None
+        reserved_m, reserved_t = int(held.get("micros", 0)), int(held.get("tokens", 0))
+        record = {**record, "reserved_micros": reserved_m, "reserved_tokens": reserved_t,
+                  "charged_micros": reserved_m if charge_micros < 0 else charge_micros,
+                  "charged_tokens": reserved_t if charge_tokens < 0 else charge_tokens}
+        budgets = held.get("budgets", "").split()
+        tpm = [item.rsplit("=", 1) for item in held.get("rates", "").split()]
+        idem = held.get("idem") or f"{tag(tenant)}:idem:-"
+        keys = [res_key(tenant, rid), leases_key(tenant), inflight_key(tenant), ledger_key(tenant), idem,
+                *budgets, *(k for k, _ in tpm)]
+        args: list[Any] = [rid, charge_micros, charge_tokens, json.dumps(record, separators=(",", ":")),
+                len(budgets), len(tpm), idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
+        out = await self._call(self._settle(keys=keys, args=args))
+        if not out or out[0] == 0:
+            return None
+        return Settled(*(int(x) for x in out[1:5]))
+
+    async def append_ledger(self, tenant: str, record: dict[str, Any]) -> None:
+        """A record for a request that reserved nothing (denied, refused before dispatch)."""
+        await self._call(self.client.xadd(ledger_key(tenant),
+                                          {"record": json.dumps(record, separators=(",", ":"))}))
+
+    async def expired_leases(self, tenant: str, now_ms: int, limit: int = 100) -> list[str]:
+        rids: list[str] = await self._call(
+            self.client.zrangebyscore(leases_key(tenant), "-inf", now_ms, start=0, num=limit))
+        return rids
+
+    async def budget_state(self, key: str) -> dict[str, int]:
+        raw = await self._call(self.client.hgetall(key))
+        return {k: int(v) for k, v in raw.items()}

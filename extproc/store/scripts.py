@@ -1,0 +1,119 @@
+"""The store's Lua scripts. Every state change is one of these, so each is atomic in Valkey/Redis;
+they are loaded once and called by SHA (redis-py's Script falls back to EVAL after a restart).
+All keys of one call share the tenant's hash tag, so they also run on Redis Cluster."""
+
+# KEYS: res, leases, inflight, idem, budgets..., rates...
+# ARGV: rid, now_ms, lease_until_ms, micros, tokens, max_inflight, max_inflight_tokens, n_budgets, n_rates,
+#       idem_body_hash, idem_ttl_ms, record_json, budget_keys_joined, rate_spec_joined,
+#       then per budget: limit_micros, limit_tokens, expire_at_s; then per rate: ms_per_unit, cost
+RESERVE = """
+local rid, now, lease_until = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local micros, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_inflight, max_tokens = tonumber(ARGV[6]), tonumber(ARGV[7])
+local nb, nr = tonumber(ARGV[8]), tonumber(ARGV[9])
+local idem_hash = ARGV[10]
+
+if idem_hash ~= '' then
+  local st = redis.call('HMGET', KEYS[4], 'body', 'state', 'status', 'response')
+  if st[1] then
+    if st[1] ~= idem_hash then return {'idempotency_key_reused'} end
+    if st[2] == 'done' then return {'replay', st[3], st[4]} end
+    return {'idempotency_conflict'}
+  end
+end
+
+local inflight = redis.call('HMGET', KEYS[3], 'requests', 'tokens')
+local nreq, ntok = tonumber(inflight[1] or '0'), tonumber(inflight[2] or '0')
+if max_inflight >= 0 and nreq + 1 > max_inflight then return {'concurrency_limited', 'requests'} end
+if max_tokens >= 0 and ntok + tokens > max_tokens then return {'concurrency_limited', 'tokens'} end
+
+local a = 15 + 3 * nb
+local new_tats = {}
+for r = 1, nr do
+  local ms_per_unit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  a = a + 2
+  local tat = tonumber(redis.call('GET', KEYS[4 + nb + r]) or '0')
+  if tat < now then tat = now end
+  local new_tat = tat + ms_per_unit * cost
+  if new_tat - now > 60000 then
+    return {'rate_limited', tostring(math.ceil(new_tat - now - 60000)), tostring(r)}
+  end
+  new_tats[r] = new_tat
+end
+
+for b = 1, nb do
+  local lim_m, lim_t = tonumber(ARGV[15 + 3 * (b - 1)]), tonumber(ARGV[16 + 3 * (b - 1)])
+  local h = redis.call('HMGET', KEYS[4 + b], 'reserved_micros', 'settled_micros', 'reserved_tokens', 'settled_tokens')
+  local used_m = tonumber(h[1] or '0') + tonumber(h[2] or '0')
+  local used_t = tonumber(h[3] or '0') + tonumber(h[4] or '0')
+  if (lim_m >= 0 and used_m + micros > lim_m) or (lim_t >= 0 and used_t + tokens > lim_t) then
+    return {'budget_exhausted', tostring(b)}
+  end
+end
+
+for b = 1, nb do
+  local key = KEYS[4 + b]
+  redis.call('HINCRBY', key, 'reserved_micros', micros)
+  redis.call('HINCRBY', key, 'reserved_tokens', tokens)
+  local expire_at = tonumber(ARGV[17 + 3 * (b - 1)])
+  if expire_at > 0 then redis.call('EXPIREAT', key, expire_at) end
+end
+for r = 1, nr do
+  redis.call('SET', KEYS[4 + nb + r], tostring(new_tats[r]), 'PX', math.ceil(new_tats[r] - now) + 60000)
+end
+redis.call('HINCRBY', KEYS[3], 'requests', 1)
+redis.call('HINCRBY', KEYS[3], 'tokens', tokens)
+redis.call('ZADD', KEYS[2], lease_until, rid)
+redis.call('HSET', KEYS[1], 'micros', micros, 'tokens', tokens, 'lease_until', lease_until,
+           'record', ARGV[12], 'budgets', ARGV[13], 'rates', ARGV[14], 'idem', idem_hash ~= '' and KEYS[4] or '')
+if idem_hash ~= '' then
+  redis.call('HSET', KEYS[4], 'body', idem_hash, 'state', 'inflight', 'rid', rid)
+  redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[11]))
+end
+return {'ok'}
+"""
+
+# KEYS: res, leases, inflight, ledger, idem ('' when none: then a dummy key of the same tag), budgets..., tpm rates...
+# ARGV: rid, charge_micros (-1: the whole reservation), charge_tokens (-1: likewise), ledger_json (appended
+#       as is; the caller computed the charge from the reservation it read), n_budgets,
+#       n_tpm, idem_status ('' = forget the key), idem_response, idem_ttl_ms, then per tpm: ms_per_token
+# Returns {1, reserved_micros, reserved_tokens, charged_micros, charged_tokens}, or {0} when already settled.
+SETTLE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem')
+local rm, rt = tonumber(res[1]), tonumber(res[2])
+local cm, ct = tonumber(ARGV[2]), tonumber(ARGV[3])
+if cm < 0 then cm = rm end
+if ct < 0 then ct = rt end
+local nb, nt = tonumber(ARGV[5]), tonumber(ARGV[6])
+for b = 1, nb do
+  local key = KEYS[5 + b]
+  redis.call('HINCRBY', key, 'reserved_micros', -rm)
+  redis.call('HINCRBY', key, 'reserved_tokens', -rt)
+  redis.call('HINCRBY', key, 'settled_micros', cm)
+  redis.call('HINCRBY', key, 'settled_tokens', ct)
+end
+for r = 1, nt do
+  local key = KEYS[5 + nb + r]
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat > 0 then
+    local ttl = redis.call('PTTL', key)
+    local corrected = tat - (rt - ct) * tonumber(ARGV[9 + r])
+    if ttl > 0 then redis.call('SET', key, tostring(corrected), 'PX', ttl) end
+  end
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'requests', -1)
+redis.call('HINCRBY', KEYS[3], 'tokens', -rt)
+redis.call('XADD', KEYS[4], '*', 'record', ARGV[4])
+if res[3] and res[3] ~= '' then
+  if ARGV[7] ~= '' then
+    redis.call('HSET', KEYS[5], 'state', 'done', 'status', ARGV[7], 'response', ARGV[8])
+    redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[9]))
+  else
+    redis.call('DEL', KEYS[5])
+  end
+end
+redis.call('DEL', KEYS[1])
+return {1, rm, rt, cm, ct}
+"""

@@ -1,0 +1,120 @@
+"""`llmgw ledger tail|export`: read the ledger streams (one per tenant, `llmgw:{tenant}:ledger`).
+
+`export` reads with a consumer group and acknowledges what it wrote, so repeated exports continue
+where the last one stopped and a record is exported once; `tail` only reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from extproc.config import ConfigError, load_snapshot
+from extproc.store import ledger_key
+
+GROUP = "llmgw-export"
+
+
+def _store_url(args: argparse.Namespace, config_url: str | None) -> str | None:
+    if args.store_url:
+        return str(args.store_url)
+    if config_url:
+        return config_url
+    up = Path(args.state_dir) / "up.json"
+    if up.exists():
+        url: str | None = json.loads(up.read_text()).get("store_url")
+        return url
+    return None
+
+
+def _open(args: argparse.Namespace) -> tuple[Any, list[str]] | None:
+    try:
+        snap = load_snapshot(args.config)
+    except ConfigError as e:
+        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+        return None
+    url = _store_url(args, snap.gateway.store.url)
+    if not url:
+        print("error: no store: pass --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
+        return None
+    tenants = [args.tenant] if args.tenant else sorted(snap.gateway.tenants)
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5), tenants
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    opened = _open(args)
+    if opened is None:
+        return 1
+    client, tenants = opened
+    last: dict[str, str] = {}
+    for key in (ledger_key(t) for t in tenants):
+        entries: Any = client.xrange(key) if args.all else list(reversed(client.xrevrange(key, count=args.n)))
+        for _, fields in entries:
+            print(fields["record"])
+        last[key] = entries[-1][0] if entries else "0-0"
+    while args.follow:
+        got: Any = client.xread(last, count=500, block=1000)
+        for key, new in got or []:
+            for eid, fields in new:
+                print(fields["record"], flush=True)
+                last[key] = eid
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    opened = _open(args)
+    if opened is None:
+        return 1
+    client, tenants = opened
+    out = open(args.output, "a") if args.output != "-" else sys.stdout  # noqa: SIM115 - closed below
+    total = 0
+    try:
+        for t in tenants:
+            key = ledger_key(t)
+            try:
+                client.xgroup_create(key, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            while True:
+                got: Any = client.xreadgroup(GROUP, args.consumer, {key: ">"}, count=1000)
+                entries = got[0][1] if got else []
+                if not entries:
+                    break
+                for _, fields in entries:
+                    out.write(fields["record"] + "\n")
+                out.flush()
+                client.xack(key, GROUP, *(eid for eid, _ in entries))  # only what was written
+                total += len(entries)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"exported {total} record(s) at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    led = sub.add_parser("ledger", help="the ledger: one record per authenticated request")
+    lsub = led.add_subparsers(dest="ledger_command", required=True)
+    for name, func, helptext in (("tail", cmd_tail, "print recent records (and follow with -f)"),
+                                 ("export", cmd_export, "export unexported records, acknowledging them")):
+        p = lsub.add_parser(name, help=helptext)
+        p.add_argument("--config", default="policy")
+        p.add_argument("--state-dir", default=".llmgw")
+        p.add_argument("--store-url")
+        p.add_argument("--tenant")
+        p.set_defaults(func=func)
+        if name == "tail":
+            p.add_argument("-n", type=int, default=20)
+            p.add_argument("-f", "--follow", action="store_true")
+            p.add_argument("--all", action="store_true", help="every record from the start")
+        else:
+            p.add_argument("--format", choices=["jsonl"], default="jsonl")
+            p.add_argument("-o", "--output", default="-")
+            p.add_argument("--consumer", default="cli")
