@@ -213,8 +213,10 @@ class EngineServer:
         seed = body.get("seed")
         seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["messages"]).encode()) ^ self.seed
         sampler = TextSampler(seed)
+        # vLLM's `ignore_eos` sampling parameter: generate until max_tokens.
+        natural = max_tokens if body.get("ignore_eos") is True else sampler.natural_length
         seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens,
-                       natural_length=sampler.natural_length, salt=body.get("cache_salt"),
+                       natural_length=natural, salt=body.get("cache_salt"),
                        arrival=self.engine.now())
         if fault.delay_ms:
             await asyncio.sleep(fault.delay_ms / 1000)

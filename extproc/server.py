@@ -150,19 +150,21 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                         log.warning("unexpected ext_proc message %s", kind)
                         return
             except Replay as replay:  # Idempotency-Key seen and completed: its recorded outcome
+                # Scheduled before the reply: Envoy may close the stream once it has it, and code after
+                # the last yield would then never run.
+                self._later(record_refusal(self.store, ex, "idempotent_replay", replay.status, ""))
                 yield immediate(ex, replay.status, replay.body.encode(), "llmgw_idempotent_replay",
                                 {"x-llmgw-idempotent-replay": "true"})
-                self._later(record_refusal(self.store, ex, "idempotent_replay", replay.status, ""))
                 return
             except GatewayError as err:
-                yield refuse(ex, err)
                 self._ended(ex, err)
+                yield refuse(ex, err)
                 return
             except Exception:  # never crash on input: fail closed with the contract's error
                 log.exception("request %s: internal error", ex.request_id)
                 failure = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not evaluate this request")
-                yield refuse(ex, failure)
                 self._ended(ex, failure)
+                yield refuse(ex, failure)
                 return
 
     def _ended(self, ex: Exchange, err: GatewayError) -> None:

@@ -1,0 +1,176 @@
+"""The store's scripts against a real Valkey: reservations, exactly-once settlement, the sweeper,
+quotas, bulkheads and idempotency states. End to end (Envoy, two ext_proc workers): test_budgets_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import redis
+
+from extproc.settlement import Sweeper
+from extproc.store import (
+    PERIOD_MS,
+    BudgetCharge,
+    RateCharge,
+    Reservation,
+    Store,
+    budget_key,
+    idem_key,
+    ledger_key,
+    rate_key,
+)
+from tests.conftest import valkey_url
+
+
+def tenant() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"  # every test its own tenant: its own keys
+
+
+def reservation(t: str, rid: str, tokens: int = 100, micros: int = 10, limit_tokens: int | None = 1000,
+                **kw: Any) -> Reservation:
+    base: dict[str, Any] = dict(
+        tenant=t, rid=rid, now_ms=1_000_000, lease_until_ms=1_005_000, micros=micros, tokens=tokens,
+        budgets=[BudgetCharge(budget_key(t, "b", "total"), None, limit_tokens, 0)], rates=[],
+        max_in_flight=None, max_in_flight_tokens=None, record={"request_id": rid, "tenant": t})
+    base.update(kw)
+    return Reservation(**base)
+
+
+def run(coro_fn: Any) -> Any:
+    async def main() -> Any:
+        store = Store(valkey_url())
+        try:
+            return await coro_fn(store)
+        finally:
+            await store.close()
+    return asyncio.run(main())
+
+
+def sync() -> Any:
+    return redis.Redis.from_url(valkey_url(), decode_responses=True)
+
+
+def test_reserve_until_the_budget_is_full_then_refuse() -> None:
+    t = tenant()
+
+    async def go(store: Store) -> list[str]:
+        return [(await store.reserve(reservation(t, f"r{i}"))).outcome for i in range(12)]
+    outcomes = run(go)
+    assert outcomes == ["ok"] * 10 + ["budget_exhausted"] * 2
+    assert sync().hgetall(budget_key(t, "b", "total")) == {"reserved_micros": "100", "reserved_tokens": "1000"}
+
+
+def test_settle_exactly_once_and_the_ledger_has_one_record() -> None:
+    t = tenant()
+
+    async def go(store: Store) -> tuple[Any, Any]:
+        await store.reserve(reservation(t, "r1"))
+        first = await store.settle(t, "r1", {"termination": "complete"}, 4, 40)
+        second = await store.settle(t, "r1", {"termination": "complete"}, 4, 40)
+        return first, second
+    first, second = run(go)
+    assert first is not None and (first.charged_tokens, first.reserved_tokens) == (40, 100)
+    assert second is None
+    r = sync()
+    assert r.hgetall(budget_key(t, "b", "total")) == {"reserved_micros": "0", "reserved_tokens": "0",
+                                                      "settled_micros": "4", "settled_tokens": "40"}
+    (entry,) = r.xrange(ledger_key(t))
+    rec = json.loads(entry[1]["record"])
+    assert (rec["charged_tokens"], rec["reserved_tokens"], rec["termination"]) == (40, 100, "complete")
+    assert r.zcard(f"llmgw:{{{t}}}:leases") == 0 and r.hget(f"llmgw:{{{t}}}:inflight", "requests") == "0"
+
+
+def test_sweeper_charges_expired_leases_in_full_as_ambiguous() -> None:
+    t = tenant()
+
+    async def go(store: Store) -> int:
+        await store.reserve(reservation(t, "lost", lease_until_ms=1_000))  # expired long ago
+        await store.reserve(reservation(t, "live", lease_until_ms=10**15))
+        sweeper = Sweeper(store, lambda: [t])
+        return await sweeper.sweep_once() + await sweeper.sweep_once()
+    assert run(go) == 1  # once, and only the expired one
+    r = sync()
+    (entry,) = r.xrange(ledger_key(t))
+    rec = json.loads(entry[1]["record"])
+    assert rec["settlement"] == "ambiguous" and rec["request_id"] == "lost" and rec["charged_tokens"] == 100
+    assert r.hgetall(budget_key(t, "b", "total"))["settled_tokens"] == "100"
+    assert r.hgetall(budget_key(t, "b", "total"))["reserved_tokens"] == "100"  # `live` still holds its own
+
+
+def test_bulkhead_counts_permits_and_releases_them() -> None:
+    t = tenant()
+
+    async def go(store: Store) -> list[str]:
+        out = [(await store.reserve(reservation(t, f"r{i}", max_in_flight=2))).outcome for i in range(3)]
+        await store.settle(t, "r0", {}, 0, 0)
+        out.append((await store.reserve(reservation(t, "r3", max_in_flight=2))).outcome)
+        out.append((await store.reserve(reservation(t, "big", max_in_flight=9, max_in_flight_tokens=250))).outcome)
+        return out
+    assert run(go) == ["ok", "ok", "concurrency_limited", "ok", "concurrency_limited"]
+
+
+def test_gcra_rate_limit_with_retry_after_and_token_correction() -> None:
+    t = tenant()
+    rpm = RateCharge(rate_key(t, "q", "rpm"), PERIOD_MS / 2, 1, False)  # 2 per minute
+    tpm = RateCharge(rate_key(t, "q", "tpm"), PERIOD_MS / 300, 100, True)  # 300 tokens per minute
+    tpm90 = RateCharge(tpm.key, tpm.ms_per_unit, 90, True)
+
+    async def go(store: Store) -> list[Any]:
+        out: list[Any] = [(await store.reserve(reservation(t, "a", rates=[rpm]))).outcome,
+                          (await store.reserve(reservation(t, "b", rates=[rpm]))).outcome]
+        third = await store.reserve(reservation(t, "c", rates=[rpm]))
+        out.append((third.outcome, int(third.detail[0]) > 0))
+        # tokens: three bounds of 100 fill the minute; settling one at 10 tokens frees 90
+        out += [(await store.reserve(reservation(t, f"t{i}", rates=[tpm]))).outcome for i in range(4)]
+        out.append((await store.reserve(reservation(t, "t8", tokens=90, rates=[tpm90]))).outcome)
+        await store.settle(t, "t0", {}, 1, 10)
+        out.append((await store.reserve(reservation(t, "t9", tokens=90, rates=[tpm90]))).outcome)
+        return out
+    assert run(go) == ["ok", "ok", ("rate_limited", True), "ok", "ok", "ok", "rate_limited", "rate_limited", "ok"]
+
+
+def test_idempotency_states() -> None:
+    t = tenant()
+    key = idem_key(t, "k1")
+
+    async def go(store: Store) -> list[Any]:
+        r = [(await store.reserve(reservation(t, "a", idem_key=key, idem_body_hash="h1", idem_ttl_ms=60_000))).outcome,
+             (await store.reserve(reservation(t, "b", idem_key=key, idem_body_hash="h1", idem_ttl_ms=60_000))).outcome,
+             (await store.reserve(reservation(t, "c", idem_key=key, idem_body_hash="h2", idem_ttl_ms=60_000))).outcome]
+        await store.settle(t, "a", {}, 1, 10, idem_status="200", idem_response='{"ok":1}', idem_ttl_ms=60_000)
+        replay = await store.reserve(reservation(t, "d", idem_key=key, idem_body_hash="h1", idem_ttl_ms=60_000))
+        r.append((replay.outcome, *replay.detail))
+        return r
+    assert run(go) == ["ok", "idempotency_conflict", "idempotency_key_reused", ("replay", "200", '{"ok":1}')]
+
+
+def test_a_failed_idempotent_request_frees_its_key() -> None:
+    t = tenant()
+    key = idem_key(t, "k2")
+
+    async def go(store: Store) -> str:
+        await store.reserve(reservation(t, "a", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))
+        await store.settle(t, "a", {"termination": "upstream_error"}, 0, 0)  # no recorded outcome
+        return (await store.reserve(reservation(t, "b", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))).outcome
+    assert run(go) == "ok"
+
+
+def test_dead_store_raises_store_unavailable_fast() -> None:
+    import time
+
+    from extproc.store import StoreUnavailable
+
+    async def go() -> float:
+        store = Store("redis://127.0.0.1:1/0", timeout_ms=200)
+        t0 = time.monotonic()
+        try:
+            await store.reserve(reservation("x", "r"))
+        except StoreUnavailable:
+            return time.monotonic() - t0
+        finally:
+            await store.close()
+        raise AssertionError("a dead store reserved")
+    assert asyncio.run(go()) < 0.5
