@@ -82,7 +82,12 @@ class Exchange:
         if self.redactions:
             md["redactions"] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
         if self.held is not None:
-            md["reserved"] = "1"  # the meter settles only requests that hold a reservation
+            md["hold"] = self.held.hint  # only requests that hold a reservation are settled
+            # Streams and idempotent requests need the body read (usage chunks, the recorded answer):
+            # the meter. A JSON answer's usage reaches settlement through the access log.
+            md["settle"] = "meter" if self.stream or self.held.idempotent else "als"
+            if self.stream:
+                md["stream"] = "1"
         if self.route is not None:
             md["route"] = self.route.route_contract
         if self.deployment is not None:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
@@ -34,7 +35,7 @@ from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import Meter, Sweeper, record_refusal, release
+from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
@@ -86,7 +87,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self.store = store
         self.stages = build_stages(picker, jwks, store)
         self._identity = CallerIdentity(jwks)
-        self.meter = Meter(store, lambda: self.live.snapshot) if store is not None else None
+        self.settler = Settler(store) if store is not None else None
+        self.meter = Meter(self.settler, lambda: self.live.snapshot) if self.settler is not None else None
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -106,7 +108,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
             return
-        if first.WhichOneof("request") == "response_headers":
+        if first.WhichOneof("request") in ("response_headers", "response_body"):
             # The meter filter (observability mode): Envoy does not wait for answers; none are sent.
             if self.meter is not None:
                 await self.meter.observe(first, request_iterator)
@@ -250,7 +252,11 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     store_cfg = reloader.live.snapshot.gateway.store
     store_url = store_url or store_cfg.url
     store = Store(store_url, store_cfg.timeout_ms) if store_url else None
-    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(reloader, picker, jwks, store), server)
+    processor = Processor(reloader, picker, jwks, store)
+    ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    if processor.settler is not None:  # JSON answers settle through Envoy's gRPC access log
+        als_grpc.add_AccessLogServiceServicer_to_server(
+            SettlementLog(processor.settler, lambda: reloader.live.snapshot), server)
     bound = (server.add_secure_port(listen, credentials) if credentials is not None
              else server.add_insecure_port(listen))
     if bound == 0:

@@ -1,9 +1,10 @@
-"""Settlement: every reservation ends exactly once (invariant 4), with one ledger record
+"""Settlement: every reservation ends exactly once (invariant 4), with one ledger entry
 (invariant 8), written by the same store script.
 
-- The meter: a second ext_proc filter in observability mode sends the response (headers, body
-  chunks) without waiting for answers, so reading usage costs the client nothing. At the end of the
-  response it settles to actual usage; a response cut short settles partial usage.
+- The meter: a second ext_proc filter in observability mode sends the response body to ext_proc
+  without waiting for answers, so reading usage costs the client nothing. At the end of the response
+  it settles to actual usage; a response cut short settles what it saw. Settlements are batched into
+  one store round trip every few milliseconds.
 - Release: a request refused after it reserved (a later stage failed) is released, charge 0.
 - The sweeper: a reservation whose lease expired (the gateway lost track: crash, lost meter stream)
   is charged in full and marked `ambiguous`, so a crashed gateway never frees money it may have spent.
@@ -20,10 +21,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.config import Snapshot
-from extproc.config.schema import Prices
+from extproc.config.schema import Deployment, Prices
 from extproc.contract import METADATA_NAMESPACE
 from extproc.exchange import Exchange
 from extproc.sse import MalformedStream, SseReader, StreamUsage
@@ -32,10 +35,12 @@ from extproc.store import Store, StoreUnavailable
 log = logging.getLogger("llmgw.settlement")
 ATTRIBUTES = "envoy.filters.http.ext_proc"
 MAX_JSON_BODY = 8 << 20
+BATCH_MAX = 128
+BATCH_WAIT_S = 0.002
 _MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
-# What the meter filter asks Envoy for with the response headers (render uses this list).
-METER_ATTRIBUTES = ("request.id", "upstream.address", *(f"{_MD}['{k}']" for k in (
-    "tenant", "deployment", "reserved", "redactions", "revision")))
+# What the meter filter asks Envoy for with the first response message (render uses this list).
+METER_ATTRIBUTES = ("request.id", "upstream.address", "response.code",
+                    *(f"{_MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream")))
 
 
 def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:
@@ -61,64 +66,112 @@ async def release(store: Store | None, ex: Exchange, termination: str, status: i
     """A reserved request ended before dispatch: nothing was spent."""
     if store is None or ex.held is None or ex.identity is None:
         return
-    record = {**ex.ledger_facts(), "termination": termination, "status": status, "settlement": "released",
-              "price_version": ex.held.price_version, "usage": None, "attempts": []}
+    outcome = {"termination": termination, "status": status, "settlement": "released", "usage": None,
+               "attempts": []}
     try:
-        await store.settle(ex.identity.tenant, ex.request_id, record, 0, 0)
+        await store.settle(ex.identity.tenant, ex.request_id, outcome, 0, 0, hint=ex.held.hint)
     except StoreUnavailable:
         log.error("request %s: reservation not released (store unavailable); the sweeper will settle it",
                   ex.request_id)
 
 
 async def record_refusal(store: Store | None, ex: Exchange, termination: str, status: int, code: str) -> None:
-    """The ledger record of an authenticated request that never reserved (denied, refused)."""
+    """The ledger entry of an authenticated request that never reserved (denied, refused)."""
     if store is None or ex.identity is None or ex.held is not None:
         return
-    record = {**ex.ledger_facts(), "termination": termination, "status": status, "error": code,
-              "settlement": "none", "usage": None, "attempts": []}
+    outcome = {"termination": termination, "status": status, "error": code, "settlement": "none",
+               "usage": None, "attempts": []}
     try:
-        await store.append_ledger(ex.identity.tenant, record)
+        await store.append_ledger(ex.identity.tenant, ex.ledger_facts(), outcome)
     except StoreUnavailable:
-        log.error("request %s: ledger record lost (store unavailable)", ex.request_id)
+        log.error("request %s: ledger entry lost (store unavailable)", ex.request_id)
 
 
 def _attr(attrs: Any, key: str) -> str:
     v = attrs.fields.get(key) if attrs is not None else None
-    return v.string_value if v is not None and v.WhichOneof("kind") == "string_value" else ""
+    if v is None:
+        return ""
+    kind = v.WhichOneof("kind")
+    if kind == "string_value":
+        return str(v.string_value)
+    if kind == "number_value":
+        return str(int(v.number_value))
+    return ""
+
+
+Settlement = tuple[str, str, str, dict[str, Any], int, int, str, str, int]
+
+
+class Settler:
+    """Settlements queued by the meter and the access log, sent in one store round trip for every
+    batch gathered within BATCH_WAIT_S (each is still its own atomic script)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._queue: list[Settlement] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    def submit(self, item: Settlement) -> None:
+        self._queue.append(item)
+        if self._flushing is None:
+            self._flushing = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            while self._queue:
+                if len(self._queue) < BATCH_MAX:
+                    await asyncio.sleep(BATCH_WAIT_S)
+                batch, self._queue = self._queue[:BATCH_MAX], self._queue[BATCH_MAX:]
+                try:
+                    await self.store.settle_many(batch)
+                except StoreUnavailable:
+                    log.error("%d settlement(s) failed (store unavailable); the sweeper will settle them",
+                              len(batch))
+        finally:
+            self._flushing = None
+
+
+def charge_for(usage: dict[str, Any] | None, source: str, termination: str, status: int,
+               dep: Deployment | None) -> tuple[int, int, str]:
+    """(micros, tokens, settlement kind): actual usage when reported; -1 (the whole reservation) for
+    an answer whose usage is unknown; nothing for a failed one."""
+    if usage and dep is not None:
+        micros, tokens = charge_of(usage, dep.prices)
+        return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"
+    if 200 <= status < 300:
+        return -1, -1, "ambiguous"
+    return 0, 0, "released"
 
 
 class Meter:
     """One response, observed: settle when it ends, however it ends."""
 
-    def __init__(self, store: Store, snapshot: Callable[[], Snapshot]):
-        self.store = store
+    def __init__(self, settler: Settler, snapshot: Callable[[], Snapshot]):
+        self.settler = settler
         self.snapshot = snapshot
 
     async def observe(self, first: ep.ProcessingRequest, rest: AsyncIterator[ep.ProcessingRequest]) -> None:
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
-        tenant, rid = _attr(attrs, f"{_MD}['tenant']"), _attr(attrs, "request.id")
-        if not tenant or not rid or _attr(attrs, f"{_MD}['reserved']") != "1":
+        tenant, rid, hint = _attr(attrs, f"{_MD}['tenant']"), _attr(attrs, "request.id"), _attr(attrs, f"{_MD}['hold']")
+        if not tenant or not rid or not hint:
             async for _ in rest:  # nothing to settle: drain quietly
                 pass
             return
-        status, content_type = 0, ""
-        for h in first.response_headers.headers.headers:
-            value = h.raw_value.decode("latin-1") if h.raw_value else h.value
-            if h.key == ":status":
-                status = int(value) if value.isdigit() else 0
-            elif h.key == "content-type":
-                content_type = value
-        sse = content_type.startswith("text/event-stream")
+        code = _attr(attrs, "response.code")
+        status = int(code) if code.isdigit() else 0
+        sse = _attr(attrs, f"{_MD}['stream']") == "1"  # the request asked to stream (ext_proc knew)
         reader, stream_usage, body, malformed = SseReader(), StreamUsage(), bytearray(), False
-        t0 = time.monotonic()
-        first_byte_ms: float | None = None
-        complete = first.response_headers.end_of_stream
-        async for msg in rest:
+        complete = False
+
+        async def messages() -> AsyncIterator[ep.ProcessingRequest]:
+            yield first
+            async for m in rest:
+                yield m
+
+        async for msg in messages():
             if msg.WhichOneof("request") != "response_body":
                 continue
             chunk = msg.response_body.body
-            if chunk and first_byte_ms is None:
-                first_byte_ms = (time.monotonic() - t0) * 1000
             if sse and not malformed:
                 try:
                     for data in reader.feed(chunk):
@@ -130,62 +183,108 @@ class Meter:
             if msg.response_body.end_of_stream:
                 complete = True
                 break
-        await self._settle(tenant, rid, attrs, status, complete, sse, stream_usage, bytes(body), malformed,
-                           first_byte_ms)
+        self._settle(tenant, rid, hint, attrs, status, complete, sse, stream_usage, bytes(body), malformed)
 
-    async def _settle(self, tenant: str, rid: str, attrs: Any, status: int, complete: bool, sse: bool,
-                      stream_usage: StreamUsage, body: bytes, malformed: bool, first_byte_ms: float | None) -> None:
+    def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
+                stream_usage: StreamUsage, body: bytes, malformed: bool) -> None:
         snap = self.snapshot()
         dep = snap.deployments.get(_attr(attrs, f"{_MD}['deployment']"))
-        try:
-            held = await self.store.reservation(tenant, rid)
-            if not held:
-                return  # settled already (the sweeper, or a duplicate stream)
-            facts = json.loads(held.get("record") or "{}")
-            usage: dict[str, Any] | None = None
-            source = "none"
-            if 200 <= status < 300:
-                if sse:
-                    usage, source = stream_usage.usage, "reported"
-                    if usage is None:  # the client did not ask for usage: count chunks, bound the prompt
-                        usage = {"prompt_tokens": facts.get("prompt_bound", 0),
-                                 "completion_tokens": stream_usage.content_chunks}
-                        source = "estimated"
-                else:
-                    try:
-                        doc = json.loads(body)
-                        usage, source = (doc.get("usage"), "reported") if isinstance(doc, dict) else (None, "none")
-                    except ValueError:
-                        usage = None
-            sse_complete = complete and (not sse or stream_usage.done) and not malformed and not stream_usage.error
-            termination = termination_of(status, sse_complete)
-            if usage and dep is not None:
-                micros, tokens = charge_of(usage, dep.prices)
-                kind = "actual" if termination == "complete" and source == "reported" else "partial"
-            elif 200 <= status < 300 and dep is not None:  # answered but no usage: charge what was reserved
-                micros, tokens, kind = -1, -1, "ambiguous"
+        usage: dict[str, Any] | None = None
+        source = "none"
+        if 200 <= status < 300:
+            if sse:
+                usage, source = stream_usage.usage, "reported"
+                if usage is None:  # the client did not ask for usage: count chunks, bound the prompt
+                    prompt_bound = json.loads(hint).get("p", 0)
+                    usage = {"prompt_tokens": prompt_bound, "completion_tokens": stream_usage.content_chunks}
+                    source = "estimated"
             else:
-                micros, tokens, kind = 0, 0, "released"
-            reserved_m, reserved_t = int(held.get("micros", 0)), int(held.get("tokens", 0))
-            overrun = micros > reserved_m or tokens > reserved_t
-            if overrun:  # never settle past the reservation: invariant 3 holds whatever the upstream did
-                micros, tokens = min(micros, reserved_m), min(tokens, reserved_t)
-            record = {**facts, "termination": termination, "status": status, "settlement": kind,
-                      "usage": usage, "usage_source": source, "overrun": overrun,
-                      "price_version": dep.prices.version if dep else "",
-                      "redactions": _attr(attrs, f"{_MD}['redactions']"),
-                      "attempts": [{"deployment": dep.deployment if dep else "", "adapter": dep.fingerprint.adapter
-                                    if dep else "", "upstream": _attr(attrs, "upstream.address"), "status": status,
-                                    "first_byte_ms": round(first_byte_ms, 1) if first_byte_ms is not None else None}],
-                      "translation_loss": []}
-            idem_status, idem_body = "", ""
-            if held.get("idem") and termination == "complete" and not sse:
-                limit = snap.gateway.store.idempotency_max_body_bytes
-                idem_status, idem_body = str(status), body.decode("utf-8", "replace") if len(body) <= limit else ""
-            await self.store.settle(tenant, rid, record, micros, tokens, idem_status if idem_body else "",
-                                    idem_body, snap.gateway.store.idempotency_ttl_s * 1000, held=held)
-        except StoreUnavailable:
-            log.error("request %s: settlement failed (store unavailable); the sweeper will settle it", rid)
+                with contextlib.suppress(ValueError):
+                    doc = json.loads(body)
+                    if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+                        usage, source = doc["usage"], "reported"
+        finished = complete and (not sse or stream_usage.done) and not malformed and not stream_usage.error
+        termination = termination_of(status, finished)
+        micros, tokens, kind = charge_for(usage, source, termination, status, dep)
+        outcome = {"termination": termination, "status": status, "settlement": kind, "usage": usage,
+                   "usage_source": source, "price_version": dep.prices.version if dep else "",
+                   "redactions": _attr(attrs, f"{_MD}['redactions']"),
+                   "attempts": [{"deployment": dep.deployment if dep else "",
+                                 "adapter": dep.fingerprint.adapter if dep else "",
+                                 "upstream": _attr(attrs, "upstream.address"), "status": status}],
+                   "translation_loss": []}
+        idem_status, idem_body = "", ""
+        if json.loads(hint).get("i") and termination == "complete" and not sse \
+                and len(body) <= snap.gateway.store.idempotency_max_body_bytes:
+            idem_status, idem_body = str(status), body.decode("utf-8", "replace")
+        self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, idem_body,
+                             snap.gateway.store.idempotency_ttl_s * 1000))
+
+
+def _struct_str(st: Any, key: str) -> str:
+    v = st.fields.get(key)
+    return v.string_value if v is not None and v.WhichOneof("kind") == "string_value" else ""
+
+
+def _struct_int(st: Any, key: str) -> int | None:
+    v = st.fields.get(key)
+    return int(v.number_value) if v is not None and v.WhichOneof("kind") == "number_value" else None
+
+
+class SettlementLog(als_grpc.AccessLogServiceServicer):
+    """Envoy's gRPC access log, for JSON answers: one long-lived stream, entries in batches, each
+    carrying the io.llmgw metadata (usage included, by json_to_metadata) and the response's fate."""
+
+    def __init__(self, settler: Settler, snapshot: Callable[[], Snapshot]):
+        self.settler = settler
+        self.snapshot = snapshot
+
+    async def StreamAccessLogs(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                try:
+                    self.settle_entry(entry)
+                except Exception:  # one bad entry must not end the stream of all the others
+                    log.exception("access log entry could not be settled")
+        return als_pb2.StreamAccessLogsResponse()
+
+    def settle_entry(self, entry: Any) -> None:
+        common = entry.common_properties
+        md = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
+        if md is None:
+            return
+        tenant, hint, rid = _struct_str(md, "tenant"), _struct_str(md, "hold"), entry.request.request_id
+        if not tenant or not hint or not rid:
+            return
+        snap = self.snapshot()
+        dep = snap.deployments.get(_struct_str(md, "deployment"))
+        status = entry.response.response_code.value
+        flags = common.response_flags
+        prompt = _struct_int(md, "usage_prompt")
+        usage: dict[str, Any] | None = None
+        if prompt is not None:
+            usage = {"prompt_tokens": prompt, "completion_tokens": _struct_int(md, "usage_completion") or 0,
+                     "prompt_tokens_details": {"cached_tokens": _struct_int(md, "usage_cached") or 0}}
+        if flags.downstream_connection_termination:
+            termination = "client_cancel"
+        elif flags.upstream_request_timeout or status == 504:
+            termination = "deadline"
+        else:
+            termination = termination_of(status, True)
+        micros, tokens, kind = charge_for(usage, "reported" if usage else "none", termination, status, dep)
+        upstream = common.upstream_remote_address.socket_address
+        first_byte = common.time_to_first_upstream_rx_byte
+        outcome = {"termination": termination, "status": status, "settlement": kind, "usage": usage,
+                   "usage_source": "reported" if usage else "none",
+                   "price_version": dep.prices.version if dep else "", "redactions": _struct_str(md, "redactions"),
+                   "attempts": [{"deployment": dep.deployment if dep else "",
+                                 "adapter": dep.fingerprint.adapter if dep else "",
+                                 "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
+                                 "status": status, "count": common.upstream_request_attempt_count,
+                                 "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
+                                 if common.HasField("time_to_first_upstream_rx_byte") else None}],
+                   "translation_loss": []}
+        self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0))
 
 
 class Sweeper:
@@ -199,13 +298,9 @@ class Sweeper:
         settled = 0
         for tenant in self.tenants():
             for rid in await self.store.expired_leases(tenant, now_ms):
-                held = await self.store.reservation(tenant, rid)
-                if not held:
-                    continue
-                facts = json.loads(held.get("record") or "{}")
-                record = {**facts, "termination": "unknown", "settlement": "ambiguous", "usage": None,
-                          "attempts": [], "note": "lease expired before settlement: charged in full"}
-                if await self.store.settle(tenant, rid, record, -1, -1, held=held) is not None:
+                outcome: dict[str, Any] = {"termination": "unknown", "settlement": "ambiguous", "usage": None,
+                                           "attempts": [], "note": "lease expired before settlement: charged in full"}
+                if await self.store.settle(tenant, rid, outcome, -1, -1) is not None:
                     settled += 1
                     log.warning("request %s (%s): lease expired; charged in full as ambiguous", rid, tenant)
         return settled

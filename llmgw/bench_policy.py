@@ -1,7 +1,11 @@
-"""`llmgw bench policy`: what identity + authorization (Rego) + redaction add over the served path.
+"""Gateway-against-gateway benchmarks: one run, one upstream (an Envoy answering like an engine),
+bare Envoy and gateway variants measured in alternating rounds with the same wrk load.
 
-One run, one upstream (an Envoy answering like an engine), four proxies measured in alternating
-rounds with the same wrk load:
+`llmgw bench budget`: `budgets-off` (no reservation, no meter filter) against `budgets-on` (the
+reservation script before dispatch, the meter settling off the response path, Valkey).
+
+`llmgw bench policy`: what identity + authorization (Rego) + redaction add over the served path
+(budgets off in all):
   bare     Envoy alone (the reference every ratio in BENCHMARKS.md is about)
   served   the gateway with an allow-all Rego policy and no obligations: the served-path pipeline
   full     the example policy (tenant, class, tools, residency; redaction obligations at `internal`)
@@ -19,8 +23,11 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from extproc.config import load_snapshot
 from extproc.redact import Redactor
@@ -33,14 +40,6 @@ ALLOW_ALL = ('package llmgw.authz\n\nimport rego.v1\n\n'
              'decision := {"allow": true, "reasons": [], "obligations": {"redact": [], "record_content": false}}\n')
 PROMPT = ("Please summarise the ticket from jane.doe@example.com about card 4111 1111 1111 1111 "
           "seen from 10.20.30.40, and suggest a reply.")
-
-
-def _served_path_policy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for p in dst.rglob("*.rego"):
-        p.unlink()
-    (dst / "allow_all.rego").write_text(ALLOW_ALL)
-    return dst
 
 
 def _micro(config: Path) -> dict[str, float]:
@@ -80,31 +79,30 @@ def _micro(config: Path) -> dict[str, float]:
             "redact_32k_p99_ms": sorted(times)[int(len(times) * 0.99)] * 1e3}
 
 
-def run_policy_bench(args: argparse.Namespace) -> int:
-    if shutil.which("wrk") is None:
-        print("error: wrk not found; install it (Debian: apt-get install wrk)")
-        return 2
-    config = Path(args.config).resolve()
-    micro = _micro(config)
-    print(json.dumps(micro), flush=True)
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-policy-"))
+@dataclass(frozen=True)
+class Variant:
+    config: Path
+    extproc_args: tuple[str, ...] = ()
+    with_valkey: bool = False
+
+
+def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Namespace,
+            baseline: str) -> tuple[dict[tuple[str, int], list[Result]], Path]:
+    """Bare Envoy and each gateway variant, one upstream, wrk in alternating rounds."""
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
     children = [_start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin),
                 _start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)]
-    variants = {"served": (_served_path_policy(config, work / "served-policy"), ()),
-                "full": (config, ()), "full-nc": (config, ("--no-decision-cache",))}
     stacks: dict[str, Stack] = {}
-    body = json.dumps({"model": "chat-default", "max_tokens": 16, "messages": [{"role": "user", "content": PROMPT}],
-                       "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
     script = work / "req.lua"
-    script.write_text(WRK_LUA.format(body=body, key=DEMO_KEYS["acme"], extra=""))
+    script.write_text(WRK_LUA.format(body=body, key=key, extra=""))
     urls = {"bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
     results: dict[tuple[str, int], list[Result]] = {}
     try:
-        for name, (cfg, extra) in variants.items():
-            snap = load_snapshot(cfg)
-            opts = StackOptions.on_free_ports(cfg, work / name, snap, with_valkey=False, start_engines=False,
-                                              envoy_concurrency=1, extproc_args=extra)
+        for name, v in variants.items():
+            snap = load_snapshot(v.config)
+            opts = StackOptions.on_free_ports(v.config, work / name, snap, with_valkey=v.with_valkey,
+                                              start_engines=False, envoy_concurrency=1, extproc_args=v.extproc_args)
             opts.engine_ports = {p: (up_port,) for p in snap.gateway.pools}
             stacks[name] = Stack(opts).start()
             urls[name] = f"{stacks[name].url}/v1/chat/completions"
@@ -119,35 +117,94 @@ def run_policy_bench(args: argparse.Namespace) -> int:
             s.stop()
         for ch in children:
             ch.stop()
-    table = _table(results, args, micro)
+    return results, work
+
+
+def run_policy_bench(args: argparse.Namespace) -> int:
+    if shutil.which("wrk") is None:
+        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+        return 2
+    config = Path(args.config).resolve()
+    micro = _micro(config)
+    print(json.dumps(micro), flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-policy-"))
+    # Budgets off in all three: this benchmark isolates identity, Rego and redaction.
+    served = _variant_policy(config, scratch / "served", allow_all=True)
+    full = _variant_policy(config, scratch / "full")
+    body = json.dumps({"model": "chat-default", "max_tokens": 16, "messages": [{"role": "user", "content": PROMPT}],
+                       "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
+    results, _ = compare({"served": Variant(served), "full": Variant(full),
+                          "full-nc": Variant(full, ("--no-decision-cache",))}, body, DEMO_KEYS["acme"], args, "served")
+    table = _table(results, args, "served") + _micro_note(micro)
     print(table)
     if args.output:
         Path(args.output).write_text(table)
     return 0
 
 
-def _table(results: dict[tuple[str, int], list[Result]], args: argparse.Namespace, micro: dict[str, Any]) -> str:
-    rows = ["| proxy | conc. | p50 ms | p99 ms | req/s | p50 over served | req/s vs served | non-2xx |",
+def _variant_policy(src: Path, dst: Path, allow_all: bool = False, budgets: bool = False) -> Path:
+    """A copy of the policy with budgets on or off, and optionally an allow-all Rego policy."""
+    shutil.copytree(src, dst)
+    if allow_all:
+        for p in dst.rglob("*.rego"):
+            p.unlink()
+        (dst / "allow_all.rego").write_text(ALLOW_ALL)
+    for p in (dst / "routes").glob("*.yaml"):
+        doc = yaml.safe_load(p.read_text())
+        doc["budget_reservation"] = "required" if budgets else "off"
+        p.write_text(yaml.safe_dump(doc))
+    return dst
+
+
+def _micro_note(micro: dict[str, Any]) -> str:
+    return (f"In process: one Rego evaluation {micro['rego_eval_us']:.0f} us (decision cache hit "
+            f"{micro['rego_cached_us']:.0f} us); redaction of a 32 KiB prompt p50 {micro['redact_32k_p50_ms']:.2f} ms, "
+            f"p99 {micro['redact_32k_p99_ms']:.2f} ms.\n")
+
+
+def run_budget_bench(args: argparse.Namespace) -> int:
+    """Reservation (one Lua script before dispatch) + settlement (the meter filter, off the response
+    path) over the same gateway without budgets."""
+    if shutil.which("wrk") is None:
+        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+        return 2
+    config = Path(args.config).resolve()
+    scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-budget-"))
+    off = _variant_policy(config, scratch / "off")
+    on = _variant_policy(config, scratch / "on", budgets=True)
+    body = json.dumps({"model": "chat-default", "max_tokens": 16,
+                       "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
+    results, _ = compare({"budgets-off": Variant(off), "budgets-on": Variant(on, with_valkey=True)}, body,
+                         DEMO_KEYS["acme"], args, "budgets-off")
+    table = _table(results, args, "budgets-off")
+    print(table)
+    if args.output:
+        Path(args.output).write_text(table)
+    return 0
+
+
+def _table(results: dict[tuple[str, int], list[Result]], args: argparse.Namespace, baseline: str) -> str:
+    rows = [f"| proxy | conc. | p50 ms | p99 ms | req/s | p50 over {baseline} | req/s vs {baseline} | non-2xx |",
             "|---|---|---|---|---|---|---|---|"]
     for (name, c), rs in results.items():
         p50, p99, rps = _med([r.p50_ms for r in rs]), _med([r.p99_ms for r in rs]), _med([r.rps for r in rs])
-        srv = results[("served", c)]
+        srv = results[(baseline, c)]
         s50, srps = _med([r.p50_ms for r in srv]), _med([r.rps for r in srv])
         rows.append(f"| {name} | {c} | {p50:.3f} | {p99:.3f} | {rps:,.0f} | {p50 - s50:+.3f} | {rps / srps:.2f} "
                     f"| {sum(r.non_2xx for r in rs)} |")
     note = (f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.rounds} alternating rounds, "
-            f"{args.duration:.0f}s per proxy and level; medians of rounds.\n"
-            f"In process: one Rego evaluation {micro['rego_eval_us']:.0f} us (decision cache hit "
-            f"{micro['rego_cached_us']:.0f} us); redaction of a 32 KiB prompt p50 {micro['redact_32k_p50_ms']:.2f} ms, "
-            f"p99 {micro['redact_32k_p99_ms']:.2f} ms.\n")
+            f"{args.duration:.0f}s per proxy and level; medians of rounds.\n")
     return "\n".join(rows) + "\n" + note
 
 
 def add_parser(bsub: Any) -> None:
-    b = bsub.add_parser("policy", help="identity + Rego + redaction over the served path, one run")
-    b.add_argument("--config", default="policy")
-    b.add_argument("--duration", type=float, default=9.0)
-    b.add_argument("--concurrency", default="1,32")
-    b.add_argument("--rounds", type=int, default=3)
-    b.add_argument("--output")
-    b.set_defaults(func=run_policy_bench)
+    for name, func, helptext in (
+            ("policy", run_policy_bench, "identity + Rego + redaction over the served path, one run"),
+            ("budget", run_budget_bench, "reservation + settlement over the same gateway without budgets")):
+        b = bsub.add_parser(name, help=helptext)
+        b.add_argument("--config", default="policy")
+        b.add_argument("--duration", type=float, default=9.0)
+        b.add_argument("--concurrency", default="1,32")
+        b.add_argument("--rounds", type=int, default=3)
+        b.add_argument("--output")
+        b.set_defaults(func=func)

@@ -28,6 +28,7 @@ from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
     address_pb2,
     base_pb2,
+    config_source_pb2,
     extension_pb2,
     grpc_service_pb2,
     health_check_pb2,
@@ -39,11 +40,13 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.overload.v3 import overload_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
@@ -53,7 +56,7 @@ from envoy.extensions.resource_monitors.downstream_connections.v3 import downstr
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
-from envoy.type.matcher.v3 import metadata_pb2, status_code_input_pb2, string_pb2, value_pb2
+from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, status_code_input_pb2, string_pb2, value_pb2
 from envoy.type.metadata.v3 import metadata_pb2 as metadata_key_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
@@ -342,8 +345,10 @@ def _meter_filter() -> ext_proc_pb2.ExternalProcessor:
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
         observability_mode=True,
         failure_mode_allow=True,  # metering never breaks a response; the lease covers a lost stream
+        # Headers SKIP: status and content type come as attributes with the first body chunk, so a JSON
+        # answer costs one message.
         processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
-                           response_header_mode=pm.SEND, response_body_mode=pm.STREAMED,
+                           response_header_mode=pm.SKIP, response_body_mode=pm.STREAMED,
                            request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
         response_attributes=list(METER_ATTRIBUTES),
     )
@@ -364,8 +369,45 @@ def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
 
 
 def _no_meter() -> dict[str, any_pb2.Any]:
-    """Only admitted routes carry a reservation to settle."""
+    """Only admitted routes carry a reservation to settle. (Harmless where no meter is rendered.)"""
     return {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+
+
+def meters(snap: Snapshot) -> bool:
+    return any(r.budget_reservation != "off" for r in snap.routes.values())
+
+
+USAGE_FIELDS = (("usage_prompt", ("usage", "prompt_tokens")), ("usage_completion", ("usage", "completion_tokens")),
+                ("usage_cached", ("usage", "prompt_tokens_details", "cached_tokens")))
+
+
+def _usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
+    """A JSON answer's `usage` into io.llmgw metadata, where the access log carries it to settlement."""
+    j = json_to_metadata_pb2.JsonToMetadata
+    rules = [j.Rule(selectors=[j.Selector(key=k) for k in path],
+                    on_present=j.KeyValuePair(metadata_namespace=METADATA_NAMESPACE, key=key, type=j.NUMBER))
+             for key, path in USAGE_FIELDS]
+    # Engines answer `application/json` (vLLM) or with a charset (`application/json; charset=utf-8`).
+    return j(response_rules=j.MatchRules(rules=rules, allow_content_types_regex=regex_pb2.RegexMatcher(
+        regex=r"^application/json(\s*;.*)?$")))
+
+
+def _settlement_log() -> accesslog_pb2.AccessLog:
+    """Settlement of JSON answers: Envoy's gRPC access log streams entries (with the io.llmgw metadata,
+    usage included) to ext_proc in batches over one long-lived stream, instead of a stream per request.
+    Only requests ext_proc marked `settle: als` are sent; streams and idempotent requests go to the meter."""
+    matcher = metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
+                                           path=[metadata_pb2.MetadataMatcher.PathSegment(key="settle")],
+                                           value=_string_value_matcher("als"))
+    config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
+        log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        buffer_flush_interval=duration_ms(5), buffer_size_bytes=wrappers_pb2.UInt32Value(value=16384)))
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(matcher=matcher)),
+        typed_config=pack(config))
 
 
 def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
@@ -388,23 +430,27 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                     request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
                     response_header_mode=processing_mode_pb2.ProcessingMode.SKIP)))), **_no_meter()}),
     ]
-    # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these.
+    # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these. A
+    # request ext_proc marked `settle: meter` (streams, idempotent requests) takes the route where the
+    # meter filter is on; every other admitted request settles through the access log.
+    def md(key: str, value: str) -> metadata_pb2.MetadataMatcher:
+        return metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
+                                            path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
+                                            value=_string_value_matcher(value))
     for cluster in clusters:
-        routes.append(route_components_pb2.Route(
-            name=f"admitted_{cluster}",
-            match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
-                metadata_pb2.MetadataMatcher(
-                    filter=METADATA_NAMESPACE,
-                    path=[metadata_pb2.MetadataMatcher.PathSegment(key=ADMIT_KEY)],
-                    value=_string_value_matcher(cluster))]),
-            route=route_components_pb2.RouteAction(
-                cluster=cluster, timeout=duration_ms(0), idle_timeout=duration_ms(300_000),
-                retry_policy=route_components_pb2.RetryPolicy(
-                    retry_on="connect-failure,refused-stream", num_retries=wrappers_pb2.UInt32Value(value=1)),
-            ),
-            # The caller's gateway credential never travels upstream.
-            request_headers_to_remove=["authorization"],
-            typed_per_filter_config=_admitted_route_filters()))
+        for metered in (True, False):
+            routes.append(route_components_pb2.Route(
+                name=f"admitted_{cluster}" + ("_metered" if metered else ""),
+                match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
+                    md(ADMIT_KEY, cluster), *([md("settle", "meter")] if metered else [])]),
+                route=route_components_pb2.RouteAction(
+                    cluster=cluster, timeout=duration_ms(0), idle_timeout=duration_ms(300_000),
+                    retry_policy=route_components_pb2.RetryPolicy(
+                        retry_on="connect-failure,refused-stream", num_retries=wrappers_pb2.UInt32Value(value=1)),
+                ),
+                # The caller's gateway credential never travels upstream.
+                request_headers_to_remove=["authorization"],
+                typed_per_filter_config={**_admitted_route_filters(), **({} if metered else _no_meter())}))
     routes += [
         # Reached only when ext_proc never saw the request: a chat completion without a body.
         route_components_pb2.Route(
@@ -463,13 +509,16 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
         request_timeout=duration_ms(0),
         route_config=_route_config(clusters),
         local_reply_config=_local_reply_config(),
-        access_log=[_access_log()] if access_log else [],
+        access_log=[*([_access_log()] if access_log else []), *([_settlement_log()] if meters(snap) else [])],
         http_filters=[
             _http_filter("envoy.filters.http.header_mutation", _header_mutation_filter()),
             _http_filter("envoy.filters.http.ext_proc", _ext_proc_filter(snap)),
-            _http_filter(METER_FILTER, _meter_filter()),
             _http_filter("envoy.filters.http.buffer", buffer_pb2.Buffer(
                 max_request_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes))),
+            # Only a gateway whose routes reserve budgets has anything to settle. After the buffer, so
+            # the meter reads its per-route switch on the route ext_proc's decision selected.
+            *([_http_filter(METER_FILTER, _meter_filter()),
+               _http_filter("envoy.filters.http.json_to_metadata", _usage_to_metadata())] if meters(snap) else []),
             _http_filter("llmgw.deadline_headers", _deadline_headers_filter()),
             _http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
             _http_filter("envoy.filters.http.router", router_pb2.Router()),

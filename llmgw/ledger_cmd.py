@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from extproc.config import ConfigError, load_snapshot
-from extproc.store import ledger_key
+from extproc.store import ledger_entry, ledger_key
 
 GROUP = "llmgw-export"
 
@@ -56,13 +56,13 @@ def cmd_tail(args: argparse.Namespace) -> int:
     for key in (ledger_key(t) for t in tenants):
         entries: Any = client.xrange(key) if args.all else list(reversed(client.xrevrange(key, count=args.n)))
         for _, fields in entries:
-            print(fields["record"])
+            print(json.dumps(ledger_entry(fields)))
         last[key] = entries[-1][0] if entries else "0-0"
     while args.follow:
         got: Any = client.xread(last, count=500, block=1000)
         for key, new in got or []:
             for eid, fields in new:
-                print(fields["record"], flush=True)
+                print(json.dumps(ledger_entry(fields)), flush=True)
                 last[key] = eid
     return 0
 
@@ -88,7 +88,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 if not entries:
                     break
                 for _, fields in entries:
-                    out.write(fields["record"] + "\n")
+                    out.write(json.dumps(ledger_entry(fields)) + "\n")
                 out.flush()
                 client.xack(key, GROUP, *(eid for eid, _ in entries))  # only what was written
                 total += len(entries)

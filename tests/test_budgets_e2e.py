@@ -22,7 +22,7 @@ import redis
 import yaml
 
 from extproc.stages.route import prompt_bytes
-from extproc.store import budget_key, ledger_key
+from extproc.store import budget_key, ledger_entry, ledger_key
 from llmgw.procs import Child, tcp_open, wait_until
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
@@ -80,7 +80,7 @@ def store(s: Stack) -> Any:
 
 
 def ledger(s: Stack, tenant: str) -> list[dict[str, Any]]:
-    return [json.loads(f["record"]) for _, f in store(s).xrange(ledger_key(tenant))]
+    return [ledger_entry(f) for _, f in store(s).xrange(ledger_key(tenant))]
 
 
 def chat(s: Stack, tenant: str, body: dict[str, Any] | None = None, **headers: str) -> Any:

@@ -60,18 +60,29 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
     # with header mode SKIP the router would otherwise route (and dispatch) before the decision.
     # The deadline's header mutation runs after the buffer, when ext_proc's metadata is set. The meter
     # (observability mode) sees responses on their way out, after custom_response wrote them.
-    assert list(filters(rendered)) == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
-                                       "llmgw.meter", "envoy.filters.http.buffer", "llmgw.deadline_headers",
-                                       "envoy.filters.http.custom_response", "envoy.filters.http.router"]
+    # The meter sits after the buffer: it reads its per-route switch on the route the decision selected.
+    assert list(filters(rendered)) == [
+        "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
+        "llmgw.meter", "envoy.filters.http.json_to_metadata", "llmgw.deadline_headers",
+        "envoy.filters.http.custom_response", "envoy.filters.http.router"]
 
 
 def test_meter_observes_responses_without_holding_them(rendered: dict[str, Any]) -> None:
     meter = filters(rendered)["llmgw.meter"]
     assert meter["observability_mode"] is True and meter["failure_mode_allow"] is True
     pm = meter["processing_mode"]
-    assert pm["request_header_mode"] == "SKIP" and pm["response_header_mode"] == "SEND"
+    assert pm["request_header_mode"] == "SKIP" and pm["response_header_mode"] == "SKIP"
     assert pm["response_body_mode"] == "STREAMED"
     assert "metadata.filter_metadata['io.llmgw']['tenant']" in meter["response_attributes"]
+
+
+def test_json_answers_settle_through_the_grpc_access_log(rendered: dict[str, Any]) -> None:
+    (als,) = [a for a in hcm(rendered)["access_log"] if a["name"] == "envoy.access_loggers.http_grpc"]
+    matcher = als["filter"]["metadata_filter"]["matcher"]
+    assert matcher["path"] == [{"key": "settle"}] and matcher["value"]["string_match"]["exact"] == "als"
+    rules = filters(rendered)["envoy.filters.http.json_to_metadata"]["response_rules"]["rules"]
+    assert [[s["key"] for s in r["selectors"]] for r in rules] == [
+        ["usage", "prompt_tokens"], ["usage", "completion_tokens"], ["usage", "prompt_tokens_details", "cached_tokens"]]
 
 
 def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> None:
@@ -79,10 +90,14 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
     to_clusters = [r for r in routes if "route" in r]
     assert to_clusters, "no route reaches an upstream"
     for r in to_clusters:
-        (md,) = r["match"]["dynamic_metadata"]
+        md = r["match"]["dynamic_metadata"][0]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
         assert r["request_headers_to_remove"] == ["authorization"]
+        # Where the meter reads the body (streams, idempotent requests) and where the access log settles.
+        metered = r["name"].endswith("_metered")
+        assert [m["path"][0]["key"] for m in r["match"]["dynamic_metadata"][1:]] == (["settle"] if metered else [])
+        assert ("llmgw.meter" in r.get("typed_per_filter_config", {})) is not metered
     # Everything else is answered by Envoy itself in the contract's JSON.
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:

@@ -4,7 +4,6 @@ quotas, bulkheads and idempotency states. End to end (Envoy, two ext_proc worker
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from typing import Any
 
@@ -19,6 +18,7 @@ from extproc.store import (
     Store,
     budget_key,
     idem_key,
+    ledger_entry,
     ledger_key,
     rate_key,
 )
@@ -78,8 +78,9 @@ def test_settle_exactly_once_and_the_ledger_has_one_record() -> None:
     assert r.hgetall(budget_key(t, "b", "total")) == {"reserved_micros": "0", "reserved_tokens": "0",
                                                       "settled_micros": "4", "settled_tokens": "40"}
     (entry,) = r.xrange(ledger_key(t))
-    rec = json.loads(entry[1]["record"])
+    rec = ledger_entry(entry[1])
     assert (rec["charged_tokens"], rec["reserved_tokens"], rec["termination"]) == (40, 100, "complete")
+    assert rec["request_id"] == "r1"  # the admission facts stored with the reservation
     assert r.zcard(f"llmgw:{{{t}}}:leases") == 0 and r.hget(f"llmgw:{{{t}}}:inflight", "requests") == "0"
 
 
@@ -94,7 +95,7 @@ def test_sweeper_charges_expired_leases_in_full_as_ambiguous() -> None:
     assert run(go) == 1  # once, and only the expired one
     r = sync()
     (entry,) = r.xrange(ledger_key(t))
-    rec = json.loads(entry[1]["record"])
+    rec = ledger_entry(entry[1])
     assert rec["settlement"] == "ambiguous" and rec["request_id"] == "lost" and rec["charged_tokens"] == 100
     assert r.hgetall(budget_key(t, "b", "total"))["settled_tokens"] == "100"
     assert r.hgetall(budget_key(t, "b", "total"))["reserved_tokens"] == "100"  # `live` still holds its own
@@ -145,6 +146,16 @@ def test_idempotency_states() -> None:
         r.append((replay.outcome, *replay.detail))
         return r
     assert run(go) == ["ok", "idempotency_conflict", "idempotency_key_reused", ("replay", "200", '{"ok":1}')]
+
+
+def test_a_charge_above_the_reservation_is_cut_to_it() -> None:
+    t = tenant()
+
+    async def go(store: Store) -> Any:
+        await store.reserve(reservation(t, "r1", tokens=100, micros=10))
+        return await store.settle(t, "r1", {}, 999, 5000)
+    settled = run(go)
+    assert (settled.charged_micros, settled.charged_tokens) == (10, 100)
 
 
 def test_a_failed_idempotent_request_frees_its_key() -> None:

@@ -57,6 +57,7 @@ class Held:
     prompt_bound: int
     max_tokens: int
     price_version: str
+    hint: str  # the keys settlement touches (extproc.store.Reservation.hint), for the meter
     idempotent: bool
 
 
@@ -157,7 +158,7 @@ class BudgetReservation:
             return  # optional: served unmetered, and the log says so
         match result.outcome:
             case "ok":
-                ex.held = Held(micros, tokens, prompt, max_tokens, version, idem is not None)
+                ex.held = Held(micros, tokens, prompt, max_tokens, version, reservation.hint(prompt), idem is not None)
             case "budget_exhausted":
                 name = budgets[int(result.detail[0]) - 1].key.rsplit(":", 2)[1]
                 raise GatewayError(ErrorCode.BUDGET_EXHAUSTED, f"budget {name!r} cannot hold this request's "

@@ -90,6 +90,13 @@ class Reservation:
     idem_body_hash: str = ""
     idem_ttl_ms: int = 0
 
+    def hint(self, prompt_bound: int) -> str:
+        """What settlement needs without reading the reservation back: the keys it touched (and the
+        prompt bound, for a stream whose usage must be estimated). Travels in Envoy's metadata."""
+        return json.dumps({"b": [b.key for b in self.budgets],
+                           "r": [f"{q.key}={q.ms_per_unit!r}" for q in self.rates if q.per_token],
+                           "i": self.idem_key or "", "p": prompt_bound}, separators=(",", ":"))
+
 
 @dataclass(frozen=True)
 class ReserveResult:
@@ -150,41 +157,68 @@ class Store:
         held: dict[str, str] = await self._call(self.client.hgetall(res_key(tenant, rid)))
         return held
 
-    async def settle(self, tenant: str, rid: str, record: dict[str, Any], charge_micros: int = -1,
+    @staticmethod
+    def hint(held: dict[str, str]) -> str:
+        """The keys settlement needs, as stored with a reservation (see `settle`)."""
+        return json.dumps({"b": held.get("budgets", "").split(), "r": held.get("rates", "").split(),
+                           "i": held.get("idem", "")}, separators=(",", ":"))
+
+    def _settle_call(self, tenant: str, rid: str, hint: str, outcome: dict[str, Any], charge_micros: int,
+                     charge_tokens: int, idem_status: str, idem_response: str,
+                     idem_ttl_ms: int) -> tuple[list[str], list[Any]]:
+        h = json.loads(hint) if hint else {}
+        budgets: list[str] = h.get("b", [])
+        tpm = [item.rsplit("=", 1) for item in h.get("r", [])]
+        keys = [res_key(tenant, rid), leases_key(tenant), inflight_key(tenant), ledger_key(tenant),
+                h.get("i") or f"{tag(tenant)}:idem:-", *budgets, *(k for k, _ in tpm)]
+        args: list[Any] = [rid, charge_micros, charge_tokens, json.dumps(outcome, separators=(",", ":")),
+                           len(budgets), len(tpm), idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
+        return keys, args
+
+    async def settle(self, tenant: str, rid: str, outcome: dict[str, Any], charge_micros: int = -1,
                      charge_tokens: int = -1, idem_status: str = "", idem_response: str = "",
-                     idem_ttl_ms: int = 0, held: dict[str, str] | None = None) -> Settled | None:
+                     idem_ttl_ms: int = 0, hint: str | None = None) -> Settled | None:
         """Settle once: budgets move from reserved to settled, the lease and permit are released and the
-        ledger record is appended, in one script. None when it was already settled (by anyone).
-        A charge of -1 charges the whole reservation (the sweeper's ambiguous case)."""
-        held = held if held is not None else await self.reservation(tenant, rid)
-        if not held:
-            return None
-        reserved_m, reserved_t = int(held.get("micros", 0)), int(held.get("tokens", 0))
-        record = {**record, "reserved_micros": reserved_m, "reserved_tokens": reserved_t,
-                  "charged_micros": reserved_m if charge_micros < 0 else charge_micros,
-                  "charged_tokens": reserved_t if charge_tokens < 0 else charge_tokens}
-        budgets = held.get("budgets", "").split()
-        tpm = [item.rsplit("=", 1) for item in held.get("rates", "").split()]
-        idem = held.get("idem") or f"{tag(tenant)}:idem:-"
-        keys = [res_key(tenant, rid), leases_key(tenant), inflight_key(tenant), ledger_key(tenant), idem,
-                *budgets, *(k for k, _ in tpm)]
-        args: list[Any] = [rid, charge_micros, charge_tokens, json.dumps(record, separators=(",", ":")),
-                len(budgets), len(tpm), idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
+        ledger entry is appended, in one script. None when it was already settled (by anyone). A charge
+        of -1 charges the whole reservation (the sweeper's ambiguous case). `hint` names the keys the
+        reservation touched (the meter has it from Envoy's metadata); without it, one more round trip
+        reads them."""
+        if hint is None:
+            held = await self.reservation(tenant, rid)
+            if not held:
+                return None
+            hint = self.hint(held)
+        keys, args = self._settle_call(tenant, rid, hint, outcome, charge_micros, charge_tokens, idem_status,
+                                       idem_response, idem_ttl_ms)
         out = await self._call(self._settle(keys=keys, args=args))
         if not out or out[0] == 0:
             return None
         return Settled(*(int(x) for x in out[1:5]))
 
-    async def append_ledger(self, tenant: str, record: dict[str, Any]) -> None:
-        """A record for a request that reserved nothing (denied, refused before dispatch)."""
-        await self._call(self.client.xadd(ledger_key(tenant),
-                                          {"record": json.dumps(record, separators=(",", ":"))}))
+    async def settle_many(self, items: list[tuple[str, str, str, dict[str, Any], int, int, str, str, int]]) -> None:
+        """Many settlements in one round trip (the meter batches them); each is still its own script."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for tenant, rid, hint, outcome, cm, ct, st, body, ttl in items:
+                keys, args = self._settle_call(tenant, rid, hint, outcome, cm, ct, st, body, ttl)
+                await self._settle(keys=keys, args=args, client=pipe)
+            await self._call(pipe.execute())
+
+    async def append_ledger(self, tenant: str, facts: dict[str, Any], outcome: dict[str, Any]) -> None:
+        """The entry of a request that reserved nothing (denied, refused before dispatch)."""
+        await self._call(self.client.xadd(ledger_key(tenant), {
+            "record": json.dumps(facts, separators=(",", ":")), "outcome": json.dumps(outcome, separators=(",", ":")),
+            "reserved_micros": 0, "reserved_tokens": 0, "charged_micros": 0, "charged_tokens": 0}))
 
     async def expired_leases(self, tenant: str, now_ms: int, limit: int = 100) -> list[str]:
         rids: list[str] = await self._call(
             self.client.zrangebyscore(leases_key(tenant), "-inf", now_ms, start=0, num=limit))
         return rids
 
-    async def budget_state(self, key: str) -> dict[str, int]:
-        raw = await self._call(self.client.hgetall(key))
-        return {k: int(v) for k, v in raw.items()}
+
+
+def ledger_entry(fields: dict[str, str]) -> dict[str, Any]:
+    """One ledger entry as one record: admission facts, outcome, and the amounts."""
+    rec: dict[str, Any] = {**json.loads(fields.get("record") or "{}"), **json.loads(fields.get("outcome") or "{}")}
+    for k in ("reserved_micros", "reserved_tokens", "charged_micros", "charged_tokens"):
+        rec[k] = int(fields.get(k, 0))
+    return rec

@@ -73,18 +73,19 @@ end
 return {'ok'}
 """
 
-# KEYS: res, leases, inflight, ledger, idem ('' when none: then a dummy key of the same tag), budgets..., tpm rates...
-# ARGV: rid, charge_micros (-1: the whole reservation), charge_tokens (-1: likewise), ledger_json (appended
-#       as is; the caller computed the charge from the reservation it read), n_budgets,
+# KEYS: res, leases, inflight, ledger, idem (a dummy key of the same tag when none), budgets..., tpm rates...
+# ARGV: rid, charge_micros (-1: the whole reservation), charge_tokens (-1: likewise), outcome_json, n_budgets,
 #       n_tpm, idem_status ('' = forget the key), idem_response, idem_ttl_ms, then per tpm: ms_per_token
+# The ledger entry: the admission facts stored with the reservation, the outcome, and the amounts
+# (a charge above the reservation is cut to it: invariant 3 holds whatever an upstream reports).
 # Returns {1, reserved_micros, reserved_tokens, charged_micros, charged_tokens}, or {0} when already settled.
 SETTLE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
-local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem')
+local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem', 'record')
 local rm, rt = tonumber(res[1]), tonumber(res[2])
 local cm, ct = tonumber(ARGV[2]), tonumber(ARGV[3])
-if cm < 0 then cm = rm end
-if ct < 0 then ct = rt end
+if cm < 0 or cm > rm then cm = rm end
+if ct < 0 or ct > rt then ct = rt end
 local nb, nt = tonumber(ARGV[5]), tonumber(ARGV[6])
 for b = 1, nb do
   local key = KEYS[5 + b]
@@ -105,7 +106,8 @@ end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'requests', -1)
 redis.call('HINCRBY', KEYS[3], 'tokens', -rt)
-redis.call('XADD', KEYS[4], '*', 'record', ARGV[4])
+redis.call('XADD', KEYS[4], '*', 'record', res[4] or '{}', 'outcome', ARGV[4],
+           'reserved_micros', rm, 'reserved_tokens', rt, 'charged_micros', cm, 'charged_tokens', ct)
 if res[3] and res[3] ~= '' then
   if ARGV[7] ~= '' then
     redis.call('HSET', KEYS[5], 'state', 'done', 'status', ARGV[7], 'response', ARGV[8])
