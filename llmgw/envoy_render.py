@@ -403,7 +403,7 @@ def _settlement_log() -> accesslog_pb2.AccessLog:
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
-        buffer_flush_interval=duration_ms(5), buffer_size_bytes=wrappers_pb2.UInt32Value(value=16384)))
+        buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)))
     return accesslog_pb2.AccessLog(
         name="envoy.access_loggers.http_grpc",
         filter=accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(matcher=matcher)),

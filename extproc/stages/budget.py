@@ -13,11 +13,12 @@ leases in full as `ambiguous` (extproc/settlement.py).
 from __future__ import annotations
 
 import calendar
+import functools
 import hashlib
 import math
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 
 from extproc.config.schema import Budget, Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
@@ -63,6 +64,12 @@ class Held:
 
 def window_id(window: str, now: datetime) -> tuple[str, int]:
     """The calendar window a charge falls in (UTC) and when its key may expire (0 = never)."""
+    return _window_id(window, now.date())
+
+
+@functools.lru_cache(maxsize=64)
+def _window_id(window: str, day: date) -> tuple[str, int]:
+    now = datetime(day.year, day.month, day.day, tzinfo=UTC)
     if window == "daily":
         end = datetime(now.year, now.month, now.day, tzinfo=UTC).timestamp() + 86_400
         return now.strftime("d%Y%m%d"), int(end) + 7 * 86_400

@@ -8,6 +8,7 @@ one slot, so the scripts also run on Redis Cluster. A store that cannot answer w
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,13 +17,13 @@ from typing import Any
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from extproc.store.errors import StoreUnavailable
+from extproc.store.pipe import ScriptPipe
 from extproc.store.scripts import RESERVE, SETTLE
 
+__all__ = ["Store", "StoreUnavailable"]
+
 PERIOD_MS = 60_000  # quotas are per minute
-
-
-class StoreUnavailable(Exception):
-    """The store could not be read or written: refuse rather than admit unmetered traffic."""
 
 
 def tag(tenant: str) -> str:
@@ -118,10 +119,10 @@ class Store:
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            decode_responses=True, health_check_interval=0,
                                            retry_on_timeout=False)
-        self._reserve = self.client.register_script(RESERVE)
-        self._settle = self.client.register_script(SETTLE)
+        self.pipe = ScriptPipe(url, timeout)  # the two scripts every request runs
 
     async def close(self) -> None:
+        await self.pipe.close()
         await self.client.aclose()
 
     async def _call(self, coro: Any) -> Any:
@@ -150,7 +151,7 @@ class Store:
                      -1 if b.limit_tokens is None else b.limit_tokens, b.expire_at_s]
         for q in r.rates:
             args += [repr(q.ms_per_unit), q.cost]
-        out = await self._call(self._reserve(keys=keys, args=args))
+        out = await self.pipe.evalsha(RESERVE, keys, args)
         return ReserveResult(out[0], tuple(str(x) for x in out[1:]))
 
     async def reservation(self, tenant: str, rid: str) -> dict[str, str]:
@@ -190,18 +191,18 @@ class Store:
             hint = self.hint(held)
         keys, args = self._settle_call(tenant, rid, hint, outcome, charge_micros, charge_tokens, idem_status,
                                        idem_response, idem_ttl_ms)
-        out = await self._call(self._settle(keys=keys, args=args))
+        out = await self.pipe.evalsha(SETTLE, keys, args)
         if not out or out[0] == 0:
             return None
         return Settled(*(int(x) for x in out[1:5]))
 
     async def settle_many(self, items: list[tuple[str, str, str, dict[str, Any], int, int, str, str, int]]) -> None:
-        """Many settlements in one round trip (the meter batches them); each is still its own script."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            for tenant, rid, hint, outcome, cm, ct, st, body, ttl in items:
-                keys, args = self._settle_call(tenant, rid, hint, outcome, cm, ct, st, body, ttl)
-                await self._settle(keys=keys, args=args, client=pipe)
-            await self._call(pipe.execute())
+        """Many settlements, pipelined on the one connection; each is still its own script."""
+        calls = [self._settle_call(*item) for item in items]
+        results = await asyncio.gather(*(self.pipe.evalsha(SETTLE, k, a) for k, a in calls), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")
 
     async def append_ledger(self, tenant: str, facts: dict[str, Any], outcome: dict[str, Any]) -> None:
         """The entry of a request that reserved nothing (denied, refused before dispatch)."""
