@@ -133,12 +133,13 @@ class Settler:
 
 def charge_for(usage: dict[str, Any] | None, source: str, termination: str, status: int,
                dep: Deployment | None) -> tuple[int, int, str]:
-    """(micros, tokens, settlement kind): actual usage when reported; -1 (the whole reservation) for
-    an answer whose usage is unknown; nothing for a failed one."""
+    """(micros, tokens, settlement kind): actual usage when reported; -1 (the whole reservation) when
+    the engine may have worked but its usage is unknown (an answer without usage, a client that left
+    before the answer); nothing for a failed answer."""
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
         return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"
-    if 200 <= status < 300:
+    if 200 <= status < 300 or (termination == "client_cancel" and status == 0):
         return -1, -1, "ambiguous"
     return 0, 0, "released"
 

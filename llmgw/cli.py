@@ -12,6 +12,7 @@ from pathlib import Path
 
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE
+from llmgw.cli_common import snapshot_or_report
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -39,10 +40,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_envoy_render(args: argparse.Namespace) -> int:
     from llmgw.envoy_render import RenderOptions, render_yaml
 
-    try:
-        snap = load_snapshot(args.config)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    snap = snapshot_or_report(args.config)
+    if snap is None:
         return 1
     opts = RenderOptions.for_compose(snap) if args.compose else RenderOptions.from_snapshot(snap)
     text = render_yaml(snap, opts)

@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from extproc.config import ConfigError, load_snapshot
 from extproc.config.policy import run_policy_tests
 from extproc.config.schema import KeysFile, ManagedKey
+from llmgw.cli_common import snapshot_or_report
 
 KEY_PREFIX = "sk-llmgw-"
 
@@ -40,10 +40,8 @@ def _write(path: Path, keys: list[dict[str, Any]]) -> None:
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
     root = Path(args.config)
-    try:
-        snap = load_snapshot(root)
-    except ConfigError as e:
-        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+    snap = snapshot_or_report(root)
+    if snap is None:
         return 1
     if args.tenant not in snap.gateway.tenants:
         print(f"error: no tenant {args.tenant!r} in {root / 'gateway.yaml'}", file=sys.stderr)
@@ -78,10 +76,8 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    try:
-        snap = load_snapshot(args.config)
-    except ConfigError as e:
-        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+    snap = snapshot_or_report(args.config)
+    if snap is None:
         return 1
     for owner in sorted(snap.keys_by_hash.values(), key=lambda o: (o.tenant, o.key.id)):
         k = owner.key
@@ -92,10 +88,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 def cmd_policy_test(args: argparse.Namespace) -> int:
     """Run every `test_*` rule of the directory's Rego, as `opa test` does; exit 1 on any failure."""
-    try:
-        snap = load_snapshot(args.dir)
-    except ConfigError as e:
-        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+    snap = snapshot_or_report(args.dir)
+    if snap is None:
         return 1
     results = run_policy_tests(snap.rego, snap.policy_data)
     for r in results:

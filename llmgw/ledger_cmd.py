@@ -15,8 +15,8 @@ from typing import Any
 
 import redis
 
-from extproc.config import ConfigError, load_snapshot
 from extproc.store import ledger_entry, ledger_key
+from llmgw.cli_common import snapshot_or_report
 
 GROUP = "llmgw-export"
 
@@ -34,10 +34,8 @@ def _store_url(args: argparse.Namespace, config_url: str | None) -> str | None:
 
 
 def _open(args: argparse.Namespace) -> tuple[Any, list[str]] | None:
-    try:
-        snap = load_snapshot(args.config)
-    except ConfigError as e:
-        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+    snap = snapshot_or_report(args.config)
+    if snap is None:
         return None
     url = _store_url(args, snap.gateway.store.url)
     if not url:

@@ -141,6 +141,26 @@ def test_budget_exhausted_and_quota_are_429_in_contract_shape(gw: Stack) -> None
     assert int(r.headers["retry-after"]) >= 1
 
 
+def test_ledger_export_writes_each_record_once(gw: Stack, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        assert chat(gw, "steady").status == 200
+    time.sleep(0.5)
+    out = tmp_path / "ledger.jsonl"
+    args = [sys.executable, "-m", "llmgw", "ledger", "export", "--config", str(gw.snapshot.directory),
+            "--store-url", str(gw.store_url), "--tenant", "steady", "-o", str(out)]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == len(ledger(gw, "steady")) >= 3
+    assert all(r["tenant"] == "steady" and "messages" not in r for r in records)
+    again = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "exported 0 record(s)" in again.stderr  # acknowledged: never twice
+    assert len(out.read_text().splitlines()) == len(records)
+
+
 def test_idempotency_in_flight_replay_and_reuse(gw: Stack) -> None:
     clear_engine_logs(gw)
     body = chat_body(max_tokens=4, content="idempotent hello")

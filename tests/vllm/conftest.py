@@ -32,7 +32,7 @@ def start_vllm_stack(tmp: Path, engines: int) -> Stack:
     doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{8101 + i}" for i in range(engines)]
     (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
     opts = StackOptions.on_free_ports(policy, tmp / "state", load_snapshot(policy), engine="vllm",
-                                      engine_timeout=300.0, with_valkey=False)
+                                      engine_timeout=300.0)
     return Stack(opts).start(timeout=300)
 
 
