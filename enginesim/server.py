@@ -2,7 +2,7 @@
 
 Endpoints as vLLM serves them: POST /v1/chat/completions (stream or not, include_usage, [DONE]),
 GET /v1/models, GET /health, GET /metrics (vLLM's names), POST /tokenize. Simulator-only:
-GET/DELETE /admin/requests (what this engine received), POST /admin/faults (inject faults).
+GET/DELETE /admin/requests (what this engine received), POST/DELETE /admin/faults (inject faults).
 
 Faults, by request header `x-enginesim-fault` or queued by the admin endpoint:
   status=503          answer that status (vLLM's error body) before any header
@@ -93,6 +93,7 @@ class EngineServer:
         self.app.router.add_get("/admin/requests", self.list_requests)
         self.app.router.add_delete("/admin/requests", self.clear_requests)
         self.app.router.add_post("/admin/faults", self.add_faults)
+        self.app.router.add_delete("/admin/faults", self.clear_faults)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -152,6 +153,10 @@ class EngineServer:
         self.faults.extend([fault] * int(body.get("count", 1)))
         return web.json_response({"queued": len(self.faults)})
 
+    async def clear_faults(self, _: web.Request) -> web.Response:
+        self.faults.clear()
+        return web.json_response({"queued": 0})
+
     # -- chat completions --------------------------------------------------------------------------
 
     def _validate(self, body: Any) -> web.Response | None:
@@ -192,6 +197,7 @@ class EngineServer:
         if fault.exit:
             os._exit(3)
         if fault.status:
+            entry["status"] = fault.status  # the request log says what the engine answered
             await asyncio.sleep(fault.delay_ms / 1000)
             return vllm_error(fault.status, f"injected fault: status {fault.status}")
 

@@ -40,6 +40,7 @@ class Exchange:
     stream: bool = False
     identity: Identity | None = None
     data_class: str = ""
+    effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
     held: Held | None = None  # the budget reservation, once the store granted it
@@ -49,6 +50,9 @@ class Exchange:
     cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route
     endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
     upstream_body: bytes | None = None  # the body as the upstream must receive it, when rewritten
+    retry_on: str = ""  # Envoy's retry conditions for this request ("" = none)
+    retriable_codes: str = ""
+    max_retries: int = 0
     stage_us: dict[str, float] = field(default_factory=dict)
 
     def ledger_facts(self) -> dict[str, Any]:
@@ -97,4 +101,8 @@ class Exchange:
         if self.remaining_ms:
             # Read by the request-side header mutation after the buffer filter (Envoy's router).
             md["per_try_timeout_ms" if self.stream else "rq_timeout_ms"] = str(self.remaining_ms)
+        if self.route is not None:  # always set: they overwrite whatever the client sent
+            md["retry_on"] = self.retry_on
+            md["retriable_codes"] = self.retriable_codes
+            md["max_retries"] = str(self.max_retries)
         return md

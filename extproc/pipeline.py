@@ -15,6 +15,7 @@ from extproc.stages.deadline import Deadline
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.intake import Intake
 from extproc.stages.redact import Redaction
+from extproc.stages.retry import Retries
 from extproc.stages.route import PickEndpoint, RouteSelection
 from extproc.store import Store
 
@@ -32,6 +33,7 @@ def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None,
         Redaction(),
         RouteSelection(),
         Deadline(),
+        Retries(),
     )
     return stages if picker is None else (*stages, PickEndpoint(picker))
 

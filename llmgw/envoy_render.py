@@ -53,6 +53,7 @@ from envoy.extensions.http.custom_response.local_response_policy.v3 import local
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.resource_monitors.downstream_connections.v3 import downstream_connections_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
@@ -287,6 +288,11 @@ def _upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
 DEADLINE_HEADERS: tuple[tuple[str, str], ...] = (
     ("x-envoy-upstream-rq-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:rq_timeout_ms)%"),
     ("x-envoy-upstream-rq-per-try-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:per_try_timeout_ms)%"),
+    # The retry policy ext_proc chose for this request (extproc/stages/retry.py); Envoy's router is
+    # the one retry owner, and the route itself allows none.
+    ("x-envoy-retry-on", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:retry_on)%"),
+    ("x-envoy-retriable-status-codes", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:retriable_codes)%"),
+    ("x-envoy-max-retries", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:max_retries)%"),
 )
 
 
@@ -445,8 +451,14 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                     md(ADMIT_KEY, cluster), *([md("settle", "meter")] if metered else [])]),
                 route=route_components_pb2.RouteAction(
                     cluster=cluster, timeout=duration_ms(0), idle_timeout=duration_ms(300_000),
+                    # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
+                    # x-envoy-max-retries, set after the decision). A retry goes to another engine.
                     retry_policy=route_components_pb2.RetryPolicy(
-                        retry_on="connect-failure,refused-stream", num_retries=wrappers_pb2.UInt32Value(value=1)),
+                        num_retries=wrappers_pb2.UInt32Value(value=0),
+                        retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
+                            name="envoy.retry_host_predicates.previous_hosts",
+                            typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()))],
+                        host_selection_retry_max_attempts=3),
                 ),
                 # The caller's gateway credential never travels upstream.
                 request_headers_to_remove=["authorization"],

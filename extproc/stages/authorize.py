@@ -74,8 +74,10 @@ class Authorization:
         ex.data_class = data_class
         if snap.policy is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorization policy is loaded")
+        doc = policy_input(ex, data_class)
+        ex.effects = tuple(sorted({e for t in doc["request"]["tools"] for e in t["effects"]}))
         try:
-            ex.decision = snap.policy.decide(policy_input(ex, data_class))
+            ex.decision = snap.policy.decide(doc)
         except PolicyEvaluationError as e:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the authorization policy could not be evaluated") from e
         if not ex.decision.allow:

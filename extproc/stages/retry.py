@@ -1,0 +1,48 @@
+"""Retry policy per request (invariant 6). Envoy's router is the one retry owner; this stage only
+decides what it may do for this request, and the request-side header mutation hands that to the
+router as `x-envoy-retry-on`, `x-envoy-retriable-status-codes` and `x-envoy-max-retries` (the
+client's own values are overwritten).
+
+- Eligible failures come from the route: `connect_before_send` (connect failure, refused stream,
+  reset before the request was sent), `rate_limited` (429), `overloaded` (529), `unavailable` (503).
+  400, 401 and 403 are never in the list, so they are never retried.
+- A request with effects (a tool whose catalog entry has effects) is retried only with an
+  `Idempotency-Key`; `requires: idempotency_key` demands one always; `never` turns retries off.
+- The route's `retry.attempts` is how many retries may follow the first attempt. All attempts share
+  the one deadline: the router's timeout is the remaining time; a stream has no whole-request
+  timeout, so its per-try limit (time to headers) is the remaining time divided among the attempts.
+"""
+
+from __future__ import annotations
+
+from extproc.exchange import Exchange
+
+RETRY_ON = {
+    "connect_before_send": "connect-failure,refused-stream,reset-before-request",
+    "rate_limited": "retriable-status-codes",
+    "overloaded": "retriable-status-codes",
+    "unavailable": "retriable-status-codes",
+}
+STATUS_CODES = {"rate_limited": "429", "overloaded": "529", "unavailable": "503"}
+
+
+class Retries:
+    name = "retry"
+
+    async def run(self, ex: Exchange) -> None:
+        route = ex.route
+        if route is None:
+            return
+        policy = route.retry
+        keyed = bool(ex.headers.get("idempotency-key"))
+        allowed = {"never": False, "idempotency_key": keyed,
+                   "read_only_or_idempotency_key": keyed or not ex.effects}[policy.requires]
+        if not allowed or policy.attempts < 1:
+            ex.retry_on, ex.max_retries, ex.retriable_codes = "", 0, ""
+            return
+        ex.retry_on = ",".join(dict.fromkeys(
+            part for f in policy.eligible_failures for part in RETRY_ON[f].split(",")))
+        ex.retriable_codes = ",".join(STATUS_CODES[f] for f in policy.eligible_failures if f in STATUS_CODES)
+        ex.max_retries = policy.attempts
+        if ex.stream and ex.remaining_ms:
+            ex.remaining_ms = max(1, ex.remaining_ms // (policy.attempts + 1))
