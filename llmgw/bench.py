@@ -142,17 +142,28 @@ def run_wrk(url: str, script: Path, connections: int, duration: float) -> Result
     return Result(rps, _ms(lat["50"]), _ms(lat["99"]), int(bad.group(1)) if bad else 0)
 
 
+def without_quotas(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    doc = yaml.safe_load((dst / "gateway.yaml").read_text())
+    doc["quotas"] = []
+    (dst / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    return dst
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("error: wrk not found; install it (Debian: apt-get install wrk)")
         return 2
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
-    snap = load_snapshot(args.config)
+    config = without_quotas(Path(args.config), work / "policy")
+    snap = load_snapshot(config)
     children = [_start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin),
                 _start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)]
-    opts = StackOptions.on_free_ports(Path(args.config), work / "gw", snap, workers=args.workers,
-                                      with_valkey=False, start_engines=False, envoy_concurrency=1)
+    # The whole pipeline, budgets included (so the store runs); only the demo tenant's per-minute
+    # quota is dropped: a benchmark's rate is far above it and would measure 429s.
+    opts = StackOptions.on_free_ports(config, work / "gw", snap, workers=args.workers,
+                                      start_engines=False, envoy_concurrency=1)
     opts.engine_ports = {p: (up_port,) for p in snap.gateway.pools}
     stack = Stack(opts)
     rows: list[str] = []

@@ -125,7 +125,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _stack(config: Path, work: Path, name: str, args: argparse.Namespace, lb: str) -> Stack:
     snap = load_snapshot(config)
-    opts = StackOptions.on_free_ports(config, work / name, snap, with_valkey=False, time_scale=args.time_scale,
+    # The whole gateway, its store included (the example route reserves budgets).
+    opts = StackOptions.on_free_ports(config, work / name, snap, time_scale=args.time_scale,
                                       pool_lb=lb, engine_args=("--num-gpu-blocks", str(args.kv_blocks)))
     return Stack(opts).start()
 
