@@ -87,6 +87,16 @@ def test_size_and_another_reason_is_no_qualified_route(tmp_path: Path) -> None:
     assert err.code is ErrorCode.NO_QUALIFIED_ROUTE
 
 
+def test_a_candidate_takes_only_its_prompt_size_range(tmp_path: Path) -> None:
+    # The bound of "hello" is 5 bytes + 8 of template: 13 tokens.
+    edit = lambda lo, hi: lambda p: yaml_edit(p / "routes/chat-default.yaml", lambda d: d["candidates"][0].update(  # noqa: E731
+        min_prompt_tokens=lo, max_prompt_tokens=hi))
+    route(policy_copy(tmp_path / "a", edit(13, 13)), chat_body())
+    err = refusal(policy_copy(tmp_path / "b", edit(0, 12)), chat_body())
+    assert err.code is ErrorCode.NO_QUALIFIED_ROUTE and "prompt_size" in err.message  # not a 400: a gap in ranges
+    assert refusal(policy_copy(tmp_path / "c", edit(14, None)), chat_body()).code is ErrorCode.NO_QUALIFIED_ROUTE
+
+
 def test_the_bound_counts_bytes_templates_and_max_tokens(tmp_path: Path) -> None:
     # Window 131,072: 8 tokens of template for one message; 1,000 max_tokens; the rest is prompt bytes.
     fits = 131_072 - 8 - 1000

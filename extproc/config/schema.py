@@ -343,6 +343,10 @@ class Candidate(Strict):
     adapter_ref: str
     data_classes: tuple[Name, ...] = Field(min_length=1)
     regions: tuple[Name, ...] = Field(min_length=1)
+    # Prompt size this candidate takes (the bound of invariant 3, template allowance included): a route
+    # can send long prompts to a pool of their own, so long-context requests do not starve short ones.
+    min_prompt_tokens: int = Field(default=0, ge=0)
+    max_prompt_tokens: int | None = Field(default=None, gt=0)
 
     @property
     def deployment_name(self) -> str:

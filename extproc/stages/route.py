@@ -4,8 +4,9 @@ the body names the deployment's served model and carries the tenant's prefix-cac
 Eligibility (invariant 2): the candidate and its deployment serve the request's data class and a
 region the tenant allows; passing, unexpired evidence of every required kind exists for the exact
 fingerprint; the deployment is neither withdrawn nor retired; and its context window holds the prompt's
-upper bound (UTF-8 bytes + template allowance per message) plus max_tokens. None left: 503
-no_qualified_route, or 400 context_length_exceeded when size was the only reason.
+upper bound (UTF-8 bytes + template allowance per message) plus max_tokens. A candidate may also take
+only prompts of a size range (a pool for long prompts). None left: 503 no_qualified_route, or 400
+context_length_exceeded when the context window was the only reason.
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set
         failed.add("region")
     if not REQUIRED_EVIDENCE.issubset(snap.passing_evidence(dep.ref, req.today)):
         failed.add("evidence")
-    if req.prompt_bound + dep.template_allowance_tokens * req.n_messages + req.max_tokens > dep.context_window:
+    prompt = req.prompt_bound + dep.template_allowance_tokens * req.n_messages
+    if prompt + req.max_tokens > dep.context_window:
         failed.add("context")
+    if prompt < cand.min_prompt_tokens or (cand.max_prompt_tokens is not None and prompt > cand.max_prompt_tokens):
+        failed.add("prompt_size")
     return failed
 
 

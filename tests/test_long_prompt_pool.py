@@ -1,0 +1,66 @@
+"""A route that sends long prompts to a pool of their own (candidate prompt-size ranges): short
+requests never queue behind long-context ones. Real Envoy, two simulated pools."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.config import load_snapshot
+from llmgw.stack import DEMO_KEYS, Stack
+from tests.conftest import POLICY, start_stack
+from tests.helpers import chat_body, request
+
+pytestmark = pytest.mark.e2e
+LIMIT = 600  # prompt tokens (bound) the short pool takes
+
+
+def two_pool_policy(root: Path) -> Path:
+    dst = root / "policy"
+    shutil.copytree(POLICY, dst)
+    gw = yaml.safe_load((dst / "gateway.yaml").read_text())
+    gw["pools"]["long-pool"] = {"endpoints": ["127.0.0.1:8111"]}
+    (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
+    dep.update(deployment="pool-llama-8b-long", pool="long-pool")
+    dep["fingerprint"]["batching_policy"] = "continuous,max-num-seqs-32,max-batched-tokens-32768"
+    (dst / "deployments/pool-llama-8b-long.yaml").write_text(yaml.safe_dump(dep))
+    long_ref = next(d.ref for d in load_snapshot(dst).deployments.values() if d.deployment == "pool-llama-8b-long")
+    for kind in ("conformance", "quality_gate"):
+        (dst / f"evidence/long-{kind}.yaml").write_text(yaml.safe_dump({
+            "deployment_ref": long_ref, "kind": kind, "result": "pass", "recorded_at": "2026-11-30",
+            "expires_at": "2027-05-31"}))
+    route = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
+    short = route["candidates"][0]
+    route["candidates"] = [{**short, "max_prompt_tokens": LIMIT},
+                           {**short, "deployment_ref": long_ref, "min_prompt_tokens": LIMIT + 1}]
+    (dst / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("long-pool")
+    s = start_stack(tmp / "state", two_pool_policy(tmp))
+    yield s
+    s.stop()
+
+
+def served_by(stack: Stack, content: str) -> tuple[str, str]:
+    r = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(content=content, max_tokens=4),
+                headers={"authorization": f"Bearer {DEMO_KEYS['acme']}"})
+    assert r.status == 200, r.body
+    pools = {url: name for name in ("engine-pool", "long-pool") for url in stack.engine_urls(name)}
+    hits = [pools[u] for u in pools for e in request(f"{u}/admin/requests").json()
+            if e["messages"][0]["content"] == content]
+    assert len(hits) == 1, hits
+    return hits[0], r.headers["x-llmgw-deployment"]
+
+
+def test_short_and_long_prompts_go_to_their_own_pools(gw: Stack) -> None:
+    assert served_by(gw, "a short question") == ("engine-pool", "pool-llama-8b")
+    assert served_by(gw, "a long document " + "lorem ipsum " * 80) == ("long-pool", "pool-llama-8b-long")
