@@ -47,6 +47,12 @@ def faults(stack: Stack, fault: str | None, engines: list[str] | None = None) ->
             request(f"{url}/admin/faults", "POST", {"fault": fault, "count": 1})
 
 
+@pytest.fixture(autouse=True)
+def no_faults_left(gw: Stack) -> Iterator[None]:
+    yield
+    faults(gw, None)  # a fault queued but not met must not reach the next test
+
+
 def chat(stack: Stack, body: dict[str, Any] | None = None, key: str = WRITER, **headers: str) -> Any:
     return request(f"{stack.url}/v1/chat/completions", "POST", body or chat_body(max_tokens=4),
                    headers={"authorization": f"Bearer {key}", **headers})
@@ -54,61 +60,48 @@ def chat(stack: Stack, body: dict[str, Any] | None = None, key: str = WRITER, **
 
 def test_a_503_before_the_first_byte_is_retried_on_another_engine(gw: Stack) -> None:
     first, other = gw.engine_urls()
-    try:
-        seen = None
-        for i in range(8):  # until a request's first attempt meets the fault on `first`
-            faults(gw, "status=503", [first])
-            faults(gw, None, [other])
-            clear_engine_logs(gw)
-            r = chat(gw, chat_body(max_tokens=4, content=f"retry me {i} {time.time_ns()}"))
-            assert r.status == 200, r.body
-            if r.headers["x-llmgw-attempts"] == "2":
-                seen = r
-                break
-        assert seen is not None, "no first attempt ever met the fault"
-        log = engine_log(gw)
-        assert [(e["engine"], e["status"]) for e in log] == [(first, 503), (other, 200)]
-        assert seen.headers["x-llmgw-deployment"] == "pool-llama-8b"
-    finally:
-        faults(gw, None)
+    seen = None
+    for i in range(8):  # until a request's first attempt meets the fault on `first`
+        faults(gw, "status=503", [first])
+        faults(gw, None, [other])
+        clear_engine_logs(gw)
+        r = chat(gw, chat_body(max_tokens=4, content=f"retry me {i} {time.time_ns()}"))
+        assert r.status == 200, r.body
+        if r.headers["x-llmgw-attempts"] == "2":
+            seen = r
+            break
+    assert seen is not None, "no first attempt ever met the fault"
+    log = engine_log(gw)
+    assert [(e["engine"], e["status"]) for e in log] == [(first, 503), (other, 200)]
+    assert seen.headers["x-llmgw-deployment"] == "pool-llama-8b"
 
 
 def test_a_request_with_effects_and_no_idempotency_key_is_not_retried(gw: Stack) -> None:
-    try:
-        faults(gw, "status=503")
-        clear_engine_logs(gw)
-        r = chat(gw, chat_body(max_tokens=4, tools=TOOL))
-        assert_contract_error(r, 502, "upstream_error")
-        assert r.headers["x-llmgw-attempts"] == "1"
-        assert len(engine_log(gw)) == 1
-        # The same request with an Idempotency-Key may be retried: the second engine answers.
-        faults(gw, "status=503", [gw.engine_urls()[0]])
-        faults(gw, "status=503", [gw.engine_urls()[1]])
-        clear_engine_logs(gw)
-        r = chat(gw, chat_body(max_tokens=4, tools=TOOL), **{"idempotency-key": f"k-{time.time_ns()}"})
-        assert_contract_error(r, 502, "upstream_error")  # both engines failed once: one retry, no more
-        assert r.headers["x-llmgw-attempts"] == "2" and len(engine_log(gw)) == 2
-    finally:
-        faults(gw, None)
+    faults(gw, "status=503")
+    clear_engine_logs(gw)
+    r = chat(gw, chat_body(max_tokens=4, tools=TOOL))
+    assert_contract_error(r, 502, "upstream_error")
+    assert r.headers["x-llmgw-attempts"] == "1"
+    assert len(engine_log(gw)) == 1
+    # The same request with an Idempotency-Key may be retried: once (the route's attempts), on the other engine.
+    faults(gw, "status=503")
+    clear_engine_logs(gw)
+    r = chat(gw, chat_body(max_tokens=4, tools=TOOL), **{"idempotency-key": f"k-{time.time_ns()}"})
+    assert_contract_error(r, 502, "upstream_error")  # both engines failed once: one retry, no more
+    assert r.headers["x-llmgw-attempts"] == "2" and len(engine_log(gw)) == 2
 
 
 def test_400_is_never_retried(gw: Stack) -> None:
-    try:
-        faults(gw, "status=400")
-        clear_engine_logs(gw)
-        r = chat(gw)
-        assert_contract_error(r, 400, "invalid_request")
-        assert len(engine_log(gw)) == 1
-    finally:
-        faults(gw, None)
+    faults(gw, "status=400")
+    clear_engine_logs(gw)
+    r = chat(gw)
+    assert_contract_error(r, 400, "invalid_request")
+    assert len(engine_log(gw)) == 1
 
 
 def test_clients_cannot_ask_envoy_for_retries(gw: Stack) -> None:
-    try:
-        faults(gw, "status=503")
-        clear_engine_logs(gw)
-        r = chat(gw, chat_body(max_tokens=4, tools=TOOL), **{"x-envoy-retry-on": "5xx", "x-envoy-max-retries": "5"})
-        assert_contract_error(r, 502, "upstream_error")
-        assert len(engine_log(gw)) == 1
-    finally:
-        faults(gw, None)
+    faults(gw, "status=503")
+    clear_engine_logs(gw)
+    r = chat(gw, chat_body(max_tokens=4, tools=TOOL), **{"x-envoy-retry-on": "5xx", "x-envoy-max-retries": "5"})
+    assert_contract_error(r, 502, "upstream_error")
+    assert len(engine_log(gw)) == 1
