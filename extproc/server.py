@@ -2,8 +2,9 @@
 
 A chat completion costs one message: Envoy sends the buffered request body with the headers ext_proc
 needs as CEL attributes, and ext_proc answers with its decision. GET /v1/models, which has no body,
-is sent as request headers and answered from them. Response phases are not sent until a stage needs
-them.
+is sent as request headers and answered from them. The same server takes the meter filter's
+observation streams (they start with a response message) and Envoy's gRPC access log, from which
+settlement reads JSON answers (extproc/settlement.py); a status endpoint reports the revision.
 """
 
 from __future__ import annotations
