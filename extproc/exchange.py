@@ -50,6 +50,7 @@ class Exchange:
     cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route
     endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
     upstream_body: bytes | None = None  # the body as the upstream must receive it, when rewritten
+    withhold_usage: bool = False  # the gateway asked for the stream's usage chunk; the client did not
     retry_on: str = ""  # Envoy's retry conditions for this request ("" = none)
     retriable_codes: str = ""
     max_retries: int = 0
@@ -89,9 +90,11 @@ class Exchange:
             md["hold"] = self.held.hint  # only requests that hold a reservation are settled
             # Streams and idempotent requests need the body read (usage chunks, the recorded answer):
             # the meter. A JSON answer's usage reaches settlement through the access log.
-            md["settle"] = "meter" if self.stream or self.held.idempotent else "als"
+            md["settle"] = "stream" if self.stream else "metered" if self.held.idempotent else "als"
             if self.stream:
                 md["stream"] = "1"
+                if self.withhold_usage:
+                    md["withhold_usage"] = "1"
         if self.route is not None:
             md["route"] = self.route.route_contract
         if self.deployment is not None:

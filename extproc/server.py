@@ -41,6 +41,7 @@ from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
 from extproc.store import Store
+from extproc.streams import StreamGuard
 
 log = logging.getLogger("llmgw.extproc")
 ATTRIBUTES = "envoy.filters.http.ext_proc"
@@ -90,6 +91,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self._identity = CallerIdentity(jwks)
         self.settler = Settler(store) if store is not None else None
         self.meter = Meter(self.settler, lambda: self.live.snapshot) if self.settler is not None else None
+        self.guard = StreamGuard(self.meter) if self.meter is not None else None
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -110,8 +112,13 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         except StopAsyncIteration:
             return
         if first.WhichOneof("request") in ("response_headers", "response_body"):
-            # The meter filter (observability mode): Envoy does not wait for answers; none are sent.
-            if self.meter is not None:
+            role = dict(context.invocation_metadata() or ()).get("x-llmgw-role") if context is not None else None
+            if role == "streams" and self.guard is not None:
+                # The stream guard: Envoy waits for each chunk's answer.
+                async for resp in self.guard.guard(first, request_iterator):
+                    yield resp
+            elif self.meter is not None:
+                # The meter filter (observability mode): Envoy does not wait for answers; none are sent.
                 await self.meter.observe(first, request_iterator)
             return
         live = self.live

@@ -37,10 +37,11 @@ ATTRIBUTES = "envoy.filters.http.ext_proc"
 MAX_JSON_BODY = 8 << 20
 BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
-_MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
+MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 # What the meter filter asks Envoy for with the first response message (render uses this list).
 METER_ATTRIBUTES = ("request.id", "upstream.address", "response.code",
-                    *(f"{_MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream")))
+                    *(f"{MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream",
+                                               "withhold_usage")))
 
 
 def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:
@@ -87,7 +88,7 @@ async def record_refusal(store: Store | None, ex: Exchange, termination: str, st
         log.error("request %s: ledger entry lost (store unavailable)", ex.request_id)
 
 
-def _attr(attrs: Any, key: str) -> str:
+def attr(attrs: Any, key: str) -> str:
     v = attrs.fields.get(key) if attrs is not None else None
     if v is None:
         return ""
@@ -153,14 +154,14 @@ class Meter:
 
     async def observe(self, first: ep.ProcessingRequest, rest: AsyncIterator[ep.ProcessingRequest]) -> None:
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
-        tenant, rid, hint = _attr(attrs, f"{_MD}['tenant']"), _attr(attrs, "request.id"), _attr(attrs, f"{_MD}['hold']")
+        tenant, rid, hint = attr(attrs, f"{MD}['tenant']"), attr(attrs, "request.id"), attr(attrs, f"{MD}['hold']")
         if not tenant or not rid or not hint:
             async for _ in rest:  # nothing to settle: drain quietly
                 pass
             return
-        code = _attr(attrs, "response.code")
+        code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
-        sse = _attr(attrs, f"{_MD}['stream']") == "1"  # the request asked to stream (ext_proc knew)
+        sse = attr(attrs, f"{MD}['stream']") == "1"  # the request asked to stream (ext_proc knew)
         reader, stream_usage, body, malformed = SseReader(), StreamUsage(), bytearray(), False
         complete = False
 
@@ -169,27 +170,34 @@ class Meter:
             async for m in rest:
                 yield m
 
-        async for msg in messages():
-            if msg.WhichOneof("request") != "response_body":
-                continue
-            chunk = msg.response_body.body
-            if sse and not malformed:
-                try:
-                    for data in reader.feed(chunk):
-                        stream_usage.observe(data)
-                except MalformedStream:
-                    malformed = True
-            elif len(body) + len(chunk) <= MAX_JSON_BODY:
-                body += chunk
-            if msg.response_body.end_of_stream:
-                complete = True
-                break
-        self._settle(tenant, rid, hint, attrs, status, complete, sse, stream_usage, bytes(body), malformed)
+        try:
+            async for msg in messages():
+                if msg.WhichOneof("request") != "response_body":
+                    continue
+                chunk = msg.response_body.body
+                if sse and not malformed:
+                    try:
+                        for data in reader.feed(chunk):
+                            stream_usage.observe(data)
+                    except MalformedStream:
+                        malformed = True
+                elif len(body) + len(chunk) <= MAX_JSON_BODY:
+                    body += chunk
+                if msg.response_body.end_of_stream:
+                    complete = True
+                    break
+        finally:  # also when Envoy ends the exchange early (reset, client gone): what was seen settles
+            self._settle(tenant, rid, hint, attrs, status, complete, sse, stream_usage, bytes(body), malformed)
+
+    def settle_stream(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool,
+                      usage: StreamUsage) -> None:
+        """Settle a stream the stream guard saw (complete: it finished normally)."""
+        self._settle(tenant, rid, hint, attrs, status, complete, True, usage, b"", False)
 
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
                 stream_usage: StreamUsage, body: bytes, malformed: bool) -> None:
         snap = self.snapshot()
-        dep = snap.deployments.get(_attr(attrs, f"{_MD}['deployment']"))
+        dep = snap.deployments.get(attr(attrs, f"{MD}['deployment']"))
         usage: dict[str, Any] | None = None
         source = "none"
         if 200 <= status < 300:
@@ -209,10 +217,10 @@ class Meter:
         micros, tokens, kind = charge_for(usage, source, termination, status, dep)
         outcome = {"termination": termination, "status": status, "settlement": kind, "usage": usage,
                    "usage_source": source, "price_version": dep.prices.version if dep else "",
-                   "redactions": _attr(attrs, f"{_MD}['redactions']"),
+                   "redactions": attr(attrs, f"{MD}['redactions']"),
                    "attempts": [{"deployment": dep.deployment if dep else "",
                                  "adapter": dep.fingerprint.adapter if dep else "",
-                                 "upstream": _attr(attrs, "upstream.address"), "status": status}],
+                                 "upstream": attr(attrs, "upstream.address"), "status": status}],
                    "translation_loss": []}
         idem_status, idem_body = "", ""
         if json.loads(hint).get("i") and termination == "complete" and not sse \
@@ -266,12 +274,14 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         if prompt is not None:
             usage = {"prompt_tokens": prompt, "completion_tokens": _struct_int(md, "usage_completion") or 0,
                      "prompt_tokens_details": {"cached_tokens": _struct_int(md, "usage_cached") or 0}}
+        stream = _struct_str(md, "stream") == "1"
         if flags.downstream_connection_termination:
             termination = "client_cancel"
-        elif flags.upstream_request_timeout or status == 504:
+        elif (flags.upstream_request_timeout or status == 504) and not stream:
             termination = "deadline"
         else:
-            termination = termination_of(status, True)
+            # A stream reaches this log only when Envoy cut it after it started (or before its headers).
+            termination = termination_of(status, not stream)
         micros, tokens, kind = charge_for(usage, "reported" if usage else "none", termination, status, dep)
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte

@@ -360,6 +360,30 @@ def _meter_filter() -> ext_proc_pb2.ExternalProcessor:
     )
 
 
+STREAM_FILTER = "llmgw.streams"
+STREAM_ROLE = ("x-llmgw-role", "streams")  # gRPC metadata: ext_proc tells these streams from the meter's
+
+
+def _stream_filter() -> ext_proc_pb2.ExternalProcessor:
+    """Streams only (their own admitted route): each SSE chunk waits for ext_proc, which passes whole
+    events on, withholds the usage chunk it asked for on the client's behalf, ends a broken stream with
+    the contract's `stream_interrupted` event, and settles. A chunk waits one local round trip (tokens
+    are tens of milliseconds apart). If ext_proc fails, the stream continues unguarded (the lease and
+    the sweeper still settle it)."""
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+            initial_metadata=[base_pb2.HeaderValue(key=STREAM_ROLE[0], value=STREAM_ROLE[1])]),
+        failure_mode_allow=True,
+        processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
+                           response_header_mode=pm.SKIP, response_body_mode=pm.STREAMED,
+                           request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        response_attributes=list(METER_ATTRIBUTES),
+        message_timeout=duration_ms(500),
+    )
+
+
 def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=name, typed_config=pack(msg))
 
@@ -376,7 +400,11 @@ def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
 
 def _no_meter() -> dict[str, any_pb2.Any]:
     """Only admitted routes carry a reservation to settle. (Harmless where no meter is rendered.)"""
-    return {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+    return {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_stream_guard()}
+
+
+def _no_stream_guard() -> dict[str, any_pb2.Any]:
+    return {STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
 
 
 def meters(snap: Snapshot) -> bool:
@@ -398,13 +426,26 @@ def _usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
         regex=r"^application/json(\s*;.*)?$")))
 
 
+# Envoy's response flags for a stream that ended abnormally: upstream connection termination, upstream
+# protocol error, downstream termination, timeouts, stream idle, overflow, retry limit.
+CUT_FLAGS = ("UC", "UPE", "DC", "DPE", "UT", "SI", "UO", "URX", "UMSDR")
+
+
 def _settlement_log() -> accesslog_pb2.AccessLog:
     """Settlement of JSON answers: Envoy's gRPC access log streams entries (with the io.llmgw metadata,
     usage included) to ext_proc in batches over one long-lived stream, instead of a stream per request.
-    Only requests ext_proc marked `settle: als` are sent; streams and idempotent requests go to the meter."""
-    matcher = metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
-                                           path=[metadata_pb2.MetadataMatcher.PathSegment(key="settle")],
-                                           value=_string_value_matcher("als"))
+    Requests ext_proc marked `settle: als` are sent; and streams that Envoy cut (a reset, a timeout, a
+    client gone), which the stream guard may never have seen: the first settlement wins, so a stream the
+    guard settled is not charged twice."""
+    def settle_is(kind: str) -> accesslog_pb2.AccessLogFilter:
+        return accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(
+            matcher=metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
+                                                 path=[metadata_pb2.MetadataMatcher.PathSegment(key="settle")],
+                                                 value=_string_value_matcher(kind))))
+    cut = accesslog_pb2.AccessLogFilter(response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(CUT_FLAGS)))
+    which = accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=[
+        settle_is("als"),
+        accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=[settle_is("stream"), cut]))]))
     config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
         grpc_service=grpc_service_pb2.GrpcService(
@@ -412,7 +453,7 @@ def _settlement_log() -> accesslog_pb2.AccessLog:
         buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)))
     return accesslog_pb2.AccessLog(
         name="envoy.access_loggers.http_grpc",
-        filter=accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(matcher=matcher)),
+        filter=which,
         typed_config=pack(config))
 
 
@@ -444,11 +485,14 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
                                             value=_string_value_matcher(value))
     for cluster in clusters:
-        for metered in (True, False):
+        for kind in ("stream", "metered", ""):
+            # Streams: the stream guard (no meter). Idempotent JSON: the meter. Other JSON: neither.
+            per_route = {"stream": {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))},
+                         "metered": _no_stream_guard(), "": _no_meter()}[kind]
             routes.append(route_components_pb2.Route(
-                name=f"admitted_{cluster}" + ("_metered" if metered else ""),
+                name=f"admitted_{cluster}" + (f"_{kind}" if kind else ""),
                 match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
-                    md(ADMIT_KEY, cluster), *([md("settle", "meter")] if metered else [])]),
+                    md(ADMIT_KEY, cluster), *([md("settle", kind)] if kind else [])]),
                 route=route_components_pb2.RouteAction(
                     cluster=cluster, timeout=duration_ms(0), idle_timeout=duration_ms(300_000),
                     # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
@@ -462,7 +506,7 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                 ),
                 # The caller's gateway credential never travels upstream.
                 request_headers_to_remove=["authorization"],
-                typed_per_filter_config={**_admitted_route_filters(), **({} if metered else _no_meter())}))
+                typed_per_filter_config={**_admitted_route_filters(), **per_route}))
     routes += [
         # Reached only when ext_proc never saw the request: a chat completion without a body.
         route_components_pb2.Route(
@@ -530,6 +574,7 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             # Only a gateway whose routes reserve budgets has anything to settle. After the buffer, so
             # the meter reads its per-route switch on the route ext_proc's decision selected.
             *([_http_filter(METER_FILTER, _meter_filter()),
+               _http_filter(STREAM_FILTER, _stream_filter()),
                _http_filter("envoy.filters.http.json_to_metadata", _usage_to_metadata())] if meters(snap) else []),
             _http_filter("llmgw.deadline_headers", _deadline_headers_filter()),
             _http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),

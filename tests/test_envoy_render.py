@@ -63,7 +63,7 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
     # The meter sits after the buffer: it reads its per-route switch on the route the decision selected.
     assert list(filters(rendered)) == [
         "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
-        "llmgw.meter", "envoy.filters.http.json_to_metadata", "llmgw.deadline_headers",
+        "llmgw.meter", "llmgw.streams", "envoy.filters.http.json_to_metadata", "llmgw.deadline_headers",
         "envoy.filters.http.custom_response", "envoy.filters.http.router"]
 
 
@@ -78,8 +78,12 @@ def test_meter_observes_responses_without_holding_them(rendered: dict[str, Any])
 
 def test_json_answers_settle_through_the_grpc_access_log(rendered: dict[str, Any]) -> None:
     (als,) = [a for a in hcm(rendered)["access_log"] if a["name"] == "envoy.access_loggers.http_grpc"]
-    matcher = als["filter"]["metadata_filter"]["matcher"]
+    json_answers, cut_streams = als["filter"]["or_filter"]["filters"]
+    matcher = json_answers["metadata_filter"]["matcher"]
     assert matcher["path"] == [{"key": "settle"}] and matcher["value"]["string_match"]["exact"] == "als"
+    stream_kind, flags = cut_streams["and_filter"]["filters"]
+    assert stream_kind["metadata_filter"]["matcher"]["value"]["string_match"]["exact"] == "stream"
+    assert {"UC", "UPE", "DC", "SI"} <= set(flags["response_flag_filter"]["flags"])
     rules = filters(rendered)["envoy.filters.http.json_to_metadata"]["response_rules"]["rules"]
     assert [[s["key"] for s in r["selectors"]] for r in rules] == [
         ["usage", "prompt_tokens"], ["usage", "completion_tokens"], ["usage", "prompt_tokens_details", "cached_tokens"]]
@@ -94,10 +98,14 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
         assert r["request_headers_to_remove"] == ["authorization"]
-        # Where the meter reads the body (streams, idempotent requests) and where the access log settles.
-        metered = r["name"].endswith("_metered")
-        assert [m["path"][0]["key"] for m in r["match"]["dynamic_metadata"][1:]] == (["settle"] if metered else [])
-        assert ("llmgw.meter" in r.get("typed_per_filter_config", {})) is not metered
+        # Streams: the stream guard. Idempotent JSON: the meter. Other JSON: the access log settles.
+        kind = r["name"].rsplit("_", 1)[-1] if r["name"].endswith(("_stream", "_metered")) else ""
+        extra = r["match"]["dynamic_metadata"][1:]
+        assert [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra] == (
+            [("settle", kind)] if kind else [])
+        off = set(r.get("typed_per_filter_config", {})) & {"llmgw.meter", "llmgw.streams"}
+        expected = {"stream": {"llmgw.meter"}, "metered": {"llmgw.streams"}, "": {"llmgw.meter", "llmgw.streams"}}
+        assert off == expected[kind]
     # Everything else is answered by Envoy itself in the contract's JSON.
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:

@@ -138,4 +138,12 @@ class RouteSelection:
         if salt is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no prefix-cache salt for this tenant")
         body["cache_salt"] = ex.cache_salt = salt
+        if ex.stream and ex.held is not None:
+            # Exact metering: ask for the usage chunk; the stream guard withholds it from a client that
+            # did not ask for it (extproc/streams.py).
+            given = body.get("stream_options")
+            options: dict[str, Any] = given if isinstance(given, dict) else {}
+            if options.get("include_usage") is not True:
+                body["stream_options"] = {**options, "include_usage": True}
+                ex.withhold_usage = True
         ex.upstream_body = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,115 @@
+"""The stream guard: every chunk of a streamed answer passes through here before the client sees it.
+
+- Whole events only: a chunk boundary inside an event holds that part back until the rest arrives.
+- The usage chunk the gateway asked for on the client's behalf (`stream_options.include_usage`) is
+  withheld from that client; its usage settles the reservation exactly.
+- A failure after the first byte (an upstream error event, a malformed event, an end without
+  `[DONE]`) ends the client's stream with the contract's `stream_interrupted` event and no normal
+  finish, and is recorded as `stream_interrupted`.
+- A stream Envoy cuts (reset, idle timeout, client gone) ends this exchange without an end of stream:
+  what was seen settles as `partial`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from extproc.contract import ErrorCode, error_body
+from extproc.settlement import ATTRIBUTES, MD, Meter, attr
+from extproc.sse import MAX_EVENT_BYTES, StreamUsage
+
+
+def interrupted_event(message: str) -> bytes:
+    return b"data: " + error_body(ErrorCode.STREAM_INTERRUPTED, message) + b"\n\n"
+
+
+def _split_events(buf: bytearray) -> list[bytes]:
+    """Complete events (with their blank-line separator) taken off the front of buf."""
+    out: list[bytes] = []
+    while True:
+        cut, sep = -1, 0
+        for s in (b"\n\n", b"\r\n\r\n"):
+            i = buf.find(s)
+            if i != -1 and (cut == -1 or i < cut):
+                cut, sep = i, len(s)
+        if cut == -1:
+            return out
+        out.append(bytes(buf[: cut + sep]))
+        del buf[: cut + sep]
+
+
+def _data(event: bytes) -> str | None:
+    lines = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n") if ln.startswith(b"data:")]
+    return b"\n".join(lines).decode("utf-8", "replace") if lines else None
+
+
+class StreamGuard:
+    def __init__(self, meter: Meter):
+        self.meter = meter  # settles the same way the meter does
+
+    async def guard(self, first: ep.ProcessingRequest,
+                    rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
+        attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
+        tenant, rid, hint = attr(attrs, f"{MD}['tenant']"), attr(attrs, "request.id"), attr(attrs, f"{MD}['hold']")
+        withhold = attr(attrs, f"{MD}['withhold_usage']") == "1"
+        code = attr(attrs, "response.code")
+        status = int(code) if code.isdigit() else 0
+        usage, buf = StreamUsage(), bytearray()
+        broken, complete = "", False
+
+        async def messages() -> AsyncIterator[ep.ProcessingRequest]:
+            yield first
+            async for m in rest:
+                yield m
+
+        # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
+        # before any route chose it: only an admitted stream holding a reservation is guarded.
+        guarded = bool(tenant and rid and hint) and attr(attrs, f"{MD}['stream']") == "1"
+        try:
+            async for msg in messages():
+                if msg.WhichOneof("request") != "response_body":
+                    continue
+                if not guarded or not 200 <= status < 300:  # passes as it is (errors: already in contract shape)
+                    yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+                    complete = complete or msg.response_body.end_of_stream
+                    continue
+                out = bytearray()
+                if not broken:
+                    buf += msg.response_body.body
+                    for event in _split_events(buf):
+                        data = _data(event)
+                        if data is None:
+                            out += event
+                            continue
+                        try:
+                            obj: Any = None if data.strip() == "[DONE]" else json.loads(data)
+                        except ValueError:
+                            broken = "the upstream sent a malformed event"
+                            break
+                        if isinstance(obj, dict) and "error" in obj:
+                            broken = "the upstream reported an error mid-stream"
+                            break
+                        usage.observe(data)
+                        if withhold and isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
+                            continue  # the usage chunk the client did not ask for
+                        out += event
+                    if not broken and len(buf) > MAX_EVENT_BYTES:
+                        broken = "the upstream sent an oversized event"
+                if msg.response_body.end_of_stream:
+                    complete = True
+                    if not broken and not usage.done:
+                        broken = "the upstream ended the stream without finishing it"
+                if broken and not usage.error:
+                    usage.error = True  # recorded as stream_interrupted; the event goes out once
+                    out += interrupted_event(broken)
+                yield ep.ProcessingResponse(response_body=ep.BodyResponse(
+                    response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=bytes(out)))))
+                if complete:
+                    break
+        finally:  # also when Envoy ends the exchange early (reset, idle timeout, client gone)
+            if guarded:
+                self.meter.settle_stream(tenant, rid, hint, attrs, status, complete and not broken, usage)

@@ -1,0 +1,98 @@
+"""The stream guard, through the real processes: whole events, the gateway's own usage chunk withheld,
+failures after the first byte ended with `stream_interrupted`, and each stream settled."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from typing import Any
+
+import openai
+import pytest
+import redis
+
+from extproc.store import ledger_entry, ledger_key
+from llmgw.stack import DEMO_KEYS, Stack
+from tests.helpers import chat_body
+from tests.test_e2e_served_path import engine_log
+
+pytestmark = pytest.mark.e2e
+KEY = DEMO_KEYS["globex"]  # public data: nothing redacted, so the engine log shows the prompt as sent
+
+
+def ledger_of(stack: Stack, rid: str) -> dict[str, Any]:
+    r = redis.Redis.from_url(str(stack.store_url), decode_responses=True)
+    for _ in range(40):
+        found = [ledger_entry(f) for _, f in r.xrange(ledger_key("globex"))]
+        found = [e for e in found if e["request_id"] == rid]
+        if found:
+            (entry,) = found
+            return entry
+        time.sleep(0.05)
+    raise AssertionError(f"no ledger entry for {rid}")
+
+
+def events(raw: bytes) -> list[str]:
+    return [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+
+
+def test_usage_the_client_did_not_ask_for_is_metered_and_withheld(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
+    marker = f"withhold-{time.time_ns()}"
+    with client.chat.completions.with_streaming_response.create(
+            model="chat-default", max_tokens=6, stream=True,
+            messages=[{"role": "user", "content": marker}]) as resp:
+        rid = resp.headers["x-request-id"]
+        chunks = list(resp.parse())
+    assert chunks and all(c.choices for c in chunks)  # no usage chunk: the client did not ask
+    assert all(c.usage is None for c in chunks)
+    (sent,) = [e for e in engine_log(stack) if marker in json.dumps(e["messages"])]
+    assert sent["stream_options"] == {"include_usage": True}  # the gateway asked on its behalf
+    entry = ledger_of(stack, rid)
+    assert entry["settlement"] == "actual" and entry["usage_source"] == "reported"
+    assert entry["usage"]["completion_tokens"] == len([c for c in chunks if c.choices[0].delta.content])
+
+
+def test_usage_the_client_asked_for_reaches_it(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
+    chunks = list(client.chat.completions.create(model="chat-default", max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 messages=[{"role": "user", "content": "usage please"}]))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def stream_until_cut(stack: Stack, fault: str) -> tuple[str, bytes]:
+    """(request id, what arrived) of a stream that may be cut: a reset is what the client then sees."""
+    host, port = stack.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(max_tokens=20, stream=True)),
+                 {"authorization": f"Bearer {KEY}", "content-type": "application/json", "x-enginesim-fault": fault})
+    resp = conn.getresponse()
+    rid, got = resp.getheader("x-request-id") or "", bytearray()
+    try:
+        while chunk := resp.read1(65536):
+            got += chunk
+    except (http.client.IncompleteRead, OSError) as e:
+        got += getattr(e, "partial", b"")
+    finally:
+        conn.close()
+    return rid, bytes(got)
+
+
+@pytest.mark.parametrize("fault", ["malformed_after=3", "disconnect_after=3"])
+def test_a_failure_after_the_first_byte_is_stream_interrupted(stack: Stack, fault: str) -> None:
+    rid, raw = stream_until_cut(stack, fault)
+    got = events(raw)
+    assert "[DONE]" not in got  # never a normal finish
+    if fault.startswith("malformed"):  # the stream still flows: the guard ends it with the contract's event
+        last = json.loads(got[-1])
+        assert last["error"]["code"] == "stream_interrupted", last
+        assert all("error" not in json.loads(e) for e in got[:-1])  # the broken event never reached the client
+    # A cut connection reaches the client as a reset (Envoy cannot add an event to a reset stream, and
+    # drops the chunks still waiting on the guard).
+    entry = ledger_of(stack, rid)
+    assert entry["termination"] == "stream_interrupted"
+    # The guard settles what it saw; a stream cut before the guard saw it settles from the access log,
+    # its usage unknown: charged in full (ambiguous), never freed.
+    assert entry["settlement"] in (("partial",) if fault.startswith("malformed") else ("partial", "ambiguous"))
