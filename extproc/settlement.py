@@ -1,10 +1,12 @@
 """Settlement: every reservation ends exactly once (invariant 4), with one ledger entry
 (invariant 8), written by the same store script.
 
-- The meter: a second ext_proc filter in observability mode sends the response body to ext_proc
-  without waiting for answers, so reading usage costs the client nothing. At the end of the response
-  it settles to actual usage; a response cut short settles what it saw. Settlements are batched into
-  one store round trip every few milliseconds.
+- JSON answers: Envoy's gRPC access log (SettlementLog), usage copied into metadata by
+  json_to_metadata; also streams Envoy cut before the stream guard saw them.
+- Streams: the stream guard (extproc/streams.py) settles through the Meter's settle_stream.
+- Idempotent answers: the meter, an ext_proc filter in observability mode: Envoy sends it the answer
+  without waiting, and the answer becomes the recorded outcome.
+- Settlements are queued and sent together (Settler); each is still its own atomic script.
 - Release: a request refused after it reserved (a later stage failed) is released, charge 0.
 - The sweeper: a reservation whose lease expired (the gateway lost track: crash, lost meter stream)
   is charged in full and marked `ambiguous`, so a crashed gateway never frees money it may have spent.
