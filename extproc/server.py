@@ -36,7 +36,7 @@ from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
+from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release, with_first
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
@@ -129,12 +129,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
 
     async def _decide(self, ex: Exchange, first: ep.ProcessingRequest,
                       rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
-        async def messages() -> AsyncIterator[ep.ProcessingRequest]:
-            yield first
-            async for m in rest:
-                yield m
 
-        async for req in messages():
+        async for req in with_first(first, rest):
             attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
             if attrs is not None:
                 apply_attributes(ex, attrs)

@@ -32,7 +32,7 @@ from extproc.config.schema import Deployment, Prices
 from extproc.contract import METADATA_NAMESPACE
 from extproc.exchange import Exchange
 from extproc.sse import MalformedStream, SseReader, StreamUsage
-from extproc.store import Store, StoreUnavailable
+from extproc.store import Settlement, Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.settlement")
 ATTRIBUTES = "envoy.filters.http.ext_proc"
@@ -90,7 +90,16 @@ async def record_refusal(store: Store | None, ex: Exchange, termination: str, st
         log.error("request %s: ledger entry lost (store unavailable)", ex.request_id)
 
 
+async def with_first(first: ep.ProcessingRequest,
+                     rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingRequest]:
+    """The messages of one ext_proc stream whose first message was read to choose its handler."""
+    yield first
+    async for m in rest:
+        yield m
+
+
 def attr(attrs: Any, key: str) -> str:
+    """A string (or whole number, as text) from a Struct: ext_proc's CEL attributes or Envoy's metadata."""
     v = attrs.fields.get(key) if attrs is not None else None
     if v is None:
         return ""
@@ -100,9 +109,6 @@ def attr(attrs: Any, key: str) -> str:
     if kind == "number_value":
         return str(int(v.number_value))
     return ""
-
-
-Settlement = tuple[str, str, str, dict[str, Any], int, int, str, str, int]
 
 
 class Settler:
@@ -147,6 +153,16 @@ def charge_for(usage: dict[str, Any] | None, source: str, termination: str, stat
     return 0, 0, "released"
 
 
+def outcome_of(termination: str, status: int, kind: str, usage: dict[str, Any] | None, source: str,
+               dep: Deployment | None, redactions: str, attempt: dict[str, Any]) -> dict[str, Any]:
+    """The settlement half of a ledger entry (the admission half is stored with the reservation)."""
+    return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
+            "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,
+            "attempts": [{"deployment": dep.deployment if dep else "",
+                          "adapter": dep.fingerprint.adapter if dep else "", "status": status, **attempt}],
+            "translation_loss": []}
+
+
 class Meter:
     """One response, observed: settle when it ends, however it ends."""
 
@@ -167,13 +183,9 @@ class Meter:
         reader, stream_usage, body, malformed = SseReader(), StreamUsage(), bytearray(), False
         complete = False
 
-        async def messages() -> AsyncIterator[ep.ProcessingRequest]:
-            yield first
-            async for m in rest:
-                yield m
 
         try:
-            async for msg in messages():
+            async for msg in with_first(first, rest):
                 if msg.WhichOneof("request") != "response_body":
                     continue
                 chunk = msg.response_body.body
@@ -200,13 +212,14 @@ class Meter:
                 stream_usage: StreamUsage, body: bytes, malformed: bool) -> None:
         snap = self.snapshot()
         dep = snap.deployments.get(attr(attrs, f"{MD}['deployment']"))
+        held = json.loads(hint)
         usage: dict[str, Any] | None = None
         source = "none"
         if 200 <= status < 300:
             if sse:
                 usage, source = stream_usage.usage, "reported"
                 if usage is None:  # the client did not ask for usage: count chunks, bound the prompt
-                    prompt_bound = json.loads(hint).get("p", 0)
+                    prompt_bound = held.get("p", 0)
                     usage = {"prompt_tokens": prompt_bound, "completion_tokens": stream_usage.content_chunks}
                     source = "estimated"
             else:
@@ -217,29 +230,14 @@ class Meter:
         finished = complete and (not sse or stream_usage.done) and not malformed and not stream_usage.error
         termination = termination_of(status, finished)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep)
-        outcome = {"termination": termination, "status": status, "settlement": kind, "usage": usage,
-                   "usage_source": source, "price_version": dep.prices.version if dep else "",
-                   "redactions": attr(attrs, f"{MD}['redactions']"),
-                   "attempts": [{"deployment": dep.deployment if dep else "",
-                                 "adapter": dep.fingerprint.adapter if dep else "",
-                                 "upstream": attr(attrs, "upstream.address"), "status": status}],
-                   "translation_loss": []}
+        outcome = outcome_of(termination, status, kind, usage, source, dep, attr(attrs, f"{MD}['redactions']"),
+                             {"upstream": attr(attrs, "upstream.address")})
         idem_status, idem_body = "", ""
-        if json.loads(hint).get("i") and termination == "complete" and not sse \
+        if held.get("i") and termination == "complete" and not sse \
                 and len(body) <= snap.gateway.store.idempotency_max_body_bytes:
             idem_status, idem_body = str(status), body.decode("utf-8", "replace")
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, idem_body,
                              snap.gateway.store.idempotency_ttl_s * 1000))
-
-
-def _struct_str(st: Any, key: str) -> str:
-    v = st.fields.get(key)
-    return v.string_value if v is not None and v.WhichOneof("kind") == "string_value" else ""
-
-
-def _struct_int(st: Any, key: str) -> int | None:
-    v = st.fields.get(key)
-    return int(v.number_value) if v is not None and v.WhichOneof("kind") == "number_value" else None
 
 
 class SettlementLog(als_grpc.AccessLogServiceServicer):
@@ -264,19 +262,19 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         md = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
         if md is None:
             return
-        tenant, hint, rid = _struct_str(md, "tenant"), _struct_str(md, "hold"), entry.request.request_id
+        tenant, hint, rid = attr(md, "tenant"), attr(md, "hold"), entry.request.request_id
         if not tenant or not hint or not rid:
             return
         snap = self.snapshot()
-        dep = snap.deployments.get(_struct_str(md, "deployment"))
+        dep = snap.deployments.get(attr(md, "deployment"))
         status = entry.response.response_code.value
         flags = common.response_flags
-        prompt = _struct_int(md, "usage_prompt")
+        prompt = attr(md, "usage_prompt")  # present only when json_to_metadata found a usage object
         usage: dict[str, Any] | None = None
-        if prompt is not None:
-            usage = {"prompt_tokens": prompt, "completion_tokens": _struct_int(md, "usage_completion") or 0,
-                     "prompt_tokens_details": {"cached_tokens": _struct_int(md, "usage_cached") or 0}}
-        stream = _struct_str(md, "stream") == "1"
+        if prompt:
+            usage = {"prompt_tokens": int(prompt), "completion_tokens": int(attr(md, "usage_completion") or 0),
+                     "prompt_tokens_details": {"cached_tokens": int(attr(md, "usage_cached") or 0)}}
+        stream = attr(md, "stream") == "1"
         if flags.downstream_connection_termination:
             termination = "client_cancel"
         elif (flags.upstream_request_timeout or status == 504) and not stream:
@@ -287,16 +285,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         micros, tokens, kind = charge_for(usage, "reported" if usage else "none", termination, status, dep)
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
-        outcome = {"termination": termination, "status": status, "settlement": kind, "usage": usage,
-                   "usage_source": "reported" if usage else "none",
-                   "price_version": dep.prices.version if dep else "", "redactions": _struct_str(md, "redactions"),
-                   "attempts": [{"deployment": dep.deployment if dep else "",
-                                 "adapter": dep.fingerprint.adapter if dep else "",
+        outcome = outcome_of(termination, status, kind, usage, "reported" if usage else "none", dep,
+                             attr(md, "redactions"), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
-                                 "status": status, "count": common.upstream_request_attempt_count,
+                                 "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
-                                 if common.HasField("time_to_first_upstream_rx_byte") else None}],
-                   "translation_loss": []}
+                                 if common.HasField("time_to_first_upstream_rx_byte") else None})
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0))
 
 

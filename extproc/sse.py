@@ -15,29 +15,41 @@ class MalformedStream(Exception):
     pass
 
 
+def take_events(buf: bytearray) -> list[bytes]:
+    """The complete events at the front of buf (each with its blank-line end), removed from it; what
+    remains is the start of an event still arriving."""
+    out: list[bytes] = []
+    while True:
+        cut, sep = -1, 0
+        for s in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+            i = buf.find(s)
+            if i != -1 and (cut == -1 or i < cut):
+                cut, sep = i, len(s)
+        if cut == -1:
+            return out
+        out.append(bytes(buf[: cut + sep]))
+        del buf[: cut + sep]
+
+
+def event_data(event: bytes) -> str | None:
+    """An event's data (its `data:` lines joined), or None for an event without any."""
+    lines = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n")
+             if ln.startswith(b"data:")]
+    return b"\n".join(lines).decode("utf-8", "replace") if lines else None
+
+
 @dataclass
 class SseReader:
     _buf: bytearray = field(default_factory=bytearray)
 
     def feed(self, chunk: bytes) -> Iterator[str]:
         self._buf += chunk
-        while True:
-            buf = self._buf
-            cut, sep = -1, 0
-            for s in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-                i = buf.find(s)
-                if i != -1 and (cut == -1 or i < cut):
-                    cut, sep = i, len(s)
-            if cut == -1:
-                if len(buf) > MAX_EVENT_BYTES:
-                    raise MalformedStream("an SSE event exceeds 1 MiB")
-                return
-            event = bytes(buf[:cut])
-            del buf[: cut + sep]
-            data = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n")
-                    if ln.startswith(b"data:")]
-            if data:
-                yield b"\n".join(data).decode("utf-8", "replace")
+        for event in take_events(self._buf):
+            data = event_data(event)
+            if data is not None:
+                yield data
+        if len(self._buf) > MAX_EVENT_BYTES:
+            raise MalformedStream("an SSE event exceeds 1 MiB")
 
 
 @dataclass

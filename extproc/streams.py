@@ -19,32 +19,12 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.contract import ErrorCode, error_body
-from extproc.settlement import ATTRIBUTES, MD, Meter, attr
-from extproc.sse import MAX_EVENT_BYTES, StreamUsage
+from extproc.settlement import ATTRIBUTES, MD, Meter, attr, with_first
+from extproc.sse import MAX_EVENT_BYTES, StreamUsage, event_data, take_events
 
 
 def interrupted_event(message: str) -> bytes:
     return b"data: " + error_body(ErrorCode.STREAM_INTERRUPTED, message) + b"\n\n"
-
-
-def _split_events(buf: bytearray) -> list[bytes]:
-    """Complete events (with their blank-line separator) taken off the front of buf."""
-    out: list[bytes] = []
-    while True:
-        cut, sep = -1, 0
-        for s in (b"\n\n", b"\r\n\r\n"):
-            i = buf.find(s)
-            if i != -1 and (cut == -1 or i < cut):
-                cut, sep = i, len(s)
-        if cut == -1:
-            return out
-        out.append(bytes(buf[: cut + sep]))
-        del buf[: cut + sep]
-
-
-def _data(event: bytes) -> str | None:
-    lines = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n") if ln.startswith(b"data:")]
-    return b"\n".join(lines).decode("utf-8", "replace") if lines else None
 
 
 class StreamGuard:
@@ -61,16 +41,12 @@ class StreamGuard:
         usage, buf = StreamUsage(), bytearray()
         broken, complete = "", False
 
-        async def messages() -> AsyncIterator[ep.ProcessingRequest]:
-            yield first
-            async for m in rest:
-                yield m
 
         # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
         # before any route chose it: only an admitted stream holding a reservation is guarded.
         guarded = bool(tenant and rid and hint) and attr(attrs, f"{MD}['stream']") == "1"
         try:
-            async for msg in messages():
+            async for msg in with_first(first, rest):
                 if msg.WhichOneof("request") != "response_body":
                     continue
                 if not guarded or not 200 <= status < 300:  # passes as it is (errors: already in contract shape)
@@ -80,8 +56,8 @@ class StreamGuard:
                 out = bytearray()
                 if not broken:
                     buf += msg.response_body.body
-                    for event in _split_events(buf):
-                        data = _data(event)
+                    for event in take_events(buf):
+                        data = event_data(event)
                         if data is None:
                             out += event
                             continue

@@ -105,6 +105,11 @@ class ReserveResult:
     detail: tuple[str, ...] = ()
 
 
+# One queued settlement, as `_settle_call` takes it: tenant, request id, hint, outcome, micros, tokens,
+# idempotent status and answer, idempotency TTL (ms).
+Settlement = tuple[str, str, str, dict[str, Any], int, int, str, str, int]
+
+
 @dataclass(frozen=True)
 class Settled:
     reserved_micros: int
@@ -196,7 +201,7 @@ class Store:
             return None
         return Settled(*(int(x) for x in out[1:5]))
 
-    async def settle_many(self, items: list[tuple[str, str, str, dict[str, Any], int, int, str, str, int]]) -> None:
+    async def settle_many(self, items: list[Settlement]) -> None:
         """Many settlements, pipelined on the one connection; each is still its own script."""
         calls = [self._settle_call(*item) for item in items]
         results = await asyncio.gather(*(self.pipe.evalsha(SETTLE, k, a) for k, a in calls), return_exceptions=True)
@@ -214,7 +219,6 @@ class Store:
         rids: list[str] = await self._call(
             self.client.zrangebyscore(leases_key(tenant), "-inf", now_ms, start=0, num=limit))
         return rids
-
 
 
 def ledger_entry(fields: dict[str, str]) -> dict[str, Any]:
