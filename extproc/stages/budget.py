@@ -156,7 +156,7 @@ class BudgetReservation:
             record={**ex.ledger_facts(), "prompt_bound": prompt, "max_tokens": max_tokens, "price_version": version},
             idem_key=idem_key(ident.tenant, hashlib.sha256(idem.encode()).hexdigest()) if idem else None,
             idem_body_hash=hashlib.sha256(ex.raw_body).hexdigest() if idem else "",
-            idem_ttl_ms=gw.store.idempotency_ttl_s * 1000)
+            idem_ttl_ms=gw.store.idempotency_ttl_s * 1000, prompt_bound=prompt)
         try:
             result = await self.store.reserve(reservation)
         except StoreUnavailable as e:
@@ -165,7 +165,7 @@ class BudgetReservation:
             return  # optional: served unmetered, and the log says so
         match result.outcome:
             case "ok":
-                ex.held = Held(micros, tokens, prompt, max_tokens, version, reservation.hint(prompt), idem is not None)
+                ex.held = Held(micros, tokens, prompt, max_tokens, version, reservation.hint, idem is not None)
             case "budget_exhausted":
                 name = budgets[int(result.detail[0]) - 1].key.rsplit(":", 2)[1]
                 raise GatewayError(ErrorCode.BUDGET_EXHAUSTED, f"budget {name!r} cannot hold this request's "

@@ -9,6 +9,7 @@ one slot, so the scripts also run on Redis Cluster. A store that cannot answer w
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,12 +92,15 @@ class Reservation:
     idem_body_hash: str = ""
     idem_ttl_ms: int = 0
 
-    def hint(self, prompt_bound: int) -> str:
+    prompt_bound: int = 0  # for a stream whose usage must be estimated
+
+    @functools.cached_property
+    def hint(self) -> str:
         """What settlement needs without reading the reservation back: the keys it touched (and the
-        prompt bound, for a stream whose usage must be estimated). Travels in Envoy's metadata."""
+        prompt bound). Travels in Envoy's metadata, and is stored with the reservation for the sweeper."""
         return json.dumps({"b": [b.key for b in self.budgets],
                            "r": [f"{q.key}={q.ms_per_unit!r}" for q in self.rates if q.per_token],
-                           "i": self.idem_key or "", "p": prompt_bound}, separators=(",", ":"))
+                           "i": self.idem_key or "", "p": self.prompt_bound}, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -141,15 +145,12 @@ class Store:
         idem = r.idem_key or f"{tag(t)}:idem:-"
         keys = [res_key(t, r.rid), leases_key(t), inflight_key(t), idem,
                 *(b.key for b in r.budgets), *(q.key for q in r.rates)]
-        tpm = [q for q in r.rates if q.per_token]
         args: list[Any] = [
             r.rid, r.now_ms, r.lease_until_ms, r.micros, r.tokens,
             -1 if r.max_in_flight is None else r.max_in_flight,
             -1 if r.max_in_flight_tokens is None else r.max_in_flight_tokens,
             len(r.budgets), len(r.rates), r.idem_body_hash, r.idem_ttl_ms,
-            json.dumps(r.record, separators=(",", ":")),
-            " ".join(b.key for b in r.budgets),
-            " ".join(f"{q.key}={q.ms_per_unit!r}" for q in tpm),
+            json.dumps(r.record, separators=(",", ":")), r.hint,
         ]
         for b in r.budgets:
             args += [-1 if b.limit_micros is None else b.limit_micros,
@@ -162,12 +163,6 @@ class Store:
     async def reservation(self, tenant: str, rid: str) -> dict[str, str]:
         held: dict[str, str] = await self._call(self.client.hgetall(res_key(tenant, rid)))
         return held
-
-    @staticmethod
-    def hint(held: dict[str, str]) -> str:
-        """The keys settlement needs, as stored with a reservation (see `settle`)."""
-        return json.dumps({"b": held.get("budgets", "").split(), "r": held.get("rates", "").split(),
-                           "i": held.get("idem", "")}, separators=(",", ":"))
 
     def _settle_call(self, tenant: str, rid: str, hint: str, outcome: dict[str, Any], charge_micros: int,
                      charge_tokens: int, idem_status: str, idem_response: str,
@@ -193,7 +188,7 @@ class Store:
             held = await self.reservation(tenant, rid)
             if not held:
                 return None
-            hint = self.hint(held)
+            hint = held.get("hint", "")
         keys, args = self._settle_call(tenant, rid, hint, outcome, charge_micros, charge_tokens, idem_status,
                                        idem_response, idem_ttl_ms)
         out = await self.pipe.evalsha(SETTLE, keys, args)

@@ -1,10 +1,10 @@
 """The store's Lua scripts. Every state change is one of these, so each is atomic in Valkey/Redis;
-they are loaded once and called by SHA (redis-py's Script falls back to EVAL after a restart).
+they are loaded once and called by SHA (extproc/store/pipe.py loads them again after a restart).
 All keys of one call share the tenant's hash tag, so they also run on Redis Cluster."""
 
 # KEYS: res, leases, inflight, idem, budgets..., rates...
 # ARGV: rid, now_ms, lease_until_ms, micros, tokens, max_inflight, max_inflight_tokens, n_budgets, n_rates,
-#       idem_body_hash, idem_ttl_ms, record_json, budget_keys_joined, rate_spec_joined,
+#       idem_body_hash, idem_ttl_ms, record_json, hint (the keys settlement touches: Reservation.hint),
 #       then per budget: limit_micros, limit_tokens, expire_at_s; then per rate: ms_per_unit, cost
 RESERVE = """
 local rid, now, lease_until = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -27,7 +27,7 @@ local nreq, ntok = tonumber(inflight[1] or '0'), tonumber(inflight[2] or '0')
 if max_inflight >= 0 and nreq + 1 > max_inflight then return {'concurrency_limited', 'requests'} end
 if max_tokens >= 0 and ntok + tokens > max_tokens then return {'concurrency_limited', 'tokens'} end
 
-local a = 15 + 3 * nb
+local a = 14 + 3 * nb
 local new_tats = {}
 for r = 1, nr do
   local ms_per_unit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
@@ -42,7 +42,7 @@ for r = 1, nr do
 end
 
 for b = 1, nb do
-  local lim_m, lim_t = tonumber(ARGV[15 + 3 * (b - 1)]), tonumber(ARGV[16 + 3 * (b - 1)])
+  local lim_m, lim_t = tonumber(ARGV[14 + 3 * (b - 1)]), tonumber(ARGV[15 + 3 * (b - 1)])
   local h = redis.call('HMGET', KEYS[4 + b], 'reserved_micros', 'settled_micros', 'reserved_tokens', 'settled_tokens')
   local used_m = tonumber(h[1] or '0') + tonumber(h[2] or '0')
   local used_t = tonumber(h[3] or '0') + tonumber(h[4] or '0')
@@ -55,7 +55,7 @@ for b = 1, nb do
   local key = KEYS[4 + b]
   redis.call('HINCRBY', key, 'reserved_micros', micros)
   redis.call('HINCRBY', key, 'reserved_tokens', tokens)
-  local expire_at = tonumber(ARGV[17 + 3 * (b - 1)])
+  local expire_at = tonumber(ARGV[16 + 3 * (b - 1)])
   if expire_at > 0 then redis.call('EXPIREAT', key, expire_at) end
 end
 for r = 1, nr do
@@ -65,7 +65,7 @@ redis.call('HINCRBY', KEYS[3], 'requests', 1)
 redis.call('HINCRBY', KEYS[3], 'tokens', tokens)
 redis.call('ZADD', KEYS[2], lease_until, rid)
 redis.call('HSET', KEYS[1], 'micros', micros, 'tokens', tokens, 'lease_until', lease_until,
-           'record', ARGV[12], 'budgets', ARGV[13], 'rates', ARGV[14], 'idem', idem_hash ~= '' and KEYS[4] or '')
+           'record', ARGV[12], 'hint', ARGV[13], 'idem', idem_hash ~= '' and KEYS[4] or '')
 if idem_hash ~= '' then
   redis.call('HSET', KEYS[4], 'body', idem_hash, 'state', 'inflight', 'rid', rid)
   redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[11]))
