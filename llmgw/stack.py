@@ -213,16 +213,16 @@ class Stack:
             key.write_text(secrets.token_hex(32))
         return {name: key.read_text().strip()}
 
-    def _store_args(self) -> list[str]:
-        """ext_proc uses the Valkey this stack started, unless gateway.yaml names a store."""
-        if not self.opts.with_valkey or self.snapshot.gateway.store.url:
-            return []
-        return ["--store-url", f"redis://127.0.0.1:{self.opts.valkey_port or 6379}/0"]
-
     @property
     def store_url(self) -> str | None:
+        """gateway.yaml's store, else the Valkey this stack starts (None: neither)."""
         return self.snapshot.gateway.store.url or (
             f"redis://127.0.0.1:{self.opts.valkey_port or 6379}/0" if self.opts.with_valkey else None)
+
+    def _store_args(self) -> list[str]:
+        """ext_proc reads gateway.yaml's store itself; the stack's own Valkey it is told about."""
+        url = self.store_url
+        return ["--store-url", url] if url and not self.snapshot.gateway.store.url else []
 
     def _start_extprocs(self, timeout: float) -> None:
         env = self._extproc_env()
