@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 
-from extproc.config.schema import Budget, Deployment, Route
+from extproc.config.schema import Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.stages.deadline import HEADER as DEADLINE_HEADER
@@ -100,11 +100,6 @@ def bound_of(ex: Exchange) -> tuple[int, int, int, str, int]:
     return prompt, max_tokens, micros, version, prompt + max_tokens
 
 
-def applies(b: Budget, ex: Exchange) -> bool:
-    assert ex.identity is not None and ex.route is not None
-    return b.matches(ex.identity.tenant, ex.identity.subject, ex.route.route_contract)
-
-
 class BudgetReservation:
     name = "budget"
 
@@ -127,7 +122,7 @@ class BudgetReservation:
         when = datetime.fromtimestamp(now, UTC)
         budgets = []
         for b in gw.budgets:
-            if applies(b, ex):
+            if b.matches(ident.tenant, ident.subject, route.route_contract):
                 wid, expire = window_id(b.window, when)
                 budgets.append(BudgetCharge(budget_key(ident.tenant, b.name, wid), b.limit_micros, b.limit_tokens,
                                             expire))
