@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from extproc.config import Snapshot
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
+from extproc.fallback import encode_plan
 
 if TYPE_CHECKING:
     from extproc.stages.budget import Held
@@ -45,7 +46,8 @@ class Exchange:
     redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
     held: Held | None = None  # the budget reservation, once the store granted it
     route: Route | None = None
-    deployment: Deployment | None = None
+    deployment: Deployment | None = None  # the first candidate
+    candidates: tuple[Deployment, ...] = ()  # every qualified candidate, in the route's order
     cluster: str = ""
     cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route
     endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
@@ -93,6 +95,8 @@ class Exchange:
             md["settle"] = "stream" if self.stream else "metered" if self.held.idempotent else "als"
             if self.stream:
                 md["stream"] = "1"
+                if self.route is not None:
+                    md["max_stream_ms"] = str(self.route.max_stream_ms)  # the stream guard ends it there
                 if self.withhold_usage:
                     md["withhold_usage"] = "1"
         if self.route is not None:
@@ -101,6 +105,9 @@ class Exchange:
             md["deployment"] = self.deployment.deployment
         if self.cluster:
             md["cluster"] = self.cluster
+        if len(self.candidates) > 1 and self.identity is not None:
+            # Read by the upstream filter of each attempt (extproc/attempts.py).
+            md["plan"] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
         if self.remaining_ms:
             # Read by the request-side header mutation after the buffer filter (Envoy's router).
             md["per_try_timeout_ms" if self.stream else "rq_timeout_ms"] = str(self.remaining_ms)

@@ -27,6 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
+from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
 from extproc.contract import ErrorCode, GatewayError
@@ -92,6 +93,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self.settler = Settler(store) if store is not None else None
         self.meter = Meter(self.settler, lambda: self.live.snapshot) if self.settler is not None else None
         self.guard = StreamGuard(self.meter) if self.meter is not None else None
+        self.attempts = AttemptFilter(store, lambda: self.live.snapshot)
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -111,8 +113,12 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
             return
+        role = dict(context.invocation_metadata() or ()).get("x-llmgw-role") if context is not None else None
+        if role == "attempt":  # the upstream filter of a fallback route, once per attempt
+            async for resp in self.attempts.handle(first, request_iterator):
+                yield resp
+            return
         if first.WhichOneof("request") in ("response_headers", "response_body"):
-            role = dict(context.invocation_metadata() or ()).get("x-llmgw-role") if context is not None else None
             if role == "streams" and self.guard is not None:
                 # The stream guard: Envoy waits for each chunk's answer.
                 async for resp in self.guard.guard(first, request_iterator):

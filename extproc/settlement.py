@@ -31,6 +31,7 @@ from extproc.config import Snapshot
 from extproc.config.schema import Deployment, Prices
 from extproc.contract import METADATA_NAMESPACE
 from extproc.exchange import Exchange
+from extproc.fallback import decode_plan
 from extproc.sse import MalformedStream, SseReader, StreamUsage
 from extproc.store import Settlement, Store, StoreUnavailable
 
@@ -41,9 +42,18 @@ BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
 MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 # What the meter filter asks Envoy for with the first response message (render uses this list).
-METER_ATTRIBUTES = ("request.id", "upstream.address", "response.code",
+ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
+METER_ATTRIBUTES = ("request.id", "upstream.address", "response.code", f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream",
-                                               "withhold_usage")))
+                                               "withhold_usage", "plan", "max_stream_ms")))
+
+
+def answered_by(snap: Snapshot, first: str, plan: str, answered: str) -> Deployment | None:
+    """The deployment whose prices apply: on a fallback route the candidate the attempt filter named,
+    if the plan holds it (an upstream cannot name a pricier one); otherwise the first candidate."""
+    if plan and answered and answered in decode_plan(plan)[1]:
+        return snap.deployments.get(answered)
+    return snap.deployments.get(first)
 
 
 def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:
@@ -211,7 +221,8 @@ class Meter:
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
                 stream_usage: StreamUsage, body: bytes, malformed: bool) -> None:
         snap = self.snapshot()
-        dep = snap.deployments.get(attr(attrs, f"{MD}['deployment']"))
+        dep = answered_by(snap, attr(attrs, f"{MD}['deployment']"), attr(attrs, f"{MD}['plan']"),
+                          attr(attrs, f"response.headers['{ANSWERED_BY}']"))
         held = json.loads(hint)
         usage: dict[str, Any] | None = None
         source = "none"
@@ -266,7 +277,8 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         if not tenant or not hint or not rid:
             return
         snap = self.snapshot()
-        dep = snap.deployments.get(attr(md, "deployment"))
+        dep = answered_by(snap, attr(md, "deployment"), attr(md, "plan"),
+                          entry.response.response_headers.get(ANSWERED_BY, ""))
         status = entry.response.response_code.value
         flags = common.response_flags
         prompt = attr(md, "usage_prompt")  # present only when json_to_metadata found a usage object

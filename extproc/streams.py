@@ -6,6 +6,8 @@
 - A failure after the first byte (an upstream error event, a malformed event, an end without
   `[DONE]`) ends the client's stream with the contract's `stream_interrupted` event and no normal
   finish, and is recorded as `stream_interrupted`.
+- A stream longer than its route's `max_stream_ms` ends the same way; at its next chunk the exchange
+  is reset, so the engine stops generating.
 - A stream Envoy cuts (reset, idle timeout, client gone) ends this exchange without an end of stream:
   what was seen settles as `partial`.
 """
@@ -13,10 +15,12 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
 
 from extproc.contract import ErrorCode, error_body
 from extproc.settlement import ATTRIBUTES, MD, Meter, attr, with_first
@@ -39,7 +43,9 @@ class StreamGuard:
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
         usage, buf = StreamUsage(), bytearray()
-        broken, complete = "", False
+        broken, over, complete = "", "", False
+        limit_ms = attr(attrs, f"{MD}['max_stream_ms']")
+        ends_at = time.monotonic() + int(limit_ms) / 1000 if limit_ms.isdigit() else None
 
 
         # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
@@ -54,6 +60,13 @@ class StreamGuard:
                     complete = complete or msg.response_body.end_of_stream
                     continue
                 out = bytearray()
+                if usage.error and over:
+                    # The client has its event: reset the exchange, so the engine stops generating.
+                    yield ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+                        status=http_status_pb2.HttpStatus(code=504), details="llmgw_max_stream_duration"))
+                    break
+                if not broken and ends_at is not None and time.monotonic() > ends_at:
+                    broken = over = "the stream reached the route's maximum duration (max_stream_ms)"
                 if not broken:
                     buf += msg.response_body.body
                     for event in take_events(buf):

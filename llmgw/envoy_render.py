@@ -48,6 +48,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_m
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
@@ -59,16 +60,27 @@ from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, status_code_input_pb2, string_pb2, value_pb2
 from envoy.type.metadata.v3 import metadata_pb2 as metadata_key_pb2
-from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
+from google.protobuf import (
+    any_pb2,
+    descriptor_pb2,
+    descriptor_pool,
+    duration_pb2,
+    json_format,
+    message_factory,
+    struct_pb2,
+    wrappers_pb2,
+)
 from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
+from extproc.attempts import ATTEMPT_ATTRIBUTES
 from extproc.config import Snapshot
 from extproc.config.schema import ExtprocTls, ListenerTls, TlsSettings
 from extproc.contract import METADATA_NAMESPACE, ErrorCode
+from extproc.fallback import candidate_subsets, composite_name
 from extproc.picker import LB_KEY, LB_NAMESPACE
-from extproc.settlement import METER_ATTRIBUTES
+from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
 
 EXTPROC_CLUSTER = "llmgw_extproc"
 ADMIT_KEY = "cluster"  # io.llmgw metadata key naming the cluster ext_proc admitted the request to
@@ -278,8 +290,11 @@ ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
 
 
 def _upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
-    return [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, value=v),
-                                       append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    """x-llmgw-deployment only where absent: on a fallback route the attempt filter named the candidate
+    that answered; every other admitted route removes whatever an upstream sent under that name."""
+    hvo = base_pb2.HeaderValueOption
+    return [hvo(header=base_pb2.HeaderValue(key=k, value=v),
+                append_action=hvo.ADD_IF_ABSENT if k == ANSWERED_BY else hvo.OVERWRITE_IF_EXISTS_OR_ADD)
             for k, v in ANSWER_HEADERS]
 
 
@@ -450,14 +465,15 @@ def _settlement_log() -> accesslog_pb2.AccessLog:
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
-        buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)))
+        buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)),
+        additional_response_headers_to_log=[ANSWERED_BY])
     return accesslog_pb2.AccessLog(
         name="envoy.access_loggers.http_grpc",
         filter=which,
         typed_config=pack(config))
 
 
-def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
+def _route_config(clusters: Iterable[str], stream_idle_ms: int) -> route_pb2.RouteConfiguration:
     json_ct = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
                                                                       value="application/json"))]
     routes = [
@@ -494,10 +510,15 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                 match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
                     md(ADMIT_KEY, cluster), *([md("settle", kind)] if kind else [])]),
                 route=route_components_pb2.RouteAction(
-                    cluster=cluster, timeout=duration_ms(0), idle_timeout=duration_ms(300_000),
+                    # A JSON answer is silent until generated: its bound is the deadline. A stream's
+                    # silence is bounded per attempt (and an attempt silent before its first byte may
+                    # be retried or fall back, when ext_proc's retry policy says `reset`).
+                    cluster=cluster, timeout=duration_ms(0),
+                    idle_timeout=duration_ms(stream_idle_ms if kind == "stream" else 300_000),
                     # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
                     # x-envoy-max-retries, set after the decision). A retry goes to another engine.
                     retry_policy=route_components_pb2.RetryPolicy(
+                        per_try_idle_timeout=duration_ms(stream_idle_ms) if kind == "stream" else None,
                         num_retries=wrappers_pb2.UInt32Value(value=0),
                         retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
                             name="envoy.retry_host_predicates.previous_hosts",
@@ -506,6 +527,7 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
                 ),
                 # The caller's gateway credential never travels upstream.
                 request_headers_to_remove=["authorization"],
+                response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
                 typed_per_filter_config={**_admitted_route_filters(), **per_route}))
     routes += [
         # Reached only when ext_proc never saw the request: a chat completion without a body.
@@ -526,7 +548,8 @@ def _route_config(clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
             response_headers_to_add=json_ct, typed_per_filter_config=_ext_proc_disabled()),
     ]
     return route_pb2.RouteConfiguration(name="llmgw", virtual_hosts=[route_components_pb2.VirtualHost(
-        name="llmgw", domains=["*"], routes=routes, include_attempt_count_in_response=True)])
+        name="llmgw", domains=["*"], routes=routes, include_attempt_count_in_response=True,
+        include_request_attempt_count=True)])
 
 
 def _string_value_matcher(s: str) -> value_pb2.ValueMatcher:
@@ -563,7 +586,7 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
         always_set_request_id_in_response=True,
         stream_idle_timeout=duration_ms(300_000),
         request_timeout=duration_ms(0),
-        route_config=_route_config(clusters),
+        route_config=_route_config(clusters, snap.gateway.envoy.stream_idle_timeout_ms),
         local_reply_config=_local_reply_config(),
         access_log=[*([_access_log()] if access_log else []), *([_settlement_log()] if meters(snap) else [])],
         http_filters=[
@@ -583,12 +606,94 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
     )
 
 
+PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
 def _protocol_options(http2: bool) -> dict[str, any_pb2.Any]:
     opts = http_protocol_options_pb2.HttpProtocolOptions
     explicit = (opts.ExplicitHttpConfig(http2_protocol_options=protocol_pb2.Http2ProtocolOptions(
         max_concurrent_streams=wrappers_pb2.UInt32Value(value=100_000)))
                 if http2 else opts.ExplicitHttpConfig(http_protocol_options=protocol_pb2.Http1ProtocolOptions()))
-    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": pack(opts(explicit_http_config=explicit))}
+    return {PROTOCOL_OPTIONS: pack(opts(explicit_http_config=explicit))}
+
+
+ATTEMPT_ROLE = ("x-llmgw-role", "attempt")
+
+
+def _attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
+    """ext_proc once per attempt (an upstream filter): which candidate this attempt goes to, its body
+    and credential, and the attempt's record (extproc/attempts.py). Fails closed: an attempt that
+    cannot be addressed is not sent."""
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+            initial_metadata=[base_pb2.HeaderValue(key=ATTEMPT_ROLE[0], value=ATTEMPT_ROLE[1])]),
+        failure_mode_allow=False,
+        processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
+                           response_header_mode=pm.SEND, response_body_mode=pm.NONE,
+                           request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        request_attributes=list(ATTEMPT_ATTRIBUTES),
+        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
+    )
+
+
+def _attempt_filters(snap: Snapshot) -> dict[str, any_pb2.Any]:
+    """The upstream filter chain of a composite cluster: Envoy builds it from the routed cluster (the
+    composite), whichever sub-cluster's host an attempt goes to."""
+    opts = http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http_protocol_options=protocol_pb2.Http1ProtocolOptions()),
+        http_filters=[hcm_pb2.HttpFilter(name="llmgw.attempt", typed_config=pack(_attempt_filter(snap))),
+                      hcm_pb2.HttpFilter(name="envoy.filters.http.upstream_codec",
+                                         typed_config=pack(upstream_codec_pb2.UpstreamCodec()))])
+    return {PROTOCOL_OPTIONS: pack(opts)}
+
+
+def _composite_config_class() -> type[Message]:
+    """envoy.extensions.clusters.composite.v3.ClusterConfig, which xds-protos does not ship yet:
+    declared here (two fields) so the bootstrap stays built from typed messages."""
+    name = "envoy.extensions.clusters.composite.v3.ClusterConfig"
+    pool = descriptor_pool.Default()
+    try:
+        return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto(name="llmgw/composite_cluster.proto",
+                                             package="envoy.extensions.clusters.composite.v3", syntax="proto3")
+    cfg = fdp.message_type.add(name="ClusterConfig")
+    entry = cfg.nested_type.add(name="ClusterEntry")
+    fd = descriptor_pb2.FieldDescriptorProto
+    entry.field.add(name="name", number=1, type=fd.TYPE_STRING, label=fd.LABEL_OPTIONAL, json_name="name")
+    cfg.field.add(name="clusters", number=1, type=fd.TYPE_MESSAGE, label=fd.LABEL_REPEATED,
+                  type_name=".envoy.extensions.clusters.composite.v3.ClusterConfig.ClusterEntry",
+                  json_name="clusters")
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+
+
+def _composite_cluster(snap: Snapshot, name: str, sub_clusters: Iterable[str]) -> cluster_pb2.Cluster:
+    """Attempt N goes to sub-cluster N (Envoy's composite cluster); there is none beyond the last."""
+    config_class = _composite_config_class()
+    config = config_class(clusters=[config_class.ClusterEntry(name=c) for c in sub_clusters])
+    return cluster_pb2.Cluster(
+        name=name, connect_timeout=duration_ms(1000), lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
+        cluster_type=cluster_pb2.Cluster.CustomClusterType(name="envoy.clusters.composite", typed_config=pack(config)),
+        typed_extension_protocol_options=_attempt_filters(snap))
+
+
+def fallback_clusters(snap: Snapshot, known: set[str]) -> list[cluster_pb2.Cluster]:
+    """For each route with several candidates: a composite cluster per ordered subset of them, so that
+    whichever qualify for a request, its cluster holds exactly those."""
+    composites: list[cluster_pb2.Cluster] = []
+    for route in snap.routes.values():
+        clusters = [snap.pool_of(snap.deployments[c.deployment_name]) if c.deployment_name in snap.deployments
+                    else "" for c in route.candidates]
+        for subset in candidate_subsets(len(clusters)):
+            if all(clusters[i] in known for i in subset):  # a candidate without a deployment never qualifies
+                composites.append(_composite_cluster(snap, composite_name(route.route_contract, subset),
+                                                     [clusters[i] for i in subset]))
+    return composites
 
 
 def static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, connect_ms: int,
@@ -597,8 +702,8 @@ def static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, con
     for host, port in hosts:
         lb = endpoint_components_pb2.LbEndpoint(
             endpoint=endpoint_components_pb2.Endpoint(address=socket_address(host, port)))
-        if metadata:
-            lb.metadata.filter_metadata[METADATA_NAMESPACE].update(metadata)
+        # The attempt filter reads which candidate cluster a host belongs to.
+        lb.metadata.filter_metadata[METADATA_NAMESPACE].update({"cluster": name, **(metadata or {})})
         endpoints.append(lb)
     hosts = list(hosts)
     # Compose and Kubernetes address services by name; loopback deployments by IP.
@@ -663,7 +768,10 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         if dep.endpoints:
             clusters.append(static_cluster(snap.pool_of(dep), (_hp(e) for e in dep.endpoints),
                                             http2=False, connect_ms=1000))
-    hcm = _hcm(snap, [c.name for c in clusters[1:]], opts.access_log)
+    upstream = [c.name for c in clusters[1:]]
+    fallbacks = fallback_clusters(snap, set(upstream))
+    clusters += fallbacks
+    hcm = _hcm(snap, upstream + [c.name for c in fallbacks], opts.access_log)
     listener = listener_pb2.Listener(
         name="llmgw", address=socket_address(*opts.listen),
         per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes),

@@ -197,6 +197,9 @@ class EnvoySettings(Strict):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_connections: int = Field(default=10_000, gt=0)  # downstream connections Envoy accepts at once
     extproc_message_timeout_ms: int = Field(default=1000, gt=0)
+    # Longest silence between a stream's chunks, before its first byte too (each attempt's own limit):
+    # a stalled stream ends as stream_interrupted; before any byte, the attempt may fall back.
+    stream_idle_timeout_ms: int = Field(default=60_000, gt=0)
     concurrency: int = Field(default=1, ge=1)
 
 
@@ -303,6 +306,7 @@ class Deployment(Strict):
     data_classes: tuple[Name, ...] = Field(min_length=1)
     retire_at: date | None = None
     withdrawn: bool = False
+    credential_ref: CredentialRef | None = None  # sent as a bearer token to this deployment's upstream
 
     @model_validator(mode="after")
     def _one_upstream(self) -> Deployment:
@@ -356,7 +360,7 @@ class Candidate(Strict):
 class RetryPolicy(Strict):
     attempts: int = Field(default=1, ge=1, le=5)
     eligible_failures: tuple[
-        Literal["connect_before_send", "rate_limited", "overloaded", "unavailable"], ...
+        Literal["connect_before_send", "rate_limited", "overloaded", "unavailable", "no_first_byte"], ...
     ] = ("connect_before_send",)
     requires: Literal["read_only_or_idempotency_key", "idempotency_key", "never"] = (
         "read_only_or_idempotency_key"
@@ -372,10 +376,13 @@ class TelemetryPolicy(Strict):
     propagate_trace_context: bool = True
 
 
+MAX_CANDIDATES = 5  # per route; the renderer writes a composite cluster per ordered subset (26 at most)
+
+
 class Route(Strict):
     route_contract: Name
     request_class: Name
-    candidates: tuple[Candidate, ...] = Field(min_length=1)
+    candidates: tuple[Candidate, ...] = Field(min_length=1, max_length=MAX_CANDIDATES)
     credential_ref: CredentialRef | None = None
     deadline_ms: int = Field(default=30_000, gt=0)
     max_stream_ms: int = Field(default=600_000, gt=0)  # a stream's whole length after its first byte

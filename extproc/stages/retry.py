@@ -4,11 +4,14 @@ router as `x-envoy-retry-on`, `x-envoy-retriable-status-codes` and `x-envoy-max-
 client's own values are overwritten).
 
 - Eligible failures come from the route: `connect_before_send` (connect failure, refused stream,
-  reset before the request was sent), `rate_limited` (429), `overloaded` (529), `unavailable` (503).
+  reset before the request was sent), `rate_limited` (429), `overloaded` (529), `unavailable` (503),
+  `no_first_byte` (the per-try limit passed, or a reset, before the response headers).
   400, 401 and 403 are never in the list, so they are never retried.
 - A request with effects (a tool whose catalog entry has effects) is retried only with an
   `Idempotency-Key`; `requires: idempotency_key` demands one always; `never` turns retries off.
-- The route's `retry.attempts` is how many retries may follow the first attempt. All attempts share
+- The route's `retry.attempts` is how many retries may follow the first attempt. With one qualified
+  candidate a retry goes to another engine of it (transport retry); with several, to the next
+  candidate (failover or model fallback), never more retries than candidates left. All attempts share
   the one deadline: the router's timeout is the remaining time; a stream has no whole-request
   timeout, so its per-try limit (time to headers) is the remaining time divided among the attempts.
 """
@@ -22,6 +25,9 @@ RETRY_ON = {
     "rate_limited": "retriable-status-codes",
     "overloaded": "retriable-status-codes",
     "unavailable": "retriable-status-codes",
+    # No response headers within the per-try limit (a stream's time to first byte), or a reset before
+    # them: nothing reached the client yet.
+    "no_first_byte": "reset",
 }
 STATUS_CODES = {"rate_limited": "429", "overloaded": "529", "unavailable": "503"}
 
@@ -43,6 +49,8 @@ class Retries:
         ex.retry_on = ",".join(dict.fromkeys(
             part for f in policy.eligible_failures for part in RETRY_ON[f].split(",")))
         ex.retriable_codes = ",".join(STATUS_CODES[f] for f in policy.eligible_failures if f in STATUS_CODES)
-        ex.max_retries = policy.attempts
+        # A plan of several candidates: each retry goes to the next one (a composite cluster has no
+        # host for an attempt beyond its last candidate).
+        ex.max_retries = policy.attempts if len(ex.candidates) < 2 else min(policy.attempts, len(ex.candidates) - 1)
         if ex.stream and ex.remaining_ms:
-            ex.remaining_ms = max(1, ex.remaining_ms // (policy.attempts + 1))
+            ex.remaining_ms = max(1, ex.remaining_ms // (ex.max_retries + 1))

@@ -1,5 +1,7 @@
-"""Routing: the `model` names a route contract; pick the first qualified candidate and address it:
-the body names the deployment's served model and carries the tenant's prefix-cache salt.
+"""Routing: the `model` names a route contract; its qualified candidates, in the route's order, are the
+request's attempt plan (one: its own cluster; several: the composite cluster of exactly those, see
+extproc/fallback.py). The body names the first candidate's served model (the upstream filter rewrites
+it for a fallback) and carries the tenant's prefix-cache salt.
 
 Eligibility (invariant 2): the candidate and its deployment serve the request's data class and a
 region the tenant allows; passing, unexpired evidence of every required kind exists for the exact
@@ -23,6 +25,7 @@ from extproc.config import Snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE, Candidate
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
+from extproc.fallback import composite_name
 from extproc.picker import Picker
 
 
@@ -115,13 +118,14 @@ class RouteSelection:
                              max_tokens=requested_max_tokens(ex.body, route.max_tokens_cap,
                                                              snap.gateway.limits.default_max_tokens))
         refused: dict[str, set[str]] = {}
-        for cand in route.candidates:
+        qualified: list[int] = []
+        for i, cand in enumerate(route.candidates):
             failed = disqualifications(snap, cand, facts)
-            if not failed:
-                dep = snap.deployments[cand.deployment_name]
-                break
-            refused[cand.deployment_name] = failed
-        else:
+            if failed:
+                refused[cand.deployment_name] = failed
+            else:
+                qualified.append(i)
+        if not qualified:
             reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
             if all(f == {"context"} for f in refused.values()):
                 raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
@@ -129,8 +133,11 @@ class RouteSelection:
                                    "messages")
             raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,
                                f"no candidate of route {route.route_contract!r} qualifies ({reasons})")
-        ex.deployment = dep
-        ex.cluster = snap.pool_of(dep)
+        ex.candidates = tuple(snap.deployments[route.candidates[i].deployment_name] for i in qualified)
+        dep = ex.deployment = ex.candidates[0]
+        # Several qualified: the composite cluster of exactly these, tried in the route's order.
+        ex.cluster = (composite_name(route.route_contract, qualified) if len(qualified) > 1
+                      else snap.pool_of(dep))
         body = dict(ex.body)
         body["model"] = dep.served_model
         # Invariant 10: the prefix-cache salt is the tenant's, whatever the client sent.

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from extproc.store.errors import StoreUnavailable
 from extproc.store.pipe import ScriptPipe
-from extproc.store.scripts import RESERVE, SETTLE
+from extproc.store.scripts import ATTEMPT, RESERVE, SETTLE
 
 __all__ = ["Store", "StoreUnavailable"]
 
@@ -204,6 +204,10 @@ class Store:
         if failed:
             raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")
 
+    async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
+        """One attempt of a fallback route (extproc/attempts.py); settlement puts them in the ledger."""
+        await self.pipe.evalsha(ATTEMPT, [res_key(tenant, rid)], [n, json.dumps(record, separators=(",", ":"))])
+
     async def append_ledger(self, tenant: str, facts: dict[str, Any], outcome: dict[str, Any]) -> None:
         """The entry of a request that reserved nothing (denied, refused before dispatch)."""
         await self._call(self.client.xadd(ledger_key(tenant), {
@@ -219,6 +223,15 @@ class Store:
 def ledger_entry(fields: dict[str, str]) -> dict[str, Any]:
     """One ledger entry as one record: admission facts, outcome, and the amounts."""
     rec: dict[str, Any] = {**json.loads(fields.get("record") or "{}"), **json.loads(fields.get("outcome") or "{}")}
+    if fields.get("attempts"):
+        # Each attempt as its filter saw it; what Envoy reported of the last one (address, first byte)
+        # joins the last.
+        attempts = json.loads(fields["attempts"])
+        final = (rec.get("attempts") or [{}])[-1]
+        if attempts:
+            attempts[-1] = {**{k: v for k, v in final.items() if k not in ("deployment", "adapter", "status")},
+                            **attempts[-1]}
+        rec["attempts"] = attempts
     for k in ("reserved_micros", "reserved_tokens", "charged_micros", "charged_tokens"):
         rec[k] = int(fields.get(k, 0))
     return rec

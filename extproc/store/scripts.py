@@ -81,7 +81,7 @@ return {'ok'}
 # Returns {1, reserved_micros, reserved_tokens, charged_micros, charged_tokens}, or {0} when already settled.
 SETTLE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
-local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem', 'record')
+local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem', 'record', 'att:1')
 local rm, rt = tonumber(res[1]), tonumber(res[2])
 local cm, ct = tonumber(ARGV[2]), tonumber(ARGV[3])
 if cm < 0 or cm > rm then cm = rm end
@@ -106,8 +106,16 @@ end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'requests', -1)
 redis.call('HINCRBY', KEYS[3], 'tokens', -rt)
-redis.call('XADD', KEYS[4], '*', 'record', res[4] or '{}', 'outcome', ARGV[4],
-           'reserved_micros', rm, 'reserved_tokens', rt, 'charged_micros', cm, 'charged_tokens', ct)
+local entry = {'record', res[4] or '{}', 'outcome', ARGV[4],
+               'reserved_micros', rm, 'reserved_tokens', rt, 'charged_micros', cm, 'charged_tokens', ct}
+if res[5] then  -- attempts the attempt filter recorded (fallback routes): every one of them, in order
+  local atts = redis.call('HMGET', KEYS[1], 'att:1', 'att:2', 'att:3', 'att:4', 'att:5', 'att:6')
+  local list = {}
+  for i = 1, #atts do if atts[i] then list[#list + 1] = atts[i] end end
+  entry[#entry + 1] = 'attempts'
+  entry[#entry + 1] = '[' .. table.concat(list, ',') .. ']'
+end
+redis.call('XADD', KEYS[4], '*', unpack(entry))
 if res[3] and res[3] ~= '' then
   if ARGV[7] ~= '' then
     redis.call('HSET', KEYS[5], 'state', 'done', 'status', ARGV[7], 'response', ARGV[8])
@@ -118,4 +126,12 @@ if res[3] and res[3] ~= '' then
 end
 redis.call('DEL', KEYS[1])
 return {1, rm, rt, cm, ct}
+"""
+
+# KEYS: res. ARGV: attempt number, record_json. An attempt of a reservation that is still open (a
+# settled or unknown one gains nothing: no stray keys); settlement copies the attempts into the ledger.
+ATTEMPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'att:' .. ARGV[1], ARGV[2])
+return 1
 """

@@ -1,0 +1,52 @@
+"""Fallback before the first byte (invariant 7): names shared by the renderer and the data plane.
+
+A request whose route has more than one qualified candidate is sent to a composite cluster whose
+sub-clusters are exactly those candidates, in the route's order: attempt 1 goes to the first, each
+retry to the next (Envoy's `envoy.clusters.composite`). One composite exists per ordered subset of a
+route's candidates, so whichever candidates qualify for a request, the cluster it is sent to holds
+no other: a candidate that failed qualification is never tried, not even as a fallback.
+
+The composite's upstream filter chain holds ext_proc, which runs once per attempt
+(extproc/attempts.py): it learns the candidate from the attempt plan and the chosen host, rewrites
+the body for it, injects its credential and records the attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import combinations
+
+from extproc.config.schema import Deployment
+
+
+def composite_name(route: str, indices: Sequence[int]) -> str:
+    """The composite cluster for these candidates (indices into the route's list, ascending)."""
+    return f"fallback_{route}_" + "_".join(str(i) for i in indices)
+
+
+def candidate_subsets(n: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered subset of two or more of a route's n candidates."""
+    for size in range(2, n + 1):
+        yield from combinations(range(n), size)
+
+
+def encode_plan(tenant: str, deployments: Sequence[str]) -> str:
+    return f"{tenant};{','.join(deployments)}"
+
+
+def decode_plan(value: str) -> tuple[str, list[str]]:
+    tenant, _, deps = value.partition(";")
+    return tenant, [d for d in deps.split(",") if d]
+
+
+def attempt_kind(previous: Deployment | None, current: Deployment) -> str:
+    """How the ledger tells attempts apart: the first; a transport retry (same deployment); a provider
+    failover (another deployment of the same model); a model fallback (a different served system
+    that the route lists under the same contract)."""
+    if previous is None:
+        return "first"
+    if previous.deployment == current.deployment:
+        return "transport_retry"
+    if previous.fingerprint.model_digest == current.fingerprint.model_digest:
+        return "provider_failover"
+    return "model_fallback"

@@ -1,0 +1,170 @@
+"""Fallback before the first byte (invariant 7), through real Envoy: a route of two candidates on two
+simulated pools, the second a different model (a model fallback) that may serve only public and
+internal data. Two ext_proc workers, so an attempt's filter and the request's decision may run on
+different processes; the attempts meet in the store.
+
+- Candidate 1 answers 503 before any header: candidate 2 serves, addressed by its own model name;
+  `x-llmgw-attempts: 2`, `x-llmgw-deployment` names candidate 2, the ledger lists both attempts and
+  prices the answer at candidate 2's prices.
+- A confidential request never reaches candidate 2, not even when candidate 1 fails.
+- A stream whose first byte is later than its per-try limit falls back to candidate 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from extproc.config import load_snapshot
+from llmgw.stack import DEMO_KEYS, Stack
+from tests.conftest import POLICY, start_stack
+from tests.helpers import assert_contract_error, chat_body, request
+from tests.test_budgets_e2e import ledger
+
+pytestmark = pytest.mark.e2e
+KEY = DEMO_KEYS["acme"]
+BACKUP = "backup-qwen-7b"
+BACKUP_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+BACKUP_PRICES = {"version": "2026-11-b", "currency": "USD", "input_per_mtok": 400000,
+                 "cached_input_per_mtok": 200000, "output_per_mtok": 1600000}
+
+
+def fallback_policy(root: Path) -> Path:
+    dst = root / "policy"
+    shutil.copytree(POLICY, dst)
+    gw = yaml.safe_load((dst / "gateway.yaml").read_text())
+    gw["pools"]["backup-pool"] = {"endpoints": ["127.0.0.1:8121"]}
+    (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
+    dep.update(deployment=BACKUP, pool="backup-pool", served_model=BACKUP_MODEL, context_window=32768,
+               data_classes=["public", "internal"], prices=BACKUP_PRICES)
+    dep["fingerprint"]["model_digest"] = "sha256:" + "ab" * 32
+    (dst / f"deployments/{BACKUP}.yaml").write_text(yaml.safe_dump(dep))
+    ref = next(d.ref for d in load_snapshot(dst).deployments.values() if d.deployment == BACKUP)
+    for kind in ("conformance", "quality_gate"):
+        (dst / f"evidence/backup-{kind}.yaml").write_text(yaml.safe_dump({
+            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": "2026-11-30",
+            "expires_at": "2027-05-31"}))
+    route = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
+    first = route["candidates"][0]
+    route["candidates"] = [first, {**first, "deployment_ref": ref, "data_classes": ["public", "internal"]}]
+    route["retry"] = {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable", "no_first_byte"],
+                      "requires": "read_only_or_idempotency_key"}
+    (dst / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("fallback")
+    s = start_stack(tmp / "state", fallback_policy(tmp), workers=2)
+    yield s
+    s.stop()
+
+
+def fault_all(stack: Stack, pool: str, fault: str | None) -> None:
+    """Every engine of the pool answers its next request with this fault (None: clear faults)."""
+    for url in stack.engine_urls(pool):
+        request(f"{url}/admin/faults", "DELETE")
+        if fault:
+            request(f"{url}/admin/faults", "POST", {"fault": fault, "count": 1})
+
+
+@pytest.fixture(autouse=True)
+def clean_engines(gw: Stack) -> Iterator[None]:
+    for url in gw.engine_urls():
+        request(f"{url}/admin/requests", "DELETE")
+        request(f"{url}/admin/faults", "DELETE")
+    yield
+    for url in gw.engine_urls():
+        request(f"{url}/admin/faults", "DELETE")
+
+
+def received(stack: Stack, pool: str) -> list[dict[str, Any]]:
+    return [e for url in stack.engine_urls(pool) for e in request(f"{url}/admin/requests").json()]
+
+
+def ledger_of(stack: Stack, rid: str) -> dict[str, Any]:
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        found = [e for e in ledger(stack, "acme") if e.get("request_id") == rid]
+        if found:
+            assert len(found) == 1, found
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no ledger entry for {rid}")
+
+
+def chat(stack: Stack, content: str, **headers: str) -> Any:
+    return request(f"{stack.url}/v1/chat/completions", "POST", chat_body(content=content, max_tokens=4),
+                   headers={"authorization": f"Bearer {KEY}", **headers}, timeout=30)
+
+
+def test_candidate_1_answering_503_falls_back_to_candidate_2(gw: Stack) -> None:
+    fault_all(gw, "engine-pool", "status=503")
+    r = chat(gw, "fall back please")
+    assert r.status == 200, r.body
+    assert r.headers["x-llmgw-attempts"] == "2"
+    assert r.headers["x-llmgw-deployment"] == BACKUP
+    first, second = received(gw, "engine-pool"), received(gw, "backup-pool")
+    assert [(e["status"], e["model"]) for e in first] == [(503, "meta-llama/Llama-3.1-8B-Instruct")]
+    # The attempt filter addressed candidate 2 by its own model; no credential reached either.
+    assert [(e["status"], e["model"]) for e in second] == [(200, BACKUP_MODEL)]
+    assert not first[0]["authorization_present"] and not second[0]["authorization_present"]
+    assert second[0]["cache_salt"] == first[0]["cache_salt"]  # the tenant's salt on every attempt
+
+    entry = ledger_of(gw, r.headers["x-request-id"])
+    assert [(a["n"], a["deployment"], a["kind"], a["status"]) for a in entry["attempts"]] == [
+        (1, "pool-llama-8b", "first", 503), (2, BACKUP, "model_fallback", 200)]
+    assert entry["termination"] == "complete" and entry["settlement"] == "actual"
+    usage = json.loads(r.body)["usage"]
+    expected = math.ceil((usage["prompt_tokens"] * BACKUP_PRICES["input_per_mtok"]
+                          + usage["completion_tokens"] * BACKUP_PRICES["output_per_mtok"]) / 1e6)
+    assert entry["price_version"] == BACKUP_PRICES["version"]
+    assert entry["charged_micros"] == expected
+
+
+def test_a_healthy_candidate_1_serves_alone(gw: Stack) -> None:
+    r = chat(gw, "no fallback needed")
+    assert r.status == 200, r.body
+    assert (r.headers["x-llmgw-attempts"], r.headers["x-llmgw-deployment"]) == ("1", "pool-llama-8b")
+    assert received(gw, "backup-pool") == []
+    entry = ledger_of(gw, r.headers["x-request-id"])
+    assert [(a["deployment"], a["kind"], a["status"]) for a in entry["attempts"]] == [
+        ("pool-llama-8b", "first", 200)]
+    assert entry["price_version"] == "2026-11"
+
+
+def test_a_candidate_not_allowed_for_the_data_class_is_never_tried(gw: Stack) -> None:
+    fault_all(gw, "engine-pool", "status=503")
+    r = chat(gw, "confidential, and candidate 1 is down", **{"x-llmgw-data-class": "confidential"})
+    # Candidate 2 does not serve confidential data: the one retry went to another engine of candidate 1.
+    assert_contract_error(r, 502, "upstream_error")
+    assert [e["status"] for e in received(gw, "engine-pool")] == [503, 503]
+    assert received(gw, "backup-pool") == []
+
+
+def test_a_stream_whose_first_byte_is_late_falls_back(gw: Stack) -> None:
+    fault_all(gw, "engine-pool", "delay_ms=1500")
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0, timeout=30)
+    t0 = time.monotonic()
+    # A 2 s deadline over two attempts: each gets 1 s to its response headers.
+    raw = client.chat.completions.with_raw_response.create(
+        model="chat-default", max_tokens=4, stream=True, messages=[{"role": "user", "content": "slow start"}],
+        extra_headers={"x-llmgw-deadline-ms": "2000"})
+    text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    assert text
+    assert raw.headers["x-llmgw-deployment"] == BACKUP and raw.headers["x-llmgw-attempts"] == "2"
+    assert time.monotonic() - t0 < 2.0
+    entry = ledger_of(gw, raw.headers["x-request-id"])
+    assert [(a["deployment"], a["status"]) for a in entry["attempts"]] == [("pool-llama-8b", 0), (BACKUP, 200)]
+    assert entry["termination"] == "complete"
