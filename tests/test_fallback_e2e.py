@@ -168,3 +168,19 @@ def test_a_stream_whose_first_byte_is_late_falls_back(gw: Stack) -> None:
     entry = ledger_of(gw, raw.headers["x-request-id"])
     assert [(a["deployment"], a["status"]) for a in entry["attempts"]] == [("pool-llama-8b", 0), (BACKUP, 200)]
     assert entry["termination"] == "complete"
+
+
+def test_two_slow_candidates_share_one_deadline(gw: Stack) -> None:
+    fault_all(gw, "engine-pool", "delay_ms=3000")
+    fault_all(gw, "backup-pool", "delay_ms=3000")
+    t0 = time.monotonic()
+    r = request(f"{gw.url}/v1/chat/completions", "POST", chat_body(content="both slow", max_tokens=4, stream=True),
+                headers={"authorization": f"Bearer {KEY}", "x-llmgw-deadline-ms": "500"}, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert_contract_error(r, 504, "deadline_exceeded")
+    assert elapsed < 0.6, elapsed  # 500 ms + 100 ms: the second attempt had only what was left
+    # Both candidates were tried, each within its share of the one deadline.
+    assert len(received(gw, "engine-pool")) == 1 and len(received(gw, "backup-pool")) == 1
+    entry = ledger_of(gw, r.headers["x-request-id"])
+    assert [(a["deployment"], a["status"]) for a in entry["attempts"]] == [("pool-llama-8b", 0), (BACKUP, 0)]
+    assert entry["charged_micros"] == 0 and entry["settlement"] == "released"

@@ -1,0 +1,106 @@
+"""Fallback plans without Envoy: which composite clusters exist, which candidate an attempt goes to,
+how attempts are told apart, and whose prices apply. The end-to-end proof is test_fallback_e2e."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.attempts import body_for, choose_candidate
+from extproc.config import Snapshot, load_snapshot
+from extproc.contract import GatewayError
+from extproc.fallback import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan
+from extproc.settlement import answered_by
+from llmgw.envoy_render import RenderOptions, render_yaml
+from llmgw.procs import envoy_binary
+from tests.test_fallback_e2e import BACKUP, BACKUP_MODEL, fallback_policy
+
+FIRST = "pool-llama-8b"
+
+
+@pytest.fixture(scope="module")
+def snap(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
+    return load_snapshot(fallback_policy(tmp_path_factory.mktemp("fallback-units")))
+
+
+def test_every_ordered_subset_of_two_or_more() -> None:
+    assert list(candidate_subsets(1)) == []
+    assert list(candidate_subsets(3)) == [(0, 1), (0, 2), (1, 2), (0, 1, 2)]
+    assert len(list(candidate_subsets(5))) == 26
+    assert composite_name("chat-default", (0, 2)) == "fallback_chat-default_0_2"
+
+
+def test_plan_round_trip() -> None:
+    assert decode_plan(encode_plan("acme", ["a", "b"])) == ("acme", ["a", "b"])
+    assert decode_plan("") == ("", [])
+
+
+def test_the_attempt_goes_to_the_candidate_of_its_host(snap: Snapshot) -> None:
+    plan = [FIRST, BACKUP]
+    assert choose_candidate(snap, plan, 1, "pool_engine-pool") == 0
+    assert choose_candidate(snap, plan, 2, "pool_backup-pool") == 1
+    # Candidate 1 had no healthy host: the composite sent attempt 1 to the next candidate.
+    assert choose_candidate(snap, plan, 1, "pool_backup-pool") == 1
+    for attempt, host in ((2, "pool_engine-pool"), (1, "pool_elsewhere"), (1, "")):
+        with pytest.raises(GatewayError) as e:  # never an earlier candidate again, never a stranger
+            choose_candidate(snap, plan, attempt, host)
+        assert e.value.code.value == "no_qualified_route"
+    with pytest.raises(GatewayError):
+        choose_candidate(snap, [FIRST], 1, "pool_backup-pool")  # not in this request's plan
+
+
+def test_attempt_kinds(snap: Snapshot) -> None:
+    first, backup = snap.deployments[FIRST], snap.deployments[BACKUP]
+    assert attempt_kind(None, first) == "first"
+    assert attempt_kind(first, first) == "transport_retry"
+    assert attempt_kind(first, backup) == "model_fallback"
+    same_model = first.model_copy(update={"deployment": "pool-llama-8b-eu2"})
+    assert attempt_kind(first, same_model) == "provider_failover"
+
+
+def test_the_body_is_addressed_to_the_candidate(snap: Snapshot) -> None:
+    body = json.dumps({"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [], "cache_salt": "s"}).encode()
+    assert body_for(body, snap.deployments[FIRST]) is None
+    rewritten = json.loads(body_for(body, snap.deployments[BACKUP]) or b"")
+    assert rewritten == {"model": BACKUP_MODEL, "messages": [], "cache_salt": "s"}
+
+
+def test_prices_of_the_deployment_that_answered_only_if_the_plan_holds_it(snap: Snapshot) -> None:
+    plan = encode_plan("acme", [FIRST, BACKUP])
+    assert answered_by(snap, FIRST, plan, BACKUP) is snap.deployments[BACKUP]
+    assert answered_by(snap, FIRST, plan, "") is snap.deployments[FIRST]
+    assert answered_by(snap, FIRST, "", BACKUP) is snap.deployments[FIRST]  # no plan: an upstream's claim
+    assert answered_by(snap, FIRST, encode_plan("acme", [FIRST]), BACKUP) is snap.deployments[FIRST]
+
+
+def _rendered(snap: Snapshot) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(render_yaml(snap, RenderOptions.from_snapshot(snap)))
+    return doc
+
+
+def test_the_composite_cluster_holds_exactly_the_plan_and_runs_the_attempt_filter(snap: Snapshot) -> None:
+    clusters = {c["name"]: c for c in _rendered(snap)["static_resources"]["clusters"]}
+    composite = clusters["fallback_chat-default_0_1"]
+    assert composite["cluster_type"]["name"] == "envoy.clusters.composite"
+    assert [c["name"] for c in composite["cluster_type"]["typed_config"]["clusters"]] == [
+        "pool_engine-pool", "pool_backup-pool"]
+    opts = composite["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert [f["name"] for f in opts["http_filters"]] == ["llmgw.attempt", "envoy.filters.http.upstream_codec"]
+    attempt = opts["http_filters"][0]["typed_config"]
+    assert not attempt.get("failure_mode_allow")  # fails closed (false is the default, left out)
+    # The candidates' own clusters carry no attempt filter: single-candidate requests pay nothing.
+    assert "http_filters" not in json.dumps(clusters["pool_engine-pool"])
+    assert [n for n in clusters if n.startswith("fallback_")] == ["fallback_chat-default_0_1"]
+
+
+def test_rendered_fallback_config_passes_envoy_validate(snap: Snapshot, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_yaml(snap, RenderOptions.from_snapshot(snap)))
+    out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
