@@ -45,9 +45,9 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 def choose_candidate(snap: Snapshot, plan: list[str], attempt: int, host_cluster: str) -> int:
     """The plan's index of the candidate this attempt goes to. The composite cluster sends attempt n to
-    candidate n, or - when that one has no healthy host - to the next that has one: the first candidate
-    from n on whose cluster is the chosen host's."""
-    for i in range(max(attempt, 1) - 1, len(plan)):
+    candidate n (attempts beyond the last candidate to the last), or - when that one has no healthy
+    host - to the next that has one: the first candidate from there on whose cluster is the host's."""
+    for i in range(min(max(attempt, 1), len(plan)) - 1, len(plan)):
         dep = snap.deployments.get(plan[i])
         if dep is not None and snap.pool_of(dep) == host_cluster:
             return i
@@ -98,7 +98,8 @@ class AttemptFilter:
                     n = int(count) if count.isdigit() else 1
                     index = choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))
                     dep = snap.deployments[plan[index]]
-                    previous = snap.deployments.get(plan[index - 1]) if index > 0 and n > 1 else None
+                    # The candidate the previous attempt went to (by the composite's order).
+                    previous = snap.deployments.get(plan[min(n - 1, len(plan)) - 1]) if n > 1 else None
                     record = {"n": n, "deployment": dep.deployment, "adapter": dep.fingerprint.adapter,
                               "kind": attempt_kind(previous, dep), "status": 0}
                     # Retries reuse the request's headers: what an earlier attempt set for its candidate

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from extproc.config import Snapshot
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
-from extproc.fallback import encode_plan
+from extproc.fallback import encode_plan, uses_attempt_filter
 
 if TYPE_CHECKING:
     from extproc.stages.budget import Held
@@ -105,7 +105,7 @@ class Exchange:
             md["deployment"] = self.deployment.deployment
         if self.cluster:
             md["cluster"] = self.cluster
-        if len(self.candidates) > 1 and self.identity is not None:
+        if uses_attempt_filter(self.candidates) and self.identity is not None:
             # Read by the upstream filter of each attempt (extproc/attempts.py).
             md["plan"] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
         if self.remaining_ms:

@@ -13,10 +13,12 @@ the body for it, injects its credential and records the attempt.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from itertools import combinations
 
-from extproc.config.schema import Deployment
+from extproc.config.schema import MAX_RETRIES, Deployment
+
+MAX_ATTEMPTS = MAX_RETRIES + 1  # at least MAX_CANDIDATES: every candidate can be tried
 
 
 def composite_name(route: str, indices: Sequence[int]) -> str:
@@ -24,10 +26,23 @@ def composite_name(route: str, indices: Sequence[int]) -> str:
     return f"fallback_{route}_" + "_".join(str(i) for i in indices)
 
 
-def candidate_subsets(n: int) -> Iterator[tuple[int, ...]]:
-    """Every ordered subset of two or more of a route's n candidates."""
+def candidate_subsets(n: int, credentialed: Collection[int] = ()) -> Iterator[tuple[int, ...]]:
+    """Every ordered subset of two or more of a route's n candidates, and each credentialed candidate
+    alone (only the attempt filter injects a credential, so such a candidate always goes through it)."""
+    for i in sorted(credentialed):
+        yield (i,)
     for size in range(2, n + 1):
         yield from combinations(range(n), size)
+
+
+def uses_attempt_filter(plan: Sequence[Deployment]) -> bool:
+    return len(plan) > 1 or (len(plan) == 1 and plan[0].credential_ref is not None)
+
+
+def sub_clusters(clusters: Sequence[str]) -> list[str]:
+    """A composite's sub-clusters: attempt N goes to candidate N; attempts beyond the last candidate
+    stay on it (transport retries), up to the most attempts a route may make."""
+    return [*clusters, *[clusters[-1]] * (MAX_ATTEMPTS - len(clusters))]
 
 
 def encode_plan(tenant: str, deployments: Sequence[str]) -> str:

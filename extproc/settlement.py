@@ -287,6 +287,11 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             usage = {"prompt_tokens": int(prompt), "completion_tokens": int(attr(md, "usage_completion") or 0),
                      "prompt_tokens_details": {"cached_tokens": int(attr(md, "usage_cached") or 0)}}
         stream = attr(md, "stream") == "1"
+        chunks = attr(md, "stream_chunks")  # the stream guard's count of what was generated before the cut
+        source = "reported" if usage else "none"
+        if usage is None and stream and chunks and 200 <= status < 300:
+            usage = {"prompt_tokens": json.loads(hint).get("p", 0), "completion_tokens": int(chunks)}
+            source = "estimated"
         if flags.downstream_connection_termination:
             termination = "client_cancel"
         elif (flags.upstream_request_timeout or status == 504) and not stream:
@@ -294,10 +299,10 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         else:
             # A stream reaches this log only when Envoy cut it after it started (or before its headers).
             termination = termination_of(status, not stream)
-        micros, tokens, kind = charge_for(usage, "reported" if usage else "none", termination, status, dep)
+        micros, tokens, kind = charge_for(usage, source, termination, status, dep)
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
-        outcome = outcome_of(termination, status, kind, usage, "reported" if usage else "none", dep,
+        outcome = outcome_of(termination, status, kind, usage, source, dep,
                              attr(md, "redactions"), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
                                  "count": common.upstream_request_attempt_count,

@@ -9,22 +9,28 @@
 - A stream longer than its route's `max_stream_ms` ends the same way; at its next chunk the exchange
   is reset, so the engine stops generating.
 - A stream Envoy cuts (reset, idle timeout, client gone) ends this exchange without an end of stream:
-  what was seen settles as `partial`.
+  the access log settles it with Envoy's reason (`client_cancel` when the client left) and the chunk
+  count the guard kept in the request's metadata, as `partial`; the guard settles it itself only if
+  that entry never comes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
-from extproc.contract import ErrorCode, error_body
+from extproc.contract import METADATA_NAMESPACE, ErrorCode, error_body
 from extproc.settlement import ATTRIBUTES, MD, Meter, attr, with_first
 from extproc.sse import MAX_EVENT_BYTES, StreamUsage, event_data, take_events
+
+CUT_BACKSTOP_S = 2.0  # after a cut, how long the access log has to settle before the guard does
 
 
 def interrupted_event(message: str) -> bytes:
@@ -44,6 +50,7 @@ class StreamGuard:
         status = int(code) if code.isdigit() else 0
         usage, buf = StreamUsage(), bytearray()
         broken, over, complete = "", "", False
+        counted = 0
         limit_ms = attr(attrs, f"{MD}['max_stream_ms']")
         ends_at = time.monotonic() + int(limit_ms) / 1000 if limit_ms.isdigit() else None
 
@@ -95,10 +102,24 @@ class StreamGuard:
                 if broken and not usage.error:
                     usage.error = True  # recorded as stream_interrupted; the event goes out once
                     out += interrupted_event(broken)
-                yield ep.ProcessingResponse(response_body=ep.BodyResponse(
+                reply = ep.ProcessingResponse(response_body=ep.BodyResponse(
                     response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=bytes(out)))))
+                if usage.content_chunks != counted:
+                    # What was generated so far, in the request's metadata: if Envoy cuts the stream,
+                    # the access log settles it with this count and Envoy's reason (client gone or not).
+                    counted = usage.content_chunks
+                    reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.update(
+                        {"stream_chunks": counted})
+                yield reply
                 if complete:
                     break
-        finally:  # also when Envoy ends the exchange early (reset, idle timeout, client gone)
+        finally:
             if guarded:
-                self.meter.settle_stream(tenant, rid, hint, attrs, status, complete and not broken, usage)
+                settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status,
+                                 complete and not broken, usage)
+                if complete or broken:
+                    settle()
+                else:
+                    # Envoy ended the exchange early (client gone, reset, idle timeout): its access
+                    # log knows why and settles it; this settles only if that never comes (first wins).
+                    asyncio.get_running_loop().call_later(CUT_BACKSTOP_S, settle)

@@ -78,7 +78,7 @@ from extproc.attempts import ATTEMPT_ATTRIBUTES
 from extproc.config import Snapshot
 from extproc.config.schema import ExtprocTls, ListenerTls, TlsSettings
 from extproc.contract import METADATA_NAMESPACE, ErrorCode
-from extproc.fallback import candidate_subsets, composite_name
+from extproc.fallback import candidate_subsets, composite_name, sub_clusters
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
 
@@ -396,6 +396,9 @@ def _stream_filter() -> ext_proc_pb2.ExternalProcessor:
                            request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
         response_attributes=list(METER_ATTRIBUTES),
         message_timeout=duration_ms(500),
+        # The running chunk count, read by the settlement log when Envoy cuts a stream.
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=[METADATA_NAMESPACE])),
     )
 
 
@@ -673,7 +676,7 @@ def _composite_config_class() -> type[Message]:
 
 
 def _composite_cluster(snap: Snapshot, name: str, sub_clusters: Iterable[str]) -> cluster_pb2.Cluster:
-    """Attempt N goes to sub-cluster N (Envoy's composite cluster); there is none beyond the last."""
+    """Attempt N goes to sub-cluster N (Envoy's composite cluster)."""
     config_class = _composite_config_class()
     config = config_class(clusters=[config_class.ClusterEntry(name=c) for c in sub_clusters])
     return cluster_pb2.Cluster(
@@ -689,10 +692,12 @@ def fallback_clusters(snap: Snapshot, known: set[str]) -> list[cluster_pb2.Clust
     for route in snap.routes.values():
         clusters = [snap.pool_of(snap.deployments[c.deployment_name]) if c.deployment_name in snap.deployments
                     else "" for c in route.candidates]
-        for subset in candidate_subsets(len(clusters)):
+        credentialed = [i for i, c in enumerate(route.candidates)
+                        if (d := snap.deployments.get(c.deployment_name)) is not None and d.credential_ref]
+        for subset in candidate_subsets(len(clusters), credentialed):
             if all(clusters[i] in known for i in subset):  # a candidate without a deployment never qualifies
                 composites.append(_composite_cluster(snap, composite_name(route.route_contract, subset),
-                                                     [clusters[i] for i in subset]))
+                                                     sub_clusters([clusters[i] for i in subset])))
     return composites
 
 

@@ -32,6 +32,7 @@ from tests.test_budgets_e2e import ledger
 
 pytestmark = pytest.mark.e2e
 KEY = DEMO_KEYS["acme"]
+POOL_CREDENTIAL = "pool-credential-not-for-the-backup"
 BACKUP = "backup-qwen-7b"
 BACKUP_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 BACKUP_PRICES = {"version": "2026-11-b", "currency": "USD", "input_per_mtok": 400000,
@@ -44,7 +45,12 @@ def fallback_policy(root: Path) -> Path:
     gw = yaml.safe_load((dst / "gateway.yaml").read_text())
     gw["pools"]["backup-pool"] = {"endpoints": ["127.0.0.1:8121"]}
     (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
-    dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
+    first_dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
+    # Candidate 1 takes a credential of its own (a hosted provider would); candidate 2 none.
+    (dst / "pool.key").write_text(POOL_CREDENTIAL)
+    first_dep["credential_ref"] = "file:pool.key"
+    (dst / "deployments/pool-llama-8b.yaml").write_text(yaml.safe_dump(first_dep))
+    dep = {k: v for k, v in first_dep.items() if k != "credential_ref"}
     dep.update(deployment=BACKUP, pool="backup-pool", served_model=BACKUP_MODEL, context_window=32768,
                data_classes=["public", "internal"], prices=BACKUP_PRICES)
     dep["fingerprint"]["model_digest"] = "sha256:" + "ab" * 32
@@ -117,9 +123,10 @@ def test_candidate_1_answering_503_falls_back_to_candidate_2(gw: Stack) -> None:
     assert r.headers["x-llmgw-deployment"] == BACKUP
     first, second = received(gw, "engine-pool"), received(gw, "backup-pool")
     assert [(e["status"], e["model"]) for e in first] == [(503, "meta-llama/Llama-3.1-8B-Instruct")]
-    # The attempt filter addressed candidate 2 by its own model; no credential reached either.
+    # The attempt filter addressed candidate 2 by its own model; candidate 1's credential went to
+    # candidate 1 only (the retry reuses the request's headers), the caller's to neither.
     assert [(e["status"], e["model"]) for e in second] == [(200, BACKUP_MODEL)]
-    assert not first[0]["authorization_present"] and not second[0]["authorization_present"]
+    assert first[0]["authorization_present"] and not second[0]["authorization_present"]
     assert second[0]["cache_salt"] == first[0]["cache_salt"]  # the tenant's salt on every attempt
 
     entry = ledger_of(gw, r.headers["x-request-id"])
@@ -151,6 +158,12 @@ def test_a_candidate_not_allowed_for_the_data_class_is_never_tried(gw: Stack) ->
     assert_contract_error(r, 502, "upstream_error")
     assert [e["status"] for e in received(gw, "engine-pool")] == [503, 503]
     assert received(gw, "backup-pool") == []
+    # Alone, candidate 1 still went through the attempt filter: its credential on both attempts.
+    assert all(e["authorization_present"] for e in received(gw, "engine-pool"))
+    entry = ledger_of(gw, r.headers["x-request-id"])
+    assert [(a["deployment"], a["kind"], a["status"]) for a in entry["attempts"]] == [
+        ("pool-llama-8b", "first", 503), ("pool-llama-8b", "transport_retry", 503)]
+    assert entry["termination"] == "upstream_error" and entry["charged_micros"] == 0
 
 
 def test_a_stream_whose_first_byte_is_late_falls_back(gw: Stack) -> None:

@@ -14,7 +14,7 @@ import yaml
 from extproc.attempts import body_for, choose_candidate
 from extproc.config import Snapshot, load_snapshot
 from extproc.contract import GatewayError
-from extproc.fallback import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan
+from extproc.fallback import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
 from extproc.settlement import answered_by
 from llmgw.envoy_render import RenderOptions, render_yaml
 from llmgw.procs import envoy_binary
@@ -31,6 +31,8 @@ def snap(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
 def test_every_ordered_subset_of_two_or_more() -> None:
     assert list(candidate_subsets(1)) == []
     assert list(candidate_subsets(3)) == [(0, 1), (0, 2), (1, 2), (0, 1, 2)]
+    assert list(candidate_subsets(2, [1])) == [(1,), (0, 1)]  # a credentialed candidate also alone
+    assert sub_clusters(["a", "b"]) == ["a", "b", "b", "b", "b", "b"]  # then transport retries on the last
     assert len(list(candidate_subsets(5))) == 26
     assert composite_name("chat-default", (0, 2)) == "fallback_chat-default_0_2"
 
@@ -46,6 +48,7 @@ def test_the_attempt_goes_to_the_candidate_of_its_host(snap: Snapshot) -> None:
     assert choose_candidate(snap, plan, 2, "pool_backup-pool") == 1
     # Candidate 1 had no healthy host: the composite sent attempt 1 to the next candidate.
     assert choose_candidate(snap, plan, 1, "pool_backup-pool") == 1
+    assert choose_candidate(snap, plan, 3, "pool_backup-pool") == 1  # beyond the plan: the last again
     for attempt, host in ((2, "pool_engine-pool"), (1, "pool_elsewhere"), (1, "")):
         with pytest.raises(GatewayError) as e:  # never an earlier candidate again, never a stranger
             choose_candidate(snap, plan, attempt, host)
@@ -88,14 +91,18 @@ def test_the_composite_cluster_holds_exactly_the_plan_and_runs_the_attempt_filte
     composite = clusters["fallback_chat-default_0_1"]
     assert composite["cluster_type"]["name"] == "envoy.clusters.composite"
     assert [c["name"] for c in composite["cluster_type"]["typed_config"]["clusters"]] == [
-        "pool_engine-pool", "pool_backup-pool"]
+        "pool_engine-pool", *["pool_backup-pool"] * 5]
     opts = composite["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert [f["name"] for f in opts["http_filters"]] == ["llmgw.attempt", "envoy.filters.http.upstream_codec"]
     attempt = opts["http_filters"][0]["typed_config"]
     assert not attempt.get("failure_mode_allow")  # fails closed (false is the default, left out)
     # The candidates' own clusters carry no attempt filter: single-candidate requests pay nothing.
     assert "http_filters" not in json.dumps(clusters["pool_engine-pool"])
-    assert [n for n in clusters if n.startswith("fallback_")] == ["fallback_chat-default_0_1"]
+    # Candidate 1 has a credential: alone, it goes through the attempt filter too (which injects it).
+    assert [n for n in clusters if n.startswith("fallback_")] == ["fallback_chat-default_0",
+                                                                  "fallback_chat-default_0_1"]
+    assert {c["name"] for c in clusters["fallback_chat-default_0"]["cluster_type"]["typed_config"]["clusters"]} == {
+        "pool_engine-pool"}
 
 
 def test_rendered_fallback_config_passes_envoy_validate(snap: Snapshot, tmp_path: Path) -> None:

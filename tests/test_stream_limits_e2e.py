@@ -96,3 +96,22 @@ def test_a_stream_longer_than_the_route_allows_ends_with_stream_interrupted(gw: 
     assert entry["termination"] == "stream_interrupted"
     generated = engine_entry(gw, rid)
     assert generated["finish_reason"] == "abort" and generated["output_tokens"] < 1000
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_engine_and_is_a_client_cancel(gw: Stack) -> None:
+    host, port = gw.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=15)
+    conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(max_tokens=1000, stream=True, ignore_eos=True)),
+                 {"authorization": f"Bearer {DEMO_KEYS['acme']}", "content-type": "application/json"})
+    resp = conn.getresponse()
+    rid, got = resp.getheader("x-request-id") or "", b""
+    while got.count(b"\n\n") < 5:  # a few tokens in, then the client goes away
+        got += resp.read1(65536)
+    conn.sock.close()  # type: ignore[union-attr]
+    conn.close()
+    generated = engine_entry(gw, rid)
+    assert generated["finish_reason"] == "abort" and generated["output_tokens"] < 1000
+    entry = ledger_of(gw, rid)
+    assert entry["termination"] == "client_cancel"
+    # Charged for what was generated before the client left, as far as the guard counted it.
+    assert entry["settlement"] == "partial" and 0 < entry["usage"]["completion_tokens"] < 1000

@@ -357,8 +357,11 @@ class Candidate(Strict):
         return v.group("name") if (v := DEPLOYMENT_REF.match(self.deployment_ref)) else ""
 
 
+MAX_RETRIES = 5
+
+
 class RetryPolicy(Strict):
-    attempts: int = Field(default=1, ge=1, le=5)
+    attempts: int = Field(default=1, ge=1, le=MAX_RETRIES)
     eligible_failures: tuple[
         Literal["connect_before_send", "rate_limited", "overloaded", "unavailable", "no_first_byte"], ...
     ] = ("connect_before_send",)

@@ -11,7 +11,7 @@ client's own values are overwritten).
   `Idempotency-Key`; `requires: idempotency_key` demands one always; `never` turns retries off.
 - The route's `retry.attempts` is how many retries may follow the first attempt. With one qualified
   candidate a retry goes to another engine of it (transport retry); with several, to the next
-  candidate (failover or model fallback), never more retries than candidates left. All attempts share
+  candidate (failover or model fallback), and once all were tried, to the last one again. All attempts share
   the one deadline: the router's timeout is the remaining time; a stream has no whole-request
   timeout, so its per-try limit (time to headers) is the remaining time divided among the attempts.
 """
@@ -49,8 +49,6 @@ class Retries:
         ex.retry_on = ",".join(dict.fromkeys(
             part for f in policy.eligible_failures for part in RETRY_ON[f].split(",")))
         ex.retriable_codes = ",".join(STATUS_CODES[f] for f in policy.eligible_failures if f in STATUS_CODES)
-        # A plan of several candidates: each retry goes to the next one (a composite cluster has no
-        # host for an attempt beyond its last candidate).
-        ex.max_retries = policy.attempts if len(ex.candidates) < 2 else min(policy.attempts, len(ex.candidates) - 1)
+        ex.max_retries = policy.attempts
         if ex.stream and ex.remaining_ms:
             ex.remaining_ms = max(1, ex.remaining_ms // (ex.max_retries + 1))

@@ -25,7 +25,7 @@ from extproc.config import Snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE, Candidate
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
-from extproc.fallback import composite_name
+from extproc.fallback import composite_name, uses_attempt_filter
 from extproc.picker import Picker
 
 
@@ -135,8 +135,9 @@ class RouteSelection:
                                f"no candidate of route {route.route_contract!r} qualifies ({reasons})")
         ex.candidates = tuple(snap.deployments[route.candidates[i].deployment_name] for i in qualified)
         dep = ex.deployment = ex.candidates[0]
-        # Several qualified: the composite cluster of exactly these, tried in the route's order.
-        ex.cluster = (composite_name(route.route_contract, qualified) if len(qualified) > 1
+        # Several qualified (or one that needs its credential): the composite cluster of exactly these,
+        # tried in the route's order, behind the attempt filter.
+        ex.cluster = (composite_name(route.route_contract, qualified) if uses_attempt_filter(ex.candidates)
                       else snap.pool_of(dep))
         body = dict(ex.body)
         body["model"] = dep.served_model
