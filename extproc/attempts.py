@@ -8,19 +8,23 @@ per attempt (extproc/fallback.py). Envoy's router owns the retries; this only ad
   candidate's credential, if it has one, is its authorization; otherwise there is none.
 - Request body: the candidate's served model (the body was written for the first candidate).
 - Response headers: `x-llmgw-deployment` names the candidate that answered.
-- Each attempt is recorded in the store with its reservation, sent and then with its status, so the
-  one ledger entry settlement writes lists every attempt, whichever ext_proc worker saw it.
+- Each attempt is recorded in the store with its reservation, once: with its status when its response
+  headers come, with status 0 when it ends without them; so the one ledger entry settlement writes
+  lists every attempt, whichever ext_proc worker saw it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
@@ -36,6 +40,11 @@ log = logging.getLogger("llmgw.attempts")
 HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE}']['cluster']"
 PLAN = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['plan']"  # the request's, set by ext_proc's decision
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, "request.id")
+_PM = processing_mode_pb2.ProcessingMode
+# The mode an attempt switches to when its body needs no rewrite (the renderer allows exactly this one).
+ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,
+                        "response_header_mode": _PM.SEND, "response_body_mode": _PM.NONE,
+                        "request_trailer_mode": _PM.SKIP, "response_trailer_mode": _PM.SKIP}
 
 
 def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -69,81 +78,122 @@ class AttemptFilter:
     def __init__(self, store: Store | None, snapshot: Callable[[], Snapshot]):
         self.store = store
         self.snapshot = snapshot
+        self._pending: set[asyncio.Task[None]] = set()
 
-    async def _record(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
-        if self.store is None or not tenant or not rid:
-            return
+    def _record_later(self, state: _Attempt) -> None:
+        """Record the attempt once, without holding it up: the write is queued on the store's one
+        pipelined connection at once, so it reaches the store well before the settlement, which
+        waits for the end of the answer and the access log's flush."""
+        state.recorded = True
+        if self.store is not None and state.tenant and state.rid and state.record:
+            task = asyncio.ensure_future(self._record(self.store, state.tenant, state.rid, state.n,
+                                                      dict(state.record)))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    @staticmethod
+    async def _record(store: Store, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
         try:
-            await self.store.record_attempt(tenant, rid, n, record)
+            await store.record_attempt(tenant, rid, n, record)
         except StoreUnavailable:
             # The attempt still runs: settlement records what Envoy reported of the last one.
             log.error("request %s: attempt %d not recorded (store unavailable)", rid, n)
 
     async def handle(self, first: ep.ProcessingRequest,
                      rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
-        snap = self.snapshot()
-        headers: dict[str, str] = {}
-        tenant = rid = ""
-        n, dep, record, started = 1, None, {}, time.monotonic()
-        async for req in with_first(first, rest):
-            kind = req.WhichOneof("request")
+        state = _Attempt(self.snapshot())
+        try:
+            async for req in with_first(first, rest):
+                try:
+                    reply = state.answer(req)
+                except GatewayError as err:  # final: Envoy does not retry an upstream filter's own reply
+                    yield _refusal(err)
+                    return
+                except Exception:
+                    log.exception("attempt filter: request %s attempt %d", state.rid, state.n)
+                    yield _refusal(GatewayError(ErrorCode.POLICY_UNAVAILABLE,
+                                                "the gateway could not address this attempt"))
+                    return
+                if req.WhichOneof("request") == "response_headers":
+                    self._record_later(state)  # before the answer goes on, hence before any settlement
+                if reply is None:
+                    return
+                yield reply
+                if req.WhichOneof("request") == "response_headers":
+                    return
+        finally:
+            # An attempt that ended without response headers (timeout, reset, connect failure) is
+            # recorded now, with status 0: a write queued at once, long before the access log's flush.
+            if not state.recorded:
+                self._record_later(state)
+
+
+@dataclass
+class _Attempt:
+    """What one attempt's filter stream knows, message by message."""
+
+    snap: Snapshot
+    tenant: str = ""
+    rid: str = ""
+    n: int = 1
+    dep: Deployment | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    recorded: bool = False
+
+    def answer(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse | None:
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(req)
+        if kind == "request_body" and self.dep is not None:
+            common = ep.CommonResponse()
+            body = body_for(req.request_body.body, self.dep)
+            if body is not None:
+                common.body_mutation.body = body
+            length = len(body if body is not None else req.request_body.body)
+            common.header_mutation.set_headers.append(_set("content-length", str(length)))
+            return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+        if kind == "response_headers" and self.dep is not None:
+            status = next((h.raw_value.decode() or h.value for h in req.response_headers.headers.headers
+                           if h.key == ":status"), "0")
+            self.record.update(status=int(status) if status.isdigit() else 0,
+                               first_byte_ms=round((time.monotonic() - self.started) * 1000, 1))
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
+                header_mutation=ep.HeaderMutation(set_headers=[_set("x-llmgw-deployment", self.dep.deployment)]))))
+        log.warning("attempt filter: unexpected message %s", kind)
+        return None
+
+    def _request_headers(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        snap = self.snap
+        attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
+        self.tenant, plan = decode_plan(attr(attrs, PLAN))
+        self.rid = attr(attrs, "request.id")
+        count = next((h.raw_value.decode() or h.value for h in req.request_headers.headers.headers
+                      if h.key == "x-envoy-attempt-count"), "1")
+        self.n = n = int(count) if count.isdigit() else 1
+        dep = self.dep = snap.deployments[plan[choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))]]
+        # The candidate the previous attempt went to (by the composite's order).
+        previous = snap.deployments.get(plan[min(n - 1, len(plan)) - 1]) if n > 1 else None
+        self.record = {"n": n, "deployment": dep.deployment, "adapter": dep.fingerprint.adapter,
+                       "kind": attempt_kind(previous, dep), "status": 0}
+        # Retries reuse the request's headers: what an earlier attempt set for its candidate (a
+        # credential above all) must not reach this one.
+        mutation = ep.HeaderMutation()
+        if dep.credential_ref:
             try:
-                if kind == "request_headers":
-                    for h in req.request_headers.headers.headers:
-                        headers[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-                    attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
-                    tenant, plan = decode_plan(attr(attrs, PLAN))
-                    rid = attr(attrs, "request.id")
-                    count = headers.get("x-envoy-attempt-count", "1")
-                    n = int(count) if count.isdigit() else 1
-                    index = choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))
-                    dep = snap.deployments[plan[index]]
-                    # The candidate the previous attempt went to (by the composite's order).
-                    previous = snap.deployments.get(plan[min(n - 1, len(plan)) - 1]) if n > 1 else None
-                    record = {"n": n, "deployment": dep.deployment, "adapter": dep.fingerprint.adapter,
-                              "kind": attempt_kind(previous, dep), "status": 0}
-                    # Retries reuse the request's headers: what an earlier attempt set for its candidate
-                    # (a credential above all) must not reach this one.
-                    mutation = ep.HeaderMutation()
-                    if dep.credential_ref:
-                        try:
-                            token = resolve(dep.credential_ref, snap.directory)
-                        except SecretUnavailable as e:
-                            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, str(e)) from None
-                        mutation.set_headers.append(_set("authorization", f"Bearer {token}"))
-                    else:
-                        mutation.remove_headers.append("authorization")
-                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(
-                        response=ep.CommonResponse(header_mutation=mutation)))
-                elif kind == "request_body" and dep is not None:
-                    common = ep.CommonResponse()
-                    body = body_for(req.request_body.body, dep)
-                    if body is not None:
-                        common.body_mutation.body = body
-                    length = len(body if body is not None else req.request_body.body)
-                    common.header_mutation.set_headers.append(_set("content-length", str(length)))
-                    # Recorded before it is sent: an attempt that never answers is in the ledger too.
-                    await self._record(tenant, rid, n, record)
-                    yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
-                elif kind == "response_headers" and dep is not None:
-                    status = next((h.raw_value.decode() or h.value for h in req.response_headers.headers.headers
-                                   if h.key == ":status"), "0")
-                    record.update(status=int(status) if status.isdigit() else 0,
-                                  first_byte_ms=round((time.monotonic() - started) * 1000, 1))
-                    await self._record(tenant, rid, n, record)
-                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
-                        header_mutation=ep.HeaderMutation(set_headers=[_set("x-llmgw-deployment", dep.deployment)]))))
-                    return
-                else:
-                    log.warning("attempt filter: unexpected message %s", kind)
-                    return
-            except GatewayError as err:  # final: Envoy does not retry an upstream filter's own reply
-                yield _refusal(err)
-                return
-            except Exception:
-                log.exception("attempt filter: request %s attempt %d", rid, n)
-                yield _refusal(GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not address this attempt"))
-                return
+                token = resolve(dep.credential_ref, snap.directory)
+            except SecretUnavailable as e:
+                raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, str(e)) from None
+            mutation.set_headers.append(_set("authorization", f"Bearer {token}"))
+        else:
+            mutation.remove_headers.append("authorization")
+        reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=mutation)))
+        first_candidate = snap.deployments.get(plan[0])
+        if first_candidate is not None and first_candidate.served_model == dep.served_model:
+            # The body was written for this model: no body message, one round trip less.
+            reply.mode_override.CopyFrom(_PM(**ATTEMPT_WITHOUT_BODY))
+        return reply
 
 
 def _refusal(err: GatewayError) -> ep.ProcessingResponse:

@@ -1,6 +1,9 @@
 """Gateway-against-gateway benchmarks: one run, one upstream (an Envoy answering like an engine),
 bare Envoy and gateway variants measured in alternating rounds with the same wrk load.
 
+`llmgw bench fallback`: `one-candidate` against `two-candidates` (the same route with a second,
+qualified candidate: the composite cluster and the attempt filter on every request), budgets on.
+
 `llmgw bench budget`: `budgets-off` (no reservation, no meter filter) against `budgets-on` (the
 reservation script before dispatch, the meter settling off the response path, Valkey).
 
@@ -24,6 +27,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +125,7 @@ def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Na
 
 
 def run_policy_bench(args: argparse.Namespace) -> int:
-    if shutil.which("wrk") is None:
-        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+    if _wrk_missing():
         return 2
     config = Path(args.config).resolve()
     micro = _micro(config)
@@ -135,11 +138,7 @@ def run_policy_bench(args: argparse.Namespace) -> int:
                        "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
     results, _ = compare({"served": Variant(served), "full": Variant(full),
                           "full-nc": Variant(full, ("--no-decision-cache",))}, body, DEMO_KEYS["acme"], args, "served")
-    table = _table(results, args, "served") + _micro_note(micro)
-    print(table)
-    if args.output:
-        Path(args.output).write_text(table)
-    return 0
+    return _report(_table(results, args, "served") + _micro_note(micro), args)
 
 
 def _variant_policy(src: Path, dst: Path, allow_all: bool = False, budgets: bool = False) -> Path:
@@ -162,11 +161,24 @@ def _micro_note(micro: dict[str, Any]) -> str:
             f"p99 {micro['redact_32k_p99_ms']:.2f} ms.\n")
 
 
+def _wrk_missing() -> bool:
+    if shutil.which("wrk") is None:
+        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+        return True
+    return False
+
+
+def _report(table: str, args: argparse.Namespace) -> int:
+    print(table)
+    if args.output:
+        Path(args.output).write_text(table)
+    return 0
+
+
 def run_budget_bench(args: argparse.Namespace) -> int:
     """Reservation (one Lua script before dispatch) + settlement (the meter filter, off the response
     path) over the same gateway without budgets."""
-    if shutil.which("wrk") is None:
-        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+    if _wrk_missing():
         return 2
     config = Path(args.config).resolve()
     scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-budget-"))
@@ -176,11 +188,48 @@ def run_budget_bench(args: argparse.Namespace) -> int:
                        "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
     results, _ = compare({"budgets-off": Variant(off), "budgets-on": Variant(on, with_valkey=True)}, body,
                          DEMO_KEYS["acme"], args, "budgets-off")
-    table = _table(results, args, "budgets-off")
-    print(table)
-    if args.output:
-        Path(args.output).write_text(table)
-    return 0
+    return _report(_table(results, args, "budgets-off"), args)
+
+
+def _with_second_candidate(dst: Path) -> Path:
+    """The policy's route with a second candidate: the same model on a pool of its own (a provider
+    failover), qualified by evidence, so every request's plan has two candidates."""
+    gw = yaml.safe_load((dst / "gateway.yaml").read_text())
+    gw["pools"]["backup-pool"] = {"endpoints": ["127.0.0.1:9"]}  # the benchmark points it at its upstream
+    (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    route_path = next((dst / "routes").glob("*.yaml"))
+    route = yaml.safe_load(route_path.read_text())
+    first = route["candidates"][0]
+    dep = yaml.safe_load((dst / "deployments" / f"{first['deployment_ref'].split('@')[0]}.yaml").read_text())
+    dep.update(deployment="backup", pool="backup-pool")
+    dep["fingerprint"]["hardware"] += "-backup"
+    (dst / "deployments/backup.yaml").write_text(yaml.safe_dump(dep))
+    ref = load_snapshot(dst).deployments["backup"].ref
+    today = datetime.now(UTC).date()
+    for kind in ("conformance", "quality_gate"):
+        (dst / f"evidence/backup-{kind}.yaml").write_text(yaml.safe_dump({
+            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
+            "expires_at": str(today + timedelta(days=30))}))
+    route["candidates"].append({**first, "deployment_ref": ref})
+    route_path.write_text(yaml.safe_dump(route))
+    return dst
+
+
+def run_fallback_bench(args: argparse.Namespace) -> int:
+    """What being ready to fall back costs a healthy request: a route of two candidates (the composite
+    cluster and the attempt filter on every request) against the same route with one."""
+    if _wrk_missing():
+        return 2
+    config = Path(args.config).resolve()
+    scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-fallback-"))
+    one = _variant_policy(config, scratch / "one", budgets=True)
+    two = _with_second_candidate(_variant_policy(config, scratch / "two", budgets=True))
+    body = json.dumps({"model": "chat-default", "max_tokens": 16,
+                       "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
+    results, _ = compare({"one-candidate": Variant(one, with_valkey=True),
+                          "two-candidates": Variant(two, with_valkey=True)}, body, DEMO_KEYS["acme"], args,
+                         "one-candidate")
+    return _report(_table(results, args, "one-candidate"), args)
 
 
 def _table(results: dict[tuple[str, int], list[Result]], args: argparse.Namespace, baseline: str) -> str:
@@ -200,7 +249,8 @@ def _table(results: dict[tuple[str, int], list[Result]], args: argparse.Namespac
 def add_parser(bsub: Any) -> None:
     for name, func, helptext in (
             ("policy", run_policy_bench, "identity + Rego + redaction over the served path, one run"),
-            ("budget", run_budget_bench, "reservation + settlement over the same gateway without budgets")):
+            ("budget", run_budget_bench, "reservation + settlement over the same gateway without budgets"),
+            ("fallback", run_fallback_bench, "a route of two candidates against the same route with one")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--config", default="policy")
         b.add_argument("--duration", type=float, default=9.0)

@@ -74,7 +74,7 @@ from google.protobuf.message import Message
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
-from extproc.attempts import ATTEMPT_ATTRIBUTES
+from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_WITHOUT_BODY
 from extproc.config import Snapshot
 from extproc.config.schema import ExtprocTls, ListenerTls, TlsSettings
 from extproc.contract import METADATA_NAMESPACE, ErrorCode
@@ -636,6 +636,10 @@ def _attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
         processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
                            response_header_mode=pm.SEND, response_body_mode=pm.NONE,
                            request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        # An attempt whose body needs no rewrite (its candidate serves the first's model) skips the
+        # body message: the headers reply overrides the mode to this one.
+        allow_mode_override=True,
+        allowed_override_modes=[processing_mode_pb2.ProcessingMode(**ATTEMPT_WITHOUT_BODY)],
         request_attributes=list(ATTEMPT_ATTRIBUTES),
         message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import urllib.parse
 from typing import Any
@@ -120,7 +121,7 @@ class ScriptPipe:
         return await fut
 
     async def evalsha(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        sha = hashlib.sha1(script.encode()).hexdigest()
+        sha = _sha1(script)
         writer = self._writer or await self._connect()
         if sha not in self._loaded:
             reply = await self._send(writer, ("SCRIPT", "LOAD", script))
@@ -141,6 +142,11 @@ class ScriptPipe:
         for task in (self._reader_task, self._watchdog):
             if task is not None:
                 task.cancel()
+
+
+@functools.cache
+def _sha1(script: str) -> str:
+    return hashlib.sha1(script.encode()).hexdigest()
 
 
 def _decode(reply: Any) -> Any:

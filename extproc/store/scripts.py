@@ -53,10 +53,11 @@ end
 
 for b = 1, nb do
   local key = KEYS[4 + b]
-  redis.call('HINCRBY', key, 'reserved_micros', micros)
+  local fresh = redis.call('HINCRBY', key, 'reserved_micros', micros) == micros
   redis.call('HINCRBY', key, 'reserved_tokens', tokens)
   local expire_at = tonumber(ARGV[16 + 3 * (b - 1)])
-  if expire_at > 0 then redis.call('EXPIREAT', key, expire_at) end
+  -- A window's key expires with its window: set when the key starts (or nothing else is reserved).
+  if expire_at > 0 and fresh then redis.call('EXPIREAT', key, expire_at) end
 end
 for r = 1, nr do
   redis.call('SET', KEYS[4 + nb + r], tostring(new_tats[r]), 'PX', math.ceil(new_tats[r] - now) + 60000)
