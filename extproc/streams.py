@@ -54,7 +54,6 @@ class StreamGuard:
         limit_ms = attr(attrs, f"{MD}['max_stream_ms']")
         ends_at = time.monotonic() + int(limit_ms) / 1000 if limit_ms.isdigit() else None
 
-
         # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
         # before any route chose it: only an admitted stream holding a reservation is guarded.
         guarded = bool(tenant and rid and hint) and attr(attrs, f"{MD}['stream']") == "1"
