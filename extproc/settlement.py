@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from datetime import datetime
 from typing import Any
 
 from envoy.service.accesslog.v3 import als_pb2
@@ -43,7 +44,8 @@ BATCH_WAIT_S = 0.002
 MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 # What the meter filter asks Envoy for with the first response message (render uses this list).
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
-METER_ATTRIBUTES = ("request.id", "upstream.address", "response.code", f"response.headers['{ANSWERED_BY}']",
+METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
+                    f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream",
                                                "withhold_usage", "plan", "max_stream_ms")))
 
@@ -54,6 +56,14 @@ def answered_by(snap: Snapshot, first: str, plan: str, answered: str) -> Deploym
     if plan and answered and answered in decode_plan(plan)[1]:
         return snap.deployments.get(answered)
     return snap.deployments.get(first)
+
+
+def first_byte_ms(request_time: str, first_at: float) -> float | None:
+    """From the request's arrival at Envoy (`request.time`) to its answer's first byte."""
+    try:
+        return round((first_at - datetime.fromisoformat(request_time).timestamp()) * 1000, 1)
+    except ValueError:
+        return None
 
 
 def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:
@@ -181,6 +191,7 @@ class Meter:
         self.snapshot = snapshot
 
     async def observe(self, first: ep.ProcessingRequest, rest: AsyncIterator[ep.ProcessingRequest]) -> None:
+        first_at = time.time()  # the first message is the answer's first chunk (headers are skipped)
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
         tenant, rid, hint = attr(attrs, f"{MD}['tenant']"), attr(attrs, "request.id"), attr(attrs, f"{MD}['hold']")
         if not tenant or not rid or not hint:
@@ -211,15 +222,17 @@ class Meter:
                     complete = True
                     break
         finally:  # also when Envoy ends the exchange early (reset, client gone): what was seen settles
-            self._settle(tenant, rid, hint, attrs, status, complete, sse, stream_usage, bytes(body), malformed)
+            self._settle(tenant, rid, hint, attrs, status, complete, sse, stream_usage, bytes(body), malformed,
+                         first_at)
 
     def settle_stream(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool,
-                      usage: StreamUsage) -> None:
-        """Settle a stream the stream guard saw (complete: it finished normally)."""
-        self._settle(tenant, rid, hint, attrs, status, complete, True, usage, b"", False)
+                      usage: StreamUsage, first_at: float) -> None:
+        """Settle a stream the stream guard saw (complete: it finished normally; first_at: when its
+        first chunk reached the guard)."""
+        self._settle(tenant, rid, hint, attrs, status, complete, True, usage, b"", False, first_at)
 
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
-                stream_usage: StreamUsage, body: bytes, malformed: bool) -> None:
+                stream_usage: StreamUsage, body: bytes, malformed: bool, first_at: float) -> None:
         snap = self.snapshot()
         dep = answered_by(snap, attr(attrs, f"{MD}['deployment']"), attr(attrs, f"{MD}['plan']"),
                           attr(attrs, f"response.headers['{ANSWERED_BY}']"))
@@ -242,7 +255,8 @@ class Meter:
         termination = termination_of(status, finished)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep)
         outcome = outcome_of(termination, status, kind, usage, source, dep, attr(attrs, f"{MD}['redactions']"),
-                             {"upstream": attr(attrs, "upstream.address")})
+                             {"upstream": attr(attrs, "upstream.address"),
+                              "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)})
         idem_status, idem_body = "", ""
         if held.get("i") and termination == "complete" and not sse \
                 and len(body) <= snap.gateway.store.idempotency_max_body_bytes:

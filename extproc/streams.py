@@ -48,6 +48,7 @@ class StreamGuard:
         withhold = attr(attrs, f"{MD}['withhold_usage']") == "1"
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
+        first_at = time.time()  # the first message is the stream's first chunk (headers are skipped)
         usage, buf = StreamUsage(), bytearray()
         broken, over, complete = "", "", False
         counted = 0
@@ -115,7 +116,7 @@ class StreamGuard:
         finally:
             if guarded:
                 settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status,
-                                 complete and not broken, usage)
+                                 complete and not broken, usage, first_at)
                 if complete or broken:
                     settle()
                 else:

@@ -20,7 +20,9 @@ Plus in-process figures: one Rego evaluation, and redaction of a 32 KiB prompt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import shutil
 import statistics
@@ -90,9 +92,27 @@ class Variant:
     with_valkey: bool = False
 
 
+CpuUs = dict[tuple[str, int], dict[str, float]]  # (variant, concurrency) -> process -> CPU us per request
+
+
+def _cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU time (user + system) each of the gateway's processes has used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for kind, children in (("envoy", [stack.envoy]), ("ext_proc", stack.extprocs), ("store", [stack.valkey])):
+        for child in children:
+            if child is None or child.proc is None:
+                continue
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Namespace,
-            baseline: str) -> tuple[dict[tuple[str, int], list[Result]], Path]:
-    """Bare Envoy and each gateway variant, one upstream, wrk in alternating rounds."""
+            baseline: str) -> tuple[dict[tuple[str, int], list[Result]], CpuUs]:
+    """Bare Envoy and each gateway variant, one upstream, wrk in alternating rounds; and the CPU each
+    variant's processes spent per request (Linux /proc), so a ratio can be traced to a process."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
     children = [_start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin),
@@ -102,6 +122,9 @@ def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Na
     script.write_text(WRK_LUA.format(body=body, key=key, extra=""))
     urls = {"bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
     results: dict[tuple[str, int], list[Result]] = {}
+    cpu_s: dict[tuple[str, int], dict[str, float]] = {}
+    done: dict[tuple[str, int], float] = {}  # requests served, for CPU per request
+    secs = max(1, round(args.duration / args.rounds))  # what run_wrk runs for
     try:
         for name, v in variants.items():
             snap = load_snapshot(v.config)
@@ -115,13 +138,21 @@ def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Na
                 run_wrk(url, script, c, 2)  # warm-up
             for _ in range(args.rounds):
                 for name, url in urls.items():
-                    results.setdefault((name, c), []).append(run_wrk(url, script, c, args.duration / args.rounds))
+                    before = _cpu_seconds(stacks[name]) if name in stacks else {}
+                    r = run_wrk(url, script, c, args.duration / args.rounds)
+                    results.setdefault((name, c), []).append(r)
+                    if name in stacks:
+                        spent = cpu_s.setdefault((name, c), {})
+                        for proc, sec in _cpu_seconds(stacks[name]).items():
+                            spent[proc] = spent.get(proc, 0.0) + sec - before.get(proc, 0.0)
+                        done[(name, c)] = done.get((name, c), 0.0) + r.rps * secs
     finally:
         for s in stacks.values():
             s.stop()
         for ch in children:
             ch.stop()
-    return results, work
+    cpu = {k: {proc: sec / done[k] * 1e6 for proc, sec in v.items()} for k, v in cpu_s.items() if done.get(k)}
+    return results, cpu
 
 
 def run_policy_bench(args: argparse.Namespace) -> int:
@@ -136,9 +167,9 @@ def run_policy_bench(args: argparse.Namespace) -> int:
     full = _variant_policy(config, scratch / "full")
     body = json.dumps({"model": "chat-default", "max_tokens": 16, "messages": [{"role": "user", "content": PROMPT}],
                        "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
-    results, _ = compare({"served": Variant(served), "full": Variant(full),
-                          "full-nc": Variant(full, ("--no-decision-cache",))}, body, DEMO_KEYS["acme"], args, "served")
-    return _report(_table(results, args, "served") + _micro_note(micro), args)
+    variants = {"served": Variant(served), "full": Variant(full), "full-nc": Variant(full, ("--no-decision-cache",))}
+    results, cpu = compare(variants, body, DEMO_KEYS["acme"], args, "served")
+    return _report(_table(results, args, "served") + _cpu_table(cpu) + _micro_note(micro), args)
 
 
 def _variant_policy(src: Path, dst: Path, allow_all: bool = False, budgets: bool = False) -> Path:
@@ -186,9 +217,9 @@ def run_budget_bench(args: argparse.Namespace) -> int:
     on = _variant_policy(config, scratch / "on", budgets=True)
     body = json.dumps({"model": "chat-default", "max_tokens": 16,
                        "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
-    results, _ = compare({"budgets-off": Variant(off), "budgets-on": Variant(on, with_valkey=True)}, body,
-                         DEMO_KEYS["acme"], args, "budgets-off")
-    return _report(_table(results, args, "budgets-off"), args)
+    results, cpu = compare({"budgets-off": Variant(off), "budgets-on": Variant(on, with_valkey=True)}, body,
+                           DEMO_KEYS["acme"], args, "budgets-off")
+    return _report(_table(results, args, "budgets-off") + _cpu_table(cpu), args)
 
 
 def _with_second_candidate(dst: Path) -> Path:
@@ -226,10 +257,20 @@ def run_fallback_bench(args: argparse.Namespace) -> int:
     two = _with_second_candidate(_variant_policy(config, scratch / "two", budgets=True))
     body = json.dumps({"model": "chat-default", "max_tokens": 16,
                        "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
-    results, _ = compare({"one-candidate": Variant(one, with_valkey=True),
-                          "two-candidates": Variant(two, with_valkey=True)}, body, DEMO_KEYS["acme"], args,
-                         "one-candidate")
-    return _report(_table(results, args, "one-candidate"), args)
+    results, cpu = compare({"one-candidate": Variant(one, with_valkey=True),
+                            "two-candidates": Variant(two, with_valkey=True)}, body, DEMO_KEYS["acme"], args,
+                           "one-candidate")
+    return _report(_table(results, args, "one-candidate") + _cpu_table(cpu), args)
+
+
+def _cpu_table(cpu: CpuUs) -> str:
+    procs = ("envoy", "ext_proc", "store")
+    rows = ["\n| proxy | conc. | " + " | ".join(f"{p} CPU us/req" for p in procs) + " | total |",
+            "|---|---|" + "---|" * (len(procs) + 1)]
+    for (name, c), per in cpu.items():
+        rows.append(f"| {name} | {c} | " + " | ".join(f"{per[p]:.0f}" if p in per else "-" for p in procs)
+                    + f" | {sum(per.values()):.0f} |")
+    return "\n".join(rows) + "\n"
 
 
 def _table(results: dict[tuple[str, int], list[Result]], args: argparse.Namespace, baseline: str) -> str:

@@ -51,6 +51,8 @@ def test_usage_the_client_did_not_ask_for_is_metered_and_withheld(stack: Stack) 
     assert sent["stream_options"] == {"include_usage": True}  # the gateway asked on its behalf
     entry = ledger_of(stack, rid)
     assert entry["settlement"] == "actual" and entry["usage_source"] == "reported"
+    # The first byte's time, from arrival at Envoy: a positive figure within the request's life.
+    assert 0 < entry["attempts"][-1]["first_byte_ms"] < 10_000
     assert entry["usage"]["completion_tokens"] == len([c for c in chunks if c.choices[0].delta.content])
 
 
