@@ -18,7 +18,9 @@ from extproc.fallback import attempt_kind, candidate_subsets, composite_name, de
 from extproc.settlement import answered_by
 from llmgw.envoy_render import RenderOptions, render_yaml
 from llmgw.procs import envoy_binary
+from tests.helpers import chat_body
 from tests.test_fallback_e2e import BACKUP, BACKUP_MODEL, fallback_policy
+from tests.test_qualification import route, yaml_edit
 
 FIRST = "pool-llama-8b"
 
@@ -111,3 +113,25 @@ def test_rendered_fallback_config_passes_envoy_validate(snap: Snapshot, tmp_path
     out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _plan(policy: Path, data_class: str) -> tuple[list[str], str]:
+    ex = route(policy, chat_body(max_tokens=4), data_class=data_class)
+    return [d.deployment for d in ex.candidates], ex.cluster
+
+
+def test_the_route_stage_plans_every_qualified_candidate_in_order(tmp_path: Path) -> None:
+    policy = fallback_policy(tmp_path)
+    assert _plan(policy, "internal") == ([FIRST, BACKUP], "fallback_chat-default_0_1")
+    # Candidate 2 does not serve confidential data: a plan of candidate 1 alone (through the attempt
+    # filter, which injects candidate 1's credential).
+    assert _plan(policy, "confidential") == ([FIRST], "fallback_chat-default_0")
+
+
+def test_fallback_off_plans_the_first_qualified_candidate_only(tmp_path: Path) -> None:
+    policy = fallback_policy(tmp_path)
+    yaml_edit(policy / "routes/chat-default.yaml", lambda doc: doc.update(fallback={"enabled": False}))
+    assert _plan(policy, "internal") == ([FIRST], "fallback_chat-default_0")
+    # Off, and without the credential: the candidate's own cluster, no attempt filter at all.
+    yaml_edit(policy / "deployments/pool-llama-8b.yaml", lambda doc: doc.pop("credential_ref"))
+    assert _plan(policy, "internal") == ([FIRST], "pool_engine-pool")

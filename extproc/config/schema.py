@@ -371,7 +371,11 @@ class RetryPolicy(Strict):
 
 
 class FallbackPolicy(Strict):
-    requires_same_contract: bool = True
+    # Off: a request goes to its first qualified candidate only (later ones still serve it when the
+    # earlier are disqualified for it), and retries stay on that candidate.
+    enabled: bool = True
+    # Fallback is only ever to another candidate of the same contract; nothing else can be configured.
+    requires_same_contract: Literal[True] = True
 
 
 class TelemetryPolicy(Strict):

@@ -133,6 +133,8 @@ class RouteSelection:
                                    "messages")
             raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,
                                f"no candidate of route {route.route_contract!r} qualifies ({reasons})")
+        if not route.fallback.enabled:
+            qualified = qualified[:1]
         ex.candidates = tuple(snap.deployments[route.candidates[i].deployment_name] for i in qualified)
         dep = ex.deployment = ex.candidates[0]
         # Several qualified (or one that needs its credential): the composite cluster of exactly these,
