@@ -756,7 +756,9 @@ def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connec
         cluster.ClearField("lb_policy")
         cluster.load_balancing_policy.CopyFrom(_override_host_policy())
     cluster.health_checks.append(health_check_pb2.HealthCheck(
-        timeout=duration_ms(1000), interval=duration_ms(2000),
+        # Also while a pool has no traffic (Envoy's default then is one check a minute): an engine
+        # that died while idle is known before a request, or a fallback plan, needs the pool.
+        timeout=duration_ms(1000), interval=duration_ms(2000), no_traffic_interval=duration_ms(2000),
         unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),
         healthy_threshold=wrappers_pb2.UInt32Value(value=1),
         http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/health")))

@@ -197,3 +197,29 @@ def test_two_slow_candidates_share_one_deadline(gw: Stack) -> None:
     entry = ledger_of(gw, r.headers["x-request-id"])
     assert [(a["deployment"], a["status"]) for a in entry["attempts"]] == [("pool-llama-8b", 0), (BACKUP, 0)]
     assert entry["charged_micros"] == 0 and entry["settlement"] == "released"
+
+
+def test_a_candidate_whose_pool_is_down_is_passed_over_within_the_attempt(tmp_path: Path) -> None:
+    """Candidate 1's engines all down (health checks failing): the composite sends attempt 1 to
+    candidate 2, and the attempt filter addresses it as candidate 2 (from the host it got)."""
+    stack = start_stack(tmp_path / "state", fallback_policy(tmp_path))
+    try:
+        down = set(stack.engine_urls("engine-pool"))
+        for addr, child in stack.engines.items():
+            if f"http://{addr}" in down:
+                child.stop()
+        deadline = time.time() + 15
+        r = chat(stack, "candidate 1 is down")
+        # Until Envoy's health checks have marked the pool down, attempt 1 meets a refused connection
+        # and the retry falls back (2 attempts); then no attempt goes to candidate 1 at all.
+        while r.headers.get("x-llmgw-attempts") != "1" and time.time() < deadline:
+            assert r.status == 200 and r.headers["x-llmgw-deployment"] == BACKUP, (r.status, r.headers)
+            time.sleep(0.5)
+            r = chat(stack, "candidate 1 is down")
+        assert r.status == 200, r.body
+        assert (r.headers["x-llmgw-deployment"], r.headers["x-llmgw-attempts"]) == (BACKUP, "1")
+        assert [(e["status"], e["model"]) for e in received(stack, "backup-pool")][-1] == (200, BACKUP_MODEL)
+        entry = ledger_of(stack, r.headers["x-request-id"])
+        assert [(a["n"], a["deployment"], a["status"]) for a in entry["attempts"]] == [(1, BACKUP, 200)]
+    finally:
+        stack.stop()
