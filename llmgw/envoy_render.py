@@ -568,7 +568,8 @@ def _access_log() -> accesslog_pb2.AccessLog:
         "flags": "%RESPONSE_FLAGS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
         "tenant": f"%DYNAMIC_METADATA({ns}:tenant)%", "route": f"%DYNAMIC_METADATA({ns}:route)%",
-        "deployment": f"%DYNAMIC_METADATA({ns}:deployment)%",
+        "deployment": f"%DYNAMIC_METADATA({ns}:deployment)%",  # the first candidate of the plan
+        "answered_by": f"%RESP({ANSWERED_BY})%",  # the candidate that answered (fallback: maybe another)
         "revision": f"%DYNAMIC_METADATA({ns}:revision)%",
         "subject": f"%DYNAMIC_METADATA({ns}:subject)%",
         "decision": f"%DYNAMIC_METADATA({ns}:decision)%",

@@ -138,6 +138,19 @@ def test_candidate_1_answering_503_falls_back_to_candidate_2(gw: Stack) -> None:
                           + usage["completion_tokens"] * BACKUP_PRICES["output_per_mtok"]) / 1e6)
     assert entry["price_version"] == BACKUP_PRICES["version"]
     assert entry["charged_micros"] == expected
+    # Envoy's access log says both: the plan's first candidate and the one that answered.
+    logged = access_log_line(gw, r.headers["x-request-id"])
+    assert (logged["deployment"], logged["answered_by"], logged["attempts"]) == ("pool-llama-8b", BACKUP, 2)
+
+
+def access_log_line(stack: Stack, rid: str) -> dict[str, Any]:
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        for line in (stack.logs / "envoy.log").read_text().splitlines():
+            if line.startswith("{") and (doc := json.loads(line)).get("request_id") == rid:
+                return dict(doc)
+        time.sleep(0.1)
+    raise AssertionError(f"no access log line for {rid}")
 
 
 def test_a_healthy_candidate_1_serves_alone(gw: Stack) -> None:
