@@ -1,12 +1,13 @@
-"""The attempt filter: ext_proc as an upstream filter on a fallback route's sub-clusters, one stream
-per attempt (extproc/fallback.py). Envoy's router owns the retries; this only addresses each one.
+"""The attempt filter: ext_proc as an upstream filter of a plan's composite cluster, one stream per
+attempt (extproc/fallback.py). Envoy's router owns the retries; this only addresses each one.
 
 - Request headers: which candidate this attempt goes to - the plan ext_proc decided (the request's
   `plan` metadata: the tenant and the qualified candidates in order), the attempt number
   (`x-envoy-attempt-count`) and the cluster of the host Envoy chose (its metadata). A host that is no
   candidate of the plan is never sent to: 503 `no_qualified_route`, which Envoy does not retry. The
   candidate's credential, if it has one, is its authorization; otherwise there is none.
-- Request body: the candidate's served model (the body was written for the first candidate).
+- Request body: the candidate's served model (the body was written for the first candidate; when
+  the candidate serves that same model, the headers reply switches the body message off).
 - Response headers: `x-llmgw-deployment` names the candidate that answered.
 - Each attempt is recorded in the store with its reservation, once: with its status when its response
   headers come, with status 0 when it ends without them; so the one ledger entry settlement writes

@@ -2,7 +2,8 @@
 
 A request whose route has more than one qualified candidate is sent to a composite cluster whose
 sub-clusters are exactly those candidates, in the route's order: attempt 1 goes to the first, each
-retry to the next (Envoy's `envoy.clusters.composite`). One composite exists per ordered subset of a
+retry to the next, and once all were tried, to the last again (Envoy's `envoy.clusters.composite`).
+A candidate with no healthy host is passed over within the attempt. One composite exists per ordered subset of a
 route's candidates, so whichever candidates qualify for a request, the cluster it is sent to holds
 no other: a candidate that failed qualification is never tried, not even as a fallback.
 
