@@ -17,7 +17,8 @@ import yaml
 from extproc.config import load_snapshot
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
-from extproc.stages.route import RouteSelection, prompt_bytes, tenant_salts
+from extproc.stages.budget import Held
+from extproc.stages.route import RouteSelection, prompt_bytes, prompt_token_bound, tenant_salts
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
@@ -37,10 +38,12 @@ def yaml_edit(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
-def route(policy: Path, body: dict[str, Any], tenant: str = "acme", data_class: str = "internal") -> Exchange:
+def route(policy: Path, body: dict[str, Any], tenant: str = "acme", data_class: str = "internal",
+          held: Held | None = None) -> Exchange:
     snap = load_snapshot(policy)
     ex = Exchange(snapshot=snap, cache_salts=tenant_salts("s", snap.gateway.tenants), body=body,
-                  identity=Identity(tenant, "k", "api_key"), data_class=data_class, route=snap.routes[body["model"]])
+                  identity=Identity(tenant, "k", "api_key"), data_class=data_class, route=snap.routes[body["model"]],
+                  held=held)
     asyncio.run(RouteSelection().run(ex))
     return ex
 
@@ -105,6 +108,35 @@ def test_the_bound_counts_bytes_templates_and_max_tokens(tmp_path: Path) -> None
         is ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert prompt_bytes(chat_body(content="é")) == 2  # UTF-8 bytes, not characters
     assert prompt_bytes({"messages": [], "tools": [{"type": "function"}]}) > 0  # tool schemas are prompt too
+
+
+def _upstream(ex: Exchange) -> dict[str, Any]:
+    assert ex.upstream_body is not None
+    doc: dict[str, Any] = json.loads(ex.upstream_body)
+    return doc
+
+
+def test_the_engine_is_told_the_completion_bound_that_was_reserved(tmp_path: Path) -> None:
+    policy = policy_copy(tmp_path)
+    # No max_tokens from the client: the route's cap (what the reservation counted) goes upstream, so
+    # the engine cannot generate past the reservation (invariant 3).
+    assert _upstream(route(policy, chat_body()))["max_tokens"] == 4096
+    assert _upstream(route(policy, chat_body(max_tokens=7)))["max_tokens"] == 7
+    assert _upstream(route(policy, chat_body(max_completion_tokens=9)))["max_completion_tokens"] == 9
+
+
+def test_a_prompt_redaction_made_longer_takes_the_difference_from_max_tokens(tmp_path: Path) -> None:
+    policy = policy_copy(tmp_path)
+    body = chat_body(content="x" * 100, max_tokens=50)
+    snap = load_snapshot(policy)
+    reserved = prompt_token_bound(snap, snap.routes["chat-default"], body)
+    longer = chat_body(content="x" * 112, max_tokens=50)  # what redaction sent on: 12 bytes more
+    held = Held(0, reserved + 50, reserved, 50, "v", "{}", False)
+    assert _upstream(route(policy, longer, held=held))["max_tokens"] == 38  # prompt + completion <= reserved
+    assert _upstream(route(policy, body, held=held))["max_tokens"] == 50
+    with pytest.raises(GatewayError) as e:
+        route(policy, chat_body(content="x" * 200, max_tokens=50), held=held)
+    assert e.value.code is ErrorCode.INVALID_REQUEST
 
 
 def test_stale_evidence_is_reported_by_check(tmp_path: Path) -> None:

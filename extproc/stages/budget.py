@@ -25,7 +25,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.stages.deadline import HEADER as DEADLINE_HEADER
 from extproc.stages.deadline import requested_deadline_ms
-from extproc.stages.route import prompt_bytes, requested_max_tokens
+from extproc.stages.route import prompt_token_bound, requested_max_tokens
 from extproc.store import (
     PERIOD_MS,
     BudgetCharge,
@@ -88,9 +88,7 @@ def bound_of(ex: Exchange) -> tuple[int, int, int, str, int]:
     """(prompt token bound, max tokens, micros, price version, token bound) for this request."""
     assert ex.route is not None
     deps = candidate_deployments(ex, ex.route)
-    n = len(ex.body.get("messages") or ())
-    allowance = max((d.template_allowance_tokens for d in deps), default=0)
-    prompt = prompt_bytes(ex.body) + allowance * n
+    prompt = prompt_token_bound(ex.snapshot, ex.route, ex.body)
     max_tokens = requested_max_tokens(ex.body, ex.route.max_tokens_cap, ex.snapshot.gateway.limits.default_max_tokens)
     micros, version = 0, ""
     for d in deps:

@@ -22,7 +22,7 @@ from datetime import UTC, date, datetime
 from typing import Any
 
 from extproc.config import Snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE, Candidate
+from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Route
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.fallback import composite_name, uses_attempt_filter
@@ -65,6 +65,28 @@ def prompt_bytes(body: dict[str, Any]) -> int:
 def requested_max_tokens(body: dict[str, Any], route_cap: int | None, default: int) -> int:
     value = body.get("max_completion_tokens") or body.get("max_tokens")
     return int(value) if value else (route_cap or default)
+
+
+def prompt_token_bound(snap: Snapshot, route: Route, body: dict[str, Any]) -> int:
+    """Invariant 3's prompt bound: UTF-8 bytes plus the largest template allowance among the route's
+    candidates per message (so it holds whichever candidate serves)."""
+    allowance = max((d.template_allowance_tokens for c in route.candidates
+                     if (d := snap.deployments.get(c.deployment_name)) is not None), default=0)
+    return prompt_bytes(body) + allowance * len(body.get("messages") or ())
+
+
+def completion_limit(ex: Exchange, route: Route, body: dict[str, Any]) -> int:
+    """The max tokens the upstream is told: what was reserved for the completion (the route's cap when
+    the client named none, so the engine cannot run past the reservation), less whatever redaction
+    added to the prompt (a placeholder can be longer than the value it replaces)."""
+    limit = requested_max_tokens(body, route.max_tokens_cap, ex.snapshot.gateway.limits.default_max_tokens)
+    if ex.held is not None:
+        grown = prompt_token_bound(ex.snapshot, route, body) - ex.held.prompt_bound
+        limit = ex.held.max_tokens - max(0, grown)
+        if limit < 1:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "the redacted prompt leaves no room for completion "
+                               "tokens within the request's reservation; ask for more max_tokens", "max_tokens")
+    return limit
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,9 @@ class RouteSelection:
                       else snap.pool_of(dep))
         body = dict(ex.body)
         body["model"] = dep.served_model
+        # The bound the reservation holds is also the engine's (invariant 3).
+        body["max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"] = (
+            completion_limit(ex, route, body))
         # Invariant 10: the prefix-cache salt is the tenant's, whatever the client sent.
         salt = ex.cache_salts.get(ex.identity.tenant) if ex.identity is not None else None
         if salt is None:
