@@ -106,7 +106,9 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_is_a_client_cancel
     resp = conn.getresponse()
     rid, got = resp.getheader("x-request-id") or "", b""
     while got.count(b"\n\n") < 5:  # a few tokens in, then the client goes away
-        got += resp.read1(65536)
+        chunk = resp.read1(65536)
+        assert chunk, got  # the stream must still be running
+        got += chunk
     conn.sock.close()  # type: ignore[union-attr]
     conn.close()
     generated = engine_entry(gw, rid)
