@@ -333,11 +333,20 @@ REQUEST_ATTRIBUTES = (
 )
 
 
+def _extproc_service(role: tuple[str, str] | None = None) -> grpc_service_pb2.GrpcService:
+    """The ext_proc cluster, for every filter and the access log that talk to it; `role` (gRPC
+    metadata) tells ext_proc which kind of stream starts (extproc/server.py dispatches on it)."""
+    service = grpc_service_pb2.GrpcService(
+        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER))
+    if role is not None:
+        service.initial_metadata.append(base_pb2.HeaderValue(key=role[0], value=role[1]))
+    return service
+
+
 def _ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        grpc_service=_extproc_service(),
         failure_mode_allow=False,
         # One message per request: the buffered body, with the headers ext_proc needs as attributes.
         # Header mode SKIP lets the headers pass ext_proc at once; the buffer filter after it holds them
@@ -362,8 +371,7 @@ def _meter_filter() -> ext_proc_pb2.ExternalProcessor:
     is bounded by leases: a lost meter stream ends in the sweeper's ambiguous charge."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        grpc_service=_extproc_service(),
         observability_mode=True,
         failure_mode_allow=True,  # metering never breaks a response; the lease covers a lost stream
         # Headers SKIP: status and content type come as attributes with the first body chunk, so a JSON
@@ -387,9 +395,7 @@ def _stream_filter() -> ext_proc_pb2.ExternalProcessor:
     the sweeper still settle it)."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-            initial_metadata=[base_pb2.HeaderValue(key=STREAM_ROLE[0], value=STREAM_ROLE[1])]),
+        grpc_service=_extproc_service(STREAM_ROLE),
         failure_mode_allow=True,
         processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
                            response_header_mode=pm.SKIP, response_body_mode=pm.STREAMED,
@@ -466,8 +472,7 @@ def _settlement_log() -> accesslog_pb2.AccessLog:
         accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=[settle_is("stream"), cut]))]))
     config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        grpc_service=_extproc_service(),
         buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)),
         additional_response_headers_to_log=[ANSWERED_BY])
     return accesslog_pb2.AccessLog(
@@ -630,9 +635,7 @@ def _attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     cannot be addressed is not sent."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-            initial_metadata=[base_pb2.HeaderValue(key=ATTEMPT_ROLE[0], value=ATTEMPT_ROLE[1])]),
+        grpc_service=_extproc_service(ATTEMPT_ROLE),
         failure_mode_allow=False,
         processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
                            response_header_mode=pm.SEND, response_body_mode=pm.NONE,
