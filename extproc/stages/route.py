@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from extproc.config import Snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Route
@@ -27,6 +27,9 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.fallback import composite_name, uses_attempt_filter
 from extproc.picker import Picker
+
+if TYPE_CHECKING:
+    from extproc.stages.budget import Held
 
 
 def tenant_salts(secret: str, tenants: Iterable[str]) -> dict[str, str]:
@@ -67,25 +70,28 @@ def requested_max_tokens(body: dict[str, Any], route_cap: int | None, default: i
     return int(value) if value else (route_cap or default)
 
 
+def template_allowance(snap: Snapshot, route: Route) -> int:
+    """The largest per-message template allowance among the route's candidates, so the bound holds
+    whichever candidate serves."""
+    return max((d.template_allowance_tokens for c in route.candidates
+                if (d := snap.deployments.get(c.deployment_name)) is not None), default=0)
+
+
 def prompt_token_bound(snap: Snapshot, route: Route, body: dict[str, Any]) -> int:
-    """Invariant 3's prompt bound: UTF-8 bytes plus the largest template allowance among the route's
-    candidates per message (so it holds whichever candidate serves)."""
-    allowance = max((d.template_allowance_tokens for c in route.candidates
-                     if (d := snap.deployments.get(c.deployment_name)) is not None), default=0)
-    return prompt_bytes(body) + allowance * len(body.get("messages") or ())
+    """Invariant 3's prompt bound: UTF-8 bytes plus the template allowance per message."""
+    return prompt_bytes(body) + template_allowance(snap, route) * len(body.get("messages") or ())
 
 
-def completion_limit(ex: Exchange, route: Route, body: dict[str, Any]) -> int:
+def completion_limit(held: Held | None, requested: int, prompt_bound: int) -> int:
     """The max tokens the upstream is told: what was reserved for the completion (the route's cap when
     the client named none, so the engine cannot run past the reservation), less whatever redaction
-    added to the prompt (a placeholder can be longer than the value it replaces)."""
-    limit = requested_max_tokens(body, route.max_tokens_cap, ex.snapshot.gateway.limits.default_max_tokens)
-    if ex.held is not None:
-        grown = prompt_token_bound(ex.snapshot, route, body) - ex.held.prompt_bound
-        limit = ex.held.max_tokens - max(0, grown)
-        if limit < 1:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, "the redacted prompt leaves no room for completion "
-                               "tokens within the request's reservation; ask for more max_tokens", "max_tokens")
+    added to the prompt bound since (a placeholder can be longer than the value it replaces)."""
+    if held is None:
+        return requested
+    limit = held.max_tokens - max(0, prompt_bound - held.prompt_bound)
+    if limit < 1:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "the redacted prompt leaves no room for completion "
+                           "tokens within the request's reservation; ask for more max_tokens", "max_tokens")
     return limit
 
 
@@ -166,8 +172,9 @@ class RouteSelection:
         body = dict(ex.body)
         body["model"] = dep.served_model
         # The bound the reservation holds is also the engine's (invariant 3).
+        prompt_bound = facts.prompt_bound + template_allowance(snap, route) * facts.n_messages
         body["max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"] = (
-            completion_limit(ex, route, body))
+            completion_limit(ex.held, facts.max_tokens, prompt_bound))
         # Invariant 10: the prefix-cache salt is the tenant's, whatever the client sent.
         salt = ex.cache_salts.get(ex.identity.tenant) if ex.identity is not None else None
         if salt is None:
