@@ -222,27 +222,38 @@ def run_budget_bench(args: argparse.Namespace) -> int:
     return _report(_table(results, args, "budgets-off") + _cpu_table(cpu), args)
 
 
-def _with_second_candidate(dst: Path) -> Path:
-    """The policy's route with a second candidate: the same model on a pool of its own (a provider
-    failover), qualified by evidence, so every request's plan has two candidates."""
-    gw = yaml.safe_load((dst / "gateway.yaml").read_text())
-    gw["pools"]["backup-pool"] = {"endpoints": ["127.0.0.1:9"]}  # the benchmark points it at its upstream
-    (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
-    route_path = next((dst / "routes").glob("*.yaml"))
+def add_candidate(policy: Path, deployment: str, pool: str, endpoint: str, fingerprint: dict[str, str],
+                  candidate: dict[str, Any] | None = None, **fields: Any) -> str:
+    """Give the policy's (only) route another candidate: a copy of its first candidate's deployment,
+    named `deployment`, on a pool of its own at `endpoint`, its fingerprint and fields changed as given,
+    with passing evidence from today, appended to the route's candidates with `candidate`'s changes.
+    Returns the new deployment's reference. (Benchmarks and tests build their variants with it.)"""
+    gw = yaml.safe_load((policy / "gateway.yaml").read_text())
+    gw["pools"][pool] = {"endpoints": [endpoint]}
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    route_path = next((policy / "routes").glob("*.yaml"))
     route = yaml.safe_load(route_path.read_text())
     first = route["candidates"][0]
-    dep = yaml.safe_load((dst / "deployments" / f"{first['deployment_ref'].split('@')[0]}.yaml").read_text())
-    dep.update(deployment="backup", pool="backup-pool")
-    dep["fingerprint"]["hardware"] += "-backup"
-    (dst / "deployments/backup.yaml").write_text(yaml.safe_dump(dep))
-    ref = load_snapshot(dst).deployments["backup"].ref
+    dep = yaml.safe_load((policy / "deployments" / f"{first['deployment_ref'].split('@')[0]}.yaml").read_text())
+    dep.pop("credential_ref", None)  # a credential belongs to one deployment only
+    dep.update(deployment=deployment, pool=pool, **fields)
+    dep["fingerprint"].update(fingerprint)
+    (policy / "deployments" / f"{deployment}.yaml").write_text(yaml.safe_dump(dep))
+    ref: str = load_snapshot(policy).deployments[deployment].ref
     today = datetime.now(UTC).date()
     for kind in ("conformance", "quality_gate"):
-        (dst / f"evidence/backup-{kind}.yaml").write_text(yaml.safe_dump({
+        (policy / f"evidence/{deployment}-{kind}.yaml").write_text(yaml.safe_dump({
             "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
             "expires_at": str(today + timedelta(days=30))}))
-    route["candidates"].append({**first, "deployment_ref": ref})
+    route["candidates"].append({**first, "deployment_ref": ref, **(candidate or {})})
     route_path.write_text(yaml.safe_dump(route))
+    return ref
+
+
+def _with_second_candidate(dst: Path) -> Path:
+    """The policy's route with a second candidate: the same model on a pool of its own (a provider
+    failover), so every request's plan has two candidates. The benchmark points the pool at its upstream."""
+    add_candidate(dst, "backup", "backup-pool", "127.0.0.1:9", {"hardware": "backup-pool-hardware"})
     return dst
 
 

@@ -24,7 +24,7 @@ import openai
 import pytest
 import yaml
 
-from extproc.config import load_snapshot
+from llmgw.bench_policy import add_candidate
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
@@ -42,27 +42,15 @@ BACKUP_PRICES = {"version": "2026-11-b", "currency": "USD", "input_per_mtok": 40
 def fallback_policy(root: Path) -> Path:
     dst = root / "policy"
     shutil.copytree(POLICY, dst)
-    gw = yaml.safe_load((dst / "gateway.yaml").read_text())
-    gw["pools"]["backup-pool"] = {"endpoints": ["127.0.0.1:8121"]}
-    (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
-    first_dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
+    add_candidate(dst, BACKUP, "backup-pool", "127.0.0.1:8121", {"model_digest": "sha256:" + "ab" * 32},
+                  {"data_classes": ["public", "internal"]}, served_model=BACKUP_MODEL, context_window=32768,
+                  data_classes=["public", "internal"], prices=BACKUP_PRICES)
     # Candidate 1 takes a credential of its own (a hosted provider would); candidate 2 none.
     (dst / "pool.key").write_text(POOL_CREDENTIAL)
+    first_dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
     first_dep["credential_ref"] = "file:pool.key"
     (dst / "deployments/pool-llama-8b.yaml").write_text(yaml.safe_dump(first_dep))
-    dep = {k: v for k, v in first_dep.items() if k != "credential_ref"}
-    dep.update(deployment=BACKUP, pool="backup-pool", served_model=BACKUP_MODEL, context_window=32768,
-               data_classes=["public", "internal"], prices=BACKUP_PRICES)
-    dep["fingerprint"]["model_digest"] = "sha256:" + "ab" * 32
-    (dst / f"deployments/{BACKUP}.yaml").write_text(yaml.safe_dump(dep))
-    ref = next(d.ref for d in load_snapshot(dst).deployments.values() if d.deployment == BACKUP)
-    for kind in ("conformance", "quality_gate"):
-        (dst / f"evidence/backup-{kind}.yaml").write_text(yaml.safe_dump({
-            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": "2026-11-30",
-            "expires_at": "2027-05-31"}))
     route = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
-    first = route["candidates"][0]
-    route["candidates"] = [first, {**first, "deployment_ref": ref, "data_classes": ["public", "internal"]}]
     route["retry"] = {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable", "no_first_byte"],
                       "requires": "read_only_or_idempotency_key"}
     (dst / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))

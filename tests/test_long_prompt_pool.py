@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.config import load_snapshot
+from llmgw.bench_policy import add_candidate
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
 from tests.helpers import chat_body, request
@@ -22,22 +22,11 @@ LIMIT = 600  # prompt tokens (bound) the short pool takes
 def two_pool_policy(root: Path) -> Path:
     dst = root / "policy"
     shutil.copytree(POLICY, dst)
-    gw = yaml.safe_load((dst / "gateway.yaml").read_text())
-    gw["pools"]["long-pool"] = {"endpoints": ["127.0.0.1:8111"]}
-    (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
-    dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
-    dep.update(deployment="pool-llama-8b-long", pool="long-pool")
-    dep["fingerprint"]["batching_policy"] = "continuous,max-num-seqs-32,max-batched-tokens-32768"
-    (dst / "deployments/pool-llama-8b-long.yaml").write_text(yaml.safe_dump(dep))
-    long_ref = next(d.ref for d in load_snapshot(dst).deployments.values() if d.deployment == "pool-llama-8b-long")
-    for kind in ("conformance", "quality_gate"):
-        (dst / f"evidence/long-{kind}.yaml").write_text(yaml.safe_dump({
-            "deployment_ref": long_ref, "kind": kind, "result": "pass", "recorded_at": "2026-11-30",
-            "expires_at": "2027-05-31"}))
+    add_candidate(dst, "pool-llama-8b-long", "long-pool", "127.0.0.1:8111",
+                  {"batching_policy": "continuous,max-num-seqs-32,max-batched-tokens-32768"},
+                  {"min_prompt_tokens": LIMIT + 1})
     route = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
-    short = route["candidates"][0]
-    route["candidates"] = [{**short, "max_prompt_tokens": LIMIT},
-                           {**short, "deployment_ref": long_ref, "min_prompt_tokens": LIMIT + 1}]
+    route["candidates"][0]["max_prompt_tokens"] = LIMIT
     (dst / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))
     return dst
 
