@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
 from extproc.config import load_snapshot
+from extproc.store import ledger_entry, ledger_key
 from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import DEMO_KEYS, Stack, StackOptions
 
@@ -35,6 +39,19 @@ def valkey_url() -> str:
         atexit.register(child.stop)
         _VALKEY.append((child, f"redis://127.0.0.1:{port}/0"))
     return _VALKEY[0][1]
+
+
+def ledger_of(stack: Stack, rid: str, tenant: str) -> dict[str, Any]:
+    """A request's one ledger entry, once settlement has written it (waits up to 5 s)."""
+    r = redis.Redis.from_url(str(stack.store_url), decode_responses=True)
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        found = [e for _, f in r.xrange(ledger_key(tenant)) if (e := ledger_entry(f)).get("request_id") == rid]
+        if found:
+            (entry,) = found  # exactly one (invariant 8)
+            return entry
+        time.sleep(0.05)
+    raise AssertionError(f"no ledger entry for {rid}")
 
 
 def start_stack(tmp: Path, config: Path = POLICY, **kw: object) -> Stack:

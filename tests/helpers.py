@@ -34,6 +34,25 @@ def request(url: str, method: str = "GET", body: bytes | str | dict[str, Any] | 
         conn.close()
 
 
+def stream_raw(url: str, body: dict[str, Any], headers: dict[str, str],
+               timeout: float = 15.0) -> tuple[int, str, bytes]:
+    """(status, request id, everything that arrived) of a streamed answer that may be cut: a reset is
+    what the client then sees, and what came before it is kept."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn.request("POST", u.path, json.dumps(body), {"content-type": "application/json", **headers})
+    resp = conn.getresponse()
+    rid, got = resp.getheader("x-request-id") or "", bytearray()
+    try:
+        while chunk := resp.read1(65536):
+            got += chunk
+    except (http.client.IncompleteRead, OSError) as e:
+        got += getattr(e, "partial", b"")
+    finally:
+        conn.close()
+    return resp.status, rid, bytes(got)
+
+
 def request_quietly(*args: Any, **kwargs: Any) -> Response | None:
     """A background load whose connection the test may cut (engines stop before it ends)."""
     try:

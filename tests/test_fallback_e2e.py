@@ -27,8 +27,8 @@ import yaml
 from llmgw.bench_policy import add_candidate
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
+from tests.conftest import ledger_of as conftest_ledger_of
 from tests.helpers import assert_contract_error, chat_body, request
-from tests.test_budgets_e2e import ledger
 
 pytestmark = pytest.mark.e2e
 KEY = DEMO_KEYS["acme"]
@@ -88,14 +88,7 @@ def received(stack: Stack, pool: str) -> list[dict[str, Any]]:
 
 
 def ledger_of(stack: Stack, rid: str) -> dict[str, Any]:
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        found = [e for e in ledger(stack, "acme") if e.get("request_id") == rid]
-        if found:
-            assert len(found) == 1, found
-            return found[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no ledger entry for {rid}")
+    return conftest_ledger_of(stack, rid, "acme")
 
 
 def chat(stack: Stack, content: str, **headers: str) -> Any:

@@ -17,7 +17,7 @@ import yaml
 
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
-from tests.helpers import chat_body, request
+from tests.helpers import chat_body, request, stream_raw
 from tests.test_fallback_e2e import ledger_of
 from tests.test_streams_e2e import events
 
@@ -44,22 +44,11 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def stream(stack: Stack, body: dict[str, Any], **headers: str) -> tuple[str, bytes, float]:
     """(request id, what arrived, seconds) of a stream that may be cut."""
-    host, port = stack.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=15)
     t0 = time.monotonic()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"authorization": f"Bearer {DEMO_KEYS['acme']}", "content-type": "application/json", **headers})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    rid, got = resp.getheader("x-request-id") or "", bytearray()
-    try:
-        while chunk := resp.read1(65536):
-            got += chunk
-    except (http.client.IncompleteRead, OSError) as e:
-        got += getattr(e, "partial", b"")
-    finally:
-        conn.close()
-    return rid, bytes(got), time.monotonic() - t0
+    status, rid, got = stream_raw(f"{stack.url}/v1/chat/completions", body,
+                                  {"authorization": f"Bearer {DEMO_KEYS['acme']}", **headers})
+    assert status == 200
+    return rid, got, time.monotonic() - t0
 
 
 def engine_entry(stack: Stack, rid: str) -> dict[str, Any]:

@@ -3,18 +3,16 @@ failures after the first byte ended with `stream_interrupted`, and each stream s
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from typing import Any
 
 import openai
 import pytest
-import redis
 
-from extproc.store import ledger_entry, ledger_key
 from llmgw.stack import DEMO_KEYS, Stack
-from tests.helpers import chat_body
+from tests.conftest import ledger_of as conftest_ledger_of
+from tests.helpers import chat_body, stream_raw
 from tests.test_e2e_served_path import engine_log
 
 pytestmark = pytest.mark.e2e
@@ -22,15 +20,7 @@ KEY = DEMO_KEYS["globex"]  # public data: nothing redacted, so the engine log sh
 
 
 def ledger_of(stack: Stack, rid: str) -> dict[str, Any]:
-    r = redis.Redis.from_url(str(stack.store_url), decode_responses=True)
-    for _ in range(40):
-        found = [ledger_entry(f) for _, f in r.xrange(ledger_key("globex"))]
-        found = [e for e in found if e["request_id"] == rid]
-        if found:
-            (entry,) = found
-            return entry
-        time.sleep(0.05)
-    raise AssertionError(f"no ledger entry for {rid}")
+    return conftest_ledger_of(stack, rid, "globex")
 
 
 def events(raw: bytes) -> list[str]:
@@ -66,20 +56,9 @@ def test_usage_the_client_asked_for_reaches_it(stack: Stack) -> None:
 
 def stream_until_cut(stack: Stack, fault: str) -> tuple[str, bytes]:
     """(request id, what arrived) of a stream that may be cut: a reset is what the client then sees."""
-    host, port = stack.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
-    conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(max_tokens=20, stream=True)),
-                 {"authorization": f"Bearer {KEY}", "content-type": "application/json", "x-enginesim-fault": fault})
-    resp = conn.getresponse()
-    rid, got = resp.getheader("x-request-id") or "", bytearray()
-    try:
-        while chunk := resp.read1(65536):
-            got += chunk
-    except (http.client.IncompleteRead, OSError) as e:
-        got += getattr(e, "partial", b"")
-    finally:
-        conn.close()
-    return rid, bytes(got)
+    _, rid, got = stream_raw(f"{stack.url}/v1/chat/completions", chat_body(max_tokens=20, stream=True),
+                             {"authorization": f"Bearer {KEY}", "x-enginesim-fault": fault}, timeout=10)
+    return rid, got
 
 
 @pytest.mark.parametrize("fault", ["malformed_after=3", "disconnect_after=3"])
