@@ -24,17 +24,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.type.v3 import http_status_pb2
 
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.fallback import attempt_kind, decode_plan
+from extproc.replies import overwrite_header, refuse_attempt
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import ATTRIBUTES, attr, with_first
+from extproc.settlement import ANSWERED_BY, ATTRIBUTES, attr, with_first
 from extproc.store import Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.attempts")
@@ -46,11 +45,6 @@ _PM = processing_mode_pb2.ProcessingMode
 ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,
                         "response_header_mode": _PM.SEND, "response_body_mode": _PM.NONE,
                         "request_trailer_mode": _PM.SKIP, "response_trailer_mode": _PM.SKIP}
-
-
-def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 def choose_candidate(snap: Snapshot, plan: list[str], attempt: int, host_cluster: str) -> int:
@@ -108,11 +102,11 @@ class AttemptFilter:
                 try:
                     reply = state.answer(req)
                 except GatewayError as err:  # final: Envoy does not retry an upstream filter's own reply
-                    yield _refusal(err)
+                    yield refuse_attempt(err)
                     return
                 except Exception:
                     log.exception("attempt filter: request %s attempt %d", state.rid, state.n)
-                    yield _refusal(GatewayError(ErrorCode.POLICY_UNAVAILABLE,
+                    yield refuse_attempt(GatewayError(ErrorCode.POLICY_UNAVAILABLE,
                                                 "the gateway could not address this attempt"))
                     return
                 if req.WhichOneof("request") == "response_headers":
@@ -152,15 +146,16 @@ class _Attempt:
             if body is not None:
                 common.body_mutation.body = body
             length = len(body if body is not None else req.request_body.body)
-            common.header_mutation.set_headers.append(_set("content-length", str(length)))
+            common.header_mutation.set_headers.append(overwrite_header("content-length", str(length)))
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         if kind == "response_headers" and self.dep is not None:
             status = next((h.raw_value.decode() or h.value for h in req.response_headers.headers.headers
                            if h.key == ":status"), "0")
             self.record.update(status=int(status) if status.isdigit() else 0,
                                first_byte_ms=round((time.monotonic() - self.started) * 1000, 1))
+            named = overwrite_header(ANSWERED_BY, self.dep.deployment)
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
-                header_mutation=ep.HeaderMutation(set_headers=[_set("x-llmgw-deployment", self.dep.deployment)]))))
+                header_mutation=ep.HeaderMutation(set_headers=[named]))))
         log.warning("attempt filter: unexpected message %s", kind)
         return None
 
@@ -185,7 +180,7 @@ class _Attempt:
                 token = resolve(dep.credential_ref, snap.directory)
             except SecretUnavailable as e:
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, str(e)) from None
-            mutation.set_headers.append(_set("authorization", f"Bearer {token}"))
+            mutation.set_headers.append(overwrite_header("authorization", f"Bearer {token}"))
         else:
             mutation.remove_headers.append("authorization")
         reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
@@ -195,10 +190,3 @@ class _Attempt:
             # The body was written for this model: no body message, one round trip less.
             reply.mode_override.CopyFrom(_PM(**ATTEMPT_WITHOUT_BODY))
         return reply
-
-
-def _refusal(err: GatewayError) -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=err.status),
-        headers=ep.HeaderMutation(set_headers=[_set("content-type", "application/json")]),
-        body=err.body(), details=f"llmgw_{err.code.value}"))

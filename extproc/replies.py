@@ -1,4 +1,4 @@
-"""The one place that turns Exchange results into Envoy ext_proc messages."""
+"""The one place that turns Exchange results (and the attempt filter's) into Envoy ext_proc messages."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ _JSON = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+
+
+def overwrite_header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    """A header set whatever the message already holds (a retry reuses the request's headers)."""
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 def _metadata(values: dict[str, str], endpoints: list[str] | None = None) -> struct_pb2.Struct:
@@ -43,18 +49,24 @@ def immediate(ex: Exchange, status: int, body: bytes, details: str,
               headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
     hdrs = [_JSON, _header("x-llmgw-route-revision", ex.snapshot.revision)]
     hdrs += [_header(k, v) for k, v in (headers or {}).items()]
-    return ep.ProcessingResponse(
-        immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=ep.HeaderMutation(set_headers=hdrs),
-            body=body,
-            details=details,
-        ),
-        dynamic_metadata=_metadata(ex.metadata()),
-    )
+    return ep.ProcessingResponse(immediate_response=_immediate_response(status, body, details, hdrs),
+                                 dynamic_metadata=_metadata(ex.metadata()))
+
+
+def _immediate_response(status: int, body: bytes, details: str,
+                        headers: list[base_pb2.HeaderValueOption]) -> ep.ImmediateResponse:
+    return ep.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status),
+                                headers=ep.HeaderMutation(set_headers=headers), body=body, details=details)
 
 
 def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     """End the exchange with the contract's JSON error. `details` starts with `llmgw` so Envoy's
     local-reply rewriting leaves this body alone."""
     return immediate(ex, err.status, err.body(), f"llmgw_{err.code.value}", err.headers)
+
+
+def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:
+    """The attempt filter's refusal (an upstream filter has no Exchange): the contract's JSON error.
+    Envoy does not retry an upstream filter's own reply."""
+    return ep.ProcessingResponse(immediate_response=_immediate_response(
+        err.status, err.body(), f"llmgw_{err.code.value}", [_JSON]))
