@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -23,10 +25,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, never the same one twice from this process: the kernel may
+    hand a just-closed port out again, and two children told the same port would race for it."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def envoy_binary() -> Path:
@@ -109,6 +120,11 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, child: Chil
 def http_ok(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=1) as r:
         return 200 <= int(r.status) < 300
+
+
+def json_at(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=1) as r:
+        return json.loads(r.read())
 
 
 def tcp_open(host: str, port: int) -> bool:

@@ -25,6 +25,7 @@ from llmgw.procs import (
     envoy_binary,
     free_port,
     http_ok,
+    json_at,
     python_module,
     tcp_open,
     valkey_binary,
@@ -237,8 +238,13 @@ class Stack:
                 "--status-listen", f"127.0.0.1:{status}", *tls_args, *self._store_args(),
                 *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else [])),
                 self.logs / f"extproc-{port}.log", env=env).start())
-        for (host, port), child in zip(self.render.extproc, self.extprocs, strict=True):
-            wait_until(partial(tcp_open, host, port), timeout, f"ext_proc {host}:{port}", child)
+        # Ready when its own status endpoint names this revision: the status server starts after the
+        # gRPC port is bound, and an open port alone could be another process's.
+        for (host, port), child, url in zip(self.render.extproc, self.extprocs, self.status_urls, strict=True):
+            wait_until(partial(self._serves_revision, url), timeout, f"ext_proc {host}:{port}", child)
+
+    def _serves_revision(self, status_url: str) -> bool:
+        return bool(json_at(status_url).get("revision") == self.snapshot.revision)
 
     def _start_envoy(self, timeout: float) -> None:
         path = self.opts.state_dir / "envoy.yaml"

@@ -45,6 +45,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+def log_tails(logs: Path, n: int = 15) -> str:
+    """The last lines of every child's log: what a failure here needs to be understood."""
+    return "\n".join(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-n:])
+                     for f in sorted(logs.glob("*.log")))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -> None:
     policy = tmp_path / "policy"
@@ -71,9 +77,12 @@ def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -
         assert info["admin_url"].startswith("http://127.0.0.1:")
         key = info["tenants"]["acme"]["api_key"]
         client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key=key, max_retries=0)
-        stream = client.chat.completions.create(model="chat-default", max_tokens=5, stream=True,
-                                                messages=[{"role": "user", "content": "hi"}])
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        try:
+            stream = client.chat.completions.create(model="chat-default", max_tokens=5, stream=True,
+                                                    messages=[{"role": "user", "content": "hi"}])
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        except (openai.OpenAIError, AssertionError) as err:
+            raise AssertionError(f"{err}\n{log_tails(Path(info['logs']))}") from err
         kids = children_of(proc.pid)
         assert len(kids) == 5  # valkey, two engines, ext_proc, envoy
     finally:
