@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import datetime
 from typing import Any
 
+import orjson
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -236,7 +237,7 @@ class Meter:
         snap = self.snapshot()
         dep = answered_by(snap, attr(attrs, f"{MD}['deployment']"), attr(attrs, f"{MD}['plan']"),
                           attr(attrs, f"response.headers['{ANSWERED_BY}']"))
-        held = json.loads(hint)
+        held = orjson.loads(hint)
         usage: dict[str, Any] | None = None
         source = "none"
         if 200 <= status < 300:
@@ -304,7 +305,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         chunks = attr(md, "stream_chunks")  # the stream guard's count of what was generated before the cut
         source = "reported" if usage else "none"
         if usage is None and stream and chunks and 200 <= status < 300:
-            usage = {"prompt_tokens": json.loads(hint).get("p", 0), "completion_tokens": int(chunks)}
+            usage = {"prompt_tokens": orjson.loads(hint).get("p", 0), "completion_tokens": int(chunks)}
             source = "estimated"
         if flags.downstream_connection_termination:
             termination = "client_cancel"

@@ -81,7 +81,7 @@ def test_settle_exactly_once_and_the_ledger_has_one_record() -> None:
     rec = ledger_entry(entry[1])
     assert (rec["charged_tokens"], rec["reserved_tokens"], rec["termination"]) == (40, 100, "complete")
     assert rec["request_id"] == "r1"  # the admission facts stored with the reservation
-    assert r.zcard(f"llmgw:{{{t}}}:leases") == 0 and r.hget(f"llmgw:{{{t}}}:inflight", "requests") == "0"
+    assert r.zcard(f"llmgw:{{{t}}}:leases") == 0 and r.hget(f"llmgw:{{{t}}}:inflight", "tokens") == "0"
 
 
 def test_sweeper_charges_expired_leases_in_full_as_ambiguous() -> None:
@@ -128,9 +128,12 @@ def test_gcra_rate_limit_with_retry_after_and_token_correction() -> None:
         out += [(await store.reserve(reservation(t, f"t{i}", rates=[tpm]))).outcome for i in range(4)]
         out.append((await store.reserve(reservation(t, "t8", tokens=90, rates=[tpm90]))).outcome)
         await store.settle(t, "t0", {}, 1, 10)
+        # The correction keeps the key's expiry: a quota key never outlives its minute by more than that.
+        out.append(0 < await store.client.pttl(tpm.key) <= 2 * PERIOD_MS)
         out.append((await store.reserve(reservation(t, "t9", tokens=90, rates=[tpm90]))).outcome)
         return out
-    assert run(go) == ["ok", "ok", ("rate_limited", True), "ok", "ok", "ok", "rate_limited", "rate_limited", "ok"]
+    assert run(go) == ["ok", "ok", ("rate_limited", True), "ok", "ok", "ok", "rate_limited", "rate_limited", True,
+                       "ok"]
 
 
 def test_idempotency_states() -> None:

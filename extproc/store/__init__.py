@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
@@ -25,6 +26,12 @@ from extproc.store.scripts import ATTEMPT, RESERVE, SETTLE
 __all__ = ["Store", "StoreUnavailable"]
 
 PERIOD_MS = 60_000  # quotas are per minute
+
+
+def packed(doc: Any) -> bytes:
+    """Compact JSON for what the scripts store (ledger facts, outcomes, hints): orjson, several times
+    faster than the standard library on the per-request path; the ledger reads it back as JSON."""
+    return orjson.dumps(doc)
 
 
 def tag(tenant: str) -> str:
@@ -98,9 +105,9 @@ class Reservation:
     def hint(self) -> str:
         """What settlement needs without reading the reservation back: the keys it touched (and the
         prompt bound). Travels in Envoy's metadata, and is stored with the reservation for the sweeper."""
-        return json.dumps({"b": [b.key for b in self.budgets],
-                           "r": [f"{q.key}={q.ms_per_unit!r}" for q in self.rates if q.per_token],
-                           "i": self.idem_key or "", "p": self.prompt_bound}, separators=(",", ":"))
+        return packed({"b": [b.key for b in self.budgets],
+                       "r": [f"{q.key}={q.ms_per_unit!r}" for q in self.rates if q.per_token],
+                       "i": self.idem_key or "", "p": self.prompt_bound}).decode()
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ class Store:
             -1 if r.max_in_flight is None else r.max_in_flight,
             -1 if r.max_in_flight_tokens is None else r.max_in_flight_tokens,
             len(r.budgets), len(r.rates), r.idem_body_hash, r.idem_ttl_ms,
-            json.dumps(r.record, separators=(",", ":")), r.hint,
+            packed(r.record), r.hint,
         ]
         for b in r.budgets:
             args += [-1 if b.limit_micros is None else b.limit_micros,
@@ -167,12 +174,12 @@ class Store:
     def _settle_call(self, tenant: str, rid: str, hint: str, outcome: dict[str, Any], charge_micros: int,
                      charge_tokens: int, idem_status: str, idem_response: str,
                      idem_ttl_ms: int) -> tuple[list[str], list[Any]]:
-        h = json.loads(hint) if hint else {}
+        h = orjson.loads(hint) if hint else {}
         budgets: list[str] = h.get("b", [])
         tpm = [item.rsplit("=", 1) for item in h.get("r", [])]
         keys = [res_key(tenant, rid), leases_key(tenant), inflight_key(tenant), ledger_key(tenant),
                 h.get("i") or f"{tag(tenant)}:idem:-", *budgets, *(k for k, _ in tpm)]
-        args: list[Any] = [rid, charge_micros, charge_tokens, json.dumps(outcome, separators=(",", ":")),
+        args: list[Any] = [rid, charge_micros, charge_tokens, packed(outcome),
                            len(budgets), len(tpm), idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
         return keys, args
 
@@ -206,12 +213,12 @@ class Store:
 
     async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
         """One attempt of a fallback route (extproc/attempts.py); settlement puts them in the ledger."""
-        await self.pipe.evalsha(ATTEMPT, [res_key(tenant, rid)], [n, json.dumps(record, separators=(",", ":"))])
+        await self.pipe.evalsha(ATTEMPT, [res_key(tenant, rid)], [n, packed(record)])
 
     async def append_ledger(self, tenant: str, facts: dict[str, Any], outcome: dict[str, Any]) -> None:
         """The entry of a request that reserved nothing (denied, refused before dispatch)."""
         await self._call(self.client.xadd(ledger_key(tenant), {
-            "record": json.dumps(facts, separators=(",", ":")), "outcome": json.dumps(outcome, separators=(",", ":")),
+            "record": packed(facts), "outcome": packed(outcome),
             "reserved_micros": 0, "reserved_tokens": 0, "charged_micros": 0, "charged_tokens": 0}))
 
     async def expired_leases(self, tenant: str, now_ms: int, limit: int = 100) -> list[str]:

@@ -22,8 +22,9 @@ if idem_hash ~= '' then
   end
 end
 
-local inflight = redis.call('HMGET', KEYS[3], 'requests', 'tokens')
-local nreq, ntok = tonumber(inflight[1] or '0'), tonumber(inflight[2] or '0')
+-- In-flight requests are the open leases; in-flight tokens are counted beside them.
+local nreq = redis.call('ZCARD', KEYS[2])
+local ntok = tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0')
 if max_inflight >= 0 and nreq + 1 > max_inflight then return {'concurrency_limited', 'requests'} end
 if max_tokens >= 0 and ntok + tokens > max_tokens then return {'concurrency_limited', 'tokens'} end
 
@@ -62,7 +63,6 @@ end
 for r = 1, nr do
   redis.call('SET', KEYS[4 + nb + r], tostring(new_tats[r]), 'PX', math.ceil(new_tats[r] - now) + 60000)
 end
-redis.call('HINCRBY', KEYS[3], 'requests', 1)
 redis.call('HINCRBY', KEYS[3], 'tokens', tokens)
 redis.call('ZADD', KEYS[2], lease_until, rid)
 redis.call('HSET', KEYS[1], 'micros', micros, 'tokens', tokens, 'lease_until', lease_until,
@@ -81,8 +81,8 @@ return {'ok'}
 # (a charge above the reservation is cut to it: invariant 3 holds whatever an upstream reports).
 # Returns {1, reserved_micros, reserved_tokens, charged_micros, charged_tokens}, or {0} when already settled.
 SETTLE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
 local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem', 'record', 'att:1')
+if not res[1] then return {0} end
 local rm, rt = tonumber(res[1]), tonumber(res[2])
 local cm, ct = tonumber(ARGV[2]), tonumber(ARGV[3])
 if cm < 0 or cm > rm then cm = rm end
@@ -98,14 +98,11 @@ end
 for r = 1, nt do
   local key = KEYS[5 + nb + r]
   local tat = tonumber(redis.call('GET', key) or '0')
-  if tat > 0 then
-    local ttl = redis.call('PTTL', key)
-    local corrected = tat - (rt - ct) * tonumber(ARGV[9 + r])
-    if ttl > 0 then redis.call('SET', key, tostring(corrected), 'PX', ttl) end
+  if tat > 0 then  -- an expired key has nothing left to correct
+    redis.call('SET', key, tostring(tat - (rt - ct) * tonumber(ARGV[9 + r])), 'KEEPTTL')
   end
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('HINCRBY', KEYS[3], 'requests', -1)
 redis.call('HINCRBY', KEYS[3], 'tokens', -rt)
 local entry = {'record', res[4] or '{}', 'outcome', ARGV[4],
                'reserved_micros', rm, 'reserved_tokens', rt, 'charged_micros', cm, 'charged_tokens', ct}
