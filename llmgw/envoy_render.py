@@ -695,7 +695,8 @@ def _composite_cluster(snap: Snapshot, name: str, sub_clusters: Iterable[str]) -
 
 def fallback_clusters(snap: Snapshot, known: set[str]) -> list[cluster_pb2.Cluster]:
     """For each route with several candidates: a composite cluster per ordered subset of them, so that
-    whichever qualify for a request, its cluster holds exactly those."""
+    whichever qualify for a request, its cluster holds exactly those. A route with fallback off sends
+    one candidate at most: only its credentialed candidates need one (alone)."""
     composites: list[cluster_pb2.Cluster] = []
     for route in snap.routes.values():
         clusters = [snap.pool_of(snap.deployments[c.deployment_name]) if c.deployment_name in snap.deployments
@@ -703,6 +704,8 @@ def fallback_clusters(snap: Snapshot, known: set[str]) -> list[cluster_pb2.Clust
         credentialed = [i for i, c in enumerate(route.candidates)
                         if (d := snap.deployments.get(c.deployment_name)) is not None and d.credential_ref]
         for subset in candidate_subsets(len(clusters), credentialed):
+            if len(subset) > 1 and not route.fallback.enabled:
+                continue
             if all(clusters[i] in known for i in subset):  # a candidate without a deployment never qualifies
                 composites.append(_composite_cluster(snap, composite_name(route.route_contract, subset),
                                                      sub_clusters([clusters[i] for i in subset])))

@@ -16,7 +16,7 @@ from extproc.config import Snapshot, load_snapshot
 from extproc.contract import GatewayError
 from extproc.fallback import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
 from extproc.settlement import answered_by
-from llmgw.envoy_render import RenderOptions, render_yaml
+from llmgw.envoy_render import RenderOptions, fallback_clusters, render_yaml
 from llmgw.procs import envoy_binary
 from tests.helpers import chat_body
 from tests.test_fallback_e2e import BACKUP, BACKUP_MODEL, fallback_policy
@@ -132,6 +132,9 @@ def test_fallback_off_plans_the_first_qualified_candidate_only(tmp_path: Path) -
     policy = fallback_policy(tmp_path)
     yaml_edit(policy / "routes/chat-default.yaml", lambda doc: doc.update(fallback={"enabled": False}))
     assert _plan(policy, "internal") == ([FIRST], "fallback_chat-default_0")
+    # Envoy is given no composite of two or more for it: none can be routed to.
+    assert [c.name for c in fallback_clusters(load_snapshot(policy), {"pool_engine-pool", "pool_backup-pool"})
+            if c.name.startswith("fallback_chat-default")] == ["fallback_chat-default_0"]
     # Off, and without the credential: the candidate's own cluster, no attempt filter at all.
     yaml_edit(policy / "deployments/pool-llama-8b.yaml", lambda doc: doc.pop("credential_ref"))
     assert _plan(policy, "internal") == ([FIRST], "pool_engine-pool")
