@@ -129,7 +129,8 @@ def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Na
         for name, v in variants.items():
             snap = load_snapshot(v.config)
             opts = StackOptions.on_free_ports(v.config, work / name, snap, with_valkey=v.with_valkey,
-                                              start_engines=False, envoy_concurrency=1, extproc_args=v.extproc_args)
+                                              start_engines=False, envoy_concurrency=1, extproc_args=v.extproc_args,
+                                              workers=args.workers)
             opts.engine_ports = {p: (up_port,) for p in snap.gateway.pools}
             stacks[name] = Stack(opts).start()
             urls[name] = f"{stacks[name].url}/v1/chat/completions"
@@ -294,7 +295,7 @@ def _table(results: dict[tuple[str, int], list[Result]], args: argparse.Namespac
         rows.append(f"| {name} | {c} | {p50:.3f} | {p99:.3f} | {rps:,.0f} | {p50 - s50:+.3f} | {rps / srps:.2f} "
                     f"| {sum(r.non_2xx for r in rs)} |")
     note = (f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.rounds} alternating rounds, "
-            f"{args.duration:.0f}s per proxy and level; medians of rounds.\n")
+            f"{args.duration:.0f}s per proxy and level; ext_proc workers: {args.workers}; medians of rounds.\n")
     return "\n".join(rows) + "\n" + note
 
 
@@ -308,5 +309,6 @@ def add_parser(bsub: Any) -> None:
         b.add_argument("--duration", type=float, default=9.0)
         b.add_argument("--concurrency", default="1,32")
         b.add_argument("--rounds", type=int, default=3)
+        b.add_argument("--workers", type=int, default=1, help="ext_proc worker processes in every variant")
         b.add_argument("--output")
         b.set_defaults(func=func)
