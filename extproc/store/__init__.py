@@ -8,7 +8,6 @@ one slot, so the scripts also run on Redis Cluster. A store that cannot answer w
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 from collections.abc import Sequence
@@ -206,7 +205,7 @@ class Store:
     async def settle_many(self, items: list[Settlement]) -> None:
         """Many settlements, pipelined on the one connection; each is still its own script."""
         calls = [self._settle_call(*item) for item in items]
-        results = await asyncio.gather(*(self.pipe.evalsha(SETTLE, k, a) for k, a in calls), return_exceptions=True)
+        results = await self.pipe.evalsha_many(SETTLE, calls)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")

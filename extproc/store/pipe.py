@@ -21,6 +21,34 @@ import hiredis
 from extproc.store.errors import StoreUnavailable
 
 
+class _Replies(asyncio.Protocol):
+    """The connection's receiving side: each reply, parsed by hiredis, resolves the oldest waiting
+    caller (Redis answers in order), straight from the event loop's callback (no reader task)."""
+
+    def __init__(self, pipe: ScriptPipe):
+        self.pipe = pipe
+        self.parser = hiredis.Reader()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed(data)
+            waiting = self.pipe._waiting
+            while (reply := self.parser.gets()) is not False:
+                if waiting:
+                    fut, _ = waiting.popleft()
+                    if not fut.done():
+                        fut.set_result(reply)
+        except hiredis.ProtocolError:
+            self.pipe._reset(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pipe._reset(self)
+
+
 class ScriptPipe:
     def __init__(self, url: str, timeout_s: float):
         u = urllib.parse.urlsplit(url)
@@ -31,26 +59,26 @@ class ScriptPipe:
         self.password = urllib.parse.unquote(u.password) if u.password else None
         self.username = urllib.parse.unquote(u.username) if u.username else None
         self.timeout_s = timeout_s
-        self._writer: asyncio.StreamWriter | None = None
+        self._conn: _Replies | None = None
         self._waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self._out: list[bytes] = []  # commands of this event-loop turn, written together
-        self._reader_task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._connecting: asyncio.Lock | None = None
         self._loaded: dict[str, str] = {}  # sha -> script, loaded on this connection's server
 
-    async def _connect(self) -> asyncio.StreamWriter:
+    async def _connect(self) -> _Replies:
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            if self._writer is not None:
-                return self._writer
+            if self._conn is not None:
+                return self._conn
+            loop = asyncio.get_running_loop()
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout_s)
+                _, conn = await asyncio.wait_for(
+                    loop.create_connection(lambda: _Replies(self), self.host, self.port), self.timeout_s)
             except (OSError, TimeoutError) as e:
                 raise StoreUnavailable(f"store unavailable: {type(e).__name__}") from None
-            self._writer = writer
-            self._reader_task = asyncio.ensure_future(self._read(reader, writer))
+            self._conn = conn
             if self._watchdog is None or self._watchdog.done():
                 self._watchdog = asyncio.ensure_future(self._watch())
             setup: list[tuple[Any, ...]] = []
@@ -59,41 +87,24 @@ class ScriptPipe:
             if self.db:
                 setup.append(("SELECT", self.db))
             for cmd in setup:
-                reply = await self._send(writer, cmd)
+                reply = await self._send(conn, cmd)
                 if isinstance(reply, hiredis.ReplyError):
-                    self._reset(writer)
+                    self._reset(conn)
                     raise StoreUnavailable(f"store refused {cmd[0]}")
-            return writer
+            return conn
 
-    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        parser = hiredis.Reader()
-        try:
-            while True:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                parser.feed(data)
-                while (reply := parser.gets()) is not False:
-                    if self._waiting:
-                        fut, _ = self._waiting.popleft()
-                        if not fut.done():
-                            fut.set_result(reply)
-        except (OSError, hiredis.ProtocolError):
-            pass
-        finally:
-            self._reset(writer)
-
-    def _reset(self, writer: asyncio.StreamWriter) -> None:
+    def _reset(self, conn: _Replies) -> None:
         """Drop the connection: every caller still waiting on it fails (fail closed), the next reconnects."""
-        if self._writer is writer:
-            self._writer = None
+        if self._conn is conn:
+            self._conn = None
             self._loaded.clear()
             self._out.clear()
             while self._waiting:
                 fut, _ = self._waiting.popleft()
                 if not fut.done():
                     fut.set_exception(StoreUnavailable("store connection lost or timed out"))
-        writer.close()
+        if conn.transport is not None:
+            conn.transport.close()
 
     async def _watch(self) -> None:
         """One timer for all commands: when the oldest unanswered command is older than the timeout, the
@@ -102,46 +113,78 @@ class ScriptPipe:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.timeout_s / 4)
-            writer = self._writer
-            if writer is not None and self._waiting and loop.time() - self._waiting[0][1] > self.timeout_s:
-                self._reset(writer)
+            conn = self._conn
+            if conn is not None and self._waiting and loop.time() - self._waiting[0][1] > self.timeout_s:
+                self._reset(conn)
 
-    def _flush(self, writer: asyncio.StreamWriter) -> None:
-        if self._out and self._writer is writer:
-            writer.write(b"".join(self._out))
+    def _flush(self, conn: _Replies) -> None:
+        if self._out and self._conn is conn and conn.transport is not None:
+            conn.transport.write(b"".join(self._out))
             self._out.clear()
 
-    async def _send(self, writer: asyncio.StreamWriter, cmd: tuple[Any, ...]) -> Any:
+    def _queue(self, conn: _Replies, cmd: tuple[Any, ...]) -> asyncio.Future[Any]:
+        """Queue one command; everything queued in this event-loop turn is written together."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._waiting.append((fut, loop.time()))
         if not self._out:
-            loop.call_soon(self._flush, writer)
+            loop.call_soon(self._flush, conn)
         self._out.append(hiredis.pack_command(cmd))
-        return await fut
+        return fut
 
-    async def evalsha(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    async def _send(self, conn: _Replies, cmd: tuple[Any, ...]) -> Any:
+        return await self._queue(conn, cmd)
+
+    async def _ready(self, script: str) -> tuple[_Replies, str]:
+        """The connection, with the script loaded on its server; and the script's SHA."""
         sha = _sha1(script)
-        writer = self._writer or await self._connect()
+        conn = self._conn or await self._connect()
         if sha not in self._loaded:
-            reply = await self._send(writer, ("SCRIPT", "LOAD", script))
+            reply = await self._send(conn, ("SCRIPT", "LOAD", script))
             if isinstance(reply, hiredis.ReplyError):
                 raise StoreUnavailable(f"store refused the script: {reply}")
             self._loaded[sha] = script
-        reply = await self._send(writer, ("EVALSHA", sha, len(keys), *keys, *args))
+        return conn, sha
+
+    async def evalsha(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        conn, sha = await self._ready(script)
+        try:
+            return self._result(await self._send(conn, ("EVALSHA", sha, len(keys), *keys, *args)))
+        except _Reload:
+            return await self.evalsha(script, keys, args)
+
+    async def evalsha_many(self, script: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Many calls of one script, written together; each is still its own atomic script. A failed
+        call is returned as its exception (StoreUnavailable), the others as their results."""
+        conn, sha = await self._ready(script)
+        futs = [self._queue(conn, ("EVALSHA", sha, len(k), *k, *a)) for k, a in calls]
+        out: list[Any] = []
+        for (keys, args), fut in zip(calls, futs, strict=True):
+            try:
+                out.append(self._result(await fut))
+            except _Reload:
+                out.append(await self.evalsha(script, keys, args))
+            except StoreUnavailable as e:
+                out.append(e)
+        return out
+
+    def _result(self, reply: Any) -> Any:
         if isinstance(reply, hiredis.ReplyError):
             if str(reply).startswith("NOSCRIPT"):  # the server restarted and forgot it
-                self._loaded.pop(sha, None)
-                return await self.evalsha(script, keys, args)
+                self._loaded.clear()
+                raise _Reload
             raise StoreUnavailable(f"store script failed: {reply}")
         return _decode(reply)
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._reset(self._writer)
-        for task in (self._reader_task, self._watchdog):
-            if task is not None:
-                task.cancel()
+        if self._conn is not None:
+            self._reset(self._conn)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+
+class _Reload(Exception):
+    """NOSCRIPT: the server restarted since the script was loaded; load it and call again."""
 
 
 @functools.cache
