@@ -118,8 +118,10 @@ class Picker:
         load = self.loads.get(endpoint)
         return load if load is not None and now - load.at <= self.stale_after else None
 
-    def pick(self, pool: str, salt: str, messages: object) -> list[str]:
-        """Endpoints of `pool`, best first; empty when no engine has fresh metrics (Envoy then picks)."""
+    def pick(self, pool: str, salt: str, messages: object, record: bool = True) -> list[str]:
+        """Endpoints of `pool`, best first; empty when no engine has fresh metrics (Envoy then picks).
+        `record`: the first is where the request goes (its prefix affinity and a pending request are
+        noted); False for a fallback candidate's pool, which only a failure sends to."""
         now = time.monotonic()
         loads = {ep: ld for ep in self.pools.get(pool, ()) if (ld := self.fresh(ep, now)) is not None}
         if not loads:
@@ -139,7 +141,8 @@ class Picker:
                     + WEIGHTS["running"] / (1.0 + ld.running + pending[ep]))
 
         order = sorted(loads, key=lambda ep: (-score(ep), pending[ep], ep))
-        self._record(order[0], blocks, now)
+        if record:
+            self._record(order[0], blocks, now)
         return order
 
     def _matched_blocks(self, blocks: list[int]) -> dict[str, int]:

@@ -8,6 +8,7 @@ different processes; the attempts meet in the store.
   prices the answer at candidate 2's prices.
 - A confidential request never reaches candidate 2, not even when candidate 1 fails.
 - A stream whose first byte is later than its per-try limit falls back to candidate 2.
+- The attempt that falls back goes to the engine of candidate 2's pool that the picker ranks first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ from llmgw.bench_policy import add_candidate
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
 from tests.conftest import ledger_of as conftest_ledger_of
-from tests.helpers import assert_contract_error, chat_body, request
+from tests.helpers import assert_contract_error, chat_body, request, request_quietly
 
 pytestmark = pytest.mark.e2e
 KEY = DEMO_KEYS["acme"]
@@ -45,6 +48,9 @@ def fallback_policy(root: Path) -> Path:
     add_candidate(dst, BACKUP, "backup-pool", "127.0.0.1:8121", {"model_digest": "sha256:" + "ab" * 32},
                   {"data_classes": ["public", "internal"]}, served_model=BACKUP_MODEL, context_window=32768,
                   data_classes=["public", "internal"], prices=BACKUP_PRICES)
+    gw = yaml.safe_load((dst / "gateway.yaml").read_text())
+    gw["pools"]["backup-pool"]["endpoints"].append("127.0.0.1:8122")  # two engines: the picker chooses
+    (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
     # Candidate 1 takes a credential of its own (a hosted provider would); candidate 2 none.
     (dst / "pool.key").write_text(POOL_CREDENTIAL)
     first_dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
@@ -94,6 +100,29 @@ def ledger_of(stack: Stack, rid: str) -> dict[str, Any]:
 def chat(stack: Stack, content: str, **headers: str) -> Any:
     return request(f"{stack.url}/v1/chat/completions", "POST", chat_body(content=content, max_tokens=4),
                    headers={"authorization": f"Bearer {KEY}", **headers}, timeout=30)
+
+
+def test_the_fallback_attempt_goes_to_the_engine_the_picker_ranks_first(gw: Stack) -> None:
+    busy, idle = gw.engine_urls("backup-pool")
+    # Load one of candidate 2's engines directly: the picker sees it in the engine's metrics, Envoy's
+    # own balancer (least request, the policy's fallback) does not. The loads stream and are cut by
+    # their client's timeout, so the engine drops them when this test ends.
+    load = chat_body(BACKUP_MODEL, max_tokens=20000, stream=True)
+    threads = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST", load),
+                                kwargs={"timeout": 4}, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # several scrapes
+    marker = uuid.uuid4().hex
+    for i in range(6):
+        fault_all(gw, "engine-pool", "status=503")
+        r = chat(gw, f"{marker} {i}")
+        assert r.status == 200 and r.headers["x-llmgw-deployment"] == BACKUP, r.body
+    served = {url: sum(marker in json.dumps(e["messages"]) for e in request(f"{url}/admin/requests").json())
+              for url in (busy, idle)}
+    assert served == {busy: 0, idle: 6}, served
+    for t in threads:
+        t.join()
 
 
 def test_candidate_1_answering_503_falls_back_to_candidate_2(gw: Stack) -> None:

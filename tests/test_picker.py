@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from extproc.picker import EngineLoad, Picker, parse_load
+from extproc.stages.route import PickEndpoint
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import start_stack
 from tests.helpers import chat_body, request, request_quietly
@@ -44,6 +48,30 @@ def picker_with(loads: dict[str, tuple[float, float, float]], age: float = 0.0) 
 
 
 MSGS = [{"role": "user", "content": "x" * 2000}]
+
+
+def test_a_fallback_plan_lists_each_later_candidates_pool_after_the_first() -> None:
+    now = time.monotonic()
+    p = Picker({"a": ["a1:1", "a2:1"], "b": ["b1:1", "b2:1"]})
+    p.loads = {ep: EngineLoad(waiting=0, running=running, kv_usage=0.0, at=now)
+               for ep, running in (("a1:1", 3), ("a2:1", 0), ("b1:1", 3), ("b2:1", 0))}
+    a, a_again, b = SimpleNamespace(pool="a"), SimpleNamespace(pool="a"), SimpleNamespace(pool="b")
+
+    def endpoints(*candidates: Any) -> list[str]:
+        ex: Any = SimpleNamespace(deployment=candidates[0], candidates=candidates, body={"messages": MSGS},
+                                  cache_salt="s", endpoints=[])
+        asyncio.run(PickEndpoint(p).run(ex))
+        return list(ex.endpoints)
+
+    assert endpoints(a) == ["a2:1", "a1:1"]
+    # Envoy takes the list in order across attempts, skipping addresses outside the attempt's cluster:
+    # a fallback to candidate 2 (pool b) starts at b's best engine. A pool listed once.
+    assert endpoints(a, a_again, b) == ["a2:1", "a1:1", "b2:1", "b1:1"]
+    # Only the first pool's best is noted as where a request went (pending load, prefix affinity).
+    assert {ep for ep, picks in p._picked_at.items() if picks} == {"a2:1"}
+    # No fresh metrics for the first pool: nothing listed (attempt 1 would use up b's addresses).
+    p.loads = {ep: ld for ep, ld in p.loads.items() if ep.startswith("b")}
+    assert endpoints(a, b) == []
 
 
 @pytest.mark.parametrize(("loads", "best"), [

@@ -38,7 +38,11 @@ def tenant_salts(secret: str, tenants: Iterable[str]) -> dict[str, str]:
 
 
 class PickEndpoint:
-    """Order the engines of the chosen pool by load and tenant-keyed prefix affinity."""
+    """Order the engines of the chosen pool by load and tenant-keyed prefix affinity; on a fallback
+    plan, then each later candidate's pool. Envoy's override_host policy takes the list in order
+    across attempts and skips addresses outside the attempt's cluster, so the attempt that falls back
+    to candidate N starts at the best engine of candidate N's pool. Without fresh metrics for the first
+    pool nothing is listed: attempt 1 would use up the others' addresses, and Envoy balances by itself."""
 
     name = "pick"
 
@@ -46,8 +50,17 @@ class PickEndpoint:
         self.picker = picker
 
     async def run(self, ex: Exchange) -> None:
-        if ex.deployment is not None and ex.deployment.pool is not None:
-            ex.endpoints = self.picker.pick(ex.deployment.pool, ex.cache_salt, ex.body.get("messages"))
+        first = ex.deployment.pool if ex.deployment is not None else None
+        if first is None:
+            return
+        messages = ex.body.get("messages")
+        endpoints = self.picker.pick(first, ex.cache_salt, messages)
+        pools = [first]
+        for dep in ex.candidates[1:] if endpoints else ():
+            if dep.pool is not None and dep.pool not in pools:
+                pools.append(dep.pool)
+                endpoints += self.picker.pick(dep.pool, ex.cache_salt, messages, record=False)
+        ex.endpoints = endpoints
 
 
 def prompt_bytes(body: dict[str, Any]) -> int:
