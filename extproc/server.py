@@ -41,7 +41,7 @@ from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_re
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
-from extproc.store import Store
+from extproc.store import Store, StoreUnavailable
 from extproc.streams import StreamGuard
 
 log = logging.getLogger("llmgw.extproc")
@@ -262,6 +262,11 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     store_cfg = reloader.live.snapshot.gateway.store
     store_url = store_url or store_cfg.url
     store = Store(store_url, store_cfg.timeout_ms) if store_url else None
+    if store is not None:
+        try:
+            await store.prepare()
+        except StoreUnavailable as e:  # not fatal: requests that need the store are refused until it is back
+            log.warning("store not reachable at start (%s); requests that need it are refused until it is", e)
     processor = Processor(reloader, picker, jwks, store)
     ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     if processor.settler is not None:  # JSON answers settle through Envoy's gRPC access log

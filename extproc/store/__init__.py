@@ -136,6 +136,10 @@ class Store:
                                            retry_on_timeout=False)
         self.pipe = ScriptPipe(url, timeout)  # the two scripts every request runs
 
+    async def prepare(self) -> None:
+        """At start: the hot-path connection open and its scripts loaded (StoreUnavailable if not)."""
+        await self.pipe.load(RESERVE, SETTLE)
+
     async def close(self) -> None:
         await self.pipe.close()
         await self.client.aclose()

@@ -146,6 +146,11 @@ class ScriptPipe:
             self._loaded[sha] = script
         return conn, sha
 
+    async def load(self, *scripts: str) -> None:
+        """Connect and load the scripts now, so the first request does not wait for it."""
+        for script in scripts:
+            await self._ready(script)
+
     async def evalsha(self, script: str, keys: list[str], args: list[Any]) -> Any:
         conn, sha = await self._ready(script)
         try:
