@@ -23,7 +23,7 @@ import yaml
 
 from extproc.stages.route import prompt_bytes
 from extproc.store import budget_key, ledger_entry, ledger_key
-from llmgw.procs import Child, tcp_open, wait_until
+from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
@@ -296,3 +296,27 @@ def test_valkey_restart_keeps_budgets_and_ledger_and_a_dead_store_fails_fast(tmp
         assert elapsed < 1.0, elapsed  # fail closed, fast: never hang, never admit unmetered
     finally:
         s.stop()
+
+
+def test_a_store_down_from_the_start_refuses_fast_until_it_comes_up(tmp_path: Path) -> None:
+    policy = make_policy(tmp_path)
+    vport = free_port()
+    gw = yaml.safe_load((policy / "gateway.yaml").read_text())
+    gw["store"]["url"] = f"redis://127.0.0.1:{vport}/0"  # nothing listens there yet
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    s = start_stack(tmp_path / "state", policy, with_valkey=False)
+    valkey: Child | None = None
+    try:
+        t0 = time.monotonic()
+        r = chat(s, "acme")
+        assert_contract_error(r, 503, "policy_unavailable")
+        assert time.monotonic() - t0 < 1.0
+        assert "store not reachable at start" in "".join(c.tail() for c in s.extprocs)
+        valkey = Child("valkey", [str(valkey_binary()), "--port", str(vport), "--bind", "127.0.0.1", "--save", ""],
+                       tmp_path / "valkey.log").start()
+        wait_until(lambda: tcp_open("127.0.0.1", vport), 20, "valkey", valkey)
+        assert chat(s, "acme").status == 200  # connects when the store is there; scripts loaded then
+    finally:
+        s.stop()
+        if valkey is not None:
+            valkey.stop()
