@@ -27,7 +27,9 @@ import openai
 import pytest
 import yaml
 
+from extproc.picker import parse_load
 from llmgw.bench_policy import add_candidate
+from llmgw.procs import wait_until
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
 from tests.conftest import ledger_of as conftest_ledger_of
@@ -102,17 +104,26 @@ def chat(stack: Stack, content: str, **headers: str) -> Any:
                    headers={"authorization": f"Bearer {KEY}", **headers}, timeout=30)
 
 
+def running(engine: str) -> float:
+    page = request(f"{engine}/metrics").body.decode()
+    return parse_load(page, at=0.0).running
+
+
 def test_the_fallback_attempt_goes_to_the_engine_the_picker_ranks_first(gw: Stack) -> None:
     busy, idle = gw.engine_urls("backup-pool")
     # Load one of candidate 2's engines directly: the picker sees it in the engine's metrics, Envoy's
-    # own balancer (least request, the policy's fallback) does not. The loads stream and are cut by
-    # their client's timeout, so the engine drops them when this test ends.
-    load = chat_body(BACKUP_MODEL, max_tokens=20000, stream=True)
+    # own balancer (least request, the policy's fallback) does not. `ignore_eos`: each load runs to
+    # its max_tokens (a few seconds here), not to a sampled answer length.
+    load = chat_body(BACKUP_MODEL, max_tokens=4000, stream=True, ignore_eos=True)
     threads = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST", load),
-                                kwargs={"timeout": 4}, daemon=True) for _ in range(3)]
+                                kwargs={"timeout": 30}, daemon=True) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # several scrapes
+    # The premise, as the picker reads it: three running on one engine, none on the other (without it,
+    # both would tie and the order would come down to the addresses).
+    wait_until(lambda: running(busy) == 3, 10, "load on the busy engine")
+    assert running(idle) == 0
+    time.sleep(0.3)  # several scrapes
     marker = uuid.uuid4().hex
     for i in range(6):
         fault_all(gw, "engine-pool", "status=503")
