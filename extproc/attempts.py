@@ -33,7 +33,7 @@ from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.fallback import attempt_kind, decode_plan
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import ANSWERED_BY, ATTRIBUTES, attr, with_first
+from extproc.settlement import ANSWERED_BY, ATTRIBUTES, attr, header, with_first
 from extproc.store import Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.attempts")
@@ -149,8 +149,7 @@ class _Attempt:
             common.header_mutation.set_headers.append(overwrite_header("content-length", str(length)))
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         if kind == "response_headers" and self.dep is not None:
-            status = next((h.raw_value.decode() or h.value for h in req.response_headers.headers.headers
-                           if h.key == ":status"), "0")
+            status = header(req.response_headers.headers, ":status", "0")
             self.record.update(status=int(status) if status.isdigit() else 0,
                                first_byte_ms=round((time.monotonic() - self.started) * 1000, 1))
             named = overwrite_header(ANSWERED_BY, self.dep.deployment)
@@ -164,8 +163,7 @@ class _Attempt:
         attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
         self.tenant, plan = decode_plan(attr(attrs, PLAN))
         self.rid = attr(attrs, "request.id")
-        count = next((h.raw_value.decode() or h.value for h in req.request_headers.headers.headers
-                      if h.key == "x-envoy-attempt-count"), "1")
+        count = header(req.request_headers.headers, "x-envoy-attempt-count", "1")
         self.n = n = int(count) if count.isdigit() else 1
         dep = self.dep = snap.deployments[plan[choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))]]
         # The candidate the previous attempt went to (by the composite's order).

@@ -37,7 +37,16 @@ from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release, with_first
+from extproc.settlement import (
+    Meter,
+    SettlementLog,
+    Settler,
+    Sweeper,
+    header_text,
+    record_refusal,
+    release,
+    with_first,
+)
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
@@ -72,7 +81,7 @@ def apply_attributes(ex: Exchange, attrs: struct_pb2.Struct) -> None:
 
 def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:
     for h in headers.headers:
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        value = header_text(h)
         if h.key == ":path":
             ex.path = value
         elif h.key == ":method":

@@ -132,6 +132,16 @@ def attr(attrs: Any, key: str) -> str:
     return ""
 
 
+def header_text(h: Any) -> str:
+    """A HeaderValue of an ext_proc headers message: its raw bytes as UTF-8 when Envoy sent them so."""
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)
+
+
+def header(headers: Any, key: str, default: str = "") -> str:
+    """One header's value from an ext_proc HeaderMap."""
+    return next((header_text(h) for h in headers.headers if h.key == key), default)
+
+
 class Settler:
     """Settlements queued by the meter and the access log, sent in one store round trip for every
     batch gathered within BATCH_WAIT_S (each is still its own atomic script)."""
