@@ -66,14 +66,17 @@ def test_reserve_until_the_budget_is_full_then_refuse() -> None:
 def test_settle_exactly_once_and_the_ledger_has_one_record() -> None:
     t = tenant()
 
-    async def go(store: Store) -> tuple[Any, Any]:
-        await store.reserve(reservation(t, "r1"))
+    async def go(store: Store) -> tuple[Any, Any, Any]:
+        held = reservation(t, "r1")
+        await store.reserve(held)
         first = await store.settle(t, "r1", {"termination": "complete"}, 4, 40)
         second = await store.settle(t, "r1", {"termination": "complete"}, 4, 40)
-        return first, second
-    first, second = run(go)
+        # With the hint (how the access log and the stream guard settle): the script itself refuses.
+        third = await store.settle(t, "r1", {"termination": "complete"}, 4, 40, hint=held.hint)
+        return first, second, third
+    first, second, third = run(go)
     assert first is not None and (first.charged_tokens, first.reserved_tokens) == (40, 100)
-    assert second is None
+    assert second is None and third is None
     r = sync()
     assert r.hgetall(budget_key(t, "b", "total")) == {"reserved_micros": "0", "reserved_tokens": "0",
                                                       "settled_micros": "4", "settled_tokens": "40"}
