@@ -4,7 +4,11 @@ Endpoints as vLLM serves them: POST /v1/chat/completions (stream or not, include
 GET /v1/models, GET /health, GET /metrics (vLLM's names), POST /tokenize. Simulator-only:
 GET/DELETE /admin/requests (what this engine received), POST/DELETE /admin/faults (inject faults).
 
-Faults, by request header `x-enginesim-fault` or queued by the admin endpoint:
+Faults are the operator's: queued by the admin endpoint (`{"fault": SPEC, "count": N, "match": TEXT}`:
+the next N requests whose messages contain TEXT, or any request without `match`), which the gateway
+never routes a client to. A request header `x-enginesim-fault: SPEC` is honoured only when the engine
+runs with `--fault-header` (the simulator's own tests): `llmgw up` never sets it, and the gateway
+forwards no such header anyway. SPEC is one or more of:
   status=503          answer that status (vLLM's error body) before any header
   delay_ms=300        wait before answering
   stall_after=3       send 3 chunks, then go silent (until the client goes away)
@@ -77,13 +81,26 @@ class Fault:
         return f
 
 
+@dataclass
+class QueuedFault:
+    fault: Fault
+    match: str  # "" = any request
+
+    def applies(self, body: Any) -> bool:
+        if not self.match:
+            return True
+        messages = body.get("messages") if isinstance(body, dict) else None
+        return self.match in json.dumps(messages, ensure_ascii=False)
+
+
 class EngineServer:
-    def __init__(self, engine: Engine, served_model: str, seed: int = 0):
+    def __init__(self, engine: Engine, served_model: str, seed: int = 0, fault_header: bool = False):
         self.engine = engine
         self.served_model = served_model
         self.seed = seed
+        self.fault_header = fault_header
         self.requests: deque[dict[str, Any]] = deque(maxlen=10_000)
-        self.faults: deque[Fault] = deque()
+        self.faults: list[QueuedFault] = []
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_get("/v1/models", self.models)
@@ -150,7 +167,7 @@ class EngineServer:
             fault = Fault.parse(body["fault"])
         except (KeyError, ValueError) as e:
             return vllm_error(400, f"bad fault: {e}")
-        self.faults.extend([fault] * int(body.get("count", 1)))
+        self.faults.extend([QueuedFault(fault, str(body.get("match") or ""))] * int(body.get("count", 1)))
         return web.json_response({"queued": len(self.faults)})
 
     async def clear_faults(self, _: web.Request) -> web.Response:
@@ -182,13 +199,13 @@ class EngineServer:
         return None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        fault = self._take_fault(request)
-        if isinstance(fault, web.Response):
-            return fault
         try:
             body = await request.json()
         except ValueError:
             return schema_error("body", "json_invalid", "JSON decode error")
+        fault = self._take_fault(request, body)
+        if isinstance(fault, web.Response):
+            return fault
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         bad = self._validate(body)
         entry = self._log_request(rid, request, body, 400 if bad else 200)
@@ -239,14 +256,18 @@ class EngineServer:
                          ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
                          finish_reason=seq.finish_reason)
 
-    def _take_fault(self, request: web.Request) -> Fault | web.Response:
-        spec = request.headers.get(FAULT_HEADER)
+    def _take_fault(self, request: web.Request, body: Any) -> Fault | web.Response:
+        spec = request.headers.get(FAULT_HEADER) if self.fault_header else None
         try:
             if spec:
                 return Fault.parse(spec)
         except ValueError as e:
             return vllm_error(400, str(e))
-        return self.faults.popleft() if self.faults else Fault()
+        for i, queued in enumerate(self.faults):
+            if queued.applies(body):
+                del self.faults[i]
+                return queued.fault
+        return Fault()
 
     def _log_request(self, rid: str, request: web.Request, body: Any, status: int) -> dict[str, Any]:
         body = body if isinstance(body, dict) else {}
@@ -342,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault-header", action="store_true",
+                   help=f"honour the {FAULT_HEADER} request header (the simulator's own tests; never behind a gateway)")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
     import uvloop
@@ -350,6 +373,6 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(args.profile, args.time_scale, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks_override=args.num_blocks_override)
-    server = EngineServer(engine, args.served_model_name, seed=args.seed)
+    server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header)
     # Like vLLM, a client that goes away aborts its request in the engine.
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)

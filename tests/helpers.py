@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import urllib.parse
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,3 +77,19 @@ def assert_contract_error(resp: Response, status: int, code: str) -> dict[str, A
     assert err["code"] == code, err
     assert isinstance(err["message"], str) and err["message"], err
     return err
+
+
+def inject_fault(engines: list[str], spec: str, count: int = 1, marker: str | None = None) -> str:
+    """Queue a fault (enginesim's SPEC, e.g. `delay_ms=300`) on every engine through the operator's
+    admin API - clients cannot reach it, and the gateway forwards no fault header - for the next
+    `count` requests whose messages hold the returned marker: put it in the request's content."""
+    marker = marker or f"FAULT-{uuid.uuid4().hex[:12]}"
+    for url in engines:
+        r = request(f"{url}/admin/faults", "POST", {"fault": spec, "count": count, "match": marker})
+        assert r.status == 200, r.body
+    return marker
+
+
+def clear_faults(engines: list[str]) -> None:
+    for url in engines:
+        request(f"{url}/admin/faults", "DELETE")

@@ -21,12 +21,12 @@ import pytest
 import redis
 import yaml
 
-from extproc.stages.route import prompt_bytes
+from extproc.chat import prompt_bytes
 from extproc.store import budget_key, ledger_entry, ledger_key
 from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
-from tests.helpers import assert_contract_error, chat_body, request
+from tests.helpers import assert_contract_error, chat_body, inject_fault, request
 from tests.test_e2e_served_path import clear_engine_logs, engine_log
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +44,8 @@ def bound(body: dict[str, Any]) -> int:
     return prompt_bytes(body) + dep.get("template_allowance_tokens", 8) * len(body["messages"]) + body["max_tokens"]
 
 
-BURST_BODY = chat_body(max_tokens=4)
+BURST_MARKER = "FAULT-burst-delay"  # the engines hold these 3 s (a queued fault; see the test)
+BURST_BODY = chat_body(max_tokens=4, content=f"burst {BURST_MARKER}")
 
 
 def make_policy(root: Path, **route_over: Any) -> Path:
@@ -104,7 +105,8 @@ def test_500_concurrent_never_overshoot_the_budget_across_two_workers(gw: Stack)
 
     async def burst() -> list[tuple[int, dict[str, Any]]]:
         # The engines hold each admitted request 3 s, so all 500 reserve while the first are in flight.
-        headers = {"authorization": f"Bearer {KEYS['burst']}", "x-enginesim-fault": "delay_ms=3000"}
+        headers = {"authorization": f"Bearer {KEYS['burst']}"}
+        inject_fault(gw.engine_urls(), "delay_ms=3000", count=500, marker=BURST_MARKER)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             async def one() -> tuple[int, dict[str, Any]]:
                 async with session.post(f"{gw.url}/v1/chat/completions", json=BURST_BODY, headers=headers,
@@ -163,11 +165,11 @@ def test_ledger_export_writes_each_record_once(gw: Stack, tmp_path: Path) -> Non
 
 def test_idempotency_in_flight_replay_and_reuse(gw: Stack) -> None:
     clear_engine_logs(gw)
-    body = chat_body(max_tokens=4, content="idempotent hello")
+    marker = inject_fault(gw.engine_urls(), "delay_ms=1500")
+    body = chat_body(max_tokens=4, content=f"idempotent hello {marker}")
     key = f"idem-{time.time_ns()}"
     first: list[Any] = []
-    t = threading.Thread(target=lambda: first.append(chat(gw, "steady", body, **{
-        "idempotency-key": key, "x-enginesim-fault": "delay_ms=1500"})))
+    t = threading.Thread(target=lambda: first.append(chat(gw, "steady", body, **{"idempotency-key": key})))
     t.start()
     time.sleep(0.4)
     assert_contract_error(chat(gw, "steady", body, **{"idempotency-key": key}), 409, "idempotency_conflict")
@@ -179,7 +181,7 @@ def test_idempotency_in_flight_replay_and_reuse(gw: Stack) -> None:
     assert replay.json() == first[0].json()
     other = chat_body(max_tokens=4, content="a different body")
     assert_contract_error(chat(gw, "steady", other, **{"idempotency-key": key}), 422, "idempotency_key_reused")
-    upstream = [e for e in engine_log(gw) if e["headers"].get("idempotency-key") == key]
+    upstream = [e for e in engine_log(gw) if marker in json.dumps(e["messages"])]
     assert len(upstream) == 1  # never a second upstream call
 
 
@@ -241,9 +243,9 @@ def test_sigkill_extproc_mid_stream_is_charged_in_full_after_the_lease(tmp_path:
     try:
         host, port = s.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(max_tokens=50, stream=True)),
-                     {"authorization": f"Bearer {KEYS['steady']}", "content-type": "application/json",
-                      "x-enginesim-fault": "stall_after=2"})
+        marker = inject_fault(s.engine_urls(), "stall_after=2")
+        conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(content=marker, max_tokens=50, stream=True)),
+                     {"authorization": f"Bearer {KEYS['steady']}", "content-type": "application/json"})
         resp = conn.getresponse()
         rid = resp.getheader("x-request-id")
         assert resp.status == 200 and rid

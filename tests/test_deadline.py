@@ -23,7 +23,7 @@ from extproc.stages.deadline import Deadline
 from extproc.stages.retry import Retries
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
-from tests.helpers import assert_contract_error, chat_body, request
+from tests.helpers import assert_contract_error, chat_body, inject_fault, request
 
 AUTH = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
 
@@ -37,8 +37,8 @@ def chat(stack: Stack, body: dict, headers: dict[str, str], timeout: float = 30)
 @pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True])
 def test_deadline_header_bounds_the_wait(stack: Stack, stream: bool) -> None:
-    elapsed, r = chat(stack, chat_body(max_tokens=2, stream=stream),
-                      {"x-llmgw-deadline-ms": "400", "x-enginesim-fault": "delay_ms=3000"})
+    marker = inject_fault(stack.engine_urls(), "delay_ms=3000", count=2)
+    elapsed, r = chat(stack, chat_body(content=marker, max_tokens=2, stream=stream), {"x-llmgw-deadline-ms": "400"})
     assert_contract_error(r, 504, "deadline_exceeded")  # type: ignore[arg-type]
     # A stream's time to first byte is shared by the attempts the route allows (here 1 + 1 retry),
     # so that no retry gets a fresh timeout: its one attempt had 200 of the 400 ms.
@@ -58,8 +58,8 @@ def test_upstream_is_told_the_remaining_time(stack: Stack) -> None:
 @pytest.mark.e2e
 def test_clients_cannot_set_envoys_timeout(stack: Stack) -> None:
     # A client's own x-envoy-upstream-rq-timeout-ms is dropped; the gateway's deadline is what counts.
-    _, r = chat(stack, chat_body(max_tokens=1), {"x-envoy-upstream-rq-timeout-ms": "50",
-                                                  "x-enginesim-fault": "delay_ms=300"})
+    marker = inject_fault(stack.engine_urls(), "delay_ms=300")
+    _, r = chat(stack, chat_body(content=marker, max_tokens=1), {"x-envoy-upstream-rq-timeout-ms": "50"})
     assert r.status == 200  # type: ignore[attr-defined]
 
 
@@ -88,7 +88,8 @@ def short_route_stack(tmp_path: Path) -> Iterator[Stack]:
 @pytest.mark.e2e
 def test_route_deadline_applies_and_caps_the_header(short_route_stack: Stack) -> None:
     for headers in ({}, {"x-llmgw-deadline-ms": "5000"}):
-        elapsed, r = chat(short_route_stack, chat_body(max_tokens=1), {**headers, "x-enginesim-fault": "delay_ms=3000"})
+        marker = inject_fault(short_route_stack.engine_urls(), "delay_ms=3000", count=2)
+        elapsed, r = chat(short_route_stack, chat_body(content=marker, max_tokens=1), headers)
         assert_contract_error(r, 504, "deadline_exceeded")  # type: ignore[arg-type]
         assert 0.45 <= elapsed <= 0.65, elapsed
 
@@ -114,8 +115,7 @@ def test_deadline_spent_before_dispatch_is_refused() -> None:
 def test_remaining_time_goes_to_the_matching_envoy_timeout() -> None:
     snap = load_snapshot(POLICY)
     for stream, key in ((False, "rq_timeout_ms"), (True, "per_try_timeout_ms")):
-        ex = Exchange(snapshot=snap, route=snap.routes["chat-default"], stream=stream,
-                      headers={"x-llmgw-deadline-ms": "2000"})
+        ex = Exchange(snapshot=snap, route=snap.routes["chat-default"], stream=stream, deadline_ms=2000)
         asyncio.run(Deadline().run(ex))
         assert 1900 <= ex.remaining_ms <= 2000
         md = ex.metadata()
@@ -140,7 +140,7 @@ def test_retry_policy_per_request() -> None:
     assert (ex.retriable_codes, ex.max_retries, ex.remaining_ms) == ("503,429", 2, 900)
     assert policy(stream=True).remaining_ms == 300  # three attempts share the time to first byte
     assert policy(effects=("write",)).max_retries == 0
-    assert policy(effects=("write",), headers={"idempotency-key": "k"}).max_retries == 2
+    assert policy(effects=("write",), idempotency_key="k").max_retries == 2
     never = route.model_copy(update={"retry": route.retry.model_copy(update={"requires": "never"})})
     ex = Exchange(snapshot=snap, route=never, remaining_ms=900)
     asyncio.run(Retries().run(ex))

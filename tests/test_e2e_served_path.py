@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from llmgw.stack import Stack
-from tests.helpers import assert_contract_error, chat_body, request
+from tests.helpers import assert_contract_error, chat_body, inject_fault, request
 
 pytestmark = pytest.mark.e2e
 
@@ -190,25 +190,28 @@ def test_upstream_sees_served_model_and_no_gateway_credential(stack: Stack, acme
 
 @pytest.mark.parametrize("status", [500, 503, 429])
 def test_upstream_error_becomes_contract_error(stack: Stack, acme_key: str, status: int) -> None:
-    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(),
-                   {"authorization": f"Bearer {acme_key}", "x-enginesim-fault": f"status={status}"})
+    marker = inject_fault(stack.engine_urls(), f"status={status}")
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(content=marker),
+                   {"authorization": f"Bearer {acme_key}"})
     assert_contract_error(resp, 502, "upstream_error")
     assert resp.headers["x-llmgw-deployment"] == "pool-llama-8b"
     assert resp.headers["x-llmgw-route-revision"] == stack.snapshot.revision
 
 
 def test_upstream_503_through_sdk(stack: Stack, acme_key: str) -> None:
-    client = sdk(stack, acme_key, default_headers={"x-enginesim-fault": "status=503"})
+    client = sdk(stack, acme_key)
+    marker = inject_fault(stack.engine_urls(), "status=503")
     with pytest.raises(openai.APIStatusError) as exc:
-        client.chat.completions.create(model="chat-default", messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(model="chat-default", messages=[{"role": "user", "content": marker}])
     assert exc.value.status_code == 502
     assert exc.value.code == "upstream_error"
 
 
 def test_an_engines_own_400_is_a_contract_400(stack: Stack, acme_key: str) -> None:
     # The engine answers 400 in vLLM's shape (integer code); the client gets the contract's.
-    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(),
-                   {"authorization": f"Bearer {acme_key}", "x-enginesim-fault": "status=400"})
+    marker = inject_fault(stack.engine_urls(), "status=400")
+    resp = request(f"{stack.url}/v1/chat/completions", "POST", chat_body(content=marker),
+                   {"authorization": f"Bearer {acme_key}"})
     assert_contract_error(resp, 400, "invalid_request")
 
 

@@ -19,8 +19,9 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = Path(tmp_path_factory.mktemp("engine")) / "engine.log"
+    # --fault-header: these tests inject faults per request; behind the gateway only the admin API can.
     child = Child("engine", python_module("enginesim", "--port", str(port), "--time-scale", "0.02",
-                                          "--max-model-len", "4096"), log).start()
+                                          "--max-model-len", "4096", "--fault-header"), log).start()
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
     yield url
@@ -221,14 +222,24 @@ def test_client_cancel_aborts_the_request_in_the_engine(tmp_path: Path) -> None:
         child.stop()
 
 
-def test_fault_exit_ends_the_process(tmp_path: Path) -> None:
+def test_faults_are_the_operators_alone(tmp_path: Path) -> None:
+    """Started as `llmgw up` starts it (no --fault-header), a client's fault header does nothing; the
+    exit fault needs the admin API, and a queued fault with `match` takes only requests naming it."""
     port = free_port()
-    child = Child("engine", python_module("enginesim", "--port", str(port)), tmp_path / "e.log").start()
+    url = f"http://127.0.0.1:{port}"
+    child = Child("engine", python_module("enginesim", "--port", str(port), "--time-scale", "0.02"),
+                  tmp_path / "e.log").start()
     try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "enginesim", child)
+        wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+        r = request(f"{url}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=2), {"x-enginesim-fault": "exit"})
+        assert r.status == 200 and child.alive
+        assert request(f"{url}/admin/faults", "POST", {"fault": "status=503", "match": "MARK-1"}).status == 200
+        assert request(f"{url}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=2)).status == 200
+        assert request(f"{url}/v1/chat/completions", "POST",
+                       chat_body(MODEL, content="hi MARK-1", max_tokens=2)).status == 503
+        assert request(f"{url}/admin/faults", "POST", {"fault": "exit"}).status == 200
         with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
-            request(f"http://127.0.0.1:{port}/v1/chat/completions", "POST", chat_body(MODEL),
-                    {"x-enginesim-fault": "exit"})
+            request(f"{url}/v1/chat/completions", "POST", chat_body(MODEL))
         assert child.proc is not None and child.proc.wait(10) == 3
     finally:
         child.stop()

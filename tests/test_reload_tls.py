@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
-from tests.helpers import Response, assert_contract_error, chat_body, request
+from tests.helpers import Response, assert_contract_error, chat_body, inject_fault, request
 
 pytestmark = pytest.mark.e2e
 AUTH = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
@@ -57,8 +57,9 @@ def test_bad_revision_is_refused_and_good_one_swaps_without_dropping_in_flight(t
 
         # A request in flight (the engine holds it 2 s) while a good change lands.
         in_flight: list[Response] = []
+        marker = inject_fault(s.engine_urls(), "delay_ms=2000")
         t = threading.Thread(target=lambda: in_flight.append(request(
-            chat, "POST", chat_body(max_tokens=4), headers={**AUTH, "x-enginesim-fault": "delay_ms=2000"})))
+            chat, "POST", chat_body(content=marker, max_tokens=4), headers=AUTH)))
         t.start()
         time.sleep(0.3)
         gw = yaml.safe_load((policy / "gateway.yaml").read_text())

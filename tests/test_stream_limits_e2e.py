@@ -17,7 +17,7 @@ import yaml
 
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
-from tests.helpers import chat_body, request, stream_raw
+from tests.helpers import chat_body, inject_fault, request, stream_raw
 from tests.test_fallback_e2e import ledger_of
 from tests.test_streams_e2e import events
 
@@ -63,8 +63,9 @@ def engine_entry(stack: Stack, rid: str) -> dict[str, Any]:
 
 
 def test_a_stall_mid_stream_is_cut_and_recorded(gw: Stack) -> None:
-    body = chat_body(max_tokens=1000, stream=True, ignore_eos=True)  # seconds of generation left at the stall
-    rid, raw, seconds = stream(gw, body, **{"x-enginesim-fault": "stall_after=3"})
+    marker = inject_fault(gw.engine_urls(), "stall_after=3")
+    body = chat_body(content=marker, max_tokens=1000, stream=True, ignore_eos=True)  # seconds left at the stall
+    rid, raw, seconds = stream(gw, body)
     got = events(raw)
     assert got and "[DONE]" not in got  # some tokens, never a normal finish
     assert seconds < IDLE_MS / 1000 + 2

@@ -12,7 +12,7 @@ import pytest
 
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import ledger_of as conftest_ledger_of
-from tests.helpers import chat_body, stream_raw
+from tests.helpers import chat_body, inject_fault, stream_raw
 from tests.test_e2e_served_path import engine_log
 
 pytestmark = pytest.mark.e2e
@@ -56,8 +56,9 @@ def test_usage_the_client_asked_for_reaches_it(stack: Stack) -> None:
 
 def stream_until_cut(stack: Stack, fault: str) -> tuple[str, bytes]:
     """(request id, what arrived) of a stream that may be cut: a reset is what the client then sees."""
-    _, rid, got = stream_raw(f"{stack.url}/v1/chat/completions", chat_body(max_tokens=20, stream=True),
-                             {"authorization": f"Bearer {KEY}", "x-enginesim-fault": fault}, timeout=10)
+    marker = inject_fault(stack.engine_urls(), fault)
+    _, rid, got = stream_raw(f"{stack.url}/v1/chat/completions", chat_body(content=marker, max_tokens=20, stream=True),
+                             {"authorization": f"Bearer {KEY}"}, timeout=10)
     return rid, got
 
 
