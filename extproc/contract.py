@@ -10,6 +10,15 @@ import json
 from enum import StrEnum
 
 METADATA_NAMESPACE = "io.llmgw"
+ROLE_KEY = "x-llmgw-role"  # gRPC metadata on each ext_proc filter's stream: which handler takes it
+
+
+class Role(StrEnum):
+    """The ext_proc filters besides the decision filter (which sends no role)."""
+
+    ATTEMPT = "attempt"  # upstream filter of a fallback route, once per attempt
+    STREAMS = "streams"  # the stream guard: every chunk of a streamed answer
+    METER = "meter"  # idempotent JSON answers: recorded for replay before the client has them
 
 
 class ErrorCode(StrEnum):

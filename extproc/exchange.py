@@ -12,6 +12,7 @@ from extproc.config import Snapshot
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
 from extproc.fallback import encode_plan, uses_attempt_filter
+from extproc.replay import Sealer
 
 if TYPE_CHECKING:
     from extproc.stages.budget import Held
@@ -30,6 +31,7 @@ class Identity:
 class Exchange:
     snapshot: Snapshot  # taken when the stream starts: the whole request sees one revision
     cache_salts: Mapping[str, str] = field(default_factory=dict)  # tenant -> prefix-cache salt
+    sealer: Sealer = field(default_factory=lambda: Sealer(None))  # opens idempotent answers kept for replay
     request_id: str = ""
     method: str = ""
     path: str = ""
@@ -39,6 +41,11 @@ class Exchange:
     raw_body: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
+    n: int = 1  # completions asked for: each may run to the completion bound (invariant 3)
+    deadline_ms: int | None = None  # x-llmgw-deadline-ms, parsed by intake
+    idempotency_key: str | None = None
+    traceparent: str = ""  # W3C trace context, only when valid ("" otherwise)
+    tracestate: str = ""
     identity: Identity | None = None
     data_class: str = ""
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
@@ -60,9 +67,8 @@ class Exchange:
 
     def ledger_facts(self) -> dict[str, Any]:
         """What the ledger records about the request itself (design.md invariant 8); never content."""
-        tp = self.headers.get("traceparent", "")
         facts: dict[str, Any] = {
-            "request_id": self.request_id, "trace_id": tp.split("-")[1] if tp.count("-") == 3 else "",
+            "request_id": self.request_id, "trace_id": self.traceparent[3:35] if self.traceparent else "",
             "time": round(self.arrived_at, 3), "route_revision": self.snapshot.revision,
             "data_class": self.data_class, "stream": self.stream,
         }
@@ -111,6 +117,10 @@ class Exchange:
         if self.remaining_ms:
             # Read by the request-side header mutation after the buffer filter (Envoy's router).
             md["per_try_timeout_ms" if self.stream else "rq_timeout_ms"] = str(self.remaining_ms)
+        if self.traceparent and self.route is not None and self.route.telemetry.propagate_trace_context:
+            md["traceparent"] = self.traceparent  # re-added upstream by Envoy (client's own is dropped)
+            if self.tracestate:
+                md["tracestate"] = self.tracestate
         if self.route is not None:  # always set: they overwrite whatever the client sent
             md["retry_on"] = self.retry_on
             md["retriable_codes"] = self.retriable_codes

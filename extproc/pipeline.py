@@ -17,6 +17,7 @@ from extproc.stages.intake import Intake
 from extproc.stages.redact import Redaction
 from extproc.stages.retry import Retries
 from extproc.stages.route import PickEndpoint, RouteSelection
+from extproc.stages.size import RequestSize
 from extproc.store import Store
 
 
@@ -29,6 +30,7 @@ def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None,
         CallerIdentity(jwks),
         Intake(),
         Authorization(),
+        RequestSize(),
         BudgetReservation(store),
         Redaction(),
         RouteSelection(),

@@ -45,9 +45,10 @@ def admit(ex: Exchange) -> ep.ProcessingResponse:
                                  dynamic_metadata=_metadata(ex.metadata(), ex.endpoints))
 
 
-def immediate(ex: Exchange, status: int, body: bytes, details: str,
-              headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
-    hdrs = [_JSON, _header("x-llmgw-route-revision", ex.snapshot.revision)]
+def immediate(ex: Exchange, status: int, body: bytes, details: str, headers: dict[str, str] | None = None,
+              content_type: str = "application/json") -> ep.ProcessingResponse:
+    hdrs = [_JSON if content_type == "application/json" else _header("content-type", content_type),
+            _header("x-llmgw-route-revision", ex.snapshot.revision)]
     hdrs += [_header(k, v) for k, v in (headers or {}).items()]
     return ep.ProcessingResponse(immediate_response=_immediate_response(status, body, details, hdrs),
                                  dynamic_metadata=_metadata(ex.metadata()))

@@ -12,16 +12,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Mapping
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
 import grpc
+import orjson
 from aiohttp import web
 from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -30,11 +32,13 @@ from google.protobuf import struct_pb2
 from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
-from extproc.contract import ErrorCode, GatewayError
+from extproc.contract import ROLE_KEY, ErrorCode, GatewayError, Role
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
 from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
+from extproc.ratelimit import RateLimitedLog
+from extproc.replay import Sealer
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import (
@@ -45,15 +49,20 @@ from extproc.settlement import (
     header_text,
     record_refusal,
     release,
-    with_first,
 )
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
 from extproc.store import Store, StoreUnavailable
 from extproc.streams import StreamGuard
+from extproc.wire import lenient_parser
 
 log = logging.getLogger("llmgw.extproc")
+# A handler of one ext_proc role: the stream's first message and the rest in, its replies out.
+Handler = Callable[[ep.ProcessingRequest, AsyncIterator[ep.ProcessingRequest]], AsyncIterator[ep.ProcessingResponse]]
+# The one place an unexpected exception in a decision is reported: a client must not be able to fill
+# the log with tracebacks, so at most one per interval, with a count of the rest.
+_internal_errors = RateLimitedLog(log, every_s=10.0)
 ATTRIBUTES = "envoy.filters.http.ext_proc"
 MODELS_PATH = "/v1/models"
 _HEADER_ATTR = "request.headers['"
@@ -100,10 +109,15 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self.stages = build_stages(picker, jwks, store)
         self._identity = CallerIdentity(jwks)
         self.settler = Settler(store) if store is not None else None
-        self.meter = Meter(self.settler, lambda: self.live.snapshot) if self.settler is not None else None
+        self.meter = (Meter(self.settler, lambda: self.live.snapshot, lambda: self.live.sealer)
+                      if self.settler is not None else None)
         self.guard = StreamGuard(self.meter) if self.meter is not None else None
         self.attempts = AttemptFilter(store, lambda: self.live.snapshot)
         self._background: set[asyncio.Task[None]] = set()
+        # gRPC metadata `x-llmgw-role` -> handler; no role: the decision filter.
+        self._roles: dict[str, Handler] = {Role.ATTEMPT: self.attempts.handle}
+        if self.guard is not None and self.meter is not None:
+            self._roles |= {Role.STREAMS: self.guard.guard, Role.METER: self.meter.meter}
 
     @property
     def live(self) -> Live:
@@ -118,75 +132,56 @@ class Processor(ep_grpc.ExternalProcessorServicer):
     async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
+        """The one receive loop: the filter's role (gRPC metadata set in the rendered Envoy config)
+        chooses the handler; each takes the stream's first message and the rest."""
         try:
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:
             return
-        role = dict(context.invocation_metadata() or ()).get("x-llmgw-role") if context is not None else None
-        if role == "attempt":  # the upstream filter of a fallback route, once per attempt
-            async for resp in self.attempts.handle(first, request_iterator):
-                yield resp
-            return
-        if first.WhichOneof("request") in ("response_headers", "response_body"):
-            if role == "streams" and self.guard is not None:
-                # The stream guard: Envoy waits for each chunk's answer.
-                async for resp in self.guard.guard(first, request_iterator):
-                    yield resp
-            elif self.meter is not None:
-                # The meter filter (observability mode): Envoy does not wait for answers; none are sent.
-                await self.meter.observe(first, request_iterator)
-            return
-        live = self.live
-        # The whole request is decided under this one revision, whatever a reload does meanwhile.
-        ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts)
-        async for resp in self._decide(ex, first, request_iterator):
+        role = dict(context.invocation_metadata() or ()).get(ROLE_KEY, "") if context is not None else ""
+        handler = self._roles.get(role, self.decide)
+        async for resp in handler(first, request_iterator):
             yield resp
 
-    async def _decide(self, ex: Exchange, first: ep.ProcessingRequest,
-                      rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
-
-        async for req in with_first(first, rest):
-            attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
-            if attrs is not None:
-                apply_attributes(ex, attrs)
-            kind = req.WhichOneof("request")
-            try:
-                match kind:
-                    case "request_body":
-                        ex.raw_body = req.request_body.body
-                        await run_stages(self.stages, ex)
-                        yield admit(ex)
-                    case "request_headers":
-                        apply_headers(ex, req.request_headers.headers)
-                        yield await self._list_models(ex)
-                    case "response_headers":
-                        yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-                    case "response_body":
-                        yield ep.ProcessingResponse(response_body=ep.BodyResponse())
-                    case "request_trailers":
-                        yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                    case "response_trailers":
-                        yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-                    case _:
-                        log.warning("unexpected ext_proc message %s", kind)
-                        return
-            except Replay as replay:  # Idempotency-Key seen and completed: its recorded outcome
-                # Scheduled before the reply: Envoy may close the stream once it has it, and code after
-                # the last yield would then never run.
-                self._later(record_refusal(self.store, ex, "idempotent_replay", replay.status, ""))
-                yield immediate(ex, replay.status, replay.body.encode(), "llmgw_idempotent_replay",
-                                {"x-llmgw-idempotent-replay": "true"})
-                return
-            except GatewayError as err:
-                self._ended(ex, err)
-                yield refuse(ex, err)
-                return
-            except Exception:  # never crash on input: fail closed with the contract's error
-                log.exception("request %s: internal error", ex.request_id)
-                failure = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not evaluate this request")
-                self._ended(ex, failure)
-                yield refuse(ex, failure)
-                return
+    async def decide(self, first: ep.ProcessingRequest,
+                     _rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
+        """The decision filter. One message decides: Envoy sends the buffered body (or, for the model
+        list, the headers) and nothing after it. The stream is closed as soon as the decision is sent,
+        so an admitted request no longer depends on this worker: Envoy ignores a processor that closed
+        cleanly (only a gRPC error ends the request), and the worker may restart while it runs."""
+        live = self.live
+        # The whole request is decided under this one revision, whatever a reload does meanwhile.
+        ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts, sealer=live.sealer)
+        attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
+        if attrs is not None:
+            apply_attributes(ex, attrs)
+        kind = first.WhichOneof("request")
+        try:
+            match kind:
+                case "request_body":
+                    ex.raw_body = first.request_body.body
+                    await run_stages(self.stages, ex)
+                    yield admit(ex)
+                case "request_headers":
+                    apply_headers(ex, first.request_headers.headers)
+                    yield await self._models(ex)
+                case _:
+                    _internal_errors.warning("unexpected first ext_proc message %s", kind)
+        except Replay as replay:  # Idempotency-Key seen and completed: its recorded outcome
+            # Scheduled before the reply: Envoy may close the stream once it has it, and code after
+            # the last yield would then never run.
+            answer = replay.answer
+            self._later(record_refusal(self.store, ex, "idempotent_replay", answer.status, ""))
+            yield immediate(ex, answer.status, answer.body, "llmgw_idempotent_replay",
+                            {"x-llmgw-idempotent-replay": "true"}, content_type=answer.content_type)
+        except GatewayError as err:
+            self._ended(ex, err)
+            yield refuse(ex, err)
+        except Exception:  # never crash on input: fail closed with the contract's error
+            _internal_errors.error("request %s: internal error", ex.request_id, exc_info=True)
+            failure = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not evaluate this request")
+            self._ended(ex, failure)
+            yield refuse(ex, failure)
 
     def _ended(self, ex: Exchange, err: GatewayError) -> None:
         """A refused request: release what it reserved, or record the refusal in the ledger."""
@@ -196,14 +191,41 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         elif ex.identity is not None and err.code is not ErrorCode.POLICY_UNAVAILABLE:
             self._later(record_refusal(self.store, ex, termination, err.status, err.code.value))
 
-    async def _list_models(self, ex: Exchange) -> ep.ProcessingResponse:
-        """Only GET /v1/models is sent with its headers: answer it from the routes."""
-        if ex.path.split("?", 1)[0] != MODELS_PATH or ex.method != "GET":
-            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
+    async def _models(self, ex: Exchange) -> ep.ProcessingResponse:
+        """GET /v1/models and /v1/models/{route} are sent with their headers: answered from the routes."""
+        path = ex.path.split("?", 1)[0]
+        if ex.method != "GET" or not (path == MODELS_PATH or path.startswith(MODELS_PATH + "/")):
+            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {path}")
         await self._identity.run(ex)
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-                for name in sorted(ex.snapshot.routes)]
-        return immediate(ex, 200, json.dumps({"object": "list", "data": data}).encode(), "llmgw_models")
+        name = urllib.parse.unquote(path[len(MODELS_PATH) + 1:])
+        if not name:  # the list (also `/v1/models/`)
+            data = [model_object(n) for n in sorted(ex.snapshot.routes)]
+            return immediate(ex, 200, orjson.dumps({"object": "list", "data": data}), "llmgw_models")
+        if name not in ex.snapshot.routes:
+            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, "no route of that name", "model")
+        return immediate(ex, 200, orjson.dumps(model_object(name)), "llmgw_models")
+
+
+def add_services(server: grpc.aio.Server, processor: ep_grpc.ExternalProcessorServicer,
+                 access_log: als_grpc.AccessLogServiceServicer | None) -> None:
+    """ext_proc and the access log, as the generated `add_*_to_server` would register them, but with
+    a lenient request parser: a client's non-UTF-8 header bytes must not end the gRPC stream
+    (extproc/wire.py)."""
+    methods = {"Process": grpc.stream_stream_rpc_method_handler(
+        processor.Process, request_deserializer=lenient_parser(ep.ProcessingRequest),
+        response_serializer=ep.ProcessingResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "envoy.service.ext_proc.v3.ExternalProcessor", methods),))
+    if access_log is not None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "envoy.service.accesslog.v3.AccessLogService", {"StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+                access_log.StreamAccessLogs, request_deserializer=lenient_parser(als_pb2.StreamAccessLogsMessage),
+                response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString)}),))
+
+
+def model_object(route: str) -> dict[str, Any]:
+    """A route as OpenAI's model object (what `client.models.list()` / `.retrieve()` return)."""
+    return {"id": route, "object": "model", "created": 0, "owned_by": "llmgw"}
 
 
 def salts_for(snapshot: Snapshot) -> dict[str, str]:
@@ -213,7 +235,9 @@ def salts_for(snapshot: Snapshot) -> dict[str, str]:
 
 
 def live_for(snapshot: Snapshot) -> Live:
-    return Live(snapshot, salts_for(snapshot))
+    """The secrets a revision is served with; one that cannot be resolved stops it (fail closed)."""
+    ref = snapshot.gateway.store.replay_key_ref
+    return Live(snapshot, salts_for(snapshot), Sealer(resolve(ref, snapshot.directory) if ref else None))
 
 
 async def status_app(reloader: Reloader, listen: str) -> web.AppRunner:
@@ -277,10 +301,8 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
         except StoreUnavailable as e:  # not fatal: requests that need the store are refused until it is back
             log.warning("store not reachable at start (%s); requests that need it are refused until it is", e)
     processor = Processor(reloader, picker, jwks, store)
-    ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
-    if processor.settler is not None:  # JSON answers settle through Envoy's gRPC access log
-        als_grpc.add_AccessLogServiceServicer_to_server(
-            SettlementLog(processor.settler, lambda: reloader.live.snapshot), server)
+    add_services(server, processor, SettlementLog(processor.settler, lambda: reloader.live.snapshot)
+                 if processor.settler is not None else None)  # JSON answers settle through the access log
     bound = (server.add_secure_port(listen, credentials) if credentials is not None
              else server.add_insecure_port(listen))
     if bound == 0:

@@ -1,14 +1,22 @@
 """Settlement: every reservation ends exactly once (invariant 4), with one ledger entry
-(invariant 8), written by the same store script.
+(invariant 8), written by the same store script; the first settlement of a request wins.
 
 - JSON answers: Envoy's gRPC access log (SettlementLog), usage copied into metadata by
-  json_to_metadata; also streams Envoy cut before the stream guard saw them.
+  json_to_metadata.
 - Streams: the stream guard (extproc/streams.py) settles through the Meter's settle_stream.
-- Idempotent answers: the meter, an ext_proc filter in observability mode: Envoy sends it the answer
-  without waiting, and the answer becomes the recorded outcome.
-- Settlements are queued and sent together (Settler); each is still its own atomic script.
+- Idempotent JSON answers: the meter, a blocking ext_proc filter on the response body that records
+  the answer for replay and settles before the answer's last chunk reaches the client, so a repeat
+  of the key that follows the answer is replayed, never run again.
+- Everything Envoy saw fail (an error status, a cut stream, a client gone) settles from the access
+  log at once, whoever else would have settled it; for a stream or an idempotent answer that ended
+  normally, the access log settles only as a backstop, if its filter never did (a worker died).
+- What a failure is charged (`failure_charge`): nothing when the upstream never got the request or
+  answered with an error status; for a request it got but never answered, the prompt's bound when
+  it was a stream (nothing was generated before the first byte) and the whole reservation, marked
+  `ambiguous`, for a JSON answer (the engine may have generated it all). Either way settled at once,
+  and the idempotency key is released so a retry can run.
 - Release: a request refused after it reserved (a later stage failed) is released, charge 0.
-- The sweeper: a reservation whose lease expired (the gateway lost track: crash, lost meter stream)
+- The sweeper: a reservation whose lease expired (the gateway lost track: crash, lost access log)
   is charged in full and marked `ambiguous`, so a crashed gateway never frees money it may have spent.
 """
 
@@ -16,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -34,7 +41,8 @@ from extproc.config.schema import Deployment, Prices
 from extproc.contract import METADATA_NAMESPACE
 from extproc.exchange import Exchange
 from extproc.fallback import decode_plan
-from extproc.sse import MalformedStream, SseReader, StreamUsage
+from extproc.replay import Answer, Sealer
+from extproc.sse import StreamUsage
 from extproc.store import Settlement, Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.settlement")
@@ -143,18 +151,21 @@ def header(headers: Any, key: str, default: str = "") -> str:
 
 
 class Settler:
-    """Settlements queued by the meter and the access log, sent in one store round trip for every
-    batch gathered within BATCH_WAIT_S (each is still its own atomic script)."""
+    """Settlements queued by the filters and the access log, sent in one store round trip for every
+    batch gathered within BATCH_WAIT_S (each is still its own atomic script). `submit` returns a
+    future that says whether its batch was written, for the callers that must wait for it."""
 
     def __init__(self, store: Store):
         self.store = store
-        self._queue: list[Settlement] = []
+        self._queue: list[tuple[Settlement, asyncio.Future[bool]]] = []
         self._flushing: asyncio.Task[None] | None = None
 
-    def submit(self, item: Settlement) -> None:
-        self._queue.append(item)
+    def submit(self, item: Settlement) -> asyncio.Future[bool]:
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._queue.append((item, done))
         if self._flushing is None:
             self._flushing = asyncio.ensure_future(self._flush())
+        return done
 
     async def _flush(self) -> None:
         try:
@@ -163,28 +174,51 @@ class Settler:
                     await asyncio.sleep(BATCH_WAIT_S)
                 batch, self._queue = self._queue[:BATCH_MAX], self._queue[BATCH_MAX:]
                 try:
-                    await self.store.settle_many(batch)
+                    await self.store.settle_many([item for item, _ in batch])
+                    written = True
                 except StoreUnavailable:
                     log.error("%d settlement(s) failed (store unavailable); the sweeper will settle them",
                               len(batch))
+                    written = False
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(written)
         finally:
             self._flushing = None
 
 
-def charge_for(usage: dict[str, Any] | None, source: str, termination: str, status: int,
-               dep: Deployment | None) -> tuple[int, int, str]:
-    """(micros, tokens, settlement kind): actual usage when reported; -1 (the whole reservation) when
-    the engine may have worked but its usage is unknown (an answer without usage, a client that left
-    before the answer); nothing for a failed answer."""
+Usage = dict[str, Any]
+
+
+def estimated(prompt: int, completion: int) -> Usage:
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: int) -> tuple[Usage | None, str]:
+    """(usage to charge, settlement kind) for an answer that produced no usage: see the module's
+    docstring. `sent`: the upstream got the request; `answered`: it sent response headers."""
+    if not sent or answered:  # never reached an upstream, or the upstream refused with an error status
+        return None, "released"
+    if stream:  # a stream's first byte is its first token: nothing was generated before it
+        return estimated(prompt_bound, 0), "partial"
+    return None, "ambiguous"  # a JSON answer is generated before its headers: it may all have been
+
+
+def charge_for(usage: Usage | None, source: str, termination: str, status: int, dep: Deployment | None,
+               failed: tuple[Usage | None, str] | None = None) -> tuple[int, int, str]:
+    """(micros, tokens, settlement kind): actual usage when reported (or estimated); -1 (the whole
+    reservation) when the engine may have worked but its usage is unknown; else what `failed`
+    (failure_charge) says, or nothing for a failed answer."""
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
         return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"
-    if 200 <= status < 300 or (termination == "client_cancel" and status == 0):
+    if 200 <= status < 300:
         return -1, -1, "ambiguous"
-    return 0, 0, "released"
+    kind = failed[1] if failed is not None else "released"
+    return (-1, -1, kind) if kind == "ambiguous" else (0, 0, kind)
 
 
-def outcome_of(termination: str, status: int, kind: str, usage: dict[str, Any] | None, source: str,
+def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, source: str,
                dep: Deployment | None, redactions: str, attempt: dict[str, Any]) -> dict[str, Any]:
     """The settlement half of a ledger entry (the admission half is stored with the reservation)."""
     return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
@@ -195,90 +229,98 @@ def outcome_of(termination: str, status: int, kind: str, usage: dict[str, Any] |
 
 
 class Meter:
-    """One response, observed: settle when it ends, however it ends."""
+    """Settles answers the response filters saw: idempotent JSON answers (the meter role) and
+    streams (for the stream guard, extproc/streams.py)."""
 
-    def __init__(self, settler: Settler, snapshot: Callable[[], Snapshot]):
+    def __init__(self, settler: Settler, snapshot: Callable[[], Snapshot], sealer: Callable[[], Sealer]):
         self.settler = settler
         self.snapshot = snapshot
+        self.sealer = sealer
 
-    async def observe(self, first: ep.ProcessingRequest, rest: AsyncIterator[ep.ProcessingRequest]) -> None:
+    async def meter(self, first: ep.ProcessingRequest,
+                    rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
+        """An idempotent JSON answer, chunk by chunk (Envoy waits for each reply): every chunk passes
+        as it is; the last is held until the answer is recorded for replay and settled. A repeat of
+        the key can then only come after the answer is replayable. If the store is down the answer
+        still goes out (the lease settles it later)."""
         first_at = time.time()  # the first message is the answer's first chunk (headers are skipped)
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
         tenant, rid, hint = attr(attrs, f"{MD}['tenant']"), attr(attrs, "request.id"), attr(attrs, f"{MD}['hold']")
-        if not tenant or not rid or not hint:
-            async for _ in rest:  # nothing to settle: drain quietly
-                pass
-            return
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
-        sse = attr(attrs, f"{MD}['stream']") == "1"  # the request asked to stream (ext_proc knew)
-        reader, stream_usage, body, malformed = SseReader(), StreamUsage(), bytearray(), False
-        complete = False
-
-
+        body, complete, settled = bytearray(), False, not (tenant and rid and hint)
         try:
             async for msg in with_first(first, rest):
                 if msg.WhichOneof("request") != "response_body":
                     continue
                 chunk = msg.response_body.body
-                if sse and not malformed:
-                    try:
-                        for data in reader.feed(chunk):
-                            stream_usage.observe(data)
-                    except MalformedStream:
-                        malformed = True
-                elif len(body) + len(chunk) <= MAX_JSON_BODY:
+                if len(body) + len(chunk) <= MAX_JSON_BODY:
                     body += chunk
                 if msg.response_body.end_of_stream:
                     complete = True
-                    break
-        finally:  # also when Envoy ends the exchange early (reset, client gone): what was seen settles
-            self._settle(tenant, rid, hint, attrs, status, complete, sse, stream_usage, bytes(body), malformed,
-                         first_at)
+                    if not settled:
+                        settled = True
+                        await self._settle(tenant, rid, hint, attrs, status, True, False, StreamUsage(),
+                                           bytes(body), first_at)
+                yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+                if complete:
+                    return
+        finally:  # Envoy ended the exchange early (reset, client gone): what was seen settles
+            if not settled:
+                self._settle(tenant, rid, hint, attrs, status, False, False, StreamUsage(), bytes(body), first_at)
 
     def settle_stream(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool,
-                      usage: StreamUsage, first_at: float) -> None:
+                      usage: StreamUsage, first_at: float, sent: bytes | None = None) -> asyncio.Future[bool]:
         """Settle a stream the stream guard saw (complete: it finished normally; first_at: when its
-        first chunk reached the guard)."""
-        self._settle(tenant, rid, hint, attrs, status, complete, True, usage, b"", False, first_at)
+        first chunk reached the guard; sent: what the client received, kept for replay when the
+        request has an Idempotency-Key)."""
+        return self._settle(tenant, rid, hint, attrs, status, complete, True, usage, sent or b"", first_at)
 
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
-                stream_usage: StreamUsage, body: bytes, malformed: bool, first_at: float) -> None:
+                stream_usage: StreamUsage, body: bytes, first_at: float) -> asyncio.Future[bool]:
         snap = self.snapshot()
         dep = answered_by(snap, attr(attrs, f"{MD}['deployment']"), attr(attrs, f"{MD}['plan']"),
                           attr(attrs, f"response.headers['{ANSWERED_BY}']"))
         held = orjson.loads(hint)
-        usage: dict[str, Any] | None = None
+        usage: Usage | None = None
         source = "none"
         if 200 <= status < 300:
             if sse:
                 usage, source = stream_usage.usage, "reported"
                 if usage is None:  # the client did not ask for usage: count chunks, bound the prompt
-                    prompt_bound = held.get("p", 0)
-                    usage = {"prompt_tokens": prompt_bound, "completion_tokens": stream_usage.content_chunks}
-                    source = "estimated"
+                    usage, source = estimated(held.get("p", 0), stream_usage.content_chunks), "estimated"
             else:
                 with contextlib.suppress(ValueError):
-                    doc = json.loads(body)
+                    doc = orjson.loads(body)
                     if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
                         usage, source = doc["usage"], "reported"
-        finished = complete and (not sse or stream_usage.done) and not malformed and not stream_usage.error
+        finished = complete and (not sse or stream_usage.done) and not stream_usage.error
         termination = termination_of(status, finished)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep)
         outcome = outcome_of(termination, status, kind, usage, source, dep, attr(attrs, f"{MD}['redactions']"),
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)})
-        idem_status, idem_body = "", ""
-        if held.get("i") and termination == "complete" and not sse \
-                and len(body) <= snap.gateway.store.idempotency_max_body_bytes:
-            idem_status, idem_body = str(status), body.decode("utf-8", "replace")
-        self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, idem_body,
-                             snap.gateway.store.idempotency_ttl_s * 1000))
+        idem_status, kept = "", ""
+        if held.get("i") and termination == "complete":
+            store = snap.gateway.store
+            kept = self.sealer().seal(held["i"], Answer(status, "text/event-stream" if sse else "application/json",
+                                                        body), store.idempotency_max_body_bytes)
+            idem_status = str(status)
+        return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
+                                    snap.gateway.store.idempotency_ttl_s * 1000))
+
+
+# Envoy's response flags for an exchange that ended abnormally: upstream connection failure or
+# termination, protocol errors, downstream termination, timeouts, stream idle, overflow, retry limit,
+# no healthy upstream, local reset.
+CUT_FLAGS = ("UF", "UC", "UR", "UPE", "DC", "DPE", "UT", "SI", "UO", "URX", "UMSDR", "UH", "LR")
+BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
 
 
 class SettlementLog(als_grpc.AccessLogServiceServicer):
-    """Envoy's gRPC access log, for JSON answers: one long-lived stream, entries in batches, each
-    carrying the io.llmgw metadata (usage included, by json_to_metadata) and the response's fate."""
+    """Envoy's gRPC access log: one long-lived stream, entries in batches, each carrying the io.llmgw
+    metadata (usage included, by json_to_metadata) and the exchange's fate. Every admitted request
+    is logged here."""
 
     def __init__(self, settler: Settler, snapshot: Callable[[], Snapshot]):
         self.settler = settler
@@ -301,30 +343,48 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         tenant, hint, rid = attr(md, "tenant"), attr(md, "hold"), entry.request.request_id
         if not tenant or not hint or not rid:
             return
+        status = entry.response.response_code.value
+        flags = common.response_flags
+        cut = any(getattr(flags, name) for name in _CUT_FIELDS)
+        if attr(md, "settle") != "als" and 200 <= status < 300 and not cut:
+            # A stream or idempotent answer that ended normally: its own filter settles it. This is
+            # the backstop for a filter that could not (its worker died); the first settlement wins.
+            asyncio.get_running_loop().call_later(BACKSTOP_S, self._settle, entry, md, tenant, hint, rid, True)
+            return
+        self._settle(entry, md, tenant, hint, rid, False)
+
+    def _settle(self, entry: Any, md: Any, tenant: str, hint: str, rid: str, backstop: bool) -> None:
+        common = entry.common_properties
         snap = self.snapshot()
         dep = answered_by(snap, attr(md, "deployment"), attr(md, "plan"),
                           entry.response.response_headers.get(ANSWERED_BY, ""))
         status = entry.response.response_code.value
         flags = common.response_flags
+        stream = attr(md, "stream") == "1"
+        prompt_bound = int(orjson.loads(hint).get("p", 0))
         prompt = attr(md, "usage_prompt")  # present only when json_to_metadata found a usage object
-        usage: dict[str, Any] | None = None
-        if prompt:
+        usage: Usage | None = None
+        if prompt and not backstop:
             usage = {"prompt_tokens": int(prompt), "completion_tokens": int(attr(md, "usage_completion") or 0),
                      "prompt_tokens_details": {"cached_tokens": int(attr(md, "usage_cached") or 0)}}
-        stream = attr(md, "stream") == "1"
         chunks = attr(md, "stream_chunks")  # the stream guard's count of what was generated before the cut
         source = "reported" if usage else "none"
-        if usage is None and stream and chunks and 200 <= status < 300:
-            usage = {"prompt_tokens": orjson.loads(hint).get("p", 0), "completion_tokens": int(chunks)}
-            source = "estimated"
+        if usage is None and stream and chunks and 200 <= status < 300 and not backstop:
+            usage, source = estimated(prompt_bound, int(chunks)), "estimated"
         if flags.downstream_connection_termination:
             termination = "client_cancel"
         elif (flags.upstream_request_timeout or status == 504) and not stream:
             termination = "deadline"
+        elif backstop:
+            termination = "unknown"  # its filter never settled it: what the client got is not known
         else:
-            # A stream reaches this log only when Envoy cut it after it started (or before its headers).
+            # A stream reaches here only when Envoy cut it after it started (or it failed before).
             termination = termination_of(status, not stream)
-        micros, tokens, kind = charge_for(usage, source, termination, status, dep)
+        failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
+                                answered=common.HasField("time_to_first_upstream_rx_byte"), prompt_bound=prompt_bound)
+        if failed[0] is not None and usage is None and not 200 <= status < 300:
+            usage, source = failed[0], "estimated"
+        micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
         outcome = outcome_of(termination, status, kind, usage, source, dep,
@@ -334,6 +394,14 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
                                  if common.HasField("time_to_first_upstream_rx_byte") else None})
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0))
+
+
+# The ResponseFlags fields of CUT_FLAGS (the access log's proto names them in words).
+_CUT_FIELDS = ("upstream_connection_failure", "upstream_connection_termination", "upstream_remote_reset",
+               "upstream_protocol_error",
+               "downstream_connection_termination", "downstream_protocol_error", "upstream_request_timeout",
+               "stream_idle_timeout", "upstream_overflow", "upstream_retry_limit_exceeded",
+               "upstream_max_stream_duration_reached", "no_healthy_upstream", "local_reset")
 
 
 class Sweeper:

@@ -8,6 +8,8 @@
   finish, and is recorded as `stream_interrupted`.
 - A stream longer than its route's `max_stream_ms` ends the same way; at its next chunk the exchange
   is reset, so the engine stops generating.
+- With an Idempotency-Key, what the client received is kept for replay (extproc/replay.py): the last
+  chunk is held until it is recorded and settled, so a repeat of the key is replayed, never run again.
 - A stream Envoy cuts (reset, idle timeout, client gone) ends this exchange without an end of stream:
   the access log settles it with Envoy's reason (`client_cancel` when the client left) and the chunk
   count the guard kept in the request's metadata, as `partial`; the guard settles it itself only if
@@ -23,6 +25,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
@@ -58,6 +61,11 @@ class StreamGuard:
         # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
         # before any route chose it: only an admitted stream holding a reservation is guarded.
         guarded = bool(tenant and rid and hint) and attr(attrs, f"{MD}['stream']") == "1"
+        # With an Idempotency-Key: what the client receives, kept for replay (up to the limit, and a
+        # byte more to know it went over).
+        keep = self.meter.snapshot().gateway.store.idempotency_max_body_bytes + 1 \
+            if guarded and orjson.loads(hint).get("i") else 0
+        sent, settled = bytearray(), False
         try:
             async for msg in with_first(first, rest):
                 if msg.WhichOneof("request") != "response_body":
@@ -102,6 +110,12 @@ class StreamGuard:
                 if broken and not usage.error:
                     usage.error = True  # recorded as stream_interrupted; the event goes out once
                     out += interrupted_event(broken)
+                if keep and len(sent) < keep:
+                    sent += out[:keep - len(sent)]
+                if complete and keep and not broken:
+                    # Recorded before the client has the end of the stream (and so before it can repeat).
+                    settled = True
+                    await self.meter.settle_stream(tenant, rid, hint, attrs, status, True, usage, first_at, bytes(sent))
                 reply = ep.ProcessingResponse(response_body=ep.BodyResponse(
                     response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=bytes(out)))))
                 if usage.content_chunks != counted:
@@ -114,7 +128,7 @@ class StreamGuard:
                 if complete:
                     break
         finally:
-            if guarded:
+            if guarded and not settled:
                 settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status,
                                  complete and not broken, usage, first_at)
                 if complete or broken:

@@ -35,9 +35,9 @@ from typing import Any
 
 import yaml
 
+from extproc.chat import map_rendered
 from extproc.config import load_snapshot
 from extproc.redact import Redactor
-from extproc.stages.redact import redact_messages
 from llmgw.bench import WRK_LUA, Result, _med, _start_envoy, bare_bootstrap, run_wrk, upstream_bootstrap
 from llmgw.procs import free_port
 from llmgw.stack import DEMO_KEYS, Stack, StackOptions
@@ -73,12 +73,13 @@ def _micro(config: Path) -> dict[str, float]:
     while sum(len(w) + 1 for w in parts) < 32 * 1024:
         parts.append(rng.choice(words) if rng.random() > 0.01 else rng.choice(
             ["a.b@example.com", "4111 1111 1111 1111", "+44 20 7946 0958", "10.0.0.1", "123-45-6789"]))
-    messages = [{"role": "user", "content": " ".join(parts)}]
+    body = {"messages": [{"role": "user", "content": " ".join(parts)}]}
     entities = frozenset(snap.policy_data["redaction"]["entities"])
     times = []
     for _ in range(300):
         t0 = time.perf_counter()
-        redact_messages(messages, Redactor(entities))
+        redactor = Redactor(entities)
+        map_rendered(body, redactor.redact, lambda name, _: name)
         times.append(time.perf_counter() - t0)
     return {"rego_eval_us": rego_us, "rego_cached_us": cached_us,
             "redact_32k_p50_ms": statistics.median(times) * 1e3,

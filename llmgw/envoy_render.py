@@ -5,8 +5,9 @@ Shape of the data path (design.md section 7, reference/envoy-notes.md):
   ext_proc         request body BUFFERED with the headers it needs as attributes: one message per
                    request; response phases off until a stage needs them
   buffer           holds the headers until the whole body, and so ext_proc's decision, is through
-  header_mutation  (request side, "llmgw.deadline_headers") hands ext_proc's remaining deadline to
-                   the router as x-envoy-upstream-rq-timeout-ms / -per-try-timeout-ms
+  header_mutation  (request side, "llmgw.upstream_headers") drops every client header but an
+                   allow-list, then sets trace context, the remaining deadline and the retry policy
+                   from ext_proc's decision
   custom_response  rewrites upstream error statuses into the contract's JSON
   router           routes match on dynamic metadata only ext_proc can set, so a request that
                    ext_proc never admitted (no body, service down) can never reach an upstream
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.bootstrap.v3 import bootstrap_pb2
-from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
     address_pb2,
@@ -76,15 +79,18 @@ from xds.type.matcher.v3 import matcher_pb2
 
 from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_WITHOUT_BODY
 from extproc.config import Snapshot
-from extproc.config.schema import ExtprocTls, ListenerTls, TlsSettings
-from extproc.contract import METADATA_NAMESPACE, ErrorCode
+from extproc.config.schema import ExtprocTls, ListenerTls, Pool, TlsSettings
+from extproc.contract import METADATA_NAMESPACE, ROLE_KEY, ErrorCode, Role
 from extproc.fallback import candidate_subsets, composite_name, sub_clusters
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
+from extproc.stages.intake import CHAT_PATH
 
 EXTPROC_CLUSTER = "llmgw_extproc"
 ADMIT_KEY = "cluster"  # io.llmgw metadata key naming the cluster ext_proc admitted the request to
 OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
+REVISION_HEADER = "x-llmgw-route-revision"
+MODELS_PATH = "/v1/models"
 
 
 @dataclass(frozen=True)
@@ -229,12 +235,19 @@ LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
 )
 
 
-def _local_reply_config() -> hcm_pb2.LocalReplyConfig:
+def _local_reply_config(revision: str) -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own replies in the contract's shape, naming the revision Envoy was rendered from. The
+    response filters that could hold such a reply are off unless a chat route turned them on, so a
+    reply to a request Envoy could not even parse is complete (a filter waiting for ext_proc once
+    left it without its body when Envoy closed the connection)."""
+    revision_header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=REVISION_HEADER, value=revision),
+                                                 append_action=base_pb2.HeaderValueOption.ADD_IF_ABSENT)
     return hcm_pb2.LocalReplyConfig(mappers=[
         hcm_pb2.ResponseMapper(
             filter=_cel_filter(expr),
             status_code=wrappers_pb2.UInt32Value(value=status),
             body_format_override=_contract_json(code, message),
+            headers_to_add=[revision_header],
         )
         for expr, status, code, message in LOCAL_REPLY_RULES
     ])
@@ -298,9 +311,18 @@ def _upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
             for k, v in ANSWER_HEADERS]
 
 
-# The remaining deadline ext_proc computed, handed to the router (ext_proc's body reply cannot set
-# request headers when headers were skipped). Empty values - no metadata - add no header.
-DEADLINE_HEADERS: tuple[tuple[str, str], ...] = (
+UPSTREAM_HEADERS_FILTER = "llmgw.upstream_headers"
+# What a client sent reaches an upstream only by these names; the rest (cookies, API keys meant for
+# the gateway, client-chosen x-llmgw-* and test headers, junk) stays here. An attempt's credential is
+# added per candidate by the attempt filter, after this.
+FORWARDED_HEADERS = ("content-type", "content-length", "x-request-id")
+# Set from ext_proc's decision (its metadata), after the allow-list: trace context only when valid
+# and the route propagates it; the remaining deadline and this request's retry policy for the router
+# (ext_proc's body reply cannot set request headers when headers were skipped). Empty values - no
+# metadata - add no header.
+DECISION_HEADERS: tuple[tuple[str, str], ...] = (
+    ("traceparent", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:traceparent)%"),
+    ("tracestate", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:tracestate)%"),
     ("x-envoy-upstream-rq-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:rq_timeout_ms)%"),
     ("x-envoy-upstream-rq-per-try-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:per_try_timeout_ms)%"),
     # The retry policy ext_proc chose for this request (extproc/stages/retry.py); Envoy's router is
@@ -311,12 +333,37 @@ DEADLINE_HEADERS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _deadline_headers_filter() -> header_mutation_pb2.HeaderMutation:
+def names_outside(allowed: Iterable[str]) -> str:
+    """An RE2 pattern (RE2 has no negative lookahead) matching every header name except `allowed` and
+    the pseudo-headers (`:path`, ...): built from the names' trie, each node matching any suffix that
+    leaves it."""
+    end = ""
+    trie: dict[str, Any] = {}
+    for name in allowed:
+        node = trie
+        for ch in name:
+            node = node.setdefault(ch, {})
+        node[end] = {}
+
+    def suffixes(node: dict[str, Any], root: bool) -> str:
+        chars = sorted(c for c in node if c != end)
+        other = "".join(re.escape(c) for c in chars) + (":" if root else "")
+        parts = [f"[^{other}].*" if other else ".+"]
+        parts += [f"{re.escape(c)}(?:{suffixes(node[c], False)})" for c in chars]
+        alternatives = "|".join(parts)
+        return alternatives if end in node else f"(?:{alternatives})?"
+    return f"^(?:{suffixes(trie, True)})$"
+
+
+def _upstream_headers_filter() -> header_mutation_pb2.HeaderMutation:
+    hvo = base_pb2.HeaderValueOption
+    strip = mutation_rules_pb2.HeaderMutation(remove_on_match=mutation_rules_pb2.HeaderMutation.RemoveOnMatch(
+        key_matcher=string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(
+            regex=names_outside(FORWARDED_HEADERS)))))
     return header_mutation_pb2.HeaderMutation(mutations=header_mutation_pb2.Mutations(request_mutations=[
-        mutation_rules_pb2.HeaderMutation(append=base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=k, value=v),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD))
-        for k, v in DEADLINE_HEADERS]))
+        strip, *(mutation_rules_pb2.HeaderMutation(append=hvo(
+            header=base_pb2.HeaderValue(key=k, value=v), append_action=hvo.OVERWRITE_IF_EXISTS_OR_ADD))
+            for k, v in DECISION_HEADERS)]))
 
 
 def _header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
@@ -333,13 +380,13 @@ REQUEST_ATTRIBUTES = (
 )
 
 
-def _extproc_service(role: tuple[str, str] | None = None) -> grpc_service_pb2.GrpcService:
+def _extproc_service(role: Role | None = None) -> grpc_service_pb2.GrpcService:
     """The ext_proc cluster, for every filter and the access log that talk to it; `role` (gRPC
     metadata) tells ext_proc which kind of stream starts (extproc/server.py dispatches on it)."""
     service = grpc_service_pb2.GrpcService(
         envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER))
     if role is not None:
-        service.initial_metadata.append(base_pb2.HeaderValue(key=role[0], value=role[1]))
+        service.initial_metadata.append(base_pb2.HeaderValue(key=ROLE_KEY, value=role.value))
     return service
 
 
@@ -365,15 +412,16 @@ def _ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
 METER_FILTER = "llmgw.meter"
 
 
-def _meter_filter() -> ext_proc_pb2.ExternalProcessor:
-    """The response side, for settlement: observability mode, so Envoy sends the response headers and
-    body chunks to ext_proc without waiting (no added latency, no mutation). The settlement it drives
-    is bounded by leases: a lost meter stream ends in the sweeper's ambiguous charge."""
+def _meter_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
+    """Idempotent JSON answers (their own admitted route): each body chunk waits for ext_proc, which
+    holds the last until the answer is recorded for replay and settled, so a repeat of the key that
+    follows the answer is replayed (extproc/settlement.py). If ext_proc fails, the answer continues
+    (the access log's backstop and the lease settle it)."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=_extproc_service(),
-        observability_mode=True,
-        failure_mode_allow=True,  # metering never breaks a response; the lease covers a lost stream
+        grpc_service=_extproc_service(Role.METER),
+        failure_mode_allow=True,
+        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
         # Headers SKIP: status and content type come as attributes with the first body chunk, so a JSON
         # answer costs one message.
         processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
@@ -384,7 +432,6 @@ def _meter_filter() -> ext_proc_pb2.ExternalProcessor:
 
 
 STREAM_FILTER = "llmgw.streams"
-STREAM_ROLE = ("x-llmgw-role", "streams")  # gRPC metadata: ext_proc tells these streams from the meter's
 
 
 def _stream_filter() -> ext_proc_pb2.ExternalProcessor:
@@ -395,7 +442,7 @@ def _stream_filter() -> ext_proc_pb2.ExternalProcessor:
     the sweeper still settle it)."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=_extproc_service(STREAM_ROLE),
+        grpc_service=_extproc_service(Role.STREAMS),
         failure_mode_allow=True,
         processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
                            response_header_mode=pm.SKIP, response_body_mode=pm.STREAMED,
@@ -408,8 +455,8 @@ def _stream_filter() -> ext_proc_pb2.ExternalProcessor:
     )
 
 
-def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
-    return hcm_pb2.HttpFilter(name=name, typed_config=pack(msg))
+def _http_filter(name: str, msg: object, disabled: bool = False) -> hcm_pb2.HttpFilter:
+    return hcm_pb2.HttpFilter(name=name, typed_config=pack(msg), disabled=disabled)
 
 
 def _direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.DirectResponseAction:
@@ -450,26 +497,17 @@ def _usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
         regex=r"^application/json(\s*;.*)?$")))
 
 
-# Envoy's response flags for a stream that ended abnormally: upstream connection termination, upstream
-# protocol error, downstream termination, timeouts, stream idle, overflow, retry limit.
-CUT_FLAGS = ("UC", "UPE", "DC", "DPE", "UT", "SI", "UO", "URX", "UMSDR")
-
-
 def _settlement_log() -> accesslog_pb2.AccessLog:
-    """Settlement of JSON answers: Envoy's gRPC access log streams entries (with the io.llmgw metadata,
-    usage included) to ext_proc in batches over one long-lived stream, instead of a stream per request.
-    Requests ext_proc marked `settle: als` are sent; and streams that Envoy cut (a reset, a timeout, a
-    client gone), which the stream guard may never have seen: the first settlement wins, so a stream the
-    guard settled is not charged twice."""
-    def settle_is(kind: str) -> accesslog_pb2.AccessLogFilter:
-        return accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(
-            matcher=metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
-                                                 path=[metadata_pb2.MetadataMatcher.PathSegment(key="settle")],
-                                                 value=_string_value_matcher(kind))))
-    cut = accesslog_pb2.AccessLogFilter(response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(CUT_FLAGS)))
-    which = accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=[
-        settle_is("als"),
-        accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=[settle_is("stream"), cut]))]))
+    """Settlement from Envoy's gRPC access log: entries (with the io.llmgw metadata, usage included)
+    stream to ext_proc in batches over one long-lived stream, instead of a stream per request. Every
+    admitted request is sent: JSON answers settle here; a stream or idempotent answer that failed or
+    was cut settles here at once; one that ended normally is settled by its own filter, and here only
+    as a backstop (extproc/settlement.py). The first settlement wins."""
+    # Every request that holds a reservation (its metadata says how it settles).
+    which = accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(
+        matcher=metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
+                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key="settle")],
+                                             value=value_pb2.ValueMatcher(present_match=True))))
     config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
         grpc_service=_extproc_service(),
@@ -481,29 +519,34 @@ def _settlement_log() -> accesslog_pb2.AccessLog:
         typed_config=pack(config))
 
 
-def _route_config(clusters: Iterable[str], stream_idle_ms: int) -> route_pb2.RouteConfiguration:
-    json_ct = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
-                                                                      value="application/json"))]
+def _route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
+    stream_idle_ms = snap.gateway.envoy.stream_idle_timeout_ms
+    # Envoy's own answers name the revision it was rendered from (ext_proc's name the one it decided
+    # under, which a hot reload may have moved on).
+    own = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", value="application/json")),
+           base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=REVISION_HEADER, value=snap.revision))]
+    ext_proc_by_headers = {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(
+        overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+            request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP)))), **_no_meter()}
     routes = [
         route_components_pb2.Route(
             name="healthz", match=route_components_pb2.RouteMatch(path="/healthz"),
             direct_response=route_components_pb2.DirectResponseAction(
                 status=200, body=base_pb2.DataSource(inline_string='{"status":"ok"}')),
-            response_headers_to_add=json_ct, typed_per_filter_config=_ext_proc_disabled()),
-        # GET /v1/models has no body: ext_proc takes its headers and answers it; this is never reached.
+            response_headers_to_add=own, typed_per_filter_config=_ext_proc_disabled()),
+        # GET /v1/models and /v1/models/{route} have no body: ext_proc takes their headers and answers
+        # them; this is never reached.
         route_components_pb2.Route(
-            name="models", match=route_components_pb2.RouteMatch(path="/v1/models"),
+            name="models", match=route_components_pb2.RouteMatch(path_separated_prefix=MODELS_PATH),
             direct_response=_direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
-            response_headers_to_add=json_ct,
-            typed_per_filter_config={"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(
-                overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=processing_mode_pb2.ProcessingMode(
-                    request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-                    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-                    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP)))), **_no_meter()}),
+            response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers),
     ]
     # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these. A
-    # request ext_proc marked `settle: meter` (streams, idempotent requests) takes the route where the
-    # meter filter is on; every other admitted request settles through the access log.
+    # request ext_proc marked `settle: stream` (streams) or `settle: metered` (idempotent JSON) takes
+    # the route where its response filter is on; every other admitted request settles through the
+    # access log.
     def md(key: str, value: str) -> metadata_pb2.MetadataMatcher:
         return metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
@@ -533,31 +576,38 @@ def _route_config(clusters: Iterable[str], stream_idle_ms: int) -> route_pb2.Rou
                             typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()))],
                         host_selection_retry_max_attempts=3),
                 ),
-                # The caller's gateway credential never travels upstream.
+                # The caller's gateway credential never travels upstream (the header allow-list drops
+                # it too; this holds even where a mesh operator leaves that filter out).
                 request_headers_to_remove=["authorization"],
                 response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
                 typed_per_filter_config={**_admitted_route_filters(), **per_route}))
     routes += [
-        # Reached only when ext_proc never saw the request: a chat completion without a body.
+        # The route a chat completion matches when it arrives, before ext_proc decides: it turns the
+        # response filters on (their per-route switches on the admitted route then decide). It is
+        # what such a request meets only when ext_proc never saw it: one without a body.
         route_components_pb2.Route(
-            name="chat_without_body", match=route_components_pb2.RouteMatch(prefix="/v1/chat/completions"),
+            name="chat_without_body", match=route_components_pb2.RouteMatch(path=CHAT_PATH),
             direct_response=_direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
-            # No per-route meter switch here: a chat request matches this route before ext_proc admits
-            # it, and filters read their per-route config then. The meter ignores unreserved responses.
-            response_headers_to_add=json_ct),
-        # Reached only if ext_proc let a request continue without admitting it: refuse.
-        route_components_pb2.Route(
-            name="not_admitted", match=route_components_pb2.RouteMatch(prefix="/v1/"),
-            direct_response=_direct(503, ErrorCode.POLICY_UNAVAILABLE, "the request was not admitted"),
-            response_headers_to_add=json_ct),
+            response_headers_to_add=own, typed_per_filter_config=_response_filters_on(snap)),
+        # Everything else, /v1/* included: no such endpoint, answered without asking ext_proc.
         route_components_pb2.Route(
             name="not_found", match=route_components_pb2.RouteMatch(prefix="/"),
             direct_response=_direct(404, ErrorCode.ROUTE_NOT_FOUND, "no such endpoint"),
-            response_headers_to_add=json_ct, typed_per_filter_config=_ext_proc_disabled()),
+            response_headers_to_add=own, typed_per_filter_config=_ext_proc_disabled()),
     ]
     return route_pb2.RouteConfiguration(name="llmgw", virtual_hosts=[route_components_pb2.VirtualHost(
         name="llmgw", domains=["*"], routes=routes, include_attempt_count_in_response=True,
         include_request_attempt_count=True)])
+
+
+def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:
+    """Turn on the response filters that are off by default (where a gateway renders them). Envoy
+    refuses an empty per-route config, so it repeats a setting both filters already have."""
+    if not meters(snap):
+        return {}
+    on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(ext_proc_pb2.ExtProcPerRoute(
+        overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))))))
+    return {METER_FILTER: on, STREAM_FILTER: on}
 
 
 def _string_value_matcher(s: str) -> value_pb2.ValueMatcher:
@@ -569,7 +619,7 @@ def _access_log() -> accesslog_pb2.AccessLog:
     fmt = struct_pb2.Struct()
     fmt.update({
         "time": "%START_TIME%", "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%",
-        "path": "%REQ(:PATH)%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
+        "path": "%REQ(:PATH):256%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
         "flags": "%RESPONSE_FLAGS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
         "tenant": f"%DYNAMIC_METADATA({ns}:tenant)%", "route": f"%DYNAMIC_METADATA({ns}:route)%",
@@ -588,27 +638,35 @@ def _access_log() -> accesslog_pb2.AccessLog:
 
 
 def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpConnectionManager:
+    env = snap.gateway.envoy
     return hcm_pb2.HttpConnectionManager(
         stat_prefix="llmgw",
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         always_set_request_id_in_response=True,
         stream_idle_timeout=duration_ms(300_000),
-        request_timeout=duration_ms(0),
-        route_config=_route_config(clusters, snap.gateway.envoy.stream_idle_timeout_ms),
-        local_reply_config=_local_reply_config(),
+        # A slow client (headers or body trickling in, a body shorter than its Content-Length, a
+        # CONNECT) cannot hold a connection: 408 once these pass, and idle connections are closed.
+        request_headers_timeout=duration_ms(env.request_headers_timeout_ms),
+        request_timeout=duration_ms(env.request_timeout_ms),
+        common_http_protocol_options=protocol_pb2.HttpProtocolOptions(
+            idle_timeout=duration_ms(env.idle_connection_timeout_ms)),
+        route_config=_route_config(snap, clusters),
+        local_reply_config=_local_reply_config(snap.revision),
         access_log=[*([_access_log()] if access_log else []), *([_settlement_log()] if meters(snap) else [])],
         http_filters=[
             _http_filter("envoy.filters.http.header_mutation", _header_mutation_filter()),
             _http_filter("envoy.filters.http.ext_proc", _ext_proc_filter(snap)),
             _http_filter("envoy.filters.http.buffer", buffer_pb2.Buffer(
-                max_request_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes))),
+                max_request_bytes=wrappers_pb2.UInt32Value(value=env.max_request_bytes))),
             # Only a gateway whose routes reserve budgets has anything to settle. After the buffer, so
-            # the meter reads its per-route switch on the route ext_proc's decision selected.
-            *([_http_filter(METER_FILTER, _meter_filter()),
-               _http_filter(STREAM_FILTER, _stream_filter()),
+            # the meter reads its per-route switch on the route ext_proc's decision selected. Off
+            # unless the route a request matched first turns them on (chat completions): so Envoy's
+            # own replies (a malformed request, a header too large) never wait for them.
+            *([_http_filter(METER_FILTER, _meter_filter(snap), disabled=True),
+               _http_filter(STREAM_FILTER, _stream_filter(), disabled=True),
                _http_filter("envoy.filters.http.json_to_metadata", _usage_to_metadata())] if meters(snap) else []),
-            _http_filter("llmgw.deadline_headers", _deadline_headers_filter()),
+            _http_filter(UPSTREAM_HEADERS_FILTER, _upstream_headers_filter()),
             _http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
             _http_filter("envoy.filters.http.router", router_pb2.Router()),
         ],
@@ -626,7 +684,6 @@ def _protocol_options(http2: bool) -> dict[str, any_pb2.Any]:
     return {PROTOCOL_OPTIONS: pack(opts(explicit_http_config=explicit))}
 
 
-ATTEMPT_ROLE = ("x-llmgw-role", "attempt")
 
 
 def _attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
@@ -635,7 +692,7 @@ def _attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     cannot be addressed is not sent."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=_extproc_service(ATTEMPT_ROLE),
+        grpc_service=_extproc_service(Role.ATTEMPT),
         failure_mode_allow=False,
         processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
                            response_header_mode=pm.SEND, response_body_mode=pm.NONE,
@@ -690,6 +747,7 @@ def _composite_cluster(snap: Snapshot, name: str, sub_clusters: Iterable[str]) -
     return cluster_pb2.Cluster(
         name=name, connect_timeout=duration_ms(1000), lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
         cluster_type=cluster_pb2.Cluster.CustomClusterType(name="envoy.clusters.composite", typed_config=pack(config)),
+        circuit_breakers=_thresholds(snap.gateway.envoy.max_concurrent_retries),
         typed_extension_protocol_options=_attempt_filters(snap))
 
 
@@ -712,8 +770,34 @@ def fallback_clusters(snap: Snapshot, known: set[str]) -> list[cluster_pb2.Clust
     return composites
 
 
+def _thresholds(max_retries: int) -> circuit_breaker_pb2.CircuitBreakers:
+    """Connections and requests are bounded by the gateway's own limits (bulkheads, Envoy's
+    connection cap), not here; concurrent retries are, so a dead upstream cannot trigger a storm."""
+    return circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        max_connections=wrappers_pb2.UInt32Value(value=100_000),
+        max_pending_requests=wrappers_pb2.UInt32Value(value=100_000),
+        max_requests=wrappers_pb2.UInt32Value(value=100_000),
+        max_retries=wrappers_pb2.UInt32Value(value=max_retries))])
+
+
+def _outlier_detection(consecutive: int, base_ms: int, max_percent: int) -> outlier_detection_pb2.OutlierDetection:
+    """An endpoint that fails `consecutive` requests in a row at the connection level (refused,
+    reset, timed out: Envoy's local-origin errors) is ejected at once, before any health check;
+    error statuses an upstream sends (a 503 when overloaded) are its answers, not ejections."""
+    return outlier_detection_pb2.OutlierDetection(
+        split_external_local_origin_errors=True,
+        consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=consecutive),
+        enforcing_consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=100),
+        enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=0),
+        enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=0),
+        enforcing_success_rate=wrappers_pb2.UInt32Value(value=0),
+        enforcing_local_origin_success_rate=wrappers_pb2.UInt32Value(value=0),
+        interval=duration_ms(1000), base_ejection_time=duration_ms(base_ms),
+        max_ejection_percent=wrappers_pb2.UInt32Value(value=max_percent))
+
+
 def static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, connect_ms: int,
-                    metadata: dict[str, str] | None = None) -> cluster_pb2.Cluster:
+                   metadata: dict[str, str] | None = None, max_retries: int = 1024) -> cluster_pb2.Cluster:
     endpoints = []
     for host, port in hosts:
         lb = endpoint_components_pb2.LbEndpoint(
@@ -728,10 +812,7 @@ def static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, con
         name=name, type=kind, connect_timeout=duration_ms(connect_ms),
         lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
         typed_extension_protocol_options=_protocol_options(http2),
-        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(
-            max_connections=wrappers_pb2.UInt32Value(value=100_000),
-            max_pending_requests=wrappers_pb2.UInt32Value(value=100_000),
-            max_requests=wrappers_pb2.UInt32Value(value=100_000))]),
+        circuit_breakers=_thresholds(max_retries),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
             cluster_name=name, endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=endpoints)]),
     )
@@ -754,9 +835,13 @@ def _override_host_policy() -> cluster_pb2.LoadBalancingPolicy:
             name="envoy.load_balancing_policies.override_host", typed_config=pack(policy)))])
 
 
-def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connect_ms: int,
+def _pool_cluster(name: str, pool: str, settings: Pool, hosts: Iterable[tuple[str, int]],
                   lb: str = "picker") -> cluster_pb2.Cluster:
-    cluster = static_cluster(name, hosts, http2=False, connect_ms=connect_ms, metadata={"pool": pool})
+    cluster = static_cluster(name, hosts, http2=False, connect_ms=settings.connect_timeout_ms, metadata={"pool": pool},
+                             max_retries=settings.max_retries)
+    o = settings.outlier
+    cluster.outlier_detection.CopyFrom(_outlier_detection(o.consecutive_failures, o.base_ejection_ms,
+                                                          o.max_ejection_percent))
     if lb == "round_robin":
         cluster.lb_policy = cluster_pb2.Cluster.ROUND_ROBIN
     else:
@@ -776,16 +861,19 @@ def _pool_cluster(name: str, pool: str, hosts: Iterable[tuple[str, int]], connec
 def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Bootstrap:
     pool_clusters = {f"pool_{name}": name for name in snap.gateway.pools}
     clusters = [static_cluster(EXTPROC_CLUSTER, opts.extproc, http2=True, connect_ms=1000)]
+    # A worker that is down (restarting) leaves rotation at its first refused connection, so the
+    # others take the decisions; at most half are ever ejected.
+    clusters[0].outlier_detection.CopyFrom(_outlier_detection(1, 1000, 50))
     if opts.tls.extproc is not None:
         clusters[0].transport_socket.CopyFrom(_extproc_mtls(opts.tls.extproc))
     for cluster_name, pool in pool_clusters.items():
         hosts = opts.pools.get(pool) or tuple(_hp(e) for e in snap.gateway.pools[pool].endpoints)
-        clusters.append(_pool_cluster(cluster_name, pool, hosts, snap.gateway.pools[pool].connect_timeout_ms,
-                                      opts.pool_lb))
+        clusters.append(_pool_cluster(cluster_name, pool, snap.gateway.pools[pool], hosts, opts.pool_lb))
     for dep in snap.deployments.values():
         if dep.endpoints:
             clusters.append(static_cluster(snap.pool_of(dep), (_hp(e) for e in dep.endpoints),
-                                            http2=False, connect_ms=1000))
+                                           http2=False, connect_ms=1000,
+                                           max_retries=snap.gateway.envoy.max_concurrent_retries))
     upstream = [c.name for c in clusters[1:]]
     fallbacks = fallback_clusters(snap, set(upstream))
     clusters += fallbacks
@@ -802,8 +890,15 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         name="envoy.resource_monitors.global_downstream_max_connections",
         typed_config=pack(downstream_connections_pb2.DownstreamConnectionsConfig(
             max_active_downstream_connections=snap.gateway.envoy.max_connections)))])
+    # The header allow-list's pattern (names_outside) is larger than RE2 programs Envoy accepts by
+    # default (100); it is fixed at render time, never a client's.
+    runtime = struct_pb2.Struct()
+    runtime.update({"re2.max_program_size.error_level": 1000, "re2.max_program_size.warn_level": 1000})
     return bootstrap_pb2.Bootstrap(
         node=base_pb2.Node(id="llmgw", cluster="llmgw"),
+        layered_runtime=bootstrap_pb2.LayeredRuntime(layers=[
+            bootstrap_pb2.RuntimeLayer(name="static", static_layer=runtime),
+            bootstrap_pb2.RuntimeLayer(name="admin", admin_layer=bootstrap_pb2.RuntimeLayer.AdminLayer())]),
         overload_manager=overload,
         admin=bootstrap_pb2.Admin(address=socket_address(*opts.admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),

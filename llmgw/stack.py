@@ -203,16 +203,21 @@ class Stack:
         return launch
 
     def _extproc_env(self) -> dict[str, str]:
-        """The default salt secret is an env reference: when the environment lacks it, use a random
-        key kept in the state directory, so restarts and all workers share it."""
-        kind, _, name = self.snapshot.gateway.cache_salt_secret_ref.partition(":")
-        if kind != "env" or os.environ.get(name):
-            return {}
-        key = self.opts.state_dir / "cache-salt.key"
-        if not key.exists():
-            key.touch(mode=0o600)
-            key.write_text(secrets.token_hex(32))
-        return {name: key.read_text().strip()}
+        """The gateway's own secrets (the prefix-cache salt key, the replay key) are env references by
+        default: when the environment lacks one, use a random key kept in the state directory (0600),
+        so restarts and all workers share it."""
+        env = {}
+        gw = self.snapshot.gateway
+        for ref, file in ((gw.cache_salt_secret_ref, "cache-salt.key"), (gw.store.replay_key_ref, "replay.key")):
+            kind, _, name = (ref or "").partition(":")
+            if kind != "env" or os.environ.get(name):
+                continue
+            key = self.opts.state_dir / file
+            if not key.exists():
+                key.touch(mode=0o600)
+                key.write_text(secrets.token_hex(32))
+            env[name] = key.read_text().strip()
+        return env
 
     @property
     def store_url(self) -> str | None:

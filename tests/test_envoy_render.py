@@ -58,32 +58,34 @@ def test_ext_proc_fails_closed_with_one_message(rendered: dict[str, Any]) -> Non
 def test_filter_order(rendered: dict[str, Any]) -> None:
     # The buffer filter after ext_proc holds the headers until ext_proc has decided on the body:
     # with header mode SKIP the router would otherwise route (and dispatch) before the decision.
-    # The deadline's header mutation runs after the buffer, when ext_proc's metadata is set. The meter
-    # (observability mode) sees responses on their way out, after custom_response wrote them.
-    # The meter sits after the buffer: it reads its per-route switch on the route the decision selected.
+    # The upstream-headers mutation runs after the buffer, when ext_proc's metadata is set. The meter
+    # and the stream guard sit after the buffer: they read their per-route switches on the route the
+    # decision selected.
     assert list(filters(rendered)) == [
         "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
-        "llmgw.meter", "llmgw.streams", "envoy.filters.http.json_to_metadata", "llmgw.deadline_headers",
+        "llmgw.meter", "llmgw.streams", "envoy.filters.http.json_to_metadata", "llmgw.upstream_headers",
         "envoy.filters.http.custom_response", "envoy.filters.http.router"]
 
 
-def test_meter_observes_responses_without_holding_them(rendered: dict[str, Any]) -> None:
+def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: dict[str, Any]) -> None:
+    chain = {f["name"]: f for f in hcm(rendered)["http_filters"]}
+    assert chain["llmgw.meter"]["disabled"] is True and chain["llmgw.streams"]["disabled"] is True
+    routes = {r["name"]: r for r in hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]}
+    on = routes["chat_without_body"]["typed_per_filter_config"]
+    assert {"llmgw.meter", "llmgw.streams"} <= set(on)
+    assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams"))
     meter = filters(rendered)["llmgw.meter"]
-    assert meter["observability_mode"] is True and meter["failure_mode_allow"] is True
+    assert "observability_mode" not in meter and meter["failure_mode_allow"] is True  # blocking, fails open
     pm = meter["processing_mode"]
     assert pm["request_header_mode"] == "SKIP" and pm["response_header_mode"] == "SKIP"
     assert pm["response_body_mode"] == "STREAMED"
     assert "metadata.filter_metadata['io.llmgw']['tenant']" in meter["response_attributes"]
 
 
-def test_json_answers_settle_through_the_grpc_access_log(rendered: dict[str, Any]) -> None:
+def test_every_admitted_request_reaches_the_settlement_log(rendered: dict[str, Any]) -> None:
     (als,) = [a for a in hcm(rendered)["access_log"] if a["name"] == "envoy.access_loggers.http_grpc"]
-    json_answers, cut_streams = als["filter"]["or_filter"]["filters"]
-    matcher = json_answers["metadata_filter"]["matcher"]
-    assert matcher["path"] == [{"key": "settle"}] and matcher["value"]["string_match"]["exact"] == "als"
-    stream_kind, flags = cut_streams["and_filter"]["filters"]
-    assert stream_kind["metadata_filter"]["matcher"]["value"]["string_match"]["exact"] == "stream"
-    assert {"UC", "UPE", "DC", "SI"} <= set(flags["response_flag_filter"]["flags"])
+    matcher = als["filter"]["metadata_filter"]["matcher"]
+    assert matcher["path"] == [{"key": "settle"}] and matcher["value"] == {"present_match": True}
     rules = filters(rendered)["envoy.filters.http.json_to_metadata"]["response_rules"]["rules"]
     assert [[s["key"] for s in r["selectors"]] for r in rules] == [
         ["usage", "prompt_tokens"], ["usage", "completion_tokens"], ["usage", "prompt_tokens_details", "cached_tokens"]]

@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.bounds import prompt_token_bound
+from extproc.chat import prompt_bytes
 from extproc.config import load_snapshot
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
 from extproc.stages.budget import Held
-from extproc.stages.route import RouteSelection, prompt_bytes, prompt_token_bound, tenant_salts
+from extproc.stages.route import RouteSelection, tenant_salts
 from llmgw.stack import DEMO_KEYS, Stack
 from tests.conftest import POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
@@ -131,7 +133,7 @@ def test_a_prompt_redaction_made_longer_takes_the_difference_from_max_tokens(tmp
     snap = load_snapshot(policy)
     reserved = prompt_token_bound(snap, snap.routes["chat-default"], body)
     longer = chat_body(content="x" * 112, max_tokens=50)  # what redaction sent on: 12 bytes more
-    held = Held(0, reserved + 50, reserved, 50, "v", "{}", False)
+    held = Held(0, reserved + 50, reserved, 50, 1, "v", "{}", False)
     assert _upstream(route(policy, longer, held=held))["max_tokens"] == 38  # prompt + completion <= reserved
     assert _upstream(route(policy, body, held=held))["max_tokens"] == 50
     with pytest.raises(GatewayError) as e:

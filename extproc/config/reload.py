@@ -17,6 +17,7 @@ from typing import Any
 
 from extproc.config.loader import ConfigError, Snapshot, load_snapshot
 from extproc.config.policy import run_policy_tests
+from extproc.replay import Sealer
 from extproc.secrets import SecretUnavailable
 
 log = logging.getLogger("llmgw.reload")
@@ -29,6 +30,7 @@ class Live:
 
     snapshot: Snapshot
     cache_salts: dict[str, str]
+    sealer: Sealer = field(default_factory=lambda: Sealer(None))  # idempotent answers kept for replay
 
 
 def directory_signature(root: Path) -> tuple[tuple[str, int, int], ...]:

@@ -180,7 +180,19 @@ class StoreSettings(Strict):
     timeout_ms: int = Field(default=250, gt=0)  # per command: a dead store fails requests fast, closed
     lease_grace_ms: int = Field(default=10_000, ge=0)  # after the deadline, before the sweeper charges
     idempotency_ttl_s: int = Field(default=86_400, gt=0)
-    idempotency_max_body_bytes: int = Field(default=1 << 20, gt=0)  # larger outcomes replay as 409
+    idempotency_max_body_bytes: int = Field(default=1 << 20, gt=0)  # larger answers: a repeat gets 409
+    # Key for sealing idempotent answers kept for replay (extproc/replay.py). None: only a digest is
+    # kept, and a repeated key of a completed request gets 409 instead of the answer.
+    replay_key_ref: CredentialRef | None = None
+
+
+class OutlierSettings(Strict):
+    """Passive health: an endpoint that fails this many requests in a row at the connection level
+    (refused, reset, timed out) leaves rotation at once, before the active health check notices."""
+
+    consecutive_failures: int = Field(default=2, ge=1)
+    base_ejection_ms: int = Field(default=5_000, gt=0)
+    max_ejection_percent: int = Field(default=50, ge=1, le=100)
 
 
 class Pool(Strict):
@@ -188,6 +200,10 @@ class Pool(Strict):
 
     endpoints: tuple[HostPort, ...] = Field(min_length=1)
     connect_timeout_ms: int = Field(default=1000, gt=0)
+    # Retries Envoy may have outstanding to this pool at once (its circuit breaker; Envoy's default
+    # of 3 turned most failures after an engine died into retry overflow).
+    max_retries: int = Field(default=256, ge=1)
+    outlier: OutlierSettings = OutlierSettings()
 
 
 class EnvoySettings(Strict):
@@ -201,11 +217,20 @@ class EnvoySettings(Strict):
     # a stalled stream ends as stream_interrupted; before any byte, the attempt may fall back.
     stream_idle_timeout_ms: int = Field(default=60_000, gt=0)
     concurrency: int = Field(default=1, ge=1)
+    # Slow clients: the request's headers must arrive within the first, its whole body within the
+    # second; a connection that sends nothing is closed after the third.
+    request_headers_timeout_ms: int = Field(default=10_000, gt=0)
+    request_timeout_ms: int = Field(default=60_000, gt=0)
+    idle_connection_timeout_ms: int = Field(default=60_000, gt=0)
+    # Retries outstanding at once to a deployment reached by its own endpoints or through a fallback
+    # plan (pools have their own `max_retries`).
+    max_concurrent_retries: int = Field(default=1024, ge=1)
 
 
 class Limits(Strict):
     max_messages: int = Field(default=1024, gt=0)
     default_max_tokens: int = Field(default=1024, gt=0)
+    max_n: int = Field(default=8, ge=1, le=128)  # completions per request (`n`); each is reserved in full
 
 
 class GatewayConfig(Strict):

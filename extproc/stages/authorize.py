@@ -10,27 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from extproc.bounds import requested_max_tokens
 from extproc.config.policy import PolicyEvaluationError
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
-from extproc.stages.route import requested_max_tokens
+from extproc.headers import DATA_CLASS
 
 
 def requested_tools(ex: Exchange) -> list[dict[str, Any]]:
-    """Each tool the request offers, with its effects from the catalog (unknown: `known` false)."""
-    tools = ex.body.get("tools")
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise GatewayError(ErrorCode.INVALID_REQUEST, "`tools` must be an array", "tools")
+    """Each tool the request offers, with its effects from the catalog (unknown: `known` false).
+    `tools` is the only field that offers tools: intake refuses the legacy `functions`."""
     catalog = ex.snapshot.gateway.tools
     out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"tools[{i}] needs a function name",
-                               f"tools[{i}].function.name")
+    for tool in ex.body.get("tools") or ():
+        name = tool["function"]["name"]
         entry = catalog.get(name)
         out.append({"name": name, "known": entry is not None, "effects": list(entry.effects) if entry else []})
     return out
@@ -47,7 +40,7 @@ def policy_input(ex: Exchange, data_class: str) -> dict[str, Any]:
             "model": ex.body["model"], "tools": requested_tools(ex), "stream": ex.stream,
             "max_tokens": requested_max_tokens(ex.body, route.max_tokens_cap,
                                                ex.snapshot.gateway.limits.default_max_tokens),
-            "idempotency_key": bool(ex.headers.get("idempotency-key")),
+            "idempotency_key": ex.idempotency_key is not None,
         },
         "route": {"name": route.route_contract, "request_class": route.request_class,
                   "record_content": route.telemetry.record_content},
@@ -67,10 +60,9 @@ class Authorization:
         if route is None:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no route named {ex.body['model']!r}", "model")
         ex.route = route
-        data_class = ex.headers.get("x-llmgw-data-class") or snap.gateway.tenants[ex.identity.tenant].default_data_class
+        data_class = ex.headers.get(DATA_CLASS) or snap.gateway.tenants[ex.identity.tenant].default_data_class
         if data_class not in snap.gateway.data_classes:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, f"unknown data class {data_class!r}",
-                               "x-llmgw-data-class")
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "unknown data class", DATA_CLASS)
         ex.data_class = data_class
         if snap.policy is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorization policy is loaded")

@@ -1,13 +1,13 @@
 """Budget reservation, quotas, bulkheads and idempotency: one atomic store script before dispatch.
 
-The reservation is the upper bound of invariant 3: UTF-8 bytes of the prompt text plus the largest
-per-message template allowance among the route's candidates, plus max_tokens (or the route's cap),
-priced at the most expensive candidate's price version, so whichever candidate serves, the charge
-fits. Every budget that applies (tenant, key or subject, route; daily, monthly, total) must hold it;
-quotas (requests and tokens per minute, GCRA) and the tenant's bulkhead (in-flight requests and
-reserved tokens, as lease-based permits) are checked in the same script. The reservation carries a
-lease (deadline, plus the stream's maximum length for streams, plus grace); a sweeper charges expired
-leases in full as `ambiguous` (extproc/settlement.py).
+The reservation is the upper bound of invariant 3 (extproc/bounds.py): the prompt's bound plus
+max_tokens (or the route's cap) for each of the `n` completions, priced at the most expensive
+candidate's price version, so whichever candidate serves, the charge fits. Every budget that
+applies (tenant, key or subject, route; daily, monthly, total) must hold it; quotas (requests and
+tokens per minute, GCRA) and the tenant's bulkhead (in-flight requests and reserved tokens, as
+lease-based permits) are checked in the same script. The reservation carries a lease (deadline, plus
+the stream's maximum length for streams, plus grace); a sweeper charges expired leases in full as
+`ambiguous` (extproc/settlement.py).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 
-from extproc.config.schema import Deployment, Route
+from extproc.bounds import bound_of, candidate_deployments
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
-from extproc.stages.deadline import HEADER as DEADLINE_HEADER
-from extproc.stages.deadline import requested_deadline_ms
-from extproc.stages.route import prompt_token_bound, requested_max_tokens
+from extproc.replay import Answer
+from extproc.stages.deadline import effective_deadline_ms
 from extproc.store import (
     PERIOD_MS,
     BudgetCharge,
@@ -38,15 +37,13 @@ from extproc.store import (
     rate_key,
 )
 
-IDEMPOTENCY_HEADER = "idempotency-key"
-
 
 class Replay(Exception):
     """A completed request with the same Idempotency-Key and body: answer with its recorded outcome."""
 
-    def __init__(self, status: int, body: str):
-        super().__init__(status)
-        self.status, self.body = status, body
+    def __init__(self, answer: Answer):
+        super().__init__(answer.status)
+        self.answer = answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +53,8 @@ class Held:
     micros: int
     tokens: int
     prompt_bound: int
-    max_tokens: int
+    max_tokens: int  # of each completion
+    n: int  # completions
     price_version: str
     hint: str  # the keys settlement touches (extproc.store.Reservation.hint), for the meter
     idempotent: bool
@@ -80,22 +78,16 @@ def _window_id(window: str, day: date) -> tuple[str, int]:
     return "total", 0
 
 
-def candidate_deployments(ex: Exchange, route: Route) -> list[Deployment]:
-    return [d for c in route.candidates if (d := ex.snapshot.deployments.get(c.deployment_name)) is not None]
-
-
-def bound_of(ex: Exchange) -> tuple[int, int, int, str, int]:
-    """(prompt token bound, max tokens, micros, price version, token bound) for this request."""
+def price_of(ex: Exchange, prompt: int, completion: int) -> tuple[int, str]:
+    """(micros, price version) of the bound at the most expensive candidate, so whichever serves (and
+    any fallback) fits the reservation."""
     assert ex.route is not None
-    deps = candidate_deployments(ex, ex.route)
-    prompt = prompt_token_bound(ex.snapshot, ex.route, ex.body)
-    max_tokens = requested_max_tokens(ex.body, ex.route.max_tokens_cap, ex.snapshot.gateway.limits.default_max_tokens)
     micros, version = 0, ""
-    for d in deps:
-        m = math.ceil(prompt * d.prices.input_per_mtok / 1e6) + math.ceil(max_tokens * d.prices.output_per_mtok / 1e6)
+    for d in candidate_deployments(ex.snapshot, ex.route):
+        m = math.ceil(prompt * d.prices.input_per_mtok / 1e6) + math.ceil(completion * d.prices.output_per_mtok / 1e6)
         if m >= micros:
             micros, version = m, d.prices.version
-    return prompt, max_tokens, micros, version, prompt + max_tokens
+    return micros, version
 
 
 class BudgetReservation:
@@ -115,7 +107,9 @@ class BudgetReservation:
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the budget store is not configured")
             return
         gw = ex.snapshot.gateway
-        prompt, max_tokens, micros, version, tokens = bound_of(ex)
+        bound = bound_of(ex.snapshot, route, ex.body, ex.n)
+        prompt, tokens = bound.prompt, bound.tokens
+        micros, version = price_of(ex, bound.prompt, bound.completion)
         now = time.time()
         when = datetime.fromtimestamp(now, UTC)
         budgets = []
@@ -133,20 +127,17 @@ class BudgetReservation:
                 if q.tokens_per_minute:
                     rates.append(RateCharge(rate_key(ident.tenant, q.name, "tpm"), PERIOD_MS / q.tokens_per_minute,
                                             tokens, True))
-        requested = requested_deadline_ms(ex.headers.get(DEADLINE_HEADER))
-        deadline = route.deadline_ms if requested is None else min(requested, route.deadline_ms)
-        lease_ms = deadline + (route.max_stream_ms if ex.stream else 0) + gw.store.lease_grace_ms
+        lease_ms = effective_deadline_ms(ex) + (route.max_stream_ms if ex.stream else 0) + gw.store.lease_grace_ms
         bulkhead = gw.tenants[ident.tenant].bulkhead
-        idem = ex.headers.get(IDEMPOTENCY_HEADER)
-        if idem is not None and not 0 < len(idem) <= 255:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, "Idempotency-Key must be 1-255 characters", "Idempotency-Key")
+        idem = ex.idempotency_key
         reservation = Reservation(
             tenant=ident.tenant, rid=ex.request_id, now_ms=int(now * 1000),
             lease_until_ms=int(ex.arrived_at * 1000) + lease_ms, micros=micros, tokens=tokens,
             budgets=budgets, rates=rates,
             max_in_flight=bulkhead.max_in_flight if bulkhead else None,
             max_in_flight_tokens=bulkhead.max_in_flight_tokens if bulkhead else None,
-            record={**ex.ledger_facts(), "prompt_bound": prompt, "max_tokens": max_tokens, "price_version": version},
+            record={**ex.ledger_facts(), "prompt_bound": prompt, "max_tokens": bound.per_choice, "n": ex.n,
+                    "price_version": version},
             idem_key=idem_key(ident.tenant, hashlib.sha256(idem.encode()).hexdigest()) if idem else None,
             idem_body_hash=hashlib.sha256(ex.raw_body).hexdigest() if idem else "",
             idem_ttl_ms=gw.store.idempotency_ttl_s * 1000, prompt_bound=prompt)
@@ -158,7 +149,8 @@ class BudgetReservation:
             return  # optional: served unmetered, and the log says so
         match result.outcome:
             case "ok":
-                ex.held = Held(micros, tokens, prompt, max_tokens, version, reservation.hint, idem is not None)
+                ex.held = Held(micros, tokens, prompt, bound.per_choice, ex.n, version, reservation.hint,
+                               idem is not None)
             case "budget_exhausted":
                 name = budgets[int(result.detail[0]) - 1].key.rsplit(":", 2)[1]
                 raise GatewayError(ErrorCode.BUDGET_EXHAUSTED, f"budget {name!r} cannot hold this request's "
@@ -178,6 +170,7 @@ class BudgetReservation:
                 raise GatewayError(ErrorCode.IDEMPOTENCY_KEY_REUSED,
                                    "this Idempotency-Key was used with a different body", "Idempotency-Key")
             case "replay":
-                raise Replay(int(result.detail[0]), result.detail[1])
+                assert reservation.idem_key is not None
+                raise Replay(ex.sealer.open(reservation.idem_key, result.detail[1]))
             case other:
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, f"unexpected reservation outcome {other!r}")

@@ -12,16 +12,11 @@ import time
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 
-HEADER = "x-llmgw-deadline-ms"
 
-
-def requested_deadline_ms(value: str | None) -> int | None:
-    if value is None:
-        return None
-    if not value.isdigit() or not 0 < int(value) <= 86_400_000:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{HEADER} must be a positive integer of milliseconds",
-                           HEADER)
-    return int(value)
+def effective_deadline_ms(ex: Exchange) -> int:
+    """min(the caller's x-llmgw-deadline-ms, the route's deadline_ms)."""
+    assert ex.route is not None
+    return ex.route.deadline_ms if ex.deadline_ms is None else min(ex.deadline_ms, ex.route.deadline_ms)
 
 
 class Deadline:
@@ -30,8 +25,7 @@ class Deadline:
     async def run(self, ex: Exchange) -> None:
         if ex.route is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no route for the deadline")
-        requested = requested_deadline_ms(ex.headers.get(HEADER))
-        effective = ex.route.deadline_ms if requested is None else min(requested, ex.route.deadline_ms)
+        effective = effective_deadline_ms(ex)
         elapsed_ms = max(0.0, (time.time() - ex.arrived_at) * 1000)
         remaining = int(effective - elapsed_ms)
         if remaining <= 0:

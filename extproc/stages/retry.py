@@ -40,7 +40,7 @@ class Retries:
         if route is None:
             return
         policy = route.retry
-        keyed = bool(ex.headers.get("idempotency-key"))
+        keyed = ex.idempotency_key is not None
         allowed = {"never": False, "idempotency_key": keyed,
                    "read_only_or_idempotency_key": keyed or not ex.effects}[policy.requires]
         if not allowed or policy.attempts < 1:

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import orjson
+
+from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
+from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Route
+from extproc.config.schema import REQUIRED_EVIDENCE, Candidate
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.fallback import composite_name, uses_attempt_filter
 from extproc.picker import Picker
-
-if TYPE_CHECKING:
-    from extproc.stages.budget import Held
 
 
 def tenant_salts(secret: str, tenants: Iterable[str]) -> dict[str, str]:
@@ -61,51 +61,6 @@ class PickEndpoint:
                 pools.append(dep.pool)
                 endpoints += self.picker.pick(dep.pool, ex.cache_salt, messages, record=False)
         ex.endpoints = endpoints
-
-
-def prompt_bytes(body: dict[str, Any]) -> int:
-    """UTF-8 bytes of everything that becomes prompt tokens: an upper bound on their number for
-    byte-level BPE and byte-fallback tokenizers (invariant 3)."""
-    total = 0
-    for m in body.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            total += len(content.encode("utf-8", "surrogatepass"))
-        elif content is not None:  # parts (and anything else): their JSON text bounds their tokens
-            total += len(json.dumps(content, ensure_ascii=False).encode("utf-8", "surrogatepass"))
-    if body.get("tools"):
-        total += len(json.dumps(body["tools"], ensure_ascii=False).encode("utf-8", "surrogatepass"))
-    return total
-
-
-def requested_max_tokens(body: dict[str, Any], route_cap: int | None, default: int) -> int:
-    value = body.get("max_completion_tokens") or body.get("max_tokens")
-    return int(value) if value else (route_cap or default)
-
-
-def template_allowance(snap: Snapshot, route: Route) -> int:
-    """The largest per-message template allowance among the route's candidates, so the bound holds
-    whichever candidate serves."""
-    return max((d.template_allowance_tokens for c in route.candidates
-                if (d := snap.deployments.get(c.deployment_name)) is not None), default=0)
-
-
-def prompt_token_bound(snap: Snapshot, route: Route, body: dict[str, Any]) -> int:
-    """Invariant 3's prompt bound: UTF-8 bytes plus the template allowance per message."""
-    return prompt_bytes(body) + template_allowance(snap, route) * len(body.get("messages") or ())
-
-
-def completion_limit(held: Held | None, requested: int, prompt_bound: int) -> int:
-    """The max tokens the upstream is told: what was reserved for the completion (the route's cap when
-    the client named none, so the engine cannot run past the reservation), less whatever redaction
-    added to the prompt bound since (a placeholder can be longer than the value it replaces)."""
-    if held is None:
-        return requested
-    limit = held.max_tokens - max(0, prompt_bound - held.prompt_bound)
-    if limit < 1:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, "the redacted prompt leaves no room for completion "
-                           "tokens within the request's reservation; ask for more max_tokens", "max_tokens")
-    return limit
 
 
 @dataclass(frozen=True)
@@ -201,4 +156,4 @@ class RouteSelection:
             if options.get("include_usage") is not True:
                 body["stream_options"] = {**options, "include_usage": True}
                 ex.withhold_usage = True
-        ex.upstream_body = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        ex.upstream_body = orjson.dumps(body)
