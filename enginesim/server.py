@@ -146,7 +146,7 @@ class EngineServer:
         except ValueError:
             return vllm_error(400, "request body is not valid JSON")
         if "messages" in body:
-            tokens = apply_chat_template(body["messages"])
+            tokens = apply_chat_template(body["messages"], body.get("tools"))
         elif isinstance(body.get("prompt"), str):
             tokens = encode(body["prompt"])
         else:
@@ -218,7 +218,7 @@ class EngineServer:
             await asyncio.sleep(fault.delay_ms / 1000)
             return vllm_error(fault.status, f"injected fault: status {fault.status}")
 
-        prompt = apply_chat_template(body["messages"])
+        prompt = apply_chat_template(body["messages"], body.get("tools"))
         max_len = self.engine.profile.max_model_len
         requested = body.get("max_completion_tokens") or body.get("max_tokens")
         if requested is not None and requested > max_len:

@@ -7,6 +7,7 @@ chat template adds a small fixed number of tokens per message.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import zlib
@@ -33,11 +34,19 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def apply_chat_template(messages: list[dict[str, Any]]) -> list[int]:
+def apply_chat_template(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+    """As Llama 3.1's template renders a conversation: the tools' JSON in the first message, each
+    message's content, and an assistant's tool calls as `{"name": ..., "parameters": ...}` JSON."""
     tokens = [128000]
-    for m in messages:
+    for i, m in enumerate(messages):
         tokens += [128006, zlib.crc32(str(m.get("role", "")).encode()) % VOCAB_SIZE, 128007, 271]
+        if i == 0 and tools:
+            tokens += encode(json.dumps(tools))
         tokens += encode(_content_text(m.get("content")))
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                tokens += encode(json.dumps({"name": fn.get("name"), "parameters": fn.get("arguments")}))
         tokens.append(128009)
     tokens += [128006, 78191, 128007]
     return tokens

@@ -31,12 +31,14 @@ from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.fallback import attempt_kind, decode_plan
+from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import ANSWERED_BY, ATTRIBUTES, attr, header, with_first
 from extproc.store import Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.attempts")
+_errors = RateLimitedLog(log)
 HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE}']['cluster']"
 PLAN = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['plan']"  # the request's, set by ext_proc's decision
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, "request.id")
@@ -105,7 +107,7 @@ class AttemptFilter:
                     yield refuse_attempt(err)
                     return
                 except Exception:
-                    log.exception("attempt filter: request %s attempt %d", state.rid, state.n)
+                    _errors.error("attempt filter: request %s attempt %d", state.rid, state.n, exc_info=True)
                     yield refuse_attempt(GatewayError(ErrorCode.POLICY_UNAVAILABLE,
                                                 "the gateway could not address this attempt"))
                     return
@@ -155,7 +157,7 @@ class _Attempt:
             named = overwrite_header(ANSWERED_BY, self.dep.deployment)
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
                 header_mutation=ep.HeaderMutation(set_headers=[named]))))
-        log.warning("attempt filter: unexpected message %s", kind)
+        _errors.warning("attempt filter: unexpected message %s", kind)
         return None
 
     def _request_headers(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse:

@@ -12,6 +12,7 @@ bound (invariant 3) counts it and redaction rewrites it, so the two can never di
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -349,9 +350,16 @@ def utf8_len(s: str) -> int:
     return len(s.encode("utf-8"))
 
 
+def json_text_bound(value: Any) -> int:
+    """Bytes of the longest JSON text a template may render for a value: Jinja's `tojson` escapes
+    non-ASCII (`\u00e9` is 6 bytes where UTF-8 has 2) and puts spaces after separators; this is at
+    least that, and at least the compact UTF-8 form."""
+    return len(json.dumps(value))
+
+
 def prompt_bytes(body: dict[str, Any]) -> int:
     """UTF-8 bytes of everything the template renders into the prompt, with tool calls and tool
-    definitions as their JSON text (an upper bound on the token count for byte-level BPE and
+    definitions as their longest JSON text (an upper bound on the token count for byte-level BPE and
     byte-fallback tokenizers; the template's own tokens are the per-message allowance)."""
     total = 0
     for m in body.get("messages") or ():
@@ -364,9 +372,9 @@ def prompt_bytes(body: dict[str, Any]) -> int:
             if isinstance(m.get(k), str):
                 total += utf8_len(m[k])
         if m.get("tool_calls"):
-            total += len(orjson.dumps(m["tool_calls"]))
+            total += json_text_bound(m["tool_calls"])
     if body.get("tools"):
-        total += len(orjson.dumps(body["tools"]))
+        total += json_text_bound(body["tools"])
     return total
 
 

@@ -12,10 +12,14 @@ from extproc.config import Snapshot
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
 from extproc.fallback import encode_plan, uses_attempt_filter
+from extproc.redact import log_safe
 from extproc.replay import Sealer
 
 if TYPE_CHECKING:
     from extproc.stages.budget import Held
+
+
+MAX_LOGGED_REASONS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,12 @@ class Exchange:
     max_retries: int = 0
     stage_us: dict[str, float] = field(default_factory=dict)
 
+    def logged_reasons(self) -> list[str]:
+        """The decision's reasons as logs and the ledger keep them: a policy may quote what the client
+        sent (a tool's name), so each is made log-safe (extproc/redact.py) and there are at most 8."""
+        reasons = self.decision.reasons if self.decision is not None else ()
+        return [log_safe(r) for r in reasons[:MAX_LOGGED_REASONS]]
+
     def ledger_facts(self) -> dict[str, Any]:
         """What the ledger records about the request itself (design.md invariant 8); never content."""
         facts: dict[str, Any] = {
@@ -77,7 +87,7 @@ class Exchange:
         if self.route is not None:
             facts.update(route=self.route.route_contract, request_class=self.route.request_class)
         if self.decision is not None:
-            facts["decision"] = {"allow": self.decision.allow, "reasons": list(self.decision.reasons),
+            facts["decision"] = {"allow": self.decision.allow, "reasons": self.logged_reasons(),
                                  "policy_revision": self.decision.policy_revision}
         return facts
 
@@ -91,7 +101,7 @@ class Exchange:
             md["decision"] = "allow" if self.decision.allow else "deny"
             md["policy_revision"] = self.decision.policy_revision
             if self.decision.reasons:
-                md["reasons"] = "; ".join(self.decision.reasons)
+                md["reasons"] = "; ".join(self.logged_reasons())
         if self.redactions:
             md["redactions"] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
         if self.held is not None:

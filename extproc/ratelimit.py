@@ -24,6 +24,9 @@ class RateLimitedLog:
         self._last, left_out, self._suppressed = now, self._suppressed, 0
         return left_out
 
+    def info(self, msg: str, *args: Any) -> None:
+        self._emit(logging.INFO, msg, args, False)
+
     def warning(self, msg: str, *args: Any) -> None:
         self._emit(logging.WARNING, msg, args, False)
 

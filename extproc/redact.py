@@ -136,3 +136,15 @@ class Redactor:
 
 def known_entities(names: Iterable[str]) -> frozenset[str]:
     return frozenset(n for n in names if n in ENTITY_PATTERNS)
+
+
+LOG_TEXT_LIMIT = 160
+
+
+def log_safe(text: str, limit: int = LOG_TEXT_LIMIT) -> str:
+    """A string a client may have chosen (a tool name quoted in a policy's reason), made fit for logs
+    and the ledger: every entity type replaced by its placeholder, anything but printable ASCII
+    escaped, and the length bounded."""
+    redacted = Redactor(frozenset(ENTITY_PATTERNS)).redact(text)
+    escaped = "".join(c if " " <= c <= "~" else f"\\u{ord(c):04x}" for c in redacted)
+    return escaped if len(escaped) <= limit else escaped[:limit - 3] + "..."

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -348,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-client-ca", help="mTLS: CA that signs Envoy's client certificate (PEM)")
     p.add_argument("--no-decision-cache", action="store_true",
                    help="evaluate Rego for every request even when the policy is pure (benchmarks)")
+    p.add_argument("--public-address", default=os.environ.get("LLMGW_PUBLIC_ADDRESS", "127.0.0.1"),
+                   help="where clients reach the gateway (default $LLMGW_PUBLIC_ADDRESS or loopback): beyond "
+                        "loopback, demo keys are refused")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.no_decision_cache:
@@ -356,6 +360,10 @@ def main(argv: list[str] | None = None) -> None:
         policy.DECISION_CACHE = False
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     snapshot = load_snapshot(args.config)
+    exposed = snapshot.demo_keys_exposed_on(args.public_address)
+    if exposed:
+        raise SystemExit(f"ext_proc: refusing to serve a gateway published on {args.public_address} while demo keys "
+                         f"are configured ({', '.join(exposed)}): revoke them and make real ones (`llmgw keys`)")
     try:
         live = live_for(snapshot)
     except SecretUnavailable as e:

@@ -41,15 +41,18 @@ from extproc.config.schema import Deployment, Prices
 from extproc.contract import METADATA_NAMESPACE
 from extproc.exchange import Exchange
 from extproc.fallback import decode_plan
+from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Answer, Sealer
 from extproc.sse import StreamUsage
 from extproc.store import Settlement, Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.settlement")
+_store_down = RateLimitedLog(log)  # per-request lines while the store is down: bounded
 ATTRIBUTES = "envoy.filters.http.ext_proc"
 MAX_JSON_BODY = 8 << 20
 BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
+RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, sent again
 MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 # What the meter filter asks Envoy for with the first response message (render uses this list).
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
@@ -103,8 +106,8 @@ async def release(store: Store | None, ex: Exchange, termination: str, status: i
     try:
         await store.settle(ex.identity.tenant, ex.request_id, outcome, 0, 0, hint=ex.held.hint)
     except StoreUnavailable:
-        log.error("request %s: reservation not released (store unavailable); the sweeper will settle it",
-                  ex.request_id)
+        _store_down.error("request %s: reservation not released (store unavailable); the sweeper will settle it",
+                          ex.request_id)
 
 
 async def record_refusal(store: Store | None, ex: Exchange, termination: str, status: int, code: str) -> None:
@@ -116,7 +119,7 @@ async def record_refusal(store: Store | None, ex: Exchange, termination: str, st
     try:
         await store.append_ledger(ex.identity.tenant, ex.ledger_facts(), outcome)
     except StoreUnavailable:
-        log.error("request %s: ledger entry lost (store unavailable)", ex.request_id)
+        _store_down.error("request %s: ledger entry lost (store unavailable)", ex.request_id)
 
 
 async def with_first(first: ep.ProcessingRequest,
@@ -153,36 +156,48 @@ def header(headers: Any, key: str, default: str = "") -> str:
 class Settler:
     """Settlements queued by the filters and the access log, sent in one store round trip for every
     batch gathered within BATCH_WAIT_S (each is still its own atomic script). `submit` returns a
-    future that says whether its batch was written, for the callers that must wait for it."""
+    future that says whether its batch was written, for the callers that must wait for it. A batch
+    the store could not take is sent again every RETRY_EVERY_S for RETRY_FOR_S, so a store that comes
+    back settles to actual usage (settling twice is harmless: the first wins); after that the lease
+    expires and the sweeper charges in full."""
 
     def __init__(self, store: Store):
         self.store = store
-        self._queue: list[tuple[Settlement, asyncio.Future[bool]]] = []
+        # (settlement, its future, when it first failed: 0.0 = never)
+        self._queue: list[tuple[Settlement, asyncio.Future[bool], float]] = []
         self._flushing: asyncio.Task[None] | None = None
 
     def submit(self, item: Settlement) -> asyncio.Future[bool]:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._queue.append((item, done))
+        self._queue.append((item, done, 0.0))
         if self._flushing is None:
             self._flushing = asyncio.ensure_future(self._flush())
         return done
 
     async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while self._queue:
                 if len(self._queue) < BATCH_MAX:
                     await asyncio.sleep(BATCH_WAIT_S)
                 batch, self._queue = self._queue[:BATCH_MAX], self._queue[BATCH_MAX:]
                 try:
-                    await self.store.settle_many([item for item, _ in batch])
+                    await self.store.settle_many([item for item, _, _ in batch])
                     written = True
                 except StoreUnavailable:
-                    log.error("%d settlement(s) failed (store unavailable); the sweeper will settle them",
-                              len(batch))
                     written = False
-                for _, done in batch:
+                    now = loop.time()
+                    kept = [(item, done, failed or now) for item, done, failed in batch if now - (failed or now)
+                            < RETRY_FOR_S]
+                    if len(kept) < len(batch):
+                        log.error("%d settlement(s) not written for %.0fs (store unavailable); the sweeper "
+                                  "will charge them when their leases expire", len(batch) - len(kept), RETRY_FOR_S)
+                    self._queue = kept + self._queue
+                for _, done, _ in batch:
                     if not done.done():
                         done.set_result(written)
+                if not written:
+                    await asyncio.sleep(RETRY_EVERY_S)
         finally:
             self._flushing = None
 
@@ -332,7 +347,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                 try:
                     self.settle_entry(entry)
                 except Exception:  # one bad entry must not end the stream of all the others
-                    log.exception("access log entry could not be settled")
+                    _store_down.error("access log entry could not be settled", exc_info=True)
         return als_pb2.StreamAccessLogsResponse()
 
     def settle_entry(self, entry: Any) -> None:

@@ -32,9 +32,10 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.protobuf import json_format
 
 from extproc.config import load_snapshot
+from llmgw.demo_keys import ensure_demo_keys
 from llmgw.envoy_render import duration_ms, pack, socket_address, static_cluster
 from llmgw.procs import Child, envoy_binary, free_port, http_ok, wait_until
-from llmgw.stack import DEMO_KEYS, Stack, StackOptions
+from llmgw.stack import Stack, StackOptions
 
 COMPLETION = json.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
@@ -142,8 +143,14 @@ def run_wrk(url: str, script: Path, connections: int, duration: float) -> Result
     return Result(rps, _ms(lat["50"]), _ms(lat["99"]), int(bad.group(1)) if bad else 0)
 
 
-def without_quotas(src: Path, dst: Path) -> Path:
+def demo_policy(src: Path, dst: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of the policy to benchmark, with a demo key for each tenant that has none (llmgw up's)."""
     shutil.copytree(src, dst)
+    keys, _ = ensure_demo_keys(dst, dst.parent / f"{dst.name}-keys")
+    return dst, keys
+
+
+def without_quotas(dst: Path) -> Path:
     doc = yaml.safe_load((dst / "gateway.yaml").read_text())
     doc["quotas"] = []
     (dst / "gateway.yaml").write_text(yaml.safe_dump(doc))
@@ -156,7 +163,8 @@ def run_overhead(args: argparse.Namespace) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
-    config = without_quotas(Path(args.config), work / "policy")
+    config, keys = demo_policy(Path(args.config), work / "policy")
+    without_quotas(config)
     snap = load_snapshot(config)
     children = [_start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin),
                 _start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)]
@@ -169,7 +177,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     rows: list[str] = []
     try:
         stack.start()
-        key = DEMO_KEYS["acme"]
+        key = keys["acme"]
         body = json.dumps({"model": next(iter(snap.routes)), "max_tokens": 16,
                            "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
         for stream in (False, True):

@@ -26,7 +26,8 @@ from typing import Any
 import aiohttp
 
 from extproc.config import load_snapshot
-from llmgw.stack import DEMO_KEYS, Stack, StackOptions
+from llmgw.bench import demo_policy
+from llmgw.stack import Stack, StackOptions
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
          "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform")
@@ -62,8 +63,9 @@ async def _one(session: aiohttp.ClientSession, url: str, key: str, system: str, 
 
 
 def _pick(rng: random.Random, prefixes: dict[str, list[str]]) -> tuple[str, str]:
-    tenant = rng.choice(sorted(prefixes))
-    return DEMO_KEYS[tenant], rng.choice(prefixes[tenant])
+    """(API key, system prompt): the prefixes are per tenant, keyed by the tenant's key."""
+    key = rng.choice(sorted(prefixes))
+    return key, rng.choice(prefixes[key])
 
 
 async def closed_loop(url: str, prefixes: dict[str, list[str]], concurrency: int, duration: float) -> float:
@@ -132,9 +134,9 @@ def _stack(config: Path, work: Path, name: str, args: argparse.Namespace, lb: st
 
 
 def run_picker_bench(args: argparse.Namespace) -> int:
-    config = Path(args.config)
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-picker-"))
-    prefixes = make_prefixes(sorted(DEMO_KEYS), args.prefixes, args.prefix_tokens, seed=7)
+    config, keys = demo_policy(Path(args.config), work / "policy")
+    prefixes = make_prefixes([keys[t] for t in sorted(keys)], args.prefixes, args.prefix_tokens, seed=7)
     capacities = {}
     for lb in ("round_robin", "picker"):
         stack = _stack(config, work, f"cal-{lb}", args, lb)

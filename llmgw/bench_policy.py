@@ -38,9 +38,9 @@ import yaml
 from extproc.chat import map_rendered
 from extproc.config import load_snapshot
 from extproc.redact import Redactor
-from llmgw.bench import WRK_LUA, Result, _med, _start_envoy, bare_bootstrap, run_wrk, upstream_bootstrap
+from llmgw.bench import WRK_LUA, Result, _med, _start_envoy, bare_bootstrap, demo_policy, run_wrk, upstream_bootstrap
 from llmgw.procs import free_port
-from llmgw.stack import DEMO_KEYS, Stack, StackOptions
+from llmgw.stack import Stack, StackOptions
 
 ALLOW_ALL = ('package llmgw.authz\n\nimport rego.v1\n\n'
              'decision := {"allow": true, "reasons": [], "obligations": {"redact": [], "record_content": false}}\n')
@@ -164,13 +164,14 @@ def run_policy_bench(args: argparse.Namespace) -> int:
     micro = _micro(config)
     print(json.dumps(micro), flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-policy-"))
+    config, keys = demo_policy(config, scratch / "base")
     # Budgets off in all three: this benchmark isolates identity, Rego and redaction.
     served = _variant_policy(config, scratch / "served", allow_all=True)
     full = _variant_policy(config, scratch / "full")
     body = json.dumps({"model": "chat-default", "max_tokens": 16, "messages": [{"role": "user", "content": PROMPT}],
                        "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
     variants = {"served": Variant(served), "full": Variant(full), "full-nc": Variant(full, ("--no-decision-cache",))}
-    results, cpu = compare(variants, body, DEMO_KEYS["acme"], args, "served")
+    results, cpu = compare(variants, body, keys["acme"], args, "served")
     return _report(_table(results, args, "served") + _cpu_table(cpu) + _micro_note(micro), args)
 
 
@@ -215,12 +216,13 @@ def run_budget_bench(args: argparse.Namespace) -> int:
         return 2
     config = Path(args.config).resolve()
     scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-budget-"))
+    config, keys = demo_policy(config, scratch / "base")
     off = _variant_policy(config, scratch / "off")
     on = _variant_policy(config, scratch / "on", budgets=True)
     body = json.dumps({"model": "chat-default", "max_tokens": 16,
                        "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
     results, cpu = compare({"budgets-off": Variant(off), "budgets-on": Variant(on, with_valkey=True)}, body,
-                           DEMO_KEYS["acme"], args, "budgets-off")
+                           keys["acme"], args, "budgets-off")
     return _report(_table(results, args, "budgets-off") + _cpu_table(cpu), args)
 
 
@@ -266,12 +268,13 @@ def run_fallback_bench(args: argparse.Namespace) -> int:
         return 2
     config = Path(args.config).resolve()
     scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-fallback-"))
+    config, keys = demo_policy(config, scratch / "base")
     one = _variant_policy(config, scratch / "one", budgets=True)
     two = _with_second_candidate(_variant_policy(config, scratch / "two", budgets=True))
     body = json.dumps({"model": "chat-default", "max_tokens": 16,
                        "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
     results, cpu = compare({"one-candidate": Variant(one, with_valkey=True),
-                            "two-candidates": Variant(two, with_valkey=True)}, body, DEMO_KEYS["acme"], args,
+                            "two-candidates": Variant(two, with_valkey=True)}, body, keys["acme"], args,
                            "one-candidate")
     return _report(_table(results, args, "one-candidate") + _cpu_table(cpu), args)
 

@@ -38,12 +38,19 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_render(args: argparse.Namespace) -> int:
+    from llmgw.demo_keys import refuse_exposed
     from llmgw.envoy_render import RenderOptions, render_yaml
 
     snap = snapshot_or_report(args.config)
     if snap is None:
         return 1
     opts = RenderOptions.for_compose(snap) if args.compose else RenderOptions.from_snapshot(snap)
+    # Compose's Envoy listens on every interface of its container; docker-compose.yml publishes it on
+    # loopback, and its ext_proc refuses demo keys when told the gateway is published further.
+    refusal = None if args.compose else refuse_exposed(snap, opts.listen[0])
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 1
     text = render_yaml(snap, opts)
     if args.output == "-":
         sys.stdout.write(text)
@@ -55,12 +62,14 @@ def cmd_envoy_render(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from llmgw.stack import Stack, StackOptions
+    from llmgw.supervisor import CrashLoop, Supervisor
 
     opts = StackOptions(config_dir=Path(args.config), state_dir=Path(args.state_dir), listen_port=args.port,
                         admin_port=args.admin_port, workers=args.workers, time_scale=args.time_scale,
                         engine_profile=args.engine_profile, valkey_port=args.valkey_port, engine=args.engine,
                         start_engines=args.engine != "none", engine_timeout=180.0 if args.engine == "vllm" else 60.0,
-                        tls=args.tls or args.require_client_cert, require_client_certificate=args.require_client_cert)
+                        tls=args.tls or args.require_client_cert, require_client_certificate=args.require_client_cert,
+                        demo_keys=True)
     try:
         stack = Stack(opts)
     except ConfigError as e:
@@ -80,18 +89,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"  gateway:  {stack.url}/v1   (OpenAI-compatible; model = a route name)")
     print(f"  admin:    {stack.admin_url}")
     for tenant, key in stack.demo_keys().items():
-        print(f"  tenant {tenant:<8} api key: {key}")
+        # A demo key is shown when it is made; later starts hand it out through up.json only.
+        shown = key if tenant in stack.new_demo_keys else f"(demo key in {up_json})"
+        print(f"  tenant {tenant:<8} api key: {shown}")
     print(f"  routes:   {', '.join(sorted(stack.snapshot.routes))}")
     print(f"  details:  {up_json}; logs in {stack.logs}")
-    print("Ctrl-C stops every process.", flush=True)
+    print("Ctrl-C stops every process; one that exits is started again.", flush=True)
+    supervisor = Supervisor(stack.children)
     try:
         while not stop.is_set():
-            dead = [c.name for c in [stack.envoy, *stack.extprocs, *stack.engines.values(), stack.valkey]
-                    if c is not None and not c.alive]
-            if dead:
-                print(f"error: {', '.join(dead)} exited; stopping (see {stack.logs})", file=sys.stderr)
+            try:
+                supervisor.poll()
+            except CrashLoop as e:
+                print(f"error: {e}; stopping every process", file=sys.stderr)
                 return 1
-            stop.wait(0.5)
+            stop.wait(0.2)
     finally:
         stack.stop()
         up_json.unlink(missing_ok=True)

@@ -225,6 +225,8 @@ LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
      "the gateway's policy service is unavailable; the request was not processed"),
     (f"{_NOT_OURS} && response.code == 413", 413, ErrorCode.INVALID_REQUEST,
      "request body exceeds the gateway's size limit"),
+    (f"{_NOT_OURS} && response.code == 408", 408, ErrorCode.INVALID_REQUEST,
+     "the request did not arrive within the gateway's time limit"),
     (f"{_NOT_OURS} && response.code == 504", 504, ErrorCode.DEADLINE_EXCEEDED,
      "the upstream did not answer within the deadline"),
     (f"{_NOT_OURS} && response.code == 404", 404, ErrorCode.ROUTE_NOT_FOUND, "no such endpoint"),

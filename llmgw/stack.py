@@ -6,7 +6,6 @@ ports, so what the tests prove is what a user starts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -19,13 +18,16 @@ from pathlib import Path
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.schema import Deployment
 from llmgw import vllm_env
+from llmgw.demo_keys import ensure_demo_keys, refuse_exposed
 from llmgw.envoy_render import RenderOptions, render_yaml
 from llmgw.procs import (
     Child,
+    PortInUse,
     envoy_binary,
     free_port,
     http_ok,
     json_at,
+    port_free,
     python_module,
     tcp_open,
     valkey_binary,
@@ -33,14 +35,14 @@ from llmgw.procs import (
 )
 from llmgw.tls import demo_certs
 
+
+class DemoKeysExposed(OSError):
+    """The listener would accept demo keys from beyond this machine."""
+
+
 # (served model name, host, port) -> (argv, extra environment) of one engine process
 EngineLauncher = Callable[[str, str, int], tuple[list[str], dict[str, str]]]
 
-# The demo policy stores only the hashes of these keys; `llmgw up` hands them to the user.
-DEMO_KEYS = {
-    "acme": "sk-llmgw-demo-acme-4f1c9a7e2b6d",
-    "globex": "sk-llmgw-demo-globex-8e3d5b1a9c7f",
-}
 
 
 @dataclass
@@ -67,6 +69,7 @@ class StackOptions:
     tls: bool = False  # demo certificates: TLS for clients, mTLS between Envoy and ext_proc
     require_client_certificate: bool = False
     status_ports: tuple[int, ...] | None = None  # ext_proc status endpoints; None: free ports
+    demo_keys: bool = False  # make a demo key for each tenant without one (llmgw/demo_keys.py)
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -90,6 +93,8 @@ class Stack:
 
     def __post_init__(self) -> None:
         self.opts.state_dir = self.opts.state_dir.resolve()
+        self._demo_keys, self.new_demo_keys = (ensure_demo_keys(self.opts.config_dir, self.opts.state_dir)
+                                               if self.opts.demo_keys else ({}, []))
         self.snapshot = load_snapshot(self.opts.config_dir)
         o, env = self.opts, self.snapshot.gateway.envoy
         listen_host = env.listen.rsplit(":", 1)[0]
@@ -138,13 +143,34 @@ class Stack:
         return self.opts.state_dir / "logs"
 
     def demo_keys(self) -> dict[str, str]:
-        return {t: k for t, k in DEMO_KEYS.items()
-                if hashlib.sha256(k.encode()).hexdigest() in self.snapshot.keys_by_hash}
+        """tenant -> the demo key `llmgw up` made for it (none unless StackOptions.demo_keys)."""
+        return dict(self._demo_keys)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
+    def children(self) -> list[Child]:
+        return [c for c in (self.envoy, *self.extprocs, *self.engines.values(), self.valkey) if c is not None]
+
+    def ports_to_bind(self) -> list[tuple[str, int, str]]:
+        """(host, port, what sets it) of every port this stack's processes will listen on."""
+        ports = [(*self.render.listen, "--port (or gateway.yaml envoy.listen)"),
+                 (*self.render.admin, "--admin-port (or gateway.yaml envoy.admin)")]
+        ports += [(h, p, "gateway.yaml envoy.extproc") for h, p in self.render.extproc]
+        if self.opts.with_valkey:
+            ports.append(("127.0.0.1", self.opts.valkey_port or 6379, "--valkey-port"))
+        if self.opts.start_engines:
+            ports += [(h, p, f"gateway.yaml pools.{name}.endpoints")
+                      for name, hosts in self.render.pools.items() for h, p in hosts]
+        return ports
+
     def start(self, timeout: float = 60.0) -> Stack:
         self.opts.state_dir.mkdir(parents=True, exist_ok=True)
+        refusal = refuse_exposed(self.snapshot, self.render.listen[0])
+        if refusal:
+            raise DemoKeysExposed(refusal)
+        for host, port, option in self.ports_to_bind():
+            if not port_free(host, port):
+                raise PortInUse(f"port {port} on {host} is in use; choose another with {option}")
         try:
             if self.opts.with_valkey:
                 self._start_valkey(timeout)
@@ -270,9 +296,8 @@ class Stack:
         return want <= set(text.splitlines())
 
     def stop(self) -> None:
-        for child in [self.envoy, *self.extprocs, *self.engines.values(), self.valkey]:
-            if child is not None:
-                child.stop()
+        for child in self.children():
+            child.stop()
 
     def write_up_json(self) -> Path:
         path = self.opts.state_dir / "up.json"

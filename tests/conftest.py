@@ -12,11 +12,30 @@ import redis
 
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
+from llmgw.demo_keys import ensure_demo_keys
 from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
-from llmgw.stack import DEMO_KEYS, Stack, StackOptions
+from llmgw.stack import Stack, StackOptions
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICY = ROOT / "policy"
+EXAMPLE_POLICY = ROOT / "policy"  # as committed: its tenants have no keys until `llmgw up` makes demo ones
+
+
+def _session_policy() -> tuple[Path, dict[str, str]]:
+    """The example policy with a demo key for each tenant, as `llmgw up` makes them, in a directory of
+    this test session's (the checkout's policy/ is never written)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="llmgw-test-policy-"))
+    atexit.register(shutil.rmtree, root, True)
+    policy = root / "policy"
+    shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml"))
+    keys, _ = ensure_demo_keys(policy, root / "state")
+    return policy, keys
+
+
+POLICY, DEMO_KEYS = _session_policy()
 # Simulated seconds run 20x faster than real ones: an 8B decode step of ~9 ms takes ~0.5 ms.
 TIME_SCALE = 0.05
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import urllib.parse
 import uuid
 from dataclasses import dataclass
@@ -93,3 +94,82 @@ def inject_fault(engines: list[str], spec: str, count: int = 1, marker: str | No
 def clear_faults(engines: list[str]) -> None:
     for url in engines:
         request(f"{url}/admin/faults", "DELETE")
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]  # lower-case names (the last of repeated ones)
+    body: bytes
+    complete: bool  # the whole body arrived as its framing promised (length, last chunk, or close)
+
+
+def raw_exchange(url: str, data: bytes, timeout: float = 10.0, head: bool = False) -> RawResponse | None:
+    """Send raw bytes (what a client library would refuse to) and read one HTTP/1.1 response, checking
+    that its framing is kept. None when the connection closed without any response."""
+    u = urllib.parse.urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(data)
+        buf = bytearray()
+        closed = False
+
+        def more() -> bool:
+            nonlocal closed
+            if closed:
+                return False
+            chunk = s.recv(65536)
+            if not chunk:
+                closed = True
+                return False
+            buf.extend(chunk)
+            return True
+
+        while b"\r\n\r\n" not in buf:
+            if not more():
+                return None if not buf else RawResponse(0, {}, bytes(buf), False)
+        head_bytes, _, rest = bytes(buf).partition(b"\r\n\r\n")
+        lines = head_bytes.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        buf[:] = rest
+        if head or status in (204, 304) or 100 <= status < 200:
+            return RawResponse(status, headers, b"", True)
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            while len(buf) < n and more():
+                pass
+            return RawResponse(status, headers, bytes(buf[:n]), len(buf) >= n)
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            body = bytearray()
+            while True:
+                while b"\r\n" not in buf:
+                    if not more():
+                        return RawResponse(status, headers, bytes(body), False)
+                size_line, _, after = bytes(buf).partition(b"\r\n")
+                size = int(size_line.split(b";")[0], 16)
+                while len(after) < size + 2:
+                    if not more():
+                        return RawResponse(status, headers, bytes(body), False)
+                    size_line, _, after = bytes(buf).partition(b"\r\n")
+                if size == 0:
+                    return RawResponse(status, headers, bytes(body), True)
+                body += after[:size]
+                buf[:] = after[size + 2:]
+        while more():
+            pass
+        return RawResponse(status, headers, bytes(buf), closed)
+
+
+def raw_post(path: str, body: bytes, headers: list[tuple[bytes, bytes]], host: bytes = b"gw") -> bytes:
+    """A POST as bytes on the wire, its headers exactly as given (any bytes)."""
+    lines = [b"POST " + path.encode() + b" HTTP/1.1", b"Host: " + host,
+             *(k + b": " + v for k, v in headers), b"Content-Length: " + str(len(body)).encode()]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def assert_contract_body(status: int, headers: dict[str, str], body: bytes) -> dict[str, Any]:
+    """The contract's error shape, for a response read raw."""
+    assert headers.get("content-type", "").startswith("application/json"), (status, headers, body[:200])
+    doc = json.loads(body)
+    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "code", "param"}, doc
+    return dict(doc["error"])

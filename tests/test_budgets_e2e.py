@@ -24,8 +24,8 @@ import yaml
 from extproc.chat import prompt_bytes
 from extproc.store import budget_key, ledger_entry, ledger_key
 from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
-from llmgw.stack import DEMO_KEYS, Stack
-from tests.conftest import POLICY, start_stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, inject_fault, request
 from tests.test_e2e_served_path import clear_engine_logs, engine_log
 

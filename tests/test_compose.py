@@ -10,7 +10,16 @@ import yaml
 
 from extproc.config import load_snapshot
 from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
-from tests.conftest import POLICY, ROOT
+from tests.conftest import EXAMPLE_POLICY, POLICY, ROOT
+
+
+def committed_policy() -> Path:
+    import shutil
+    import tempfile
+
+    dst = Path(tempfile.mkdtemp(prefix="llmgw-committed-")) / "policy"
+    shutil.copytree(EXAMPLE_POLICY, dst, ignore=shutil.ignore_patterns("keys.yaml"))
+    return dst
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +33,8 @@ def envoy_cfg() -> dict[str, Any]:
 
 
 def test_committed_envoy_config_is_freshly_rendered() -> None:
-    snap = load_snapshot(POLICY)
+    # From the policy as committed: no keys.yaml (`llmgw up` writes one with demo keys).
+    snap = load_snapshot(committed_policy())
     assert (ROOT / "envoy/envoy.compose.yaml").read_text() == render_yaml(snap, RenderOptions.for_compose(snap)), \
         "run: llmgw envoy render --compose -o envoy/envoy.compose.yaml"
     assert (ROOT / "envoy/envoy.local.yaml").read_text() == render_yaml(snap, RenderOptions.from_snapshot(snap)), \
@@ -69,10 +79,23 @@ def test_cluster_addresses_are_compose_services(compose: dict[str, Any], envoy_c
             "pool-llama-8b"].served_model
 
 
-def test_published_port_is_the_listener(compose: dict[str, Any], envoy_cfg: dict[str, Any]) -> None:
+def test_published_port_is_the_listener_on_loopback(compose: dict[str, Any], envoy_cfg: dict[str, Any]) -> None:
     listener = envoy_cfg["static_resources"]["listeners"][0]["address"]["socket_address"]
-    assert listener["address"] == "0.0.0.0"
-    assert f"{listener['port_value']}:{listener['port_value']}" in compose["services"]["envoy"]["ports"]
+    assert listener["address"] == "0.0.0.0"  # inside its container
+    (published,) = compose["services"]["envoy"]["ports"]
+    assert published == f"${{LLMGW_PUBLISH:-127.0.0.1}}:{listener['port_value']}:{listener['port_value']}"
+    # ext_proc is told where the gateway is published, and refuses demo keys beyond loopback.
+    assert compose["services"]["extproc"]["environment"]["LLMGW_PUBLIC_ADDRESS"] == "${LLMGW_PUBLISH:-127.0.0.1}"
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert port.startswith(("127.0.0.1:", "${LLMGW_PUBLISH:-127.0.0.1}:")), (name, port)
+
+
+def test_images_are_pinned(compose: dict[str, Any]) -> None:
+    for name, svc in compose["services"].items():
+        image = svc["image"]
+        tag = image.rsplit(":", 1)[1] if ":" in image.split("/")[-1] else ""
+        assert tag and "latest" not in tag, f"{name}: {image} is not pinned"
 
 
 def test_dockerfile_runs_the_extproc_module() -> None:

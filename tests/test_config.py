@@ -62,7 +62,7 @@ def test_revision_is_stable_and_tracks_content(policy: Path) -> None:
     ("gateway.yaml", lambda d: d.update(surprise=1), "gateway.yaml: surprise: Extra inputs are not permitted"),
     ("gateway.yaml", lambda d: d["tenants"]["acme"].update(default_data_class="secret"),
      "gateway.yaml: tenants.acme"),
-    ("gateway.yaml", lambda d: d["tenants"]["acme"]["api_keys"][0].update(sha256="short"),
+    ("gateway.yaml", lambda d: d["tenants"]["acme"].update(api_keys=[{"id": "k1", "sha256": "short"}]),
      "gateway.yaml: tenants.acme.api_keys.0.sha256"),
     ("routes/chat-default.yaml", lambda d: d.update(deadline_ms=-5), "routes/chat-default.yaml: deadline_ms"),
     ("routes/chat-default.yaml", lambda d: d["candidates"][0].update(deployment_ref="pool-llama-8b"),

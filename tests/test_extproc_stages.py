@@ -28,8 +28,7 @@ from extproc.stages.identity import CallerIdentity, bearer_token
 from extproc.stages.intake import Intake
 from extproc.stages.route import RouteSelection, tenant_salts
 from extproc.store import Store
-from llmgw.stack import DEMO_KEYS
-from tests.conftest import POLICY, valkey_url
+from tests.conftest import DEMO_KEYS, EXAMPLE_POLICY, POLICY, valkey_url
 
 SNAP = load_snapshot(POLICY)
 SALTS = tenant_salts("test-secret", SNAP.gateway.tenants)
@@ -79,11 +78,12 @@ def test_identity(auth: str | None, expected: ErrorCode | None) -> None:
 
 
 def _policy_with_key(tmp_path: Path, **key_fields: Any) -> Path:
+    """The session's policy with acme's key (in keys.yaml) changed."""
     dst = tmp_path / "p"
     shutil.copytree(POLICY, dst)
-    doc = yaml.safe_load((dst / "gateway.yaml").read_text())
-    doc["tenants"]["acme"]["api_keys"][0].update(key_fields)
-    (dst / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    doc = yaml.safe_load((dst / "keys.yaml").read_text())
+    next(k for k in doc["keys"] if k["tenant"] == "acme").update(key_fields)
+    (dst / "keys.yaml").write_text(yaml.safe_dump(doc))
     return dst
 
 
@@ -280,6 +280,27 @@ def test_loop_turns_internal_errors_into_policy_unavailable(monkeypatch: pytest.
     assert json.loads(resp.immediate_response.body)["error"]["code"] == "policy_unavailable"
 
 
-def test_demo_keys_match_policy_hashes() -> None:
-    for tenant, key in DEMO_KEYS.items():
-        assert SNAP.keys_by_hash[hashlib.sha256(key.encode()).hexdigest()].tenant == tenant
+def test_demo_keys_are_made_per_state_dir_and_never_shipped(tmp_path: Path) -> None:
+    """The committed policy holds no key; llmgw up makes one per tenant, stores its hash (marked demo)
+    and keeps the key in the state dir (0600) for the next start; a new state dir gets new keys."""
+    from llmgw.demo_keys import ensure_demo_keys
+
+    assert not (EXAMPLE_POLICY / "keys.yaml").exists() or "demo" not in (EXAMPLE_POLICY / "keys.yaml").read_text()
+    assert all(not t.api_keys for t in load_snapshot(EXAMPLE_POLICY).gateway.tenants.values())
+    policy = tmp_path / "policy"
+    shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml"))
+    keys, made = ensure_demo_keys(policy, tmp_path / "state")
+    assert set(made) == set(keys) == {"acme", "globex"}
+    assert oct((tmp_path / "state" / "demo-keys.json").stat().st_mode & 0o777) == "0o600"
+    snap = load_snapshot(policy)
+    for tenant, key in keys.items():
+        owner = snap.keys_by_hash[hashlib.sha256(key.encode()).hexdigest()]
+        assert owner.tenant == tenant and owner.key.demo and owner.key.id == f"{tenant}-demo"
+        assert key not in (policy / "keys.yaml").read_text()
+    assert ensure_demo_keys(policy, tmp_path / "state") == (keys, [])  # the next start: the same keys
+    again, made = ensure_demo_keys(policy, tmp_path / "other-state")
+    assert set(made) == {"acme", "globex"} and set(again.values()).isdisjoint(keys.values())
+    snap = load_snapshot(policy)
+    assert all(hashlib.sha256(k.encode()).hexdigest() not in snap.keys_by_hash for k in keys.values())
+    assert snap.demo_keys_exposed_on("127.0.0.1") == [] and snap.demo_keys_exposed_on("0.0.0.0") == [
+        "acme-demo", "globex-demo"]

@@ -30,8 +30,8 @@ import yaml
 from extproc.picker import parse_load
 from llmgw.bench_policy import add_candidate
 from llmgw.procs import wait_until
-from llmgw.stack import DEMO_KEYS, Stack
-from tests.conftest import POLICY, start_stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.conftest import ledger_of as conftest_ledger_of
 from tests.helpers import assert_contract_error, chat_body, request, request_quietly
 

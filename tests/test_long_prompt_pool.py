@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from llmgw.bench_policy import add_candidate
-from llmgw.stack import DEMO_KEYS, Stack
-from tests.conftest import POLICY, start_stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import chat_body, request
 
 pytestmark = pytest.mark.e2e

@@ -15,8 +15,8 @@ import pytest
 
 from extproc.picker import EngineLoad, Picker, parse_load
 from extproc.stages.route import PickEndpoint
-from llmgw.stack import DEMO_KEYS, Stack
-from tests.conftest import start_stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, start_stack
 from tests.helpers import chat_body, request, request_quietly
 
 # vLLM 0.32's page puts labels in its own order and prints floats; the parser must not care.

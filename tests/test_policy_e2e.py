@@ -17,8 +17,8 @@ import openai
 import pytest
 import yaml
 
-from llmgw.stack import DEMO_KEYS, Stack
-from tests.conftest import POLICY, start_stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 from tests.idp import Idp, issuer_config
 from tests.test_e2e_served_path import clear_engine_logs, engine_log
@@ -50,7 +50,9 @@ def make_policy(root: Path, idp: Idp, record_content: bool = False) -> Path:
                                 "regions": ["us"], "api_keys": [{"id": "initech-1", "sha256": _sha(INITECH_KEY)}]}
     (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
     yesterday = (date.today() - timedelta(days=1)).isoformat()
+    demo = yaml.safe_load((dst / "keys.yaml").read_text())["keys"]  # the session's demo keys stay
     (dst / "keys.yaml").write_text(yaml.safe_dump({"keys": [
+        *demo,
         {"id": "acme-writer", "tenant": "acme", "sha256": _sha(WRITER_KEY), "effects": ["write"]},
         {"id": "acme-revoked", "tenant": "acme", "sha256": _sha(REVOKED_KEY), "revoked": True},
         {"id": "acme-expired", "tenant": "acme", "sha256": _sha(EXPIRED_KEY), "expires": yesterday},

@@ -21,8 +21,8 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
 from extproc.stages.budget import Held
 from extproc.stages.route import RouteSelection, tenant_salts
-from llmgw.stack import DEMO_KEYS, Stack
-from tests.conftest import POLICY, start_stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 
 

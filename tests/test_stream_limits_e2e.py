@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw.stack import DEMO_KEYS, Stack
-from tests.conftest import POLICY, start_stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import chat_body, inject_fault, request, stream_raw
 from tests.test_fallback_e2e import ledger_of
 from tests.test_streams_e2e import events

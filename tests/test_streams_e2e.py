@@ -10,7 +10,8 @@ from typing import Any
 import openai
 import pytest
 
-from llmgw.stack import DEMO_KEYS, Stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS
 from tests.conftest import ledger_of as conftest_ledger_of
 from tests.helpers import chat_body, inject_fault, stream_raw
 from tests.test_e2e_served_path import engine_log

@@ -6,6 +6,7 @@ The hot path only reads the Snapshot; nothing here runs per request.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -67,9 +68,25 @@ class Snapshot:
         return {e.kind for e in self.evidence.get(deployment_ref, ())
                 if e.result == "pass" and (e.expires_at is None or e.expires_at > today)}
 
+    def demo_keys_exposed_on(self, host: str) -> list[str]:
+        """Ids of the demo keys (made by `llmgw up`) a gateway reachable at `host` would accept from
+        beyond this machine: none on loopback."""
+        if is_loopback(host):
+            return []
+        return sorted(o.key.id for o in self.keys_by_hash.values() if o.key.demo and not o.key.revoked)
+
     def pool_of(self, deployment: Deployment) -> str:
         """Envoy cluster name for a deployment's upstream."""
         return f"pool_{deployment.pool}" if deployment.pool else f"dep_{deployment.deployment}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_yaml(path: Path, root: Path, issues: list[ConfigIssue]) -> Any:

@@ -44,6 +44,7 @@ class ApiKey(Strict):
     expires: date | None = None
     revoked: bool = False
     effects: tuple[Name, ...] = ()  # tool effects this key's caller may exercise (input.identity.effects)
+    demo: bool = False  # made by `llmgw up` for a demo: never accepted on a listener beyond loopback
 
 
 class ManagedKey(ApiKey):

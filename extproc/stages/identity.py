@@ -18,8 +18,11 @@ from extproc.config.schema import JwtIssuer
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
 from extproc.jwks import JwksCache, JwksUnavailable
+from extproc.ratelimit import RateLimitedLog
 
 log = logging.getLogger("llmgw.identity")
+# Anyone can send a bad credential: one line a second at most, with the count of the rest.
+_refusals = RateLimitedLog(log, every_s=1.0)
 _UNAUTHENTICATED = "missing, invalid or expired credential"
 _MAX_TOKEN = 8192
 
@@ -82,7 +85,7 @@ class CallerIdentity:
                 raise Unauthenticated("no bearer token")
             ex.identity = await self._jwt(ex, token) if looks_like_jwt(token) else api_key_identity(ex, token)
         except Unauthenticated as e:
-            log.info("request %s unauthenticated: %s", ex.request_id, e.why)
+            _refusals.info("request %s unauthenticated: %s", ex.request_id, e.why)
             raise
 
     async def _jwt(self, ex: Exchange, token: str) -> Identity:

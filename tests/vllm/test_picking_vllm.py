@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw.stack import DEMO_KEYS, Stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS
 from tests.helpers import chat_body, request, request_quietly
 from tests.promtext import scrape, value
 from tests.vllm.conftest import MODEL, start_vllm_stack

@@ -9,7 +9,8 @@ import time
 import openai
 import pytest
 
-from llmgw.stack import DEMO_KEYS, Stack
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS
 from tests.helpers import assert_contract_error, chat_body, request
 from tests.promtext import scrape, value
 
