@@ -316,8 +316,9 @@ def _upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
 UPSTREAM_HEADERS_FILTER = "llmgw.upstream_headers"
 # What a client sent reaches an upstream only by these names; the rest (cookies, API keys meant for
 # the gateway, client-chosen x-llmgw-* and test headers, junk) stays here. An attempt's credential is
-# added per candidate by the attempt filter, after this.
-FORWARDED_HEADERS = ("content-type", "content-length", "x-request-id")
+# added per candidate by the attempt filter, after this. x-forwarded-proto is Envoy's own (it overwrites
+# a client's, use_remote_address), and its route matching needs it when a filter cleared the route.
+FORWARDED_HEADERS = ("content-type", "content-length", "x-request-id", "x-forwarded-proto")
 # Set from ext_proc's decision (its metadata), after the allow-list: trace context only when valid
 # and the route propagates it; the remaining deadline and this request's retry policy for the router
 # (ext_proc's body reply cannot set request headers when headers were skipped). Empty values - no

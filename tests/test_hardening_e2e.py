@@ -40,8 +40,8 @@ pytestmark = pytest.mark.e2e
 KEY = DEMO_KEYS["acme"]
 AUTH = {"authorization": f"Bearer {KEY}"}
 BROKE_KEY = "sk-test-broke-0123456789"  # a tenant whose budget holds nothing
-ENGINE_HEADERS = {"host", "content-type", "content-length", "x-request-id", "traceparent", "tracestate",
-                  "x-envoy-expected-rq-timeout-ms", "x-envoy-attempt-count"}
+ENGINE_HEADERS = {"host", "content-type", "content-length", "x-request-id", "x-forwarded-proto", "traceparent",
+                  "tracestate", "x-envoy-expected-rq-timeout-ms", "x-envoy-attempt-count"}
 
 
 def hardened_policy(root: Path) -> Path:
@@ -480,3 +480,22 @@ def test_raw_http_client_sees_complete_answers(gw: Stack) -> None:
     assert resp is not None and resp.complete and resp.status == 200 and resp.body == expected
     cut = raw_exchange(gw.url, b"GET /healthz HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
     assert cut is not None and cut.complete
+
+
+def test_a_route_without_budgets_is_served_with_the_same_header_allow_list(tmp_path: Path) -> None:
+    """Without budgets no response filter looks the route up before the allow-list strips the client's
+    headers, so the router matches on what is left: Envoy's own x-forwarded-proto must stay (a
+    benchmark found every such request 404 when it did not)."""
+    policy = hardened_policy(tmp_path)
+    route = yaml.safe_load((policy / "routes/chat-default.yaml").read_text())
+    route["budget_reservation"] = "off"
+    (policy / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))
+    s = start_stack(tmp_path / "state", policy, with_valkey=False)
+    try:
+        marker = uuid.uuid4().hex
+        r = chat(s, chat_body(content=marker, max_tokens=2), {"cookie": "c=1"})
+        assert r.status == 200, r.body[:300]
+        (entry,) = engine_entries(s, marker)
+        assert set(entry["headers"]) <= ENGINE_HEADERS
+    finally:
+        s.stop()
