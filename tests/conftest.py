@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,17 @@ def start_stack(tmp: Path, config: Path = POLICY, **kw: object) -> Stack:
     snap = load_snapshot(config)
     opts = StackOptions.on_free_ports(config, tmp, snap, time_scale=kw.pop("time_scale", TIME_SCALE), **kw)
     return Stack(opts).start()
+
+
+def module_stack(name: str, make_policy: Callable[[Path], Path], **kw: object) -> Any:
+    """A module's own stack on the policy `make_policy(tmp)` writes: use as `gw = module_stack(...)`."""
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+        tmp = tmp_path_factory.mktemp(name)
+        s = start_stack(tmp / "state", make_policy(tmp), **kw)
+        yield s
+        s.stop()
+    return fixture
 
 
 @pytest.fixture(scope="session")

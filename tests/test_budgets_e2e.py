@@ -12,7 +12,6 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from extproc.chat import prompt_bytes
 from extproc.store import budget_key, ledger_entry, ledger_key
 from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, module_stack, start_stack
 from tests.helpers import assert_contract_error, chat_body, inject_fault, request
 from tests.test_e2e_served_path import clear_engine_logs, engine_log
 
@@ -68,12 +67,7 @@ def make_policy(root: Path, **route_over: Any) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("budgets")
-    s = start_stack(tmp / "state", make_policy(tmp), workers=2)
-    yield s
-    s.stop()
+gw = module_stack("budgets", make_policy, workers=2)
 
 
 def store(s: Stack) -> Any:

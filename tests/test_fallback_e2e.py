@@ -31,7 +31,7 @@ from extproc.picker import parse_load
 from llmgw.bench_policy import add_candidate
 from llmgw.procs import wait_until
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, module_stack, start_stack
 from tests.conftest import ledger_of as conftest_ledger_of
 from tests.helpers import assert_contract_error, chat_body, request, request_quietly
 
@@ -65,12 +65,7 @@ def fallback_policy(root: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("fallback")
-    s = start_stack(tmp / "state", fallback_policy(tmp), workers=2)
-    yield s
-    s.stop()
+gw = module_stack("fallback", fallback_policy, workers=2)
 
 
 def fault_all(stack: Stack, pool: str, fault: str | None) -> None:

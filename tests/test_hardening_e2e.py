@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import yaml
 
 from extproc.chat import prompt_bytes
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, start_stack
 from tests.helpers import (
     assert_contract_body,
     assert_contract_error,
@@ -57,12 +56,7 @@ def hardened_policy(root: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("hardening")
-    s = start_stack(tmp / "state", hardened_policy(tmp))
-    yield s
-    s.stop()
+gw = module_stack("hardening", hardened_policy)
 
 
 def chat(s: Stack, body: Any, headers: dict[str, str] | None = None, timeout: float = 30) -> Any:

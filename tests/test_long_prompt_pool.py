@@ -4,7 +4,6 @@ requests never queue behind long-context ones. Real Envoy, two simulated pools."
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import yaml
 
 from llmgw.bench_policy import add_candidate
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, module_stack
 from tests.helpers import chat_body, request
 
 pytestmark = pytest.mark.e2e
@@ -31,12 +30,7 @@ def two_pool_policy(root: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("long-pool")
-    s = start_stack(tmp / "state", two_pool_policy(tmp))
-    yield s
-    s.stop()
+gw = module_stack("long-pool", two_pool_policy)
 
 
 def served_by(stack: Stack, content: str) -> tuple[str, str]:
