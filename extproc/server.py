@@ -1,10 +1,12 @@
 """The ext_proc gRPC service: one receive loop, one Exchange per HTTP request.
 
 A chat completion costs one message: Envoy sends the buffered request body with the headers ext_proc
-needs as CEL attributes, and ext_proc answers with its decision. GET /v1/models, which has no body,
-is sent as request headers and answered from them. The same server takes the meter filter's
-observation streams (they start with a response message) and Envoy's gRPC access log, from which
-settlement reads JSON answers (extproc/settlement.py); a status endpoint reports the revision.
+needs as CEL attributes, and ext_proc answers with its decision and closes the stream. GET /v1/models
+and /v1/models/{route}, which have no body, are sent as request headers and answered from them. The
+same server takes the other filters' streams by their role (the stream guard, the meter of
+idempotent answers, the attempt filter) and Envoy's gRPC access log, from which settlement reads
+JSON answers and failures (extproc/settlement.py); every request is parsed leniently
+(extproc/wire.py). A status endpoint reports the revision.
 """
 
 from __future__ import annotations
