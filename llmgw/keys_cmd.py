@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from extproc.config.policy import run_policy_tests
+from extproc.config.policy import PolicyCompileError, check_calls
+from extproc.config.policy_tests import run_isolated
 from extproc.config.schema import KeysFile, ManagedKey
 from llmgw.cli_common import snapshot_or_report
 
@@ -91,7 +92,15 @@ def cmd_policy_test(args: argparse.Namespace) -> int:
     snap = snapshot_or_report(args.dir)
     if snap is None:
         return 1
-    results = run_policy_tests(snap.rego, snap.policy_data)
+    # The policy itself was checked when the snapshot loaded; its tests are checked the same way, then
+    # run in a process of their own (the engine can crash on some).
+    try:
+        check_calls(snap.rego)
+    except PolicyCompileError as e:
+        for issue in e.issues:
+            print(f"error: {issue}", file=sys.stderr)
+        return 1
+    results = run_isolated(snap.rego, snap.policy_data)
     for r in results:
         line = f"{'PASS' if r.passed else 'FAIL'}: {r.module}: {r.rule}"
         print(line + (f" ({r.error})" if r.error else ""))

@@ -248,6 +248,9 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     try:
         policy = CompiledPolicy(rego, data, revision)
     except PolicyCompileError as e:
+        if e.issues:  # each with file, line and column
+            raise ConfigError([ConfigIssue(i.file, f"{i.line}:{i.column}", f"policy does not compile: {i.message}")
+                               for i in e.issues]) from None
         raise ConfigError([ConfigIssue("*.rego", "", f"policy does not compile: {e}")]) from None
     return Snapshot(
         evidence=MappingProxyType({ref: tuple(recs) for ref, recs in evidence.items()}),

@@ -16,6 +16,8 @@ from typing import Any
 
 import regopy
 
+from extproc.config.rego_check import RegoIssue, located_errors, unknown_calls
+
 # Built-ins whose value changes between two evaluations of the same input: a policy using one is
 # never served from the decision cache.
 _IMPURE = re.compile(r"\b(time\.|http\.send|rand\.|uuid\.|opa\.runtime|crypto\.x509|net\.lookup)")
@@ -28,7 +30,12 @@ QUERY = "x = data.llmgw.authz.decision"
 
 
 class PolicyCompileError(Exception):
-    """The policy does not compile; the message is regopy's, naming the file."""
+    """The policy does not compile, or calls what the engine would evaluate as undefined; each issue
+    names file, line and column where the engine or the check says where."""
+
+    def __init__(self, message: str, issues: list[RegoIssue] | None = None):
+        super().__init__(message)
+        self.issues = issues or []
 
 
 class PolicyEvaluationError(Exception):
@@ -50,6 +57,19 @@ def is_test_module(name: str) -> bool:
     return name.endswith("_test.rego")
 
 
+def _compile_error(error: regopy.RegoError, modules: Mapping[str, str], fallback: str) -> PolicyCompileError:
+    issues = located_errors(str(error), modules)
+    return PolicyCompileError("; ".join(map(str, issues)) or fallback, issues)
+
+
+def check_calls(modules: Mapping[str, str]) -> None:
+    """Refuse a policy that calls a built-in regopy does not implement or a function nobody defines
+    (extproc/config/rego_check.py): it would evaluate as undefined, and a deny rule would not fire."""
+    issues = unknown_calls(modules, regopy.Interpreter().is_builtin)
+    if issues:
+        raise PolicyCompileError("; ".join(map(str, issues)), issues)
+
+
 def _interpreter(modules: Mapping[str, str], data: Mapping[str, Any]) -> regopy.Interpreter:
     rego = regopy.Interpreter()
     rego.add_data_json(json.dumps({"gateway": dict(data)}))
@@ -57,7 +77,7 @@ def _interpreter(modules: Mapping[str, str], data: Mapping[str, Any]) -> regopy.
         try:
             rego.add_module(name, text)
         except regopy.RegoError as e:
-            raise PolicyCompileError(f"{name}: {e}") from None
+            raise _compile_error(e, {name: text}, f"{name}: {e}") from None
     return rego
 
 
@@ -70,10 +90,11 @@ class CompiledPolicy:
         if not any(f"package {PACKAGE}" in text for text in policy.values()):
             raise PolicyCompileError(f"no Rego module declares `package {PACKAGE}`: every request would be "
                                      "denied")
+        check_calls(policy)
         try:
             self._bundle = _interpreter(policy, data).build(QUERY, [ENTRYPOINT])
         except regopy.RegoError as e:
-            raise PolicyCompileError(str(e)) from None
+            raise _compile_error(e, policy, str(e)) from None
         if not self._bundle.ok():
             raise PolicyCompileError("the policy bundle did not build")
         self._run = regopy.Interpreter()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config.loader import ConfigError, Snapshot, load_snapshot
-from extproc.config.policy import run_policy_tests
+from extproc.config.policy_tests import run_isolated
 from extproc.replay import Sealer
 from extproc.secrets import SecretUnavailable
 
@@ -68,7 +68,7 @@ class Reloader:
         try:
             snapshot = load_snapshot(self.directory)
             if self.run_tests:
-                failed = [r.rule for r in run_policy_tests(snapshot.rego, snapshot.policy_data) if not r.passed]
+                failed = [r.rule for r in run_isolated(snapshot.rego, snapshot.policy_data) if not r.passed]
                 if failed:
                     raise ConfigError([])  # reported below with the failing rules
             live = self.build(snapshot)
