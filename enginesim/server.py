@@ -235,26 +235,31 @@ class EngineServer:
         max_tokens = min(requested or max_len, max_len - len(prompt))
         seed = body.get("seed")
         seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["messages"]).encode()) ^ self.seed
-        sampler = TextSampler(seed)
-        # vLLM's `ignore_eos` sampling parameter: generate until max_tokens.
-        natural = max_tokens if body.get("ignore_eos") is True else sampler.natural_length
-        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens,
-                       natural_length=natural, salt=body.get("cache_salt"),
-                       arrival=self.engine.now())
+        n = body.get("n") if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+        # `n` completions of one prompt, as vLLM runs them: one sequence each (sharing the prompt's
+        # cached blocks), each sampled on its own.
+        samplers = [TextSampler(seed + i) for i in range(n)]
+        seqs = [Sequence(request_id=rid if i == 0 else f"{rid}-{i}", prompt=prompt, max_tokens=max_tokens,
+                         # vLLM's `ignore_eos` sampling parameter: generate until max_tokens.
+                         natural_length=max_tokens if body.get("ignore_eos") is True else s.natural_length,
+                         salt=body.get("cache_salt"), arrival=self.engine.now()) for i, s in enumerate(samplers)]
         if fault.delay_ms:
             await asyncio.sleep(fault.delay_ms / 1000)
-        self.engine.submit(seq)
+        for seq in seqs:
+            self.engine.submit(seq)
         try:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await self._stream(request, seq, sampler, rid, include_usage, fault)
-            return await self._complete(seq, sampler, rid)
+                return await self._stream(request, seqs, samplers, rid, include_usage, fault)
+            return await self._complete(seqs, samplers, rid)
         finally:
-            self.engine.abort(seq)  # a no-op when it finished; frees the engine when the client left
+            for seq in seqs:
+                self.engine.abort(seq)  # a no-op when it finished; frees the engine when the client left
             # Simulated seconds, for benchmarks that read the engine's view of latency.
-            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len,
-                         ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
-                         finish_reason=seq.finish_reason)
+            first = seqs[0]
+            entry.update(prompt_tokens=len(first.prompt), output_tokens=sum(s.output_len for s in seqs),
+                         ttft_s=None if first.first_token_at is None else first.first_token_at - first.arrival,
+                         finish_reason=first.finish_reason)
 
     def _take_fault(self, request: web.Request, body: Any) -> Fault | web.Response:
         spec = request.headers.get(FAULT_HEADER) if self.fault_header else None
@@ -285,28 +290,32 @@ class EngineServer:
         return {"id": f"chatcmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.served_model}
 
     @staticmethod
-    def _usage(seq: Sequence) -> dict[str, Any]:
-        return {"prompt_tokens": len(seq.prompt), "total_tokens": len(seq.prompt) + seq.output_len,
-                "completion_tokens": seq.output_len}
+    def _usage(seqs: list[Sequence]) -> dict[str, Any]:
+        """The prompt once, the completions summed over the `n` choices (vLLM's usage)."""
+        prompt, completion = len(seqs[0].prompt), sum(s.output_len for s in seqs)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
-    async def _complete(self, seq: Sequence, sampler: TextSampler, rid: str) -> web.Response:
-        pieces = []
-        while (idx := await seq.out.get()) is not None:
-            pieces.append(sampler.next_piece(idx))
+    async def _complete(self, seqs: list[Sequence], samplers: list[TextSampler], rid: str) -> web.Response:
+        choices = []
+        for i, (seq, sampler) in enumerate(zip(seqs, samplers, strict=True)):
+            pieces = []
+            while (idx := await seq.out.get()) is not None:
+                pieces.append(sampler.next_piece(idx))
+            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(pieces),
+                                                    "refusal": None, "annotations": None, "audio": None,
+                                                    "function_call": None, "reasoning": None},
+                            "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None,
+                            "token_ids": None, "routed_experts": None})
         return web.json_response({
             **self._base(rid, "chat.completion"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces),
-                                                 "refusal": None, "annotations": None, "audio": None,
-                                                 "function_call": None, "reasoning": None},
-                         "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None,
-                         "token_ids": None, "routed_experts": None}],
+            "choices": choices,
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": {**self._usage(seq), "prompt_tokens_details": None, "completion_tokens_details": None},
+            "usage": {**self._usage(seqs), "prompt_tokens_details": None, "completion_tokens_details": None},
             "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
             "ec_transfer_params": None, "metrics": None,
         })
 
-    async def _stream(self, request: web.Request, seq: Sequence, sampler: TextSampler, rid: str,
+    async def _stream(self, request: web.Request, seqs: list[Sequence], samplers: list[TextSampler], rid: str,
                       include_usage: bool, fault: Fault) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
@@ -316,31 +325,49 @@ class EngineServer:
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
-        await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}],
-                    "prompt_token_ids": None, "prompt_text": None})
-        sent = 0
-        while (idx := await seq.out.get()) is not None:
-            if fault.stall_after is not None and sent >= fault.stall_after:
-                await asyncio.sleep(3600)  # silent until the client or the gateway gives up
-            if fault.disconnect_after is not None and sent >= fault.disconnect_after:
-                if request.transport is not None:
-                    request.transport.abort()
-                return resp
-            if fault.malformed_after is not None and sent >= fault.malformed_after:
-                await resp.write(b'data: {"id": "broken", "choices": [\n\n')
-                await resp.write_eof()
-                return resp
-            done = seq.output_len >= seq.max_tokens or seq.output_len >= seq.natural_length
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": sampler.next_piece(idx)}, "logprobs": None,
-                                      "finish_reason": seq.finish_reason if done else None}
-            if done:
-                choice["stop_reason"] = None
-            choice["token_ids"] = None
-            await send({**base, "choices": [choice]})
-            sent += 1
+        for i in range(len(seqs)):
+            await send({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}],
+                        "prompt_token_ids": None, "prompt_text": None})
+        # The choices' tokens, in the order the engine produces them (choice, token; None: finished).
+        merged: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
+
+        async def forward(i: int, seq: Sequence) -> None:
+            while (token := await seq.out.get()) is not None:
+                merged.put_nowait((i, token))
+            merged.put_nowait((i, None))
+        forwarders = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(seqs)]
+        running, sent = len(seqs), 0
+        try:
+            while running:
+                i, idx = await merged.get()
+                if idx is None:
+                    running -= 1
+                    continue
+                if fault.stall_after is not None and sent >= fault.stall_after:
+                    await asyncio.sleep(3600)  # silent until the client or the gateway gives up
+                if fault.disconnect_after is not None and sent >= fault.disconnect_after:
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
+                if fault.malformed_after is not None and sent >= fault.malformed_after:
+                    await resp.write(b'data: {"id": "broken", "choices": [\n\n')
+                    await resp.write_eof()
+                    return resp
+                seq = seqs[i]
+                done = seq.output_len >= seq.max_tokens or seq.output_len >= seq.natural_length
+                choice: dict[str, Any] = {"index": i, "delta": {"content": samplers[i].next_piece(idx)},
+                                          "logprobs": None, "finish_reason": seq.finish_reason if done else None}
+                if done:
+                    choice["stop_reason"] = None
+                choice["token_ids"] = None
+                await send({**base, "choices": [choice]})
+                sent += 1
+        finally:
+            for f in forwarders:
+                f.cancel()
         if include_usage:
-            await send({**base, "choices": [], "usage": self._usage(seq), "system_fingerprint": SYSTEM_FINGERPRINT})
+            await send({**base, "choices": [], "usage": self._usage(seqs), "system_fingerprint": SYSTEM_FINGERPRINT})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

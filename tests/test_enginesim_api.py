@@ -243,3 +243,18 @@ def test_faults_are_the_operators_alone(tmp_path: Path) -> None:
         assert child.proc is not None and child.proc.wait(10) == 3
     finally:
         child.stop()
+
+
+def test_n_completions_like_vllm(engine: str) -> None:
+    """`n` choices of one prompt: indexes 0..n-1, the prompt counted once and the completions summed,
+    in JSON and in a stream (each choice's chunks carry its index)."""
+    doc = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=4, n=3, ignore_eos=True)).json()
+    assert [c["index"] for c in doc["choices"]] == [0, 1, 2]
+    usage = doc["usage"]
+    assert usage["completion_tokens"] == 12 and usage["total_tokens"] == usage["prompt_tokens"] + 12
+    r = request(f"{engine}/v1/chat/completions", "POST", chat_body(
+        MODEL, max_tokens=4, n=2, ignore_eos=True, stream=True, stream_options={"include_usage": True}))
+    events = [json.loads(e.removeprefix("data: ")) for e in sse_events(r.body) if e != "data: [DONE]"]
+    content = [c["index"] for e in events for c in e["choices"] if c["delta"].get("content")]
+    assert sorted(content) == [0] * 4 + [1] * 4
+    assert events[-1]["usage"]["completion_tokens"] == 8 and sse_events(r.body)[-1] == "data: [DONE]"

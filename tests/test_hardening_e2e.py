@@ -173,13 +173,15 @@ def test_a_write_tool_offered_as_a_legacy_function_never_passes(gw: Stack) -> No
 # -- what a reservation covers ---------------------------------------------------------------------
 
 def test_n_completions_are_reserved_n_times(gw: Stack) -> None:
-    body = chat_body(max_tokens=5, n=3)
+    body = chat_body(max_tokens=5, n=3, ignore_eos=True)
     r = chat(gw, body)
-    assert r.status == 200
+    assert r.status == 200 and len(r.json()["choices"]) == 3
     entry = ledger_of(gw, r.headers["x-request-id"], "acme")
-    # The prompt bound (UTF-8 bytes + 8 per message) plus max_tokens for each of the 3 completions.
+    # The prompt bound (UTF-8 bytes + 8 per message) plus max_tokens for each of the 3 completions,
+    # and the engine produced (and was charged) all three.
     assert entry["reserved_tokens"] == prompt_bytes(body) + 8 + 3 * 5
-    assert entry["n"] == 3
+    assert entry["n"] == 3 and entry["usage"]["completion_tokens"] == 15
+    assert entry["charged_tokens"] == entry["usage"]["prompt_tokens"] + 15 <= entry["reserved_tokens"]
 
 
 def test_tool_calls_in_the_conversation_count_toward_the_prompt_bound(gw: Stack) -> None:
