@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -425,14 +425,3 @@ def map_rendered(body: dict[str, Any], fn: Callable[[str], str],
             tools.append({**t, "function": f})
         out["tools"] = tools
     return out
-
-
-def strings_of(body: dict[str, Any]) -> Iterator[str]:
-    """Every rendered string of the body, tool names included (what `map_rendered` visits)."""
-    seen: list[str] = []
-
-    def visit(s: str, _: str = "") -> str:
-        seen.append(s)
-        return s
-    map_rendered(body, visit, visit)
-    yield from seen
