@@ -220,17 +220,16 @@ def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: in
 
 
 def charge_for(usage: Usage | None, source: str, termination: str, status: int, dep: Deployment | None,
-               failed: tuple[Usage | None, str] | None = None) -> tuple[int, int, str]:
+               failed: str = "released") -> tuple[int, int, str]:
     """(micros, tokens, settlement kind): actual usage when reported (or estimated); -1 (the whole
-    reservation) when the engine may have worked but its usage is unknown; else what `failed`
-    (failure_charge) says, or nothing for a failed answer."""
+    reservation) when the engine may have worked but its usage is unknown; else the kind a failure
+    without usage settles as (failure_charge's): the whole reservation when `ambiguous`, else nothing."""
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
         return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"
-    if 200 <= status < 300:
+    if 200 <= status < 300 or failed == "ambiguous":
         return -1, -1, "ambiguous"
-    kind = failed[1] if failed is not None else "released"
-    return (-1, -1, kind) if kind == "ambiguous" else (0, 0, kind)
+    return 0, 0, failed
 
 
 def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, source: str,
@@ -325,10 +324,6 @@ class Meter:
                                     snap.gateway.store.idempotency_ttl_s * 1000))
 
 
-# Envoy's response flags for an exchange that ended abnormally: upstream connection failure or
-# termination, protocol errors, downstream termination, timeouts, stream idle, overflow, retry limit,
-# no healthy upstream, local reset.
-CUT_FLAGS = ("UF", "UC", "UR", "UPE", "DC", "DPE", "UT", "SI", "UO", "URX", "UMSDR", "UH", "LR")
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
 
 
@@ -395,10 +390,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         else:
             # A stream reaches here only when Envoy cut it after it started (or it failed before).
             termination = termination_of(status, not stream)
-        failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
-                                answered=common.HasField("time_to_first_upstream_rx_byte"), prompt_bound=prompt_bound)
-        if failed[0] is not None and usage is None and not 200 <= status < 300:
-            usage, source = failed[0], "estimated"
+        failed = "released"
+        if usage is None and not 200 <= status < 300:
+            usage, failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
+                                           answered=common.HasField("time_to_first_upstream_rx_byte"),
+                                           prompt_bound=prompt_bound)
+            source = "estimated" if usage else source
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
@@ -411,7 +408,8 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0))
 
 
-# The ResponseFlags fields of CUT_FLAGS (the access log's proto names them in words).
+# Envoy's response flags for an exchange that ended abnormally (UF, UC, UR, UPE, DC, DPE, UT, SI, UO,
+# URX, UMSDR, UH, LR), as the access log's proto names them.
 _CUT_FIELDS = ("upstream_connection_failure", "upstream_connection_termination", "upstream_remote_reset",
                "upstream_protocol_error",
                "downstream_connection_termination", "downstream_protocol_error", "upstream_request_timeout",

@@ -245,13 +245,13 @@ def test_without_a_key_or_over_the_limit_only_a_refusal_is_kept() -> None:
 def test_failures_are_charged_for_what_they_may_have_cost(stream: bool, sent: bool, answered: bool, status: int,
                                                           charge: tuple[int, int, str]) -> None:
     dep = SNAP.deployments["pool-llama-8b"]
-    failed = failure_charge(stream=stream, sent=sent, answered=answered, prompt_bound=100)
-    assert charge_for(failed[0], "estimated", "upstream_error", status, dep, failed) == charge
+    usage, failed = failure_charge(stream=stream, sent=sent, answered=answered, prompt_bound=100)
+    assert charge_for(usage, "estimated", "upstream_error", status, dep, failed) == charge
 
 
 def test_a_stream_sent_but_never_answered_pays_its_prompt_only() -> None:
     dep = SNAP.deployments["pool-llama-8b"]
     usage, kind = failure_charge(stream=True, sent=True, answered=False, prompt_bound=1000)
     assert usage == {"prompt_tokens": 1000, "completion_tokens": 0} and kind == "partial"
-    micros, tokens, kind = charge_for(usage, "estimated", "stream_interrupted", 504, dep, (usage, kind))
+    micros, tokens, kind = charge_for(usage, "estimated", "stream_interrupted", 504, dep, kind)
     assert (tokens, kind) == (1000, "partial") and micros == -(-1000 * dep.prices.input_per_mtok // 10**6)
