@@ -36,15 +36,19 @@ def template_allowance(snap: Snapshot, route: Route) -> int:
     return max((d.template_allowance_tokens for d in candidate_deployments(snap, route)), default=0)
 
 
-def prompt_token_bound(snap: Snapshot, route: Route, body: dict[str, Any]) -> int:
-    return prompt_bytes(body) + template_allowance(snap, route) * len(body.get("messages") or ())
-
-
 @dataclass(frozen=True, slots=True)
 class Bound:
-    prompt: int  # tokens
+    """Computed once per request, before anything is reserved (stages/size.py)."""
+
+    text: int  # UTF-8 bytes of what the template renders
+    messages: int
+    allowance: int  # the largest per-message template allowance among the route's candidates
     per_choice: int  # max tokens of one completion
     n: int  # completions
+
+    @property
+    def prompt(self) -> int:
+        return self.text + self.allowance * self.messages
 
     @property
     def completion(self) -> int:
@@ -56,17 +60,14 @@ class Bound:
 
 
 def bound_of(snap: Snapshot, route: Route, body: dict[str, Any], n: int) -> Bound:
-    return Bound(prompt_token_bound(snap, route, body),
+    return Bound(prompt_bytes(body), len(body.get("messages") or ()), template_allowance(snap, route),
                  requested_max_tokens(body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens), n)
 
 
-def fits_some_window(snap: Snapshot, route: Route, body: dict[str, Any]) -> bool:
+def fits_some_window(snap: Snapshot, route: Route, bound: Bound) -> bool:
     """Whether prompt + one completion fits the context window of at least one of the route's
     candidates (each with its own template allowance). A request that fits none can never be served."""
-    text = prompt_bytes(body)
-    messages = len(body.get("messages") or ())
-    per_choice = requested_max_tokens(body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens)
-    return any(text + d.template_allowance_tokens * messages + per_choice <= d.context_window
+    return any(bound.text + d.template_allowance_tokens * bound.messages + bound.per_choice <= d.context_window
                for d in candidate_deployments(snap, route))
 
 

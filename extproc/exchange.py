@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from extproc.bounds import Bound
 from extproc.config import Snapshot
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
@@ -55,6 +56,7 @@ class Exchange:
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
+    bound: Bound | None = None  # invariant 3's bound, before redaction (stages/size.py)
     held: Held | None = None  # the budget reservation, once the store granted it
     route: Route | None = None
     deployment: Deployment | None = None  # the first candidate

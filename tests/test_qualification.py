@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.bounds import prompt_token_bound
+from extproc.bounds import bound_of
 from extproc.chat import prompt_bytes
 from extproc.config import load_snapshot
 from extproc.contract import ErrorCode, GatewayError
@@ -131,7 +131,7 @@ def test_a_prompt_redaction_made_longer_takes_the_difference_from_max_tokens(tmp
     policy = policy_copy(tmp_path)
     body = chat_body(content="x" * 100, max_tokens=50)
     snap = load_snapshot(policy)
-    reserved = prompt_token_bound(snap, snap.routes["chat-default"], body)
+    reserved = bound_of(snap, snap.routes["chat-default"], body, 1).prompt
     longer = chat_body(content="x" * 112, max_tokens=50)  # what redaction sent on: 12 bytes more
     held = Held(0, reserved + 50, reserved, 50, 1, "v", "{}", False)
     assert _upstream(route(policy, longer, held=held))["max_tokens"] == 38  # prompt + completion <= reserved

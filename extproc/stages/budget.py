@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 
-from extproc.bounds import bound_of, candidate_deployments
+from extproc.bounds import candidate_deployments
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.replay import Answer
@@ -97,8 +97,8 @@ class BudgetReservation:
         self.store = store
 
     async def run(self, ex: Exchange) -> None:
-        route, ident = ex.route, ex.identity
-        if route is None or ident is None:
+        route, ident, bound = ex.route, ex.identity, ex.bound
+        if route is None or ident is None or bound is None:  # authorization and the size stage come first
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorized route for the reservation")
         if route.budget_reservation == "off":
             return
@@ -107,7 +107,6 @@ class BudgetReservation:
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the budget store is not configured")
             return
         gw = ex.snapshot.gateway
-        bound = bound_of(ex.snapshot, route, ex.body, ex.n)
         prompt, tokens = bound.prompt, bound.tokens
         micros, version = price_of(ex, bound.prompt, bound.completion)
         now = time.time()

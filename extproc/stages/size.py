@@ -4,7 +4,7 @@ refused with 400 `context_length_exceeded` before anything is reserved or counte
 
 from __future__ import annotations
 
-from extproc.bounds import candidate_deployments, fits_some_window, requested_max_tokens
+from extproc.bounds import bound_of, candidate_deployments, fits_some_window
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 
@@ -16,11 +16,11 @@ class RequestSize:
         route = ex.route
         if route is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorized route for the size check")
-        if fits_some_window(ex.snapshot, route, ex.body):
+        ex.bound = bound_of(ex.snapshot, route, ex.body, ex.n)  # the reservation's too
+        if fits_some_window(ex.snapshot, route, ex.bound):
             return
-        per_choice = requested_max_tokens(ex.body, route.max_tokens_cap, ex.snapshot.gateway.limits.default_max_tokens)
         largest = max((d.context_window for d in candidate_deployments(ex.snapshot, route)), default=0)
-        param = "max_tokens" if per_choice >= largest else "messages"
+        param = "max_tokens" if ex.bound.per_choice >= largest else "messages"
         raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                            f"prompt and max_tokens exceed every candidate's context window (largest {largest} "
                            "tokens)", param)
