@@ -10,6 +10,9 @@ import json
 from enum import StrEnum
 
 METADATA_NAMESPACE = "io.llmgw"
+CHAT_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"  # and /v1/models/{route}
+REVISION_HEADER = "x-llmgw-route-revision"  # on every answer, Envoy's own included
 ROLE_KEY = "x-llmgw-role"  # gRPC metadata on each ext_proc filter's stream: which handler takes it
 
 

@@ -7,7 +7,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from extproc.contract import METADATA_NAMESPACE, GatewayError
+from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, GatewayError
 from extproc.exchange import Exchange
 from extproc.picker import LB_KEY, LB_NAMESPACE
 
@@ -48,7 +48,7 @@ def admit(ex: Exchange) -> ep.ProcessingResponse:
 def immediate(ex: Exchange, status: int, body: bytes, details: str, headers: dict[str, str] | None = None,
               content_type: str = "application/json") -> ep.ProcessingResponse:
     hdrs = [_JSON if content_type == "application/json" else _header("content-type", content_type),
-            _header("x-llmgw-route-revision", ex.snapshot.revision)]
+            _header(REVISION_HEADER, ex.snapshot.revision)]
     hdrs += [_header(k, v) for k, v in (headers or {}).items()]
     return ep.ProcessingResponse(immediate_response=_immediate_response(status, body, details, hdrs),
                                  dynamic_metadata=_metadata(ex.metadata()))

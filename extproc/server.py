@@ -35,7 +35,7 @@ from google.protobuf import struct_pb2
 from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
-from extproc.contract import ROLE_KEY, ErrorCode, GatewayError, Role
+from extproc.contract import MODELS_PATH, ROLE_KEY, ErrorCode, GatewayError, Role
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
 from extproc.picker import Picker
@@ -67,7 +67,6 @@ Handler = Callable[[ep.ProcessingRequest, AsyncIterator[ep.ProcessingRequest]], 
 # the log with tracebacks, so at most one per interval, with a count of the rest.
 _internal_errors = RateLimitedLog(log, every_s=10.0)
 ATTRIBUTES = "envoy.filters.http.ext_proc"
-MODELS_PATH = "/v1/models"
 _HEADER_ATTR = "request.headers['"
 
 

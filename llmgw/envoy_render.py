@@ -80,17 +80,14 @@ from xds.type.matcher.v3 import matcher_pb2
 from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_WITHOUT_BODY
 from extproc.config import Snapshot
 from extproc.config.schema import ExtprocTls, ListenerTls, Pool, TlsSettings
-from extproc.contract import METADATA_NAMESPACE, ROLE_KEY, ErrorCode, Role
+from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ROLE_KEY, ErrorCode, Role
 from extproc.fallback import candidate_subsets, composite_name, sub_clusters
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
-from extproc.stages.intake import CHAT_PATH
 
 EXTPROC_CLUSTER = "llmgw_extproc"
 ADMIT_KEY = "cluster"  # io.llmgw metadata key naming the cluster ext_proc admitted the request to
 OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
-REVISION_HEADER = "x-llmgw-route-revision"
-MODELS_PATH = "/v1/models"
 
 
 @dataclass(frozen=True)
@@ -298,7 +295,7 @@ def _admitted_route_filters() -> dict[str, any_pb2.Any]:
 
 # The contract's response headers, from the metadata ext_proc returned with its decision.
 ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
-    ("x-llmgw-route-revision", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:revision)%"),
+    (REVISION_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:revision)%"),
     ("x-llmgw-deployment", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:deployment)%"),
     ("x-llmgw-attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
 )

@@ -5,10 +5,8 @@ once, into the Exchange; later stages use the parsed values."""
 from __future__ import annotations
 
 from extproc import chat, headers
-from extproc.contract import ErrorCode, GatewayError
+from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
 from extproc.exchange import Exchange
-
-CHAT_PATH = "/v1/chat/completions"
 
 
 class Intake:
