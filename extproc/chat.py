@@ -98,7 +98,7 @@ def _array(v: Any, param: str, most: int) -> list[Any]:
 def _keys(obj: dict[str, Any], allowed: frozenset[str], param: str) -> None:
     for k in obj:
         if k not in allowed:
-            raise unsupported(f"{param}.{k}" if param else k)
+            raise unsupported(f"{param}.{k}")
 
 
 def _tool_name(v: Any, param: str) -> str:
