@@ -13,6 +13,7 @@ from extproc.config import Snapshot
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
 from extproc.fallback import encode_plan, uses_attempt_filter
+from extproc.names import Key, Settle
 from extproc.redact import log_safe
 from extproc.replay import Sealer
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 
 MAX_LOGGED_REASONS = 8
+STREAM_END_GRACE_MS = 250  # after a stream's end time, Envoy resets what the stream guard has ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,46 +97,59 @@ class Exchange:
 
     def metadata(self) -> dict[str, str]:
         """What Envoy keeps for routing, response headers and its access log (io.llmgw namespace)."""
-        md = {"revision": self.snapshot.revision, "request_id": self.request_id}
+        md: dict[str, str] = {Key.REVISION: self.snapshot.revision, Key.REQUEST_ID: self.request_id}
         if self.identity is not None:
-            md["tenant"] = self.identity.tenant
-            md["subject"] = self.identity.subject
+            md[Key.TENANT] = self.identity.tenant
+            md[Key.SUBJECT] = self.identity.subject
         if self.decision is not None:
-            md["decision"] = "allow" if self.decision.allow else "deny"
-            md["policy_revision"] = self.decision.policy_revision
+            md[Key.DECISION] = "allow" if self.decision.allow else "deny"
+            md[Key.POLICY_REVISION] = self.decision.policy_revision
             if self.decision.reasons:
-                md["reasons"] = "; ".join(self.logged_reasons())
+                md[Key.REASONS] = "; ".join(self.logged_reasons())
         if self.redactions:
-            md["redactions"] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
+            md[Key.REDACTIONS] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
         if self.held is not None:
-            md["hold"] = self.held.hint  # only requests that hold a reservation are settled
-            # Streams and idempotent requests need the body read (usage chunks, the recorded answer):
-            # the meter. A JSON answer's usage reaches settlement through the access log.
-            md["settle"] = "stream" if self.stream else "metered" if self.held.idempotent else "als"
+            md[Key.HOLD] = self.held.hint  # only requests that hold a reservation are settled
+            md[Key.SETTLE] = self.settled_by()
             if self.stream:
-                md["stream"] = "1"
-                if self.route is not None:
-                    md["max_stream_ms"] = str(self.route.max_stream_ms)  # the stream guard ends it there
+                md[Key.STREAM] = "1"
                 if self.withhold_usage:
-                    md["withhold_usage"] = "1"
+                    md[Key.WITHHOLD_USAGE] = "1"
         if self.route is not None:
-            md["route"] = self.route.route_contract
+            md[Key.ROUTE] = self.route.route_contract
         if self.deployment is not None:
-            md["deployment"] = self.deployment.deployment
+            md[Key.DEPLOYMENT] = self.deployment.deployment
         if self.cluster:
-            md["cluster"] = self.cluster
+            md[Key.CLUSTER] = self.cluster
         if uses_attempt_filter(self.candidates) and self.identity is not None:
             # Read by the upstream filter of each attempt (extproc/attempts.py).
-            md["plan"] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
+            md[Key.PLAN] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
         if self.remaining_ms:
             # Read by the request-side header mutation after the buffer filter (Envoy's router).
-            md["per_try_timeout_ms" if self.stream else "rq_timeout_ms"] = str(self.remaining_ms)
+            md[Key.PER_TRY_TIMEOUT_MS if self.stream else Key.RQ_TIMEOUT_MS] = str(self.remaining_ms)
+        if self.stream and self.route is not None:
+            # A stream lasts at most max_stream_ms from its arrival: the stream guard ends it there with
+            # the contract's event, and Envoy's timer (the whole request's timeout) resets it a little
+            # later, so the engine stops generating even when no chunk comes to carry the event.
+            ends_at_ms = int(self.arrived_at * 1000) + self.route.max_stream_ms
+            md[Key.STREAM_ENDS_AT_MS] = str(ends_at_ms)
+            md[Key.RQ_TIMEOUT_MS] = str(max(1, ends_at_ms - int(time.time() * 1000)) + STREAM_END_GRACE_MS)
         if self.traceparent and self.route is not None and self.route.telemetry.propagate_trace_context:
-            md["traceparent"] = self.traceparent  # re-added upstream by Envoy (client's own is dropped)
+            md[Key.TRACEPARENT] = self.traceparent  # re-added upstream by Envoy (client's own is dropped)
             if self.tracestate:
-                md["tracestate"] = self.tracestate
+                md[Key.TRACESTATE] = self.tracestate
         if self.route is not None:  # always set: they overwrite whatever the client sent
-            md["retry_on"] = self.retry_on
-            md["retriable_codes"] = self.retriable_codes
-            md["max_retries"] = str(self.max_retries)
+            md[Key.RETRY_ON] = self.retry_on
+            md[Key.RETRIABLE_CODES] = self.retriable_codes
+            md[Key.MAX_RETRIES] = str(self.max_retries)
         return md
+
+    def settled_by(self) -> Settle:
+        """Streams and idempotent answers need their body read (usage chunks, the recorded answer); a
+        JSON answer's usage reaches settlement through the access log. A stream with an Idempotency-Key
+        keeps what the client received for replay: ext_proc's stream guard; any other stream: the Lua
+        stream guard in Envoy, with no round trip per chunk."""
+        idempotent = self.held is not None and self.held.idempotent
+        if self.stream:
+            return Settle.KEPT_STREAM if idempotent else Settle.STREAM
+        return Settle.METERED if idempotent else Settle.ACCESS_LOG

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -68,6 +69,7 @@ Handler = Callable[[ep.ProcessingRequest, AsyncIterator[ep.ProcessingRequest]], 
 _internal_errors = RateLimitedLog(log, every_s=10.0)
 ATTRIBUTES = "envoy.filters.http.ext_proc"
 _HEADER_ATTR = "request.headers['"
+DECISION = "decision"  # the decision filter's streams carry no role
 
 
 def apply_attributes(ex: Exchange, attrs: struct_pb2.Struct) -> None:
@@ -116,6 +118,9 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self.guard = StreamGuard(self.meter) if self.meter is not None else None
         self.attempts = AttemptFilter(store, lambda: self.live.snapshot)
         self._background: set[asyncio.Task[None]] = set()
+        # ext_proc messages received, by role: what each kind of exchange costs in round trips
+        # (GET /status reports them).
+        self.messages: collections.Counter[str] = collections.Counter()
         # gRPC metadata `x-llmgw-role` -> handler; no role: the decision filter.
         self._roles: dict[str, Handler] = {Role.ATTEMPT: self.attempts.handle}
         if self.guard is not None and self.meter is not None:
@@ -142,8 +147,17 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             return
         role = dict(context.invocation_metadata() or ()).get(ROLE_KEY, "") if context is not None else ""
         handler = self._roles.get(role, self.decide)
-        async for resp in handler(first, request_iterator):
+        self.messages[role or DECISION] += 1
+        rest = request_iterator if handler == self.decide else self._counted(role, request_iterator)
+        async for resp in handler(first, rest):
             yield resp
+
+    async def _counted(self, role: str, messages: AsyncIterator[ep.ProcessingRequest]) -> (
+            AsyncIterator[ep.ProcessingRequest]):
+        """The messages after the first, counted (the decision's stream has no more)."""
+        async for m in messages:
+            self.messages[role] += 1
+            yield m
 
     async def decide(self, first: ep.ProcessingRequest,
                      _rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
@@ -242,10 +256,14 @@ def live_for(snapshot: Snapshot) -> Live:
     return Live(snapshot, salts_for(snapshot), Sealer(resolve(ref, snapshot.directory) if ref else None))
 
 
-async def status_app(reloader: Reloader, listen: str) -> web.AppRunner:
-    """GET /status: the serving revision and the last reload's outcome (errors name file and field)."""
+async def status_app(reloader: Reloader, listen: str, processor: Processor | None = None,
+                     access_log: SettlementLog | None = None) -> web.AppRunner:
+    """GET /status: the serving revision, the last reload's outcome (errors name file and field),
+    and the ext_proc messages and access-log entries this worker has received."""
     async def status(_: web.Request) -> web.Response:
-        return web.json_response(reloader.status)
+        counts = {"extproc_messages": dict(processor.messages) if processor is not None else {},
+                  "access_log_entries": access_log.entries if access_log is not None else 0}
+        return web.json_response({**reloader.status, **counts})
 
     async def reload(_: web.Request) -> web.Response:
         reloader.reload("admin request")
@@ -303,14 +321,15 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
         except StoreUnavailable as e:  # not fatal: requests that need the store are refused until it is back
             log.warning("store not reachable at start (%s); requests that need it are refused until it is", e)
     processor = Processor(reloader, picker, jwks, store)
-    add_services(server, processor, SettlementLog(processor.settler, lambda: reloader.live.snapshot)
-                 if processor.settler is not None else None)  # JSON answers settle through the access log
+    settlement_log = (SettlementLog(processor.settler, lambda: reloader.live.snapshot)
+                      if processor.settler is not None else None)
+    add_services(server, processor, settlement_log)  # JSON answers and streams settle through the access log
     bound = (server.add_secure_port(listen, credentials) if credentials is not None
              else server.add_insecure_port(listen))
     if bound == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
-    runner = await status_app(reloader, status_listen) if status_listen else None
+    runner = await status_app(reloader, status_listen, processor, settlement_log) if status_listen else None
     log.info("ext_proc listening on %s%s, revision %s", listen, " (mTLS)" if credentials else "",
              reloader.live.snapshot.revision)
     stop = asyncio.Event()

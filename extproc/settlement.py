@@ -41,6 +41,7 @@ from extproc.config.schema import Deployment, Prices
 from extproc.contract import METADATA_NAMESPACE
 from extproc.exchange import Exchange
 from extproc.fallback import decode_plan
+from extproc.names import Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Answer, Sealer
 from extproc.sse import StreamUsage
@@ -59,7 +60,7 @@ ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback ro
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream",
-                                               "withhold_usage", "plan", "max_stream_ms")))
+                                               "withhold_usage", "plan", Key.STREAM_ENDS_AT_MS)))
 
 
 def answered_by(snap: Snapshot, first: str, plan: str, answered: str) -> Deployment | None:
@@ -335,9 +336,11 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
     def __init__(self, settler: Settler, snapshot: Callable[[], Snapshot]):
         self.settler = settler
         self.snapshot = snapshot
+        self.entries = 0  # received, for GET /status
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         async for msg in request_iterator:
+            self.entries += len(msg.http_logs.log_entry)
             for entry in msg.http_logs.log_entry:
                 try:
                     self.settle_entry(entry)
@@ -356,9 +359,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         status = entry.response.response_code.value
         flags = common.response_flags
         cut = any(getattr(flags, name) for name in _CUT_FIELDS)
-        if attr(md, "settle") != "als" and 200 <= status < 300 and not cut:
-            # A stream or idempotent answer that ended normally: its own filter settles it. This is
-            # the backstop for a filter that could not (its worker died); the first settlement wins.
+        if attr(md, Key.SETTLE) in _OWN_FILTER_SETTLES and 200 <= status < 300 and not cut:
+            # An idempotent answer or stream that ended normally: its ext_proc filter settles it. This
+            # is the backstop for a filter that could not (its worker died); the first settlement wins.
             asyncio.get_running_loop().call_later(BACKSTOP_S, self._settle, entry, md, tenant, hint, rid, True)
             return
         self._settle(entry, md, tenant, hint, rid, False)
@@ -372,12 +375,13 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         flags = common.response_flags
         stream = attr(md, "stream") == "1"
         prompt_bound = int(orjson.loads(hint).get("p", 0))
-        prompt = attr(md, "usage_prompt")  # present only when json_to_metadata found a usage object
+        # Present only when json_to_metadata (a JSON answer) or the Lua stream guard found a usage object.
+        prompt = attr(md, Key.USAGE_PROMPT)
         usage: Usage | None = None
         if prompt and not backstop:
-            usage = {"prompt_tokens": int(prompt), "completion_tokens": int(attr(md, "usage_completion") or 0),
-                     "prompt_tokens_details": {"cached_tokens": int(attr(md, "usage_cached") or 0)}}
-        chunks = attr(md, "stream_chunks")  # the stream guard's count of what was generated before the cut
+            usage = {"prompt_tokens": int(prompt), "completion_tokens": int(attr(md, Key.USAGE_COMPLETION) or 0),
+                     "prompt_tokens_details": {"cached_tokens": int(attr(md, Key.USAGE_CACHED) or 0)}}
+        chunks = attr(md, Key.STREAM_CHUNKS)  # the stream guard's count of what was generated so far
         source = "reported" if usage else "none"
         if usage is None and stream and chunks and 200 <= status < 300 and not backstop:
             usage, source = estimated(prompt_bound, int(chunks)), "estimated"
@@ -388,8 +392,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         elif backstop:
             termination = "unknown"  # its filter never settled it: what the client got is not known
         else:
-            # A stream reaches here only when Envoy cut it after it started (or it failed before).
-            termination = termination_of(status, not stream)
+            # A stream is complete only when the Lua stream guard saw its normal end; a stream it did
+            # not guard reaches here only when Envoy cut it after it started (or it failed before).
+            termination = termination_of(status, attr(md, Key.STREAM_END) == StreamEnd.DONE if stream else True)
         failed = "released"
         if usage is None and not 200 <= status < 300:
             usage, failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
@@ -408,6 +413,8 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0))
 
 
+# Settled by their own ext_proc filter, the access log being the backstop.
+_OWN_FILTER_SETTLES = (Settle.METERED, Settle.KEPT_STREAM)
 # Envoy's response flags for an exchange that ended abnormally (UF, UC, UR, UPE, DC, DPE, UT, SI, UO,
 # URX, UMSDR, UH, LR), as the access log's proto names them.
 _CUT_FIELDS = ("upstream_connection_failure", "upstream_connection_termination", "upstream_remote_reset",

@@ -30,6 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, error_body
+from extproc.names import INTERRUPTED, Key, StreamEnd
 from extproc.settlement import ATTRIBUTES, MD, Meter, attr, with_first
 from extproc.sse import MAX_EVENT_BYTES, StreamUsage, event_data, take_events
 
@@ -55,8 +56,8 @@ class StreamGuard:
         usage, buf = StreamUsage(), bytearray()
         broken, over, complete = "", "", False
         counted = 0
-        limit_ms = attr(attrs, f"{MD}['max_stream_ms']")
-        ends_at = time.monotonic() + int(limit_ms) / 1000 if limit_ms.isdigit() else None
+        ends_at_ms = attr(attrs, f"{MD}['{Key.STREAM_ENDS_AT_MS}']")
+        ends_at = int(ends_at_ms) / 1000 if ends_at_ms.isdigit() else None
 
         # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
         # before any route chose it: only an admitted stream holding a reservation is guarded.
@@ -80,8 +81,8 @@ class StreamGuard:
                     yield ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
                         status=http_status_pb2.HttpStatus(code=504), details="llmgw_max_stream_duration"))
                     break
-                if not broken and ends_at is not None and time.monotonic() > ends_at:
-                    broken = over = "the stream reached the route's maximum duration (max_stream_ms)"
+                if not broken and ends_at is not None and time.time() > ends_at:
+                    broken = over = INTERRUPTED[StreamEnd.OVER]
                 if not broken:
                     buf += msg.response_body.body
                     for event in take_events(buf):
@@ -92,21 +93,21 @@ class StreamGuard:
                         try:
                             obj: Any = None if data.strip() == "[DONE]" else json.loads(data)
                         except ValueError:
-                            broken = "the upstream sent a malformed event"
+                            broken = INTERRUPTED[StreamEnd.MALFORMED]
                             break
                         if isinstance(obj, dict) and "error" in obj:
-                            broken = "the upstream reported an error mid-stream"
+                            broken = INTERRUPTED[StreamEnd.ERROR]
                             break
                         usage.observe(data)
                         if withhold and isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
                             continue  # the usage chunk the client did not ask for
                         out += event
                     if not broken and len(buf) > MAX_EVENT_BYTES:
-                        broken = "the upstream sent an oversized event"
+                        broken = INTERRUPTED[StreamEnd.OVERSIZED]
                 if msg.response_body.end_of_stream:
                     complete = True
                     if not broken and not usage.done:
-                        broken = "the upstream ended the stream without finishing it"
+                        broken = INTERRUPTED[StreamEnd.UNFINISHED]
                 if broken and not usage.error:
                     usage.error = True  # recorded as stream_interrupted; the event goes out once
                     out += interrupted_event(broken)

@@ -50,6 +50,7 @@ from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
@@ -82,11 +83,13 @@ from extproc.config import Snapshot
 from extproc.config.schema import ExtprocTls, ListenerTls, Pool, TlsSettings
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ROLE_KEY, ErrorCode, Role
 from extproc.fallback import candidate_subsets, composite_name, sub_clusters
+from extproc.names import INTERRUPTED, Key, Settle
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
+from extproc.sse import MAX_EVENT_BYTES
+from extproc.streams import interrupted_event
 
 EXTPROC_CLUSTER = "llmgw_extproc"
-ADMIT_KEY = "cluster"  # io.llmgw metadata key naming the cluster ext_proc admitted the request to
 OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
 
 
@@ -455,6 +458,37 @@ def _stream_filter() -> ext_proc_pb2.ExternalProcessor:
     )
 
 
+LUA_STREAM_GUARD = "llmgw.lua_streams"
+LUA_SOURCE = Path(__file__).with_name("lua") / "stream_guard.lua"
+
+
+def _lua_string(s: str) -> str:
+    """A Lua long string holding s exactly (its level chosen so s cannot close it)."""
+    level = 0
+    while f"]{'=' * level}]" in s:
+        level += 1
+    eq = "=" * level
+    return f"[{eq}[{s}]{eq}]" if not s.startswith("\n") else f"[{eq}[\n{s}]{eq}]"
+
+
+def stream_guard_lua() -> str:
+    """The Lua stream guard's source: its CONFIG (names from extproc/names.py, the contract's events
+    from extproc/contract.py) and then llmgw/lua/stream_guard.lua."""
+    keys = ", ".join(f"{k.name.lower()} = {_lua_string(k.value)}" for k in Key)
+    events = ", ".join(f"{end.value} = {_lua_string(interrupted_event(message).decode())}"
+                       for end, message in INTERRUPTED.items())
+    config = (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, settle_stream = {_lua_string(Settle.STREAM)},"
+              f" max_event_bytes = {MAX_EVENT_BYTES},\n  keys = {{{keys}}},\n  events = {{{events}}}}}\n")
+    return config + LUA_SOURCE.read_text()
+
+
+def _lua_stream_guard() -> lua_pb2.Lua:
+    """Streams (their own admitted route): every chunk passes through LuaJIT in Envoy, never a round
+    trip to ext_proc; the script does what extproc/streams.py does for idempotent streams, and leaves
+    settlement to the access log (llmgw/lua/stream_guard.lua)."""
+    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=stream_guard_lua()))
+
+
 def _http_filter(name: str, msg: object, disabled: bool = False) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=name, typed_config=pack(msg), disabled=disabled)
 
@@ -475,15 +509,19 @@ def _no_meter() -> dict[str, any_pb2.Any]:
 
 
 def _no_stream_guard() -> dict[str, any_pb2.Any]:
-    return {STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+    return {STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_lua_guard()}
+
+
+def _no_lua_guard() -> dict[str, any_pb2.Any]:
+    return {LUA_STREAM_GUARD: pack(lua_pb2.LuaPerRoute(disabled=True))}
 
 
 def meters(snap: Snapshot) -> bool:
     return any(r.budget_reservation != "off" for r in snap.routes.values())
 
 
-USAGE_FIELDS = (("usage_prompt", ("usage", "prompt_tokens")), ("usage_completion", ("usage", "completion_tokens")),
-                ("usage_cached", ("usage", "prompt_tokens_details", "cached_tokens")))
+USAGE_FIELDS = ((Key.USAGE_PROMPT, ("usage", "prompt_tokens")), (Key.USAGE_COMPLETION, ("usage", "completion_tokens")),
+                (Key.USAGE_CACHED, ("usage", "prompt_tokens_details", "cached_tokens")))
 
 
 def _usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
@@ -506,7 +544,7 @@ def _settlement_log() -> accesslog_pb2.AccessLog:
     # Every request that holds a reservation (its metadata says how it settles).
     which = accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(
         matcher=metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
-                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key="settle")],
+                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=Key.SETTLE)],
                                              value=value_pb2.ValueMatcher(present_match=True))))
     config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
@@ -552,24 +590,28 @@ def _route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteCon
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
                                             value=_string_value_matcher(value))
     for cluster in clusters:
-        for kind in ("stream", "metered", ""):
-            # Streams: the stream guard (no meter). Idempotent JSON: the meter. Other JSON: neither.
-            per_route = {"stream": {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))},
-                         "metered": _no_stream_guard(), "": _no_meter()}[kind]
+        for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
+            # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
+            # stream guard only (it reads `settle` itself). Other JSON: none of them.
+            no_meter = {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+            per_route = {Settle.STREAM: {**no_meter, STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))},
+                         Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
+                         Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
+            streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
             routes.append(route_components_pb2.Route(
-                name=f"admitted_{cluster}" + (f"_{kind}" if kind else ""),
+                name=f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}"),
                 match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
-                    md(ADMIT_KEY, cluster), *([md("settle", kind)] if kind else [])]),
+                    md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]),
                 route=route_components_pb2.RouteAction(
                     # A JSON answer is silent until generated: its bound is the deadline. A stream's
                     # silence is bounded per attempt (and an attempt silent before its first byte may
                     # be retried or fall back, when ext_proc's retry policy says `reset`).
                     cluster=cluster, timeout=duration_ms(0),
-                    idle_timeout=duration_ms(stream_idle_ms if kind == "stream" else 300_000),
+                    idle_timeout=duration_ms(stream_idle_ms if streamed else 300_000),
                     # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
                     # x-envoy-max-retries, set after the decision). A retry goes to another engine.
                     retry_policy=route_components_pb2.RetryPolicy(
-                        per_try_idle_timeout=duration_ms(stream_idle_ms) if kind == "stream" else None,
+                        per_try_idle_timeout=duration_ms(stream_idle_ms) if streamed else None,
                         num_retries=wrappers_pb2.UInt32Value(value=0),
                         retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
                             name="envoy.retry_host_predicates.previous_hosts",
@@ -602,12 +644,15 @@ def _route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteCon
 
 def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:
     """Turn on the response filters that are off by default (where a gateway renders them). Envoy
-    refuses an empty per-route config, so it repeats a setting both filters already have."""
+    refuses an empty per-route config, so each repeats a setting its filter already has."""
     if not meters(snap):
         return {}
     on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(ext_proc_pb2.ExtProcPerRoute(
         overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))))))
-    return {METER_FILTER: on, STREAM_FILTER: on}
+    # The Lua filter joins the chain here, its script off on this route: it runs on the stream route
+    # ext_proc's decision then selects, and on no other (_no_lua_guard).
+    lua_on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(lua_pb2.LuaPerRoute(disabled=True))))
+    return {METER_FILTER: on, STREAM_FILTER: on, LUA_STREAM_GUARD: lua_on}
 
 
 def _string_value_matcher(s: str) -> value_pb2.ValueMatcher:
@@ -665,6 +710,7 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             # own replies (a malformed request, a header too large) never wait for them.
             *([_http_filter(METER_FILTER, _meter_filter(snap), disabled=True),
                _http_filter(STREAM_FILTER, _stream_filter(), disabled=True),
+               _http_filter(LUA_STREAM_GUARD, _lua_stream_guard(), disabled=True),
                _http_filter("envoy.filters.http.json_to_metadata", _usage_to_metadata())] if meters(snap) else []),
             _http_filter(UPSTREAM_HEADERS_FILTER, _upstream_headers_filter()),
             _http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),

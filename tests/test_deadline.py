@@ -18,7 +18,7 @@ import yaml
 from enginesim.tokenizer import TextSampler
 from extproc.config import load_snapshot
 from extproc.contract import ErrorCode, GatewayError
-from extproc.exchange import Exchange
+from extproc.exchange import STREAM_END_GRACE_MS, Exchange
 from extproc.stages.deadline import Deadline
 from extproc.stages.retry import Retries
 from llmgw.stack import Stack
@@ -114,12 +114,22 @@ def test_deadline_spent_before_dispatch_is_refused() -> None:
 
 def test_remaining_time_goes_to_the_matching_envoy_timeout() -> None:
     snap = load_snapshot(POLICY)
+    route = snap.routes["chat-default"]
     for stream, key in ((False, "rq_timeout_ms"), (True, "per_try_timeout_ms")):
-        ex = Exchange(snapshot=snap, route=snap.routes["chat-default"], stream=stream, deadline_ms=2000)
+        ex = Exchange(snapshot=snap, route=route, stream=stream, deadline_ms=2000)
         asyncio.run(Deadline().run(ex))
         assert 1900 <= ex.remaining_ms <= 2000
         md = ex.metadata()
-        assert md[key] == str(ex.remaining_ms) and len({"rq_timeout_ms", "per_try_timeout_ms"} & set(md)) == 1
+        assert md[key] == str(ex.remaining_ms)
+        if stream:
+            # The deadline bounds the first byte; the whole stream ends max_stream_ms after its arrival:
+            # the stream guard's end time, and Envoy's whole-request timer a grace later.
+            ends_at = int(md["stream_ends_at_ms"])
+            assert ends_at == int(ex.arrived_at * 1000) + route.max_stream_ms
+            left = ends_at - time.time() * 1000 + STREAM_END_GRACE_MS
+            assert left - 100 <= int(md["rq_timeout_ms"]) <= left + 1
+        else:
+            assert "per_try_timeout_ms" not in md and "stream_ends_at_ms" not in md
 
 
 def test_retry_policy_per_request() -> None:

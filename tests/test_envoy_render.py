@@ -63,8 +63,8 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
     # decision selected.
     assert list(filters(rendered)) == [
         "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
-        "llmgw.meter", "llmgw.streams", "envoy.filters.http.json_to_metadata", "llmgw.upstream_headers",
-        "envoy.filters.http.custom_response", "envoy.filters.http.router"]
+        "llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "envoy.filters.http.json_to_metadata",
+        "llmgw.upstream_headers", "envoy.filters.http.custom_response", "envoy.filters.http.router"]
 
 
 def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: dict[str, Any]) -> None:
@@ -72,8 +72,11 @@ def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: di
     assert chain["llmgw.meter"]["disabled"] is True and chain["llmgw.streams"]["disabled"] is True
     routes = {r["name"]: r for r in hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]}
     on = routes["chat_without_body"]["typed_per_filter_config"]
-    assert {"llmgw.meter", "llmgw.streams"} <= set(on)
-    assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams"))
+    assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"} <= set(on)
+    assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams", "llmgw.lua_streams"))
+    # The Lua guard's script is off on the route that turns its filter on: it runs on the stream route.
+    assert on["llmgw.lua_streams"]["config"]["disabled"] is True
+    assert chain["llmgw.lua_streams"]["disabled"] is True
     meter = filters(rendered)["llmgw.meter"]
     assert "observability_mode" not in meter and meter["failure_mode_allow"] is True  # blocking, fails open
     pm = meter["processing_mode"]
@@ -100,14 +103,19 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
         assert r["request_headers_to_remove"] == ["authorization"]
-        # Streams: the stream guard. Idempotent JSON: the meter. Other JSON: the access log settles.
-        kind = r["name"].rsplit("_", 1)[-1] if r["name"].endswith(("_stream", "_metered")) else ""
+        # Streams: the Lua stream guard. Idempotent streams: ext_proc's stream guard. Idempotent JSON:
+        # the meter. Other JSON: none of them (the access log settles).
         extra = r["match"]["dynamic_metadata"][1:]
-        assert [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra] == (
-            [("settle", kind)] if kind else [])
-        off = set(r.get("typed_per_filter_config", {})) & {"llmgw.meter", "llmgw.streams"}
-        expected = {"stream": {"llmgw.meter"}, "metered": {"llmgw.streams"}, "": {"llmgw.meter", "llmgw.streams"}}
-        assert off == expected[kind]
+        settles = [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra]
+        assert settles in ([], [("settle", "stream")], [("settle", "kept_stream")], [("settle", "metered")])
+        kind = settles[0][1] if settles else ""
+        assert r["name"] == f"admitted_{r['route']['cluster']}" + (f"_{kind}" if kind else "")
+        guards = {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"}
+        off = set(r.get("typed_per_filter_config", {})) & guards
+        on = {"stream": "llmgw.lua_streams", "kept_stream": "llmgw.streams", "metered": "llmgw.meter", "": None}
+        assert off == guards - {on[kind]}, (kind, off)
+    assert {r["name"].removeprefix("admitted_pool_engine-pool") for r in to_clusters} >= {
+        "", "_stream", "_kept_stream", "_metered"}
     # Everything else is answered by Envoy itself in the contract's JSON.
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:

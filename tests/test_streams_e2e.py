@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import openai
@@ -13,7 +14,7 @@ import pytest
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS
 from tests.conftest import ledger_of as conftest_ledger_of
-from tests.helpers import chat_body, inject_fault, stream_raw
+from tests.helpers import chat_body, inject_fault, request, stream_raw
 from tests.test_e2e_served_path import engine_log
 
 pytestmark = pytest.mark.e2e
@@ -79,3 +80,30 @@ def test_a_failure_after_the_first_byte_is_stream_interrupted(stack: Stack, faul
     # The guard settles what it saw; a stream cut before the guard saw it settles from the access log,
     # its usage unknown: charged in full (ambiguous), never freed.
     assert entry["settlement"] in (("partial",) if fault.startswith("malformed") else ("partial", "ambiguous"))
+
+
+def extproc_messages(stack: Stack) -> Counter[str]:
+    """ext_proc messages received so far, by role, summed over the workers (their own counters)."""
+    total: Counter[str] = Counter()
+    for url in stack.status_urls:
+        total.update(request(url).json()["extproc_messages"])
+    return total
+
+
+def test_a_long_stream_costs_ext_proc_a_constant_number_of_messages(stack: Stack) -> None:
+    """Per chunk, a stream passes Envoy's native filters only: 256 tokens, one event each, cost the
+    decision's one message and nothing per chunk (the Lua stream guard withholds the usage chunk and
+    hands its numbers to the access log, which settles)."""
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
+    before = extproc_messages(stack)
+    with client.chat.completions.with_streaming_response.create(
+            model="chat-default", max_tokens=256, stream=True, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": f"long-{time.time_ns()}"}]) as resp:
+        rid = resp.headers["x-request-id"]
+        chunks = list(resp.parse())
+    tokens = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(tokens) == 256 and all(c.usage is None for c in chunks)
+    entry = ledger_of(stack, rid)
+    assert entry["settlement"] == "actual" and entry["usage"]["completion_tokens"] == 256
+    spent = extproc_messages(stack) - before
+    assert spent == Counter({"decision": 1}), spent

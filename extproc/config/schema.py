@@ -418,7 +418,7 @@ class Route(Strict):
     candidates: tuple[Candidate, ...] = Field(min_length=1, max_length=MAX_CANDIDATES)
     credential_ref: CredentialRef | None = None
     deadline_ms: int = Field(default=30_000, gt=0)
-    max_stream_ms: int = Field(default=600_000, gt=0)  # a stream's whole length after its first byte
+    max_stream_ms: int = Field(default=600_000, gt=0)  # a stream's whole length, from its arrival
     max_tokens_cap: int | None = Field(default=None, gt=0)
     budget_reservation: Literal["required", "optional", "off"] = "required"
     retry: RetryPolicy = RetryPolicy()

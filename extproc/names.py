@@ -1,0 +1,75 @@
+"""Names on the wire between ext_proc, Envoy and its native filters: the keys of the io.llmgw dynamic
+metadata and their fixed values. The data plane, the renderer (llmgw/envoy_render.py) and the Lua
+stream guard (llmgw/lua/stream_guard.lua, which gets them rendered in) all take them from here, so a
+misspelt key is an AttributeError, not a value that silently reads as empty."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Key(StrEnum):
+    """Keys of the io.llmgw metadata namespace (extproc/contract.py's METADATA_NAMESPACE)."""
+
+    # Set by the decision (extproc/exchange.py), read by Envoy's routes, headers and access logs.
+    REVISION = "revision"
+    REQUEST_ID = "request_id"
+    TENANT = "tenant"
+    SUBJECT = "subject"
+    DECISION = "decision"
+    POLICY_REVISION = "policy_revision"
+    REASONS = "reasons"
+    REDACTIONS = "redactions"
+    HOLD = "hold"  # the reservation's hint: only requests holding one are settled
+    SETTLE = "settle"  # how it settles: a Settle value
+    STREAM = "stream"  # "1" for a streamed answer
+    STREAM_ENDS_AT_MS = "stream_ends_at_ms"  # epoch ms: the stream guard ends the stream there
+    WITHHOLD_USAGE = "withhold_usage"  # "1": the usage chunk was asked for on the client's behalf
+    ROUTE = "route"
+    DEPLOYMENT = "deployment"
+    CLUSTER = "cluster"  # the cluster the request was admitted to (routes match on it)
+    PLAN = "plan"  # a fallback route's candidates, for the attempt filter
+    RQ_TIMEOUT_MS = "rq_timeout_ms"
+    PER_TRY_TIMEOUT_MS = "per_try_timeout_ms"
+    TRACEPARENT = "traceparent"
+    TRACESTATE = "tracestate"
+    RETRY_ON = "retry_on"
+    RETRIABLE_CODES = "retriable_codes"
+    MAX_RETRIES = "max_retries"
+    # Set by Envoy's filters on the response: json_to_metadata (a JSON answer's usage) and the
+    # stream guards (a stream's usage, its chunk count, how it ended).
+    USAGE_PROMPT = "usage_prompt"
+    USAGE_COMPLETION = "usage_completion"
+    USAGE_CACHED = "usage_cached"
+    STREAM_CHUNKS = "stream_chunks"
+    STREAM_END = "stream_end"  # a StreamEnd value; absent: Envoy cut the stream
+
+
+class Settle(StrEnum):
+    """Who settles an admitted request (the route it takes turns on the response filter it needs)."""
+
+    ACCESS_LOG = "als"  # a JSON answer: its usage reaches the access log through json_to_metadata
+    METERED = "metered"  # an idempotent JSON answer: the meter records it for replay, then settles
+    STREAM = "stream"  # a stream: the Lua stream guard in Envoy, settled from the access log
+    KEPT_STREAM = "kept_stream"  # an idempotent stream: the ext_proc stream guard records it for replay
+
+
+class StreamEnd(StrEnum):
+    """How the Lua stream guard saw a stream end (Key.STREAM_END)."""
+
+    DONE = "done"
+    MALFORMED = "malformed"
+    ERROR = "error"
+    OVERSIZED = "oversized"
+    UNFINISHED = "unfinished"
+    OVER = "over"  # past its end time (max_stream_ms)
+
+
+# Why a stream ended early, as its `stream_interrupted` event says it.
+INTERRUPTED: dict[StreamEnd, str] = {
+    StreamEnd.MALFORMED: "the upstream sent a malformed event",
+    StreamEnd.ERROR: "the upstream reported an error mid-stream",
+    StreamEnd.OVERSIZED: "the upstream sent an oversized event",
+    StreamEnd.UNFINISHED: "the upstream ended the stream without finishing it",
+    StreamEnd.OVER: "the stream reached the route's maximum duration (max_stream_ms)",
+}
