@@ -20,9 +20,7 @@ Plus in-process figures: one Rego evaluation, and redaction of a 32 KiB prompt.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import shutil
 import statistics
@@ -39,8 +37,8 @@ from extproc.chat import map_rendered
 from extproc.config import load_snapshot
 from extproc.redact import Redactor
 from llmgw.bench import WRK_LUA, Result, _med, _start_envoy, bare_bootstrap, demo_policy, run_wrk, upstream_bootstrap
-from llmgw.procs import free_port
-from llmgw.stack import Stack, StackOptions
+from llmgw.procs import cpu_seconds, free_port
+from llmgw.stack import Stack, StackOptions, gateway_processes
 
 ALLOW_ALL = ('package llmgw.authz\n\nimport rego.v1\n\n'
              'decision := {"allow": true, "reasons": [], "obligations": {"redact": [], "record_content": false}}\n')
@@ -98,16 +96,7 @@ CpuUs = dict[tuple[str, int], dict[str, float]]  # (variant, concurrency) -> pro
 
 def _cpu_seconds(stack: Stack) -> dict[str, float]:
     """CPU time (user + system) each of the gateway's processes has used so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for kind, children in (("envoy", [stack.envoy]), ("ext_proc", stack.extprocs), ("store", [stack.valkey])):
-        for child in children:
-            if child is None or child.proc is None:
-                continue
-            with contextlib.suppress(OSError):
-                fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return cpu_seconds(gateway_processes(stack))
 
 
 def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Namespace,

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.bench_policy import add_parser as add_policy_bench
 
     add_policy_bench(bsub)
+    from llmgw.bench_stream import add_parser as add_stream_bench
+
+    add_stream_bench(bsub)
     from llmgw.ledger_cmd import add_parser as add_ledger
 
     add_ledger(sub)

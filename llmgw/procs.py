@@ -149,3 +149,18 @@ def tcp_open(host: str, port: int) -> bool:
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def cpu_seconds(children: dict[str, list[Child]]) -> dict[str, float]:
+    """CPU time (user + system, Linux /proc) each kind of process has used so far, summed over its
+    processes: how the benchmarks attribute cost to Envoy, ext_proc workers and the store."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for kind, procs in children.items():
+        for child in procs:
+            if child.proc is None:
+                continue
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out

@@ -309,3 +309,9 @@ class Stack:
             **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")
         return path
+
+
+def gateway_processes(stack: Stack) -> dict[str, list[Child]]:
+    """A running gateway's processes by kind, as the benchmarks report their cost."""
+    return {"envoy": [c for c in [stack.envoy] if c is not None], "ext_proc": list(stack.extprocs),
+            "store": [c for c in [stack.valkey] if c is not None]}
