@@ -1,11 +1,18 @@
 """Endpoint picker for an engine pool: one Envoy cluster, N vLLM engines.
 
-Every engine's `/metrics` is scraped every `interval` (75 ms); a reading older than `stale_after`
-(2 s) does not count, so a dead or hung engine is never picked. Candidates are scored with the Gateway
+Every engine's `/metrics` is scraped every `interval` (75 ms) while the gateway has traffic, and every
+`idle_interval` (1 s) when it has had none for `active_for` (10 s): a reading older than `stale_after`
+(2 s) does not count, so a dead or hung engine is never picked, and an idle gateway costs little. The
+first pick after a quiet spell wakes the scrapers at once. Candidates are scored with the Gateway
 API Inference Extension's default weights - waiting queue (2), free KV cache (2), prefix affinity (3) -
 plus running requests (1), each term in [0, 1] on absolute load (1 / (1 + queue)), and ordered best
 first. Envoy's `override_host` policy takes
 that order from the `envoy.lb` metadata and falls back to least-request when the list is empty.
+
+Workers on one host share one scraper (`shared_dir`): the worker holding the directory's lock scrapes
+and publishes the readings in a file the others read on the same schedule; a worker that picks marks
+the directory active, so the scraper keeps the fast pace while any worker has traffic. When the
+scraper's worker dies its lock is released and another worker takes over within one interval.
 
 Prefix affinity is keyed by tenant: block hashes of the prompt chain from the tenant's cache salt, so
 one tenant's traffic never steers towards blocks another tenant cached (invariant 10).
@@ -15,14 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import aiohttp
+import orjson
 
 log = logging.getLogger("llmgw.picker")
 
@@ -77,42 +88,121 @@ def prompt_blocks(salt: str, messages: object) -> list[int]:
 
 
 class Picker:
-    def __init__(self, pools: Mapping[str, Iterable[str]], interval: float = 0.075, stale_after: float = 2.0):
+    def __init__(self, pools: Mapping[str, Iterable[str]], interval: float = 0.075, stale_after: float = 2.0,
+                 idle_interval: float = 1.0, active_for: float = 10.0, shared_dir: Path | None = None):
         self.pools = {name: tuple(eps) for name, eps in pools.items()}
-        self.interval = interval
+        self.interval, self.idle_interval, self.active_for = interval, idle_interval, active_for
         self.stale_after = stale_after
         self.loads: dict[str, EngineLoad] = {}
+        self.scrapes = 0  # metrics pages fetched by this worker (GET /status reports it)
         self._affinity: OrderedDict[int, str] = OrderedDict()  # block hash -> endpoint
         self._picked_at: dict[str, list[float]] = {}  # picks per endpoint, newest last
-        self._tasks: list[asyncio.Task[None]] = []
+        self._last_pick = 0.0
+        self._marked_active = 0.0  # when this worker last told the shared scraper it has traffic
+        self._woken = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._shared = shared_dir
+        self._lock_fd: int | None = None
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
-        for endpoints in self.pools.values():
-            for ep in endpoints:
-                self._tasks.append(asyncio.create_task(self._scrape_forever(ep)))
+        if self._shared is not None:
+            self._shared.mkdir(parents=True, exist_ok=True)
+        self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
+        if self._task is not None:
+            self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await t
+                await self._task
         if self._session is not None:
             await self._session.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock: another worker scrapes
+            self._lock_fd = None
 
-    async def _scrape_forever(self, endpoint: str) -> None:
-        assert self._session is not None
+    def _active(self, now: float) -> bool:
+        """Traffic within `active_for`: here, or (shared) at any worker on this host."""
+        if now - self._last_pick < self.active_for:
+            return True
+        if self._shared is None:
+            return False
+        with contextlib.suppress(OSError):
+            return time.time() - (self._shared / "active").stat().st_mtime < self.active_for
+        return False
+
+    def _scraper(self) -> bool:
+        """Whether this worker scrapes: always when not shared, else while it holds the lock."""
+        if self._shared is None or self._lock_fd is not None:
+            return True
+        fd = os.open(self._shared / "scraper.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        log.info("this worker scrapes the engines' metrics for the workers on this host")
+        return True
+
+    async def _run(self) -> None:
         while True:
+            now = time.monotonic()
             try:
-                async with self._session.get(f"http://{endpoint}/metrics") as r:
-                    if r.status == 200:
-                        self.loads[endpoint] = parse_load(await r.text(), time.monotonic())
-            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("scrape %s failed: %s", endpoint, e)
-            await asyncio.sleep(self.interval)
+                if self._scraper():
+                    await self._scrape_all()
+                else:
+                    self._read_shared()
+            except Exception:  # never let the picker's loop die: stale readings only mean Envoy picks
+                log.exception("picker round failed")
+            pace = self.interval if self._active(now) else self.idle_interval
+            self._woken.clear()
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that arrives as the
+            # event is set, and stop() would then wait for ever.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, pace - (time.monotonic() - now))):
+                    await self._woken.wait()
+
+    async def _scrape_all(self) -> None:
+        endpoints = [ep for eps in self.pools.values() for ep in eps]
+        await asyncio.gather(*(self._scrape(ep) for ep in endpoints))
+        if self._shared is not None:
+            doc = {ep: asdict(ld) for ep, ld in self.loads.items()}
+            tmp = self._shared / f"loads.{os.getpid()}.tmp"
+            tmp.write_bytes(orjson.dumps(doc))
+            tmp.replace(self._shared / "loads.json")  # readers see a whole file, old or new
+
+    async def _scrape(self, endpoint: str) -> None:
+        assert self._session is not None
+        self.scrapes += 1
+        try:
+            async with self._session.get(f"http://{endpoint}/metrics") as r:
+                if r.status == 200:
+                    self.loads[endpoint] = parse_load(await r.text(), time.monotonic())
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("scrape %s failed: %s", endpoint, e)
+
+    def _read_shared(self) -> None:
+        """The shared scraper's readings (monotonic times are host-wide on Linux)."""
+        assert self._shared is not None
+        try:
+            doc = orjson.loads((self._shared / "loads.json").read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return  # no scraper yet: readings stay as they are and go stale
+        self.loads = {ep: EngineLoad(**ld) for ep, ld in doc.items()}
+
+    def _note_pick(self, now: float) -> None:
+        """A pick after a quiet spell wakes the scraping at once; a shared scraper learns of traffic
+        here from the directory's mark (touched at most twice a second)."""
+        if now - self._last_pick >= self.active_for:
+            self._woken.set()
+        self._last_pick = now
+        if self._shared is not None and now - self._marked_active > 0.5:
+            self._marked_active = now
+            with contextlib.suppress(OSError):
+                (self._shared / "active").touch()
 
     def fresh(self, endpoint: str, now: float) -> EngineLoad | None:
         load = self.loads.get(endpoint)
@@ -123,6 +213,7 @@ class Picker:
         `record`: the first is where the request goes (its prefix affinity and a pending request are
         noted); False for a fallback candidate's pool, which only a failure sends to."""
         now = time.monotonic()
+        self._note_pick(now)
         loads = {ep: ld for ep in self.pools.get(pool, ()) if (ld := self.fresh(ep, now)) is not None}
         if not loads:
             return []

@@ -21,6 +21,7 @@ import signal
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -257,12 +258,13 @@ def live_for(snapshot: Snapshot) -> Live:
 
 
 async def status_app(reloader: Reloader, listen: str, processor: Processor | None = None,
-                     access_log: SettlementLog | None = None) -> web.AppRunner:
+                     access_log: SettlementLog | None = None, picker: Picker | None = None) -> web.AppRunner:
     """GET /status: the serving revision, the last reload's outcome (errors name file and field),
-    and the ext_proc messages and access-log entries this worker has received."""
+    and what this worker has received (ext_proc messages, access-log entries) and scraped."""
     async def status(_: web.Request) -> web.Response:
         counts = {"extproc_messages": dict(processor.messages) if processor is not None else {},
-                  "access_log_entries": access_log.entries if access_log is not None else 0}
+                  "access_log_entries": access_log.entries if access_log is not None else 0,
+                  "metrics_scrapes": picker.scrapes if picker is not None else 0}
         return web.json_response({**reloader.status, **counts})
 
     async def reload(_: web.Request) -> web.Response:
@@ -302,13 +304,13 @@ def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[s
 
 async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] | None = None,
                 status_listen: str | None = None, credentials: grpc.ServerCredentials | None = None,
-                store_url: str | None = None) -> None:
+                store_url: str | None = None, picker_dir: Path | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.so_reuseport", 0),
     ])
-    picker = Picker(pools) if pools else None
+    picker = Picker(pools, shared_dir=picker_dir) if pools else None
     if picker is not None:
         await picker.start()
     jwks = JwksCache()
@@ -329,7 +331,7 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if bound == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
-    runner = await status_app(reloader, status_listen, processor, settlement_log) if status_listen else None
+    runner = await status_app(reloader, status_listen, processor, settlement_log, picker) if status_listen else None
     log.info("ext_proc listening on %s%s, revision %s", listen, " (mTLS)" if credentials else "",
              reloader.live.snapshot.revision)
     stop = asyncio.Event()
@@ -360,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pool", action="append", default=[], metavar="NAME=HOST:PORT,...",
                    help="a pool's engine addresses, where they differ from gateway.yaml's")
     p.add_argument("--no-picker", action="store_true", help="leave engine choice to Envoy's least-request")
+    p.add_argument("--picker-dir", type=Path, default=os.environ.get("LLMGW_PICKER_DIR") or None,
+                   help="a directory the workers on this host share, so one of them scrapes the engines for all "
+                        "(default $LLMGW_PICKER_DIR; none: each worker scrapes)")
     p.add_argument("--status-listen", metavar="HOST:PORT", help="serve GET /status (revision, last reload)")
     p.add_argument("--store-url", help="redis:// URL of the budget store (default: gateway.yaml store.url)")
     p.add_argument("--reload-runs-policy-tests", action="store_true",
@@ -397,4 +402,5 @@ def main(argv: list[str] | None = None) -> None:
     uvloop.install()
     reloader = Reloader(snapshot.directory, live_for, live, run_tests=args.reload_runs_policy_tests)
     pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
-    asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials, args.store_url))
+    asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials, args.store_url,
+                      args.picker_dir))

@@ -1,4 +1,8 @@
-"""The stream guard: every chunk of a streamed answer passes through here before the client sees it.
+"""ext_proc's stream guard, for streams with an Idempotency-Key: every chunk passes through here
+before the client sees it, because what the client received is recorded for replay before its last
+chunk reaches it (a store write). Every other stream is guarded in Envoy by the Lua stream guard
+(llmgw/lua/stream_guard.lua), which does the same per chunk without a round trip and leaves
+settlement to the access log.
 
 - Whole events only: a chunk boundary inside an event holds that part back until the rest arrives.
 - The usage chunk the gateway asked for on the client's behalf (`stream_options.include_usage`) is

@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.bench_stream import add_parser as add_stream_bench
 
     add_stream_bench(bsub)
+    from llmgw.bench_idle import add_parser as add_idle_bench
+
+    add_idle_bench(bsub)
     from llmgw.ledger_cmd import add_parser as add_ledger
 
     add_ledger(sub)

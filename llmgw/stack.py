@@ -267,6 +267,8 @@ class Stack:
             self.extprocs.append(Child(f"extproc-{port}", python_module(
                 "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}", *pools,
                 "--status-listen", f"127.0.0.1:{status}", *tls_args, *self._store_args(),
+                # One worker scrapes the engines for all of this gateway's workers.
+                "--picker-dir", str(self.opts.state_dir / "picker"),
                 *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else [])),
                 self.logs / f"extproc-{port}.log", env=env).start())
         # Ready when its own status endpoint names this revision: the status server starts after the

@@ -15,6 +15,7 @@ import pytest
 
 from extproc.picker import EngineLoad, Picker, parse_load
 from extproc.stages.route import PickEndpoint
+from llmgw.procs import free_port
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, start_stack
 from tests.helpers import chat_body, request, request_quietly
@@ -130,6 +131,9 @@ def slow_stack(tmp_path: Path) -> Stack:
 @pytest.mark.e2e
 def test_requests_avoid_the_busy_engine(slow_stack: Stack) -> None:
     busy, idle = slow_stack.engine_urls()
+    # A gateway with traffic scrapes every 75 ms (an idle one every second: test_idle_scraping_...).
+    assert request(f"{slow_stack.url}/v1/chat/completions", "POST", chat_body(max_tokens=1),
+                   {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30).status == 200
     # Occupy one engine directly: one running, two waiting, for several seconds.
     threads = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST",
                                                       chat_body("meta-llama/Llama-3.1-8B-Instruct", max_tokens=400)),
@@ -155,3 +159,81 @@ def test_a_trickle_of_earlier_picks_is_not_load() -> None:
     assert p.pick("pool", "t", [{"role": "user", "content": "x"}])[0] == "idle:1"
     p._picked_at["idle:1"] = [now] * 5  # the same five picks in a burst are load
     assert p.pick("pool", "t", [{"role": "user", "content": "y"}])[0] == "busy:1"
+
+
+class MetricsServer:
+    """Engines' /metrics pages on loopback ports, counting the scrapes each gets."""
+
+    def __init__(self, n: int):
+        from aiohttp import web
+
+        self.hits: dict[str, int] = {}
+        self.ports = [free_port() for _ in range(n)]
+        self._runners: list[Any] = []
+        self._web = web
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    async def start(self) -> None:
+        web = self._web
+        for port in self.ports:
+            async def page(_: Any, ep: str = f"127.0.0.1:{port}") -> Any:
+                self.hits[ep] = self.hits.get(ep, 0) + 1
+                return web.Response(text=VLLM_PAGE)
+            app = web.Application()
+            app.router.add_get("/metrics", page)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            self._runners.append(runner)
+
+    async def stop(self) -> None:
+        for r in self._runners:
+            await r.cleanup()
+
+
+def test_idle_scraping_slows_down_and_a_pick_wakes_it() -> None:
+    async def scenario() -> None:
+        engines = MetricsServer(2)
+        await engines.start()
+        p = Picker({"pool": engines.endpoints}, interval=0.05, idle_interval=0.5, active_for=0.3)
+        await p.start()
+        await asyncio.sleep(1.05)  # idle from the start: about three rounds
+        idle = p.scrapes
+        assert 2 * 2 <= idle <= 2 * 4, idle
+        assert p.pick("pool", "s", MSGS)  # readings at most one idle interval old still count
+        await asyncio.sleep(0.25)  # woken at once, then every 50 ms while active
+        assert p.scrapes - idle >= 2 * 4, p.scrapes - idle
+        await p.stop()
+        await engines.stop()
+    asyncio.run(scenario())
+
+
+def test_workers_on_one_host_share_one_scraper(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engines = MetricsServer(4)
+        await engines.start()
+        pools = {"pool": engines.endpoints}
+        workers = [Picker(pools, interval=0.05, idle_interval=0.05, shared_dir=tmp_path / "picker") for _ in range(3)]
+        for w in workers:
+            await w.start()
+        await asyncio.sleep(0.6)
+        scrapers = [w for w in workers if w.scrapes]
+        assert len(scrapers) == 1  # one scrapes; the others read its readings
+        assert all(w.pick("pool", "s", MSGS) for w in workers)  # every worker has fresh readings
+        total = sum(engines.hits.values())
+        assert total <= 4 * (0.6 / 0.05 + 2), total  # one scraper's worth, not three
+        # The scraper's worker goes away: another takes over, and readings stay fresh.
+        await scrapers[0].stop()
+        rest = [w for w in workers if w is not scrapers[0]]
+        before = [w.scrapes for w in rest]
+        await asyncio.sleep(0.4)
+        assert sum(w.scrapes - b > 0 for w, b in zip(rest, before, strict=True)) == 1
+        now = time.monotonic()
+        assert all(w.fresh(ep, now) for w in rest for ep in engines.endpoints)
+        for w in rest:
+            await w.stop()
+        await engines.stop()
+    asyncio.run(scenario())

@@ -29,11 +29,20 @@ def events(raw: bytes) -> list[str]:
     return [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e.startswith("data: ")]
 
 
-def test_usage_the_client_did_not_ask_for_is_metered_and_withheld(stack: Stack) -> None:
+# Streams are guarded in Envoy (Lua); with an Idempotency-Key, by ext_proc (recorded for replay).
+GUARDS = pytest.mark.parametrize("idempotent", [False, True], ids=["lua-guard", "extproc-guard"])
+
+
+def idempotency(idempotent: bool) -> dict[str, str]:
+    return {"idempotency-key": f"k-{time.time_ns()}"} if idempotent else {}
+
+
+@GUARDS
+def test_usage_the_client_did_not_ask_for_is_metered_and_withheld(stack: Stack, idempotent: bool) -> None:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
     marker = f"withhold-{time.time_ns()}"
     with client.chat.completions.with_streaming_response.create(
-            model="chat-default", max_tokens=6, stream=True,
+            model="chat-default", max_tokens=6, stream=True, extra_headers=idempotency(idempotent),
             messages=[{"role": "user", "content": marker}]) as resp:
         rid = resp.headers["x-request-id"]
         chunks = list(resp.parse())
@@ -56,17 +65,18 @@ def test_usage_the_client_asked_for_reaches_it(stack: Stack) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
 
 
-def stream_until_cut(stack: Stack, fault: str) -> tuple[str, bytes]:
+def stream_until_cut(stack: Stack, fault: str, idempotent: bool = False) -> tuple[str, bytes]:
     """(request id, what arrived) of a stream that may be cut: a reset is what the client then sees."""
     marker = inject_fault(stack.engine_urls(), fault)
     _, rid, got = stream_raw(f"{stack.url}/v1/chat/completions", chat_body(content=marker, max_tokens=20, stream=True),
-                             {"authorization": f"Bearer {KEY}"}, timeout=10)
+                             {"authorization": f"Bearer {KEY}", **idempotency(idempotent)}, timeout=10)
     return rid, got
 
 
+@GUARDS
 @pytest.mark.parametrize("fault", ["malformed_after=3", "disconnect_after=3"])
-def test_a_failure_after_the_first_byte_is_stream_interrupted(stack: Stack, fault: str) -> None:
-    rid, raw = stream_until_cut(stack, fault)
+def test_a_failure_after_the_first_byte_is_stream_interrupted(stack: Stack, fault: str, idempotent: bool) -> None:
+    rid, raw = stream_until_cut(stack, fault, idempotent)
     got = events(raw)
     assert "[DONE]" not in got  # never a normal finish
     if fault.startswith("malformed"):  # the stream still flows: the guard ends it with the contract's event
