@@ -17,6 +17,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.core.v3 import base_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import json_format
@@ -34,34 +36,52 @@ from google.protobuf import json_format
 from extproc.config import load_snapshot
 from llmgw.demo_keys import ensure_demo_keys
 from llmgw.envoy_render import duration_ms, pack, socket_address, static_cluster
-from llmgw.procs import Child, envoy_binary, free_port, http_ok, wait_until
-from llmgw.stack import Stack, StackOptions
+from llmgw.procs import Child, cpu_seconds, envoy_binary, free_port, http_ok, wait_until
+from llmgw.stack import Stack, StackOptions, gateway_processes
 
 COMPLETION = json.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}})
-SSE = "".join(f"data: {json.dumps(c)}\n\n" for c in (
+_CHUNKS = (
     {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": [
         {"index": 0, "delta": {"role": "assistant", "content": "ok"}, "finish_reason": None}]},
     {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": [
         {"index": 0, "delta": {}, "finish_reason": "stop"}]},
-)) + "data: [DONE]\n\n"
+)
+_USAGE = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": [],
+          "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}
+SSE = "".join(f"data: {json.dumps(c)}\n\n" for c in _CHUNKS) + "data: [DONE]\n\n"
+SSE_WITH_USAGE = "".join(f"data: {json.dumps(c)}\n\n" for c in (*_CHUNKS, _USAGE)) + "data: [DONE]\n\n"
+# The fake engine answers a stream request (`"stream": true` in the body, as vLLM reads it) in SSE,
+# with the usage chunk when `include_usage` asks for it; every other request gets COMPLETION.
+UPSTREAM_LUA = f"""
+function envoy_on_request(h)
+  local body = h:body()
+  local text = body and body:getBytes(0, body:length()) or ""
+  if string.find(text, '"stream"%s*:%s*true') then
+    local usage = string.find(text, '"include_usage"%s*:%s*true')
+    h:respond({{[":status"] = "200", ["content-type"] = "text/event-stream"}},
+              usage and [==[{SSE_WITH_USAGE}]==] or [==[{SSE}]==])
+  end
+end
+"""
 
 
-def _hcm(routes: list[route_components_pb2.Route]) -> listener_components_pb2.Filter:
+def _hcm(routes: list[route_components_pb2.Route], lua: str = "") -> listener_components_pb2.Filter:
+    first = [hcm_pb2.HttpFilter(name="envoy.filters.http.lua", typed_config=pack(lua_pb2.Lua(
+        default_source_code=base_pb2.DataSource(inline_string=lua))))] if lua else []
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix="bench", codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         route_config=route_pb2.RouteConfiguration(virtual_hosts=[route_components_pb2.VirtualHost(
             name="all", domains=["*"], routes=routes)]),
-        http_filters=[hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router()))])
+        http_filters=[*first,
+                      hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router()))])
     return listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))
 
 
-def _direct(body: str, content_type: str, stream: bool | None) -> route_components_pb2.Route:
+def _direct(body: str, content_type: str) -> route_components_pb2.Route:
     match = route_components_pb2.RouteMatch(prefix="/")
-    if stream is not None:
-        match.headers.append(route_components_pb2.HeaderMatcher(name="x-bench-stream", present_match=stream))
     return route_components_pb2.Route(
         match=match, direct_response=route_components_pb2.DirectResponseAction(
             status=200, body=base_pb2.DataSource(inline_string=body)),
@@ -75,17 +95,17 @@ METRICS = "".join(f'{name}{{engine="0",model_name="bench"}} {value}\n' for name,
 
 
 def upstream_bootstrap(port: int, admin: int) -> bootstrap_pb2.Bootstrap:
-    """A fast fake engine: SSE when the client asked for a stream (marked by a header), else JSON;
-    /metrics answers like vLLM's."""
-    metrics = _direct(METRICS, "text/plain", None)
+    """A fast fake engine: SSE when the request body asks for a stream, else JSON; /metrics answers
+    like vLLM's."""
+    metrics = _direct(METRICS, "text/plain")
     metrics.match.ClearField("prefix")
     metrics.match.path = "/metrics"
-    routes = [metrics, _direct(SSE, "text/event-stream", True), _direct(COMPLETION, "application/json", None)]
+    routes = [metrics, _direct(COMPLETION, "application/json")]
     return bootstrap_pb2.Bootstrap(
         admin=bootstrap_pb2.Admin(address=socket_address("127.0.0.1", admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener_pb2.Listener(
             name="up", address=socket_address("127.0.0.1", port),
-            filter_chains=[listener_components_pb2.FilterChain(filters=[_hcm(routes)])])]))
+            filter_chains=[listener_components_pb2.FilterChain(filters=[_hcm(routes, UPSTREAM_LUA)])])]))
 
 
 def bare_bootstrap(port: int, admin: int, upstream: int) -> bootstrap_pb2.Bootstrap:
@@ -114,7 +134,6 @@ wrk.method = "POST"
 wrk.body = [[{body}]]
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer {key}"
-{extra}
 """
 
 
@@ -157,6 +176,28 @@ def without_quotas(dst: Path) -> Path:
     return dst
 
 
+LITELLM = "litellm[proxy]==1.108.7"  # the peer measured beside the gateway, in its own environment
+LITELLM_KEY = "sk-llmgw-bench"  # its master key: it authenticates every request, as the gateway does
+
+
+def litellm_proxy(work: Path, upstream: int, models: list[str], venv: Path) -> tuple[Child, int]:
+    """LiteLLM's proxy (pinned, installed into `venv` on first use) in front of the same upstream,
+    one worker, each route name an OpenAI-compatible model there."""
+    python = venv / "bin" / "python"
+    if not (venv / "bin" / "litellm").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", LITELLM], check=True)
+    port = free_port()
+    cfg = work / "litellm.yaml"
+    cfg.write_text(yaml.safe_dump({"general_settings": {"master_key": LITELLM_KEY}, "model_list": [
+        {"model_name": m, "litellm_params": {"model": f"openai/{m}", "api_base": f"http://127.0.0.1:{upstream}/v1",
+                                             "api_key": "unused"}} for m in models]}))
+    child = Child("litellm", [str(venv / "bin" / "litellm"), "--config", str(cfg), "--host", "127.0.0.1",
+                              "--port", str(port), "--num_workers", "1"], work / "litellm.log").start()
+    wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health/liveliness"), 180, "litellm", child)
+    return child, port
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("error: wrk not found; install it (Debian: apt-get install wrk)")
@@ -177,23 +218,38 @@ def run_overhead(args: argparse.Namespace) -> int:
     rows: list[str] = []
     try:
         stack.start()
+        urls = {"bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions",
+                "gateway": f"{stack.url}/v1/chat/completions"}
+        procs: dict[str, dict[str, list[Child]]] = {"bare": {"envoy": [children[1]]},
+                                                     "gateway": gateway_processes(stack)}
+        if args.litellm:
+            peer, port = litellm_proxy(work, up_port, list(snap.routes), Path(args.litellm_venv))
+            children.append(peer)
+            urls["litellm"] = f"http://127.0.0.1:{port}/v1/chat/completions"
+            procs["litellm"] = {"litellm": [peer]}
         key = keys["acme"]
         body = json.dumps({"model": next(iter(snap.routes)), "max_tokens": 16,
                            "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
         for stream in (False, True):
-            sbody = json.dumps({**json.loads(body), "stream": True}) if stream else body
-            script = work / f"req-{stream}.lua"
-            script.write_text(WRK_LUA.format(body=sbody, key=key,
-                                             extra='wrk.headers["x-bench-stream"] = "1"' if stream else ""))
+            scripts = {}
+            for name in urls:
+                doc = {**json.loads(body), **({"stream": True} if stream else {})}
+                scripts[name] = work / f"req-{name}-{stream}.lua"
+                scripts[name].write_text(WRK_LUA.format(body=json.dumps(doc),
+                                                        key=LITELLM_KEY if name == "litellm" else key))
             for c in (int(x) for x in args.concurrency.split(",")):
-                bare: list[Result] = []
-                gw: list[Result] = []
-                run_wrk(f"{stack.url}/v1/chat/completions", script, c, 2)  # warm-up
+                got: dict[str, list[Result]] = {name: [] for name in urls}
+                cpu: dict[str, dict[str, float]] = {name: {} for name in urls}
+                for name, url in urls.items():
+                    run_wrk(url, scripts[name], c, 2)  # warm-up
                 for _ in range(args.rounds):
-                    bare.append(run_wrk(f"http://127.0.0.1:{bare_port}/v1/chat/completions", script, c,
-                                        args.duration / args.rounds))
-                    gw.append(run_wrk(f"{stack.url}/v1/chat/completions", script, c, args.duration / args.rounds))
-                rows.append(_row("stream" if stream else "json", c, bare, gw))
+                    for name, url in urls.items():
+                        before = cpu_seconds(procs[name])
+                        got[name].append(run_wrk(url, scripts[name], c, args.duration / args.rounds))
+                        for proc, sec in cpu_seconds(procs[name]).items():
+                            cpu[name][proc] = cpu[name].get(proc, 0.0) + sec - before.get(proc, 0.0)
+                secs = max(1, round(args.duration / args.rounds))  # what run_wrk runs for
+                rows.append(_row("stream" if stream else "json", c, got, cpu, secs))
                 print(rows[-1], flush=True)
         picked = _picked_share(stack.logs / "envoy.log", f"127.0.0.1:{up_port}")
     finally:
@@ -201,6 +257,13 @@ def run_overhead(args: argparse.Namespace) -> int:
         for ch in children:
             ch.stop()
     table = _table(rows, args) + f"Endpoint picker named the engine on {picked:.0%} of the gateway's requests.\n"
+    if args.token_streams:
+        from llmgw.bench_stream import run_stream_bench
+
+        table += "\nStreams of one event per token (`llmgw bench stream`, defaults):\n\n"
+        table += run_stream_bench(argparse.Namespace(
+            config=args.config, streams=48, tokens=256, gap_ms=10.0, concurrency=8, rounds=3, workers=args.workers,
+            output=None), quiet=True)
     print(table)
     if args.output:
         Path(args.output).write_text(table)
@@ -217,19 +280,37 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _row(kind: str, c: int, bare: list[Result], gw: list[Result]) -> str:
+def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[str, float]], secs: int) -> str:
+    """Medians of the rounds; CPU per request (us) from each process's CPU time over the requests served."""
+    bare, gw = got["bare"], got["gateway"]
     b50, g50 = _med([r.p50_ms for r in bare]), _med([r.p50_ms for r in gw])
-    b99, g99 = _med([r.p99_ms for r in bare]), _med([r.p99_ms for r in gw])
     brps, grps = _med([r.rps for r in bare]), _med([r.rps for r in gw])
     errors = sum(r.non_2xx for r in bare + gw)
-    return (f"| {kind} | {c} | {b50:.3f} | {g50:.3f} | +{g50 - b50:.3f} | {b99:.3f} | {g99:.3f} | +{g99 - b99:.3f} "
-            f"| {brps:,.0f} | {grps:,.0f} | {grps / brps:.1%} | {errors} |")
+
+    def per_request(name: str) -> dict[str, float]:
+        served = sum(r.rps * secs for r in got[name])
+        return {proc: sec / max(1.0, served) * 1e6 for proc, sec in cpu[name].items()}
+    gcpu, bcpu = per_request("gateway"), per_request("bare")
+    row = (f"| {kind} | {c} | {b50:.3f} | {g50:.3f} | +{g50 - b50:.3f} | {brps:,.0f} | {grps:,.0f} | {grps / brps:.1%} "
+           f"| {bcpu.get('envoy', 0):.0f} | {gcpu.get('envoy', 0):.0f} / {gcpu.get('ext_proc', 0):.0f} / "
+           f"{gcpu.get('store', 0):.0f} | {sum(gcpu.values()) / max(1.0, sum(bcpu.values())):.1f}x | {errors} |")
+    if "litellm" in got:
+        lit = got["litellm"]
+        l50, lrps = _med([r.p50_ms for r in lit]), _med([r.rps for r in lit])
+        row += (f" {l50:.3f} | +{l50 - b50:.3f} | {lrps:,.0f} | {per_request('litellm').get('litellm', 0):.0f} "
+                f"| {grps / max(lrps, 1e-9):.1f}x | {sum(r.non_2xx for r in lit)} |")
+    return row
 
 
 def _table(rows: list[str], args: argparse.Namespace) -> str:
-    head = ("| body | conc. | bare p50 ms | gw p50 ms | added p50 | bare p99 ms | gw p99 ms | added p99 "
-            "| bare req/s | gw req/s | gw/bare | non-2xx |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| body | conc. | bare p50 ms | gw p50 ms | added p50 | bare req/s | gw req/s | gw/bare "
+            "| bare CPU us/req | gw CPU us/req (Envoy / ext_proc / store) | gw/bare CPU | non-2xx |")
+    rule = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    if args.litellm:
+        head += (" LiteLLM p50 ms | LiteLLM added p50 | LiteLLM req/s | LiteLLM CPU us/req | gw/LiteLLM req/s "
+                 "| LiteLLM non-2xx |")
+        rule += "---|---|---|---|---|---|"
     note = (f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; ext_proc workers: {args.workers}; "
-            f"{args.rounds} alternating rounds, {args.duration:.0f}s per condition and level; medians of rounds.\n")
-    return head + "\n".join(rows) + "\n" + note
+            f"{args.rounds} alternating rounds, {args.duration:.0f}s per condition and level; medians of rounds"
+            + (f"; LiteLLM: {LITELLM}, one worker" if args.litellm else "") + ".\n")
+    return head + "\n" + rule + "\n" + "\n".join(rows) + "\n" + note

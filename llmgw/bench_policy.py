@@ -109,7 +109,7 @@ def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Na
                 _start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)]
     stacks: dict[str, Stack] = {}
     script = work / "req.lua"
-    script.write_text(WRK_LUA.format(body=body, key=key, extra=""))
+    script.write_text(WRK_LUA.format(body=body, key=key))
     urls = {"bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
     results: dict[tuple[str, int], list[Result]] = {}
     cpu_s: dict[tuple[str, int], dict[str, float]] = {}

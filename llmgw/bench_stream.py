@@ -122,7 +122,8 @@ def _pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs or [0.0])[0]
 
 
-def run_stream_bench(args: argparse.Namespace) -> int:
+def run_stream_bench(args: argparse.Namespace, quiet: bool = False) -> Any:
+    """The report's table (quiet: returned, not printed), or the exit status."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-stream-"))
     up_port, bare_port, bare_admin = free_port(), free_port(), free_port()
     config, keys = demo_policy(Path(args.config), work / "policy")
@@ -165,6 +166,8 @@ def run_stream_bench(args: argparse.Namespace) -> int:
         bare.stop()
         upstream.stop()
     table = _report(runs, cpu, args)
+    if quiet:
+        return table
     print(table)
     if args.output:
         Path(args.output).write_text(table)

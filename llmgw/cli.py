@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--workers", type=int, default=1)
     o.add_argument("--rounds", type=int, default=3)
     o.add_argument("--output", help="also write the markdown table here")
+    o.add_argument("--no-litellm", dest="litellm", action="store_false",
+                   help="leave out the LiteLLM proxy column (installed into --litellm-venv on first use)")
+    o.add_argument("--litellm-venv", default=".llmgw/bench-litellm")
+    o.add_argument("--no-token-streams", dest="token_streams", action="store_false",
+                   help="leave out the one-event-per-token stream table (llmgw bench stream)")
     o.set_defaults(func=cmd_bench_overhead)
     from llmgw.bench_picker import add_parser as add_picker_bench
 

@@ -19,14 +19,18 @@ from llmgw.envoy_render import stream_guard_lua
 # Envoy's handle as the script uses it: metadata get/set in one namespace, the response status, a
 # clock, and the body as chunks (each one's bytes may be replaced; an empty one ends the stream).
 HARNESS = """
-function run_guard(chunks, md, status, now)
+function run_guard(chunks, md, status, now, content_type)
   local sets, outs = {}, {}
+  local hdrs = {[":status"] = status, ["content-type"] = content_type, ["content-length"] = "123"}
   local dm = {get = function(self, ns) return md end,
               set = function(self, ns, k, v) sets[k] = v; md[k] = v end}
   local si = {dynamicMetadata = function(self) return dm end}
   local h = {
     streamInfo = function(self) return si end,
-    headers = function(self) return {get = function(self, k) return status end} end,
+    headers = function(self)
+      return {get = function(self, k) return hdrs[k] end, remove = function(self, k) hdrs[k] = nil end,
+              replace = function(self, k, v) hdrs[k] = v end}
+    end,
     timestamp = function(self) return now end,
     bodyChunks = function(self)
       local i = 0
@@ -43,7 +47,7 @@ function run_guard(chunks, md, status, now)
     end,
   }
   envoy_on_response(h)
-  return outs, sets
+  return outs, sets, hdrs
 end
 """
 
@@ -57,11 +61,16 @@ def lua() -> Any:
 
 
 def guard(lua: Any, chunks: list[bytes], *, withhold: bool = False, status: str = "200", now: int = 0,
-          ends_at: int | None = None, settle: str = "stream") -> tuple[bytes, dict[str, Any]]:
+          ends_at: int | None = None, settle: str = "stream", content_type: str = "text/event-stream",
+          headers: dict[str, str] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """What the client receives and the metadata the guard set; `headers` gets the response headers
+    as the guard left them."""
     md = {Key.SETTLE: settle, **({Key.WITHHOLD_USAGE: "1"} if withhold else {}),
           **({Key.STREAM_ENDS_AT_MS: str(ends_at)} if ends_at is not None else {})}
-    outs, sets = lua.globals().run_guard(lua.table_from(chunks), lua.table_from(
-        {k.encode(): v.encode() for k, v in md.items()}), status.encode(), now)
+    outs, sets, hdrs = lua.globals().run_guard(lua.table_from(chunks), lua.table_from(
+        {k.encode(): v.encode() for k, v in md.items()}), status.encode(), now, content_type.encode())
+    if headers is not None:
+        headers.update({k.decode(): v.decode() for k, v in hdrs.items()})
     # A chunk the script never took (it returned at once) passes as it came.
     out = b"".join(chunks[i - 1] if outs[i] is None else outs[i] for i in range(1, len(chunks) + 1))
     return out, {k.decode(): v.decode() if isinstance(v, bytes) else v for k, v in sets.items()}
@@ -215,3 +224,14 @@ def test_nesting_deeper_than_64_is_refused(lua: Any) -> None:
     for depth, ok in ((63, True), (70, False)):
         _, sets = guard(lua, [b'data: {"a":' + b"[" * depth + b"]" * depth + b"}\n\n" + DONE, b""])
         assert (sets[Key.STREAM_END] == StreamEnd.DONE) is ok
+
+
+def test_an_answer_that_is_not_a_stream_ends_as_one(lua: Any) -> None:
+    """An upstream that answers a stream request with JSON: the client, which asked for a stream,
+    gets one ending with the contract's event; the body's length is Envoy's to frame."""
+    headers: dict[str, str] = {}
+    out, sets = guard(lua, [b'{"id": "c", "choices": []}'], content_type="application/json", headers=headers)
+    assert out == interrupted(StreamEnd.MALFORMED) and sets[Key.STREAM_END] == StreamEnd.MALFORMED
+    assert headers == {":status": "200", "content-type": "text/event-stream"}
+    _, sets = guard(lua, [STREAM, b""], content_type="text/event-stream; charset=utf-8", headers=headers)
+    assert sets[Key.STREAM_END] == StreamEnd.DONE

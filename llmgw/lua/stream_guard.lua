@@ -222,8 +222,15 @@ end
 function envoy_on_response(h)
   local md = h:streamInfo():dynamicMetadata():get(NS)
   if md == nil or md[K.settle] ~= CONFIG.settle_stream then return end
-  local status = tonumber(h:headers():get(":status")) or 0
+  local headers = h:headers()
+  local status = tonumber(headers:get(":status")) or 0
   if status < 200 or status >= 300 then return end  -- an error status: already in the contract's shape
+  -- The body may change length (an event withheld or added): Envoy frames it itself.
+  headers:remove("content-length")
+  -- An upstream that answered a stream request with something else is broken: the client, which
+  -- asked for a stream, gets one that ends with the contract's event.
+  local sse = find(headers:get("content-type") or "", "^%s*text/event%-stream") ~= nil
+  if not sse then headers:replace("content-type", "text/event-stream") end
   local withhold = md[K.withhold_usage] == "1"
   local ends_at = tonumber(md[K.stream_ends_at_ms] or "")
   local pending, chunks, counted, ended, done = "", 0, 0, nil, false
@@ -232,7 +239,10 @@ function envoy_on_response(h)
     local n = chunk:length()
     local at_end = n == 0  -- an HTTP/1 upstream's end of stream arrives as an empty last chunk
     local out, came = {}, nil  -- came: the chunk's bytes, once read
-    if ended == nil and ends_at ~= nil and h:timestamp() >= ends_at then
+    if ended == nil and not sse then
+      ended = "malformed"
+      out[1] = EVENT.malformed
+    elseif ended == nil and ends_at ~= nil and h:timestamp() >= ends_at then
       ended = "over"
       out[1] = EVENT.over
     elseif ended == nil then
