@@ -30,11 +30,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
+from extproc.envoy_msgs import ATTRIBUTES, attr, header, with_first
 from extproc.fallback import attempt_kind, decode_plan
 from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import ANSWERED_BY, ATTRIBUTES, attr, header, with_first
+from extproc.settlement import ANSWERED_BY
 from extproc.store import Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.attempts")

@@ -38,6 +38,7 @@ from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
 from extproc.contract import MODELS_PATH, ROLE_KEY, ErrorCode, GatewayError, Role
+from extproc.envoy_msgs import ATTRIBUTES, header_text
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
 from extproc.picker import Picker
@@ -46,15 +47,7 @@ from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Sealer
 from extproc.replies import admit, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import (
-    Meter,
-    SettlementLog,
-    Settler,
-    Sweeper,
-    header_text,
-    record_refusal,
-    release,
-)
+from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import tenant_salts
@@ -68,7 +61,6 @@ Handler = Callable[[ep.ProcessingRequest, AsyncIterator[ep.ProcessingRequest]], 
 # The one place an unexpected exception in a decision is reported: a client must not be able to fill
 # the log with tracebacks, so at most one per interval, with a count of the rest.
 _internal_errors = RateLimitedLog(log, every_s=10.0)
-ATTRIBUTES = "envoy.filters.http.ext_proc"
 _HEADER_ATTR = "request.headers['"
 DECISION = "decision"  # the decision filter's streams carry no role
 

@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from datetime import datetime
 from typing import Any
 
 import orjson
@@ -36,11 +34,20 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc.accounting import (
+    Usage,
+    answered_by,
+    charge_for,
+    estimated,
+    failure_charge,
+    first_byte_ms,
+    outcome_of,
+    termination_of,
+)
 from extproc.config import Snapshot
-from extproc.config.schema import Deployment, Prices
 from extproc.contract import METADATA_NAMESPACE
+from extproc.envoy_msgs import ATTRIBUTES, MD, attr, with_first
 from extproc.exchange import Exchange
-from extproc.fallback import decode_plan
 from extproc.names import Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Answer, Sealer
@@ -49,53 +56,16 @@ from extproc.store import Settlement, Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.settlement")
 _store_down = RateLimitedLog(log)  # per-request lines while the store is down: bounded
-ATTRIBUTES = "envoy.filters.http.ext_proc"
 MAX_JSON_BODY = 8 << 20
 BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
 RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, sent again
-MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 # What the meter filter asks Envoy for with the first response message (render uses this list).
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream",
                                                "withhold_usage", "plan", Key.STREAM_ENDS_AT_MS)))
-
-
-def answered_by(snap: Snapshot, first: str, plan: str, answered: str) -> Deployment | None:
-    """The deployment whose prices apply: on a fallback route the candidate the attempt filter named,
-    if the plan holds it (an upstream cannot name a pricier one); otherwise the first candidate."""
-    if plan and answered and answered in decode_plan(plan)[1]:
-        return snap.deployments.get(answered)
-    return snap.deployments.get(first)
-
-
-def first_byte_ms(request_time: str, first_at: float) -> float | None:
-    """From the request's arrival at Envoy (`request.time`) to its answer's first byte."""
-    try:
-        return round((first_at - datetime.fromisoformat(request_time).timestamp()) * 1000, 1)
-    except ValueError:
-        return None
-
-
-def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:
-    """(micro-units, tokens) for a usage object: cached prompt tokens at the cached price."""
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    cached = min(prompt, int(details.get("cached_tokens") or 0)) if isinstance(details, dict) else 0
-    micros = math.ceil(((prompt - cached) * prices.input_per_mtok + cached * prices.cached_input_per_mtok
-                        + completion * prices.output_per_mtok) / 1e6)
-    return micros, prompt + completion
-
-
-def termination_of(status: int, complete: bool) -> str:
-    if status == 504:
-        return "deadline"
-    if status >= 400:
-        return "upstream_error"
-    return "complete" if complete else "stream_interrupted"
 
 
 async def release(store: Store | None, ex: Exchange, termination: str, status: int) -> None:
@@ -121,37 +91,6 @@ async def record_refusal(store: Store | None, ex: Exchange, termination: str, st
         await store.append_ledger(ex.identity.tenant, ex.ledger_facts(), outcome)
     except StoreUnavailable:
         _store_down.error("request %s: ledger entry lost (store unavailable)", ex.request_id)
-
-
-async def with_first(first: ep.ProcessingRequest,
-                     rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingRequest]:
-    """The messages of one ext_proc stream whose first message was read to choose its handler."""
-    yield first
-    async for m in rest:
-        yield m
-
-
-def attr(attrs: Any, key: str) -> str:
-    """A string (or whole number, as text) from a Struct: ext_proc's CEL attributes or Envoy's metadata."""
-    v = attrs.fields.get(key) if attrs is not None else None
-    if v is None:
-        return ""
-    kind = v.WhichOneof("kind")
-    if kind == "string_value":
-        return str(v.string_value)
-    if kind == "number_value":
-        return str(int(v.number_value))
-    return ""
-
-
-def header_text(h: Any) -> str:
-    """A HeaderValue of an ext_proc headers message: its raw bytes as UTF-8 when Envoy sent them so."""
-    return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)
-
-
-def header(headers: Any, key: str, default: str = "") -> str:
-    """One header's value from an ext_proc HeaderMap."""
-    return next((header_text(h) for h in headers.headers if h.key == key), default)
 
 
 class Settler:
@@ -201,46 +140,6 @@ class Settler:
                     await asyncio.sleep(RETRY_EVERY_S)
         finally:
             self._flushing = None
-
-
-Usage = dict[str, Any]
-
-
-def estimated(prompt: int, completion: int) -> Usage:
-    return {"prompt_tokens": prompt, "completion_tokens": completion}
-
-
-def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: int) -> tuple[Usage | None, str]:
-    """(usage to charge, settlement kind) for an answer that produced no usage: see the module's
-    docstring. `sent`: the upstream got the request; `answered`: it sent response headers."""
-    if not sent or answered:  # never reached an upstream, or the upstream refused with an error status
-        return None, "released"
-    if stream:  # a stream's first byte is its first token: nothing was generated before it
-        return estimated(prompt_bound, 0), "partial"
-    return None, "ambiguous"  # a JSON answer is generated before its headers: it may all have been
-
-
-def charge_for(usage: Usage | None, source: str, termination: str, status: int, dep: Deployment | None,
-               failed: str = "released") -> tuple[int, int, str]:
-    """(micros, tokens, settlement kind): actual usage when reported (or estimated); -1 (the whole
-    reservation) when the engine may have worked but its usage is unknown; else the kind a failure
-    without usage settles as (failure_charge's): the whole reservation when `ambiguous`, else nothing."""
-    if usage and dep is not None:
-        micros, tokens = charge_of(usage, dep.prices)
-        return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"
-    if 200 <= status < 300 or failed == "ambiguous":
-        return -1, -1, "ambiguous"
-    return 0, 0, failed
-
-
-def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, source: str,
-               dep: Deployment | None, redactions: str, attempt: dict[str, Any]) -> dict[str, Any]:
-    """The settlement half of a ledger entry (the admission half is stored with the reservation)."""
-    return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
-            "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,
-            "attempts": [{"deployment": dep.deployment if dep else "",
-                          "adapter": dep.fingerprint.adapter if dep else "", "status": status, **attempt}],
-            "translation_loss": []}
 
 
 class Meter:

@@ -34,8 +34,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, error_body
+from extproc.envoy_msgs import ATTRIBUTES, MD, attr, with_first
 from extproc.names import INTERRUPTED, Key, StreamEnd
-from extproc.settlement import ATTRIBUTES, MD, Meter, attr, with_first
+from extproc.settlement import Meter
 from extproc.sse import MAX_EVENT_BYTES, StreamUsage, event_data, take_events
 
 CUT_BACKSTOP_S = 2.0  # after a cut, how long the access log has to settle before the guard does

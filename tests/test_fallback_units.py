@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.accounting import answered_by
 from extproc.attempts import body_for, choose_candidate
 from extproc.config import Snapshot, load_snapshot
 from extproc.contract import GatewayError
 from extproc.fallback import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
-from extproc.settlement import answered_by
 from llmgw.envoy_render import RenderOptions, fallback_clusters, render_yaml
 from llmgw.procs import envoy_binary
 from tests.helpers import chat_body

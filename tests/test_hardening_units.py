@@ -22,7 +22,6 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.redact import log_safe
 from extproc.replay import Answer, NotReplayable, Sealer
-from extproc.settlement import charge_for, failure_charge
 from extproc.stages.redact import Redaction
 from extproc.wire import lenient_parser
 from llmgw.envoy_render import FORWARDED_HEADERS, names_outside
@@ -230,28 +229,3 @@ def test_without_a_key_or_over_the_limit_only_a_refusal_is_kept() -> None:
     for kept in (digest, too_big):
         with pytest.raises(NotReplayable):
             Sealer("s").open("k", kept)
-
-
-# -- what failures are charged ---------------------------------------------------------------------
-
-@pytest.mark.parametrize(("stream", "sent", "answered", "status", "charge"), [
-    (False, False, False, 503, (0, 0, "released")),  # never reached an upstream
-    (True, False, False, 503, (0, 0, "released")),
-    (False, True, True, 502, (0, 0, "released")),  # the upstream answered an error status
-    (True, True, True, 502, (0, 0, "released")),
-    (False, True, False, 504, (-1, -1, "ambiguous")),  # a JSON answer may have been generated in full
-    (False, True, False, 0, (-1, -1, "ambiguous")),  # (the client left before the headers)
-])
-def test_failures_are_charged_for_what_they_may_have_cost(stream: bool, sent: bool, answered: bool, status: int,
-                                                          charge: tuple[int, int, str]) -> None:
-    dep = SNAP.deployments["pool-llama-8b"]
-    usage, failed = failure_charge(stream=stream, sent=sent, answered=answered, prompt_bound=100)
-    assert charge_for(usage, "estimated", "upstream_error", status, dep, failed) == charge
-
-
-def test_a_stream_sent_but_never_answered_pays_its_prompt_only() -> None:
-    dep = SNAP.deployments["pool-llama-8b"]
-    usage, kind = failure_charge(stream=True, sent=True, answered=False, prompt_bound=1000)
-    assert usage == {"prompt_tokens": 1000, "completion_tokens": 0} and kind == "partial"
-    micros, tokens, kind = charge_for(usage, "estimated", "stream_interrupted", 504, dep, kind)
-    assert (tokens, kind) == (1000, "partial") and micros == -(-1000 * dep.prices.input_per_mtok // 10**6)

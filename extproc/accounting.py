@@ -1,0 +1,87 @@
+"""Accounting as pure functions (no I/O, no Envoy types): what a settlement charges and how the
+ledger names the ending. extproc/settlement.py gathers the facts (from the access log or a response
+filter) and calls these; tests/test_accounting.py tables them."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Any
+
+from extproc.config import Snapshot
+from extproc.config.schema import Deployment, Prices
+from extproc.fallback import decode_plan
+
+Usage = dict[str, Any]
+
+
+def answered_by(snap: Snapshot, first: str, plan: str, answered: str) -> Deployment | None:
+    """The deployment whose prices apply: on a fallback route the candidate the attempt filter named,
+    if the plan holds it (an upstream cannot name a pricier one); otherwise the first candidate."""
+    if plan and answered and answered in decode_plan(plan)[1]:
+        return snap.deployments.get(answered)
+    return snap.deployments.get(first)
+
+
+def first_byte_ms(request_time: str, first_at: float) -> float | None:
+    """From the request's arrival at Envoy (`request.time`) to its answer's first byte."""
+    try:
+        return round((first_at - datetime.fromisoformat(request_time).timestamp()) * 1000, 1)
+    except ValueError:
+        return None
+
+
+def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:
+    """(micro-units, tokens) for a usage object: cached prompt tokens at the cached price."""
+    prompt = int(usage.get("prompt_tokens") or 0)
+    completion = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    cached = min(prompt, int(details.get("cached_tokens") or 0)) if isinstance(details, dict) else 0
+    micros = math.ceil(((prompt - cached) * prices.input_per_mtok + cached * prices.cached_input_per_mtok
+                        + completion * prices.output_per_mtok) / 1e6)
+    return micros, prompt + completion
+
+
+def termination_of(status: int, complete: bool) -> str:
+    if status == 504:
+        return "deadline"
+    if status >= 400:
+        return "upstream_error"
+    return "complete" if complete else "stream_interrupted"
+
+
+def estimated(prompt: int, completion: int) -> Usage:
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: int) -> tuple[Usage | None, str]:
+    """(usage to charge, settlement kind) for an answer that produced no usage: see the module's
+    docstring. `sent`: the upstream got the request; `answered`: it sent response headers."""
+    if not sent or answered:  # never reached an upstream, or the upstream refused with an error status
+        return None, "released"
+    if stream:  # a stream's first byte is its first token: nothing was generated before it
+        return estimated(prompt_bound, 0), "partial"
+    return None, "ambiguous"  # a JSON answer is generated before its headers: it may all have been
+
+
+def charge_for(usage: Usage | None, source: str, termination: str, status: int, dep: Deployment | None,
+               failed: str = "released") -> tuple[int, int, str]:
+    """(micros, tokens, settlement kind): actual usage when reported (or estimated); -1 (the whole
+    reservation) when the engine may have worked but its usage is unknown; else the kind a failure
+    without usage settles as (failure_charge's): the whole reservation when `ambiguous`, else nothing."""
+    if usage and dep is not None:
+        micros, tokens = charge_of(usage, dep.prices)
+        return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"
+    if 200 <= status < 300 or failed == "ambiguous":
+        return -1, -1, "ambiguous"
+    return 0, 0, failed
+
+
+def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, source: str,
+               dep: Deployment | None, redactions: str, attempt: dict[str, Any]) -> dict[str, Any]:
+    """The settlement half of a ledger entry (the admission half is stored with the reservation)."""
+    return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
+            "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,
+            "attempts": [{"deployment": dep.deployment if dep else "",
+                          "adapter": dep.fingerprint.adapter if dep else "", "status": status, **attempt}],
+            "translation_loss": []}

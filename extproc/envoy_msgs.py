@@ -1,0 +1,45 @@
+"""Reading Envoy's messages to ext_proc: CEL attributes and metadata Structs, header maps, and a
+stream whose first message was already read. Shared by every ext_proc handler."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from extproc.contract import METADATA_NAMESPACE
+
+ATTRIBUTES = "envoy.filters.http.ext_proc"  # where a message's CEL attributes are keyed
+MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"  # a CEL path into the io.llmgw metadata
+
+
+async def with_first(first: ep.ProcessingRequest,
+                     rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingRequest]:
+    """The messages of one ext_proc stream whose first message was read to choose its handler."""
+    yield first
+    async for m in rest:
+        yield m
+
+
+def attr(attrs: Any, key: str) -> str:
+    """A string (or whole number, as text) from a Struct: ext_proc's CEL attributes or Envoy's metadata."""
+    v = attrs.fields.get(key) if attrs is not None else None
+    if v is None:
+        return ""
+    kind = v.WhichOneof("kind")
+    if kind == "string_value":
+        return str(v.string_value)
+    if kind == "number_value":
+        return str(int(v.number_value))
+    return ""
+
+
+def header_text(h: Any) -> str:
+    """A HeaderValue of an ext_proc headers message: its raw bytes as UTF-8 when Envoy sent them so."""
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)
+
+
+def header(headers: Any, key: str, default: str = "") -> str:
+    """One header's value from an ext_proc HeaderMap."""
+    return next((header_text(h) for h in headers.headers if h.key == key), default)

@@ -1,0 +1,83 @@
+"""Accounting's pure functions as tables (extproc/accounting.py): what a settlement charges, and how
+the ledger names the ending."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.accounting import charge_for, charge_of, estimated, failure_charge, termination_of
+from extproc.config import load_snapshot
+from tests.conftest import POLICY
+
+SNAP = load_snapshot(POLICY)
+DEP = SNAP.deployments["pool-llama-8b"]
+
+
+@pytest.mark.parametrize(("status", "complete", "termination"), [
+    (200, True, "complete"),
+    (200, False, "stream_interrupted"),  # a stream that did not end normally (or was cut)
+    (504, True, "deadline"),
+    (504, False, "deadline"),
+    (502, True, "upstream_error"),
+    (429, False, "upstream_error"),
+    (400, True, "upstream_error"),
+])
+def test_termination(status: int, complete: bool, termination: str) -> None:
+    assert termination_of(status, complete) == termination
+
+
+@pytest.mark.parametrize(("usage", "tokens", "micros"), [
+    ({"prompt_tokens": 1000, "completion_tokens": 0}, 1000, 1000 * DEP.prices.input_per_mtok / 1e6),
+    ({"prompt_tokens": 0, "completion_tokens": 1000}, 1000, 1000 * DEP.prices.output_per_mtok / 1e6),
+    # cached prompt tokens at the cached price, never more of them than the prompt has
+    ({"prompt_tokens": 1000, "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": 400}}, 1000,
+     (600 * DEP.prices.input_per_mtok + 400 * DEP.prices.cached_input_per_mtok) / 1e6),
+    ({"prompt_tokens": 10, "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": 99}}, 10,
+     10 * DEP.prices.cached_input_per_mtok / 1e6),
+    ({"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": None}, 10,
+     (7 * DEP.prices.input_per_mtok + 3 * DEP.prices.output_per_mtok) / 1e6),
+])
+def test_charge_of_usage(usage: dict[str, object], tokens: int, micros: float) -> None:
+    got_micros, got_tokens = charge_of(usage, DEP.prices)
+    assert got_tokens == tokens and got_micros == -(-micros // 1)  # rounded up to a whole micro-unit
+
+
+@pytest.mark.parametrize(("usage", "source", "termination", "status", "kind"), [
+    (estimated(10, 5), "reported", "complete", 200, "actual"),  # the usage the engine reported, at the end
+    (estimated(10, 5), "estimated", "complete", 200, "partial"),  # counted by the gateway
+    (estimated(10, 5), "reported", "stream_interrupted", 200, "partial"),
+    (estimated(10, 5), "reported", "client_cancel", 200, "partial"),
+])
+def test_a_charge_with_usage(usage: dict[str, int], source: str, termination: str, status: int, kind: str) -> None:
+    micros, tokens, got = charge_for(usage, source, termination, status, DEP)
+    assert (micros, tokens, got) == (*charge_of(usage, DEP.prices), kind)
+
+
+@pytest.mark.parametrize(("status", "failed", "charge"), [
+    (200, "released", (-1, -1, "ambiguous")),  # an answer without usage: the engine may have done it all
+    (502, "released", (0, 0, "released")),
+    (502, "ambiguous", (-1, -1, "ambiguous")),
+])
+def test_a_charge_without_usage(status: int, failed: str, charge: tuple[int, int, str]) -> None:
+    assert charge_for(None, "none", "upstream_error", status, DEP, failed) == charge
+
+
+@pytest.mark.parametrize(("stream", "sent", "answered", "status", "charge"), [
+    (False, False, False, 503, (0, 0, "released")),  # never reached an upstream
+    (True, False, False, 503, (0, 0, "released")),
+    (False, True, True, 502, (0, 0, "released")),  # the upstream answered an error status
+    (True, True, True, 502, (0, 0, "released")),
+    (False, True, False, 504, (-1, -1, "ambiguous")),  # a JSON answer may have been generated in full
+    (False, True, False, 0, (-1, -1, "ambiguous")),  # (the client left before the headers)
+])
+def test_failures_are_charged_for_what_they_may_have_cost(stream: bool, sent: bool, answered: bool, status: int,
+                                                          charge: tuple[int, int, str]) -> None:
+    usage, failed = failure_charge(stream=stream, sent=sent, answered=answered, prompt_bound=100)
+    assert charge_for(usage, "estimated", "upstream_error", status, DEP, failed) == charge
+
+
+def test_a_stream_sent_but_never_answered_pays_its_prompt_only() -> None:
+    usage, kind = failure_charge(stream=True, sent=True, answered=False, prompt_bound=1000)
+    assert usage == {"prompt_tokens": 1000, "completion_tokens": 0} and kind == "partial"
+    micros, tokens, kind = charge_for(usage, "estimated", "stream_interrupted", 504, DEP, kind)
+    assert (tokens, kind) == (1000, "partial") and micros == -(-1000 * DEP.prices.input_per_mtok // 10**6)
