@@ -42,6 +42,7 @@ LB_KEY = "x-gateway-destination-endpoint"
 WEIGHTS = {"queue": 2.0, "kv": 2.0, "prefix": 3.0, "running": 1.0}
 AFFINITY_BLOCK_CHARS = 256  # prompt characters per affinity block
 AFFINITY_ENTRIES = 100_000
+IDLE_TICK_S = 0.25  # how often an idle picker checks whether the host has traffic again
 PENDING_TAU_S = 0.025  # a pick not yet in metrics counts exp(-age / tau): likely still in flight
 
 
@@ -98,6 +99,7 @@ class Picker:
         self._affinity: OrderedDict[int, str] = OrderedDict()  # block hash -> endpoint
         self._picked_at: dict[str, list[float]] = {}  # picks per endpoint, newest last
         self._last_pick = 0.0
+        self._read_at = 0.0  # when this worker last read the shared scraper's readings
         self._marked_active = 0.0  # when this worker last told the shared scraper it has traffic
         self._woken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -147,22 +149,31 @@ class Picker:
         return True
 
     async def _run(self) -> None:
+        """A look, every `interval` (IDLE_TICK_S when idle), at whether a round is due: at the fast
+        pace while this host has traffic (a shared scraper learns of another worker's within one
+        tick), else once every `idle_interval`."""
+        last_round, pace = -math.inf, self.interval
         while True:
             now = time.monotonic()
             try:
-                if self._scraper():
-                    await self._scrape_all()
-                else:
-                    self._read_shared()
+                pace = self.interval if self._active(now) else self.idle_interval
+                if now - last_round >= pace:
+                    last_round = now
+                    if self._scraper():
+                        await self._scrape_all()
+                    else:
+                        self._read_shared()
             except Exception:  # never let the picker's loop die: stale readings only mean Envoy picks
                 log.exception("picker round failed")
-            pace = self.interval if self._active(now) else self.idle_interval
             self._woken.clear()
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that arrives as the
             # event is set, and stop() would then wait for ever.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, pace - (time.monotonic() - now))):
+                tick = self.interval if pace == self.interval else min(IDLE_TICK_S, self.idle_interval)
+                async with asyncio.timeout(max(0.0, tick - (time.monotonic() - now))):
                     await self._woken.wait()
+            if self._woken.is_set():
+                last_round = -math.inf  # a pick after a quiet spell: a round now
 
     async def _scrape_all(self) -> None:
         endpoints = [ep for eps in self.pools.values() for ep in eps]
@@ -187,6 +198,7 @@ class Picker:
     def _read_shared(self) -> None:
         """The shared scraper's readings (monotonic times are host-wide on Linux)."""
         assert self._shared is not None
+        self._read_at = time.monotonic()
         try:
             doc = orjson.loads((self._shared / "loads.json").read_bytes())
         except (OSError, orjson.JSONDecodeError):
@@ -214,6 +226,8 @@ class Picker:
         noted); False for a fallback candidate's pool, which only a failure sends to."""
         now = time.monotonic()
         self._note_pick(now)
+        if self._shared is not None and self._lock_fd is None and now - self._read_at > self.interval:
+            self._read_shared()  # a worker that does not scrape reads the scraper's latest, not its last copy
         loads = {ep: ld for ep in self.pools.get(pool, ()) if (ld := self.fresh(ep, now)) is not None}
         if not loads:
             return []

@@ -36,7 +36,7 @@ from google.protobuf import json_format
 from extproc.config import load_snapshot
 from llmgw.demo_keys import ensure_demo_keys
 from llmgw.envoy_render import duration_ms, pack, socket_address, static_cluster
-from llmgw.procs import Child, cpu_seconds, envoy_binary, free_port, http_ok, wait_until
+from llmgw.procs import Child, cpu_seconds, envoy_binary, free_port, http_ok, wait_until, wakeups
 from llmgw.stack import Stack, StackOptions, gateway_processes
 
 COMPLETION = json.dumps({
@@ -240,16 +240,19 @@ def run_overhead(args: argparse.Namespace) -> int:
             for c in (int(x) for x in args.concurrency.split(",")):
                 got: dict[str, list[Result]] = {name: [] for name in urls}
                 cpu: dict[str, dict[str, float]] = {name: {} for name in urls}
+                woken: dict[str, dict[str, float]] = {name: {} for name in urls}
                 for name, url in urls.items():
                     run_wrk(url, scripts[name], c, 2)  # warm-up
                 for _ in range(args.rounds):
                     for name, url in urls.items():
-                        before = cpu_seconds(procs[name])
+                        before, switches = cpu_seconds(procs[name]), wakeups(procs[name])
                         got[name].append(run_wrk(url, scripts[name], c, args.duration / args.rounds))
                         for proc, sec in cpu_seconds(procs[name]).items():
                             cpu[name][proc] = cpu[name].get(proc, 0.0) + sec - before.get(proc, 0.0)
+                        for proc, n in wakeups(procs[name]).items():
+                            woken[name][proc] = woken[name].get(proc, 0.0) + n - switches.get(proc, 0)
                 secs = max(1, round(args.duration / args.rounds))  # what run_wrk runs for
-                rows.append(_row("stream" if stream else "json", c, got, cpu, secs))
+                rows.append(_row("stream" if stream else "json", c, got, cpu, secs, woken))
                 print(rows[-1], flush=True)
         picked = _picked_share(stack.logs / "envoy.log", f"127.0.0.1:{up_port}")
     finally:
@@ -280,8 +283,10 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[str, float]], secs: int) -> str:
-    """Medians of the rounds; CPU per request (us) from each process's CPU time over the requests served."""
+def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[str, float]], secs: int,
+         woken: dict[str, dict[str, float]]) -> str:
+    """Medians of the rounds; CPU (us) and wake-ups (context switches) per request from each
+    process's counters over the requests served."""
     bare, gw = got["bare"], got["gateway"]
     b50, g50 = _med([r.p50_ms for r in bare]), _med([r.p50_ms for r in gw])
     brps, grps = _med([r.rps for r in bare]), _med([r.rps for r in gw])
@@ -291,9 +296,13 @@ def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[st
         served = sum(r.rps * secs for r in got[name])
         return {proc: sec / max(1.0, served) * 1e6 for proc, sec in cpu[name].items()}
     gcpu, bcpu = per_request("gateway"), per_request("bare")
+    gwake = {proc: n / max(1.0, sum(r.rps * secs for r in gw)) for proc, n in woken["gateway"].items()}
+    bwake = sum(woken["bare"].values()) / max(1.0, sum(r.rps * secs for r in bare))
     row = (f"| {kind} | {c} | {b50:.3f} | {g50:.3f} | +{g50 - b50:.3f} | {brps:,.0f} | {grps:,.0f} | {grps / brps:.1%} "
            f"| {bcpu.get('envoy', 0):.0f} | {gcpu.get('envoy', 0):.0f} / {gcpu.get('ext_proc', 0):.0f} / "
-           f"{gcpu.get('store', 0):.0f} | {sum(gcpu.values()) / max(1.0, sum(bcpu.values())):.1f}x | {errors} |")
+           f"{gcpu.get('store', 0):.0f} | {sum(gcpu.values()) / max(1.0, sum(bcpu.values())):.1f}x "
+           f"| {bwake:.1f} | {gwake.get('envoy', 0):.1f} / {gwake.get('ext_proc', 0):.1f} / "
+           f"{gwake.get('store', 0):.1f} | {errors} |")
     if "litellm" in got:
         lit = got["litellm"]
         l50, lrps = _med([r.p50_ms for r in lit]), _med([r.rps for r in lit])
@@ -304,8 +313,9 @@ def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[st
 
 def _table(rows: list[str], args: argparse.Namespace) -> str:
     head = ("| body | conc. | bare p50 ms | gw p50 ms | added p50 | bare req/s | gw req/s | gw/bare "
-            "| bare CPU us/req | gw CPU us/req (Envoy / ext_proc / store) | gw/bare CPU | non-2xx |")
-    rule = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "| bare CPU us/req | gw CPU us/req (Envoy / ext_proc / store) | gw/bare CPU | bare wake-ups/req "
+            "| gw wake-ups/req (Envoy / ext_proc / store) | non-2xx |")
+    rule = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     if args.litellm:
         head += (" LiteLLM p50 ms | LiteLLM added p50 | LiteLLM req/s | LiteLLM CPU us/req | gw/LiteLLM req/s "
                  "| LiteLLM non-2xx |")

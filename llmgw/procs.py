@@ -164,3 +164,19 @@ def cpu_seconds(children: dict[str, list[Child]]) -> dict[str, float]:
                 fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
                 out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def wakeups(children: dict[str, list[Child]]) -> dict[str, int]:
+    """Context switches (voluntary + involuntary, Linux /proc) each kind of process has had so far,
+    summed over its processes and their threads: how often it was woken, whatever for."""
+    out: dict[str, int] = {}
+    for kind, procs in children.items():
+        for child in procs:
+            if child.proc is None:
+                continue
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{child.proc.pid}/task").iterdir():
+                    for line in (task / "status").read_text().splitlines():
+                        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                            out[kind] = out.get(kind, 0) + int(line.split()[1])
+    return out

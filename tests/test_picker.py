@@ -219,7 +219,12 @@ def test_workers_on_one_host_share_one_scraper(tmp_path: Path) -> None:
         workers = [Picker(pools, interval=0.05, idle_interval=0.05, shared_dir=tmp_path / "picker") for _ in range(3)]
         for w in workers:
             await w.start()
+        # A worker that picks before its own schedule reads the shared readings reads them then.
+        late = Picker(pools, interval=0.05, idle_interval=60, shared_dir=tmp_path / "picker")
+        await late.start()
         await asyncio.sleep(0.6)
+        assert late.pick("pool", "s", MSGS) and late.scrapes == 0
+        await late.stop()
         scrapers = [w for w in workers if w.scrapes]
         assert len(scrapers) == 1  # one scrapes; the others read its readings
         assert all(w.pick("pool", "s", MSGS) for w in workers)  # every worker has fresh readings

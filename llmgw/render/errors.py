@@ -1,0 +1,131 @@
+"""Errors Envoy answers itself, in the contract's JSON: its local replies, upstream error statuses
+(custom_response), direct responses."""
+
+from __future__ import annotations
+
+import json
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
+from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
+from envoy.type.matcher.v3 import status_code_input_pb2
+from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
+from xds.core.v3 import extension_pb2 as xds_extension_pb2
+from xds.type.matcher.v3 import matcher_pb2
+
+from extproc.contract import REVISION_HEADER, ErrorCode
+from llmgw.render.common import pack
+from llmgw.render.filters import upstream_answer_headers
+
+OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
+
+
+def _contract_json(code: ErrorCode, message: str, status_fmt: str | None = None) -> (
+        substitution_format_string_pb2.SubstitutionFormatString):
+    """The contract's error body as an Envoy JSON format string."""
+    error = struct_pb2.Struct()
+    error.update({"message": message, "type": code.error_type, "code": code.value})
+    error.fields["param"].null_value = struct_pb2.NULL_VALUE
+    body = struct_pb2.Struct()
+    body.fields["error"].struct_value.CopyFrom(error)
+    return substitution_format_string_pb2.SubstitutionFormatString(
+        json_format=body, content_type="application/json")
+
+
+def _cel_filter(expr: str) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel",
+        typed_config=pack(cel_pb2.ExpressionFilter(expression=expr))))
+
+
+# Envoy's own local replies -> contract errors. ext_proc's ImmediateResponses (details `llmgw*`) and
+# direct responses (already contract JSON) pass untouched.
+# custom_response's replies carry empty details.
+_NOT_OURS = (f"!response.code_details.startsWith('{OWN_REPLY_PREFIX}') && "
+             "response.code_details != 'direct_response' && response.code_details != ''")
+
+
+LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
+    ("response.code_details.startsWith('ext_proc')", 503, ErrorCode.POLICY_UNAVAILABLE,
+     "the gateway's policy service is unavailable; the request was not processed"),
+    (f"{_NOT_OURS} && response.code == 413", 413, ErrorCode.INVALID_REQUEST,
+     "request body exceeds the gateway's size limit"),
+    (f"{_NOT_OURS} && response.code == 408", 408, ErrorCode.INVALID_REQUEST,
+     "the request did not arrive within the gateway's time limit"),
+    (f"{_NOT_OURS} && response.code == 504", 504, ErrorCode.DEADLINE_EXCEEDED,
+     "the upstream did not answer within the deadline"),
+    (f"{_NOT_OURS} && response.code == 404", 404, ErrorCode.ROUTE_NOT_FOUND, "no such endpoint"),
+    (f"{_NOT_OURS} && response.code >= 500", 502, ErrorCode.UPSTREAM_ERROR,
+     "every eligible upstream attempt failed before the first byte"),
+    (f"{_NOT_OURS} && response.code >= 400", 400, ErrorCode.INVALID_REQUEST,
+     "the request could not be processed"),
+)
+
+
+def local_reply_config(revision: str) -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own replies in the contract's shape, naming the revision Envoy was rendered from. The
+    response filters that could hold such a reply are off unless a chat route turned them on, so a
+    reply to a request Envoy could not even parse is complete (a filter waiting for ext_proc once
+    left it without its body when Envoy closed the connection)."""
+    revision_header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=REVISION_HEADER, value=revision),
+                                                 append_action=base_pb2.HeaderValueOption.ADD_IF_ABSENT)
+    return hcm_pb2.LocalReplyConfig(mappers=[
+        hcm_pb2.ResponseMapper(
+            filter=_cel_filter(expr),
+            status_code=wrappers_pb2.UInt32Value(value=status),
+            body_format_override=_contract_json(code, message),
+            headers_to_add=[revision_header],
+        )
+        for expr, status, code, message in LOCAL_REPLY_RULES
+    ])
+
+
+# Upstream error statuses -> contract errors (the upstream's own body shape is not the contract's).
+UPSTREAM_ERROR_RULES: tuple[tuple[int, int, ErrorCode, str], ...] = (
+    (400, 400, ErrorCode.INVALID_REQUEST, "the upstream rejected the request as invalid"),
+    (408, 504, ErrorCode.DEADLINE_EXCEEDED, "the upstream timed out"),
+    (413, 413, ErrorCode.INVALID_REQUEST, "the upstream rejected the request as too large"),
+    (422, 400, ErrorCode.INVALID_REQUEST, "the upstream rejected the request as invalid"),
+    (429, 502, ErrorCode.UPSTREAM_ERROR, "the upstream is overloaded (429)"),
+    (500, 502, ErrorCode.UPSTREAM_ERROR, "the upstream failed (500)"),
+    (502, 502, ErrorCode.UPSTREAM_ERROR, "the upstream failed (502)"),
+    (503, 502, ErrorCode.UPSTREAM_ERROR, "the upstream is unavailable (503)"),
+    (504, 504, ErrorCode.DEADLINE_EXCEEDED, "the upstream timed out (504)"),
+    (529, 502, ErrorCode.UPSTREAM_ERROR, "the upstream is overloaded (529)"),
+)
+
+
+def _custom_response_filter() -> custom_response_pb2.CustomResponse:
+    status_input = xds_extension_pb2.TypedExtensionConfig(
+        name="status", typed_config=pack(status_code_input_pb2.HttpResponseStatusCodeMatchInput()))
+    tree = matcher_pb2.Matcher.MatcherTree(
+        input=status_input,
+        exact_match_map=matcher_pb2.Matcher.MatcherTree.MatchMap(map={
+            str(upstream): matcher_pb2.Matcher.OnMatch(action=xds_extension_pb2.TypedExtensionConfig(
+                name=f"upstream_{upstream}",
+                typed_config=pack(local_response_policy_pb2.LocalResponsePolicy(
+                    status_code=wrappers_pb2.UInt32Value(value=status),
+                    body_format=_contract_json(code, message),
+                    # Its content_type is ignored in 1.40; the header is set here instead.
+                    response_headers_to_add=[*upstream_answer_headers(), base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)],
+                ))))
+            for upstream, status, code, message in UPSTREAM_ERROR_RULES
+        }))
+    return custom_response_pb2.CustomResponse(custom_response_matcher=matcher_pb2.Matcher(matcher_tree=tree))
+
+
+def admitted_route_filters() -> dict[str, any_pb2.Any]:
+    """Upstream errors are rewritten only on admitted routes, so ext_proc's own replies stay as sent."""
+    return {"envoy.filters.http.custom_response": pack(_custom_response_filter())}
+
+
+def direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.DirectResponseAction:
+    body = json.dumps({"error": {"message": message, "type": code.error_type, "code": code.value,
+                                 "param": None}})
+    return route_components_pb2.DirectResponseAction(status=status, body=base_pb2.DataSource(inline_string=body))

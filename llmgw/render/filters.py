@@ -1,0 +1,317 @@
+"""The HTTP filters of the listener's chain (and the attempt filter of composite clusters): ext_proc
+for the decision, the meter and ext_proc's stream guard, the Lua stream guard, header mutations,
+json_to_metadata, and the access logs (the settlement log among them)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import base_pb2, config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
+from google.protobuf import struct_pb2, wrappers_pb2
+
+from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_WITHOUT_BODY
+from extproc.config import Snapshot
+from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, Role
+from extproc.names import INTERRUPTED, Key, Settle
+from extproc.picker import LB_KEY, LB_NAMESPACE
+from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
+from extproc.sse import MAX_EVENT_BYTES
+from extproc.streams import interrupted_event
+from llmgw.render.common import duration_ms, pack
+
+EXTPROC_CLUSTER = "llmgw_extproc"
+
+
+# The contract's response headers, from the metadata ext_proc returned with its decision.
+ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
+    (REVISION_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:revision)%"),
+    ("x-llmgw-deployment", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:deployment)%"),
+    ("x-llmgw-attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
+)
+
+
+def upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
+    """x-llmgw-deployment only where absent: on a fallback route the attempt filter named the candidate
+    that answered; every other admitted route removes whatever an upstream sent under that name."""
+    hvo = base_pb2.HeaderValueOption
+    return [hvo(header=base_pb2.HeaderValue(key=k, value=v),
+                append_action=hvo.ADD_IF_ABSENT if k == ANSWERED_BY else hvo.OVERWRITE_IF_EXISTS_OR_ADD)
+            for k, v in ANSWER_HEADERS]
+
+
+UPSTREAM_HEADERS_FILTER = "llmgw.upstream_headers"
+
+
+# What a client sent reaches an upstream only by these names; the rest (cookies, API keys meant for
+# the gateway, client-chosen x-llmgw-* and test headers, junk) stays here. An attempt's credential is
+# added per candidate by the attempt filter, after this. x-forwarded-proto is Envoy's own (it overwrites
+# a client's, use_remote_address), and its route matching needs it when a filter cleared the route.
+FORWARDED_HEADERS = ("content-type", "content-length", "x-request-id", "x-forwarded-proto")
+
+
+# Set from ext_proc's decision (its metadata), after the allow-list: trace context only when valid
+# and the route propagates it; the remaining deadline and this request's retry policy for the router
+# (ext_proc's body reply cannot set request headers when headers were skipped). Empty values - no
+# metadata - add no header.
+DECISION_HEADERS: tuple[tuple[str, str], ...] = (
+    ("traceparent", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:traceparent)%"),
+    ("tracestate", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:tracestate)%"),
+    ("x-envoy-upstream-rq-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:rq_timeout_ms)%"),
+    ("x-envoy-upstream-rq-per-try-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:per_try_timeout_ms)%"),
+    # The retry policy ext_proc chose for this request (extproc/stages/retry.py); Envoy's router is
+    # the one retry owner, and the route itself allows none.
+    ("x-envoy-retry-on", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:retry_on)%"),
+    ("x-envoy-retriable-status-codes", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:retriable_codes)%"),
+    ("x-envoy-max-retries", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:max_retries)%"),
+)
+
+
+def names_outside(allowed: Iterable[str]) -> str:
+    """An RE2 pattern (RE2 has no negative lookahead) matching every header name except `allowed` and
+    the pseudo-headers (`:path`, ...): built from the names' trie, each node matching any suffix that
+    leaves it."""
+    end = ""
+    trie: dict[str, Any] = {}
+    for name in allowed:
+        node = trie
+        for ch in name:
+            node = node.setdefault(ch, {})
+        node[end] = {}
+
+    def suffixes(node: dict[str, Any], root: bool) -> str:
+        chars = sorted(c for c in node if c != end)
+        other = "".join(re.escape(c) for c in chars) + (":" if root else "")
+        parts = [f"[^{other}].*" if other else ".+"]
+        parts += [f"{re.escape(c)}(?:{suffixes(node[c], False)})" for c in chars]
+        alternatives = "|".join(parts)
+        return alternatives if end in node else f"(?:{alternatives})?"
+    return f"^(?:{suffixes(trie, True)})$"
+
+
+def upstream_headers_filter() -> header_mutation_pb2.HeaderMutation:
+    hvo = base_pb2.HeaderValueOption
+    strip = mutation_rules_pb2.HeaderMutation(remove_on_match=mutation_rules_pb2.HeaderMutation.RemoveOnMatch(
+        key_matcher=string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(
+            regex=names_outside(FORWARDED_HEADERS)))))
+    return header_mutation_pb2.HeaderMutation(mutations=header_mutation_pb2.Mutations(request_mutations=[
+        strip, *(mutation_rules_pb2.HeaderMutation(append=hvo(
+            header=base_pb2.HeaderValue(key=k, value=v), append_action=hvo.OVERWRITE_IF_EXISTS_OR_ADD))
+            for k, v in DECISION_HEADERS)]))
+
+
+def header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
+    return header_mutation_pb2.HeaderMutation(mutations=header_mutation_pb2.Mutations(response_mutations=[
+        mutation_rules_pb2.HeaderMutation(append=h) for h in upstream_answer_headers()]))
+
+
+# Headers ext_proc reads as CEL attributes on the body message (the whole map is not serializable).
+REQUEST_ATTRIBUTES = (
+    "request.id", "request.path", "request.method", "request.time",
+    "request.headers['authorization']", "request.headers['x-llmgw-data-class']",
+    "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
+    "request.headers['traceparent']", "request.headers['tracestate']",
+)
+
+
+def _extproc_service(role: Role | None = None) -> grpc_service_pb2.GrpcService:
+    """The ext_proc cluster, for every filter and the access log that talk to it; `role` (gRPC
+    metadata) tells ext_proc which kind of stream starts (extproc/server.py dispatches on it)."""
+    service = grpc_service_pb2.GrpcService(
+        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER))
+    if role is not None:
+        service.initial_metadata.append(base_pb2.HeaderValue(key=ROLE_KEY, value=role.value))
+    return service
+
+
+def ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=_extproc_service(),
+        failure_mode_allow=False,
+        # One message per request: the buffered body, with the headers ext_proc needs as attributes.
+        # Header mode SKIP lets the headers pass ext_proc at once; the buffer filter after it holds them
+        # until the body (and so ext_proc's decision) is through, so the router never routes early.
+        processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.BUFFERED,
+                           response_header_mode=pm.SKIP, response_body_mode=pm.NONE),
+        request_attributes=list(REQUEST_ATTRIBUTES),
+        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
+        mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_envoy=wrappers_pb2.BoolValue(value=True)),
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
+                untyped=[METADATA_NAMESPACE, "envoy.lb"])),
+    )
+
+
+METER_FILTER = "llmgw.meter"
+
+
+def meter_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
+    """Idempotent JSON answers (their own admitted route): each body chunk waits for ext_proc, which
+    holds the last until the answer is recorded for replay and settled, so a repeat of the key that
+    follows the answer is replayed (extproc/settlement.py). If ext_proc fails, the answer continues
+    (the access log's backstop and the lease settle it)."""
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=_extproc_service(Role.METER),
+        failure_mode_allow=True,
+        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
+        # Headers SKIP: status and content type come as attributes with the first body chunk, so a JSON
+        # answer costs one message.
+        processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
+                           response_header_mode=pm.SKIP, response_body_mode=pm.STREAMED,
+                           request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        response_attributes=list(METER_ATTRIBUTES),
+    )
+
+
+STREAM_FILTER = "llmgw.streams"
+
+
+def stream_filter() -> ext_proc_pb2.ExternalProcessor:
+    """Streams only (their own admitted route): each SSE chunk waits for ext_proc, which passes whole
+    events on, withholds the usage chunk it asked for on the client's behalf, ends a broken stream with
+    the contract's `stream_interrupted` event, and settles. A chunk waits one local round trip (tokens
+    are tens of milliseconds apart). If ext_proc fails, the stream continues unguarded (the lease and
+    the sweeper still settle it)."""
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=_extproc_service(Role.STREAMS),
+        failure_mode_allow=True,
+        processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE,
+                           response_header_mode=pm.SKIP, response_body_mode=pm.STREAMED,
+                           request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        response_attributes=list(METER_ATTRIBUTES),
+        message_timeout=duration_ms(500),
+        # The running chunk count, read by the settlement log when Envoy cuts a stream.
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=[METADATA_NAMESPACE])),
+    )
+
+
+LUA_STREAM_GUARD = "llmgw.lua_streams"
+
+
+LUA_SOURCE = Path(__file__).parent.parent / "lua" / "stream_guard.lua"
+
+
+def _lua_string(s: str) -> str:
+    """A Lua long string holding s exactly (its level chosen so s cannot close it)."""
+    level = 0
+    while f"]{'=' * level}]" in s:
+        level += 1
+    eq = "=" * level
+    return f"[{eq}[{s}]{eq}]" if not s.startswith("\n") else f"[{eq}[\n{s}]{eq}]"
+
+
+def stream_guard_lua() -> str:
+    """The Lua stream guard's source: its CONFIG (names from extproc/names.py, the contract's events
+    from extproc/contract.py) and then llmgw/lua/stream_guard.lua."""
+    keys = ", ".join(f"{k.name.lower()} = {_lua_string(k.value)}" for k in Key)
+    events = ", ".join(f"{end.value} = {_lua_string(interrupted_event(message).decode())}"
+                       for end, message in INTERRUPTED.items())
+    config = (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, settle_stream = {_lua_string(Settle.STREAM)},"
+              f" max_event_bytes = {MAX_EVENT_BYTES},\n  keys = {{{keys}}},\n  events = {{{events}}}}}\n")
+    return config + LUA_SOURCE.read_text()
+
+
+def lua_stream_guard() -> lua_pb2.Lua:
+    """Streams (their own admitted route): every chunk passes through LuaJIT in Envoy, never a round
+    trip to ext_proc; the script does what extproc/streams.py does for idempotent streams, and leaves
+    settlement to the access log (llmgw/lua/stream_guard.lua)."""
+    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=stream_guard_lua()))
+
+
+USAGE_FIELDS = ((Key.USAGE_PROMPT, ("usage", "prompt_tokens")), (Key.USAGE_COMPLETION, ("usage", "completion_tokens")),
+                (Key.USAGE_CACHED, ("usage", "prompt_tokens_details", "cached_tokens")))
+
+
+def usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
+    """A JSON answer's `usage` into io.llmgw metadata, where the access log carries it to settlement."""
+    j = json_to_metadata_pb2.JsonToMetadata
+    rules = [j.Rule(selectors=[j.Selector(key=k) for k in path],
+                    on_present=j.KeyValuePair(metadata_namespace=METADATA_NAMESPACE, key=key, type=j.NUMBER))
+             for key, path in USAGE_FIELDS]
+    # Engines answer `application/json` (vLLM) or with a charset (`application/json; charset=utf-8`).
+    return j(response_rules=j.MatchRules(rules=rules, allow_content_types_regex=regex_pb2.RegexMatcher(
+        regex=r"^application/json(\s*;.*)?$")))
+
+
+def settlement_log() -> accesslog_pb2.AccessLog:
+    """Settlement from Envoy's gRPC access log: entries (with the io.llmgw metadata, usage included)
+    stream to ext_proc in batches over one long-lived stream, instead of a stream per request. Every
+    admitted request is sent: JSON answers settle here; a stream or idempotent answer that failed or
+    was cut settles here at once; one that ended normally is settled by its own filter, and here only
+    as a backstop (extproc/settlement.py). The first settlement wins."""
+    # Every request that holds a reservation (its metadata says how it settles).
+    which = accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(
+        matcher=metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
+                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=Key.SETTLE)],
+                                             value=value_pb2.ValueMatcher(present_match=True))))
+    config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
+        log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
+        grpc_service=_extproc_service(),
+        buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)),
+        additional_response_headers_to_log=[ANSWERED_BY])
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=which,
+        typed_config=pack(config))
+
+
+def stdout_access_log() -> accesslog_pb2.AccessLog:
+    ns = METADATA_NAMESPACE
+    fmt = struct_pb2.Struct()
+    fmt.update({
+        "time": "%START_TIME%", "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%",
+        "path": "%REQ(:PATH):256%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
+        "flags": "%RESPONSE_FLAGS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+        "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
+        "tenant": f"%DYNAMIC_METADATA({ns}:tenant)%", "route": f"%DYNAMIC_METADATA({ns}:route)%",
+        "deployment": f"%DYNAMIC_METADATA({ns}:deployment)%",  # the first candidate of the plan
+        "answered_by": f"%RESP({ANSWERED_BY})%",  # the candidate that answered (fallback: maybe another)
+        "revision": f"%DYNAMIC_METADATA({ns}:revision)%",
+        "subject": f"%DYNAMIC_METADATA({ns}:subject)%",
+        "decision": f"%DYNAMIC_METADATA({ns}:decision)%",
+        "reasons": f"%DYNAMIC_METADATA({ns}:reasons)%",
+        "redactions": f"%DYNAMIC_METADATA({ns}:redactions)%",
+        "picked": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{LB_KEY})%",
+    })
+    return accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout", typed_config=pack(
+        stream_pb2.StdoutAccessLog(log_format=substitution_format_string_pb2.SubstitutionFormatString(
+            json_format=fmt))))
+
+
+def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
+    """ext_proc once per attempt (an upstream filter): which candidate this attempt goes to, its body
+    and credential, and the attempt's record (extproc/attempts.py). Fails closed: an attempt that
+    cannot be addressed is not sent."""
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=_extproc_service(Role.ATTEMPT),
+        failure_mode_allow=False,
+        processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
+                           response_header_mode=pm.SEND, response_body_mode=pm.NONE,
+                           request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        # An attempt whose body needs no rewrite (its candidate serves the first's model) skips the
+        # body message: the headers reply overrides the mode to this one.
+        allow_mode_override=True,
+        allowed_override_modes=[processing_mode_pb2.ProcessingMode(**ATTEMPT_WITHOUT_BODY)],
+        request_attributes=list(ATTEMPT_ATTRIBUTES),
+        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
+    )
+
+
+def meters(snap: Snapshot) -> bool:
+    return any(r.budget_reservation != "off" for r in snap.routes.values())

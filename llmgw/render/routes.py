@@ -1,0 +1,137 @@
+"""The route table: what an admitted request matches (ext_proc's metadata only), which response
+filters each admitted route turns on, and Envoy's own answers for everything else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.type.matcher.v3 import metadata_pb2
+from google.protobuf import any_pb2, wrappers_pb2
+
+from extproc.config import Snapshot
+from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
+from extproc.names import Key, Settle
+from extproc.settlement import ANSWERED_BY
+from llmgw.render.common import duration_ms, pack, string_value_matcher
+from llmgw.render.errors import admitted_route_filters, direct
+from llmgw.render.filters import LUA_STREAM_GUARD, METER_FILTER, STREAM_FILTER, meters
+
+
+def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
+    return {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_meter()}
+
+
+def _no_meter() -> dict[str, any_pb2.Any]:
+    """Only admitted routes carry a reservation to settle. (Harmless where no meter is rendered.)"""
+    return {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_stream_guard()}
+
+
+def _no_stream_guard() -> dict[str, any_pb2.Any]:
+    return {STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_lua_guard()}
+
+
+def _no_lua_guard() -> dict[str, any_pb2.Any]:
+    return {LUA_STREAM_GUARD: pack(lua_pb2.LuaPerRoute(disabled=True))}
+
+
+def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
+    stream_idle_ms = snap.gateway.envoy.stream_idle_timeout_ms
+    # Envoy's own answers name the revision it was rendered from (ext_proc's name the one it decided
+    # under, which a hot reload may have moved on).
+    own = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", value="application/json")),
+           base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=REVISION_HEADER, value=snap.revision))]
+    ext_proc_by_headers = {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(
+        overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+            request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP)))), **_no_meter()}
+    routes = [
+        route_components_pb2.Route(
+            name="healthz", match=route_components_pb2.RouteMatch(path="/healthz"),
+            direct_response=route_components_pb2.DirectResponseAction(
+                status=200, body=base_pb2.DataSource(inline_string='{"status":"ok"}')),
+            response_headers_to_add=own, typed_per_filter_config=_ext_proc_disabled()),
+        # GET /v1/models and /v1/models/{route} have no body: ext_proc takes their headers and answers
+        # them; this is never reached.
+        route_components_pb2.Route(
+            name="models", match=route_components_pb2.RouteMatch(path_separated_prefix=MODELS_PATH),
+            direct_response=direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
+            response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers),
+    ]
+    # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these. A
+    # request ext_proc marked `settle: stream` (streams) or `settle: metered` (idempotent JSON) takes
+    # the route where its response filter is on; every other admitted request settles through the
+    # access log.
+    def md(key: str, value: str) -> metadata_pb2.MetadataMatcher:
+        return metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
+                                            path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
+                                            value=string_value_matcher(value))
+    for cluster in clusters:
+        for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
+            # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
+            # stream guard only (it reads `settle` itself). Other JSON: none of them.
+            no_meter = {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+            per_route = {Settle.STREAM: {**no_meter, STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))},
+                         Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
+                         Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
+            streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
+            routes.append(route_components_pb2.Route(
+                name=f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}"),
+                match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
+                    md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]),
+                route=route_components_pb2.RouteAction(
+                    # A JSON answer is silent until generated: its bound is the deadline. A stream's
+                    # silence is bounded per attempt (and an attempt silent before its first byte may
+                    # be retried or fall back, when ext_proc's retry policy says `reset`).
+                    cluster=cluster, timeout=duration_ms(0),
+                    idle_timeout=duration_ms(stream_idle_ms if streamed else 300_000),
+                    # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
+                    # x-envoy-max-retries, set after the decision). A retry goes to another engine.
+                    retry_policy=route_components_pb2.RetryPolicy(
+                        per_try_idle_timeout=duration_ms(stream_idle_ms) if streamed else None,
+                        num_retries=wrappers_pb2.UInt32Value(value=0),
+                        retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
+                            name="envoy.retry_host_predicates.previous_hosts",
+                            typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()))],
+                        host_selection_retry_max_attempts=3),
+                ),
+                # The caller's gateway credential never travels upstream (the header allow-list drops
+                # it too; this holds even where a mesh operator leaves that filter out).
+                request_headers_to_remove=["authorization"],
+                response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
+                typed_per_filter_config={**admitted_route_filters(), **per_route}))
+    routes += [
+        # The route a chat completion matches when it arrives, before ext_proc decides: it turns the
+        # response filters on (their per-route switches on the admitted route then decide). It is
+        # what such a request meets only when ext_proc never saw it: one without a body.
+        route_components_pb2.Route(
+            name="chat_without_body", match=route_components_pb2.RouteMatch(path=CHAT_PATH),
+            direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
+            response_headers_to_add=own, typed_per_filter_config=_response_filters_on(snap)),
+        # Everything else, /v1/* included: no such endpoint, answered without asking ext_proc.
+        route_components_pb2.Route(
+            name="not_found", match=route_components_pb2.RouteMatch(prefix="/"),
+            direct_response=direct(404, ErrorCode.ROUTE_NOT_FOUND, "no such endpoint"),
+            response_headers_to_add=own, typed_per_filter_config=_ext_proc_disabled()),
+    ]
+    return route_pb2.RouteConfiguration(name="llmgw", virtual_hosts=[route_components_pb2.VirtualHost(
+        name="llmgw", domains=["*"], routes=routes, include_attempt_count_in_response=True,
+        include_request_attempt_count=True)])
+
+
+def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:
+    """Turn on the response filters that are off by default (where a gateway renders them). Envoy
+    refuses an empty per-route config, so each repeats a setting its filter already has."""
+    if not meters(snap):
+        return {}
+    on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(ext_proc_pb2.ExtProcPerRoute(
+        overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))))))
+    # The Lua filter joins the chain here, its script off on this route: it runs on the stream route
+    # ext_proc's decision then selects, and on no other (_no_lua_guard).
+    lua_on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(lua_pb2.LuaPerRoute(disabled=True))))
+    return {METER_FILTER: on, STREAM_FILTER: on, LUA_STREAM_GUARD: lua_on}
