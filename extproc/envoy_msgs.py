@@ -35,6 +35,11 @@ def attr(attrs: Any, key: str) -> str:
     return ""
 
 
+def md_attr(attrs: Any, key: str) -> str:
+    """An io.llmgw metadata value Envoy sent as a CEL attribute (`{MD}['key']`)."""
+    return attr(attrs, f"{MD}['{key}']")
+
+
 def header_text(h: Any) -> str:
     """A HeaderValue of an ext_proc headers message: its raw bytes as UTF-8 when Envoy sent them so."""
     return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)

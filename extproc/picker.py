@@ -3,7 +3,8 @@
 Every engine's `/metrics` is scraped every `interval` (75 ms) while the gateway has traffic, and every
 `idle_interval` (1 s) when it has had none for `active_for` (10 s): a reading older than `stale_after`
 (2 s) does not count, so a dead or hung engine is never picked, and an idle gateway costs little. The
-first pick after a quiet spell wakes the scrapers at once. Candidates are scored with the Gateway
+first pick after a quiet spell waits (briefly) for a round of scrapes made for it (`ensure_fresh`).
+Candidates are scored with the Gateway
 API Inference Extension's default weights - waiting queue (2), free KV cache (2), prefix affinity (3) -
 plus running requests (1), each term in [0, 1] on absolute load (1 / (1 + queue)), and ordered best
 first. Envoy's `override_host` policy takes
@@ -43,6 +44,7 @@ WEIGHTS = {"queue": 2.0, "kv": 2.0, "prefix": 3.0, "running": 1.0}
 AFFINITY_BLOCK_CHARS = 256  # prompt characters per affinity block
 AFFINITY_ENTRIES = 100_000
 IDLE_TICK_S = 0.25  # how often an idle picker checks whether the host has traffic again
+FIRST_PICK_WAIT_S = 0.05  # the longest a pick waits for fresh readings after a quiet spell
 PENDING_TAU_S = 0.025  # a pick not yet in metrics counts exp(-age / tau): likely still in flight
 
 
@@ -103,6 +105,7 @@ class Picker:
         self._marked_active = 0.0  # when this worker last told the shared scraper it has traffic
         self._woken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._refresh: asyncio.Future[None] | None = None  # a round started for a pick (ensure_fresh)
         self._session: aiohttp.ClientSession | None = None
         self._shared = shared_dir
         self._lock_fd: int | None = None
@@ -175,10 +178,28 @@ class Picker:
             if self._woken.is_set():
                 last_round = -math.inf  # a pick after a quiet spell: a round now
 
-    async def _scrape_all(self) -> None:
+    async def ensure_fresh(self) -> None:
+        """Before a pick: readings older than two intervals (the first request after a quiet spell,
+        when scraping runs at the idle pace) are refreshed by one round of scrapes now, awaited for at
+        most FIRST_PICK_WAIT_S, so the request is not steered by a reading up to a second old.
+        Concurrent picks wait for the same round; under traffic readings are fresh and this returns
+        at once."""
+        now = time.monotonic()
+        if self._shared is not None and self._lock_fd is None and now - self._read_at > self.interval:
+            self._read_shared()  # a worker that does not scrape: the scraper's latest first
+        newest = max((ld.at for ld in self.loads.values()), default=-math.inf)
+        if now - newest <= 2 * self.interval or self._session is None:
+            return
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._scrape_all(publish=self._lock_fd is not None))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_PICK_WAIT_S):
+                await asyncio.shield(self._refresh)
+
+    async def _scrape_all(self, publish: bool = True) -> None:
         endpoints = [ep for eps in self.pools.values() for ep in eps]
         await asyncio.gather(*(self._scrape(ep) for ep in endpoints))
-        if self._shared is not None:
+        if self._shared is not None and publish:
             doc = {ep: asdict(ld) for ep, ld in self.loads.items()}
             tmp = self._shared / f"loads.{os.getpid()}.tmp"
             tmp.write_bytes(orjson.dumps(doc))
@@ -226,8 +247,6 @@ class Picker:
         noted); False for a fallback candidate's pool, which only a failure sends to."""
         now = time.monotonic()
         self._note_pick(now)
-        if self._shared is not None and self._lock_fd is None and now - self._read_at > self.interval:
-            self._read_shared()  # a worker that does not scrape reads the scraper's latest, not its last copy
         loads = {ep: ld for ep in self.pools.get(pool, ()) if (ld := self.fresh(ep, now)) is not None}
         if not loads:
             return []

@@ -49,7 +49,7 @@ from extproc.accounting import (
 )
 from extproc.config import Snapshot
 from extproc.contract import METADATA_NAMESPACE
-from extproc.envoy_msgs import ATTRIBUTES, MD, attr, with_first
+from extproc.envoy_msgs import ATTRIBUTES, MD, attr, md_attr, with_first
 from extproc.exchange import Exchange
 from extproc.names import Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
@@ -67,8 +67,8 @@ RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, 
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{ANSWERED_BY}']",
-                    *(f"{MD}['{k}']" for k in ("tenant", "deployment", "redactions", "hold", "stream",
-                                               "withhold_usage", "plan", Key.STREAM_ENDS_AT_MS)))
+                    *(f"{MD}['{k}']" for k in (Key.TENANT, Key.DEPLOYMENT, Key.REDACTIONS, Key.HOLD, Key.STREAM,
+                                               Key.WITHHOLD_USAGE, Key.PLAN, Key.STREAM_ENDS_AT_MS)))
 
 
 async def release(store: Store | None, ex: Exchange, termination: str, status: int) -> None:
@@ -162,7 +162,7 @@ class Meter:
         still goes out (the lease settles it later)."""
         first_at = time.time()  # the first message is the answer's first chunk (headers are skipped)
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
-        tenant, rid, hint = attr(attrs, f"{MD}['tenant']"), attr(attrs, "request.id"), attr(attrs, f"{MD}['hold']")
+        tenant, rid, hint = md_attr(attrs, Key.TENANT), attr(attrs, "request.id"), md_attr(attrs, Key.HOLD)
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
         body, complete, settled = bytearray(), False, not (tenant and rid and hint)
@@ -196,7 +196,7 @@ class Meter:
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
                 stream_usage: StreamUsage, body: bytes, first_at: float) -> asyncio.Future[bool]:
         snap = self.snapshot()
-        dep = answered_by(snap, attr(attrs, f"{MD}['deployment']"), attr(attrs, f"{MD}['plan']"),
+        dep = answered_by(snap, md_attr(attrs, Key.DEPLOYMENT), md_attr(attrs, Key.PLAN),
                           attr(attrs, f"response.headers['{ANSWERED_BY}']"))
         held = orjson.loads(hint)
         usage: Usage | None = None
@@ -214,7 +214,7 @@ class Meter:
         finished = complete and (not sse or stream_usage.done) and not stream_usage.error
         termination = termination_of(status, finished)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep)
-        outcome = outcome_of(termination, status, kind, usage, source, dep, attr(attrs, f"{MD}['redactions']"),
+        outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)})
         idem_status, kept = "", ""
@@ -255,7 +255,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         md = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
         if md is None:
             return
-        tenant, hint, rid = attr(md, "tenant"), attr(md, "hold"), entry.request.request_id
+        tenant, hint, rid = attr(md, Key.TENANT), attr(md, Key.HOLD), entry.request.request_id
         if not tenant or not hint or not rid:
             return
         status = entry.response.response_code.value
@@ -271,11 +271,11 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
     def _settle(self, entry: Any, md: Any, tenant: str, hint: str, rid: str, backstop: bool) -> None:
         common = entry.common_properties
         snap = self.snapshot()
-        dep = answered_by(snap, attr(md, "deployment"), attr(md, "plan"),
+        dep = answered_by(snap, attr(md, Key.DEPLOYMENT), attr(md, Key.PLAN),
                           entry.response.response_headers.get(ANSWERED_BY, ""))
         status = entry.response.response_code.value
         flags = common.response_flags
-        stream = attr(md, "stream") == "1"
+        stream = attr(md, Key.STREAM) == "1"
         prompt_bound = int(orjson.loads(hint).get("p", 0))
         # Present only when json_to_metadata (a JSON answer) or the Lua stream guard found a usage object.
         prompt = attr(md, Key.USAGE_PROMPT)
@@ -307,7 +307,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
         outcome = outcome_of(termination, status, kind, usage, source, dep,
-                             attr(md, "redactions"), {
+                             attr(md, Key.REDACTIONS), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)

@@ -34,7 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, error_body
-from extproc.envoy_msgs import ATTRIBUTES, MD, attr, with_first
+from extproc.envoy_msgs import ATTRIBUTES, attr, md_attr, with_first
 from extproc.names import INTERRUPTED, Key, StreamEnd
 from extproc.settlement import Meter
 from extproc.sse import MAX_EVENT_BYTES, StreamUsage, event_data, take_events
@@ -53,20 +53,20 @@ class StreamGuard:
     async def guard(self, first: ep.ProcessingRequest,
                     rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
-        tenant, rid, hint = attr(attrs, f"{MD}['tenant']"), attr(attrs, "request.id"), attr(attrs, f"{MD}['hold']")
-        withhold = attr(attrs, f"{MD}['withhold_usage']") == "1"
+        tenant, rid, hint = md_attr(attrs, Key.TENANT), attr(attrs, "request.id"), md_attr(attrs, Key.HOLD)
+        withhold = md_attr(attrs, Key.WITHHOLD_USAGE) == "1"
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
         first_at = time.time()  # the first message is the stream's first chunk (headers are skipped)
         usage, buf = StreamUsage(), bytearray()
         broken, over, complete = "", "", False
         counted = 0
-        ends_at_ms = attr(attrs, f"{MD}['{Key.STREAM_ENDS_AT_MS}']")
+        ends_at_ms = md_attr(attrs, Key.STREAM_ENDS_AT_MS)
         ends_at = int(ends_at_ms) / 1000 if ends_at_ms.isdigit() else None
 
         # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
         # before any route chose it: only an admitted stream holding a reservation is guarded.
-        guarded = bool(tenant and rid and hint) and attr(attrs, f"{MD}['stream']") == "1"
+        guarded = bool(tenant and rid and hint) and md_attr(attrs, Key.STREAM) == "1"
         # With an Idempotency-Key: what the client receives, kept for replay (up to the limit, and a
         # byte more to know it went over).
         keep = self.meter.snapshot().gateway.store.idempotency_max_body_bytes + 1 \

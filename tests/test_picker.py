@@ -131,9 +131,6 @@ def slow_stack(tmp_path: Path) -> Stack:
 @pytest.mark.e2e
 def test_requests_avoid_the_busy_engine(slow_stack: Stack) -> None:
     busy, idle = slow_stack.engine_urls()
-    # A gateway with traffic scrapes every 75 ms (an idle one every second: test_idle_scraping_...).
-    assert request(f"{slow_stack.url}/v1/chat/completions", "POST", chat_body(max_tokens=1),
-                   {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30).status == 200
     # Occupy one engine directly: one running, two waiting, for several seconds.
     threads = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST",
                                                       chat_body("meta-llama/Llama-3.1-8B-Instruct", max_tokens=400)),
@@ -200,10 +197,18 @@ def test_idle_scraping_slows_down_and_a_pick_wakes_it() -> None:
         await engines.start()
         p = Picker({"pool": engines.endpoints}, interval=0.05, idle_interval=0.5, active_for=0.3)
         await p.start()
-        await asyncio.sleep(1.05)  # idle from the start: about three rounds
+        await asyncio.sleep(1.2)  # idle from the start: three rounds (0, 0.5, 1.0 s), the last 0.2 s ago
         idle = p.scrapes
         assert 2 * 2 <= idle <= 2 * 4, idle
-        assert p.pick("pool", "s", MSGS)  # readings at most one idle interval old still count
+        # The first pick after the quiet spell does not go by a reading up to an idle interval old:
+        # one round is scraped for it first.
+        before = p.scrapes
+        await p.ensure_fresh()
+        assert p.scrapes == before + 2 and time.monotonic() - min(ld.at for ld in p.loads.values()) < 0.05
+        assert p.pick("pool", "s", MSGS)
+        await p.ensure_fresh()  # fresh now: nothing more to scrape
+        assert p.scrapes == before + 2
+        idle = p.scrapes
         await asyncio.sleep(0.25)  # woken at once, then every 50 ms while active
         assert p.scrapes - idle >= 2 * 4, p.scrapes - idle
         await p.stop()
@@ -223,6 +228,7 @@ def test_workers_on_one_host_share_one_scraper(tmp_path: Path) -> None:
         late = Picker(pools, interval=0.05, idle_interval=60, shared_dir=tmp_path / "picker")
         await late.start()
         await asyncio.sleep(0.6)
+        await late.ensure_fresh()
         assert late.pick("pool", "s", MSGS) and late.scrapes == 0
         await late.stop()
         scrapers = [w for w in workers if w.scrapes]

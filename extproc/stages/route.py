@@ -54,6 +54,7 @@ class PickEndpoint:
         if first is None:
             return
         messages = ex.body.get("messages")
+        await self.picker.ensure_fresh()
         endpoints = self.picker.pick(first, ex.cache_salt, messages)
         pools = [first]
         for dep in ex.candidates[1:] if endpoints else ():

@@ -36,8 +36,8 @@ EXTPROC_CLUSTER = "llmgw_extproc"
 
 # The contract's response headers, from the metadata ext_proc returned with its decision.
 ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
-    (REVISION_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:revision)%"),
-    ("x-llmgw-deployment", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:deployment)%"),
+    (REVISION_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.REVISION})%"),
+    ("x-llmgw-deployment", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEPLOYMENT})%"),
     ("x-llmgw-attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
 )
 
@@ -66,15 +66,15 @@ FORWARDED_HEADERS = ("content-type", "content-length", "x-request-id", "x-forwar
 # (ext_proc's body reply cannot set request headers when headers were skipped). Empty values - no
 # metadata - add no header.
 DECISION_HEADERS: tuple[tuple[str, str], ...] = (
-    ("traceparent", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:traceparent)%"),
-    ("tracestate", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:tracestate)%"),
-    ("x-envoy-upstream-rq-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:rq_timeout_ms)%"),
-    ("x-envoy-upstream-rq-per-try-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:per_try_timeout_ms)%"),
+    ("traceparent", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.TRACEPARENT})%"),
+    ("tracestate", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.TRACESTATE})%"),
+    ("x-envoy-upstream-rq-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.RQ_TIMEOUT_MS})%"),
+    ("x-envoy-upstream-rq-per-try-timeout-ms", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.PER_TRY_TIMEOUT_MS})%"),
     # The retry policy ext_proc chose for this request (extproc/stages/retry.py); Envoy's router is
     # the one retry owner, and the route itself allows none.
-    ("x-envoy-retry-on", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:retry_on)%"),
-    ("x-envoy-retriable-status-codes", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:retriable_codes)%"),
-    ("x-envoy-max-retries", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:max_retries)%"),
+    ("x-envoy-retry-on", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.RETRY_ON})%"),
+    ("x-envoy-retriable-status-codes", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.RETRIABLE_CODES})%"),
+    ("x-envoy-max-retries", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.MAX_RETRIES})%"),
 )
 
 
@@ -278,14 +278,14 @@ def stdout_access_log() -> accesslog_pb2.AccessLog:
         "path": "%REQ(:PATH):256%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
         "flags": "%RESPONSE_FLAGS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
-        "tenant": f"%DYNAMIC_METADATA({ns}:tenant)%", "route": f"%DYNAMIC_METADATA({ns}:route)%",
-        "deployment": f"%DYNAMIC_METADATA({ns}:deployment)%",  # the first candidate of the plan
+        "tenant": f"%DYNAMIC_METADATA({ns}:{Key.TENANT})%", "route": f"%DYNAMIC_METADATA({ns}:{Key.ROUTE})%",
+        "deployment": f"%DYNAMIC_METADATA({ns}:{Key.DEPLOYMENT})%",  # the first candidate of the plan
         "answered_by": f"%RESP({ANSWERED_BY})%",  # the candidate that answered (fallback: maybe another)
-        "revision": f"%DYNAMIC_METADATA({ns}:revision)%",
-        "subject": f"%DYNAMIC_METADATA({ns}:subject)%",
-        "decision": f"%DYNAMIC_METADATA({ns}:decision)%",
-        "reasons": f"%DYNAMIC_METADATA({ns}:reasons)%",
-        "redactions": f"%DYNAMIC_METADATA({ns}:redactions)%",
+        "revision": f"%DYNAMIC_METADATA({ns}:{Key.REVISION})%",
+        "subject": f"%DYNAMIC_METADATA({ns}:{Key.SUBJECT})%",
+        "decision": f"%DYNAMIC_METADATA({ns}:{Key.DECISION})%",
+        "reasons": f"%DYNAMIC_METADATA({ns}:{Key.REASONS})%",
+        "redactions": f"%DYNAMIC_METADATA({ns}:{Key.REDACTIONS})%",
         "picked": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{LB_KEY})%",
     })
     return accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout", typed_config=pack(
