@@ -261,15 +261,20 @@ def run_overhead(args: argparse.Namespace) -> int:
             ch.stop()
     table = _table(rows, args) + f"Endpoint picker named the engine on {picked:.0%} of the gateway's requests.\n"
     if args.token_streams:
-        from llmgw.bench_stream import run_stream_bench
+        from llmgw.bench_stream import measure_token_streams
 
         table += "\nStreams of one event per token (`llmgw bench stream`, defaults):\n\n"
-        table += run_stream_bench(argparse.Namespace(
+        table += measure_token_streams(argparse.Namespace(
             config=args.config, streams=48, tokens=256, gap_ms=10.0, concurrency=8, rounds=3, workers=args.workers,
-            output=None), quiet=True)
+            output=None))
+    return report(table, args.output)
+
+
+def report(table: str, output: str | None) -> int:
+    """A benchmark's markdown table: printed, and written to `output` when given."""
     print(table)
-    if args.output:
-        Path(args.output).write_text(table)
+    if output:
+        Path(output).write_text(table)
     return 0
 
 
@@ -292,12 +297,12 @@ def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[st
     brps, grps = _med([r.rps for r in bare]), _med([r.rps for r in gw])
     errors = sum(r.non_2xx for r in bare + gw)
 
-    def per_request(name: str) -> dict[str, float]:
-        served = sum(r.rps * secs for r in got[name])
-        return {proc: sec / max(1.0, served) * 1e6 for proc, sec in cpu[name].items()}
-    gcpu, bcpu = per_request("gateway"), per_request("bare")
-    gwake = {proc: n / max(1.0, sum(r.rps * secs for r in gw)) for proc, n in woken["gateway"].items()}
-    bwake = sum(woken["bare"].values()) / max(1.0, sum(r.rps * secs for r in bare))
+    def per_request(counters: dict[str, dict[str, float]], name: str) -> dict[str, float]:
+        served = max(1.0, sum(r.rps * secs for r in got[name]))
+        return {proc: n / served for proc, n in counters[name].items()}
+    gcpu = {proc: s * 1e6 for proc, s in per_request(cpu, "gateway").items()}
+    bcpu = {proc: s * 1e6 for proc, s in per_request(cpu, "bare").items()}
+    gwake, bwake = per_request(woken, "gateway"), sum(per_request(woken, "bare").values())
     row = (f"| {kind} | {c} | {b50:.3f} | {g50:.3f} | +{g50 - b50:.3f} | {brps:,.0f} | {grps:,.0f} | {grps / brps:.1%} "
            f"| {bcpu.get('envoy', 0):.0f} | {gcpu.get('envoy', 0):.0f} / {gcpu.get('ext_proc', 0):.0f} / "
            f"{gcpu.get('store', 0):.0f} | {sum(gcpu.values()) / max(1.0, sum(bcpu.values())):.1f}x "
@@ -306,7 +311,8 @@ def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[st
     if "litellm" in got:
         lit = got["litellm"]
         l50, lrps = _med([r.p50_ms for r in lit]), _med([r.rps for r in lit])
-        row += (f" {l50:.3f} | +{l50 - b50:.3f} | {lrps:,.0f} | {per_request('litellm').get('litellm', 0):.0f} "
+        lcpu = per_request(cpu, "litellm").get("litellm", 0.0) * 1e6
+        row += (f" {l50:.3f} | +{l50 - b50:.3f} | {lrps:,.0f} | {lcpu:.0f} "
                 f"| {grps / max(lrps, 1e-9):.1f}x | {sum(r.non_2xx for r in lit)} |")
     return row
 

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import load_snapshot
-from llmgw.bench import demo_policy
-from llmgw.bench_stream import METRICS
+from llmgw.bench import METRICS, demo_policy, report
 from llmgw.procs import Child, cpu_seconds, free_port, http_ok, python_module, wait_until
 
 
@@ -94,10 +93,7 @@ def run_idle_bench(args: argparse.Namespace) -> int:
              "scrapes/s |\n|---|---|---|---|---|---|\n" + "\n".join(rows) +
              f"\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.duration:.0f} s without requests, "
              f"after {args.settle:.0f} s to settle.\n")
-    print(table)
-    if args.output:
-        Path(args.output).write_text(table)
-    return 0
+    return report(table, args.output)
 
 
 def add_parser(bsub: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from extproc.config import load_snapshot
-from llmgw.bench import demo_policy
+from llmgw.bench import demo_policy, report
 from llmgw.stack import Stack, StackOptions
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
@@ -177,10 +177,7 @@ def run_picker_bench(args: argparse.Namespace) -> int:
         f"{capacity:.1f} req/s, picker {capacities['picker']:.1f} req/s. Offered load: {rate:.1f} req/s Poisson "
         f"(80% of round-robin's capacity) for {args.duration:.0f} s after {args.warmup:.0f} s of warm-up. "
         f"Picker TTFT p95 is {gain:.0%} lower than round-robin's.\n")
-    print(table)
-    if args.output:
-        Path(args.output).write_text(table)
-    return 0
+    return report(table, args.output)
 
 
 def add_parser(sub: Any) -> None:

@@ -36,7 +36,17 @@ import yaml
 from extproc.chat import map_rendered
 from extproc.config import load_snapshot
 from extproc.redact import Redactor
-from llmgw.bench import WRK_LUA, Result, _med, _start_envoy, bare_bootstrap, demo_policy, run_wrk, upstream_bootstrap
+from llmgw.bench import (
+    WRK_LUA,
+    Result,
+    _med,
+    _start_envoy,
+    bare_bootstrap,
+    demo_policy,
+    report,
+    run_wrk,
+    upstream_bootstrap,
+)
 from llmgw.procs import cpu_seconds, free_port
 from llmgw.stack import Stack, StackOptions, gateway_processes
 
@@ -161,7 +171,7 @@ def run_policy_bench(args: argparse.Namespace) -> int:
                        "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
     variants = {"served": Variant(served), "full": Variant(full), "full-nc": Variant(full, ("--no-decision-cache",))}
     results, cpu = compare(variants, body, keys["acme"], args, "served")
-    return _report(_table(results, args, "served") + _cpu_table(cpu) + _micro_note(micro), args)
+    return report(_table(results, args, "served") + _cpu_table(cpu) + _micro_note(micro), args.output)
 
 
 def _variant_policy(src: Path, dst: Path, allow_all: bool = False, budgets: bool = False) -> Path:
@@ -191,13 +201,6 @@ def _wrk_missing() -> bool:
     return False
 
 
-def _report(table: str, args: argparse.Namespace) -> int:
-    print(table)
-    if args.output:
-        Path(args.output).write_text(table)
-    return 0
-
-
 def run_budget_bench(args: argparse.Namespace) -> int:
     """Reservation (one Lua script before dispatch) + settlement (the meter filter, off the response
     path) over the same gateway without budgets."""
@@ -212,7 +215,7 @@ def run_budget_bench(args: argparse.Namespace) -> int:
                        "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
     results, cpu = compare({"budgets-off": Variant(off), "budgets-on": Variant(on, with_valkey=True)}, body,
                            keys["acme"], args, "budgets-off")
-    return _report(_table(results, args, "budgets-off") + _cpu_table(cpu), args)
+    return report(_table(results, args, "budgets-off") + _cpu_table(cpu), args.output)
 
 
 def add_candidate(policy: Path, deployment: str, pool: str, endpoint: str, fingerprint: dict[str, str],
@@ -265,7 +268,7 @@ def run_fallback_bench(args: argparse.Namespace) -> int:
     results, cpu = compare({"one-candidate": Variant(one, with_valkey=True),
                             "two-candidates": Variant(two, with_valkey=True)}, body, keys["acme"], args,
                            "one-candidate")
-    return _report(_table(results, args, "one-candidate") + _cpu_table(cpu), args)
+    return report(_table(results, args, "one-candidate") + _cpu_table(cpu), args.output)
 
 
 def _cpu_table(cpu: CpuUs) -> str:

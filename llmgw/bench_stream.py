@@ -22,12 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import load_snapshot
-from llmgw.bench import _start_envoy, bare_bootstrap, demo_policy, without_quotas
+from llmgw.bench import METRICS, _start_envoy, bare_bootstrap, demo_policy, report, without_quotas
 from llmgw.procs import Child, cpu_seconds, free_port, http_ok, wait_until
 from llmgw.stack import Stack, StackOptions, gateway_processes
-
-METRICS = "".join(f'{name}{{engine="0",model_name="bench"}} 0.0\n' for name in (
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"))
 
 
 def serve_upstream(port: int, tokens: int, gap_ms: float) -> None:
@@ -122,8 +119,12 @@ def _pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs or [0.0])[0]
 
 
-def run_stream_bench(args: argparse.Namespace, quiet: bool = False) -> Any:
-    """The report's table (quiet: returned, not printed), or the exit status."""
+def run_stream_bench(args: argparse.Namespace) -> int:
+    return report(measure_token_streams(args), args.output)
+
+
+def measure_token_streams(args: argparse.Namespace) -> str:
+    """Both proxies in alternating rounds: the markdown table of the figures."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-stream-"))
     up_port, bare_port, bare_admin = free_port(), free_port(), free_port()
     config, keys = demo_policy(Path(args.config), work / "policy")
@@ -165,16 +166,10 @@ def run_stream_bench(args: argparse.Namespace, quiet: bool = False) -> Any:
         stack.stop()
         bare.stop()
         upstream.stop()
-    table = _report(runs, cpu, args)
-    if quiet:
-        return table
-    print(table)
-    if args.output:
-        Path(args.output).write_text(table)
-    return 0
+    return _table(runs, cpu, args)
 
 
-def _report(runs: dict[str, StreamRun], cpu: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
+def _table(runs: dict[str, StreamRun], cpu: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
     per_token = {name: {proc: sec / max(1, runs[name].tokens) * 1e6 for proc, sec in procs.items()}
                  for name, procs in cpu.items()}
     bare_total = sum(per_token["bare"].values())

@@ -151,32 +151,34 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def cpu_seconds(children: dict[str, list[Child]]) -> dict[str, float]:
-    """CPU time (user + system, Linux /proc) each kind of process has used so far, summed over its
-    processes: how the benchmarks attribute cost to Envoy, ext_proc workers and the store."""
-    tick = os.sysconf("SC_CLK_TCK")
+def _summed(children: dict[str, list[Child]], read: Callable[[int], float]) -> dict[str, float]:
+    """`read(pid)` summed over each kind's running processes (one that exits meanwhile counts 0)."""
     out: dict[str, float] = {}
     for kind, procs in children.items():
         for child in procs:
             if child.proc is None:
                 continue
             with contextlib.suppress(OSError):
-                fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+                out[kind] = out.get(kind, 0.0) + read(child.proc.pid)
     return out
 
 
-def wakeups(children: dict[str, list[Child]]) -> dict[str, int]:
+def cpu_seconds(children: dict[str, list[Child]]) -> dict[str, float]:
+    """CPU time (user + system, Linux /proc) each kind of process has used so far, summed over its
+    processes: how the benchmarks attribute cost to Envoy, ext_proc workers and the store."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+    return _summed(children, cpu)
+
+
+def wakeups(children: dict[str, list[Child]]) -> dict[str, float]:
     """Context switches (voluntary + involuntary, Linux /proc) each kind of process has had so far,
     summed over its processes and their threads: how often it was woken, whatever for."""
-    out: dict[str, int] = {}
-    for kind, procs in children.items():
-        for child in procs:
-            if child.proc is None:
-                continue
-            with contextlib.suppress(OSError):
-                for task in Path(f"/proc/{child.proc.pid}/task").iterdir():
-                    for line in (task / "status").read_text().splitlines():
-                        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                            out[kind] = out.get(kind, 0) + int(line.split()[1])
-    return out
+    def switches(pid: int) -> float:
+        return sum(int(line.split()[1]) for task in Path(f"/proc/{pid}/task").iterdir()
+                   for line in (task / "status").read_text().splitlines()
+                   if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+    return _summed(children, switches)
