@@ -63,20 +63,24 @@ def test_stream_chunk_sequence(engines: Engines) -> None:
         "text/event-stream"
     (s, s_end), (r, r_end) = sse(sim), sse(real)
     assert s_end == r_end == "data: [DONE]"
-    assert len(s) == len(r) == 5  # role, three tokens, usage
+    # Role, then a chunk per token, then usage. vLLM sends no chunk for a token whose text is still
+    # an incomplete UTF-8 sequence (the tiny model samples byte tokens), so it may send fewer
+    # content chunks than tokens; the simulator's tokens are whole text, one chunk each.
+    assert len(s) == 5 and 3 <= len(r) <= 5, (len(s), len(r))
     assert shape(s[0]) == shape(r[0]) and s[0]["choices"][0]["delta"] == r[0]["choices"][0]["delta"]
-    # Content chunks: same keys (a token may decode to "" in vLLM; the shape still matches).
-    assert shape(s[1]) == shape(r[1])
-    assert shape(s[3]) == shape(r[3]) and s[3]["choices"][0]["finish_reason"] == r[3]["choices"][0][
+    assert all(shape(c) == shape(s[1]) for c in r[1:-2])
+    assert shape(s[-2]) == shape(r[-2]) and s[-2]["choices"][0]["finish_reason"] == r[-2]["choices"][0][
         "finish_reason"] == "length"
-    assert shape(s[4]) == shape(r[4]) and s[4]["choices"] == r[4]["choices"] == []
-    assert s[4]["usage"]["completion_tokens"] == r[4]["usage"]["completion_tokens"] == 3
+    assert all(c["choices"][0]["finish_reason"] is None for c in (*s[1:-2], *r[1:-2]))
+    assert shape(s[-1]) == shape(r[-1]) and s[-1]["choices"] == r[-1]["choices"] == []
+    assert s[-1]["usage"]["completion_tokens"] == r[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_stream_without_usage_has_no_usage_chunk(engines: Engines) -> None:
     sim, real = both(engines, "/v1/chat/completions", body=chat_body(MODEL, max_tokens=2, stream=True))
-    for chunks, _ in (sse(sim), sse(real)):
-        assert len(chunks) == 3 and all("usage" not in c for c in chunks)
+    (s, _), (r, _) = sse(sim), sse(real)
+    assert len(s) == 3 and 2 <= len(r) <= 3  # role, a chunk per whole token (see above)
+    assert all("usage" not in c for c in (*s, *r))
 
 
 BAD_INPUTS = {
