@@ -206,9 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.ledger_cmd import add_parser as add_ledger
 
     add_ledger(sub)
-    from llmgw.keys_cmd import add_parsers as add_key_and_policy_commands
+    from llmgw.keys_cmd import add_parsers as add_key_commands
 
-    add_key_and_policy_commands(sub)
+    add_key_commands(sub)
+    from llmgw.policy_cmd import add_parsers as add_policy_commands
+
+    add_policy_commands(sub)
     return p
 
 

@@ -1,4 +1,4 @@
-"""`llmgw keys` and `llmgw policy test`: the policy author's commands.
+"""`llmgw keys`: API keys for the policy directory.
 
 Keys made here go to the policy directory's `keys.yaml` as SHA-256 hashes; the key itself is printed
 once and never stored. ext_proc picks the change up with its next reload.
@@ -16,8 +16,6 @@ from typing import Any
 
 import yaml
 
-from extproc.config.policy import PolicyCompileError, check_calls
-from extproc.config.policy_tests import run_isolated
 from extproc.config.schema import KeysFile, ManagedKey
 from llmgw.cli_common import snapshot_or_report
 
@@ -87,29 +85,6 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_policy_test(args: argparse.Namespace) -> int:
-    """Run every `test_*` rule of the directory's Rego, as `opa test` does; exit 1 on any failure."""
-    snap = snapshot_or_report(args.dir)
-    if snap is None:
-        return 1
-    # The policy itself was checked when the snapshot loaded; its tests are checked the same way, then
-    # run in a process of their own (the engine can crash on some).
-    try:
-        check_calls(snap.rego)
-    except PolicyCompileError as e:
-        for issue in e.issues:
-            print(f"error: {issue}", file=sys.stderr)
-        return 1
-    results = run_isolated(snap.rego, snap.policy_data)
-    for r in results:
-        line = f"{'PASS' if r.passed else 'FAIL'}: {r.module}: {r.rule}"
-        print(line + (f" ({r.error})" if r.error else ""))
-    failed = sum(not r.passed for r in results)
-    print("-" * 40)
-    print(f"PASS: {len(results) - failed}/{len(results)}" + (f", FAIL: {failed}" if failed else ""))
-    return 1 if failed or not results else 0
-
-
 def add_parsers(sub: Any) -> None:
     k = sub.add_parser("keys", help="API keys (stored as hashes in the policy directory's keys.yaml)")
     ksub = k.add_subparsers(dest="keys_command", required=True)
@@ -127,9 +102,3 @@ def add_parsers(sub: Any) -> None:
     ls = ksub.add_parser("list", help="every key's tenant, id and state")
     ls.add_argument("--config", default="policy")
     ls.set_defaults(func=cmd_keys_list)
-
-    p = sub.add_parser("policy", help="Rego policy")
-    psub = p.add_subparsers(dest="policy_command", required=True)
-    t = psub.add_parser("test", help="run the Rego test_* rules next to the policies")
-    t.add_argument("dir", nargs="?", default="policy")
-    t.set_defaults(func=cmd_policy_test)

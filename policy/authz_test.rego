@@ -1,5 +1,5 @@
-# Tests for authz.rego. `llmgw policy test policy` runs every test_* rule; a rule test_X runs with
-# the input document input_X of the same package, when there is one.
+# Tests for authz.rego, written as for `opa test`: each test states its input with `with input as`
+# and may replace gateway facts with `with data.gateway... as`. `llmgw policy test policy` runs them.
 package llmgw.authz_test
 
 import rego.v1
@@ -8,81 +8,83 @@ import data.llmgw.authz
 
 acme := {"tenant": "acme", "subject": "k", "kind": "api_key", "groups": [], "effects": []}
 
-route := {"name": "chat-default", "request_class": "read_only_chat"}
-
-candidates := [{"deployment": "pool-llama-8b", "data_classes": ["public", "internal", "confidential"], "regions": ["eu"]}]
-
 chat := {"route": "chat-default", "data_class": "internal", "tools": [], "stream": false}
 
-input_plain_chat_allowed := {"identity": acme, "request": chat, "route": route, "candidates": candidates}
+allowed := {
+	"identity": acme,
+	"request": chat,
+	"route": {"name": "chat-default", "request_class": "read_only_chat"},
+	"candidates": [{"deployment": "pool-llama-8b", "data_classes": ["public", "internal", "confidential"], "regions": ["eu"]}],
+}
+
+# object.union merges objects recursively: only the fields named change.
+with_request(fields) := object.union(allowed, {"request": fields})
 
 test_plain_chat_allowed if {
-	authz.decision.allow
-	count(authz.decision.reasons) == 0
+	d := authz.decision with input as allowed
+	d.allow
+	count(d.reasons) == 0
 }
-
-# object.union merges one level here (regopy 1.5), so each part is merged on its own.
-with_identity(extra) := object.union(input_plain_chat_allowed, {"identity": object.union(acme, extra)})
-
-with_request(extra) := object.union(input_plain_chat_allowed, {"request": object.union(chat, extra)})
-
-input_unknown_tenant_denied := with_identity({"tenant": "initech"})
 
 test_unknown_tenant_denied if {
-	not authz.decision.allow
-	"tenant initech is not configured" in authz.decision.reasons
+	d := authz.decision with input as object.union(allowed, {"identity": {"tenant": "initech"}})
+	not d.allow
+	"tenant initech is not configured" in d.reasons
 }
-
-input_tenant_class_not_allowed := object.union(input_plain_chat_allowed, {
-	"identity": object.union(acme, {"tenant": "globex"}),
-	"request": object.union(chat, {"data_class": "confidential"}),
-})
 
 test_tenant_class_not_allowed if {
-	not authz.decision.allow
-	"tenant globex may not send data class confidential" in authz.decision.reasons
+	d := authz.decision with input as object.union(allowed, {
+		"identity": {"tenant": "globex"},
+		"request": {"data_class": "confidential"},
+	})
+	not d.allow
+	"tenant globex may not send data class confidential" in d.reasons
 }
 
-input_no_candidate_serves_class := with_request({"data_class": "restricted"})
-
 test_no_candidate_serves_class if {
-	not authz.decision.allow
-	"tenant acme may not send data class restricted" in authz.decision.reasons
-	"route chat-default has no candidate for data class restricted in the tenant's regions" in authz.decision.reasons
+	d := authz.decision with input as with_request({"data_class": "restricted"})
+	not d.allow
+	"tenant acme may not send data class restricted" in d.reasons
+	"route chat-default has no candidate for data class restricted in the tenant's regions" in d.reasons
+}
+
+test_a_region_the_tenant_does_not_allow_has_no_candidate if {
+	d := authz.decision with input as allowed with data.gateway.tenants.acme.regions as ["us"]
+	not d.allow
+	"route chat-default has no candidate for data class internal in the tenant's regions" in d.reasons
 }
 
 write_tool := [{"name": "update_ticket", "known": true, "effects": ["write"]}]
 
-input_write_tool_without_grant := with_request({"tools": write_tool})
-
 test_write_tool_without_grant if {
-	not authz.decision.allow
-	"tool update_ticket needs the write effect, which the caller is not granted" in authz.decision.reasons
+	d := authz.decision with input as with_request({"tools": write_tool})
+	not d.allow
+	"tool update_ticket needs the write effect, which the caller is not granted" in d.reasons
 }
 
-input_write_tool_with_grant := object.union(input_write_tool_without_grant, {
-	"identity": object.union(acme, {"effects": ["write"]}),
-})
-
-test_write_tool_with_grant if authz.decision.allow
-
-input_unknown_tool_denied := with_request({"tools": [{"name": "rm_rf", "known": false, "effects": []}]})
+test_write_tool_with_grant if {
+	authz.allow with input as object.union(with_request({"tools": write_tool}), {"identity": {"effects": ["write"]}})
+}
 
 test_unknown_tool_denied if {
-	not authz.decision.allow
-	"tool rm_rf is not in the tool catalog" in authz.decision.reasons
+	d := authz.decision with input as with_request({"tools": [{"name": "rm_rf", "known": false, "effects": []}]})
+	not d.allow
+	"tool rm_rf is not in the tool catalog" in d.reasons
 }
-
-input_internal_is_redacted := input_plain_chat_allowed
 
 test_internal_is_redacted if {
-	"email" in authz.decision.obligations.redact
-	not authz.decision.obligations.record_content
+	d := authz.decision with input as allowed
+	"email" in d.obligations.redact
+	not d.obligations.record_content
 }
 
-input_public_recordable := with_request({"data_class": "public"})
-
 test_public_recordable if {
-	count(authz.decision.obligations.redact) == 0
-	authz.decision.obligations.record_content
+	d := authz.decision with input as with_request({"data_class": "public"})
+	count(d.obligations.redact) == 0
+	d.obligations.record_content
+}
+
+test_redaction_follows_the_configured_class if {
+	d := authz.decision with input as allowed with data.gateway.redaction.from_data_class as "confidential"
+	count(d.obligations.redact) == 0
 }

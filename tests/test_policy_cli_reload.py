@@ -1,4 +1,4 @@
-"""`llmgw keys`, `llmgw policy test`, the reloader's refusal rules, and JWKS fetched over HTTP."""
+"""`llmgw keys`, the reloader's refusal rules, and JWKS fetched over HTTP."""
 
 from __future__ import annotations
 
@@ -47,19 +47,6 @@ def test_keys_create_prints_once_stores_hash_and_revoke_works(policy: Path) -> N
     assert llmgw("keys", "create", "--tenant", "nobody", "--config", str(policy)).returncode == 1
 
 
-def test_policy_test_reports_each_rule_and_fails_on_a_failing_one(policy: Path) -> None:
-    out = llmgw("policy", "test", str(policy))
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "PASS: authz_test.rego: test_write_tool_without_grant" in out.stdout
-    (policy / "extra_test.rego").write_text(
-        "package llmgw.extra_test\nimport rego.v1\nimport data.llmgw.authz\n"
-        'input_wrong := {"identity": {"tenant": "acme", "effects": []}, "request": {"data_class": "internal", '
-        '"tools": []}, "route": {"name": "r"}, "candidates": []}\n'
-        "test_wrong if authz.decision.allow\n")  # no candidate serves internal: denied, so this fails
-    out = llmgw("policy", "test", str(policy))
-    assert out.returncode == 1 and "FAIL: extra_test.rego: test_wrong" in out.stdout
-
-
 def _reloader(policy: Path, run_tests: bool = False) -> Reloader:
     snap = load_snapshot(policy)
     return Reloader(policy, lambda s: Live(s, {}), Live(snap, {}), run_tests=run_tests)
@@ -73,7 +60,7 @@ def test_reloader_refuses_invalid_config_and_failing_policy_tests(policy: Path) 
     assert any("candidates" in e for e in r.status["last_error"])
     shutil.copy(POLICY / "routes/chat-default.yaml", policy / "routes/chat-default.yaml")
     (policy / "authz_test.rego").write_text((policy / "authz_test.rego").read_text().replace(
-        "test_write_tool_with_grant if authz.decision.allow", "test_write_tool_with_grant if not authz.decision.allow"))
+        "test_write_tool_with_grant if {\n\tauthz.allow", "test_write_tool_with_grant if {\n\tnot authz.allow"))
     assert not r.reload("test") and "test_write_tool_with_grant" in r.status["last_error"][0]
     assert r.status["refused"] == 2 and r.live.snapshot.revision == old
 

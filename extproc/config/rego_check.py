@@ -1,12 +1,11 @@
-"""Checks on Rego source that the engine (regopy 1.5) does not make, so a policy that cannot be
-evaluated as written is refused when it loads instead of answering wrongly.
+"""Checks on Rego source that the engine makes only when a call is reached, so a policy that cannot be
+evaluated as written is refused when it loads instead of failing (or answering wrongly) at a request.
 
-regopy evaluates a call of a built-in it does not implement (`net.cidr_contains`, `http.send`,
-`json.match_schema`, ...) or of a function nobody defined as *undefined*, without an error: a deny
-rule using one never fires, and `allow if not deny` is then true - the policy fails open. Every call
-in the policy must therefore name a built-in the engine implements or a function the policy defines;
-anything else is a config error naming file, line and column. The engine's own syntax errors carry
-a byte offset, turned into line and column here.
+A call of a built-in the engine does not implement, or of a function nobody defined, is an error only
+when evaluation reaches it (regorus), or evaluates as *undefined* (regopy 1.5, the engine before): a
+deny rule using one would then never fire, and `allow if not deny` would be true. Every call in the
+policy must therefore name a built-in the engine implements or a function the policy defines; anything
+else is a config error naming file, line and column.
 """
 
 from __future__ import annotations
@@ -59,12 +58,12 @@ def _code(text: str) -> str:
     return "".join(out)
 
 
-def _position(text: str, offset: int) -> tuple[int, int]:
+def position(text: str, offset: int) -> tuple[int, int]:
     line = text.count("\n", 0, offset) + 1
     return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
 
 
-def _calls(text: str) -> Iterator[tuple[str, int, bool]]:
+def calls(text: str) -> Iterator[tuple[str, int, bool]]:
     """(dotted name, offset, whether it is a head: the name starts its line, after an optional
     `default`) of every `name(` outside comments and strings."""
     code = _code(text)
@@ -80,7 +79,7 @@ def _calls(text: str) -> Iterator[tuple[str, int, bool]]:
 
 def defined_functions(modules: Mapping[str, str]) -> set[str]:
     """Names of the functions the modules define (`f(x) := ...`, `f(x) if ...` starting a line)."""
-    return {name.rsplit(".", 1)[-1] for text in modules.values() for name, _, head in _calls(text) if head}
+    return {name.rsplit(".", 1)[-1] for text in modules.values() for name, _, head in calls(text) if head}
 
 
 def unknown_calls(modules: Mapping[str, str], is_builtin: Callable[[str], bool]) -> list[RegoIssue]:
@@ -89,25 +88,11 @@ def unknown_calls(modules: Mapping[str, str], is_builtin: Callable[[str], bool])
     functions = defined_functions(modules)
     issues = []
     for file, text in sorted(modules.items()):
-        for name, offset, head in _calls(text):
+        for name, offset, head in calls(text):
             if head or is_builtin(name) or name.rsplit(".", 1)[-1] in functions:
                 continue
-            line, col = _position(text, offset)
+            line, col = position(text, offset)
             issues.append(RegoIssue(file, line, col, f"`{name}` is neither a built-in this engine implements nor a "
-                                    "function the policy defines: refused, since the engine would evaluate it as "
-                                    "undefined (a deny rule using it would never fire)"))
-    return issues
-
-
-_ENGINE_ERROR = re.compile(r"\(error \d+:(?P<file>[^|\s]+)\|(?P<offset>\d+)\|\d+\s+\(errormsg \d+:(?P<msg>[^)]*)\)")
-
-
-def located_errors(error: str, modules: Mapping[str, str]) -> list[RegoIssue]:
-    """The engine's errors (`(error N:file|offset|length (errormsg N:message) ...)`) with line and
-    column; empty when the text holds none in that form."""
-    issues = []
-    for m in _ENGINE_ERROR.finditer(error):
-        text = modules.get(m.group("file"), "")
-        line, col = _position(text, min(int(m.group("offset")), len(text)))
-        issues.append(RegoIssue(m.group("file"), line, col, m.group("msg").strip()))
+                                    "function the policy defines: refused when the policy loads, not at the first "
+                                    "request that reaches it"))
     return issues

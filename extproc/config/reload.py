@@ -68,7 +68,8 @@ class Reloader:
         try:
             snapshot = load_snapshot(self.directory)
             if self.run_tests:
-                failed = [r.rule for r in run_isolated(snapshot.rego, snapshot.policy_data) if not r.passed]
+                report = run_isolated(snapshot.rego, snapshot.policy_data)
+                failed = report.load_errors + [r.name for r in report.results if not r.passed]
                 if failed:
                     raise ConfigError([])  # reported below with the failing rules
             live = self.build(snapshot)
