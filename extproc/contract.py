@@ -13,6 +13,7 @@ METADATA_NAMESPACE = "io.llmgw"
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"  # and /v1/models/{route}
 REVISION_HEADER = "x-llmgw-route-revision"  # on every answer, Envoy's own included
+DECISION_ID_HEADER = "x-llmgw-decision-id"  # on a refusal made after the authorization decision
 ROLE_KEY = "x-llmgw-role"  # gRPC metadata on each ext_proc filter's stream: which handler takes it
 
 
@@ -96,10 +97,15 @@ class GatewayError(Exception):
     def status(self) -> int:
         return self.code.status
 
-    def body(self) -> bytes:
-        return error_body(self.code, self.message, self.param)
+    def body(self, decision_id: str = "") -> bytes:
+        return error_body(self.code, self.message, self.param, decision_id)
 
 
-def error_body(code: ErrorCode, message: str, param: str | None = None) -> bytes:
+def error_body(code: ErrorCode, message: str, param: str | None = None, decision_id: str = "") -> bytes:
+    """The contract's error (its four names are fixed). A refusal made after the authorization
+    decision names that decision at the end of the message, the key that joins it to the access log,
+    the ledger and the decision log; the `x-llmgw-decision-id` header carries it too."""
+    if decision_id:
+        message = f"{message} (decision_id {decision_id})"
     return json.dumps({"error": {"message": message, "type": code.error_type, "code": code.value,
                                  "param": param}}).encode()

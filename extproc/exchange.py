@@ -57,6 +57,7 @@ class Exchange:
     data_class: str = ""
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
+    decision_id: str = ""  # this request's decision (a UUID): error body, access log, ledger, decision log
     redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
     bound: Bound | None = None  # invariant 3's bound, before redaction (stages/size.py)
     held: Held | None = None  # the budget reservation, once the store granted it
@@ -92,7 +93,9 @@ class Exchange:
             facts.update(route=self.route.route_contract, request_class=self.route.request_class)
         if self.decision is not None:
             facts["decision"] = {"allow": self.decision.allow, "reasons": self.logged_reasons(),
-                                 "policy_revision": self.decision.policy_revision}
+                                 "policy_revision": self.decision.policy_revision, "decision_id": self.decision_id}
+        elif self.decision_id:  # the policy failed: this id names the failure in the decision log
+            facts["decision"] = {"error": "policy_unavailable", "decision_id": self.decision_id}
         return facts
 
     def metadata(self) -> dict[str, str]:
@@ -106,6 +109,8 @@ class Exchange:
             md[Key.POLICY_REVISION] = self.decision.policy_revision
             if self.decision.reasons:
                 md[Key.REASONS] = "; ".join(self.logged_reasons())
+        if self.decision_id:
+            md[Key.DECISION_ID] = self.decision_id
         if self.redactions:
             md[Key.REDACTIONS] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
         if self.held is not None:

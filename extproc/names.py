@@ -17,6 +17,7 @@ class Key(StrEnum):
     TENANT = "tenant"
     SUBJECT = "subject"
     DECISION = "decision"
+    DECISION_ID = "decision_id"
     POLICY_REVISION = "policy_revision"
     REASONS = "reasons"
     REDACTIONS = "redactions"

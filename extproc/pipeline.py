@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from extproc.decisions import DecisionRecorder
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
 from extproc.picker import Picker
@@ -24,12 +25,12 @@ from extproc.store import Store
 # design.md section 1, in order, all on the one message Envoy sends: the buffered body with the
 # headers as attributes. Identity comes first: an unauthenticated caller learns nothing else.
 def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None,
-                 store: Store | None = None) -> tuple[Stage, ...]:
+                 store: Store | None = None, recorder: DecisionRecorder | None = None) -> tuple[Stage, ...]:
     """The request stages, with the endpoint picker after routing when the service runs one."""
     stages: tuple[Stage, ...] = (
         CallerIdentity(jwks),
         Intake(),
-        Authorization(),
+        Authorization(recorder),
         RequestSize(),
         BudgetReservation(store),
         Redaction(),

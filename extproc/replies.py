@@ -7,7 +7,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, GatewayError
+from extproc.contract import DECISION_ID_HEADER, METADATA_NAMESPACE, REVISION_HEADER, GatewayError
 from extproc.exchange import Exchange
 from extproc.picker import LB_KEY, LB_NAMESPACE
 
@@ -63,7 +63,8 @@ def _immediate_response(status: int, body: bytes, details: str,
 def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     """End the exchange with the contract's JSON error. `details` starts with `llmgw` so Envoy's
     local-reply rewriting leaves this body alone."""
-    return immediate(ex, err.status, err.body(), f"llmgw_{err.code.value}", err.headers)
+    headers = {**err.headers, DECISION_ID_HEADER: ex.decision_id} if ex.decision_id else err.headers
+    return immediate(ex, err.status, err.body(ex.decision_id), f"llmgw_{err.code.value}", headers)
 
 
 def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:

@@ -38,6 +38,7 @@ from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
 from extproc.contract import MODELS_PATH, ROLE_KEY, ErrorCode, GatewayError, Role
+from extproc.decisions import DecisionRecorder
 from extproc.envoy_msgs import ATTRIBUTES, header_text
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
@@ -103,7 +104,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self._live = live  # a Reloader swaps its `live` on reload; a Live is fixed
         jwks = jwks or JwksCache()
         self.store = store
-        self.stages = build_stages(picker, jwks, store)
+        self.decisions = DecisionRecorder(store)
+        self.stages = build_stages(picker, jwks, store, self.decisions)
         self._identity = CallerIdentity(jwks)
         self.settler = Settler(store) if store is not None else None
         self.meter = (Meter(self.settler, lambda: self.live.snapshot, lambda: self.live.sealer)
@@ -256,7 +258,8 @@ async def status_app(reloader: Reloader, listen: str, processor: Processor | Non
     async def status(_: web.Request) -> web.Response:
         counts = {"extproc_messages": dict(processor.messages) if processor is not None else {},
                   "access_log_entries": access_log.entries if access_log is not None else 0,
-                  "metrics_scrapes": picker.scrapes if picker is not None else 0}
+                  "metrics_scrapes": picker.scrapes if picker is not None else 0,
+                  **(processor.decisions.status() if processor is not None else {})}
         return web.json_response({**reloader.status, **counts})
 
     async def reload(_: web.Request) -> web.Response:

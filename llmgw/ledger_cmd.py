@@ -1,4 +1,5 @@
-"""`llmgw ledger tail|export`: read the ledger streams (one per tenant, `llmgw:{tenant}:ledger`).
+"""`llmgw ledger tail|export`: read the ledger streams (one per tenant, `llmgw:{tenant}:ledger`), or
+with `--decisions` the decision log streams (`llmgw:{tenant}:decisions`, extproc/decisions.py).
 
 `export` reads with a consumer group and acknowledges what it wrote, so repeated exports continue
 where the last one stopped and a record is exported once; `tail` only reads.
@@ -15,7 +16,7 @@ from typing import Any
 
 import redis
 
-from extproc.store import ledger_entry, ledger_key
+from extproc.store import decisions_key, ledger_entry, ledger_key
 from llmgw.cli_common import snapshot_or_report
 
 GROUP = "llmgw-export"
@@ -33,7 +34,17 @@ def _store_url(args: argparse.Namespace, config_url: str | None) -> str | None:
     return None
 
 
-def _open(args: argparse.Namespace) -> tuple[Any, list[str]] | None:
+def decision_entry(fields: dict[str, str]) -> dict[str, Any]:
+    entry: dict[str, Any] = json.loads(fields.get("entry") or "{}")
+    return entry
+
+
+def _stream(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(key of a tenant's stream, decoder of its entries): the ledger, or the decision log."""
+    return (decisions_key, decision_entry) if getattr(args, "decisions", False) else (ledger_key, ledger_entry)
+
+
+def open_store(args: argparse.Namespace) -> tuple[Any, list[str]] | None:
     snap = snapshot_or_report(args.config)
     if snap is None:
         return None
@@ -46,35 +57,37 @@ def _open(args: argparse.Namespace) -> tuple[Any, list[str]] | None:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    opened = _open(args)
+    opened = open_store(args)
     if opened is None:
         return 1
     client, tenants = opened
+    key_of, decode = _stream(args)
     last: dict[str, str] = {}
-    for key in (ledger_key(t) for t in tenants):
+    for key in (key_of(t) for t in tenants):
         entries: Any = client.xrange(key) if args.all else list(reversed(client.xrevrange(key, count=args.n)))
         for _, fields in entries:
-            print(json.dumps(ledger_entry(fields)))
+            print(json.dumps(decode(fields)))
         last[key] = entries[-1][0] if entries else "0-0"
     while args.follow:
         got: Any = client.xread(last, count=500, block=1000)
         for key, new in got or []:
             for eid, fields in new:
-                print(json.dumps(ledger_entry(fields)), flush=True)
+                print(json.dumps(decode(fields)), flush=True)
                 last[key] = eid
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    opened = _open(args)
+    opened = open_store(args)
     if opened is None:
         return 1
     client, tenants = opened
+    key_of, decode = _stream(args)
     out = open(args.output, "a") if args.output != "-" else sys.stdout  # noqa: SIM115 - closed below
     total = 0
     try:
         for t in tenants:
-            key = ledger_key(t)
+            key = key_of(t)
             try:
                 client.xgroup_create(key, GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
@@ -86,7 +99,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 if not entries:
                     break
                 for _, fields in entries:
-                    out.write(json.dumps(ledger_entry(fields)) + "\n")
+                    out.write(json.dumps(decode(fields)) + "\n")
                 out.flush()
                 client.xack(key, GROUP, *(eid for eid, _ in entries))  # only what was written
                 total += len(entries)
@@ -107,6 +120,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--state-dir", default=".llmgw")
         p.add_argument("--store-url")
         p.add_argument("--tenant")
+        p.add_argument("--decisions", action="store_true", help="the decision log instead of the ledger")
         p.set_defaults(func=func)
         if name == "tail":
             p.add_argument("-n", type=int, default=20)

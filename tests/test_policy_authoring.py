@@ -9,12 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 
-from extproc.config import load_snapshot
+from extproc.config import ConfigError, load_snapshot
 from extproc.config.policy_tests import run_policy_tests
-from llmgw.policy_cmd import exit_code, render_report
-from tests.conftest import POLICY
+from extproc.decisions import differences, erase, sampled
+from llmgw.policy_cmd import decide_request, exit_code, input_schema, render_report
+from tests.conftest import DEMO_KEYS, POLICY
+from tests.helpers import chat_body
 
 
 def llmgw(*args: str) -> subprocess.CompletedProcess[str]:
@@ -95,3 +99,91 @@ def test_coverage_names_the_lines_no_test_reached(policy: Path) -> None:
     lines = (policy / "authz.rego").read_text().splitlines()
     effect_line = next(i for i, t in enumerate(lines, 1) if "not effect in input.identity.effects" in t)
     assert effect_line in missed and partial["files"]["authz.rego"]["coverage"] < 100.0
+
+
+def test_erase_removes_what_the_pointers_name_and_says_which() -> None:
+    doc = {"identity": {"tenant": "acme", "subject": "k1"}, "a/b": {"c": 1}}
+    out, erased = erase(doc, ("/identity/subject", "/a~1b/c", "/no/such"))
+    assert out == {"identity": {"tenant": "acme"}, "a/b": {}} and erased == ["/identity/subject", "/a~1b/c"]
+    assert doc["identity"]["subject"] == "k1"  # the input itself is untouched
+
+
+def test_differences_and_sampling() -> None:
+    allow = {"allow": True, "reasons": [], "obligations": {"redact": [], "record_content": False}}
+    deny = {"allow": False, "reasons": ["no"], "obligations": {"redact": [], "record_content": False}}
+    assert differences(allow, allow) == [] and differences(allow, deny) == ["allow", "reasons"]
+    assert differences(allow, {"error": "boom"}) == ["error"] and differences({"error": "a"}, {"error": "b"}) == []
+    ids = [f"req-{i}" for i in range(4000)]
+    share = sum(sampled(i, 0.25) for i in ids) / len(ids)
+    assert 0.2 < share < 0.3 and [sampled(i, 0.25) for i in ids] == [sampled(i, 0.25) for i in ids]
+    assert all(sampled(i, 1.0) for i in ids[:10])
+
+
+def test_a_dry_run_candidate_is_compiled_apart_and_its_errors_name_its_files(policy: Path) -> None:
+    (policy / "candidate").mkdir()
+    (policy / "candidate" / "authz.rego").write_text("package llmgw.authz\nimport rego.v1\ndecision := {\n")
+    gw = yaml.safe_load((policy / "gateway.yaml").read_text())
+    gw["policy_dry_run"] = {"directory": "candidate", "sample": 0.5}
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    with pytest.raises(ConfigError) as e:
+        load_snapshot(policy)
+    assert [i.file for i in e.value.issues] == ["candidate/authz.rego"], e.value.issues
+    (policy / "candidate" / "authz.rego").write_text(
+        'package llmgw.authz\nimport rego.v1\ndecision := {"allow": false, "reasons": ["no"], '
+        '"obligations": {"redact": [], "record_content": false}}\n')
+    snap = load_snapshot(policy)
+    assert snap.dry_run_policy is not None and snap.policy is not None
+    assert not any(k.startswith("candidate/") for k in snap.rego)  # never part of the enforced policy
+
+
+def test_every_input_field_is_in_the_schema_and_documented() -> None:
+    schema = input_schema()
+    readme = (POLICY / "README.md").read_text()
+
+    def leaves(node: dict[str, object], prefix: str) -> list[str]:
+        props = node.get("properties") or (node.get("items") or {}).get("properties")  # type: ignore[union-attr]
+        if not props:
+            return [prefix]
+        return [leaf for k, v in props.items() for leaf in leaves(v, f"{prefix}.{k}" if prefix else k)]  # type: ignore[union-attr,arg-type]
+
+    fields = leaves(schema, "")
+    assert "request.tools.effects" in fields and "identity.tenant" in fields
+    missing = [f for f in fields if f"`{f}`" not in readme]
+    assert not missing, f"policy/README.md does not document {missing}"
+
+
+@pytest.mark.parametrize("extra", [{}, {"x-llmgw-data-class": "public"}, {"idempotency-key": "k-1"}])
+def test_the_input_ext_proc_builds_follows_the_schema(extra: dict[str, str]) -> None:
+    import asyncio
+
+    snap = load_snapshot(POLICY)
+    body = chat_body(max_tokens=3, tools=[{"type": "function", "function": {"name": "update_ticket",
+                                                                           "parameters": {"type": "object"}}}])
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}", **extra}
+    out = asyncio.run(decide_request(snap, "POST", "/v1/chat/completions", headers, json.dumps(body).encode()))
+    jsonschema.Draft202012Validator(input_schema()).validate(out["input"])
+    assert out["input"]["request"]["tools"][0]["name"] == "update_ticket"
+
+
+EXAMPLES = POLICY / "examples"
+
+
+def test_the_examples_tests_pass_and_each_example_breaks_its_own_tests() -> None:
+    modules = {str(p.relative_to(EXAMPLES)): p.read_text() for p in sorted(EXAMPLES.glob("*.rego"))}
+    report = run_policy_tests(modules, {})
+    assert report.ok and len(report.results) >= 15, render_report(report, verbose=True)
+    assert {r.file for r in report.results} == {f"{n}_test.rego" for n in (
+        "model_data_classes", "time_window", "tool_grants", "residency", "withdrawn")}
+    for name in ("model_data_classes", "time_window", "tool_grants", "residency", "withdrawn"):
+        broken = dict(modules)
+        text = broken[f"{name}.rego"]
+        assert "reasons contains msg if {\n" in text
+        broken[f"{name}.rego"] = text.replace("reasons contains msg if {\n", "reasons contains msg if {\n\tfalse\n")
+        failed = [r for r in run_policy_tests(broken, {}).results if r.outcome == "FAIL"]
+        assert failed and {r.file for r in failed} == {f"{name}_test.rego"}, name
+
+
+def test_examples_are_never_part_of_the_enforced_policy() -> None:
+    snap = load_snapshot(POLICY)
+    assert not any(k.startswith("examples/") for k in snap.rego)
+    assert snap.policy is not None and snap.policy.cacheable  # the time window example would make it impure

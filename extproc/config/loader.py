@@ -61,6 +61,7 @@ class Snapshot:
     keys_by_hash: Mapping[str, KeyOwner] = field(default_factory=dict)
     evidence: Mapping[str, tuple[Evidence, ...]] = field(default_factory=dict)  # by deployment_ref
     policy: CompiledPolicy | None = None  # None only for snapshots built without their Rego
+    dry_run_policy: CompiledPolicy | None = None  # gateway.yaml policy_dry_run's candidate, never enforced
     policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
 
     def passing_evidence(self, deployment_ref: str, today: date) -> set[str]:
@@ -195,6 +196,20 @@ def _load_named(root: Path, folder: str, model: type[M], name_field: str,
     return found
 
 
+EXAMPLES = "examples"
+
+
+def _compile(modules: dict[str, str], data: dict[str, Any], revision: str, prefix: str) -> CompiledPolicy:
+    """The compiled policy, or a ConfigError with each problem's file (under `prefix`), line and column."""
+    try:
+        return CompiledPolicy(modules, data, revision)
+    except PolicyCompileError as e:
+        if e.issues:
+            raise ConfigError([ConfigIssue(prefix + i.file, f"{i.line}:{i.column}", f"policy does not compile: "
+                                           f"{i.message}") for i in e.issues]) from None
+        raise ConfigError([ConfigIssue(f"{prefix}*.rego", "", f"policy does not compile: {e}")]) from None
+
+
 def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     """Load and cross-check a policy directory. Raises ConfigError listing every problem."""
     root = Path(directory).resolve()
@@ -218,7 +233,17 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     for ref in sorted(set(evidence) - current_refs):
         warnings.append(f"evidence for {ref} matches no current fingerprint; it qualifies nothing")
 
-    rego = {str(p.relative_to(root)): p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.rego"))}
+    # A dry-run candidate's Rego is evaluated beside the enforced policy, never as part of it.
+    dry = gateway.policy_dry_run if gateway is not None else None
+    dry_root = (root / dry.directory).resolve() if dry is not None else None
+    if dry is not None and dry_root is not None and not dry_root.is_dir():
+        issues.append(ConfigIssue("gateway.yaml", "policy_dry_run.directory", f"{dry.directory!r} is not a directory"))
+    # examples/ is a library of patterns for authors (tested by `llmgw policy test DIR/examples`), never enforced.
+    rego = {str(p.relative_to(root)): p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.rego"))
+            if p.relative_to(root).parts[0] != EXAMPLES
+            and (dry_root is None or not p.resolve().is_relative_to(dry_root))}
+    candidate = {str(p.relative_to(dry_root)): p.read_text(encoding="utf-8") for p in sorted(dry_root.rglob("*.rego"))
+                 } if dry_root is not None and dry_root.is_dir() else {}
 
     managed: tuple[ApiKey, ...] = ()
     managed_owner: dict[str, str] = {}
@@ -242,16 +267,12 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     plain_deps = {k: v for k, (_, v) in deployments.items()}
     keys = {k.sha256: KeyOwner(t, k) for t, tenant in gateway.tenants.items() for k in tenant.api_keys}
     keys.update({k.sha256: KeyOwner(managed_owner[k.sha256], k) for k in managed})
-    revision = _revision(gateway, plain_routes, plain_deps, rego, evidence,
+    all_rego = {**rego, **{f"dry-run:{k}": v for k, v in candidate.items()}}
+    revision = _revision(gateway, plain_routes, plain_deps, all_rego, evidence,
                          [k.model_dump(mode="json") for k in managed])
     data = policy_data(gateway)
-    try:
-        policy = CompiledPolicy(rego, data, revision)
-    except PolicyCompileError as e:
-        if e.issues:  # each with file, line and column
-            raise ConfigError([ConfigIssue(i.file, f"{i.line}:{i.column}", f"policy does not compile: {i.message}")
-                               for i in e.issues]) from None
-        raise ConfigError([ConfigIssue("*.rego", "", f"policy does not compile: {e}")]) from None
+    policy = _compile(rego, data, revision, "")
+    dry_run = _compile(candidate, data, f"{revision}+dry-run", f"{dry.directory}/") if dry is not None else None
     return Snapshot(
         evidence=MappingProxyType({ref: tuple(recs) for ref, recs in evidence.items()}),
         directory=root,
@@ -263,5 +284,6 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
         warnings=tuple(warnings),
         keys_by_hash=MappingProxyType(keys),
         policy=policy,
+        dry_run_policy=dry_run,
         policy_data=MappingProxyType(data),
     )

@@ -13,7 +13,7 @@ from datetime import date
 from functools import cached_property
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
 HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
@@ -228,6 +228,31 @@ class EnvoySettings(Strict):
     max_concurrent_retries: int = Field(default=1024, ge=1)
 
 
+class DecisionLog(Strict):
+    """OPA-shaped decision log entries (decision_id, revision, path, input, result, timestamp), written
+    to the store in batches and exported like the ledger. The input never holds message content."""
+
+    enabled: bool = False
+    # Input fields erased from each entry, as JSON pointers (`/identity/subject`); named in `erased`.
+    mask: tuple[str, ...] = ()
+
+    @field_validator("mask")
+    @classmethod
+    def _pointers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for p in v:
+            if not p.startswith("/") or p == "/":
+                raise ValueError(f"{p!r} is not a JSON pointer into the input (like /identity/subject)")
+        return v
+
+
+class PolicyDryRun(Strict):
+    """A candidate policy evaluated beside the enforced one on live traffic; it never changes what a
+    request gets. Differences are counted and written to the decision log with both decision ids."""
+
+    directory: str = Field(min_length=1)  # relative to the policy directory; its Rego is not enforced
+    sample: float = Field(default=1.0, gt=0, le=1)  # share of requests, chosen by request id
+
+
 class Limits(Strict):
     max_messages: int = Field(default=1024, gt=0)
     default_max_tokens: int = Field(default=1024, gt=0)
@@ -250,6 +275,8 @@ class GatewayConfig(Strict):
     store: StoreSettings = StoreSettings()
     budgets: tuple[Budget, ...] = ()
     quotas: tuple[Quota, ...] = ()
+    decision_log: DecisionLog = DecisionLog()
+    policy_dry_run: PolicyDryRun | None = None
 
     @model_validator(mode="after")
     def _tenants_use_known_classes(self) -> GatewayConfig:

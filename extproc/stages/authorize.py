@@ -13,6 +13,7 @@ from typing import Any
 from extproc.bounds import requested_max_tokens
 from extproc.config.policy import PolicyEvaluationError
 from extproc.contract import ErrorCode, GatewayError
+from extproc.decisions import DecisionRecorder, differences, log_entry, new_decision_id, result_of, sampled
 from extproc.exchange import Exchange
 from extproc.headers import DATA_CLASS
 
@@ -52,6 +53,9 @@ def policy_input(ex: Exchange, data_class: str) -> dict[str, Any]:
 class Authorization:
     name = "authorize"
 
+    def __init__(self, recorder: DecisionRecorder | None = None):
+        self.recorder = recorder  # the decision log and the dry run (extproc/decisions.py)
+
     async def run(self, ex: Exchange) -> None:
         if ex.identity is None:  # identity must have run; never admit without it
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no verified identity for this request")
@@ -68,10 +72,41 @@ class Authorization:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorization policy is loaded")
         doc = policy_input(ex, data_class)
         ex.effects = tuple(sorted({e for t in doc["request"]["tools"] for e in t["effects"]}))
+        ex.decision_id = new_decision_id()
+        failure = ""
         try:
             ex.decision = snap.policy.decide(doc)
         except PolicyEvaluationError as e:
-            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the authorization policy could not be evaluated") from e
+            failure = str(e)
+        if self.recorder is not None:
+            self._record(ex, doc, failure, self.recorder)
+        if ex.decision is None:
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the authorization policy could not be evaluated")
         if not ex.decision.allow:
             why = "; ".join(ex.decision.reasons) or "denied by policy"
             raise GatewayError(ErrorCode.FORBIDDEN, f"forbidden: {why}")
+
+    @staticmethod
+    def _record(ex: Exchange, doc: dict[str, Any], failure: str, recorder: DecisionRecorder) -> None:
+        """The decision log entry, and the dry-run candidate's answer beside the enforced one: counted,
+        and logged with both decision ids when they differ. Never changes what the request gets."""
+        assert ex.identity is not None
+        snap = ex.snapshot
+        settings = snap.gateway.decision_log
+        enforced = result_of(ex.decision, failure)
+        entry = (log_entry(ex.decision_id, snap.revision, doc, enforced, settings.mask, ex.request_id)
+                 if settings.enabled else None)
+        candidate, dry = snap.dry_run_policy, snap.gateway.policy_dry_run
+        if candidate is not None and dry is not None and sampled(ex.request_id, dry.sample):
+            try:
+                answer = result_of(candidate.decide(doc))
+            except PolicyEvaluationError as e:
+                answer = result_of(None, str(e))
+            kinds = differences(enforced, answer)
+            recorder.count_dry_run(candidate.revision, kinds)
+            if kinds:
+                entry = entry or log_entry(ex.decision_id, snap.revision, doc, enforced, settings.mask, ex.request_id)
+                entry["dry_run"] = {"decision_id": new_decision_id(), "revision": candidate.revision,
+                                    "result": answer, "differences": kinds}
+        if entry is not None:
+            recorder.log(ex.identity.tenant, entry)

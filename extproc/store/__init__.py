@@ -53,6 +53,16 @@ def ledger_key(tenant: str) -> str:
     return f"{tag(tenant)}:ledger"
 
 
+def decisions_key(tenant: str) -> str:
+    """The decision log (gateway.yaml `decision_log`, and every dry-run difference)."""
+    return f"{tag(tenant)}:decisions"
+
+
+def dry_run_key(candidate_revision: str) -> str:
+    """Counts of one dry-run candidate: `evaluated`, `differing`, and one field per kind of difference."""
+    return f"llmgw:dryrun:{candidate_revision}"
+
+
 def budget_key(tenant: str, name: str, window_id: str) -> str:
     return f"{tag(tenant)}:budget:{name}:{window_id}"
 
@@ -223,6 +233,18 @@ class Store:
         await self._call(self.client.xadd(ledger_key(tenant), {
             "record": packed(facts), "outcome": packed(outcome),
             "reserved_micros": 0, "reserved_tokens": 0, "charged_micros": 0, "charged_tokens": 0}))
+
+    async def append_decisions(self, entries: Sequence[tuple[str, dict[str, Any]]],
+                               counts: dict[str, dict[str, int]]) -> None:
+        """Decision log entries (tenant, entry) and dry-run counts (candidate revision -> field ->
+        increment), in one pipelined round trip: a batch, never one per request."""
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, entry in entries:
+            pipe.xadd(decisions_key(tenant), {"entry": packed(entry)})
+        for revision, fields in counts.items():
+            for name, n in fields.items():
+                pipe.hincrby(dry_run_key(revision), name, n)
+        await self._call(pipe.execute())
 
     async def expired_leases(self, tenant: str, now_ms: int, limit: int = 100) -> list[str]:
         rids: list[str] = await self._call(

@@ -284,6 +284,7 @@ def stdout_access_log() -> accesslog_pb2.AccessLog:
         "revision": f"%DYNAMIC_METADATA({ns}:{Key.REVISION})%",
         "subject": f"%DYNAMIC_METADATA({ns}:{Key.SUBJECT})%",
         "decision": f"%DYNAMIC_METADATA({ns}:{Key.DECISION})%",
+        "decision_id": f"%DYNAMIC_METADATA({ns}:{Key.DECISION_ID})%",
         "reasons": f"%DYNAMIC_METADATA({ns}:{Key.REASONS})%",
         "redactions": f"%DYNAMIC_METADATA({ns}:{Key.REDACTIONS})%",
         "picked": f"%DYNAMIC_METADATA({LB_NAMESPACE}:{LB_KEY})%",
