@@ -29,6 +29,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from extproc.config.policy import Decision
 from extproc.store import Store, StoreUnavailable
 
@@ -97,7 +99,9 @@ class DecisionRecorder:
 
     def __init__(self, store: Store | None):
         self.store = store
-        self.entries: list[tuple[str, dict[str, Any]]] = []
+        # Packed at once: JSON bytes are not tracked by the garbage collector, while 200 ms of buffered
+        # dicts made its collections (which walk every tracked object) cost ~45 us per request.
+        self.entries: list[tuple[str, bytes]] = []
         self.counts: dict[str, collections.Counter[str]] = {}  # candidate revision -> field -> increment
         self.dry_run: dict[str, DryRunCounts] = {}  # per candidate revision, for GET /status
         self.logged = 0
@@ -108,7 +112,7 @@ class DecisionRecorder:
         if len(self.entries) >= MAX_BUFFERED or self.store is None:
             self.dropped += 1
             return
-        self.entries.append((tenant, entry))
+        self.entries.append((tenant, orjson.dumps(entry)))
         self._start()
 
     def count_dry_run(self, revision: str, kinds: list[str]) -> None:

@@ -14,6 +14,9 @@ reservation script before dispatch, the meter settling off the response path, Va
   full     the example policy (tenant, class, tools, residency; redaction obligations at `internal`)
            on a prompt carrying an e-mail, a card number and an IP address, with a tool
   full-nc  the same with the decision cache off: Rego evaluated on every request
+  full-store `full` with Valkey beside it (budgets still off): the reference for full-dry
+  full-dry `full-store` with a dry run of an allow-all candidate on every request: a second
+           evaluation, a difference (obligations) on each, logged to the decision log in batches
 Plus in-process figures: one Rego evaluation, and redaction of a 32 KiB prompt.
 """
 
@@ -169,14 +172,24 @@ def run_policy_bench(args: argparse.Namespace) -> int:
     full = _variant_policy(config, scratch / "full")
     body = json.dumps({"model": "chat-default", "max_tokens": 16, "messages": [{"role": "user", "content": PROMPT}],
                        "tools": [{"type": "function", "function": {"name": "search_docs"}}]})
-    variants = {"served": Variant(served), "full": Variant(full), "full-nc": Variant(full, ("--no-decision-cache",))}
+    dry = _variant_policy(config, scratch / "full-dry", dry_run=True)
+    variants = {"served": Variant(served), "full": Variant(full), "full-nc": Variant(full, ("--no-decision-cache",)),
+                "full-store": Variant(full, with_valkey=True), "full-dry": Variant(dry, with_valkey=True)}
     results, cpu = compare(variants, body, keys["acme"], args, "served")
     return report(_table(results, args, "served") + _cpu_table(cpu) + _micro_note(micro), args.output)
 
 
-def _variant_policy(src: Path, dst: Path, allow_all: bool = False, budgets: bool = False) -> Path:
-    """A copy of the policy with budgets on or off, and optionally an allow-all Rego policy."""
+def _variant_policy(src: Path, dst: Path, allow_all: bool = False, budgets: bool = False,
+                    dry_run: bool = False) -> Path:
+    """A copy of the policy with budgets on or off, and optionally an allow-all Rego policy or a dry
+    run of one beside the policy."""
     shutil.copytree(src, dst)
+    if dry_run:
+        (dst / "candidate").mkdir()
+        (dst / "candidate" / "authz.rego").write_text(ALLOW_ALL)
+        gw = yaml.safe_load((dst / "gateway.yaml").read_text())
+        gw["policy_dry_run"] = {"directory": "candidate"}
+        (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
     if allow_all:
         for p in dst.rglob("*.rego"):
             p.unlink()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -113,3 +114,11 @@ def acme_key() -> str:
 @pytest.fixture(scope="session")
 def globex_key() -> str:
     return DEMO_KEYS["globex"]
+
+
+@pytest.fixture
+def policy(tmp_path: Path) -> Path:
+    """A copy of the example policy directory, for a test to change."""
+    dst = tmp_path / "policy"
+    shutil.copytree(POLICY, dst)
+    return dst

@@ -5,6 +5,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import urllib.parse
 import uuid
 from dataclasses import dataclass
@@ -173,3 +175,8 @@ def assert_contract_body(status: int, headers: dict[str, str], body: bytes) -> d
     doc = json.loads(body)
     assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "code", "param"}, doc
     return dict(doc["error"])
+
+
+def llmgw(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The `llmgw` command, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=timeout)

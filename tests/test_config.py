@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from datetime import date
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import yaml
 
 from extproc.config import ConfigError, load_snapshot
 from tests.conftest import POLICY
+from tests.helpers import llmgw
 
 
 @pytest.fixture
@@ -107,20 +106,16 @@ def test_retirement_warnings(policy: Path) -> None:
     assert any("retired since 2027-12-31" in w for w in snap.warnings)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=60)
-
-
 def test_check_cli_prints_revision() -> None:
-    r = run_cli("check", str(POLICY))
+    r = llmgw("check", str(POLICY))
     assert r.returncode == 0, r.stderr
     assert f"revision {load_snapshot(POLICY).revision}" in r.stdout
 
 
 def test_check_cli_reports_qualification(policy: Path) -> None:
-    assert "route chat-default: candidate pool-llama-8b: qualified" in run_cli("check", str(policy)).stdout
+    assert "route chat-default: candidate pool-llama-8b: qualified" in llmgw("check", str(policy)).stdout
     (policy / "evidence/pool-llama-8b-quality-gate.yaml").unlink()
-    r = run_cli("check", str(policy))
+    r = llmgw("check", str(policy))
     assert r.returncode == 0  # valid configuration; the candidate just cannot serve
     assert "candidate pool-llama-8b: NOT ELIGIBLE: no passing quality_gate evidence" in r.stdout
 
@@ -128,6 +123,6 @@ def test_check_cli_reports_qualification(policy: Path) -> None:
 def test_check_cli_lists_every_error(policy: Path) -> None:
     edit(policy / "gateway.yaml", lambda d: d.update(surprise=1))
     edit(policy / "routes/chat-default.yaml", lambda d: d.update(deadline_ms=0))
-    r = run_cli("check", str(policy))
+    r = llmgw("check", str(policy))
     assert r.returncode == 1
     assert "gateway.yaml: surprise" in r.stderr and "routes/chat-default.yaml: deadline_ms" in r.stderr

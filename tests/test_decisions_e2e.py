@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from extproc.store import decisions_key
 from llmgw.ledger_cmd import decision_entry
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack
-from tests.helpers import assert_contract_error, chat_body, request
+from tests.helpers import assert_contract_error, chat_body, llmgw, request
 from tests.test_fallback_e2e import access_log_line
 
 pytestmark = pytest.mark.e2e
@@ -121,8 +119,7 @@ def test_a_dry_run_that_denies_everything_changes_no_answer_and_shows_every_diff
     assert dry["decision_id"] != did and dry["revision"].endswith("+dry-run")
     assert dry["differences"] == ["allow", "reasons", "obligations"]  # acme's internal data is redacted
     assert dry["result"]["reasons"] == ["the candidate denies everything"]
-    out = subprocess.run([sys.executable, "-m", "llmgw", "policy", "diff", "--store-url", str(gw.store_url),
-                          "--config", str(gw.opts.config_dir)], capture_output=True, text=True, timeout=60)
+    out = llmgw("policy", "diff", "--store-url", str(gw.store_url), "--config", str(gw.opts.config_dir))
     assert out.returncode == 0, out.stderr
     assert f"{after['evaluated']} decision(s) evaluated" in out.stdout
     assert f"{after['differing']} differed" in out.stdout
@@ -144,8 +141,7 @@ def test_policy_eval_on_a_request_sample_decides_as_the_live_gateway(gw: Stack, 
     sample = tmp_path / "request.json"
     sample.write_text(json.dumps({"method": "POST", "path": "/v1/chat/completions", "headers": headers,
                                   "body": chat_body(max_tokens=2, content="hello")}))
-    out = subprocess.run([sys.executable, "-m", "llmgw", "policy", "eval", "--config", str(gw.opts.config_dir),
-                          "--request", str(sample)], capture_output=True, text=True, timeout=60)
+    out = llmgw("policy", "eval", "--config", str(gw.opts.config_dir), "--request", str(sample))
     evaluated = json.loads(out.stdout)
     assert evaluated["answer"]["status"] == live.status and out.returncode == (0 if live.status == 200 else 2)
     did = (live.headers["x-llmgw-decision-id"] if live.status != 200

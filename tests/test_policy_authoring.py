@@ -4,9 +4,6 @@ data.x as`) run unchanged, with `opa test`'s output, exit codes and coverage; `l
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -18,18 +15,7 @@ from extproc.config.policy_tests import run_policy_tests
 from extproc.decisions import differences, erase, sampled
 from llmgw.policy_cmd import decide_request, exit_code, input_schema, render_report
 from tests.conftest import DEMO_KEYS, POLICY
-from tests.helpers import chat_body
-
-
-def llmgw(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture
-def policy(tmp_path: Path) -> Path:
-    dst = tmp_path / "policy"
-    shutil.copytree(POLICY, dst)
-    return dst
+from tests.helpers import chat_body, llmgw
 
 
 def modules_and_data(policy: Path) -> tuple[dict[str, str], dict[str, object]]:
@@ -187,3 +173,35 @@ def test_examples_are_never_part_of_the_enforced_policy() -> None:
     snap = load_snapshot(POLICY)
     assert not any(k.startswith("examples/") for k in snap.rego)
     assert snap.policy is not None and snap.policy.cacheable  # the time window example would make it impure
+
+
+def test_the_recorder_writes_in_batches_and_counts_what_a_dead_store_loses() -> None:
+    import asyncio
+
+    import redis as sync_redis
+
+    from extproc.decisions import DecisionRecorder
+    from extproc.store import Store, decisions_key, dry_run_key
+    from tests.conftest import valkey_url
+
+    async def main() -> None:
+        store = Store(valkey_url(), timeout_ms=500)
+        rec = DecisionRecorder(store)
+        for i in range(50):
+            rec.log("rec-tenant", {"decision_id": f"d{i}", "result": {"allow": True}})
+            rec.count_dry_run("rev-x", ["allow"] if i % 5 == 0 else [])
+        await rec.flush()
+        assert rec.logged == 50 and rec.dropped == 0 and rec.entries == []
+        r = sync_redis.Redis.from_url(valkey_url(), decode_responses=True)
+        assert [json.loads(f["entry"])["decision_id"] for _, f in r.xrange(decisions_key("rec-tenant"))][-50:] == [
+            f"d{i}" for i in range(50)]
+        assert r.hgetall(dry_run_key("rev-x")) == {"evaluated": "50", "differing": "10", "allow": "10"}
+        r.delete(decisions_key("rec-tenant"), dry_run_key("rev-x"))
+        await store.close()
+        dead = DecisionRecorder(Store("redis://127.0.0.1:9/0", timeout_ms=200))
+        dead.log("rec-tenant", {"decision_id": "lost"})
+        await dead.flush()
+        assert dead.dropped == 1 and dead.logged == 0
+        assert DecisionRecorder(None).status()["decision_log"]["dropped"] == 0
+
+    asyncio.run(main())

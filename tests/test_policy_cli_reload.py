@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from aiohttp import web
 
 from extproc.config import load_snapshot
@@ -18,18 +15,8 @@ from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
 from extproc.stages.identity import CallerIdentity
 from tests.conftest import POLICY
+from tests.helpers import llmgw
 from tests.idp import Idp
-
-
-def llmgw(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=60)
-
-
-@pytest.fixture
-def policy(tmp_path: Path) -> Path:
-    dst = tmp_path / "policy"
-    shutil.copytree(POLICY, dst)
-    return dst
 
 
 def test_keys_create_prints_once_stores_hash_and_revoke_works(policy: Path) -> None:

@@ -6,8 +6,6 @@ in a process of their own, so a native crash takes down neither ext_proc nor `ll
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from extproc.config.policy_tests import run_isolated
 from extproc.config.rego_check import unknown_calls
 from extproc.config.rego_engine import is_builtin
 from extproc.config.reload import Live, Reloader
-from tests.conftest import POLICY
+from tests.helpers import llmgw
 
 DENY_BY_LOOKUP = """package llmgw.authz
 
@@ -30,13 +28,6 @@ import rego.v1
 reasons contains "from the lab network" if net.lookup_ip_addr(input.host)["10.1.1.1"]
 """
 CALL_AT = f"6:{DENY_BY_LOOKUP.splitlines()[5].index('net.lookup_ip_addr') + 1}"
-
-
-@pytest.fixture
-def policy(tmp_path: Path) -> Path:
-    dst = tmp_path / "policy"
-    shutil.copytree(POLICY, dst)
-    return dst
 
 
 DENY_BY_HTTP = """package llmgw.authz
@@ -159,8 +150,7 @@ def test_an_engine_crash_fails_the_tests_and_spares_the_caller(policy: Path) -> 
 def test_policy_test_refuses_a_test_module_calling_what_the_engine_lacks(policy: Path) -> None:
     (policy / "net_test.rego").write_text('package llmgw.net_test\nimport rego.v1\n'
                                           'test_office if net.lookup_ip_addr("office.example")\n')
-    out = subprocess.run([sys.executable, "-m", "llmgw", "policy", "test", str(policy)], capture_output=True,
-                         text=True, timeout=120)
+    out = llmgw("policy", "test", str(policy))
     assert out.returncode == 1 and "net_test.rego:3:16" in out.stderr, out
 
 

@@ -8,12 +8,13 @@ the enforced policy.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from extproc.config.rego_engine import PolicyCompileError, PolicyEvaluationError, compile_modules, evaluate
 
@@ -40,6 +41,11 @@ class Decision:
     policy_revision: str
 
 
+def cache_key(input_doc: Mapping[str, Any]) -> bytes:
+    """The input as canonical JSON: equal inputs, equal keys (orjson: ~10x the standard library)."""
+    return orjson.dumps(input_doc, option=orjson.OPT_SORT_KEYS)
+
+
 def is_test_module(name: str) -> bool:
     return name.endswith("_test.rego")
 
@@ -58,13 +64,14 @@ class CompiledPolicy:
         # A pure policy's decision is a function of its input (data is fixed per revision), so equal
         # inputs share one evaluation: most requests repeat tenant, route, class and tools.
         self.cacheable = DECISION_CACHE and not any(_IMPURE.search(text) for text in policy.values())
-        self._cache: OrderedDict[str, Decision] = OrderedDict()
+        self._cache: OrderedDict[bytes, Decision] = OrderedDict()
 
-    def decide(self, input_doc: Mapping[str, Any]) -> Decision:
-        """The decision for this input: from the cache when the policy is pure, else evaluated."""
+    def decide(self, input_doc: Mapping[str, Any], key: bytes | None = None) -> Decision:
+        """The decision for this input: from the cache when the policy is pure, else evaluated.
+        `key` (cache_key of the input) may be passed when another policy already computed it."""
         if not self.cacheable:
             return self.evaluate(input_doc)
-        key = json.dumps(input_doc, sort_keys=True, separators=(",", ":"))
+        key = key or cache_key(input_doc)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)

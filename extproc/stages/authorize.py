@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.bounds import requested_max_tokens
-from extproc.config.policy import PolicyEvaluationError
+from extproc.config.policy import PolicyEvaluationError, cache_key
 from extproc.contract import ErrorCode, GatewayError
 from extproc.decisions import DecisionRecorder, differences, log_entry, new_decision_id, result_of, sampled
 from extproc.exchange import Exchange
@@ -74,12 +74,13 @@ class Authorization:
         ex.effects = tuple(sorted({e for t in doc["request"]["tools"] for e in t["effects"]}))
         ex.decision_id = new_decision_id()
         failure = ""
+        key = cache_key(doc)
         try:
-            ex.decision = snap.policy.decide(doc)
+            ex.decision = snap.policy.decide(doc, key)
         except PolicyEvaluationError as e:
             failure = str(e)
         if self.recorder is not None:
-            self._record(ex, doc, failure, self.recorder)
+            self._record(ex, doc, key, failure, self.recorder)
         if ex.decision is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the authorization policy could not be evaluated")
         if not ex.decision.allow:
@@ -87,7 +88,7 @@ class Authorization:
             raise GatewayError(ErrorCode.FORBIDDEN, f"forbidden: {why}")
 
     @staticmethod
-    def _record(ex: Exchange, doc: dict[str, Any], failure: str, recorder: DecisionRecorder) -> None:
+    def _record(ex: Exchange, doc: dict[str, Any], key: bytes, failure: str, recorder: DecisionRecorder) -> None:
         """The decision log entry, and the dry-run candidate's answer beside the enforced one: counted,
         and logged with both decision ids when they differ. Never changes what the request gets."""
         assert ex.identity is not None
@@ -99,7 +100,7 @@ class Authorization:
         candidate, dry = snap.dry_run_policy, snap.gateway.policy_dry_run
         if candidate is not None and dry is not None and sampled(ex.request_id, dry.sample):
             try:
-                answer = result_of(candidate.decide(doc))
+                answer = result_of(candidate.decide(doc, key))
             except PolicyEvaluationError as e:
                 answer = result_of(None, str(e))
             kinds = differences(enforced, answer)

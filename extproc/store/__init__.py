@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from extproc.store.errors import StoreUnavailable
 from extproc.store.pipe import ScriptPipe
-from extproc.store.scripts import ATTEMPT, RESERVE, SETTLE
+from extproc.store.scripts import ATTEMPT, DECISIONS, RESERVE, SETTLE
 
 __all__ = ["Store", "StoreUnavailable"]
 
@@ -234,17 +234,25 @@ class Store:
             "record": packed(facts), "outcome": packed(outcome),
             "reserved_micros": 0, "reserved_tokens": 0, "charged_micros": 0, "charged_tokens": 0}))
 
-    async def append_decisions(self, entries: Sequence[tuple[str, dict[str, Any]]],
+    async def append_decisions(self, entries: Sequence[tuple[str, bytes]],
                                counts: dict[str, dict[str, int]]) -> None:
-        """Decision log entries (tenant, entry) and dry-run counts (candidate revision -> field ->
-        increment), in one pipelined round trip: a batch, never one per request."""
-        pipe = self.client.pipeline(transaction=False)
+        """Decision log entries (tenant, the entry as JSON) and dry-run counts (candidate revision -> field ->
+        increment): one script call per tenant and one HINCRBY per count, a batch, never one per
+        request."""
+        by_tenant: dict[str, list[bytes]] = {}
         for tenant, entry in entries:
-            pipe.xadd(decisions_key(tenant), {"entry": packed(entry)})
-        for revision, fields in counts.items():
-            for name, n in fields.items():
-                pipe.hincrby(dry_run_key(revision), name, n)
-        await self._call(pipe.execute())
+            by_tenant.setdefault(tenant, []).append(entry)
+        calls = [([decisions_key(t)], list(packs)) for t, packs in by_tenant.items()]
+        results = await self.pipe.evalsha_many(DECISIONS, calls) if calls else []
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise StoreUnavailable(f"{len(failed)} decision log write(s) failed: {failed[0]}")
+        if counts:
+            pipe = self.client.pipeline(transaction=False)
+            for revision, fields in counts.items():
+                for name, n in fields.items():
+                    pipe.hincrby(dry_run_key(revision), name, n)
+            await self._call(pipe.execute())
 
     async def expired_leases(self, tenant: str, now_ms: int, limit: int = 100) -> list[str]:
         rids: list[str] = await self._call(

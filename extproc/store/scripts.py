@@ -133,3 +133,11 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'att:' .. ARGV[1], ARGV[2])
 return 1
 """
+
+# KEYS: the tenant's decision log stream
+# ARGV: entries (each one decision log entry as JSON): one XADD per entry, in one call per flush, so the
+#       worker packs one command instead of one per decision
+DECISIONS = """
+for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'entry', ARGV[i]) end
+return #ARGV
+"""
