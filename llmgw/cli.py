@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.policy_cmd import add_parsers as add_policy_commands
 
     add_policy_commands(sub)
+    from llmgw.adapters_cmd import add_parser as add_adapters
+
+    add_adapters(sub)
     return p
 
 

@@ -24,6 +24,8 @@ def imported_packages(package: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize(("package", "forbidden"), [
     ("extproc", {"llmgw", "enginesim"}),
     ("enginesim", {"llmgw", "extproc"}),
+    # Adapters translate plain values: no Envoy, gRPC or protobuf types (issue 13's shape).
+    ("extproc/adapters", {"llmgw", "enginesim", "envoy", "grpc", "google", "xds", "udpa"}),
 ])
 def test_no_forbidden_imports(package: str, forbidden: set[str]) -> None:
     bad = {f: sorted(pkgs & forbidden) for f, pkgs in imported_packages(package).items() if pkgs & forbidden}

@@ -1,0 +1,36 @@
+"""Adapters: one module per upstream API shape, translating between the gateway's internal contract
+(the OpenAI chat completion request, response and stream of extproc/chat.py) and that shape.
+
+Plain values in, plain values out: no Envoy or gRPC types, so each translation is tested on its own
+(the attempt filter and the decision call them). Every adapter offers the same five things:
+
+- `request(body, target)`: the native request (path, headers, body) and the loss list
+  (extproc/adapters/loss.py) - the fields it could not carry as they are;
+- `response(status, body)`: a native JSON answer as the internal chat completion;
+- `stream()`: an incremental translator fed the native stream's bytes, returning internal SSE events
+  (`data: {chunk}`) - the rest of the gateway (stream guard, metering) sees one shape;
+- `failure(status, body)`: a native error as the contract's code and the retry class it counts as;
+- `usage(native)`: usage normalised to input, cached input, output and reasoning tokens.
+
+An adapter is named in a deployment's fingerprint as `name@version` (`anthropic@1`); the version
+changes when a translation changes, so evidence for the old one no longer qualifies the deployment.
+"""
+
+from __future__ import annotations
+
+from extproc.adapters.anthropic import ANTHROPIC
+from extproc.adapters.base import Adapter
+from extproc.adapters.openai import OPENAI
+
+ADAPTERS: dict[str, Adapter] = {"anthropic": ANTHROPIC, "openai": OPENAI}
+ALIASES = {"openai-compat": "openai"}  # the name deployments used before adapters had modules
+
+
+def adapter_for(ref: str) -> Adapter:
+    """The adapter a fingerprint names (`anthropic@1`); KeyError for one this gateway does not have,
+    or for another version of it."""
+    name, _, version = ref.partition("@")
+    adapter = ADAPTERS[ALIASES.get(name, name)]
+    if version and version != str(adapter.version):
+        raise KeyError(f"{ref}: this gateway's {adapter.name} adapter is version {adapter.version}")
+    return adapter

@@ -1,0 +1,426 @@
+"""The `anthropic` adapter: the Messages API (`POST /v1/messages`, `anthropic-version: 2023-06-01`).
+
+Request (internal -> Messages): system and developer messages are hoisted into `system`; content
+parts become content blocks (text, images from data URLs or URLs); an assistant's `tool_calls` become
+`tool_use` blocks and `tool` messages `tool_result` blocks of a user turn; consecutive turns of one role
+merge (the API wants them alternating); `max_tokens` is required (the route's bound when the client
+sent none); `stop` becomes `stop_sequences`; tools become `{name, description, input_schema}` and
+`tool_choice` `{type: auto | any | tool | none}`, `parallel_tool_calls: false` its
+`disable_parallel_tool_use`; `user` becomes `metadata.user_id`.
+
+Answer and stream (Messages -> internal): text blocks join into `content`, `tool_use` blocks become
+`tool_calls` (arguments as JSON text; streamed as `input_json_delta` pieces, re-emitted as argument
+deltas of the same call index), `thinking` becomes `reasoning`; `stop_reason` maps to `finish_reason`;
+usage counts cache reads and writes as prompt tokens (cache reads as cached). An `error` event in the
+stream, or a stream that ends before `message_stop`, is broken.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, sse
+from extproc.adapters.loss import Conditional, LossTable, Support, losses
+from extproc.adapters.openai import failure_for_status
+from extproc.contract import ErrorCode
+from extproc.sse import MalformedStream, SseReader
+
+API_VERSION = "2023-06-01"
+DEFAULT_MAX_TOKENS = 4096
+S = Support
+
+
+def _over_one(v: Any) -> bool:
+    return isinstance(v, (int, float)) and v > 1
+
+
+LOSS_TABLE: LossTable = {
+    "stream": S.SUPPORTED,
+    "stream_options": S.EMULATED,  # usage arrives in message_start / message_delta; the chunk is built
+    "max_tokens": S.SUPPORTED,
+    "max_completion_tokens": S.TRANSFORMED,  # sent as max_tokens
+    "temperature": Conditional(_over_one, "above 1 (the API's range is 0 to 1)"),
+    "top_p": S.SUPPORTED,
+    "top_k": S.SUPPORTED,
+    "stop": S.TRANSFORMED,  # stop_sequences
+    "tools": S.TRANSFORMED,  # input_schema
+    "tool_choice": S.TRANSFORMED,  # {type: auto | any | tool | none}
+    "parallel_tool_calls": S.TRANSFORMED,  # tool_choice.disable_parallel_tool_use
+    "user": S.TRANSFORMED,  # metadata.user_id
+    "cache_salt": S.EMULATED,  # the provider's cache is per account: no tenant salt to send
+    "n": Conditional(lambda v: v != 1, "above 1 (one answer per request)"),
+    "seed": S.UNSUPPORTED,
+    "frequency_penalty": S.UNSUPPORTED,
+    "presence_penalty": S.UNSUPPORTED,
+    "logit_bias": S.UNSUPPORTED,
+    "logprobs": S.UNSUPPORTED,
+    "top_logprobs": S.UNSUPPORTED,
+    "response_format": S.UNSUPPORTED,
+    "min_p": S.UNSUPPORTED,
+    "repetition_penalty": S.UNSUPPORTED,
+    "min_tokens": S.UNSUPPORTED,
+    "ignore_eos": S.UNSUPPORTED,
+    "skip_special_tokens": S.UNSUPPORTED,
+    "spaces_between_special_tokens": S.UNSUPPORTED,
+    "include_stop_str_in_output": S.UNSUPPORTED,
+}
+
+STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
+                "refusal": "content_filter", "pause_turn": "stop", "model_context_window_exceeded": "length"}
+
+
+# -- request ----------------------------------------------------------------------------------------
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or () if isinstance(p, dict) and p.get("type") == "text")
+
+
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    out: list[dict[str, Any]] = []
+    for part in content:
+        if part.get("type") == "text":
+            out.append({"type": "text", "text": part["text"]})
+        elif part.get("type") == "image_url":
+            url = part["image_url"]["url"]
+            if url.startswith("data:") and ";base64," in url:
+                media, data = url[5:].split(";base64,", 1)
+                out.append({"type": "image", "source": {"type": "base64", "media_type": media, "data": data}})
+            else:
+                out.append({"type": "image", "source": {"type": "url", "url": url}})
+    return out
+
+
+def _turns(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """(system text, alternating user/assistant turns)."""
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+
+    for m in messages:
+        role = m["role"]
+        if role in ("system", "developer"):
+            system.append(_text_of(m.get("content")))
+        elif role == "user":
+            add("user", _blocks(m.get("content")))
+        elif role == "assistant":
+            blocks = _blocks(m.get("content"))
+            for call in m.get("tool_calls") or ():
+                try:
+                    args = json.loads(call["function"].get("arguments") or "{}")
+                except ValueError:
+                    args = {"_raw": call["function"].get("arguments")}
+                blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": args})
+            add("assistant", blocks)
+        elif role == "tool":
+            result = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": _text_of(m.get("content"))}
+            add("user", [result])
+    return "\n\n".join(s for s in system if s), turns
+
+
+def _tool_choice(choice: Any, parallel: Any) -> dict[str, Any] | None:
+    out: dict[str, Any] | None
+    if choice is None:
+        out = {"type": "auto"} if parallel is False else None
+    elif choice == "auto":
+        out = {"type": "auto"}
+    elif choice == "required":
+        out = {"type": "any"}
+    elif choice == "none":
+        out = {"type": "none"}
+    else:
+        out = {"type": "tool", "name": choice["function"]["name"]}
+    if out is not None and parallel is False and out["type"] != "none":
+        out["disable_parallel_tool_use"] = True
+    return out
+
+
+def native_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
+    system, turns = _turns(list(body["messages"]))
+    native: dict[str, Any] = {"model": model, "messages": turns,
+                              "max_tokens": body.get("max_tokens") or body.get("max_completion_tokens")
+                              or DEFAULT_MAX_TOKENS}
+    if system:
+        native["system"] = system
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+        if body.get(ours) is not None:
+            native[theirs] = min(body[ours], 1) if ours == "temperature" else body[ours]
+    stop = body.get("stop")
+    if stop:
+        native["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    if body.get("stream"):
+        native["stream"] = True
+    if body.get("tools"):
+        native["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                            "input_schema": t["function"].get("parameters") or {"type": "object", "properties": {}}}
+                           for t in body["tools"]]
+        choice = _tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls"))
+        if choice is not None:
+            native["tool_choice"] = choice
+    if body.get("user"):
+        native["metadata"] = {"user_id": body["user"]}
+    return native
+
+
+def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
+    """A Messages request as the internal contract (the Anthropic front door's direction, and the
+    inverse of `native_body` for what both shapes carry)."""
+    messages: list[dict[str, Any]] = []
+    system = native.get("system")
+    if system:
+        messages.append({"role": "system", "content": system if isinstance(system, str) else _text_of(system)})
+    for turn in native["messages"]:
+        content = turn["content"]
+        blocks: list[dict[str, Any]] = ([{"type": "text", "text": content}] if isinstance(content, str)
+                                        else list(content))
+        if turn["role"] == "assistant":
+            calls = [{"id": b["id"], "type": "function",
+                      "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}}
+                     for b in blocks if b.get("type") == "tool_use"]
+            text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+            msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                msg["tool_calls"] = calls
+            messages.append(msg)
+            continue
+        parts: list[dict[str, Any]] = []
+        for b in blocks:
+            if b.get("type") == "tool_result":
+                if parts:
+                    messages.append({"role": "user", "content": _collapse(parts)})
+                    parts = []
+                result = b.get("content")
+                messages.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                                 "content": result if isinstance(result, str) else _text_of(result)})
+            elif b.get("type") == "text":
+                parts.append({"type": "text", "text": b["text"]})
+            elif b.get("type") == "image":
+                src = b["source"]
+                url = src["url"] if src["type"] == "url" else f"data:{src['media_type']};base64,{src['data']}"
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+        if parts:
+            messages.append({"role": "user", "content": _collapse(parts)})
+    body: dict[str, Any] = {"model": native["model"], "messages": messages, "max_tokens": native["max_tokens"]}
+    for key in ("temperature", "top_p", "top_k", "stream"):
+        if native.get(key) is not None:
+            body[key] = native[key]
+    if native.get("stop_sequences"):
+        body["stop"] = list(native["stop_sequences"])
+    if native.get("tools"):
+        body["tools"] = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                          "parameters": t.get("input_schema") or {}}}
+                         for t in native["tools"]]
+    choice = native.get("tool_choice")
+    if choice:
+        kind = choice.get("type")
+        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+            kind, {"type": "function", "function": {"name": choice.get("name", "")}})
+        if choice.get("disable_parallel_tool_use"):
+            body["parallel_tool_calls"] = False
+    user = (native.get("metadata") or {}).get("user_id")
+    if user:
+        body["user"] = user
+    return body
+
+
+def _collapse(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text-only content as one string (how most clients send it); mixed content as parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+# -- answers ----------------------------------------------------------------------------------------
+
+def _usage(native: Mapping[str, Any]) -> Usage:
+    read = int(native.get("cache_read_input_tokens") or 0)
+    written = int(native.get("cache_creation_input_tokens") or 0)
+    return Usage(int(native.get("input_tokens") or 0) + read + written, read, int(native.get("output_tokens") or 0))
+
+
+def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
+    text, reasoning, calls = [], [], []
+    for block in msg.get("content") or ():
+        kind = block.get("type")
+        if kind == "text":
+            text.append(block.get("text", ""))
+        elif kind == "thinking":
+            reasoning.append(block.get("thinking", ""))
+        elif kind == "tool_use":
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+    if reasoning:
+        message["reasoning"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return {"id": f"chatcmpl-{msg.get('id', '')}", "object": "chat.completion", "created": int(time.time()),
+            "model": msg.get("model", ""),
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": STOP_REASONS.get(str(msg.get("stop_reason")), "stop")}],
+            "usage": _usage(msg.get("usage") or {}).openai()}
+
+
+class AnthropicStream:
+    """Messages SSE -> internal chunks, one event at a time. Tool-call arguments arrive as pieces of
+    JSON (`input_json_delta`) and leave as argument deltas of the same call index."""
+
+    def __init__(self, include_usage: bool = True):
+        self.reader = SseReader()
+        self.include_usage = include_usage
+        self.id = ""
+        self.model = ""
+        self.created = int(time.time())
+        self.input = Usage()
+        self.output = 0
+        self.calls: dict[int, int] = {}  # content block index -> tool call index
+        self.finish_reason: str | None = None
+        self.stopped = False
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": finish}]})
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        try:
+            for data in self.reader.feed(chunk):
+                out.extend(self._event(data))
+        except MalformedStream as e:
+            raise UpstreamBroken(str(e)) from None
+        return out
+
+    def _event(self, data: str) -> list[bytes]:
+        try:
+            ev = json.loads(data)
+        except ValueError:
+            raise UpstreamBroken("a stream event is not JSON") from None
+        if not isinstance(ev, dict):
+            raise UpstreamBroken("a stream event is not a JSON object")
+        if self.stopped:
+            raise UpstreamBroken("an event after message_stop")
+        kind = ev.get("type")
+        try:
+            return self._handle(kind, ev)
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise UpstreamBroken(f"a malformed {kind} event") from None
+
+    def _handle(self, kind: Any, ev: dict[str, Any]) -> list[bytes]:
+        if kind == "message_start":
+            msg = ev["message"]
+            self.id, self.model = str(msg["id"]), str(msg.get("model", ""))
+            self.input = _usage(msg.get("usage") or {})
+            return [self._chunk({"role": "assistant", "content": ""})]
+        if kind == "content_block_start":
+            block = ev["content_block"]
+            if block["type"] == "tool_use":
+                n = self.calls[int(ev["index"])] = len(self.calls)
+                return [self._chunk({"tool_calls": [{"index": n, "id": block["id"], "type": "function",
+                                                     "function": {"name": block["name"], "arguments": ""}}]})]
+            return []
+        if kind == "content_block_delta":
+            delta = ev["delta"]
+            if delta["type"] == "text_delta":
+                return [self._chunk({"content": delta["text"]})]
+            if delta["type"] == "thinking_delta":
+                return [self._chunk({"reasoning": delta["thinking"]})]
+            if delta["type"] == "input_json_delta":
+                n = self.calls[int(ev["index"])]
+                return [self._chunk({"tool_calls": [{"index": n, "function": {"arguments": delta["partial_json"]}}]})]
+            return []  # signature_delta and what the API adds later: nothing to carry
+        if kind == "message_delta":
+            self.finish_reason = STOP_REASONS.get(str(ev["delta"].get("stop_reason")), "stop")
+            self.output = int((ev.get("usage") or {}).get("output_tokens") or self.output)
+            return [self._chunk({}, self.finish_reason)]
+        if kind == "message_stop":
+            self.stopped = True
+            out = []
+            if self.include_usage:
+                usage = Usage(self.input.input, self.input.cached_input, self.output).openai()
+                out.append(sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk",
+                                "created": self.created, "model": self.model, "choices": [], "usage": usage}))
+            return [*out, sse("[DONE]")]
+        if kind == "error":
+            err = ev.get("error") or {}
+            raise UpstreamBroken(f"the provider ended the stream: {err.get('type', 'error')}")
+        return []  # ping, content_block_stop
+
+    def finish(self) -> list[bytes]:
+        if not self.stopped:
+            raise UpstreamBroken("the stream ended before message_stop")
+        return []
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+ERROR_TYPES = {"rate_limit_error": (ErrorCode.RATE_LIMITED, 429, "rate_limited"),
+               "overloaded_error": (ErrorCode.UPSTREAM_ERROR, 502, "overloaded"),
+               "api_error": (ErrorCode.UPSTREAM_ERROR, 502, "unavailable")}
+
+
+def failure(status: int, body: bytes) -> Failure:
+    try:
+        err = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        err = {}
+    kind = str(err.get("type", "")) if isinstance(err, dict) else ""
+    message = str(err.get("message", ""))[:500] if isinstance(err, dict) else ""
+    if kind in ERROR_TYPES:
+        code, st, retry = ERROR_TYPES[kind]
+        return Failure(code, st, message or kind, retry)
+    if kind == "invalid_request_error" and "prompt is too long" in message:
+        return Failure(ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, message)
+    return failure_for_status(status, message)
+
+
+class AnthropicAdapter:
+    name = "anthropic"
+    version = 1
+    loss_table = LOSS_TABLE
+
+    def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        headers = {"content-type": "application/json", "anthropic-version": API_VERSION}
+        if target.credential:
+            headers["x-api-key"] = target.credential
+        return NativeRequest("/v1/messages", headers, orjson.dumps(native_body(body, target.model)),
+                             tuple(losses(body, LOSS_TABLE)))
+
+    def response(self, status: int, body: bytes) -> dict[str, Any]:
+        try:
+            msg = json.loads(body)
+        except ValueError:
+            raise UpstreamBroken("the provider's answer is not JSON") from None
+        if not isinstance(msg, dict) or msg.get("type") != "message":
+            raise UpstreamBroken("the provider's answer is not a message")
+        try:
+            return completion(msg)
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise UpstreamBroken("the provider's message is malformed") from None
+
+    def stream(self, include_usage: bool = True) -> AnthropicStream:
+        return AnthropicStream(include_usage)
+
+    def failure(self, status: int, body: bytes) -> Failure:
+        return failure(status, body)
+
+    def usage(self, native: Mapping[str, Any]) -> Usage:
+        return _usage(native)
+
+
+ANTHROPIC = AnthropicAdapter()

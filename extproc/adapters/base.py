@@ -1,0 +1,92 @@
+"""What every adapter shares: the values that cross the adapter boundary, and the protocol."""
+
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from extproc.adapters.loss import Loss, LossTable
+from extproc.contract import ErrorCode
+
+
+class UpstreamBroken(Exception):
+    """A native answer or stream that does not follow its shape: 502 before the first byte,
+    `stream_interrupted` after it."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What an adapter needs to know of the candidate it translates for."""
+
+    model: str  # the model name the upstream serves
+    credential: str = ""  # resolved from the deployment's credential_ref; never logged
+    options: Mapping[str, str] = field(default_factory=dict)  # per-shape settings (Azure's api_version)
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    path: str
+    headers: Mapping[str, str]
+    body: bytes
+    losses: tuple[Loss, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens, normalised: `input` includes `cached_input` (as OpenAI counts prompt tokens)."""
+
+    input: int = 0
+    cached_input: int = 0
+    output: int = 0
+    reasoning: int = 0
+
+    def openai(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_tokens": self.input, "completion_tokens": self.output,
+                               "total_tokens": self.input + self.output,
+                               "prompt_tokens_details": {"cached_tokens": self.cached_input}}
+        if self.reasoning:
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning}
+        return out
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A native error as the contract sees it. `retry` is the route's eligible-failure name it counts
+    as (`rate_limited`, `overloaded`, `unavailable`), or "" when retrying cannot help."""
+
+    code: ErrorCode
+    status: int
+    message: str
+    retry: str = ""
+
+
+class StreamTranslator(Protocol):
+    def feed(self, chunk: bytes) -> list[bytes]: ...
+
+    def finish(self) -> list[bytes]: ...
+
+
+class Adapter(Protocol):
+    name: str
+    version: int
+    loss_table: LossTable
+
+    def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest: ...
+
+    def response(self, status: int, body: bytes) -> dict[str, Any]: ...
+
+    def stream(self, include_usage: bool = True) -> StreamTranslator: ...
+
+    def failure(self, status: int, body: bytes) -> Failure: ...
+
+    def usage(self, native: Mapping[str, Any]) -> Usage: ...
+
+
+def sse(doc: Mapping[str, Any] | str) -> bytes:
+    """One internal SSE event."""
+    data = doc.encode() if isinstance(doc, str) else orjson.dumps(doc)
+    return b"data: " + data + b"\n\n"

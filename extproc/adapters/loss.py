@@ -1,0 +1,85 @@
+"""Translation loss: what an adapter does with each field of the gateway's request contract (the chat
+completion request of extproc/chat.py), declared as data, and the loss list of one request.
+
+  supported    carried as it is (or renamed, with the same meaning)
+  transformed  carried with a different shape whose meaning is the same for the values allowed
+  emulated     not sent; the gateway produces the effect itself
+  unsupported  cannot be carried: the route's `translation_loss` decides (reject: 400
+               `unsupported_field` naming it; report: served, the field listed in
+               `x-llmgw-translation-loss` and the ledger)
+
+A field can also be lost for some values only (a temperature above the provider's range, `n` above
+1): a `Conditional` names the condition. A field absent from the request, or present with its
+default, is never a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Support(StrEnum):
+    SUPPORTED = "supported"
+    TRANSFORMED = "transformed"
+    EMULATED = "emulated"
+    UNSUPPORTED = "unsupported"
+
+
+@dataclass(frozen=True)
+class Conditional:
+    """Supported for most values; `lost(value)` says when this value is not (`when` says it in words)."""
+
+    lost: Callable[[Any], bool]
+    when: str
+    otherwise: Support = Support.SUPPORTED
+
+
+Rule = Support | Conditional
+LossTable = Mapping[str, Rule]  # top-level request field -> what the adapter does with it
+
+
+@dataclass(frozen=True)
+class Loss:
+    field: str
+    support: Support  # TRANSFORMED, EMULATED or UNSUPPORTED
+    note: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.field} ({self.support})"
+
+
+# Values that mean "not asked for": a field sent with one of these is no loss.
+DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "parallel_tool_calls": (True,), "stream": (False,),
+    "logit_bias": ({},), "stop": ([],), "tools": ([],),
+}
+# Fields every adapter handles because the gateway itself owns them (never sent by the client as such).
+GATEWAY_FIELDS = frozenset({"model", "messages"})
+
+
+def losses(body: Mapping[str, Any], table: LossTable) -> list[Loss]:
+    """What translating this request with this table loses or changes; fields the table does not
+    name are unsupported (a new contract field is a loss until an adapter says otherwise)."""
+    out: list[Loss] = []
+    for name, value in body.items():
+        if name in GATEWAY_FIELDS or value is None or value in DEFAULTS.get(name, ()):
+            continue
+        rule = table.get(name, Support.UNSUPPORTED)
+        if isinstance(rule, Conditional):
+            if rule.lost(value):
+                out.append(Loss(name, Support.UNSUPPORTED, rule.when))
+            elif rule.otherwise is not Support.SUPPORTED:
+                out.append(Loss(name, rule.otherwise))
+        elif rule is not Support.SUPPORTED:
+            out.append(Loss(name, rule))
+    return out
+
+
+def describe(rule: Rule) -> str:
+    if isinstance(rule, Conditional):
+        return f"{rule.otherwise}; unsupported {rule.when}"
+    return str(rule)
