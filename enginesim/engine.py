@@ -29,6 +29,7 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose KV is in the cache
     output_len: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     finish_reason: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -148,6 +149,8 @@ class Engine:
                 seq.num_computed = 0
                 break
             self.kv.record_query(len(seq.prompt), hit)
+            if seq.output_len == 0:
+                seq.cached_tokens = hit  # what a provider bills as cached input (a first admission's hit)
             self.waiting.popleft()
             self.running.append(seq)
             plan.append((seq, n))

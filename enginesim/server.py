@@ -65,6 +65,7 @@ class Fault:
     stall_after: int | None = None
     disconnect_after: int | None = None
     malformed_after: int | None = None
+    error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
     exit: bool = False
 
     @classmethod
@@ -74,7 +75,7 @@ class Fault:
             key, _, value = part.partition("=")
             if key == "exit":
                 f.exit = True
-            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after"):
+            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "error_after"):
                 setattr(f, key, int(value))
             else:
                 raise ValueError(f"unknown fault {key!r}")
@@ -390,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api", choices=["openai", "anthropic"], default="openai",
+                   help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py)")
+    p.add_argument("--api-key", help="(--api anthropic) the x-api-key the provider accepts; unset: any")
     p.add_argument("--fault-header", action="store_true",
                    help=f"honour the {FAULT_HEADER} request header (the simulator's own tests; never behind a gateway)")
     args = p.parse_args(argv)
@@ -401,5 +405,9 @@ def main(argv: list[str] | None = None) -> None:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks_override=args.num_blocks_override)
     server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header)
+    if args.api == "anthropic":
+        from enginesim.anthropic_api import MessagesFrontEnd
+
+        MessagesFrontEnd(server, os.environ.get("ENGINESIM_API_KEY") or args.api_key)
     # Like vLLM, a client that goes away aborts its request in the engine.
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)

@@ -55,8 +55,14 @@ def test_each_unsupported_anthropic_field_is_reported_and_never_sent(field: str)
 def test_conditional_losses_depend_on_the_value() -> None:
     base = {"model": "r", "messages": [{"role": "user", "content": "hi"}]}
     assert losses({**base, "temperature": 0.7, "n": 1}, LOSS_TABLE) == []
-    lost = losses({**base, "temperature": 1.5, "n": 3}, LOSS_TABLE)
-    assert [(x.field, x.support) for x in lost] == [("temperature", Support.UNSUPPORTED), ("n", Support.UNSUPPORTED)]
+    lost = losses({**base, "temperature": 1.5, "n": 3, "response_format": {"type": "json_object"}}, LOSS_TABLE)
+    assert [(x.field, x.support) for x in lost] == [("temperature", Support.TRANSFORMED), ("n", Support.UNSUPPORTED),
+                                                    ("response_format", Support.UNSUPPORTED)]
+    schema = {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}
+    req = ANTHROPIC.request({**base, "response_format": schema}, Target("c"))
+    assert [(x.field, x.support) for x in req.losses] == [("response_format", Support.TRANSFORMED)]
+    assert json.loads(req.body)["output_config"] == {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    assert internal_body(json.loads(req.body))["response_format"] == schema
     assert json.loads(ANTHROPIC.request({**base, "temperature": 1.5}, Target("c")).body)["temperature"] == 1
 
 

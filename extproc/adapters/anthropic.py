@@ -44,7 +44,7 @@ LOSS_TABLE: LossTable = {
     "stream_options": S.EMULATED,  # usage arrives in message_start / message_delta; the chunk is built
     "max_tokens": S.SUPPORTED,
     "max_completion_tokens": S.TRANSFORMED,  # sent as max_tokens
-    "temperature": Conditional(_over_one, "above 1 (the API's range is 0 to 1)"),
+    "temperature": Conditional(_over_one, "above 1 (clamped to 1, the API's range)", loss=S.TRANSFORMED),
     "top_p": S.SUPPORTED,
     "top_k": S.SUPPORTED,
     "stop": S.TRANSFORMED,  # stop_sequences
@@ -60,7 +60,9 @@ LOSS_TABLE: LossTable = {
     "logit_bias": S.UNSUPPORTED,
     "logprobs": S.UNSUPPORTED,
     "top_logprobs": S.UNSUPPORTED,
-    "response_format": S.UNSUPPORTED,
+    # json_schema -> output_config.format; json_object (no schema to give) has no equivalent
+    "response_format": Conditional(lambda v: v.get("type") != "json_schema", "other than json_schema",
+                                   otherwise=S.TRANSFORMED),
     "min_p": S.UNSUPPORTED,
     "repetition_penalty": S.UNSUPPORTED,
     "min_tokens": S.UNSUPPORTED,
@@ -174,6 +176,9 @@ def native_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
             native["tool_choice"] = choice
     if body.get("user"):
         native["metadata"] = {"user_id": body["user"]}
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        native["output_config"] = {"format": {"type": "json_schema", "schema": fmt["json_schema"].get("schema", {})}}
     return native
 
 
@@ -235,6 +240,9 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
     user = (native.get("metadata") or {}).get("user_id")
     if user:
         body["user"] = user
+    fmt = (native.get("output_config") or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     return body
 
 

@@ -30,11 +30,13 @@ class Support(StrEnum):
 
 @dataclass(frozen=True)
 class Conditional:
-    """Supported for most values; `lost(value)` says when this value is not (`when` says it in words)."""
+    """`otherwise` for most values; `lost(value)` says when this value is carried as `loss` instead
+    (`when` says it in words)."""
 
     lost: Callable[[Any], bool]
     when: str
     otherwise: Support = Support.SUPPORTED
+    loss: Support = Support.UNSUPPORTED
 
 
 Rule = Support | Conditional
@@ -71,7 +73,7 @@ def losses(body: Mapping[str, Any], table: LossTable) -> list[Loss]:
         rule = table.get(name, Support.UNSUPPORTED)
         if isinstance(rule, Conditional):
             if rule.lost(value):
-                out.append(Loss(name, Support.UNSUPPORTED, rule.when))
+                out.append(Loss(name, rule.loss, rule.when))
             elif rule.otherwise is not Support.SUPPORTED:
                 out.append(Loss(name, rule.otherwise))
         elif rule is not Support.SUPPORTED:
@@ -81,5 +83,5 @@ def losses(body: Mapping[str, Any], table: LossTable) -> list[Loss]:
 
 def describe(rule: Rule) -> str:
     if isinstance(rule, Conditional):
-        return f"{rule.otherwise}; unsupported {rule.when}"
+        return f"{rule.otherwise}; {rule.loss} {rule.when}"
     return str(rule)

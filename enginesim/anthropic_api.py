@@ -1,0 +1,200 @@
+"""An Anthropic-shaped front end on the simulated engine: `POST /v1/messages` as the Messages API
+answers it (JSON, or SSE events: message_start, content_block_start, ping, content_block_delta per
+token, content_block_stop, message_delta, message_stop), with the provider's own checks and errors.
+
+Checks, as the provider makes them: `x-api-key` (when the server has one: 401 authentication_error),
+`anthropic-version` (400), `model` (404 not_found_error), `max_tokens` required (400), `messages`
+non-empty with user/assistant roles (400), a prompt beyond the window (400 "prompt is too long").
+Usage counts the prompt's cache hits as `cache_read_input_tokens` (and `input_tokens` the rest), as
+the provider bills them.
+
+Faults (the server's queue or `x-enginesim-fault`, as for the OpenAI front end): `status=529` (or 429,
+500, ...) answers the provider's error for that status; `error_after=N` sends N text deltas, then an
+`error` event (overloaded_error) and ends; `malformed_after=N` sends N deltas, then an event that is
+not JSON; `disconnect_after`, `stall_after` and `delay_ms` as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+import zlib
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from enginesim.engine import Sequence
+from enginesim.tokenizer import TextSampler, apply_chat_template
+
+if TYPE_CHECKING:
+    from enginesim.server import EngineServer, Fault
+
+VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")  # `anthropic-version`: a dated API version
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> web.Response:
+    return web.json_response({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
+                                                         "message": message}}, status=status)
+
+
+def _block_text(block: Any) -> str:
+    if not isinstance(block, dict):
+        return ""
+    kind = block.get("type")
+    if kind == "text":
+        return str(block.get("text", ""))
+    if kind == "tool_use":
+        return json.dumps({"name": block.get("name"), "parameters": block.get("input")})
+    if kind == "tool_result":
+        content = block.get("content")
+        return content if isinstance(content, str) else "".join(_block_text(b) for b in content or ())
+    return ""
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation as the engine's chat template renders it."""
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": system if isinstance(system, str)
+                    else "".join(_block_text(b) for b in system)})
+    for m in body["messages"]:
+        content = m["content"]
+        out.append({"role": m["role"], "content": content if isinstance(content, str)
+                    else "".join(_block_text(b) for b in content)})
+    return out
+
+
+class MessagesFrontEnd:
+    """Serves `/v1/messages` from an EngineServer's engine, model, request log and fault queue."""
+
+    def __init__(self, server: EngineServer, api_key: str | None):
+        self.server = server
+        self.api_key = api_key
+        server.app.router.add_post("/v1/messages", self.messages)
+
+    def _check(self, request: web.Request, body: Any) -> web.Response | None:
+        # The key comes as `x-api-key`, or (as the newer SDKs send it) as a bearer token.
+        key = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        if self.api_key is not None and key != self.api_key:
+            return anthropic_error(401, "invalid x-api-key")
+        if not VERSION.fullmatch(request.headers.get("anthropic-version", "")):
+            return anthropic_error(400, "anthropic-version: header is required")
+        if not isinstance(body, dict):
+            return anthropic_error(400, "body: Input should be a valid dictionary")
+        if body.get("model") != self.server.served_model:
+            return anthropic_error(404, f"model: {body.get('model')}")
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            return anthropic_error(400, "max_tokens: Field required" if max_tokens is None
+                                   else "max_tokens: Input should be greater than or equal to 1")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return anthropic_error(400, "messages: at least one message is required")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or "content" not in m:
+                return anthropic_error(400, f"messages.{i}: each message needs a user or assistant role and content")
+        return None
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        srv = self.server
+        try:
+            body = await request.json()
+        except ValueError:
+            return anthropic_error(400, "There was an error parsing the body of your request")
+        fault = srv._take_fault(request, body)
+        if isinstance(fault, web.Response):
+            return fault
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        bad = self._check(request, body)
+        entry = srv._log_request(rid, request, body if isinstance(body, dict) else {}, bad.status if bad else 200)
+        entry["headers"].pop("x-api-key", None)  # a credential: never in the request log
+        entry["api_key_present"] = "x-api-key" in request.headers or "Authorization" in request.headers
+        if bad is not None:
+            return bad
+        if fault.status:
+            entry["status"] = fault.status
+            await asyncio.sleep(fault.delay_ms / 1000)
+            return anthropic_error(fault.status, "Overloaded" if fault.status == 529 else f"injected {fault.status}")
+        prompt = apply_chat_template(chat_messages(body), body.get("tools"))
+        max_len = srv.engine.profile.max_model_len
+        if len(prompt) >= max_len:
+            return anthropic_error(400, f"prompt is too long: {len(prompt)} tokens > {max_len - 1} maximum")
+        max_tokens = min(body["max_tokens"], max_len - len(prompt))
+        sampler = TextSampler(zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed)
+        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=sampler.natural_length,
+                       salt=None, arrival=srv.engine.now())
+        if fault.delay_ms:
+            await asyncio.sleep(fault.delay_ms / 1000)
+        srv.engine.submit(seq)
+        try:
+            if body.get("stream"):
+                return await self._stream(request, seq, sampler, rid, fault)
+            return await self._complete(seq, sampler, rid)
+        finally:
+            srv.engine.abort(seq)
+            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason)
+
+    def _usage(self, seq: Sequence) -> dict[str, int]:
+        return {"input_tokens": len(seq.prompt) - seq.cached_tokens, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": seq.cached_tokens, "output_tokens": seq.output_len}
+
+    @staticmethod
+    def _stop_reason(seq: Sequence) -> str:
+        return "max_tokens" if seq.finish_reason == "length" else "end_turn"
+
+    async def _complete(self, seq: Sequence, sampler: TextSampler, rid: str) -> web.Response:
+        pieces = []
+        while (idx := await seq.out.get()) is not None:
+            pieces.append(sampler.next_piece(idx))
+        return web.json_response({
+            "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
+            "content": [{"type": "text", "text": "".join(pieces)}], "stop_reason": self._stop_reason(seq),
+            "stop_sequence": None, "usage": self._usage(seq)})
+
+    async def _stream(self, request: web.Request, seq: Sequence, sampler: TextSampler, rid: str,
+                      fault: Fault) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(kind: str, doc: dict[str, Any]) -> None:
+            await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **doc})}\n\n".encode())
+
+        usage = {**self._usage(seq), "output_tokens": 1}
+        await send("message_start", {"message": {
+            "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
+        await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        await send("ping", {})
+        sent = 0
+        while (idx := await seq.out.get()) is not None:
+            if fault.stall_after is not None and sent >= fault.stall_after:
+                await asyncio.sleep(3600)
+            if fault.disconnect_after is not None and sent >= fault.disconnect_after:
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+            if fault.malformed_after is not None and sent >= fault.malformed_after:
+                await resp.write(b'event: content_block_delta\ndata: {"type": "content_block_delta", \n\n')
+                await resp.write_eof()
+                return resp
+            if fault.error_after is not None and sent >= fault.error_after:
+                await send("error", {"error": {"type": "overloaded_error", "message": "Overloaded"}})
+                await resp.write_eof()
+                return resp
+            await send("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
+                                                                     "text": sampler.next_piece(idx)}})
+            sent += 1
+        await send("content_block_stop", {"index": 0})
+        await send("message_delta", {"delta": {"stop_reason": self._stop_reason(seq), "stop_sequence": None},
+                                     "usage": {"output_tokens": seq.output_len}})
+        await send("message_stop", {})
+        await resp.write_eof()
+        return resp
+
