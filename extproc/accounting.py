@@ -83,5 +83,4 @@ def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, so
     return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
             "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,
             "attempts": [{"deployment": dep.deployment if dep else "",
-                          "adapter": dep.fingerprint.adapter if dep else "", "status": status, **attempt}],
-            "translation_loss": []}
+                          "adapter": dep.fingerprint.adapter if dep else "", "status": status, **attempt}]}

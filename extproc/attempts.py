@@ -8,7 +8,12 @@ attempt (extproc/fallback.py). Envoy's router owns the retries; this only addres
   candidate's credential, if it has one, is its authorization; otherwise there is none.
 - Request body: the candidate's served model (the body was written for the first candidate; when
   the candidate serves that same model, the headers reply switches the body message off).
-- Response headers: `x-llmgw-deployment` names the candidate that answered.
+- Response headers: `x-llmgw-deployment` names the candidate that answered; `x-llmgw-translation-loss`
+  what its adapter changed or lost of the request.
+- A candidate of another API shape (extproc/adapters/): the path, headers and body of its shape on
+  the way up, and its JSON answer as a chat completion on the way back, before the meter and the
+  settlement read it (its error statuses are left to Envoy's custom_response, which answers in the
+  contract's shape). A broken answer is a 502 `upstream_error`.
 - Each attempt is recorded in the store with its reservation, once: with its status when its response
   headers come, with status 0 when it ends without them; so the one ledger entry settlement writes
   lists every attempt, whichever ext_proc worker saw it.
@@ -24,14 +29,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc.adapters import adapter_for
+from extproc.adapters.base import Adapter, Target, UpstreamBroken
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.envoy_msgs import ATTRIBUTES, attr, header, with_first
-from extproc.fallback import attempt_kind, decode_plan
+from extproc.fallback import attempt_kind, decode_plan, translated
+from extproc.names import Key
 from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.secrets import SecretUnavailable, resolve
@@ -41,13 +50,17 @@ from extproc.store import Store, StoreUnavailable
 log = logging.getLogger("llmgw.attempts")
 _errors = RateLimitedLog(log)
 HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE}']['cluster']"
-PLAN = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['plan']"  # the request's, set by ext_proc's decision
-ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, "request.id")
+PLAN = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN}']"  # the request's, set by the decision
+LOSSES = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.LOSSES}']"  # the same, per candidate
+ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, "request.id")
+TRANSLATION_LOSS_HEADER = "x-llmgw-translation-loss"
 _PM = processing_mode_pb2.ProcessingMode
 # The mode an attempt switches to when its body needs no rewrite (the renderer allows exactly this one).
 ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,
                         "response_header_mode": _PM.SEND, "response_body_mode": _PM.NONE,
                         "request_trailer_mode": _PM.SKIP, "response_trailer_mode": _PM.SKIP}
+# The mode of an attempt to a candidate of another API shape: its answer comes back through ext_proc.
+ATTEMPT_TRANSLATED = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": _PM.BUFFERED, "response_body_mode": _PM.BUFFERED}
 
 
 def choose_candidate(snap: Snapshot, plan: list[str], attempt: int, host_cluster: str) -> int:
@@ -117,7 +130,8 @@ class AttemptFilter:
                 if reply is None:
                     return
                 yield reply
-                if req.WhichOneof("request") == "response_headers":
+                if req.WhichOneof("request") == "response_body" or (
+                        req.WhichOneof("request") == "response_headers" and state.adapter is None):
                     return
         finally:
             # An attempt that ended without response headers (timeout, reset, connect failure) is
@@ -138,6 +152,10 @@ class _Attempt:
     record: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     recorded: bool = False
+    adapter: Adapter | None = None  # set when the candidate is of another API shape
+    target: Target | None = None
+    losses: str = ""  # what the candidate's adapter changes or loses of the request (its header)
+    status: int = 0
 
     def answer(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse | None:
         kind = req.WhichOneof("request")
@@ -145,7 +163,8 @@ class _Attempt:
             return self._request_headers(req)
         if kind == "request_body" and self.dep is not None:
             common = ep.CommonResponse()
-            body = body_for(req.request_body.body, self.dep)
+            body = (body_for(req.request_body.body, self.dep) if self.adapter is None or self.target is None
+                    else self.adapter.request(json.loads(req.request_body.body), self.target).body)
             if body is not None:
                 common.body_mutation.body = body
             length = len(body if body is not None else req.request_body.body)
@@ -153,11 +172,24 @@ class _Attempt:
             return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
         if kind == "response_headers" and self.dep is not None:
             status = header(req.response_headers.headers, ":status", "0")
-            self.record.update(status=int(status) if status.isdigit() else 0,
-                               first_byte_ms=round((time.monotonic() - self.started) * 1000, 1))
-            named = overwrite_header(ANSWERED_BY, self.dep.deployment)
+            self.status = int(status) if status.isdigit() else 0
+            self.record.update(status=self.status, first_byte_ms=round((time.monotonic() - self.started) * 1000, 1))
+            mutation = ep.HeaderMutation(set_headers=[overwrite_header(ANSWERED_BY, self.dep.deployment)])
+            if self.losses:
+                mutation.set_headers.append(overwrite_header(TRANSLATION_LOSS_HEADER, self.losses))
+            if self.adapter is not None and 200 <= self.status < 300:
+                mutation.remove_headers.append("content-length")  # the translated answer has its own
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
-                header_mutation=ep.HeaderMutation(set_headers=[named]))))
+                header_mutation=mutation)))
+        if kind == "response_body" and self.adapter is not None:
+            common = ep.CommonResponse()
+            if 200 <= self.status < 300:
+                try:
+                    answer = self.adapter.response(self.status, req.response_body.body)
+                except UpstreamBroken as e:
+                    raise GatewayError(ErrorCode.UPSTREAM_ERROR, f"the provider's answer is broken: {e}") from None
+                common.body_mutation.body = orjson.dumps(answer)
+            return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
         _errors.warning("attempt filter: unexpected message %s", kind)
         return None
 
@@ -173,19 +205,33 @@ class _Attempt:
         previous = snap.deployments.get(plan[min(n - 1, len(plan)) - 1]) if n > 1 else None
         self.record = {"n": n, "deployment": dep.deployment, "adapter": dep.fingerprint.adapter,
                        "kind": attempt_kind(previous, dep), "status": 0}
+        self.losses = str(json.loads(attr(attrs, LOSSES) or "{}").get(dep.deployment, ""))
+        if self.losses:  # the ledger lists, per attempt, what its candidate's adapter changed or lost
+            self.record["translation_loss"] = self.losses.split(", ")
         # Retries reuse the request's headers: what an earlier attempt set for its candidate (a
         # credential above all) must not reach this one.
         mutation = ep.HeaderMutation()
+        token = ""
         if dep.credential_ref:
             try:
                 token = resolve(dep.credential_ref, snap.directory)
             except SecretUnavailable as e:
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, str(e)) from None
+        if translated(dep):
+            self.adapter = adapter_for(dep.fingerprint.adapter)
+            self.target = Target(dep.served_model, token)
+            path, headers = self.adapter.endpoint(self.target)
+            mutation.remove_headers.append("authorization")
+            mutation.set_headers.extend(overwrite_header(k, v) for k, v in (*headers.items(), (":path", path)))
+        elif token:
             mutation.set_headers.append(overwrite_header("authorization", f"Bearer {token}"))
         else:
             mutation.remove_headers.append("authorization")
         reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=mutation)))
+        if self.adapter is not None:
+            reply.mode_override.CopyFrom(_PM(**ATTEMPT_TRANSLATED))
+            return reply
         first_candidate = snap.deployments.get(plan[0])
         if first_candidate is not None and first_candidate.served_model == dep.served_model:
             # The body was written for this model: no body message, one round trip less.

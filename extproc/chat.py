@@ -302,6 +302,11 @@ def _message(m: Any, i: int) -> None:
         raise invalid(f"a tool message needs `tool_call_id` ({at})", f"{at}.tool_call_id")
 
 
+# Every top-level field of the request contract besides `messages` (`n` is checked against the
+# gateway's limit in `validate`); adapters declare what they do with each (extproc/adapters/).
+CONTRACT_FIELDS = (*TOP_LEVEL, "n")
+
+
 def validate(body: Any, max_messages: int, max_n: int) -> dict[str, Any]:
     """The request as a dict, once every field is known and well-formed; else the contract's 400."""
     if not isinstance(body, dict):

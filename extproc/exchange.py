@@ -8,6 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
+from extproc.adapters.loss import Loss
 from extproc.bounds import Bound
 from extproc.config import Snapshot
 from extproc.config.policy import Decision
@@ -64,6 +67,8 @@ class Exchange:
     route: Route | None = None
     deployment: Deployment | None = None  # the first candidate
     candidates: tuple[Deployment, ...] = ()  # every qualified candidate, in the route's order
+    # deployment -> what its adapter changes or loses of this request (extproc/adapters/loss.py)
+    translation_losses: dict[str, tuple[Loss, ...]] = field(default_factory=dict)
     cluster: str = ""
     cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route
     endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
@@ -129,6 +134,9 @@ class Exchange:
         if uses_attempt_filter(self.candidates) and self.identity is not None:
             # Read by the upstream filter of each attempt (extproc/attempts.py).
             md[Key.PLAN] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
+            if self.translation_losses:
+                md[Key.LOSSES] = orjson.dumps({d: ", ".join(map(str, x)) for d, x in self.translation_losses.items()
+                                               }).decode()
         if self.remaining_ms:
             # Read by the request-side header mutation after the buffer filter (Envoy's router).
             md[Key.PER_TRY_TIMEOUT_MS if self.stream else Key.RQ_TIMEOUT_MS] = str(self.remaining_ms)

@@ -27,9 +27,19 @@ def composite_name(route: str, indices: Sequence[int]) -> str:
     return f"fallback_{route}_" + "_".join(str(i) for i in indices)
 
 
+def needs_attempt_filter(dep: Deployment) -> bool:
+    """A candidate with a credential (only the attempt filter injects it) or of another API shape (only
+    the attempt filter translates) goes through the attempt filter even alone."""
+    return dep.credential_ref is not None or translated(dep)
+
+
+def translated(dep: Deployment) -> bool:
+    return dep.fingerprint.adapter.partition("@")[0] not in ("openai", "openai-compat")
+
+
 def candidate_subsets(n: int, credentialed: Collection[int] = ()) -> Iterator[tuple[int, ...]]:
-    """Every ordered subset of two or more of a route's n candidates, and each credentialed candidate
-    alone (only the attempt filter injects a credential, so such a candidate always goes through it)."""
+    """Every ordered subset of two or more of a route's n candidates, and each candidate that needs
+    the attempt filter alone (`needs_attempt_filter`)."""
     for i in sorted(credentialed):
         yield (i,)
     for size in range(2, n + 1):
@@ -37,7 +47,7 @@ def candidate_subsets(n: int, credentialed: Collection[int] = ()) -> Iterator[tu
 
 
 def uses_attempt_filter(plan: Sequence[Deployment]) -> bool:
-    return len(plan) > 1 or (len(plan) == 1 and plan[0].credential_ref is not None)
+    return len(plan) > 1 or (len(plan) == 1 and needs_attempt_filter(plan[0]))
 
 
 def sub_clusters(clusters: Sequence[str]) -> list[str]:

@@ -30,6 +30,7 @@ class Key(StrEnum):
     DEPLOYMENT = "deployment"
     CLUSTER = "cluster"  # the cluster the request was admitted to (routes match on it)
     PLAN = "plan"  # a fallback route's candidates, for the attempt filter
+    LOSSES = "losses"  # per candidate, what its adapter loses or changes (JSON), for the attempt filter
     RQ_TIMEOUT_MS = "rq_timeout_ms"
     PER_TRY_TIMEOUT_MS = "per_try_timeout_ms"
     TRACEPARENT = "traceparent"

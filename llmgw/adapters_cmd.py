@@ -9,14 +9,14 @@ from typing import Any
 from extproc.adapters.anthropic import LOSS_TABLE as ANTHROPIC
 from extproc.adapters.loss import Support, describe
 from extproc.adapters.openai import TABLES as OPENAI
-from extproc.chat import TOP_LEVEL
+from extproc.chat import CONTRACT_FIELDS
 
 COLUMNS = {"openai (vLLM pool)": OPENAI["vllm"], "openai (OpenAI, Azure)": OPENAI["openai"],
            "anthropic": ANTHROPIC}
 
 
 def loss_table() -> str:
-    fields = [f for f in TOP_LEVEL if f != "model"]
+    fields = [f for f in CONTRACT_FIELDS if f != "model"]
     lines = ["| field | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
     for f in fields:
         lines.append(f"| `{f}` | " + " | ".join(describe(t.get(f, Support.UNSUPPORTED)) for t in COLUMNS.values())

@@ -16,7 +16,7 @@ from extproc.adapters.anthropic import ANTHROPIC, LOSS_TABLE, internal_body, nat
 from extproc.adapters.base import Target, UpstreamBroken
 from extproc.adapters.loss import Support, losses
 from extproc.adapters.openai import OPENAI, VLLM_ONLY
-from extproc.chat import TOP_LEVEL, validate
+from extproc.chat import CONTRACT_FIELDS, validate
 from extproc.contract import ErrorCode
 
 
@@ -33,7 +33,7 @@ def chunks_of(out: list[bytes]) -> list[Any]:
 
 def test_every_contract_field_is_declared_by_every_adapter() -> None:
     for table in (LOSS_TABLE, OPENAI.table("vllm"), OPENAI.table("openai"), OPENAI.table("azure")):
-        assert set(TOP_LEVEL) - {"model"} <= set(table), set(TOP_LEVEL) - set(table)
+        assert set(CONTRACT_FIELDS) - {"model"} <= set(table), set(CONTRACT_FIELDS) - set(table)
 
 
 def test_the_pool_loses_nothing_and_hosted_openai_loses_vllms_extras() -> None:

@@ -402,11 +402,16 @@ class AnthropicAdapter:
     version = 1
     loss_table = LOSS_TABLE
 
-    def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+    def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
+        """The path and headers of every request to this target."""
         headers = {"content-type": "application/json", "anthropic-version": API_VERSION}
         if target.credential:
             headers["x-api-key"] = target.credential
-        return NativeRequest("/v1/messages", headers, orjson.dumps(native_body(body, target.model)),
+        return "/v1/messages", headers
+
+    def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        path, headers = self.endpoint(target)
+        return NativeRequest(path, headers, orjson.dumps(native_body(body, target.model)),
                              tuple(losses(body, LOSS_TABLE)))
 
     def response(self, status: int, body: bytes) -> dict[str, Any]:

@@ -18,13 +18,13 @@ import orjson
 
 from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage
 from extproc.adapters.loss import LossTable, Support, losses
-from extproc.chat import TOP_LEVEL
+from extproc.chat import CONTRACT_FIELDS
 from extproc.contract import ErrorCode
 
 S = Support
 VLLM_ONLY = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
              "spaces_between_special_tokens", "include_stop_str_in_output")
-VLLM_TABLE: LossTable = {name: S.SUPPORTED for name in TOP_LEVEL}
+VLLM_TABLE: LossTable = {name: S.SUPPORTED for name in CONTRACT_FIELDS}
 HOSTED_TABLE: LossTable = {**VLLM_TABLE, **{name: S.UNSUPPORTED for name in VLLM_ONLY},
                            # the tenant's prefix-cache salt: hosted caches are per account (no salt)
                            "cache_salt": S.EMULATED}
@@ -40,22 +40,25 @@ class OpenAIAdapter:
     def table(self, kind: str) -> LossTable:
         return TABLES[kind]
 
+    def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
+        """The path and headers of every request to this target."""
+        headers = {"content-type": "application/json"}
+        if target.options.get("kind") == "azure":
+            deployment = quote(target.options.get("deployment", target.model), safe="")
+            version = quote(target.options.get("api_version", "2024-10-21"), safe="")
+            if target.credential:
+                headers["api-key"] = target.credential
+            return f"/openai/deployments/{deployment}/chat/completions?api-version={version}", headers
+        if target.credential:
+            headers["authorization"] = f"Bearer {target.credential}"
+        return "/v1/chat/completions", headers
+
     def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
-        kind = target.options.get("kind", "vllm")
-        lost = losses(body, TABLES[kind])
+        lost = losses(body, TABLES[target.options.get("kind", "vllm")])
         gone = {x.field for x in lost}
         native = {k: v for k, v in body.items() if k not in gone}
         native["model"] = target.model
-        headers = {"content-type": "application/json"}
-        path = "/v1/chat/completions"
-        if kind == "azure":
-            deployment = quote(target.options.get("deployment", target.model), safe="")
-            version = quote(target.options.get("api_version", "2024-10-21"), safe="")
-            path = f"/openai/deployments/{deployment}/chat/completions?api-version={version}"
-            if target.credential:
-                headers["api-key"] = target.credential
-        elif target.credential:
-            headers["authorization"] = f"Bearer {target.credential}"
+        path, headers = self.endpoint(target)
         return NativeRequest(path, headers, orjson.dumps(native), tuple(lost))
 
     def response(self, status: int, body: bytes) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from extproc.adapters import adapter_for
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
 from extproc.config.schema import ApiKey, Deployment, Evidence, GatewayConfig, KeysFile, Route
 
@@ -148,6 +149,10 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                  issues: list[ConfigIssue], warnings: list[str]) -> None:
     known_classes = set(gateway.data_classes)
     for rel, dep in deployments.values():
+        try:
+            adapter_for(dep.fingerprint.adapter)
+        except (KeyError, ValueError) as e:
+            issues.append(ConfigIssue(rel, "fingerprint.adapter", f"no such adapter: {e}"))
         if dep.pool is not None and dep.pool not in gateway.pools:
             issues.append(ConfigIssue(rel, "pool", f"no pool named {dep.pool!r} in gateway.yaml"))
         for dc in set(dep.data_classes) - known_classes:

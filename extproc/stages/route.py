@@ -22,13 +22,15 @@ from typing import Any
 
 import orjson
 
+from extproc.adapters import adapter_for
+from extproc.adapters.loss import Loss, Support, losses
 from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE, Candidate
+from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
-from extproc.fallback import composite_name, uses_attempt_filter
+from extproc.fallback import composite_name, translated, uses_attempt_filter
 from extproc.picker import Picker
 
 
@@ -100,6 +102,20 @@ def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set
     return failed
 
 
+def translation_check(dep: Deployment, body: dict[str, Any], stream: bool,
+                      mode: str) -> tuple[tuple[Loss, ...], set[str]]:
+    """What this candidate's adapter loses of the request, and why it cannot take it (invariant 13):
+    an unsupported field under `translation_loss: reject`; a stream to another API shape (the
+    translated stream path is not built yet)."""
+    lost = tuple(losses(body, adapter_for(dep.fingerprint.adapter).loss_table))
+    failed = set()
+    if mode == "reject" and any(x.support is Support.UNSUPPORTED for x in lost):
+        failed.add("translation_loss")
+    if stream and translated(dep):
+        failed.add("stream_translation")
+    return lost, failed
+
+
 class RouteSelection:
     name = "route"
 
@@ -116,8 +132,13 @@ class RouteSelection:
                                                              snap.gateway.limits.default_max_tokens))
         refused: dict[str, set[str]] = {}
         qualified: list[int] = []
+        lost: dict[str, tuple[Loss, ...]] = {}
         for i, cand in enumerate(route.candidates):
             failed = disqualifications(snap, cand, facts)
+            dep = snap.deployments.get(cand.deployment_name)
+            if dep is not None and not failed:
+                lost[dep.deployment], why = translation_check(dep, ex.body, ex.stream, route.translation_loss)
+                failed |= why
             if failed:
                 refused[cand.deployment_name] = failed
             else:
@@ -128,11 +149,16 @@ class RouteSelection:
                 raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                    "prompt and max_tokens exceed every eligible candidate's context window",
                                    "messages")
+            if all(f == {"translation_loss"} for f in refused.values()):
+                first = next(x for x in lost[route.candidates[0].deployment_name] if x.support is Support.UNSUPPORTED)
+                raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{first.field}` cannot be carried to this route's "
+                                   f"provider ({first.note or 'no equivalent'})", first.field)
             raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,
                                f"no candidate of route {route.route_contract!r} qualifies ({reasons})")
         if not route.fallback.enabled:
             qualified = qualified[:1]
         ex.candidates = tuple(snap.deployments[route.candidates[i].deployment_name] for i in qualified)
+        ex.translation_losses = {d.deployment: lost[d.deployment] for d in ex.candidates if lost.get(d.deployment)}
         dep = ex.deployment = ex.candidates[0]
         # Several qualified (or one that needs its credential): the composite cluster of exactly these,
         # tried in the route's order, behind the attempt filter.

@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 from extproc.config import Snapshot
 from extproc.config.schema import Pool
 from extproc.contract import METADATA_NAMESPACE
-from extproc.fallback import candidate_subsets, composite_name, sub_clusters
+from extproc.fallback import candidate_subsets, composite_name, needs_attempt_filter, sub_clusters
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from llmgw.render.common import duration_ms, is_ip, pack, socket_address
 from llmgw.render.filters import attempt_filter
@@ -84,13 +84,13 @@ def _composite_cluster(snap: Snapshot, name: str, sub_clusters: Iterable[str]) -
 def fallback_clusters(snap: Snapshot, known: set[str]) -> list[cluster_pb2.Cluster]:
     """For each route with several candidates: a composite cluster per ordered subset of them, so that
     whichever qualify for a request, its cluster holds exactly those. A route with fallback off sends
-    one candidate at most: only its credentialed candidates need one (alone)."""
+    one candidate at most: only its candidates that need the attempt filter need one (alone)."""
     composites: list[cluster_pb2.Cluster] = []
     for route in snap.routes.values():
         clusters = [snap.pool_of(snap.deployments[c.deployment_name]) if c.deployment_name in snap.deployments
                     else "" for c in route.candidates]
         credentialed = [i for i, c in enumerate(route.candidates)
-                        if (d := snap.deployments.get(c.deployment_name)) is not None and d.credential_ref]
+                        if (d := snap.deployments.get(c.deployment_name)) is not None and needs_attempt_filter(d)]
         for subset in candidate_subsets(len(clusters), credentialed):
             if len(subset) > 1 and not route.fallback.enabled:
                 continue

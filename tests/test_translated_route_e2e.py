@@ -1,0 +1,152 @@
+"""A route served by an Anthropic-shaped provider, through the real processes (issue 13): the openai
+SDK's request reaches the simulated provider as a Messages request with the deployment's key, and
+its answer comes back as a chat completion, metered at the provider's prices; a field the adapter
+cannot carry is refused (reject) or served and reported (report), never dropped silently."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from extproc.config import load_snapshot
+from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
+from tests.helpers import assert_contract_error, chat_body, request
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "claude-sim-1"
+PROVIDER_KEY = "sk-ant-provider-7c2e9a41"
+PRICES = {"version": "2026-12-a", "currency": "USD", "input_per_mtok": 3000000, "cached_input_per_mtok": 300000,
+          "output_per_mtok": 15000000}
+KEY = DEMO_KEYS["acme"]
+
+
+@pytest.fixture(scope="module")
+def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = Path(tmp_path_factory.mktemp("provider")) / "provider.log"
+    child = Child("anthropic-sim", python_module(
+        "enginesim", "--port", str(port), "--time-scale", "0.02", "--max-model-len", "8192", "--api", "anthropic",
+        "--served-model-name", MODEL), log, env={"ENGINESIM_API_KEY": PROVIDER_KEY}).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+    yield url
+    child.stop()
+
+
+def translated_policy(root: Path, provider: str) -> Path:
+    dst = root / "policy"
+    shutil.copytree(POLICY, dst)
+    (dst / "claude.key").write_text(PROVIDER_KEY)
+    dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
+    dep.pop("pool")
+    dep.update(deployment="claude-sim", served_model=MODEL, endpoints=[provider.removeprefix("http://")],
+               credential_ref="file:claude.key", context_window=8192, prices=PRICES)
+    dep["fingerprint"].update(adapter="anthropic@1", engine="anthropic-messages@2023-06-01",
+                              model_digest="sha256:" + "cd" * 32)
+    (dst / "deployments/claude-sim.yaml").write_text(yaml.safe_dump(dep))
+    ref = load_snapshot(dst).deployments["claude-sim"].ref
+    today = datetime.now(UTC).date()
+    for kind in ("conformance", "quality_gate"):
+        (dst / f"evidence/claude-sim-{kind}.yaml").write_text(yaml.safe_dump({
+            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
+            "expires_at": str(today + timedelta(days=30))}))
+    base = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
+    for name, mode in (("chat-anthropic", "reject"), ("chat-anthropic-report", "report")):
+        route = {**base, "route_contract": name, "translation_loss": mode,
+                 "candidates": [{**base["candidates"][0], "deployment_ref": ref, "adapter_ref": "anthropic@1"}]}
+        (dst / f"routes/{name}.yaml").write_text(yaml.safe_dump(route))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory, provider: str) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("translated")
+    s = start_stack(tmp / "state", translated_policy(tmp, provider))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean(provider: str) -> None:
+    request(f"{provider}/admin/requests", "DELETE")
+    request(f"{provider}/admin/faults", "DELETE")
+
+
+def received(provider: str) -> list[dict[str, Any]]:
+    return list(request(f"{provider}/admin/requests").json())
+
+
+def chat(stack: Stack, route: str, **extra: Any) -> Any:
+    return request(f"{stack.url}/v1/chat/completions", "POST", chat_body(route, max_tokens=6, **extra),
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+
+
+def test_the_openai_sdk_is_answered_by_the_anthropic_provider(gw: Stack, provider: str) -> None:
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="chat-anthropic", max_tokens=6, messages=[{"role": "system", "content": "be brief"},
+                                                        {"role": "user", "content": "hello provider"}])
+    out = raw.parse()
+    assert out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage is not None and 0 < out.usage.completion_tokens <= 6
+    assert raw.headers["x-llmgw-deployment"] == "claude-sim"
+    (sent,) = received(provider)
+    assert sent["status"] == 200 and sent["model"] == MODEL and sent["max_tokens"] == 6
+    assert sent["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hello provider"}]}]
+    assert sent["api_key_present"] and KEY not in str(sent)  # the deployment's key, never the client's
+    entry = ledger_of(gw, raw.headers["x-request-id"], "acme")
+    assert entry["price_version"] == PRICES["version"] and entry["usage"]["completion_tokens"] == \
+        out.usage.completion_tokens
+    expected = (out.usage.prompt_tokens * PRICES["input_per_mtok"]
+                + out.usage.completion_tokens * PRICES["output_per_mtok"]) // 1_000_000
+    assert abs(entry["charged_micros"] - expected) <= 1
+
+
+def test_a_transformed_field_is_carried_and_reported(gw: Stack, provider: str) -> None:
+    r = chat(gw, "chat-anthropic", stop=["zzz-never"], temperature=1.5)
+    assert r.status == 200, r.body
+    assert r.headers["x-llmgw-translation-loss"] == "stop (transformed), temperature (transformed)"
+    (sent,) = received(provider)
+    assert sent["status"] == 200
+
+
+def test_an_unsupported_field_is_refused_under_reject_and_never_sent(gw: Stack, provider: str) -> None:
+    r = chat(gw, "chat-anthropic", seed=7)
+    err = assert_contract_error(r, 400, "unsupported_field")
+    assert err["param"] == "seed"
+    assert received(provider) == []
+
+
+def test_an_unsupported_field_is_served_and_reported_under_report(gw: Stack, provider: str) -> None:
+    r = chat(gw, "chat-anthropic-report", seed=7, logprobs=True)
+    assert r.status == 200, r.body
+    assert r.headers["x-llmgw-translation-loss"] == "seed (unsupported), logprobs (unsupported)"
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    (attempt,) = entry["attempts"]
+    assert attempt["deployment"] == "claude-sim"
+    assert attempt["translation_loss"] == ["seed (unsupported)", "logprobs (unsupported)"]
+    (sent,) = received(provider)
+    assert "seed" not in str(sent)
+
+
+def test_the_providers_overload_is_the_contracts_error(gw: Stack, provider: str) -> None:
+    request(f"{provider}/admin/faults", "POST", {"fault": "status=529", "count": 1})
+    r = chat(gw, "chat-anthropic")
+    assert_contract_error(r, 502, "upstream_error")
+
+
+def test_a_stream_to_another_shape_is_not_routed_yet(gw: Stack, provider: str) -> None:
+    r = chat(gw, "chat-anthropic", stream=True)
+    err = assert_contract_error(r, 503, "no_qualified_route")
+    assert "stream_translation" in err["message"]
+    assert received(provider) == []
