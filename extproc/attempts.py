@@ -34,7 +34,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.adapters import adapter_for
-from extproc.adapters.base import Adapter, Target, UpstreamBroken
+from extproc.adapters.base import Adapter, StreamTranslator, Target, UpstreamBroken
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
@@ -46,21 +46,25 @@ from extproc.replies import overwrite_header, refuse_attempt
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import ANSWERED_BY
 from extproc.store import Store, StoreUnavailable
+from extproc.streams import interrupted_event
 
 log = logging.getLogger("llmgw.attempts")
 _errors = RateLimitedLog(log)
 HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE}']['cluster']"
 PLAN = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN}']"  # the request's, set by the decision
 LOSSES = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.LOSSES}']"  # the same, per candidate
-ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, "request.id")
+PLAN_STREAM = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN_STREAM}']"
+ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, PLAN_STREAM, "request.id")
 TRANSLATION_LOSS_HEADER = "x-llmgw-translation-loss"
 _PM = processing_mode_pb2.ProcessingMode
 # The mode an attempt switches to when its body needs no rewrite (the renderer allows exactly this one).
 ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,
                         "response_header_mode": _PM.SEND, "response_body_mode": _PM.NONE,
                         "request_trailer_mode": _PM.SKIP, "response_trailer_mode": _PM.SKIP}
-# The mode of an attempt to a candidate of another API shape: its answer comes back through ext_proc.
+# The modes of an attempt to a candidate of another API shape: its answer comes back through ext_proc,
+# whole (JSON) or chunk by chunk (a stream).
 ATTEMPT_TRANSLATED = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": _PM.BUFFERED, "response_body_mode": _PM.BUFFERED}
+ATTEMPT_TRANSLATED_STREAM = {**ATTEMPT_TRANSLATED, "response_body_mode": _PM.STREAMED}
 
 
 def choose_candidate(snap: Snapshot, plan: list[str], attempt: int, host_cluster: str) -> int:
@@ -130,8 +134,7 @@ class AttemptFilter:
                 if reply is None:
                     return
                 yield reply
-                if req.WhichOneof("request") == "response_body" or (
-                        req.WhichOneof("request") == "response_headers" and state.adapter is None):
+                if state.done(req):
                     return
         finally:
             # An attempt that ended without response headers (timeout, reset, connect failure) is
@@ -156,6 +159,18 @@ class _Attempt:
     target: Target | None = None
     losses: str = ""  # what the candidate's adapter changes or loses of the request (its header)
     status: int = 0
+    streaming: bool = False  # the plan's answer is a stream
+    stream: StreamTranslator | None = None  # a streamed answer's translator, once its headers came
+    broken: bool = False  # the translated stream broke: nothing more goes to the client
+
+    def done(self, req: ep.ProcessingRequest) -> bool:
+        """Whether this attempt's filter has nothing more to do after answering req."""
+        kind = req.WhichOneof("request")
+        if kind == "response_headers":
+            return self.adapter is None
+        if kind == "response_body":
+            return self.stream is None or req.response_body.end_of_stream
+        return False
 
     def answer(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse | None:
         kind = req.WhichOneof("request")
@@ -179,8 +194,13 @@ class _Attempt:
                 mutation.set_headers.append(overwrite_header(TRANSLATION_LOSS_HEADER, self.losses))
             if self.adapter is not None and 200 <= self.status < 300:
                 mutation.remove_headers.append("content-length")  # the translated answer has its own
+                if self.streaming:
+                    self.stream = self.adapter.stream(include_usage=True)  # the gateway meters from it
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
                 header_mutation=mutation)))
+        if kind == "response_body" and self.adapter is not None and self.stream is not None:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(body=self._translate_chunk(req.response_body)))))
         if kind == "response_body" and self.adapter is not None:
             common = ep.CommonResponse()
             if 200 <= self.status < 300:
@@ -192,6 +212,20 @@ class _Attempt:
             return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
         _errors.warning("attempt filter: unexpected message %s", kind)
         return None
+
+    def _translate_chunk(self, body: ep.HttpBody) -> bytes:
+        """One chunk of the provider's stream as internal SSE. A broken stream ends with the contract's
+        `stream_interrupted` event, and nothing after it reaches the client."""
+        if self.broken or self.stream is None:
+            return b""
+        try:
+            out = self.stream.feed(body.body)
+            if body.end_of_stream:
+                out += self.stream.finish()
+        except UpstreamBroken as e:
+            self.broken = True
+            return b"".join(e.partial) + interrupted_event(f"the provider's stream broke: {e}")
+        return b"".join(out)
 
     def _request_headers(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse:
         snap = self.snap
@@ -230,7 +264,8 @@ class _Attempt:
         reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=mutation)))
         if self.adapter is not None:
-            reply.mode_override.CopyFrom(_PM(**ATTEMPT_TRANSLATED))
+            self.streaming = attr(attrs, PLAN_STREAM) == "1"
+            reply.mode_override.CopyFrom(_PM(**(ATTEMPT_TRANSLATED_STREAM if self.streaming else ATTEMPT_TRANSLATED)))
             return reply
         first_candidate = snap.deployments.get(plan[0])
         if first_candidate is not None and first_candidate.served_model == dep.served_model:

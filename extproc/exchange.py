@@ -134,6 +134,8 @@ class Exchange:
         if uses_attempt_filter(self.candidates) and self.identity is not None:
             # Read by the upstream filter of each attempt (extproc/attempts.py).
             md[Key.PLAN] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
+            if self.stream:
+                md[Key.PLAN_STREAM] = "1"
             if self.translation_losses:
                 md[Key.LOSSES] = orjson.dumps({d: ", ".join(map(str, x)) for d, x in self.translation_losses.items()
                                                }).decode()

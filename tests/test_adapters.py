@@ -277,3 +277,12 @@ def test_the_readme_shows_the_loss_table_as_the_adapters_declare_it() -> None:
 
     assert loss_table() in (Path(__file__).parents[1] / "README.md").read_text(), \
         "run: llmgw adapters loss-table, and paste it into the README"
+
+
+def test_what_came_before_a_break_in_the_same_chunk_is_kept() -> None:
+    chunk = STREAM[: STREAM.index(b"event: content_block_stop")] + events(
+        {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
+    with pytest.raises(UpstreamBroken) as e:
+        ANTHROPIC.stream().feed(chunk)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks_of(e.value.partial) if c != "[DONE]")
+    assert text == "Checking now."

@@ -5,6 +5,7 @@ cannot carry is refused (reject) or served and reported (report), never dropped 
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -145,8 +146,37 @@ def test_the_providers_overload_is_the_contracts_error(gw: Stack, provider: str)
     assert_contract_error(r, 502, "upstream_error")
 
 
-def test_a_stream_to_another_shape_is_not_routed_yet(gw: Stack, provider: str) -> None:
+def test_a_stream_from_the_provider_reaches_the_sdk_as_chat_chunks_and_is_metered(gw: Stack, provider: str) -> None:
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="chat-anthropic", max_tokens=6, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "stream from the provider"}])
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    (sent,) = received(provider)
+    assert sent["stream"] is True and sent["status"] == 200
+    entry = ledger_of(gw, raw.headers["x-request-id"], "acme")
+    assert entry["termination"] == "complete" and entry["usage"]["completion_tokens"] == 6
+    assert entry["price_version"] == PRICES["version"]
+
+
+def test_a_stream_is_metered_even_when_the_client_did_not_ask_for_usage(gw: Stack) -> None:
     r = chat(gw, "chat-anthropic", stream=True)
-    err = assert_contract_error(r, 503, "no_qualified_route")
-    assert "stream_translation" in err["message"]
-    assert received(provider) == []
+    assert r.status == 200 and b'"usage"' not in r.body and r.body.rstrip().endswith(b"data: [DONE]")
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["usage"]["completion_tokens"] == 6 and entry["settlement"] == "actual"
+
+
+def test_a_provider_error_mid_stream_interrupts_the_clients_stream(gw: Stack, provider: str) -> None:
+    request(f"{provider}/admin/faults", "POST", {"fault": "error_after=2", "count": 1})
+    r = chat(gw, "chat-anthropic", stream=True)
+    assert r.status == 200
+    events = [e for e in r.body.decode().split("\n\n") if e.strip()]
+    assert '"stream_interrupted"' in events[-1] and "[DONE]" not in r.body.decode()
+    contents = [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events[:-1]
+                if json.loads(e[6:]).get("choices")]
+    assert len([c for c in contents if c]) == 2  # the two deltas sent before the provider's error
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["termination"] != "complete"

@@ -311,7 +311,9 @@ class AnthropicStream:
             for data in self.reader.feed(chunk):
                 out.extend(self._event(data))
         except MalformedStream as e:
-            raise UpstreamBroken(str(e)) from None
+            raise UpstreamBroken(str(e), out) from None
+        except UpstreamBroken as e:
+            raise UpstreamBroken(str(e), out) from None
         return out
 
     def _event(self, data: str) -> list[bytes]:

@@ -15,7 +15,12 @@ from extproc.contract import ErrorCode
 
 class UpstreamBroken(Exception):
     """A native answer or stream that does not follow its shape: 502 before the first byte,
-    `stream_interrupted` after it."""
+    `stream_interrupted` after it. `partial`: what a stream translator made of the events before the
+    break in the same chunk (they reach the client before the interruption)."""
+
+    def __init__(self, message: str, partial: list[bytes] | None = None):
+        super().__init__(message)
+        self.partial = partial or []
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from extproc.config import Snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
-from extproc.fallback import composite_name, translated, uses_attempt_filter
+from extproc.fallback import composite_name, uses_attempt_filter
 from extproc.picker import Picker
 
 
@@ -102,18 +102,12 @@ def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set
     return failed
 
 
-def translation_check(dep: Deployment, body: dict[str, Any], stream: bool,
-                      mode: str) -> tuple[tuple[Loss, ...], set[str]]:
-    """What this candidate's adapter loses of the request, and why it cannot take it (invariant 13):
-    an unsupported field under `translation_loss: reject`; a stream to another API shape (the
-    translated stream path is not built yet)."""
+def translation_check(dep: Deployment, body: dict[str, Any], mode: str) -> tuple[tuple[Loss, ...], set[str]]:
+    """What this candidate's adapter loses of the request, and whether that disqualifies it
+    (invariant 13): an unsupported field under `translation_loss: reject`."""
     lost = tuple(losses(body, adapter_for(dep.fingerprint.adapter).loss_table))
-    failed = set()
-    if mode == "reject" and any(x.support is Support.UNSUPPORTED for x in lost):
-        failed.add("translation_loss")
-    if stream and translated(dep):
-        failed.add("stream_translation")
-    return lost, failed
+    return lost, {"translation_loss"} if mode == "reject" and any(x.support is Support.UNSUPPORTED for x in lost) \
+        else set()
 
 
 class RouteSelection:
@@ -137,7 +131,7 @@ class RouteSelection:
             failed = disqualifications(snap, cand, facts)
             dep = snap.deployments.get(cand.deployment_name)
             if dep is not None and not failed:
-                lost[dep.deployment], why = translation_check(dep, ex.body, ex.stream, route.translation_loss)
+                lost[dep.deployment], why = translation_check(dep, ex.body, route.translation_loss)
                 failed |= why
             if failed:
                 refused[cand.deployment_name] = failed

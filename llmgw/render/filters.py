@@ -21,7 +21,7 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
-from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_TRANSLATED, ATTEMPT_WITHOUT_BODY
+from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_TRANSLATED, ATTEMPT_TRANSLATED_STREAM, ATTEMPT_WITHOUT_BODY
 from extproc.config import Snapshot
 from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, Role
 from extproc.names import INTERRUPTED, Key, Settle
@@ -309,8 +309,8 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
         # body message: the headers reply overrides the mode to this one.
         allow_mode_override=True,
         # One to another API shape has its answer translated: the response body comes through too.
-        allowed_override_modes=[processing_mode_pb2.ProcessingMode(**ATTEMPT_WITHOUT_BODY),
-                                processing_mode_pb2.ProcessingMode(**ATTEMPT_TRANSLATED)],
+        allowed_override_modes=[processing_mode_pb2.ProcessingMode(**mode) for mode in (
+            ATTEMPT_WITHOUT_BODY, ATTEMPT_TRANSLATED, ATTEMPT_TRANSLATED_STREAM)],
         request_attributes=list(ATTEMPT_ATTRIBUTES),
         message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
     )
