@@ -56,6 +56,7 @@ LOSSES = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.LOSSES}']"  # 
 PLAN_STREAM = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN_STREAM}']"
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, PLAN_STREAM, "request.id")
 TRANSLATION_LOSS_HEADER = "x-llmgw-translation-loss"
+KEEPALIVE = b":\n\n"  # an SSE comment
 _PM = processing_mode_pb2.ProcessingMode
 # The mode an attempt switches to when its body needs no rewrite (the renderer allows exactly this one).
 ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,
@@ -225,7 +226,10 @@ class _Attempt:
         except UpstreamBroken as e:
             self.broken = True
             return b"".join(e.partial) + interrupted_event(f"the provider's stream broke: {e}")
-        return b"".join(out)
+        # A chunk that completed no event (a ping, a block's end, half an event) must not reach the
+        # client's side empty: Envoy's Lua stream guard reads an empty chunk as the stream's end. An SSE
+        # comment is an event every client ignores.
+        return b"".join(out) or (b"" if body.end_of_stream else KEEPALIVE)
 
     def _request_headers(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse:
         snap = self.snap

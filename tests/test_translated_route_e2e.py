@@ -62,10 +62,15 @@ def translated_policy(root: Path, provider: str) -> Path:
             "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
             "expires_at": str(today + timedelta(days=30))}))
     base = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
+    claude = {**base["candidates"][0], "deployment_ref": ref, "adapter_ref": "anthropic@1"}
     for name, mode in (("chat-anthropic", "reject"), ("chat-anthropic-report", "report")):
-        route = {**base, "route_contract": name, "translation_loss": mode,
-                 "candidates": [{**base["candidates"][0], "deployment_ref": ref, "adapter_ref": "anthropic@1"}]}
+        route = {**base, "route_contract": name, "translation_loss": mode, "candidates": [claude]}
         (dst / f"routes/{name}.yaml").write_text(yaml.safe_dump(route))
+    # The pool first, the provider second: a fallback that crosses API shapes.
+    cross = {**base, "route_contract": "chat-cross", "candidates": [base["candidates"][0], claude],
+             "retry": {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable"],
+                       "requires": "read_only_or_idempotency_key"}}
+    (dst / "routes/chat-cross.yaml").write_text(yaml.safe_dump(cross))
     return dst
 
 
@@ -169,6 +174,18 @@ def test_a_stream_is_metered_even_when_the_client_did_not_ask_for_usage(gw: Stac
     assert entry["usage"]["completion_tokens"] == 6 and entry["settlement"] == "actual"
 
 
+def test_chunks_that_complete_no_event_never_end_the_clients_stream(gw: Stack, provider: str) -> None:
+    """A provider's chunk may hold only a ping, a block's end or half an event: its translation is
+    empty, and an empty chunk would read as the stream's end to Envoy's stream guard (before the fix,
+    about 1 stream in 13 ended `unfinished` or leaked the withheld usage chunk; most often on a new
+    upstream connection, so each stream here follows an error answer that closes the last one)."""
+    for _ in range(40):
+        request(f"{provider}/admin/faults", "POST", {"fault": "status=529", "count": 1})
+        chat(gw, "chat-anthropic")
+        r = chat(gw, "chat-anthropic", stream=True)
+        assert r.body.rstrip().endswith(b"data: [DONE]") and b'"usage"' not in r.body, r.body[-300:]
+
+
 def test_a_provider_error_mid_stream_interrupts_the_clients_stream(gw: Stack, provider: str) -> None:
     request(f"{provider}/admin/faults", "POST", {"fault": "error_after=2", "count": 1})
     r = chat(gw, "chat-anthropic", stream=True)
@@ -180,3 +197,40 @@ def test_a_provider_error_mid_stream_interrupts_the_clients_stream(gw: Stack, pr
     assert len([c for c in contents if c]) == 2  # the two deltas sent before the provider's error
     entry = ledger_of(gw, r.headers["x-request-id"], "acme")
     assert entry["termination"] != "complete"
+
+
+def test_the_pool_failing_before_its_first_byte_falls_back_across_shapes(gw: Stack, provider: str) -> None:
+    for url in gw.engine_urls():
+        request(f"{url}/admin/faults", "POST", {"fault": "status=503", "count": 1})
+    try:
+        r = chat(gw, "chat-cross", content="cross-shape fallback")
+    finally:
+        for url in gw.engine_urls():
+            request(f"{url}/admin/faults", "DELETE")
+    assert r.status == 200, r.body
+    assert (r.headers["x-llmgw-attempts"], r.headers["x-llmgw-deployment"]) == ("2", "claude-sim")
+    assert r.json()["object"] == "chat.completion" and r.json()["choices"][0]["message"]["content"]
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    first, second = entry["attempts"]
+    assert (first["deployment"], first["status"], first["kind"]) == ("pool-llama-8b", 503, "first")
+    assert (second["deployment"], second["kind"], second["adapter"]) == ("claude-sim", "model_fallback", "anthropic@1")
+    usage = entry["usage"]
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    expected = ((usage["prompt_tokens"] - cached) * PRICES["input_per_mtok"] + cached * PRICES["cached_input_per_mtok"]
+                + usage["completion_tokens"] * PRICES["output_per_mtok"]) // 1_000_000
+    assert entry["price_version"] == PRICES["version"] and abs(entry["charged_micros"] - expected) <= 1
+
+
+def test_a_field_the_provider_cannot_carry_keeps_the_fallback_to_the_pool(gw: Stack, provider: str) -> None:
+    """Invariant 13: under reject, a candidate that would lose a field the primary carries is not
+    policy-equivalent, so it is not in the plan: the pool answers (its retry, or its 503), never the
+    provider."""
+    for url in gw.engine_urls():
+        request(f"{url}/admin/faults", "POST", {"fault": "status=503", "count": 1})
+    try:
+        r = chat(gw, "chat-cross", content="seeded", seed=11)
+    finally:
+        for url in gw.engine_urls():
+            request(f"{url}/admin/faults", "DELETE")
+    assert received(provider) == []
+    assert r.status == 502 or r.headers.get("x-llmgw-deployment") == "pool-llama-8b", (r.status, r.headers)
