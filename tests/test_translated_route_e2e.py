@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from extproc.config import load_snapshot
+from llmgw.bench_translated import PROVIDER_MODEL, PROVIDER_PRICES, add_anthropic_route, add_route_of
 from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
@@ -24,10 +23,9 @@ from tests.helpers import assert_contract_error, chat_body, request
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "claude-sim-1"
+MODEL = PROVIDER_MODEL
 PROVIDER_KEY = "sk-ant-provider-7c2e9a41"
-PRICES = {"version": "2026-12-a", "currency": "USD", "input_per_mtok": 3000000, "cached_input_per_mtok": 300000,
-          "output_per_mtok": 15000000}
+PRICES = PROVIDER_PRICES
 KEY = DEMO_KEYS["acme"]
 
 
@@ -47,29 +45,13 @@ def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def translated_policy(root: Path, provider: str) -> Path:
     dst = root / "policy"
     shutil.copytree(POLICY, dst)
-    (dst / "claude.key").write_text(PROVIDER_KEY)
-    dep = yaml.safe_load((dst / "deployments/pool-llama-8b.yaml").read_text())
-    dep.pop("pool")
-    dep.update(deployment="claude-sim", served_model=MODEL, endpoints=[provider.removeprefix("http://")],
-               credential_ref="file:claude.key", context_window=8192, prices=PRICES)
-    dep["fingerprint"].update(adapter="anthropic@1", engine="anthropic-messages@2023-06-01",
-                              model_digest="sha256:" + "cd" * 32)
-    (dst / "deployments/claude-sim.yaml").write_text(yaml.safe_dump(dep))
-    ref = load_snapshot(dst).deployments["claude-sim"].ref
-    today = datetime.now(UTC).date()
-    for kind in ("conformance", "quality_gate"):
-        (dst / f"evidence/claude-sim-{kind}.yaml").write_text(yaml.safe_dump({
-            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
-            "expires_at": str(today + timedelta(days=30))}))
-    base = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
-    claude = {**base["candidates"][0], "deployment_ref": ref, "adapter_ref": "anthropic@1"}
-    for name, mode in (("chat-anthropic", "reject"), ("chat-anthropic-report", "report")):
-        route = {**base, "route_contract": name, "translation_loss": mode, "candidates": [claude]}
-        (dst / f"routes/{name}.yaml").write_text(yaml.safe_dump(route))
+    ref = add_anthropic_route(dst, provider.removeprefix("http://"), PROVIDER_KEY)
+    add_route_of(dst, "chat-anthropic-report", ref, "report")
     # The pool first, the provider second: a fallback that crosses API shapes.
-    cross = {**base, "route_contract": "chat-cross", "candidates": [base["candidates"][0], claude],
-             "retry": {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable"],
-                       "requires": "read_only_or_idempotency_key"}}
+    add_route_of(dst, "chat-cross", ref, first=False)
+    cross = yaml.safe_load((dst / "routes/chat-cross.yaml").read_text())
+    cross["retry"] = {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable"],
+                      "requires": "read_only_or_idempotency_key"}
     (dst / "routes/chat-cross.yaml").write_text(yaml.safe_dump(cross))
     return dst
 

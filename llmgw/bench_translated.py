@@ -1,0 +1,180 @@
+"""`llmgw bench translated`: what translating to another API shape costs. One simulated engine serves
+both APIs on one core (`enginesim --api anthropic`: OpenAI's chat completions and Anthropic's
+Messages), one gateway in front of it with two routes to it - `chat-default` through the pool (the
+OpenAI shape, no translation) and `chat-anthropic` through an Anthropic-shaped deployment (the
+attempt filter translates the request, the answer and the stream). Both budgeted, same request.
+
+- JSON at concurrency 1, wrk in alternating rounds: p50 and CPU per request by process.
+- Streams: the same streams on each route (one event per token); ext_proc CPU per streamed chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.config import load_snapshot
+from llmgw.bench import WRK_LUA, Result, demo_policy, report, run_wrk
+from llmgw.procs import Child, cpu_seconds, free_port, http_ok, python_module, wait_until
+from llmgw.stack import Stack, StackOptions, gateway_processes
+
+PROVIDER_MODEL = "claude-sim-1"
+PROVIDER_PRICES = {"version": "2026-12-a", "currency": "USD", "input_per_mtok": 3000000,
+                   "cached_input_per_mtok": 300000, "output_per_mtok": 15000000}
+
+
+def add_anthropic_route(policy: Path, endpoint: str, key: str, route: str = "chat-anthropic",
+                        mode: str = "reject") -> str:
+    """A deployment of an Anthropic-shaped provider at `endpoint` (the pool deployment's copy with
+    `adapter: anthropic@1`, its key in `claude.key`), passing evidence from today, and a route of it
+    alone. Returns the deployment's reference. (The benchmark and the tests build on it.)"""
+    (policy / "claude.key").write_text(key)
+    dep = yaml.safe_load((policy / "deployments/pool-llama-8b.yaml").read_text())
+    dep.pop("pool")
+    dep.update(deployment="claude-sim", served_model=PROVIDER_MODEL, endpoints=[endpoint],
+               credential_ref="file:claude.key", context_window=8192, prices=PROVIDER_PRICES)
+    dep["fingerprint"].update(adapter="anthropic@1", engine="anthropic-messages@2023-06-01",
+                              model_digest="sha256:" + "cd" * 32)
+    (policy / "deployments/claude-sim.yaml").write_text(yaml.safe_dump(dep))
+    ref: str = load_snapshot(policy).deployments["claude-sim"].ref
+    today = datetime.now(UTC).date()
+    for kind in ("conformance", "quality_gate"):
+        (policy / f"evidence/claude-sim-{kind}.yaml").write_text(yaml.safe_dump({
+            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
+            "expires_at": str(today + timedelta(days=30))}))
+    add_route_of(policy, route, ref, mode)
+    return ref
+
+
+def add_route_of(policy: Path, route: str, ref: str, mode: str = "reject", first: bool = True) -> None:
+    """A copy of chat-default named `route`, with the deployment `ref` as its only candidate (or, with
+    first=False, after the pool's)."""
+    base = yaml.safe_load((policy / "routes/chat-default.yaml").read_text())
+    cand = {**base["candidates"][0], "deployment_ref": ref, "adapter_ref": "anthropic@1"}
+    doc = {**base, "route_contract": route, "translation_loss": mode,
+           "candidates": [cand] if first else [base["candidates"][0], cand]}
+    (policy / f"routes/{route}.yaml").write_text(yaml.safe_dump(doc))
+
+
+def _stream_chunks(url: str, key: str, model: str, tokens: int) -> int:
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=60)
+    body = json.dumps({"model": model, "max_tokens": tokens, "stream": True, "temperature": 0.5,
+                       "messages": [{"role": "user", "content": "stream for the benchmark"}]})
+    conn.request("POST", "/v1/chat/completions", body, {"authorization": f"Bearer {key}",
+                                                        "content-type": "application/json"})
+    data = conn.getresponse().read()
+    conn.close()
+    return data.count(b"data: ") - 1  # every chunk but [DONE]
+
+
+def run_translated_bench(args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-translated-"))
+    port = free_port()
+    provider_key = "sk-bench-provider"
+    sim = Child("engine", python_module("enginesim", "--port", str(port), "--time-scale", str(args.time_scale),
+                                        "--api", "anthropic", "--served-model-name", PROVIDER_MODEL),
+                work / "engine.log", env={"ENGINESIM_API_KEY": provider_key}).start()
+    stack: Stack | None = None
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "enginesim", sim)
+        config, keys = demo_policy(Path(args.config).resolve(), work / "policy")
+        # The pool's model is the provider's too: one engine answers both shapes.
+        dep_path = config / "deployments/pool-llama-8b.yaml"
+        dep = yaml.safe_load(dep_path.read_text())
+        dep["served_model"] = PROVIDER_MODEL
+        dep_path.write_text(yaml.safe_dump(dep))
+        ref = load_snapshot(config).deployments["pool-llama-8b"].ref
+        route_path = config / "routes/chat-default.yaml"
+        route = yaml.safe_load(route_path.read_text())
+        route["candidates"][0]["deployment_ref"] = ref
+        route_path.write_text(yaml.safe_dump(route))
+        for kind in ("conformance", "quality-gate"):
+            ev_path = config / f"evidence/pool-llama-8b-{kind}.yaml"
+            ev = yaml.safe_load(ev_path.read_text())
+            ev["deployment_ref"] = ref
+            ev_path.write_text(yaml.safe_dump(ev))
+        add_anthropic_route(config, f"127.0.0.1:{port}", provider_key)
+        snap = load_snapshot(config)
+        opts = StackOptions.on_free_ports(config, work / "gw", snap, start_engines=False, envoy_concurrency=1,
+                                          workers=1)
+        opts.engine_ports = {p: (port,) for p in snap.gateway.pools}
+        stack = Stack(opts).start()
+        key = keys["acme"]
+        url = f"{stack.url}/v1/chat/completions"
+        routes = {"pool (OpenAI shape)": "chat-default", "anthropic (translated)": "chat-anthropic"}
+        scripts = {}
+        for name, model in routes.items():
+            body = json.dumps({"model": model, "max_tokens": 8, "temperature": 0.5,
+                               "messages": [{"role": "user", "content": "hello from the benchmark"}]})
+            scripts[name] = work / f"{model}.lua"
+            scripts[name].write_text(WRK_LUA.format(body=body, key=key))
+        json_rows: dict[str, list[Result]] = {n: [] for n in routes}
+        json_cpu: dict[str, float] = dict.fromkeys(routes, 0.0)
+        served: dict[str, float] = dict.fromkeys(routes, 0.0)
+        for name in routes:
+            run_wrk(url, scripts[name], 1, 2)  # warm-up
+        for _ in range(args.rounds):
+            for name in routes:
+                before = cpu_seconds(gateway_processes(stack))
+                r = run_wrk(url, scripts[name], 1, args.duration / args.rounds)
+                after = cpu_seconds(gateway_processes(stack))
+                json_rows[name].append(r)
+                json_cpu[name] += after["ext_proc"] - before["ext_proc"]
+                served[name] += r.rps * max(1, round(args.duration / args.rounds))
+        stream_cpu: dict[str, float] = {}
+        chunks: dict[str, int] = {}
+        for name, model in routes.items():
+            _stream_chunks(url, key, model, 4)  # warm-up
+            before = cpu_seconds(gateway_processes(stack))
+            got: list[int] = []
+
+            def one(m: str = model, into: list[int] = got) -> None:
+                into.append(_stream_chunks(url, key, m, args.tokens))
+            threads = [threading.Thread(target=one) for _ in range(args.streams)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            after = cpu_seconds(gateway_processes(stack))
+            chunks[name] = sum(got)
+            stream_cpu[name] = after["ext_proc"] - before["ext_proc"]
+    finally:
+        if stack is not None:
+            stack.stop()
+        sim.stop()
+    base = statistics.median(r.p50_ms for r in json_rows["pool (OpenAI shape)"])
+    lines = ["| route | p50 ms (c=1) | p50 over the pool | ext_proc CPU us/request | streamed chunks | "
+             "ext_proc CPU us/chunk |", "|---|---|---|---|---|---|"]
+    for name in routes:
+        p50 = statistics.median(r.p50_ms for r in json_rows[name])
+        lines.append(f"| {name} | {p50:.3f} | {p50 - base:+.3f} | {json_cpu[name] / max(served[name], 1) * 1e6:.0f} "
+                     f"| {chunks[name]} | {stream_cpu[name] / max(chunks[name], 1) * 1e6:.1f} |")
+    note = (f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; JSON: {args.rounds} alternating rounds of "
+            f"{args.duration / args.rounds:.0f}s at concurrency 1; streams: {args.streams} at once of {args.tokens} "
+            f"tokens per route; engine time scale {args.time_scale}; one ext_proc worker.\n")
+    return report("\n".join(lines) + "\n" + note, args.output)
+
+
+def add_parser(bsub: Any) -> None:
+    b = bsub.add_parser("translated", help="a route through an Anthropic-shaped provider against the pool")
+    b.add_argument("--config", default="policy")
+    b.add_argument("--duration", type=float, default=12.0)
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--streams", type=int, default=8)
+    b.add_argument("--tokens", type=int, default=128)
+    b.add_argument("--time-scale", type=float, default=0.05)
+    b.add_argument("--output")
+    b.set_defaults(func=run_translated_bench)
