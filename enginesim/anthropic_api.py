@@ -21,15 +21,13 @@ import json
 import re
 import uuid
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from enginesim.engine import Sequence
+from enginesim.server import EngineServer, Fault, stream_fault
 from enginesim.tokenizer import TextSampler, apply_chat_template
-
-if TYPE_CHECKING:
-    from enginesim.server import EngineServer, Fault
 
 VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")  # `anthropic-version`: a dated API version
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -174,15 +172,8 @@ class MessagesFrontEnd:
         await send("ping", {})
         sent = 0
         while (idx := await seq.out.get()) is not None:
-            if fault.stall_after is not None and sent >= fault.stall_after:
-                await asyncio.sleep(3600)
-            if fault.disconnect_after is not None and sent >= fault.disconnect_after:
-                if request.transport is not None:
-                    request.transport.abort()
-                return resp
-            if fault.malformed_after is not None and sent >= fault.malformed_after:
-                await resp.write(b'event: content_block_delta\ndata: {"type": "content_block_delta", \n\n')
-                await resp.write_eof()
+            if await stream_fault(fault, sent, request, resp,
+                                  b'event: content_block_delta\ndata: {"type": "content_block_delta", \n\n'):
                 return resp
             if fault.error_after is not None and sent >= fault.error_after:
                 await send("error", {"error": {"type": "overloaded_error", "message": "Overloaded"}})

@@ -82,6 +82,23 @@ class Fault:
         return f
 
 
+async def stream_fault(fault: Fault, sent: int, request: web.Request, resp: web.StreamResponse,
+                       malformed: bytes) -> bool:
+    """The fault due after `sent` chunks of a stream: go silent (until the client or the gateway gives
+    up), drop the connection, or send `malformed` and end. True when the stream ended."""
+    if fault.stall_after is not None and sent >= fault.stall_after:
+        await asyncio.sleep(3600)
+    if fault.disconnect_after is not None and sent >= fault.disconnect_after:
+        if request.transport is not None:
+            request.transport.abort()
+        return True
+    if fault.malformed_after is not None and sent >= fault.malformed_after:
+        await resp.write(malformed)
+        await resp.write_eof()
+        return True
+    return False
+
+
 @dataclass
 class QueuedFault:
     fault: Fault
@@ -345,15 +362,7 @@ class EngineServer:
                 if idx is None:
                     running -= 1
                     continue
-                if fault.stall_after is not None and sent >= fault.stall_after:
-                    await asyncio.sleep(3600)  # silent until the client or the gateway gives up
-                if fault.disconnect_after is not None and sent >= fault.disconnect_after:
-                    if request.transport is not None:
-                        request.transport.abort()
-                    return resp
-                if fault.malformed_after is not None and sent >= fault.malformed_after:
-                    await resp.write(b'data: {"id": "broken", "choices": [\n\n')
-                    await resp.write_eof()
+                if await stream_fault(fault, sent, request, resp, b'data: {"id": "broken", "choices": [\n\n'):
                     return resp
                 seq = seqs[i]
                 done = seq.output_len >= seq.max_tokens or seq.output_len >= seq.natural_length
