@@ -216,3 +216,9 @@ def test_a_field_the_provider_cannot_carry_keeps_the_fallback_to_the_pool(gw: St
             request(f"{url}/admin/faults", "DELETE")
     assert received(provider) == []
     assert r.status == 502 or r.headers.get("x-llmgw-deployment") == "pool-llama-8b", (r.status, r.headers)
+
+
+def test_a_stream_the_provider_refuses_is_the_contracts_error(gw: Stack, provider: str) -> None:
+    request(f"{provider}/admin/faults", "POST", {"fault": "status=529", "count": 1})
+    r = chat(gw, "chat-anthropic", stream=True)
+    assert_contract_error(r, 502, "upstream_error")
