@@ -111,8 +111,6 @@ class MessagesFrontEnd:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         bad = self._check(request, body)
         entry = srv._log_request(rid, request, body if isinstance(body, dict) else {}, bad.status if bad else 200)
-        entry["headers"].pop("x-api-key", None)  # a credential: never in the request log
-        entry["api_key_present"] = "x-api-key" in request.headers or "Authorization" in request.headers
         if bad is not None:
             return bad
         if fault.status:

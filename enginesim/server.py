@@ -40,6 +40,7 @@ from enginesim.tokenizer import TextSampler, apply_chat_template, encode
 
 log = logging.getLogger("enginesim")
 FAULT_HEADER = "x-enginesim-fault"
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key")
 SYSTEM_FINGERPRINT = "vllm-0.32.0-enginesim"  # the vLLM release whose API this simulator follows
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
                  500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -295,12 +296,15 @@ class EngineServer:
     def _log_request(self, rid: str, request: web.Request, body: Any, status: int) -> dict[str, Any]:
         body = body if isinstance(body, dict) else {}
         self.requests.append({
-            "request_id": rid, "time": time.time(), "status": status, "model": body.get("model"),
+            "request_id": rid, "time": time.time(), "path": request.path_qs, "status": status,
+            "model": body.get("model"),
             "cache_salt": body.get("cache_salt"), "stream": bool(body.get("stream")),
             "messages": body.get("messages"), "max_tokens": body.get("max_tokens"),
             "stream_options": body.get("stream_options"),
-            "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() != "authorization"},
+            # Credentials are never logged: only whether one came.
+            "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() not in CREDENTIAL_HEADERS},
             "authorization_present": "Authorization" in request.headers,
+            "api_key_present": any(h in request.headers for h in CREDENTIAL_HEADERS),
         })
         return self.requests[-1]
 
@@ -383,6 +387,25 @@ class EngineServer:
         return resp
 
 
+class AzureFrontEnd:
+    """Azure OpenAI's deployment path on the same server: `POST /openai/deployments/{name}/chat/completions
+    ?api-version=...` with the key in `api-key` (401 in Azure's shape otherwise; 404 without an
+    api-version), answered as the OpenAI endpoint answers."""
+
+    def __init__(self, server: EngineServer, api_key: str | None):
+        self.server = server
+        self.api_key = api_key
+        server.app.router.add_post("/openai/deployments/{deployment}/chat/completions", self.chat)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        if self.api_key is not None and request.headers.get("api-key") != self.api_key:
+            return web.json_response({"error": {"code": "401", "message": "Access denied due to invalid subscription "
+                                                "key or wrong API endpoint."}}, status=401)
+        if not request.query.get("api-version"):
+            return web.json_response({"error": {"code": "404", "message": "Resource not found"}}, status=404)
+        return await self.server.chat(request)
+
+
 def build_engine(profile_name: str, time_scale: float, **overrides: Any) -> Engine:
     prof: EngineProfile = profile(profile_name, **{k: v for k, v in overrides.items() if v is not None})
     return Engine(prof, time_scale=time_scale)
@@ -400,9 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api", choices=["openai", "anthropic"], default="openai",
-                   help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py)")
-    p.add_argument("--api-key", help="(--api anthropic) the x-api-key the provider accepts; unset: any")
+    p.add_argument("--api", choices=["openai", "anthropic", "azure"], default="openai",
+                   help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py); "
+                        "azure: also serve Azure OpenAI's deployment path, with its api-key header")
+    p.add_argument("--api-key", help="(--api anthropic|azure) the key the provider accepts; unset: any")
     p.add_argument("--fault-header", action="store_true",
                    help=f"honour the {FAULT_HEADER} request header (the simulator's own tests; never behind a gateway)")
     args = p.parse_args(argv)
@@ -414,9 +438,12 @@ def main(argv: list[str] | None = None) -> None:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks_override=args.num_blocks_override)
     server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header)
+    key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
     if args.api == "anthropic":
         from enginesim.anthropic_api import MessagesFrontEnd
 
-        MessagesFrontEnd(server, os.environ.get("ENGINESIM_API_KEY") or args.api_key)
+        MessagesFrontEnd(server, key)
+    elif args.api == "azure":
+        AzureFrontEnd(server, key)
     # Like vLLM, a client that goes away aborts its request in the engine.
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)

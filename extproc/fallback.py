@@ -34,7 +34,11 @@ def needs_attempt_filter(dep: Deployment) -> bool:
 
 
 def translated(dep: Deployment) -> bool:
-    return dep.fingerprint.adapter.partition("@")[0] not in ("openai", "openai-compat")
+    """Whether the attempt filter speaks to this candidate through its adapter: another API shape, or
+    a hosted OpenAI-shaped one (OpenAI, Azure) whose path, key header or honoured fields differ from
+    the pool's."""
+    return (dep.fingerprint.adapter.partition("@")[0] not in ("openai", "openai-compat")
+            or dep.adapter_options.get("kind", "vllm") != "vllm")
 
 
 def candidate_subsets(n: int, credentialed: Collection[int] = ()) -> Iterator[tuple[int, ...]]:

@@ -306,3 +306,26 @@ def test_the_attempt_filter_never_sends_an_empty_chunk_before_the_end() -> None:
     rest = STREAM[STREAM.index(b"event: content_block_start") + 30:]
     assert state._translate_chunk(ep.HttpBody(body=rest)).rstrip().endswith(b"data: [DONE]")
     assert state._translate_chunk(ep.HttpBody(body=b"", end_of_stream=True)) == b""
+
+
+@pytest.mark.parametrize(("adapter", "options", "problem"), [
+    ("openai-compat@1", {"kind": "bogus"}, "kind must be one of"),
+    ("openai-compat@1", {"region": "eu"}, "takes no option region"),
+    ("anthropic@1", {"kind": "azure"}, "takes no option kind"),
+    ("cohere@1", {}, "no such adapter"),
+])
+def test_a_deployments_adapter_and_options_are_checked_when_the_policy_loads(
+        policy: Any, adapter: str, options: dict[str, str], problem: str) -> None:
+    import yaml
+
+    from extproc.config import ConfigError, load_snapshot
+
+    path = policy / "deployments/pool-llama-8b.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["fingerprint"]["adapter"] = adapter
+    doc["adapter_options"] = options
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as e:
+        load_snapshot(policy)
+    assert any(problem in i.message and i.file == "deployments/pool-llama-8b.yaml" for i in e.value.issues), \
+        e.value.issues

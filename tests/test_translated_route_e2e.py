@@ -15,6 +15,7 @@ import openai
 import pytest
 import yaml
 
+from extproc.config import load_snapshot
 from llmgw.bench_translated import PROVIDER_MODEL, PROVIDER_PRICES, add_anthropic_route, add_route_of
 from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
 from llmgw.stack import Stack
@@ -42,10 +43,46 @@ def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     child.stop()
 
 
-def translated_policy(root: Path, provider: str) -> Path:
+AZURE_KEY = "azure-key-5b1d0c77"
+AZURE_MODEL = "gpt-sim-1"
+
+
+@pytest.fixture(scope="module")
+def azure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = Path(tmp_path_factory.mktemp("azure")) / "azure.log"
+    child = Child("azure-sim", python_module(
+        "enginesim", "--port", str(port), "--time-scale", "0.02", "--max-model-len", "8192", "--api", "azure",
+        "--served-model-name", AZURE_MODEL), log, env={"ENGINESIM_API_KEY": AZURE_KEY}).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+    yield url
+    child.stop()
+
+
+def add_azure_route(policy: Path, endpoint: str) -> None:
+    """An Azure OpenAI deployment (the openai adapter, kind azure) and a route of it alone."""
+    (policy / "azure.key").write_text(AZURE_KEY)
+    dep = yaml.safe_load((policy / "deployments/claude-sim.yaml").read_text())
+    dep.update(deployment="azure-gpt", served_model=AZURE_MODEL, endpoints=[endpoint], credential_ref="file:azure.key",
+               adapter_options={"kind": "azure", "deployment": "gpt-prod", "api_version": "2024-10-21"})
+    dep["fingerprint"].update(adapter="openai@1", engine="azure-openai@2024-10-21", model_digest="sha256:" + "ef" * 32)
+    (policy / "deployments/azure-gpt.yaml").write_text(yaml.safe_dump(dep))
+    ref = load_snapshot(policy).deployments["azure-gpt"].ref
+    for kind in ("conformance", "quality_gate"):
+        doc = yaml.safe_load((policy / f"evidence/claude-sim-{kind}.yaml").read_text())
+        (policy / f"evidence/azure-gpt-{kind}.yaml").write_text(yaml.safe_dump({**doc, "deployment_ref": ref}))
+    add_route_of(policy, "chat-azure", ref)
+    route = yaml.safe_load((policy / "routes/chat-azure.yaml").read_text())
+    route["candidates"][0]["adapter_ref"] = "openai@1"
+    (policy / "routes/chat-azure.yaml").write_text(yaml.safe_dump(route))
+
+
+def translated_policy(root: Path, provider: str, azure: str) -> Path:
     dst = root / "policy"
     shutil.copytree(POLICY, dst)
     ref = add_anthropic_route(dst, provider.removeprefix("http://"), PROVIDER_KEY)
+    add_azure_route(dst, azure.removeprefix("http://"))
     add_route_of(dst, "chat-anthropic-report", ref, "report")
     # The pool first, the provider second: a fallback that crosses API shapes.
     add_route_of(dst, "chat-cross", ref, first=False)
@@ -57,9 +94,9 @@ def translated_policy(root: Path, provider: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, provider: str) -> Iterator[Stack]:
+def gw(tmp_path_factory: pytest.TempPathFactory, provider: str, azure: str) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("translated")
-    s = start_stack(tmp / "state", translated_policy(tmp, provider))
+    s = start_stack(tmp / "state", translated_policy(tmp, provider, azure))
     yield s
     s.stop()
 
@@ -222,3 +259,22 @@ def test_a_stream_the_provider_refuses_is_the_contracts_error(gw: Stack, provide
     request(f"{provider}/admin/faults", "POST", {"fault": "status=529", "count": 1})
     r = chat(gw, "chat-anthropic", stream=True)
     assert_contract_error(r, 502, "upstream_error")
+
+
+def test_an_azure_deployment_gets_its_path_and_key_and_only_what_it_honours(gw: Stack, azure: str) -> None:
+    request(f"{azure}/admin/requests", "DELETE")
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
+    out = client.chat.completions.create(model="chat-azure", max_tokens=5,
+                                         messages=[{"role": "user", "content": "hello azure"}])
+    assert out.choices[0].message.content and out.usage is not None and out.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model="chat-azure", max_tokens=5, stream=True,
+                                                 messages=[{"role": "user", "content": "stream azure"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    logged = received(azure)
+    assert [e["path"] for e in logged] == ["/openai/deployments/gpt-prod/chat/completions?api-version=2024-10-21"] * 2
+    assert all(e["api_key_present"] and not e["authorization_present"] and e["model"] == AZURE_MODEL
+               and e["cache_salt"] is None for e in logged)  # the pool's prefix-cache salt is not sent
+    assert KEY not in str(logged) and AZURE_KEY not in str(logged)
+    refused = chat(gw, "chat-azure", top_k=5)  # a vLLM sampling field Azure does not honour
+    assert assert_contract_error(refused, 400, "unsupported_field")["param"] == "top_k"
+    assert len(received(azure)) == 2

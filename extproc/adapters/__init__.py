@@ -18,9 +18,12 @@ changes when a translation changes, so evidence for the old one no longer qualif
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from extproc.adapters.anthropic import ANTHROPIC
 from extproc.adapters.base import Adapter
-from extproc.adapters.openai import OPENAI
+from extproc.adapters.loss import LossTable
+from extproc.adapters.openai import OPENAI, TABLES
 
 ADAPTERS: dict[str, Adapter] = {"anthropic": ANTHROPIC, "openai": OPENAI}
 ALIASES = {"openai-compat": "openai"}  # the name deployments used before adapters had modules
@@ -34,3 +37,21 @@ def adapter_for(ref: str) -> Adapter:
     if version and version != str(adapter.version):
         raise KeyError(f"{ref}: this gateway's {adapter.name} adapter is version {adapter.version}")
     return adapter
+
+
+def loss_table(ref: str, options: Mapping[str, str]) -> LossTable:
+    """What the adapter `ref`, with a deployment's adapter options, does with each field."""
+    adapter = adapter_for(ref)
+    return TABLES[options.get("kind", "vllm")] if adapter is OPENAI else adapter.loss_table
+
+
+def check_options(ref: str, options: Mapping[str, str]) -> str:
+    """What is wrong with a deployment's adapter options ("" when nothing)."""
+    adapter = adapter_for(ref)
+    allowed = {"kind", "deployment", "api_version"} if adapter is OPENAI else set()
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        return f"the {adapter.name} adapter takes no option {', '.join(unknown)}"
+    if adapter is OPENAI and options.get("kind", "vllm") not in TABLES:
+        return f"kind must be one of {', '.join(TABLES)}"
+    return ""

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from extproc.adapters import adapter_for
+from extproc.adapters import check_options
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
 from extproc.config.schema import ApiKey, Deployment, Evidence, GatewayConfig, KeysFile, Route
 
@@ -150,7 +150,9 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
     known_classes = set(gateway.data_classes)
     for rel, dep in deployments.values():
         try:
-            adapter_for(dep.fingerprint.adapter)
+            problem = check_options(dep.fingerprint.adapter, dep.adapter_options)
+            if problem:
+                issues.append(ConfigIssue(rel, "adapter_options", problem))
         except (KeyError, ValueError) as e:
             issues.append(ConfigIssue(rel, "fingerprint.adapter", f"no such adapter: {e}"))
         if dep.pool is not None and dep.pool not in gateway.pools:

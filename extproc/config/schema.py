@@ -359,7 +359,10 @@ class Deployment(Strict):
     data_classes: tuple[Name, ...] = Field(min_length=1)
     retire_at: date | None = None
     withdrawn: bool = False
-    credential_ref: CredentialRef | None = None  # sent as a bearer token to this deployment's upstream
+    credential_ref: CredentialRef | None = None  # sent to this deployment's upstream as its adapter says
+    # The adapter's settings for this upstream: for `openai`, `kind` (vllm, openai or azure: what it
+    # honours) and, for Azure, `deployment` (the path's name) and `api_version`.
+    adapter_options: dict[str, str] = {}
 
     @model_validator(mode="after")
     def _one_upstream(self) -> Deployment:

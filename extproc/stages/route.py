@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters import adapter_for
+from extproc.adapters import loss_table
 from extproc.adapters.loss import Loss, Support, losses
 from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
@@ -105,7 +105,7 @@ def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set
 def translation_check(dep: Deployment, body: dict[str, Any], mode: str) -> tuple[tuple[Loss, ...], set[str]]:
     """What this candidate's adapter loses of the request, and whether that disqualifies it
     (invariant 13): an unsupported field under `translation_loss: reject`."""
-    lost = tuple(losses(body, adapter_for(dep.fingerprint.adapter).loss_table))
+    lost = tuple(losses(body, loss_table(dep.fingerprint.adapter, dep.adapter_options)))
     return lost, {"translation_loss"} if mode == "reject" and any(x.support is Support.UNSUPPORTED for x in lost) \
         else set()
 
