@@ -257,7 +257,7 @@ class _Attempt:
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, str(e)) from None
         if translated(dep):
             self.adapter = adapter_for(dep.fingerprint.adapter)
-            self.target = Target(dep.served_model, token, dep.adapter_options)
+            self.target = Target(dep.served_model, token, dep.fingerprint.adapter_options)
             path, headers = self.adapter.endpoint(self.target)
             mutation.remove_headers.append("authorization")
             mutation.set_headers.extend(overwrite_header(k, v) for k, v in (*headers.items(), (":path", path)))

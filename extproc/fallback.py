@@ -38,7 +38,7 @@ def translated(dep: Deployment) -> bool:
     a hosted OpenAI-shaped one (OpenAI, Azure) whose path, key header or honoured fields differ from
     the pool's."""
     return (dep.fingerprint.adapter.partition("@")[0] not in ("openai", "openai-compat")
-            or dep.adapter_options.get("kind", "vllm") != "vllm")
+            or dep.fingerprint.adapter_options.get("kind", "vllm") != "vllm")
 
 
 def candidate_subsets(n: int, credentialed: Collection[int] = ()) -> Iterator[tuple[int, ...]]:

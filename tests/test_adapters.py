@@ -323,9 +323,22 @@ def test_a_deployments_adapter_and_options_are_checked_when_the_policy_loads(
     path = policy / "deployments/pool-llama-8b.yaml"
     doc = yaml.safe_load(path.read_text())
     doc["fingerprint"]["adapter"] = adapter
-    doc["adapter_options"] = options
+    doc["fingerprint"]["adapter_options"] = options
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError) as e:
         load_snapshot(policy)
     assert any(problem in i.message and i.file == "deployments/pool-llama-8b.yaml" for i in e.value.issues), \
         e.value.issues
+
+
+def test_adapter_options_are_part_of_the_fingerprint() -> None:
+    """Another Azure API version is another served system: its reference changes (so routes naming
+    the old one, and evidence for it, no longer qualify it); no options keep the digest unchanged."""
+    from extproc.config import load_snapshot
+    from tests.conftest import POLICY
+
+    fp = load_snapshot(POLICY).deployments["pool-llama-8b"].fingerprint
+    same = fp.model_copy(update={"adapter_options": {}})
+    v1 = fp.model_copy(update={"adapter_options": {"kind": "azure", "api_version": "2024-10-21"}})
+    v2 = fp.model_copy(update={"adapter_options": {"kind": "azure", "api_version": "2025-01-01"}})
+    assert same.digest() == fp.digest() and len({fp.digest(), v1.digest(), v2.digest()}) == 3

@@ -64,9 +64,9 @@ def add_azure_route(policy: Path, endpoint: str) -> None:
     """An Azure OpenAI deployment (the openai adapter, kind azure) and a route of it alone."""
     (policy / "azure.key").write_text(AZURE_KEY)
     dep = yaml.safe_load((policy / "deployments/claude-sim.yaml").read_text())
-    dep.update(deployment="azure-gpt", served_model=AZURE_MODEL, endpoints=[endpoint], credential_ref="file:azure.key",
-               adapter_options={"kind": "azure", "deployment": "gpt-prod", "api_version": "2024-10-21"})
-    dep["fingerprint"].update(adapter="openai@1", engine="azure-openai@2024-10-21", model_digest="sha256:" + "ef" * 32)
+    dep.update(deployment="azure-gpt", served_model=AZURE_MODEL, endpoints=[endpoint], credential_ref="file:azure.key")
+    dep["fingerprint"].update(adapter="openai@1", engine="azure-openai@2024-10-21", model_digest="sha256:" + "ef" * 32,
+                              adapter_options={"kind": "azure", "deployment": "gpt-prod", "api_version": "2024-10-21"})
     (policy / "deployments/azure-gpt.yaml").write_text(yaml.safe_dump(dep))
     ref = load_snapshot(policy).deployments["azure-gpt"].ref
     for kind in ("conformance", "quality_gate"):

@@ -150,9 +150,9 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
     known_classes = set(gateway.data_classes)
     for rel, dep in deployments.values():
         try:
-            problem = check_options(dep.fingerprint.adapter, dep.adapter_options)
+            problem = check_options(dep.fingerprint.adapter, dep.fingerprint.adapter_options)
             if problem:
-                issues.append(ConfigIssue(rel, "adapter_options", problem))
+                issues.append(ConfigIssue(rel, "fingerprint.adapter_options", problem))
         except (KeyError, ValueError) as e:
             issues.append(ConfigIssue(rel, "fingerprint.adapter", f"no such adapter: {e}"))
         if dep.pool is not None and dep.pool not in gateway.pools:

@@ -330,9 +330,16 @@ class Fingerprint(Strict):
     batching_policy: str
     hardware: str
     route_retry_policy: str = "envoy-router"
+    # The adapter's settings for this upstream: for `openai`, `kind` (vllm, openai or azure: what it
+    # honours) and, for Azure, `deployment` (the path's name) and `api_version`. Part of the served
+    # system: another API version is another fingerprint, whose evidence must be earned again.
+    adapter_options: dict[str, str] = {}
 
     def digest(self) -> str:
-        canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        doc = self.model_dump()
+        if not doc["adapter_options"]:
+            del doc["adapter_options"]  # fingerprints without options keep the digests they had
+        canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -360,9 +367,6 @@ class Deployment(Strict):
     retire_at: date | None = None
     withdrawn: bool = False
     credential_ref: CredentialRef | None = None  # sent to this deployment's upstream as its adapter says
-    # The adapter's settings for this upstream: for `openai`, `kind` (vllm, openai or azure: what it
-    # honours) and, for Azure, `deployment` (the path's name) and `api_version`.
-    adapter_options: dict[str, str] = {}
 
     @model_validator(mode="after")
     def _one_upstream(self) -> Deployment:

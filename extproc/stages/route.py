@@ -105,7 +105,7 @@ def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set
 def translation_check(dep: Deployment, body: dict[str, Any], mode: str) -> tuple[tuple[Loss, ...], set[str]]:
     """What this candidate's adapter loses of the request, and whether that disqualifies it
     (invariant 13): an unsupported field under `translation_loss: reject`."""
-    lost = tuple(losses(body, loss_table(dep.fingerprint.adapter, dep.adapter_options)))
+    lost = tuple(losses(body, loss_table(dep.fingerprint.adapter, dep.fingerprint.adapter_options)))
     return lost, {"translation_loss"} if mode == "reject" and any(x.support is Support.UNSUPPORTED for x in lost) \
         else set()
 
