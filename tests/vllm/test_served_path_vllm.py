@@ -87,7 +87,17 @@ def test_client_cancel_stops_generation_in_vllm(vllm_stack: Stack, vllm_url: str
 
 
 def _hits(url: str) -> float:
-    return value(scrape(url), "vllm:prefix_cache_hits_total")
+    """vLLM's prefix-cache hits, once the counter has settled: its metrics trail the answers (a CI
+    run read another request's 896 hits land between two reads), so it is read until it stays put
+    for half a second."""
+    last, since = value(scrape(url), "vllm:prefix_cache_hits_total"), time.monotonic()
+    deadline = since + 5
+    while time.monotonic() - since < 0.5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = value(scrape(url), "vllm:prefix_cache_hits_total")
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
 
 
 def test_prefix_cache_hits_within_a_tenant_never_across(vllm_stack: Stack, vllm_url: str) -> None:
