@@ -32,6 +32,19 @@ PROVIDER_PRICES = {"version": "2026-12-a", "currency": "USD", "input_per_mtok": 
                    "cached_input_per_mtok": 300000, "output_per_mtok": 15000000}
 
 
+def simulated_provider(api: str, model: str, key: str, log: Path, time_scale: float = 0.02,
+                       *extra: str) -> tuple[Child, str]:
+    """A simulated engine speaking a provider's API shape (`enginesim --api anthropic|azure`) that
+    accepts only `key`, started and answering; returns it and its URL."""
+    port = free_port()
+    child = Child(f"{api}-sim", python_module("enginesim", "--port", str(port), "--time-scale", str(time_scale),
+                                              "--api", api, "--served-model-name", model, *extra),
+                  log, env={"ENGINESIM_API_KEY": key}).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+    return child, url
+
+
 def add_anthropic_route(policy: Path, endpoint: str, key: str, route: str = "chat-anthropic",
                         mode: str = "reject") -> str:
     """A deployment of an Anthropic-shaped provider at `endpoint` (the pool deployment's copy with
@@ -82,14 +95,12 @@ def _stream_chunks(url: str, key: str, model: str, tokens: int) -> int:
 
 def run_translated_bench(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-translated-"))
-    port = free_port()
     provider_key = "sk-bench-provider"
-    sim = Child("engine", python_module("enginesim", "--port", str(port), "--time-scale", str(args.time_scale),
-                                        "--api", "anthropic", "--served-model-name", PROVIDER_MODEL),
-                work / "engine.log", env={"ENGINESIM_API_KEY": provider_key}).start()
+    sim, sim_url = simulated_provider("anthropic", PROVIDER_MODEL, provider_key, work / "engine.log",
+                                      args.time_scale)
+    port = int(sim_url.rsplit(":", 1)[1])
     stack: Stack | None = None
     try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "enginesim", sim)
         config, keys = demo_policy(Path(args.config).resolve(), work / "policy")
         # The pool's model is the provider's too: one engine answers both shapes.
         dep_path = config / "deployments/pool-llama-8b.yaml"

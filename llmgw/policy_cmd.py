@@ -21,7 +21,7 @@ from typing import Any
 
 import jsonschema
 
-from extproc.config import ConfigError, Snapshot, load_snapshot
+from extproc.config import Snapshot
 from extproc.config.policy import PolicyEvaluationError
 from extproc.config.policy_tests import TestReport, TestResult, run_isolated
 from extproc.contract import GatewayError
@@ -31,6 +31,7 @@ from extproc.jwks import JwksCache
 from extproc.stages.authorize import Authorization, policy_input
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.intake import Intake
+from llmgw.cli_common import snapshot_or_report
 
 RULE = "-" * 80
 
@@ -96,12 +97,8 @@ def load_modules(directory: str) -> tuple[dict[str, str], dict[str, Any]] | None
             print(f"error: no gateway.yaml and no .rego files in {directory}", file=sys.stderr)
             return None
         return modules, {}
-    try:
-        snap = load_snapshot(directory)
-    except ConfigError as e:
-        print(f"error: invalid configuration\n{e}", file=sys.stderr)
-        return None
-    return dict(snap.rego), dict(snap.policy_data)
+    snap = snapshot_or_report(directory)
+    return None if snap is None else (dict(snap.rego), dict(snap.policy_data))
 
 
 def cmd_policy_test(args: argparse.Namespace) -> int:
@@ -165,10 +162,8 @@ async def decide_request(snap: Snapshot, method: str, path: str, headers: dict[s
 
 def cmd_policy_eval(args: argparse.Namespace) -> int:
     """Print the decision for an input document or a request sample; exit 0 allowed, 2 refused, 1 error."""
-    try:
-        snap = load_snapshot(args.config)
-    except ConfigError as e:
-        print(f"error: invalid configuration\n{e}", file=sys.stderr)
+    snap = snapshot_or_report(args.config)
+    if snap is None:
         return 1
     assert snap.policy is not None
     if args.input:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -17,7 +16,7 @@ from extproc.adapters.anthropic import ANTHROPIC
 from extproc.adapters.base import Target, UpstreamBroken
 from extproc.chat import validate
 from extproc.contract import ErrorCode
-from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
+from llmgw.bench_translated import simulated_provider
 from tests.helpers import request
 
 MODEL = "claude-sim-1"
@@ -26,13 +25,8 @@ KEY = "sk-ant-test-0123456789"
 
 @pytest.fixture(scope="module")
 def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = Path(tmp_path_factory.mktemp("provider")) / "provider.log"
-    child = Child("anthropic-sim", python_module(
-        "enginesim", "--port", str(port), "--time-scale", "0.02", "--max-model-len", "4096", "--fault-header",
-        "--api", "anthropic", "--served-model-name", MODEL), log, env={"ENGINESIM_API_KEY": KEY}).start()
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+    child, url = simulated_provider("anthropic", MODEL, KEY, tmp_path_factory.mktemp("provider") / "log", 0.02,
+                                    "--max-model-len", "4096", "--fault-header")
     yield url
     child.stop()
 

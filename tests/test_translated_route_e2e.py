@@ -16,8 +16,13 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
-from llmgw.bench_translated import PROVIDER_MODEL, PROVIDER_PRICES, add_anthropic_route, add_route_of
-from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
+from llmgw.bench_translated import (
+    PROVIDER_MODEL,
+    PROVIDER_PRICES,
+    add_anthropic_route,
+    add_route_of,
+    simulated_provider,
+)
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
@@ -32,13 +37,8 @@ KEY = DEMO_KEYS["acme"]
 
 @pytest.fixture(scope="module")
 def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = Path(tmp_path_factory.mktemp("provider")) / "provider.log"
-    child = Child("anthropic-sim", python_module(
-        "enginesim", "--port", str(port), "--time-scale", "0.02", "--max-model-len", "8192", "--api", "anthropic",
-        "--served-model-name", MODEL), log, env={"ENGINESIM_API_KEY": PROVIDER_KEY}).start()
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+    child, url = simulated_provider("anthropic", MODEL, PROVIDER_KEY, tmp_path_factory.mktemp("provider") / "log",
+                                    0.02, "--max-model-len", "8192")
     yield url
     child.stop()
 
@@ -49,13 +49,8 @@ AZURE_MODEL = "gpt-sim-1"
 
 @pytest.fixture(scope="module")
 def azure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = Path(tmp_path_factory.mktemp("azure")) / "azure.log"
-    child = Child("azure-sim", python_module(
-        "enginesim", "--port", str(port), "--time-scale", "0.02", "--max-model-len", "8192", "--api", "azure",
-        "--served-model-name", AZURE_MODEL), log, env={"ENGINESIM_API_KEY": AZURE_KEY}).start()
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
+    child, url = simulated_provider("azure", AZURE_MODEL, AZURE_KEY, tmp_path_factory.mktemp("azure") / "log",
+                                    0.02, "--max-model-len", "8192")
     yield url
     child.stop()
 
