@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import socket
+import string
 import subprocess
 import sys
 import urllib.parse
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,11 +83,18 @@ def assert_contract_error(resp: Response, status: int, code: str) -> dict[str, A
     return err
 
 
+def unique_marker(prefix: str) -> str:
+    """A marker for a request's content that redaction leaves alone: letters only, since a run of
+    digits (a timestamp, a hex id that happens to be all digits) can read as a phone or card number
+    and be replaced before it reaches the engine."""
+    return f"{prefix}-{''.join(random.choices(string.ascii_lowercase, k=16))}"
+
+
 def inject_fault(engines: list[str], spec: str, count: int = 1, marker: str | None = None) -> str:
     """Queue a fault (enginesim's SPEC, e.g. `delay_ms=300`) on every engine through the operator's
     admin API - clients cannot reach it, and the gateway forwards no fault header - for the next
     `count` requests whose messages hold the returned marker: put it in the request's content."""
-    marker = marker or f"FAULT-{uuid.uuid4().hex[:12]}"
+    marker = marker or unique_marker("FAULT")
     for url in engines:
         r = request(f"{url}/admin/faults", "POST", {"fault": spec, "count": count, "match": marker})
         assert r.status == 200, r.body

@@ -23,7 +23,7 @@ from extproc.stages.deadline import Deadline
 from extproc.stages.retry import Retries
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, start_stack
-from tests.helpers import assert_contract_error, chat_body, inject_fault, request
+from tests.helpers import assert_contract_error, chat_body, inject_fault, request, unique_marker
 
 AUTH = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
 
@@ -47,7 +47,7 @@ def test_deadline_header_bounds_the_wait(stack: Stack, stream: bool) -> None:
 
 @pytest.mark.e2e
 def test_upstream_is_told_the_remaining_time(stack: Stack) -> None:
-    marker = f"deadline-{time.time_ns()}"
+    marker = unique_marker("deadline")
     _, r = chat(stack, chat_body(content=marker, max_tokens=1), {"x-llmgw-deadline-ms": "1500"})
     assert r.status == 200  # type: ignore[attr-defined]
     (entry,) = [e for u in stack.engine_urls() for e in request(f"{u}/admin/requests").json()

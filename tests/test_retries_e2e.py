@@ -15,7 +15,7 @@ import yaml
 
 from llmgw.stack import Stack
 from tests.conftest import POLICY, start_stack
-from tests.helpers import assert_contract_error, chat_body, request
+from tests.helpers import assert_contract_error, chat_body, request, unique_marker
 from tests.test_e2e_served_path import clear_engine_logs, engine_log
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +65,7 @@ def test_a_503_before_the_first_byte_is_retried_on_another_engine(gw: Stack) -> 
         faults(gw, "status=503", [first])
         faults(gw, None, [other])
         clear_engine_logs(gw)
-        r = chat(gw, chat_body(max_tokens=4, content=f"retry me {i} {time.time_ns()}"))
+        r = chat(gw, chat_body(max_tokens=4, content=f"retry me {i} {unique_marker('r')}"))
         assert r.status == 200, r.body
         if r.headers["x-llmgw-attempts"] == "2":
             seen = r

@@ -14,7 +14,7 @@ import pytest
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS
 from tests.conftest import ledger_of as conftest_ledger_of
-from tests.helpers import chat_body, inject_fault, request, stream_raw
+from tests.helpers import chat_body, inject_fault, request, stream_raw, unique_marker
 from tests.test_e2e_served_path import engine_log
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ def idempotency(idempotent: bool) -> dict[str, str]:
 @GUARDS
 def test_usage_the_client_did_not_ask_for_is_metered_and_withheld(stack: Stack, idempotent: bool) -> None:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
-    marker = f"withhold-{time.time_ns()}"
+    marker = unique_marker("withhold")
     with client.chat.completions.with_streaming_response.create(
             model="chat-default", max_tokens=6, stream=True, extra_headers=idempotency(idempotent),
             messages=[{"role": "user", "content": marker}]) as resp:
@@ -108,7 +108,7 @@ def test_a_long_stream_costs_ext_proc_a_constant_number_of_messages(stack: Stack
     before = extproc_messages(stack)
     with client.chat.completions.with_streaming_response.create(
             model="chat-default", max_tokens=256, stream=True, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": f"long-{time.time_ns()}"}]) as resp:
+            messages=[{"role": "user", "content": unique_marker("long")}]) as resp:
         rid = resp.headers["x-request-id"]
         chunks = list(resp.parse())
     tokens = [c for c in chunks if c.choices and c.choices[0].delta.content]

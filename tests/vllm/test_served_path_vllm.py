@@ -11,7 +11,7 @@ import pytest
 
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS
-from tests.helpers import assert_contract_error, chat_body, request
+from tests.helpers import assert_contract_error, chat_body, request, unique_marker
 from tests.promtext import scrape, value
 
 ACME, GLOBEX = DEMO_KEYS["acme"], DEMO_KEYS["globex"]
@@ -103,7 +103,7 @@ def _hits(url: str) -> float:
 def test_prefix_cache_hits_within_a_tenant_never_across(vllm_stack: Stack, vllm_url: str) -> None:
     """Invariant 10 on real vLLM: the same ~600-token prompt from two tenants hits vLLM's prefix cache
     on a tenant's repeat, and never on the other tenant's first request."""
-    prompt = f"{time.time_ns()} " + "the gateway keeps every tenant's cached prefixes apart " * 30
+    prompt = unique_marker("salt") + " " + "the gateway keeps every tenant's cached prefixes apart " * 30
     body = chat_body(content=prompt, max_tokens=1)
     gained = []
     for key in (ACME, GLOBEX, ACME, GLOBEX):
@@ -119,7 +119,7 @@ def test_prefix_cache_hits_within_a_tenant_never_across(vllm_stack: Stack, vllm_
 
 @pytest.mark.parametrize("salt", ["a", "b"])
 def test_client_cache_salt_cannot_join_another_tenant(vllm_stack: Stack, vllm_url: str, salt: str) -> None:
-    prompt = f"{time.time_ns()} " + "a client-chosen salt must not matter at all here " * 30
+    prompt = unique_marker("salt") + " " + "a client-chosen salt must not matter at all here " * 30
     for key in (ACME, GLOBEX):
         before = _hits(vllm_url)
         r = request(f"{vllm_stack.url}/v1/chat/completions", "POST", chat_body(content=prompt, max_tokens=1,
