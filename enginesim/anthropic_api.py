@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from enginesim.engine import Sequence
+from enginesim.output import Output, plan
 from enginesim.server import EngineServer, Fault, stream_fault
 from enginesim.tokenizer import TextSampler, apply_chat_template
 
@@ -65,6 +66,32 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         content = m["content"]
         out.append({"role": m["role"], "content": content if isinstance(content, str)
                     else "".join(_block_text(b) for b in content)})
+    return out
+
+
+def plan_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as enginesim/output.py reads it (OpenAI's names), so both front ends write the
+    same way: tools and tool_choice (auto, any, tool, none), stop_sequences, a JSON schema output
+    format, and a last turn of tool results counted as the tool's, not the user's."""
+    out: dict[str, Any] = {"messages": chat_messages(body)}
+    last = body["messages"][-1]
+    if isinstance(last.get("content"), list) and any(isinstance(b, dict) and b.get("type") == "tool_result"
+                                                     for b in last["content"]):
+        out["messages"].append({"role": "tool", "content": ""})
+    tools = body.get("tools") or []
+    if tools:
+        out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "parameters": t.get("input_schema")}}
+                        for t in tools if isinstance(t, dict)]
+        choice = body.get("tool_choice") or {"type": "auto"}
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+            str(choice.get("type")), {"type": "function", "function": {"name": choice.get("name")}})
+        if choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    if body.get("stop_sequences"):
+        out["stop"] = body["stop_sequences"]
+    fmt = (body.get("output_config") or {}).get("format") or {}
+    if fmt.get("type") == "json_schema":
+        out["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema") or {}}}
     return out
 
 
@@ -122,16 +149,19 @@ class MessagesFrontEnd:
         if len(prompt) >= max_len:
             return anthropic_error(400, f"prompt is too long: {len(prompt)} tokens > {max_len - 1} maximum")
         max_tokens = min(body["max_tokens"], max_len - len(prompt))
-        sampler = TextSampler(zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed)
-        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=sampler.natural_length,
+        seed = zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed
+        out = plan(plan_body(body), seed, TextSampler(seed).natural_length, rid)
+        if "tool_calls" in srv.corrupt:
+            out.mangle_tool_calls()
+        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
                        salt=None, arrival=srv.engine.now())
         if fault.delay_ms:
             await asyncio.sleep(fault.delay_ms / 1000)
         srv.engine.submit(seq)
         try:
             if body.get("stream"):
-                return await self._stream(request, seq, sampler, rid, fault)
-            return await self._complete(seq, sampler, rid)
+                return await self._stream(request, seq, out, rid, fault)
+            return await self._complete(seq, out, rid)
         finally:
             srv.engine.abort(seq)
             entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason)
@@ -141,19 +171,35 @@ class MessagesFrontEnd:
                 "cache_read_input_tokens": seq.cached_tokens, "output_tokens": seq.output_len}
 
     @staticmethod
-    def _stop_reason(seq: Sequence) -> str:
-        return "max_tokens" if seq.finish_reason == "length" else "end_turn"
+    def _stop_reason(seq: Sequence, out: Output) -> str:
+        if seq.finish_reason == "length":
+            return "max_tokens"
+        return "tool_use" if out.tool_calls else "stop_sequence" if out.stop_reason else "end_turn"
 
-    async def _complete(self, seq: Sequence, sampler: TextSampler, rid: str) -> web.Response:
-        pieces = []
-        while (idx := await seq.out.get()) is not None:
-            pieces.append(sampler.next_piece(idx))
+    @staticmethod
+    def _blocks(out: Output, produced: int) -> list[dict[str, Any]]:
+        if not out.tool_calls:
+            return [{"type": "text", "text": out.text(produced)}]
+        blocks = []
+        for j, call in enumerate(out.tool_calls):
+            args = "".join(p for p, owner in zip(out.pieces[:produced], out.owner, strict=False) if owner == j)
+            try:
+                tool_input = json.loads(args)
+            except ValueError:
+                tool_input = {}  # cut by max_tokens
+            blocks.append({"type": "tool_use", "id": f"toolu_{call.id[-20:]}", "name": call.name, "input": tool_input})
+        return blocks
+
+    async def _complete(self, seq: Sequence, out: Output, rid: str) -> web.Response:
+        produced = 0
+        while await seq.out.get() is not None:
+            produced += 1
         return web.json_response({
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
-            "content": [{"type": "text", "text": "".join(pieces)}], "stop_reason": self._stop_reason(seq),
-            "stop_sequence": None, "usage": self._usage(seq)})
+            "content": self._blocks(out, produced), "stop_reason": self._stop_reason(seq, out),
+            "stop_sequence": out.stop_reason, "usage": self._usage(seq)})
 
-    async def _stream(self, request: web.Request, seq: Sequence, sampler: TextSampler, rid: str,
+    async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
                       fault: Fault) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
@@ -166,7 +212,10 @@ class MessagesFrontEnd:
         await send("message_start", {"message": {
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
-        await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        block = -1  # the content block open now
+        if not out.tool_calls:
+            block = 0
+            await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         await send("ping", {})
         sent = 0
         while (idx := await seq.out.get()) is not None:
@@ -177,11 +226,24 @@ class MessagesFrontEnd:
                 await send("error", {"error": {"type": "overloaded_error", "message": "Overloaded"}})
                 await resp.write_eof()
                 return resp
-            await send("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                                     "text": sampler.next_piece(idx)}})
+            if out.tool_calls:
+                j = out.owner[idx]
+                if j != block:
+                    if block >= 0:
+                        await send("content_block_stop", {"index": block})
+                    block = j
+                    call = out.tool_calls[j]
+                    await send("content_block_start", {"index": j, "content_block": {
+                        "type": "tool_use", "id": f"toolu_{call.id[-20:]}", "name": call.name, "input": {}}})
+                delta = {"type": "input_json_delta", "partial_json": out.pieces[idx]}
+            else:
+                delta = {"type": "text_delta", "text": out.pieces[idx]}
+            await send("content_block_delta", {"index": max(block, 0), "delta": delta})
             sent += 1
-        await send("content_block_stop", {"index": 0})
-        await send("message_delta", {"delta": {"stop_reason": self._stop_reason(seq), "stop_sequence": None},
+        if block >= 0:
+            await send("content_block_stop", {"index": block})
+        await send("message_delta", {"delta": {"stop_reason": self._stop_reason(seq, out),
+                                               "stop_sequence": out.stop_reason},
                                      "usage": {"output_tokens": seq.output_len}})
         await send("message_stop", {})
         await resp.write_eof()

@@ -35,6 +35,7 @@ from aiohttp import web
 
 from enginesim.engine import Engine, Sequence
 from enginesim.metrics import render_metrics
+from enginesim.output import Output, RequestError, check, logprob_entry, plan
 from enginesim.physics import EngineProfile, profile
 from enginesim.tokenizer import TextSampler, apply_chat_template, encode
 
@@ -113,8 +114,10 @@ class QueuedFault:
 
 
 class EngineServer:
-    def __init__(self, engine: Engine, served_model: str, seed: int = 0, fault_header: bool = False):
+    def __init__(self, engine: Engine, served_model: str, seed: int = 0, fault_header: bool = False,
+                 corrupt: frozenset[str] = frozenset()):
         self.engine = engine
+        self.corrupt = corrupt  # a corrupted provider: "usage" never sent, "tool_calls" that do not parse
         self.served_model = served_model
         self.seed = seed
         self.fault_header = fault_header
@@ -214,6 +217,10 @@ class EngineServer:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             return vllm_error(400, f"max_tokens must be at least 1, got {max_tokens}. "
                                    f"(parameter=max_tokens, value={max_tokens})", "max_tokens")
+        try:
+            check(body)  # tools, tool_choice, logprobs, response_format, image parts
+        except RequestError as e:
+            return vllm_error(400, str(e), e.param)
         # `priority` without priority scheduling is accepted and ignored, as vLLM 0.32 does.
         return None
 
@@ -256,12 +263,18 @@ class EngineServer:
         seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["messages"]).encode()) ^ self.seed
         n = body.get("n") if isinstance(body.get("n"), int) and body["n"] > 0 else 1
         # `n` completions of one prompt, as vLLM runs them: one sequence each (sharing the prompt's
-        # cached blocks), each sampled on its own.
-        samplers = [TextSampler(seed + i) for i in range(n)]
+        # cached blocks), each sampled on its own; what each writes is decided by enginesim/output.py.
+        # vLLM's `ignore_eos` sampling parameter: text generated until max_tokens.
+        outputs = [plan(body, seed + i, max_tokens if body.get("ignore_eos") is True
+                        else TextSampler(seed + i).natural_length, rid) for i in range(n)]
+        if "tool_calls" in self.corrupt:
+            for o in outputs:
+                o.mangle_tool_calls()
         seqs = [Sequence(request_id=rid if i == 0 else f"{rid}-{i}", prompt=prompt, max_tokens=max_tokens,
-                         # vLLM's `ignore_eos` sampling parameter: generate until max_tokens.
-                         natural_length=max_tokens if body.get("ignore_eos") is True else s.natural_length,
-                         salt=body.get("cache_salt"), arrival=self.engine.now()) for i, s in enumerate(samplers)]
+                         natural_length=o.natural_length, salt=body.get("cache_salt"), arrival=self.engine.now())
+                for i, o in enumerate(outputs)]
+        top = body.get("top_logprobs") or 0
+        logprobs = top if body.get("logprobs") is True else None
         if fault.delay_ms:
             await asyncio.sleep(fault.delay_ms / 1000)
         for seq in seqs:
@@ -269,8 +282,8 @@ class EngineServer:
         try:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await self._stream(request, seqs, samplers, rid, include_usage, fault)
-            return await self._complete(seqs, samplers, rid)
+                return await self._stream(request, seqs, outputs, rid, include_usage, fault, logprobs)
+            return await self._complete(seqs, outputs, rid, logprobs)
         finally:
             for seq in seqs:
                 self.engine.abort(seq)  # a no-op when it finished; frees the engine when the client left
@@ -317,28 +330,43 @@ class EngineServer:
         prompt, completion = len(seqs[0].prompt), sum(s.output_len for s in seqs)
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
-    async def _complete(self, seqs: list[Sequence], samplers: list[TextSampler], rid: str) -> web.Response:
+    async def _complete(self, seqs: list[Sequence], outputs: list[Output], rid: str,
+                        logprobs: int | None) -> web.Response:
         choices = []
-        for i, (seq, sampler) in enumerate(zip(seqs, samplers, strict=True)):
-            pieces = []
-            while (idx := await seq.out.get()) is not None:
-                pieces.append(sampler.next_piece(idx))
-            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(pieces),
-                                                    "refusal": None, "annotations": None, "audio": None,
-                                                    "function_call": None, "reasoning": None},
-                            "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None,
+        for i, (seq, out) in enumerate(zip(seqs, outputs, strict=True)):
+            produced = 0
+            while await seq.out.get() is not None:
+                produced += 1
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.name, "arguments": "".join(
+                          p for p, owner in zip(out.pieces[:produced], out.owner, strict=False) if owner == j)}}
+                     for j, c in enumerate(out.tool_calls)]
+            # vLLM's message has no `tool_calls` key when there are none.
+            message = {"role": "assistant", "content": None if calls else out.text(produced), "refusal": None,
+                       "annotations": None, "audio": None, "function_call": None,
+                       **({"tool_calls": calls} if calls else {}), "reasoning": None}
+            choices.append({"index": i, "message": message,
+                            "logprobs": None if logprobs is None else {"content": [
+                                logprob_entry(p, k, logprobs) for k, p in enumerate(out.pieces[:produced])]},
+                            "finish_reason": self._finish(seq, out), "stop_reason": out.stop_reason,
                             "token_ids": None, "routed_experts": None})
         return web.json_response({
             **self._base(rid, "chat.completion"),
             "choices": choices,
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": {**self._usage(seqs), "prompt_tokens_details": None, "completion_tokens_details": None},
+            **({} if "usage" in self.corrupt else {
+                "usage": {**self._usage(seqs), "prompt_tokens_details": None, "completion_tokens_details": None}}),
             "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
             "ec_transfer_params": None, "metrics": None,
         })
 
-    async def _stream(self, request: web.Request, seqs: list[Sequence], samplers: list[TextSampler], rid: str,
-                      include_usage: bool, fault: Fault) -> web.StreamResponse:
+    @staticmethod
+    def _finish(seq: Sequence, out: Output) -> str | None:
+        """The API's finish_reason: the engine's (length, abort) or, for a natural end, the output's."""
+        return seq.finish_reason if seq.finish_reason != "stop" else out.finish_reason(seq.output_len)
+
+    async def _stream(self, request: web.Request, seqs: list[Sequence], outputs: list[Output], rid: str,
+                      include_usage: bool, fault: Fault, logprobs: int | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -368,23 +396,42 @@ class EngineServer:
                     continue
                 if await stream_fault(fault, sent, request, resp, b'data: {"id": "broken", "choices": [\n\n'):
                     return resp
-                seq = seqs[i]
-                done = seq.output_len >= seq.max_tokens or seq.output_len >= seq.natural_length
-                choice: dict[str, Any] = {"index": i, "delta": {"content": samplers[i].next_piece(idx)},
-                                          "logprobs": None, "finish_reason": seq.finish_reason if done else None}
+                seq, out = seqs[i], outputs[i]
+                done = seq.finish_reason is not None and idx + 1 == seq.output_len  # its last token
+                piece = out.pieces[idx]
+                choice: dict[str, Any] = {"index": i, "delta": self._delta(out, idx),
+                                          "logprobs": None if logprobs is None else {
+                                              "content": [logprob_entry(piece, idx, logprobs)]},
+                                          "finish_reason": None}
                 if done:
-                    choice["stop_reason"] = None
+                    choice["finish_reason"] = self._finish(seq, out)
+                    choice["stop_reason"] = out.stop_reason
                 choice["token_ids"] = None
                 await send({**base, "choices": [choice]})
                 sent += 1
         finally:
             for f in forwarders:
                 f.cancel()
-        if include_usage:
+        if include_usage and "usage" not in self.corrupt:
             await send({**base, "choices": [], "usage": self._usage(seqs), "system_fingerprint": SYSTEM_FINGERPRINT})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+    @staticmethod
+    def _delta(out: Output, idx: int) -> dict[str, Any]:
+        """A stream's delta for token `idx`: text, or a tool call's arguments (with its id, type and
+        name on the call's first token, as vLLM's tool parsers stream them)."""
+        if not out.tool_calls:
+            return {"content": out.pieces[idx]}
+        j = out.owner[idx]
+        call: dict[str, Any] = {"index": j, "function": {"arguments": out.pieces[idx]}}
+        if idx == 0 or out.owner[idx - 1] != j:
+            c = out.tool_calls[j]
+            call = {"index": j, "id": c.id, "type": "function", "function": {"name": c.name,
+                                                                            "arguments": out.pieces[idx]}}
+        return {"tool_calls": [call]}
 
 
 class AzureFrontEnd:
@@ -427,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py); "
                         "azure: also serve Azure OpenAI's deployment path, with its api-key header")
     p.add_argument("--api-key", help="(--api anthropic|azure) the key the provider accepts; unset: any")
+    p.add_argument("--corrupt", action="append", choices=["usage", "tool_calls"], default=[],
+                   help="a corrupted provider (conformance tests): never send usage; send tool calls that do not parse")
     p.add_argument("--fault-header", action="store_true",
                    help=f"honour the {FAULT_HEADER} request header (the simulator's own tests; never behind a gateway)")
     args = p.parse_args(argv)
@@ -437,7 +486,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(args.profile, args.time_scale, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks_override=args.num_blocks_override)
-    server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header)
+    server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header,
+                          corrupt=frozenset(args.corrupt))
     key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
     if args.api == "anthropic":
         from enginesim.anthropic_api import MessagesFrontEnd

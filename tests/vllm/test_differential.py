@@ -168,3 +168,22 @@ def test_metrics_names_and_labels(engines: Engines) -> None:
     for samples in (sim, real):
         assert 0.0 <= value(samples, "vllm:kv_cache_usage_perc") <= 1.0
         assert dict(next(ls for (n, ls) in samples if n == "vllm:cache_config_info"))["enable_prefix_caching"] == "True"
+
+
+def test_logprobs_shape(engines: Engines) -> None:
+    body = chat_body(MODEL, max_tokens=3, logprobs=True, top_logprobs=2)
+    sim, real = both(engines, "/v1/chat/completions", body=body)
+    assert sim.status == real.status == 200
+    s, r = (x.json()["choices"][0]["logprobs"] for x in (sim, real))
+    assert shape(s) == shape(r)
+    for doc in (s, r):
+        assert all(len(t["top_logprobs"]) == 2 for t in doc["content"])
+
+
+def test_n_choices_and_their_usage(engines: Engines) -> None:
+    body = chat_body(MODEL, max_tokens=3, n=2, ignore_eos=True)
+    sim, real = both(engines, "/v1/chat/completions", body=body)
+    assert sim.status == real.status == 200
+    for doc in (sim.json(), real.json()):
+        assert [c["index"] for c in doc["choices"]] == [0, 1]
+        assert doc["usage"]["completion_tokens"] == 6  # both choices counted, the prompt once
