@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.adapters_cmd import add_parser as add_adapters
 
     add_adapters(sub)
+    from llmgw.conformance_cmd import add_parser as add_conformance
+
+    add_conformance(sub)
     return p
 
 

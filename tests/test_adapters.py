@@ -243,7 +243,7 @@ def test_nothing_but_upstream_broken_escapes_the_stream_translator(pieces: list[
 @pytest.mark.parametrize(("status", "body", "code", "retry"), [
     (529, b'{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}', ErrorCode.UPSTREAM_ERROR,
      "overloaded"),
-    (429, b'{"type":"error","error":{"type":"rate_limit_error","message":"slow"}}', ErrorCode.RATE_LIMITED,
+    (429, b'{"type":"error","error":{"type":"rate_limit_error","message":"slow"}}', ErrorCode.UPSTREAM_ERROR,
      "rate_limited"),
     (400, b'{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 300000 tokens"}}',
      ErrorCode.CONTEXT_LENGTH_EXCEEDED, ""),

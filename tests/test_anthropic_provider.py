@@ -125,7 +125,7 @@ def test_the_adapters_stream_is_served_and_translated_back(provider: str) -> Non
 
 
 @pytest.mark.parametrize(("fault", "code", "retry"), [("status=529", ErrorCode.UPSTREAM_ERROR, "overloaded"),
-                                                      ("status=429", ErrorCode.RATE_LIMITED, "rate_limited"),
+                                                      ("status=429", ErrorCode.UPSTREAM_ERROR, "rate_limited"),
                                                       ("status=500", ErrorCode.UPSTREAM_ERROR, "unavailable")])
 def test_the_providers_errors_map_to_the_contract(provider: str, fault: str, code: ErrorCode, retry: str) -> None:
     r = send(provider, contract(), fault)

@@ -379,7 +379,7 @@ class AnthropicStream:
 
 # -- errors -----------------------------------------------------------------------------------------
 
-ERROR_TYPES = {"rate_limit_error": (ErrorCode.RATE_LIMITED, 429, "rate_limited"),
+ERROR_TYPES = {"rate_limit_error": (ErrorCode.UPSTREAM_ERROR, 502, "rate_limited"),  # see failure_for_status
                "overloaded_error": (ErrorCode.UPSTREAM_ERROR, 502, "overloaded"),
                "api_error": (ErrorCode.UPSTREAM_ERROR, 502, "unavailable")}
 

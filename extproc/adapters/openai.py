@@ -93,7 +93,9 @@ def failure_for_status(status: int, message: str) -> Failure:
     """What an HTTP status means to the contract, whatever the shape (the body refines it)."""
     why = message or f"the upstream answered {status}"
     if status == 429:
-        return Failure(ErrorCode.RATE_LIMITED, 429, why, "rate_limited")
+        # The provider's limit, not the gateway's: 429 `rate_limited` is the gateway's own quota
+        # refusal (design.md's table); a provider's refusal of every attempt is `upstream_error`.
+        return Failure(ErrorCode.UPSTREAM_ERROR, 502, why, "rate_limited")
     if status == 529:
         return Failure(ErrorCode.UPSTREAM_ERROR, 502, why, "overloaded")
     if status in (502, 503, 504):

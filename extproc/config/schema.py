@@ -383,10 +383,18 @@ class Deployment(Strict):
 # --- evidence/*.yaml ----------------------------------------------------------------------------
 
 
+class CaseResult(Strict):
+    id: str
+    result: Literal["pass", "fail", "lost", "not_run"]
+    detail: str = ""
+
+
 class Evidence(Strict):
-    """A qualification record for one exact fingerprint. Until the conformance issue produces them,
-    they are files in the policy directory; a candidate without passing records of every required
-    kind is not eligible (unknown evidence does not pass)."""
+    """A qualification record for one exact fingerprint (the reference names its digest, so changing
+    any fingerprint field leaves the record qualifying nothing). `llmgw conformance` writes the
+    conformance records, with the adapter, the corpus version, each case's result and the fields the
+    adapter reported lost; a candidate without passing records of every required kind is not
+    eligible (unknown evidence does not pass)."""
 
     deployment_ref: DeploymentRef
     kind: Literal["conformance", "quality_gate"]
@@ -394,6 +402,16 @@ class Evidence(Strict):
     recorded_at: date
     expires_at: date | None = None
     source: str = ""
+    adapter: str = ""
+    corpus_version: str = ""
+    losses: tuple[str, ...] = ()
+    cases: tuple[CaseResult, ...] = ()
+
+    @model_validator(mode="after")
+    def _result_follows_cases(self) -> Evidence:
+        if self.result == "pass" and any(c.result == "fail" for c in self.cases):
+            raise ValueError("result: pass, but a case failed")
+        return self
 
 
 REQUIRED_EVIDENCE = frozenset({"conformance", "quality_gate"})

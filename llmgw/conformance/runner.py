@@ -1,0 +1,214 @@
+"""Run the corpus against one deployment, through a real gateway, over real HTTP.
+
+The deployment is not qualified yet, so it cannot be routed to on the policy as it stands. The runner
+builds a sandbox: a copy of the policy directory with one more route, `conformance`, whose only
+candidate is the deployment under test (`translation_loss: report`, so that what the adapter cannot
+carry is reported rather than refused), a provisional evidence record that exists only in the copy,
+the corpus's tools in the catalog, and a demo key per tenant. A gateway (Envoy, ext_proc, a store, and
+the simulated engines of a pool) starts on that copy; every case goes through the whole request path
+like a client's. Faults are injected through the upstream's admin API (enginesim's), for the case's
+request only; an upstream without one (a real provider) does not run those cases (`not_run`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import string
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from extproc.attempts import TRANSLATION_LOSS_HEADER
+from extproc.config import load_snapshot
+from llmgw.bench import demo_policy
+from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
+from llmgw.stack import Stack, StackOptions
+
+ROUTE = "conformance"
+SOURCE = "llmgw conformance"
+LOST = ("unsupported", "emulated")  # a needed field reported so is not exercised: the case is `lost`
+
+
+@dataclass
+class CaseResult:
+    id: str
+    result: str  # pass | fail | lost | not_run
+    detail: str = ""
+
+
+@dataclass
+class Run:
+    deployment_ref: str
+    adapter: str
+    corpus_version: str
+    results: list[CaseResult] = field(default_factory=list)
+    losses: set[str] = field(default_factory=set)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.result != "fail" for r in self.results)
+
+    def evidence(self, today: date, valid_days: int) -> dict[str, Any]:
+        """The record `evidence/<deployment>-conformance.yaml` holds (extproc/config/schema.Evidence)."""
+        return {
+            "deployment_ref": self.deployment_ref, "kind": "conformance",
+            "result": "pass" if self.passed else "fail", "recorded_at": today.isoformat(),
+            "expires_at": (today + timedelta(days=valid_days)).isoformat(), "source": SOURCE,
+            "adapter": self.adapter, "corpus_version": self.corpus_version, "losses": sorted(self.losses),
+            "cases": [{"id": r.id, "result": r.result, **({"detail": r.detail} if r.detail else {})}
+                      for r in self.results],
+        }
+
+
+def marker() -> str:
+    """Letters only: redaction leaves it alone, so the upstream sees it and its fault applies."""
+    return "conformance-" + "".join(random.choices(string.ascii_lowercase, k=16))
+
+
+def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path) -> tuple[Path, str, str]:
+    """The sandbox policy (see the module's doc); returns it, the deployment's reference and a key."""
+    snap = load_snapshot(config)
+    dep = snap.deployments[deployment]
+    policy, keys = demo_policy(config, work / "policy")
+    route = {
+        "route_contract": ROUTE, "request_class": "read_only_chat", "translation_loss": "report",
+        "candidates": [{"deployment_ref": dep.ref, "adapter_ref": dep.fingerprint.adapter,
+                        "data_classes": list(dep.data_classes), "regions": list(dep.regions)}],
+        "deadline_ms": 30000, "max_tokens_cap": 4096, "budget_reservation": "required",
+        "retry": {"attempts": 1, "eligible_failures": ["connect_before_send"],
+                  "requires": "read_only_or_idempotency_key"},
+    }
+    (policy / f"routes/{ROUTE}.yaml").write_text(yaml.safe_dump(route))
+    today = datetime.now(UTC).date()
+    for kind in ("conformance", "quality_gate"):
+        (policy / f"evidence/{deployment}-{kind}.yaml").write_text(yaml.safe_dump({
+            "deployment_ref": dep.ref, "kind": kind, "result": "pass", "recorded_at": today.isoformat(),
+            "source": "provisional: the conformance sandbox only"}))
+    gw = yaml.safe_load((policy / "gateway.yaml").read_text())
+    tools = gw.setdefault("tools", {})
+    for case in corpus.cases:
+        for tool in case.request.get("tools") or ():
+            tools.setdefault(tool["function"]["name"], {"effects": []})
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    tenant = next(t for t in gw["tenants"] if set(dep.data_classes) & set(gw["tenants"][t]["allowed_data_classes"]))
+    return policy, dep.ref, keys[tenant]
+
+
+class Upstreams:
+    """The upstream's admin API (enginesim's) where it has one: faults for one request each."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = [u for u in urls if _admin(u, "DELETE", "/admin/faults") == 200]
+        self.injectable = bool(urls) and len(self.urls) == len(urls)
+
+    def inject(self, spec: str, match: str) -> None:
+        for u in self.urls:
+            # Enough for every attempt the route may make (and the picker's spread over engines).
+            if _admin(u, "POST", "/admin/faults", {"fault": spec, "count": 8, "match": match}) != 200:
+                raise RuntimeError(f"{u} refused fault {spec!r}")
+
+    def clear(self) -> None:
+        for u in self.urls:
+            _admin(u, "DELETE", "/admin/faults")
+
+
+def _admin(url: str, method: str, path: str, body: Any = None) -> int:
+    u = urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=5)
+        conn.request(method, path, json.dumps(body) if body is not None else None,
+                     {"content-type": "application/json"})
+        status = conn.getresponse().status
+        conn.close()
+        return status
+    except OSError:
+        return 0
+
+
+def _body(case: Case, context_window: int, mark: str | None) -> dict[str, Any]:
+    body = json.loads(json.dumps(case.request))
+    body["model"] = ROUTE
+    for m in body.get("messages") or ():
+        if m.get("content") == OVER_CONTEXT:
+            m["content"] = "word " * (context_window + 64)
+    if mark:
+        last = next(m for m in reversed(body["messages"]) if m.get("role") == "user")
+        last["content"] = f"{last['content']} {mark}"
+    return body
+
+
+def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str]) -> Outcome:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"authorization": f"Bearer {key}", "content-type": "application/json", **headers})
+        resp = conn.getresponse()
+        reset = False
+        try:
+            data = resp.read()
+        except http.client.IncompleteRead as cut:
+            data, reset = cut.partial, True
+    except (OSError, http.client.HTTPException) as e:
+        return Outcome(0, error=f"transport: {e}")
+    finally:
+        conn.close()
+    losses = [part.strip() for part in (resp.getheader(TRANSLATION_LOSS_HEADER) or "").split(",") if part.strip()]
+    if body.get("stream"):
+        return Outcome.from_stream(resp.status, data, losses, reset)
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    return Outcome.from_json(resp.status, doc, losses)
+
+
+def run_case(case: Case, url: str, key: str, context_window: int, upstreams: Upstreams) -> tuple[CaseResult, list[str]]:
+    if case.fault and not upstreams.injectable:
+        return CaseResult(case.id, "not_run", "needs fault injection (the simulator's admin API)"), []
+    mark = marker() if case.fault else None
+    if case.fault and mark:
+        upstreams.inject(case.fault, mark)
+    try:
+        outcomes = [send(url, key, _body(case, context_window, mark), case.headers) for _ in range(case.repeat)]
+    finally:
+        if case.fault:
+            upstreams.clear()
+    losses = outcomes[0].losses
+    reported = dict(entry.rstrip(")").split(" (", 1) for entry in losses if " (" in entry)
+    lost = [f for f in case.needs if reported.get(f) in LOST]
+    if lost:
+        return CaseResult(case.id, "lost", f"the adapter does not carry {', '.join(lost)}"), losses
+    bad = check(case, outcomes)
+    return CaseResult(case.id, "fail" if bad else "pass", "; ".join(bad)), losses
+
+
+def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: float = 0.02,
+        only: set[str] | None = None, engine_args: tuple[str, ...] = ()) -> Run:
+    """The corpus against `deployment` of the policy at `config` (see the module's doc); a pool's
+    simulated engines start with `engine_args`."""
+    policy, ref, key = sandbox(config, deployment, corpus, work)
+    snap = load_snapshot(policy)
+    dep = snap.deployments[deployment]
+    opts = StackOptions.on_free_ports(policy, work / "gateway", snap, time_scale=time_scale, workers=1,
+                                      envoy_concurrency=1, engine_args=engine_args)
+    stack = Stack(opts).start()
+    try:
+        urls = stack.engine_urls(dep.pool) if dep.pool else [f"http://{e}" for e in dep.endpoints]
+        upstreams = Upstreams(urls)
+        result = Run(ref, dep.fingerprint.adapter, corpus.version)
+        for case in corpus.cases:
+            if only and case.id not in only:
+                continue
+            outcome, losses = run_case(case, stack.url, key, dep.context_window, upstreams)
+            result.results.append(outcome)
+            result.losses.update(losses)
+        return result
+    finally:
+        stack.stop()
