@@ -49,6 +49,7 @@ class Exchange:
     arrived_at: float = field(default_factory=time.time)  # wall clock at Envoy (request.time), when sent
     remaining_ms: int = 0  # of the effective deadline, when ext_proc admitted the request
     raw_body: bytes = b""
+    door: str = ""  # the front door the client used (extproc/doors/), "" for chat completions
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     n: int = 1  # completions asked for: each may run to the completion bound (invariant 3)
@@ -127,6 +128,8 @@ class Exchange:
                     md[Key.WITHHOLD_USAGE] = "1"
         if self.route is not None:
             md[Key.ROUTE] = self.route.route_contract
+        if self.door:
+            md[Key.DOOR] = self.door
         if self.deployment is not None:
             md[Key.DEPLOYMENT] = self.deployment.deployment
         if self.cluster:

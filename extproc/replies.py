@@ -8,6 +8,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc.contract import DECISION_ID_HEADER, METADATA_NAMESPACE, REVISION_HEADER, GatewayError
+from extproc.doors import BY_NAME
 from extproc.exchange import Exchange
 from extproc.picker import LB_KEY, LB_NAMESPACE
 
@@ -64,7 +65,10 @@ def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     """End the exchange with the contract's JSON error. `details` starts with `llmgw` so Envoy's
     local-reply rewriting leaves this body alone."""
     headers = {**err.headers, DECISION_ID_HEADER: ex.decision_id} if ex.decision_id else err.headers
-    return immediate(ex, err.status, err.body(ex.decision_id), f"llmgw_{err.code.value}", headers)
+    body = err.body(ex.decision_id)
+    if ex.door:  # in the caller's shape, the contract's code inside
+        body = BY_NAME[ex.door].error(err.status, body)
+    return immediate(ex, err.status, body, f"llmgw_{err.code.value}", headers)
 
 
 def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:

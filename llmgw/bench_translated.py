@@ -2,7 +2,9 @@
 both APIs on one core (`enginesim --api anthropic`: OpenAI's chat completions and Anthropic's
 Messages), one gateway in front of it with two routes to it - `chat-default` through the pool (the
 OpenAI shape, no translation) and `chat-anthropic` through an Anthropic-shaped deployment (the
-attempt filter translates the request, the answer and the stream). Both budgeted, same request.
+attempt filter translates the request, the answer and the stream) - and the Anthropic front door
+(`/v1/messages`) to the pool (the door filter translates the answer and the stream for the client).
+All budgeted, same request.
 
 - JSON at concurrency 1, wrk in alternating rounds: p50 and CPU per request by process.
 - Streams: the same streams on each route (one event per token); ext_proc CPU per streamed chunk.
@@ -23,6 +25,7 @@ from typing import Any
 import yaml
 
 from extproc.config import load_snapshot
+from extproc.doors.anthropic import MESSAGES_PATH
 from llmgw.bench import WRK_LUA, Result, demo_policy, report, run_wrk
 from llmgw.procs import Child, cpu_seconds, free_port, http_ok, python_module, wait_until
 from llmgw.stack import Stack, StackOptions, gateway_processes
@@ -79,6 +82,8 @@ def add_route_of(policy: Path, route: str, ref: str, mode: str = "reject", first
 
 
 def _stream_chunks(url: str, key: str, model: str, tokens: int) -> int:
+    """One stream of `tokens` tokens through `url` (a chat completion or, at /v1/messages, the
+    Anthropic door): how many content chunks it carried."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -86,10 +91,11 @@ def _stream_chunks(url: str, key: str, model: str, tokens: int) -> int:
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=60)
     body = json.dumps({"model": model, "max_tokens": tokens, "stream": True, "temperature": 0.5,
                        "messages": [{"role": "user", "content": "stream for the benchmark"}]})
-    conn.request("POST", "/v1/chat/completions", body, {"authorization": f"Bearer {key}",
-                                                        "content-type": "application/json"})
+    conn.request("POST", u.path, body, {"authorization": f"Bearer {key}", "content-type": "application/json"})
     data = conn.getresponse().read()
     conn.close()
+    if u.path == MESSAGES_PATH:
+        return data.count(b"event: content_block_delta")
     return data.count(b"data: ") - 1  # every chunk but [DONE]
 
 
@@ -124,8 +130,10 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         opts.engine_ports = {p: (port,) for p in snap.gateway.pools}
         stack = Stack(opts).start()
         key = keys["acme"]
-        url = f"{stack.url}/v1/chat/completions"
-        routes = {"pool (OpenAI shape)": "chat-default", "anthropic (translated)": "chat-anthropic"}
+        chat_url, door_url = f"{stack.url}/v1/chat/completions", f"{stack.url}{MESSAGES_PATH}"
+        routes = {"pool (OpenAI shape)": "chat-default", "anthropic (translated)": "chat-anthropic",
+                  "Anthropic door -> pool": "chat-default"}
+        urls = {name: door_url if "door" in name else chat_url for name in routes}
         scripts = {}
         for name, model in routes.items():
             body = json.dumps({"model": model, "max_tokens": 8, "temperature": 0.5,
@@ -136,11 +144,11 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         json_cpu: dict[str, float] = dict.fromkeys(routes, 0.0)
         served: dict[str, float] = dict.fromkeys(routes, 0.0)
         for name in routes:
-            run_wrk(url, scripts[name], 1, 2)  # warm-up
+            run_wrk(urls[name], scripts[name], 1, 2)  # warm-up
         for _ in range(args.rounds):
             for name in routes:
                 before = cpu_seconds(gateway_processes(stack))
-                r = run_wrk(url, scripts[name], 1, args.duration / args.rounds)
+                r = run_wrk(urls[name], scripts[name], 1, args.duration / args.rounds)
                 after = cpu_seconds(gateway_processes(stack))
                 json_rows[name].append(r)
                 json_cpu[name] += after["ext_proc"] - before["ext_proc"]
@@ -148,12 +156,12 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         stream_cpu: dict[str, float] = {}
         chunks: dict[str, int] = {}
         for name, model in routes.items():
-            _stream_chunks(url, key, model, 4)  # warm-up
+            _stream_chunks(urls[name], key, model, 4)  # warm-up
             before = cpu_seconds(gateway_processes(stack))
             got: list[int] = []
 
-            def one(m: str = model, into: list[int] = got) -> None:
-                into.append(_stream_chunks(url, key, m, args.tokens))
+            def one(m: str = model, into: list[int] = got, u: str = urls[name]) -> None:
+                into.append(_stream_chunks(u, key, m, args.tokens))
             threads = [threading.Thread(target=one) for _ in range(args.streams)]
             for t in threads:
                 t.start()

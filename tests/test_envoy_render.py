@@ -60,9 +60,10 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
     # with header mode SKIP the router would otherwise route (and dispatch) before the decision.
     # The upstream-headers mutation runs after the buffer, when ext_proc's metadata is set. The meter
     # and the stream guard sit after the buffer: they read their per-route switches on the route the
-    # decision selected.
+    # decision selected. The door filter comes before the decision filter: on the way out it runs
+    # last, after everything that reads the internal shape, and sees ext_proc's own refusals too.
     assert list(filters(rendered)) == [
-        "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
+        "envoy.filters.http.header_mutation", "llmgw.door", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
         "llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "envoy.filters.http.json_to_metadata",
         "llmgw.upstream_headers", "envoy.filters.http.custom_response", "envoy.filters.http.router"]
 
@@ -70,7 +71,13 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
 def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: dict[str, Any]) -> None:
     chain = {f["name"]: f for f in hcm(rendered)["http_filters"]}
     assert chain["llmgw.meter"]["disabled"] is True and chain["llmgw.streams"]["disabled"] is True
+    assert chain["llmgw.door"]["disabled"] is True
     routes = {r["name"]: r for r in hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]}
+    # The door filter is on only for a front door's path (and the response filters with it).
+    door = routes["anthropic_without_body"]
+    assert door["match"] == {"path": "/v1/messages"}
+    assert not door["typed_per_filter_config"]["llmgw.door"].get("disabled", False)
+    assert "llmgw.door" not in routes["chat_without_body"]["typed_per_filter_config"]
     on = routes["chat_without_body"]["typed_per_filter_config"]
     assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"} <= set(on)
     assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams", "llmgw.lua_streams"))
@@ -102,20 +109,24 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         md = r["match"]["dynamic_metadata"][0]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
-        assert r["request_headers_to_remove"] == ["authorization"]
+        assert r["request_headers_to_remove"] == ["authorization", "x-api-key"]
         # Streams: the Lua stream guard. Idempotent streams: ext_proc's stream guard. Idempotent JSON:
         # the meter. Other JSON: none of them (the access log settles).
         extra = r["match"]["dynamic_metadata"][1:]
         settles = [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra]
         assert settles in ([], [("settle", "stream")], [("settle", "kept_stream")], [("settle", "metered")])
         kind = settles[0][1] if settles else ""
-        assert r["name"] == f"admitted_{r['route']['cluster']}" + (f"_{kind}" if kind else "")
+        door = r["name"].endswith("_anthropic")  # a front door's path, rewritten for the upstream
+        assert r["name"] == f"admitted_{r['route']['cluster']}" + (f"_{kind}" if kind else "") + (
+            "_anthropic" if door else "")
+        assert r["match"].get("path") == "/v1/messages" if door else r["match"]["prefix"] == "/v1/"
+        assert r["route"].get("prefix_rewrite", "") == ("/v1/chat/completions" if door else "")
         guards = {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"}
         off = set(r.get("typed_per_filter_config", {})) & guards
         on = {"stream": "llmgw.lua_streams", "kept_stream": "llmgw.streams", "metered": "llmgw.meter", "": None}
         assert off == guards - {on[kind]}, (kind, off)
     assert {r["name"].removeprefix("admitted_pool_engine-pool") for r in to_clusters} >= {
-        "", "_stream", "_kept_stream", "_metered"}
+        "", "_stream", "_kept_stream", "_metered", "_anthropic", "_stream_anthropic"}
     # Everything else is answered by Envoy itself in the contract's JSON.
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:

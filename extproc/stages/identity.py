@@ -16,6 +16,7 @@ import jwt
 
 from extproc.config.schema import JwtIssuer
 from extproc.contract import ErrorCode, GatewayError
+from extproc.doors import door_for
 from extproc.exchange import Exchange, Identity
 from extproc.jwks import JwksCache, JwksUnavailable
 from extproc.ratelimit import RateLimitedLog
@@ -33,6 +34,27 @@ def bearer_token(authorization: str) -> str | None:
     if scheme.lower() != "bearer" or not token or len(token) > _MAX_TOKEN:
         return None
     return token
+
+
+def credential(headers: dict[str, str], path: str) -> str:
+    """The gateway credential, where the caller's SDK puts it: `Authorization: Bearer` on every path,
+    and a front door's own header on its path (Anthropic's `x-api-key` on /v1/messages; elsewhere it is
+    just another header, never forwarded). Two different ones are refused: which counts would be a guess."""
+    bearer = bearer_token(headers["authorization"]) if "authorization" in headers else None
+    if "authorization" in headers and bearer is None:
+        raise Unauthenticated("authorization is not a bearer token")
+    door = door_for(path)
+    tokens = {bearer} if bearer is not None else set()
+    for name in door.credential_headers if door is not None else ():
+        key = headers.get(name, "").strip()
+        if len(key) > _MAX_TOKEN:
+            raise Unauthenticated(f"{name} too long")
+        tokens |= {key} if key else set()
+    if len(tokens) > 1:
+        raise Unauthenticated("two different credentials")
+    if not tokens:
+        raise Unauthenticated("no credential")
+    return tokens.pop()
 
 
 def looks_like_jwt(token: str) -> bool:
@@ -79,10 +101,8 @@ class CallerIdentity:
         self.jwks = jwks or JwksCache()
 
     async def run(self, ex: Exchange) -> None:
-        token = bearer_token(ex.headers.get("authorization", ""))
         try:
-            if token is None:
-                raise Unauthenticated("no bearer token")
+            token = credential(ex.headers, ex.path)
             ex.identity = await self._jwt(ex, token) if looks_like_jwt(token) else api_key_identity(ex, token)
         except Unauthenticated as e:
             _refusals.info("request %s unauthenticated: %s", ex.request_id, e.why)

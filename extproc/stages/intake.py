@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from extproc import chat, headers
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
+from extproc.doors import door_for
 from extproc.exchange import Exchange
 
 
@@ -13,12 +14,17 @@ class Intake:
     name = "intake"
 
     async def run(self, ex: Exchange) -> None:
-        if ex.path.split("?", 1)[0] != CHAT_PATH:
+        door = door_for(ex.path)
+        path = door.path if door is not None else CHAT_PATH
+        if door is None and ex.path.split("?", 1)[0] != CHAT_PATH:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
         if ex.method != "POST":
-            raise chat.invalid(f"{CHAT_PATH} takes POST")
+            raise chat.invalid(f"{path} takes POST")
         limits = ex.snapshot.gateway.limits
-        ex.body = chat.validate(chat.parse_json(ex.raw_body), limits.max_messages, limits.max_n)
+        # Another API shape's request becomes the internal one here; every later stage sees one shape.
+        ex.door = door.name if door is not None else ""
+        doc = door.request(ex.raw_body) if door is not None else chat.parse_json(ex.raw_body)
+        ex.body = chat.validate(doc, limits.max_messages, limits.max_n)
         ex.stream = ex.body.get("stream") is True
         ex.n = ex.body.get("n") or 1
         ex.deadline_ms = headers.deadline_ms(ex.headers.get(headers.DEADLINE))

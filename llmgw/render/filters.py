@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2, wrappers_pb2
 from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_TRANSLATED, ATTEMPT_TRANSLATED_STREAM, ATTEMPT_WITHOUT_BODY
 from extproc.config import Snapshot
 from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, Role
+from extproc.door_filter import DOOR_ATTRIBUTES, DOOR_MODE
 from extproc.names import INTERRUPTED, Key, Settle
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
@@ -119,7 +120,7 @@ def header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
 # Headers ext_proc reads as CEL attributes on the body message (the whole map is not serializable).
 REQUEST_ATTRIBUTES = (
     "request.id", "request.path", "request.method", "request.time",
-    "request.headers['authorization']", "request.headers['x-llmgw-data-class']",
+    "request.headers['authorization']", "request.headers['x-api-key']", "request.headers['x-llmgw-data-class']",
     "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
     "request.headers['traceparent']", "request.headers['tracestate']",
 )
@@ -312,6 +313,24 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
         allowed_override_modes=[processing_mode_pb2.ProcessingMode(**mode) for mode in (
             ATTEMPT_WITHOUT_BODY, ATTEMPT_TRANSLATED, ATTEMPT_TRANSLATED_STREAM)],
         request_attributes=list(ATTEMPT_ATTRIBUTES),
+        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
+    )
+
+
+DOOR_FILTER = "llmgw.door"
+
+
+def door_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
+    """A front door's answers in its caller's shape (extproc/door_filter.py): the response headers,
+    then the body chunk by chunk. Before
+    the decision filter, so it sees every answer last, errors included. Fails closed: an answer the
+    caller could not read in its own shape is not sent."""
+    pm = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=_extproc_service(Role.DOOR),
+        failure_mode_allow=False,
+        processing_mode=pm(**DOOR_MODE),
+        response_attributes=list(DOOR_ATTRIBUTES),
         message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
     )
 

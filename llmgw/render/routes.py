@@ -15,11 +15,12 @@ from google.protobuf import any_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
+from extproc.doors import DOORS
 from extproc.names import Key, Settle
 from extproc.settlement import ANSWERED_BY
 from llmgw.render.common import duration_ms, pack, string_value_matcher
 from llmgw.render.errors import admitted_route_filters, direct
-from llmgw.render.filters import LUA_STREAM_GUARD, METER_FILTER, STREAM_FILTER, meters
+from llmgw.render.filters import DOOR_FILTER, LUA_STREAM_GUARD, METER_FILTER, STREAM_FILTER, meters
 
 
 def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
@@ -80,31 +81,16 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                          Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
                          Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
             streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
-            routes.append(route_components_pb2.Route(
-                name=f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}"),
-                match=route_components_pb2.RouteMatch(prefix="/v1/", dynamic_metadata=[
-                    md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]),
-                route=route_components_pb2.RouteAction(
-                    # A JSON answer is silent until generated: its bound is the deadline. A stream's
-                    # silence is bounded per attempt (and an attempt silent before its first byte may
-                    # be retried or fall back, when ext_proc's retry policy says `reset`).
-                    cluster=cluster, timeout=duration_ms(0),
-                    idle_timeout=duration_ms(stream_idle_ms if streamed else 300_000),
-                    # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
-                    # x-envoy-max-retries, set after the decision). A retry goes to another engine.
-                    retry_policy=route_components_pb2.RetryPolicy(
-                        per_try_idle_timeout=duration_ms(stream_idle_ms) if streamed else None,
-                        num_retries=wrappers_pb2.UInt32Value(value=0),
-                        retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
-                            name="envoy.retry_host_predicates.previous_hosts",
-                            typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()))],
-                        host_selection_retry_max_attempts=3),
-                ),
-                # The caller's gateway credential never travels upstream (the header allow-list drops
-                # it too; this holds even where a mesh operator leaves that filter out).
-                request_headers_to_remove=["authorization"],
-                response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
-                typed_per_filter_config={**admitted_route_filters(), **per_route}))
+            name = f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}")
+            metadata = [md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]
+            # A front door's request was turned into a chat completion by ext_proc: the upstream gets
+            # that path (the attempt filter sets a translated candidate's own).
+            match = route_components_pb2.RouteMatch
+            for door in DOORS.values():
+                routes.append(admitted_route(f"{name}_{door.name}", match(path=door.path, dynamic_metadata=metadata),
+                                             cluster, streamed, stream_idle_ms, per_route, CHAT_PATH))
+            routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
+                                         cluster, streamed, stream_idle_ms, per_route))
     routes += [
         # The route a chat completion matches when it arrives, before ext_proc decides: it turns the
         # response filters on (their per-route switches on the admitted route then decide). It is
@@ -113,6 +99,13 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
             name="chat_without_body", match=route_components_pb2.RouteMatch(path=CHAT_PATH),
             direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
             response_headers_to_add=own, typed_per_filter_config=_response_filters_on(snap)),
+        # A front door's request as it arrives (the door filter on, with the response filters); what
+        # it meets only without a body.
+        *(route_components_pb2.Route(
+            name=f"{door.name}_without_body", match=route_components_pb2.RouteMatch(path=door.path),
+            direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
+            response_headers_to_add=own, typed_per_filter_config={**_response_filters_on(snap), **_door_on()})
+          for door in DOORS.values()),
         # Everything else, /v1/* included: no such endpoint, answered without asking ext_proc.
         route_components_pb2.Route(
             name="not_found", match=route_components_pb2.RouteMatch(prefix="/"),
@@ -122,6 +115,43 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
     return route_pb2.RouteConfiguration(name="llmgw", virtual_hosts=[route_components_pb2.VirtualHost(
         name="llmgw", domains=["*"], routes=routes, include_attempt_count_in_response=True,
         include_request_attempt_count=True)])
+
+
+def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: str, streamed: bool,
+                   stream_idle_ms: int, per_route: dict[str, any_pb2.Any],
+                   rewrite: str = "") -> route_components_pb2.Route:
+    """A route only a decision reaches (its match holds ext_proc's metadata) to `cluster`."""
+    return route_components_pb2.Route(
+        name=name, match=match,
+        route=route_components_pb2.RouteAction(
+            # A JSON answer is silent until generated: its bound is the deadline. A stream's
+            # silence is bounded per attempt (and an attempt silent before its first byte may
+            # be retried or fall back, when ext_proc's retry policy says `reset`).
+            cluster=cluster, timeout=duration_ms(0), prefix_rewrite=rewrite,
+            idle_timeout=duration_ms(stream_idle_ms if streamed else 300_000),
+            # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
+            # x-envoy-max-retries, set after the decision). A retry goes to another engine.
+            retry_policy=route_components_pb2.RetryPolicy(
+                per_try_idle_timeout=duration_ms(stream_idle_ms) if streamed else None,
+                num_retries=wrappers_pb2.UInt32Value(value=0),
+                retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
+                    name="envoy.retry_host_predicates.previous_hosts",
+                    typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()))],
+                host_selection_retry_max_attempts=3),
+        ),
+        # The caller's gateway credential never travels upstream (the header allow-list drops
+        # it too; this holds even where a mesh operator leaves that filter out).
+        request_headers_to_remove=["authorization", "x-api-key"],
+        response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
+        typed_per_filter_config={**admitted_route_filters(), **per_route})
+
+
+def _door_on() -> dict[str, any_pb2.Any]:
+    """The door filter, off by default, on for a front door's path (repeating a setting it has: Envoy
+    refuses an empty per-route config)."""
+    closed = ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides(
+        failure_mode_allow=wrappers_pb2.BoolValue(value=False)))
+    return {DOOR_FILTER: pack(route_components_pb2.FilterConfig(disabled=False, config=pack(closed)))}
 
 
 def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:

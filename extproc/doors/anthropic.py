@@ -1,0 +1,318 @@
+"""The Anthropic front door: `POST /v1/messages` as the Messages API takes it, so the `anthropic` SDK
+with its base URL at the gateway works unchanged.
+
+Request: checked against the Messages API's shape (pydantic, strict about what it does not know:
+a field the gateway cannot carry is 400 `unsupported_field` naming it, never dropped) and turned into
+the internal contract (extproc/adapters/anthropic.internal_body: system hoisted into a message,
+content blocks, tool_use/tool_result, stop_sequences, tool_choice); from there every stage runs as for
+a chat completion. A stream always asks for usage: Anthropic's events carry it.
+
+Answer (the internal chat completion -> a Message): text and tool_use blocks, the stop reason
+(`end_turn`, `stop_sequence` with the string, `max_tokens`, `tool_use`, `refusal`), usage with the
+prefix-cache hits as `cache_read_input_tokens`. Stream: the internal SSE chunks -> `message_start`,
+`content_block_start` / `_delta` (`text_delta`, `input_json_delta`) / `_stop` per block, `message_delta`
+with the stop reason and usage, `message_stop`; the contract's `stream_interrupted` becomes an
+`error` event. Errors: Anthropic's body (`{"type": "error", "error": {"type", "message"}}`) with the
+contract's code inside (`error.code`), the status unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from extproc import chat
+from extproc.adapters.anthropic import internal_body
+from extproc.contract import ErrorCode, GatewayError
+from extproc.sse import MAX_EVENT_BYTES, event_data, take_events
+
+MESSAGES_PATH = "/v1/messages"
+NAME = "anthropic"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a provider's caching hint: the gateway's cache is its own
+
+
+class ImageSource(_Strict):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_Strict):
+    user_id: str | None = None
+
+
+class MessagesRequest(_Strict):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: Metadata | None = None
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """pydantic's location as the field path a client recognises (`messages.0.content`), without the
+    union members' tags."""
+    def tag(p: Any) -> bool:
+        return isinstance(p, str) and (p[:1].isupper() or p.startswith(("list[", "str")))
+    return ".".join(str(p) for p in loc if not tag(p))
+
+
+def request(raw: bytes) -> dict[str, Any]:
+    """A Messages request as the internal chat completion request (GatewayError on bad input)."""
+    doc = chat.parse_json(raw)
+    try:
+        native = MessagesRequest.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param(err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's "
+                               "Messages API", param) from None
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
+    body = internal_body(native.model_dump(exclude_none=True))
+    if native.tool_choice is not None and native.tool_choice.type == "tool" and not native.tool_choice.name:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "tool_choice.name is required for type tool", "tool_choice")
+    if native.stream:
+        body["stream_options"] = {"include_usage": True}  # the events carry usage: the client asked for it
+    return body
+
+
+# -- answers ----------------------------------------------------------------------------------------
+
+def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
+    if finish == "stop" and isinstance(stop_reason, str):
+        return "stop_sequence", stop_reason  # vLLM names the stop string that ended the text
+    return {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}.get(
+        finish or "", "end_turn"), None
+
+
+def _usage(usage: Any) -> dict[str, int]:
+    u = usage if isinstance(usage, dict) else {}
+    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"input_tokens": max(0, int(u.get("prompt_tokens") or 0) - cached), "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": int(u.get("completion_tokens") or 0)}
+
+
+def _input(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _message_id(internal_id: Any) -> str:
+    return "msg_" + str(internal_id or "").removeprefix("chatcmpl-")
+
+
+def answer(doc: dict[str, Any]) -> dict[str, Any]:
+    """An internal chat completion as a Message (the first choice: the Messages API has no `n`)."""
+    choice = (doc.get("choices") or [{}])[0]
+    msg = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    for call in msg.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        content.append({"type": "tool_use", "id": call.get("id", ""), "name": fn.get("name", ""),
+                        "input": _input(fn.get("arguments", ""))})
+    stop_reason, stop_sequence = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
+    return {"id": _message_id(doc.get("id")), "type": "message", "role": "assistant", "model": doc.get("model", ""),
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": _usage(doc.get("usage"))}
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 409: "invalid_request_error", 413: "request_too_large",
+               422: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    err: dict[str, Any] = {"type": ERROR_TYPES.get(status, "api_error"), "message": message, "code": code}
+    if param:
+        err["param"] = param
+    return json.dumps({"type": "error", "error": err}).encode()
+
+
+def error(status: int, body: bytes) -> bytes:
+    """A contract error (or any non-2xx body) in Anthropic's shape; one already in it is kept."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("type") == "error":
+        return body
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(err, dict):
+        return error_body(status, f"the gateway answered {status}", ErrorCode.UPSTREAM_ERROR.value)
+    return error_body(status, str(err.get("message", "")), str(err.get("code", "")), err.get("param"))
+
+
+# -- streams ----------------------------------------------------------------------------------------
+
+def _event(kind: str, doc: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **doc}).encode() + b"\n\n"
+
+
+class MessagesStream:
+    """Internal SSE chunks (whole events or not) in, Anthropic's events out."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.started = False
+        self.index = -1  # the open content block's index
+        self.open: str | None = None  # "text" or the open tool call's internal index
+        self.stop: tuple[str, str | None] = ("end_turn", None)
+        self.usage: dict[str, int] | None = None
+        self.ended = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.ended:
+            return b""
+        self.buf += chunk
+        out: list[bytes] = []
+        for event in take_events(self.buf):
+            data = event_data(event)
+            if data is None:
+                continue  # a comment (keep-alive): the client's events are Anthropic's own
+            out += self._one(data)
+            if self.ended:
+                break
+        if len(self.buf) > MAX_EVENT_BYTES and not self.ended:
+            out += self._failed("an event of the stream exceeds 1 MiB")
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The stream ended: a stream that never said [DONE] is interrupted, never finished."""
+        return b"" if self.ended else b"".join(self._failed("the stream ended before its end"))
+
+    def _failed(self, message: str) -> list[bytes]:
+        self.ended = True
+        return [_event("error", {"error": {"type": "api_error", "message": message,
+                                           "code": ErrorCode.STREAM_INTERRUPTED.value}})]
+
+    def _start(self, obj: dict[str, Any]) -> list[bytes]:
+        self.started = True
+        return [_event("message_start", {"message": {
+            "id": _message_id(obj.get("id")), "type": "message", "role": "assistant", "model": obj.get("model", ""),
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                      "output_tokens": 0}}})]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def _open(self, key: str, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.open = key
+        return [*out, _event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _one(self, data: str) -> list[bytes]:
+        if data.strip() == "[DONE]":
+            self.ended = True
+            out = self._start({}) if not self.started else []
+            out += self._close()
+            reason, sequence = self.stop
+            return [*out, _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                   "usage": self.usage or {"output_tokens": 0}}),
+                    _event("message_stop", {})]
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return self._failed("the stream is malformed")
+        if not isinstance(obj, dict):
+            return self._failed("the stream is malformed")
+        if "error" in obj:  # the contract's stream_interrupted (or an upstream's error event)
+            err = obj["error"] if isinstance(obj["error"], dict) else {}
+            return self._failed(str(err.get("message", "the stream was interrupted")))
+        out = [] if self.started else self._start(obj)
+        if isinstance(obj.get("usage"), dict):
+            self.usage = _usage(obj["usage"])
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if self.open != "text":
+                    out += self._open("text", {"type": "text", "text": ""})
+                out.append(_event("content_block_delta", {"index": self.index,
+                                                          "delta": {"type": "text_delta", "text": delta["content"]}}))
+            for call in delta.get("tool_calls") or ():
+                key = f"tool{call.get('index', 0)}"
+                fn = call.get("function") or {}
+                if self.open != key:
+                    out += self._open(key, {"type": "tool_use", "id": call.get("id", ""), "name": fn.get("name", ""),
+                                            "input": {}})
+                if fn.get("arguments"):
+                    out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                        "type": "input_json_delta", "partial_json": fn["arguments"]}}))
+            if choice.get("finish_reason"):
+                out += self._close()
+                self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
+        return out

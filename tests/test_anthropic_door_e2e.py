@@ -1,0 +1,162 @@
+"""The Anthropic front door (issue 13): the real `anthropic` SDK, its base URL at the gateway, through
+Envoy and ext_proc, to the vLLM-shaped pool and to an Anthropic-shaped provider. The same stages run
+(identity by `x-api-key`, policy, budget, routing, metering); answers, streams and errors come back in
+Anthropic's shape with the contract's code inside."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import pytest
+
+from llmgw.stack import Stack
+from tests.conftest import DEMO_KEYS, ledger_of
+from tests.helpers import inject_fault, request, unique_marker
+from tests.test_translated_route_e2e import azure, gw, provider, received  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.e2e
+KEY = DEMO_KEYS["acme"]
+SEARCH = {"name": "search_docs", "description": "search the docs",  # in the demo policy's tool catalog
+          "input_schema": {"type": "object", "required": ["query"], "properties": {"query": {"type": "string"}}}}
+
+
+def client(stack: Stack, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.url, api_key=key, max_retries=0)
+
+
+def ask(text: str) -> list[Any]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_message_from_the_pool(stack: Stack) -> None:
+    raw = client(stack).messages.with_raw_response.create(model="chat-default", max_tokens=7,
+                                                          system="You are brief.", messages=ask("hello"))
+    m = raw.parse()
+    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert m.content[0].type == "text" and m.content[0].text
+    assert m.usage.output_tokens == 7 and m.usage.input_tokens > 0
+    assert raw.headers["x-llmgw-deployment"] == "pool-llama-8b"
+    assert raw.headers["x-llmgw-route-revision"] == stack.snapshot.revision
+    # Metered like any chat completion: one ledger entry, the SDK's usage.
+    entry = ledger_of(stack, raw.headers["x-request-id"], "acme")
+    assert entry["usage"]["completion_tokens"] == 7
+    assert entry["usage"]["prompt_tokens"] == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+
+
+def test_a_stream_from_the_pool(stack: Stack) -> None:
+    text = ""
+    with client(stack).messages.stream(model="chat-default", max_tokens=9, messages=ask("stream please")) as s:
+        for event in s:
+            if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                text += event.delta.text
+        final = s.get_final_message()
+    assert final.content[0].text == text and text  # type: ignore[union-attr]
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 9
+
+
+def test_raw_stream_events_are_anthropics(stack: Stack) -> None:
+    r = request(f"{stack.url}/v1/messages", "POST", {"model": "chat-default", "max_tokens": 3, "stream": True,
+                                                     "messages": ask("raw")}, {"x-api-key": KEY})
+    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+    kinds = [e.split("\n", 1)[0].removeprefix("event: ") for e in r.body.decode().split("\n\n") if e]
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert b"[DONE]" not in r.body and b"chat.completion" not in r.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_use_from_the_pool(stack: Stack, stream: bool) -> None:
+    kw: dict[str, Any] = {"model": "chat-default", "max_tokens": 200, "tools": [SEARCH],
+                          "messages": ask("use search_docs for ledger")}
+    if stream:
+        with client(stack).messages.stream(**kw) as s:
+            deltas = sum(1 for e in s if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+            m = s.get_final_message()
+        assert deltas > 1  # the arguments came split across chunks
+    else:
+        m = client(stack).messages.create(**kw)
+    (block,) = m.content
+    assert m.stop_reason == "tool_use" and block.type == "tool_use" and block.name == "search_docs"
+    assert isinstance(block.input, dict) and isinstance(block.input["query"], str)  # type: ignore[index]
+    # The tool's result, sent back: answered in text.
+    follow = client(stack).messages.create(model="chat-default", max_tokens=8, tools=[SEARCH], messages=[
+        *ask("use search_docs for ledger"), {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "found it"}]}])
+    assert follow.content[0].type == "text"
+
+
+def test_errors_are_anthropics_with_the_contracts_code(stack: Stack) -> None:
+    with pytest.raises(anthropic.AuthenticationError) as auth:
+        client(stack, "sk-wrong").messages.create(model="chat-default", max_tokens=4, messages=ask("x"))
+    assert auth.value.body["error"]["code"] == "unauthenticated"  # type: ignore[index]
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        client(stack).messages.create(model="no-such-route", max_tokens=4, messages=ask("x"))
+    assert nf.value.body["error"] == {"type": "not_found_error", "message": "no route named 'no-such-route'",  # type: ignore[index]
+                                      "code": "route_not_found", "param": "model"}
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client(stack).messages.create(model="chat-default", max_tokens=4, messages=ask("x"),
+                                      thinking={"type": "enabled", "budget_tokens": 1024})
+    assert bad.value.body["error"]["code"] == "unsupported_field"  # type: ignore[index]
+    assert bad.value.body["error"]["param"] == "thinking"  # type: ignore[index]
+    r = request(f"{stack.url}/v1/messages", "POST", {"model": "chat-default", "messages": ask("no max_tokens")},
+                {"x-api-key": KEY})
+    assert r.status == 400 and r.json()["error"]["param"] == "max_tokens" and r.json()["type"] == "error"
+    r = request(f"{stack.url}/v1/messages", "POST", None, {"x-api-key": KEY})  # Envoy's own reply, no body
+    assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_upstream_failure_is_an_anthropic_error(stack: Stack) -> None:
+    marker = inject_fault(stack.engine_urls(), "status=503", count=4)
+    with pytest.raises(anthropic.InternalServerError) as e:
+        client(stack).messages.create(model="chat-default", max_tokens=4, messages=ask(marker))
+    assert e.value.status_code == 502 and e.value.body["error"]["code"] == "upstream_error"  # type: ignore[index]
+
+
+def test_a_broken_stream_ends_with_an_error_event(stack: Stack) -> None:
+    marker = inject_fault(stack.engine_urls(), "malformed_after=2")
+    r = request(f"{stack.url}/v1/messages", "POST", {"model": "chat-default", "max_tokens": 12, "stream": True,
+                                                     "messages": ask(marker)}, {"x-api-key": KEY})
+    events = [e for e in r.body.decode().split("\n\n") if e]
+    assert events[-1].startswith("event: error") and "message_stop" not in r.body.decode()
+    assert json.loads(events[-1].split("data: ", 1)[1])["error"]["code"] == "stream_interrupted"
+    with pytest.raises(anthropic.APIStatusError):  # the SDK raises on it
+        marker = inject_fault(stack.engine_urls(), "malformed_after=2")
+        with client(stack).messages.stream(model="chat-default", max_tokens=12, messages=ask(marker)) as s:
+            for _ in s:
+                pass
+
+
+def test_credentials_where_each_sdk_puts_them(stack: Stack) -> None:
+    body = {"model": "chat-default", "max_tokens": 2, "messages": ask("who am i")}
+    for headers in ({"x-api-key": KEY}, {"authorization": f"Bearer {KEY}"},
+                    {"x-api-key": KEY, "authorization": f"Bearer {KEY}"}):
+        assert request(f"{stack.url}/v1/messages", "POST", body, headers).status == 200, headers
+    # Two different credentials: which one counts would be a guess.
+    two = request(f"{stack.url}/v1/messages", "POST", body,
+                  {"x-api-key": KEY, "authorization": f"Bearer {DEMO_KEYS['globex']}"})
+    assert two.status == 401
+    # The chat completions door takes its SDK's bearer token only: there x-api-key is just another
+    # header (a client's key for something else, never forwarded).
+    r = request(f"{stack.url}/v1/chat/completions", "POST", body, {"x-api-key": KEY})
+    assert r.status == 401
+
+
+def test_the_gateway_credential_never_reaches_the_engine(stack: Stack) -> None:
+    marker = unique_marker("cred")
+    assert request(f"{stack.url}/v1/messages", "POST", {"model": "chat-default", "max_tokens": 2,
+                                                        "messages": ask(marker)},
+                   {"x-api-key": KEY, "anthropic-version": "2023-06-01"}).status == 200
+    (entry,) = [e for u in stack.engine_urls() for e in request(f"{u}/admin/requests").json()
+                if marker in json.dumps(e["messages"])]
+    assert not entry["api_key_present"] and "anthropic-version" not in entry["headers"]
+    assert entry["path"] == "/v1/chat/completions"
+
+
+def test_the_anthropic_door_reaches_the_anthropic_provider(gw: Stack, provider: str) -> None:  # noqa: F811
+    with client(gw).messages.stream(model="chat-anthropic", max_tokens=6, messages=ask("to the provider")) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
+    (sent,) = received(provider)
+    assert sent["path"] == "/v1/messages" and sent["model"] == "claude-sim-1"
