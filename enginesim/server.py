@@ -41,7 +41,7 @@ from enginesim.tokenizer import TextSampler, apply_chat_template, encode
 
 log = logging.getLogger("enginesim")
 FAULT_HEADER = "x-enginesim-fault"
-CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key")
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
 SYSTEM_FINGERPRINT = "vllm-0.32.0-enginesim"  # the vLLM release whose API this simulator follows
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
                  500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -470,10 +470,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api", choices=["openai", "anthropic", "azure"], default="openai",
+    p.add_argument("--api", choices=["openai", "anthropic", "azure", "gemini"], default="openai",
                    help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py); "
-                        "azure: also serve Azure OpenAI's deployment path, with its api-key header")
-    p.add_argument("--api-key", help="(--api anthropic|azure) the key the provider accepts; unset: any")
+                        "azure: also serve Azure OpenAI's deployment path, with its api-key header; "
+                        "gemini: also serve generateContent (enginesim/gemini_api.py)")
+    p.add_argument("--api-key", help="(--api anthropic|azure|gemini) the key the provider accepts; unset: any")
     p.add_argument("--corrupt", action="append", choices=["usage", "tool_calls"], default=[],
                    help="a corrupted provider (conformance tests): never send usage; send tool calls that do not parse")
     p.add_argument("--fault-header", action="store_true",
@@ -495,5 +496,9 @@ def main(argv: list[str] | None = None) -> None:
         MessagesFrontEnd(server, key)
     elif args.api == "azure":
         AzureFrontEnd(server, key)
+    elif args.api == "gemini":
+        from enginesim.gemini_api import GeminiFrontEnd
+
+        GeminiFrontEnd(server, key)
     # Like vLLM, a client that goes away aborts its request in the engine.
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)

@@ -257,7 +257,8 @@ class _Attempt:
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, str(e)) from None
         if translated(dep):
             self.adapter = adapter_for(dep.fingerprint.adapter)
-            self.target = Target(dep.served_model, token, dep.fingerprint.adapter_options)
+            self.streaming = attr(attrs, PLAN_STREAM) == "1"
+            self.target = Target(dep.served_model, token, dep.fingerprint.adapter_options, self.streaming)
             path, headers = self.adapter.endpoint(self.target)
             mutation.remove_headers.append("authorization")
             mutation.set_headers.extend(overwrite_header(k, v) for k, v in (*headers.items(), (":path", path)))
@@ -268,7 +269,6 @@ class _Attempt:
         reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=mutation)))
         if self.adapter is not None:
-            self.streaming = attr(attrs, PLAN_STREAM) == "1"
             reply.mode_override.CopyFrom(_PM(**(ATTEMPT_TRANSLATED_STREAM if self.streaming else ATTEMPT_TRANSLATED)))
             return reply
         first_candidate = snap.deployments.get(plan[0])

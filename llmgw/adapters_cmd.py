@@ -7,12 +7,13 @@ import argparse
 from typing import Any
 
 from extproc.adapters.anthropic import LOSS_TABLE as ANTHROPIC
+from extproc.adapters.gemini import LOSS_TABLE as GEMINI
 from extproc.adapters.loss import Support, describe
 from extproc.adapters.openai import TABLES as OPENAI
 from extproc.chat import CONTRACT_FIELDS
 
 COLUMNS = {"openai (vLLM pool)": OPENAI["vllm"], "openai (OpenAI, Azure)": OPENAI["openai"],
-           "anthropic": ANTHROPIC}
+           "anthropic": ANTHROPIC, "gemini": GEMINI}
 
 
 def loss_table() -> str:

@@ -13,6 +13,7 @@ All budgeted, same request.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import tempfile
@@ -50,32 +51,41 @@ def simulated_provider(api: str, model: str, key: str, log: Path, time_scale: fl
 
 def add_anthropic_route(policy: Path, endpoint: str, key: str, route: str = "chat-anthropic",
                         mode: str = "reject") -> str:
-    """A deployment of an Anthropic-shaped provider at `endpoint` (the pool deployment's copy with
-    `adapter: anthropic@1`, its key in `claude.key`), passing evidence from today, and a route of it
-    alone. Returns the deployment's reference. (The benchmark and the tests build on it.)"""
-    (policy / "claude.key").write_text(key)
+    """A deployment of an Anthropic-shaped provider at `endpoint` (`claude-sim`, its key in
+    `claude.key`), passing evidence from today, and a route of it alone. Returns the deployment's
+    reference. (The benchmark and the tests build on it.)"""
+    return add_provider_route(policy, "claude-sim", "anthropic@1", "anthropic-messages@2023-06-01", PROVIDER_MODEL,
+                              endpoint, key, route, mode)
+
+
+def add_provider_route(policy: Path, name: str, adapter: str, engine: str, model: str, endpoint: str, key: str,
+                       route: str, mode: str = "reject") -> str:
+    """A hosted deployment `name` at `endpoint` speaking `adapter` (the pool deployment's copy with its
+    own fingerprint, its key in `<name>.key`), passing evidence from today, and a route of it alone."""
+    (policy / f"{name}.key").write_text(key)
     dep = yaml.safe_load((policy / "deployments/pool-llama-8b.yaml").read_text())
     dep.pop("pool")
-    dep.update(deployment="claude-sim", served_model=PROVIDER_MODEL, endpoints=[endpoint],
-               credential_ref="file:claude.key", context_window=8192, prices=PROVIDER_PRICES)
-    dep["fingerprint"].update(adapter="anthropic@1", engine="anthropic-messages@2023-06-01",
-                              model_digest="sha256:" + "cd" * 32)
-    (policy / "deployments/claude-sim.yaml").write_text(yaml.safe_dump(dep))
-    ref: str = load_snapshot(policy).deployments["claude-sim"].ref
+    dep.update(deployment=name, served_model=model, endpoints=[endpoint],
+               credential_ref=f"file:{name}.key", context_window=8192, prices=PROVIDER_PRICES)
+    dep["fingerprint"].update(adapter=adapter, engine=engine,
+                              model_digest="sha256:" + hashlib.sha256(name.encode()).hexdigest())
+    (policy / f"deployments/{name}.yaml").write_text(yaml.safe_dump(dep))
+    ref: str = load_snapshot(policy).deployments[name].ref
     today = datetime.now(UTC).date()
     for kind in ("conformance", "quality_gate"):
-        (policy / f"evidence/claude-sim-{kind}.yaml").write_text(yaml.safe_dump({
+        (policy / f"evidence/{name}-{kind}.yaml").write_text(yaml.safe_dump({
             "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
             "expires_at": str(today + timedelta(days=30))}))
-    add_route_of(policy, route, ref, mode)
+    add_route_of(policy, route, ref, mode, adapter=adapter)
     return ref
 
 
-def add_route_of(policy: Path, route: str, ref: str, mode: str = "reject", first: bool = True) -> None:
+def add_route_of(policy: Path, route: str, ref: str, mode: str = "reject", first: bool = True,
+                 adapter: str = "anthropic@1") -> None:
     """A copy of chat-default named `route`, with the deployment `ref` as its only candidate (or, with
     first=False, after the pool's)."""
     base = yaml.safe_load((policy / "routes/chat-default.yaml").read_text())
-    cand = {**base["candidates"][0], "deployment_ref": ref, "adapter_ref": "anthropic@1"}
+    cand = {**base["candidates"][0], "deployment_ref": ref, "adapter_ref": adapter}
     doc = {**base, "route_contract": route, "translation_loss": mode,
            "candidates": [cand] if first else [base["candidates"][0], cand]}
     (policy / f"routes/{route}.yaml").write_text(yaml.safe_dump(doc))

@@ -17,7 +17,7 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.config.schema import Deployment, Evidence
-from llmgw.bench_translated import add_anthropic_route, simulated_provider
+from llmgw.bench_translated import add_anthropic_route, add_provider_route, simulated_provider
 from llmgw.conformance import runner
 from llmgw.conformance.corpus import Outcome, check, load_corpus
 from tests.conftest import POLICY
@@ -126,6 +126,20 @@ def test_an_anthropic_provider_that_mangles_tool_calls_fails(policy: Path, tmp_p
     finally:
         child.stop()
     assert {r.id: r.result for r in run.results} == {"plain-message": "pass", "tool-auto": "fail"}
+
+
+@pytest.mark.e2e
+def test_a_gemini_shaped_provider_passes_with_what_it_cannot_carry_lost(policy: Path, tmp_path: Path) -> None:
+    child, url = simulated_provider("gemini", "gemini-sim-1", "goog-conformance", tmp_path / "log")
+    try:
+        add_provider_route(policy, "gemini-sim", "gemini@1", "gemini-api@v1beta", "gemini-sim-1",
+                           url.removeprefix("http://"), "goog-conformance", "chat-gemini")
+        run = runner.run(policy, "gemini-sim", CORPUS, tmp_path / "work")
+    finally:
+        child.stop()
+    results = {r.id: r.result for r in run.results}
+    assert {k for k, v in results.items() if v == "lost"} == {"logprobs", "n-choices"}  # its loss table's
+    assert run.passed and all(v == "pass" for k, v in results.items() if k not in ("logprobs", "n-choices"))
 
 
 @pytest.mark.e2e

@@ -22,10 +22,11 @@ from collections.abc import Mapping
 
 from extproc.adapters.anthropic import ANTHROPIC
 from extproc.adapters.base import Adapter
+from extproc.adapters.gemini import GEMINI
 from extproc.adapters.loss import LossTable
 from extproc.adapters.openai import OPENAI, TABLES
 
-ADAPTERS: dict[str, Adapter] = {"anthropic": ANTHROPIC, "openai": OPENAI}
+ADAPTERS: dict[str, Adapter] = {"anthropic": ANTHROPIC, "gemini": GEMINI, "openai": OPENAI}
 ALIASES = {"openai-compat": "openai"}  # the name deployments used before adapters had modules
 
 

@@ -30,6 +30,7 @@ class Target:
     model: str  # the model name the upstream serves
     credential: str = ""  # resolved from the deployment's credential_ref; never logged
     options: Mapping[str, str] = field(default_factory=dict)  # per-shape settings (Azure's api_version)
+    stream: bool = False  # the answer is a stream (Gemini's path says so)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,249 @@
+"""A Gemini-shaped front end on the simulated engine: `POST /v1beta/models/{model}:generateContent` and
+`:streamGenerateContent?alt=sse`, as the Gemini API answers them, writing from the same output plan as
+the other front ends (enginesim/output.py).
+
+Checks, as the provider makes them: the key in `x-goog-api-key` or `?key=` (when the server has one:
+400 INVALID_ARGUMENT "API key not valid"), the model in the path (404 NOT_FOUND), `contents`
+non-empty with roles `user` / `model` and parts (400 INVALID_ARGUMENT), a prompt beyond the window
+(400 INVALID_ARGUMENT "...exceeds the maximum number of tokens allowed"), `candidateCount` above 1
+(400: one candidate per request here). Errors are `{"error": {"code", "message", "status"}}`.
+
+Answers: `candidates[0].content.parts` (text, or whole `functionCall` parts), `finishReason` (STOP,
+MAX_TOKENS), `usageMetadata` with the prompt's prefix-cache hits as `cachedContentTokenCount`,
+`modelVersion`, `responseId`. A stream is one whole response per token (`data: {...}` and CRLF CRLF,
+as the API frames it), the last with `finishReason` and the totals; no `[DONE]`; a function call
+arrives whole in one response. Faults as for the other front ends: `status=429` answers
+RESOURCE_EXHAUSTED, 503 UNAVAILABLE; `error_after=N` sends an error response after N; malformed,
+disconnect, stall and delay as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+import zlib
+from typing import Any
+
+from aiohttp import web
+
+from enginesim.engine import Sequence
+from enginesim.output import Output, RequestError, check, plan
+from enginesim.server import EngineServer, Fault, stream_fault
+from enginesim.tokenizer import TextSampler, apply_chat_template
+
+STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+            429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def gemini_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"code": status, "message": message,
+                                        "status": STATUSES.get(status, "UNKNOWN")}}, status=status)
+
+
+def _text(parts: list[Any]) -> str:
+    out = []
+    for p in parts:
+        if not isinstance(p, dict):
+            continue
+        if "text" in p:
+            out.append(str(p["text"]))
+        elif "functionCall" in p:
+            out.append(json.dumps({"name": p["functionCall"].get("name"), "parameters": p["functionCall"].get("args")}))
+        elif "functionResponse" in p:
+            out.append(json.dumps(p["functionResponse"].get("response")))
+    return "".join(out)
+
+
+def plan_body(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the conversation as the chat template renders it, the request as output.py reads it)."""
+    messages: list[dict[str, Any]] = []
+    system = body.get("systemInstruction")
+    if isinstance(system, dict):
+        messages.append({"role": "system", "content": _text(system.get("parts") or [])})
+    for c in body["contents"]:
+        messages.append({"role": "assistant" if c["role"] == "model" else "user", "content": _text(c["parts"])})
+    last_parts = body["contents"][-1]["parts"]
+    plan_messages = list(messages)
+    if any(isinstance(p, dict) and "functionResponse" in p for p in last_parts):
+        plan_messages.append({"role": "tool", "content": ""})  # a tool's result last: answered in text
+    out: dict[str, Any] = {"messages": plan_messages}
+    decls = [d for t in body.get("tools") or () if isinstance(t, dict) for d in t.get("functionDeclarations") or ()]
+    if decls:
+        out["tools"] = [{"type": "function", "function": {
+            "name": d.get("name"), "parameters": d.get("parametersJsonSchema") or d.get("parameters")}} for d in decls]
+        calling = (body.get("toolConfig") or {}).get("functionCallingConfig") or {}
+        allowed = calling.get("allowedFunctionNames") or []
+        mode = calling.get("mode", "AUTO")
+        named = mode == "ANY" and len(allowed) == 1
+        out["tool_choice"] = ({"type": "function", "function": {"name": allowed[0]}} if named
+                              else {"ANY": "required", "NONE": "none"}.get(mode, "auto"))
+    config = body.get("generationConfig") or {}
+    if config.get("stopSequences"):
+        out["stop"] = config["stopSequences"]
+    if config.get("responseMimeType") == "application/json":
+        schema = config.get("responseJsonSchema") or config.get("responseSchema")
+        out["response_format"] = ({"type": "json_schema", "json_schema": {"schema": schema}} if schema
+                                  else {"type": "json_object"})
+    return messages, out
+
+
+class GeminiFrontEnd:
+    """Serves Gemini's generateContent from an EngineServer's engine, model, request log and faults."""
+
+    def __init__(self, server: EngineServer, api_key: str | None):
+        self.server = server
+        self.api_key = api_key
+        server.app.router.add_post("/v1beta/models/{call}", self.generate)
+
+    def _check(self, request: web.Request, body: Any, model: str) -> web.Response | None:
+        key = request.headers.get("x-goog-api-key") or request.query.get("key")
+        if self.api_key is not None and key != self.api_key:
+            return gemini_error(400, "API key not valid. Please pass a valid API key.")
+        if model != self.server.served_model:
+            return gemini_error(404, f"models/{model} is not found for API version v1beta")
+        if not isinstance(body, dict):
+            return gemini_error(400, "Invalid JSON payload received.")
+        contents = body.get("contents")
+        if not isinstance(contents, list) or not contents:
+            return gemini_error(400, "contents is not specified")
+        for i, c in enumerate(contents):
+            if not isinstance(c, dict) or c.get("role", "user") not in ("user", "model") or not isinstance(
+                    c.get("parts"), list) or not c["parts"]:
+                return gemini_error(400, f"contents[{i}]: a role of user or model and at least one part are required")
+            c.setdefault("role", "user")
+        if int((body.get("generationConfig") or {}).get("candidateCount") or 1) != 1:
+            return gemini_error(400, "candidateCount must be 1 here")
+        return None
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        srv = self.server
+        model, _, method = request.match_info["call"].partition(":")
+        if method not in ("generateContent", "streamGenerateContent"):
+            return gemini_error(404, f"method {method} not found")
+        try:
+            body = await request.json()
+        except ValueError:
+            return gemini_error(400, "Invalid JSON payload received.")
+        fault = srv._take_fault(request, _fault_view(body))
+        if isinstance(fault, web.Response):
+            return fault
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        bad = self._check(request, body, model)
+        logged = dict(body) if isinstance(body, dict) else {}
+        logged["model"] = model
+        entry = srv._log_request(rid, request, {**logged, "messages": logged.get("contents")},
+                                 bad.status if bad else 200)
+        if bad is not None:
+            return bad
+        if fault.status:
+            entry["status"] = fault.status
+            await asyncio.sleep(fault.delay_ms / 1000)
+            return gemini_error(fault.status, f"injected {fault.status}")
+        messages, wants = plan_body(body)
+        try:
+            check(wants)
+        except RequestError as e:
+            return gemini_error(400, str(e))
+        prompt = apply_chat_template(messages, wants.get("tools"))
+        max_len = srv.engine.profile.max_model_len
+        if len(prompt) >= max_len:
+            return gemini_error(400, f"The input token count ({len(prompt)}) exceeds the maximum number of tokens "
+                                     f"allowed ({max_len - 1}).")
+        config = body.get("generationConfig") or {}
+        requested = config.get("maxOutputTokens")
+        max_tokens = min(requested if isinstance(requested, int) and requested > 0 else max_len, max_len - len(prompt))
+        seed = config.get("seed")
+        seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["contents"]).encode()) ^ srv.seed
+        out = plan(wants, seed, TextSampler(seed).natural_length, rid)
+        if "tool_calls" in srv.corrupt:
+            out.mangle_tool_calls()
+        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
+                       salt=None, arrival=srv.engine.now())
+        if fault.delay_ms:
+            await asyncio.sleep(fault.delay_ms / 1000)
+        srv.engine.submit(seq)
+        try:
+            if method == "streamGenerateContent":
+                return await self._stream(request, seq, out, rid, fault)
+            return await self._complete(seq, out, rid)
+        finally:
+            srv.engine.abort(seq)
+            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason)
+
+    def _usage(self, seq: Sequence) -> dict[str, int]:
+        usage = {"promptTokenCount": len(seq.prompt), "candidatesTokenCount": seq.output_len,
+                 "totalTokenCount": len(seq.prompt) + seq.output_len}
+        if seq.cached_tokens:
+            usage["cachedContentTokenCount"] = seq.cached_tokens
+        return usage
+
+    @staticmethod
+    def _finish(seq: Sequence) -> str:
+        return "MAX_TOKENS" if seq.finish_reason == "length" else "STOP"
+
+    def _response(self, rid: str, parts: list[dict[str, Any]], finish: str | None,
+                  usage: dict[str, int] | None) -> dict[str, Any]:
+        cand: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
+        if finish:
+            cand["finishReason"] = finish
+        doc: dict[str, Any] = {"candidates": [cand], "modelVersion": self.server.served_model, "responseId": rid}
+        if usage is not None and "usage" not in self.server.corrupt:
+            doc["usageMetadata"] = usage
+        return doc
+
+    @staticmethod
+    def _parts(out: Output, produced: int) -> list[dict[str, Any]]:
+        if not out.tool_calls:
+            return [{"text": out.text(produced)}]
+        parts = []
+        for j, call in enumerate(out.tool_calls):
+            args = "".join(p for p, owner in zip(out.pieces[:produced], out.owner, strict=False) if owner == j)
+            try:
+                value: Any = json.loads(args)
+            except ValueError:
+                value = args  # cut by max_tokens, or a corrupted provider's: sent as it was written
+            parts.append({"functionCall": {"name": call.name, "args": value}})
+        return parts
+
+    async def _complete(self, seq: Sequence, out: Output, rid: str) -> web.Response:
+        produced = 0
+        while await seq.out.get() is not None:
+            produced += 1
+        return web.json_response(self._response(rid, self._parts(out, produced), self._finish(seq), self._usage(seq)))
+
+    async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
+                      fault: Fault) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(doc: dict[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\r\n\r\n")
+
+        sent, produced = 0, 0
+        while (idx := await seq.out.get()) is not None:
+            produced = idx + 1
+            if await stream_fault(fault, sent, request, resp, b'data: {"candidates": [\r\n\r\n'):
+                return resp
+            if fault.error_after is not None and sent >= fault.error_after:
+                await send({"error": {"code": 503, "message": "The model is overloaded.", "status": "UNAVAILABLE"}})
+                await resp.write_eof()
+                return resp
+            done = seq.finish_reason is not None and produced == seq.output_len
+            if out.tool_calls:
+                # Calls arrive whole: nothing until the last token, then every call at once.
+                if done:
+                    await send(self._response(rid, self._parts(out, produced), self._finish(seq), self._usage(seq)))
+            else:
+                await send(self._response(rid, [{"text": out.pieces[idx]}], self._finish(seq) if done else None,
+                                          self._usage(seq)))
+            sent += 1
+        await resp.write_eof()
+        return resp
+
+
+def _fault_view(body: Any) -> Any:
+    """The request as the fault queue matches it (by the text of its messages)."""
+    if isinstance(body, dict) and isinstance(body.get("contents"), list):
+        return {"messages": body["contents"]}
+    return body

@@ -1,0 +1,451 @@
+"""The `gemini` adapter: the Gemini API's `generateContent` (`POST /v1beta/models/{model}:generateContent`,
+streams at `:streamGenerateContent?alt=sse`, the key in `x-goog-api-key`).
+
+Request (internal -> Gemini): system and developer messages become `systemInstruction`; turns become
+`contents` with roles `user` and `model` (consecutive turns of one role merge); text and images
+(data URLs as `inlineData`, other URLs as `fileData`) become parts; an assistant's `tool_calls` become
+`functionCall` parts (arguments as objects) and `tool` messages `functionResponse` parts named after
+the call they answer (Gemini matches by name); tools become `functionDeclarations` (with
+`parametersJsonSchema`), `tool_choice` the function-calling mode (NONE, AUTO, ANY; a named function
+is ANY with `allowedFunctionNames`); sampling settings, `stop`, `seed`, penalties, `max_tokens` and
+the JSON output modes go into `generationConfig`.
+
+Answer and stream (Gemini -> internal): the first candidate's text parts join into `content`,
+`functionCall` parts become `tool_calls` with ids made here (Gemini sends none), `thought` parts
+`reasoning`; `finishReason` maps to `finish_reason` (a function call that ends the turn is
+`tool_calls`; the safety reasons are `content_filter`), a prompt blocked before any candidate is a
+refusal (`content_filter`). Usage: `promptTokenCount` (cached tokens included, as the internal usage
+counts them), `cachedContentTokenCount`, output = candidates + thoughts tokens. A stream is a
+sequence of whole responses, each a delta; it has no `[DONE]`: one that ends without a
+`finishReason` is broken.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+
+from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, sse
+from extproc.adapters.loss import Conditional, LossTable, Support, losses
+from extproc.adapters.openai import failure_for_status
+from extproc.contract import ErrorCode
+from extproc.sse import MalformedStream, SseReader
+
+S = Support
+
+LOSS_TABLE: LossTable = {
+    "stream": S.SUPPORTED,
+    "stream_options": S.EMULATED,  # usage arrives with the last response; the chunk is built here
+    "max_tokens": S.TRANSFORMED,  # generationConfig.maxOutputTokens
+    "max_completion_tokens": S.TRANSFORMED,
+    "temperature": S.TRANSFORMED,  # generationConfig.* from here on: the same meaning, another place
+    "top_p": S.TRANSFORMED,
+    "top_k": S.TRANSFORMED,
+    "stop": S.TRANSFORMED,
+    "seed": S.TRANSFORMED,
+    "presence_penalty": S.TRANSFORMED,
+    "frequency_penalty": S.TRANSFORMED,
+    "tools": S.TRANSFORMED,  # functionDeclarations
+    "tool_choice": S.TRANSFORMED,  # functionCallingConfig.mode
+    "response_format": S.TRANSFORMED,  # responseMimeType (+ responseJsonSchema)
+    "cache_salt": S.EMULATED,  # the provider's cache is per project: no tenant salt to send
+    "n": Conditional(lambda v: v != 1, "above 1 (one candidate per request)"),
+    "parallel_tool_calls": S.UNSUPPORTED,  # no switch for it
+    "user": S.UNSUPPORTED,
+    "logit_bias": S.UNSUPPORTED,
+    "logprobs": S.UNSUPPORTED,  # model-dependent there; not carried
+    "top_logprobs": S.UNSUPPORTED,
+    "min_p": S.UNSUPPORTED,
+    "repetition_penalty": S.UNSUPPORTED,
+    "min_tokens": S.UNSUPPORTED,
+    "ignore_eos": S.UNSUPPORTED,
+    "skip_special_tokens": S.UNSUPPORTED,
+    "spaces_between_special_tokens": S.UNSUPPORTED,
+    "include_stop_str_in_output": S.UNSUPPORTED,
+}
+
+FINISH_REASONS = {"STOP": "stop", "MAX_TOKENS": "length", "SAFETY": "content_filter", "RECITATION": "content_filter",
+                  "BLOCKLIST": "content_filter", "PROHIBITED_CONTENT": "content_filter", "SPII": "content_filter",
+                  "IMAGE_SAFETY": "content_filter", "LANGUAGE": "content_filter", "MALFORMED_FUNCTION_CALL": "stop",
+                  "OTHER": "stop"}
+GENERATION = {"temperature": "temperature", "top_p": "topP", "top_k": "topK", "seed": "seed",
+              "presence_penalty": "presencePenalty", "frequency_penalty": "frequencyPenalty"}
+
+
+# -- request ----------------------------------------------------------------------------------------
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or () if isinstance(p, dict) and p.get("type") == "text")
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"text": content}] if content else []
+    out: list[dict[str, Any]] = []
+    for part in content:
+        if part.get("type") == "text":
+            out.append({"text": part["text"]})
+        elif part.get("type") == "image_url":
+            url = part["image_url"]["url"]
+            if url.startswith("data:") and ";base64," in url:
+                media, data = url[5:].split(";base64,", 1)
+                out.append({"inlineData": {"mimeType": media, "data": data}})
+            else:
+                out.append({"fileData": {"fileUri": url}})
+    return out
+
+
+def _arguments(text: Any) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    system: list[str] = []
+    contents: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool call id -> function name, for the results that answer them
+
+    def add(role: str, parts: list[dict[str, Any]]) -> None:
+        if contents and contents[-1]["role"] == role:
+            contents[-1]["parts"].extend(parts)
+        elif parts:
+            contents.append({"role": role, "parts": parts})
+
+    for m in body["messages"]:
+        role = m["role"]
+        if role in ("system", "developer"):
+            system.append(_text_of(m.get("content")))
+        elif role == "assistant":
+            parts = _parts(m.get("content"))
+            for call in m.get("tool_calls") or ():
+                fn = call["function"]
+                names[call["id"]] = fn["name"]
+                parts.append({"functionCall": {"name": fn["name"], "args": _arguments(fn.get("arguments"))}})
+            add("model", parts)
+        elif role == "tool":
+            add("user", [{"functionResponse": {"name": names.get(m.get("tool_call_id", ""), m.get("name", "")),
+                                               "response": {"content": _text_of(m.get("content"))}}}])
+        else:
+            add("user", _parts(m.get("content")))
+    native: dict[str, Any] = {"contents": contents}
+    if system:
+        native["systemInstruction"] = {"parts": [{"text": "\n\n".join(system)}]}
+    config: dict[str, Any] = {}
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if limit:
+        config["maxOutputTokens"] = limit
+    for ours, theirs in GENERATION.items():
+        if body.get(ours) is not None:
+            config[theirs] = body[ours]
+    stop = body.get("stop")
+    if stop:
+        config["stopSequences"] = [stop] if isinstance(stop, str) else list(stop)
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        config["responseMimeType"] = "application/json"
+        if fmt["type"] == "json_schema":
+            config["responseJsonSchema"] = (fmt.get("json_schema") or {}).get("schema", {})
+    if config:
+        native["generationConfig"] = config
+    if body.get("tools"):
+        native["tools"] = [{"functionDeclarations": [
+            {"name": t["function"]["name"], "description": t["function"].get("description", ""),
+             "parametersJsonSchema": t["function"].get("parameters") or {"type": "object", "properties": {}}}
+            for t in body["tools"]]}]
+        choice = body.get("tool_choice")
+        if choice is not None:
+            mode: dict[str, Any] = {"mode": {"none": "NONE", "auto": "AUTO", "required": "ANY"}.get(
+                choice, "ANY") if isinstance(choice, str) else "ANY"}
+            if isinstance(choice, dict):
+                mode["allowedFunctionNames"] = [choice["function"]["name"]]
+            native["toolConfig"] = {"functionCallingConfig": mode}
+    return native
+
+
+def internal_body(native: Mapping[str, Any], model: str, stream: bool = False) -> dict[str, Any]:
+    """A generateContent request as the internal contract (the inverse of `native_body` for what both
+    shapes carry; the model and whether it streams come from the path). Tool calls get ids made here,
+    and a function's response answers the latest call of that name."""
+    messages: list[dict[str, Any]] = []
+    system = native.get("systemInstruction")
+    if isinstance(system, dict):
+        messages.append({"role": "system", "content": "".join(p.get("text", "") for p in system.get("parts") or ())})
+    ids: dict[str, str] = {}
+    for turn in native["contents"]:
+        parts = turn.get("parts") or []
+        if turn.get("role") == "model":
+            calls = []
+            for p in parts:
+                if "functionCall" in p:
+                    fn = p["functionCall"]
+                    ids[fn["name"]] = f"call_{len(ids)}_{fn['name']}"
+                    calls.append({"id": ids[fn["name"]], "type": "function",
+                                  "function": {"name": fn["name"], "arguments": json.dumps(fn.get("args") or {})}})
+            text = "".join(p.get("text", "") for p in parts if "text" in p)
+            msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                msg["tool_calls"] = calls
+            messages.append(msg)
+            continue
+        texts: list[dict[str, Any]] = []
+        for p in parts:
+            if "functionResponse" in p:
+                fr = p["functionResponse"]
+                result = fr.get("response")
+                content = result.get("content") if isinstance(result, dict) and set(result) == {"content"} else result
+                messages.append({"role": "tool", "tool_call_id": ids.get(fr.get("name", ""), ""),
+                                 "content": content if isinstance(content, str) else json.dumps(content)})
+            elif "text" in p:
+                texts.append({"type": "text", "text": p["text"]})
+            elif "inlineData" in p:
+                data = p["inlineData"]
+                url = f"data:{data['mimeType']};base64,{data['data']}"
+                texts.append({"type": "image_url", "image_url": {"url": url}})
+            elif "fileData" in p:
+                texts.append({"type": "image_url", "image_url": {"url": p["fileData"]["fileUri"]}})
+        if texts:
+            only_text = all(t["type"] == "text" for t in texts)
+            messages.append({"role": "user", "content": "".join(t["text"] for t in texts) if only_text else texts})
+    body: dict[str, Any] = {"model": model, "messages": messages}
+    config = native.get("generationConfig") or {}
+    if config.get("maxOutputTokens") is not None:
+        body["max_tokens"] = config["maxOutputTokens"]
+    for ours, theirs in GENERATION.items():
+        if config.get(theirs) is not None:
+            body[ours] = config[theirs]
+    if config.get("stopSequences"):
+        body["stop"] = list(config["stopSequences"])
+    if config.get("candidateCount") is not None:
+        body["n"] = config["candidateCount"]
+    if config.get("responseMimeType") == "application/json":
+        schema = config.get("responseJsonSchema")
+        body["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+                                   if schema is not None else {"type": "json_object"})
+    decls = [d for t in native.get("tools") or () for d in t.get("functionDeclarations") or ()]
+    if decls:
+        body["tools"] = [{"type": "function", "function": {"name": d["name"], "description": d.get("description", ""),
+                                                          "parameters": d.get("parametersJsonSchema") or {}}}
+                         for d in decls]
+        calling = (native.get("toolConfig") or {}).get("functionCallingConfig") or {}
+        mode, allowed = calling.get("mode"), calling.get("allowedFunctionNames") or []
+        if mode == "ANY" and len(allowed) == 1:
+            body["tool_choice"] = {"type": "function", "function": {"name": allowed[0]}}
+        elif mode in ("ANY", "AUTO", "NONE"):
+            body["tool_choice"] = {"ANY": "required", "AUTO": "auto", "NONE": "none"}[mode]
+    if stream:
+        body["stream"] = True
+    return body
+
+
+# -- answers ----------------------------------------------------------------------------------------
+
+def _usage(meta: Mapping[str, Any]) -> Usage:
+    thoughts = int(meta.get("thoughtsTokenCount") or 0)
+    return Usage(int(meta.get("promptTokenCount") or 0), int(meta.get("cachedContentTokenCount") or 0),
+                 int(meta.get("candidatesTokenCount") or 0) + thoughts, thoughts)
+
+
+def _call_id(response_id: str, n: int) -> str:
+    return f"call_{response_id or uuid.uuid4().hex[:12]}_{n}"
+
+
+def _finish(reason: Any, called: bool) -> str:
+    finish = FINISH_REASONS.get(str(reason), "stop")
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
+    rid = str(doc.get("responseId", ""))
+    candidates = doc.get("candidates") or []
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    if not candidates:  # the prompt was blocked: no candidate at all
+        reason = (doc.get("promptFeedback") or {}).get("blockReason", "OTHER")
+        message["refusal"] = f"the provider blocked the prompt ({reason})"
+        finish = "content_filter"
+    else:
+        cand = candidates[0]
+        text: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for part in (cand.get("content") or {}).get("parts") or ():
+            if "functionCall" in part:
+                fn = part["functionCall"]
+                calls.append({"id": _call_id(rid, len(calls)), "type": "function",
+                              "function": {"name": fn["name"], "arguments": json.dumps(fn.get("args") or {})}})
+            elif part.get("thought"):
+                reasoning.append(part.get("text", ""))
+            elif "text" in part:
+                text.append(part["text"])
+        message["content"] = "".join(text) if text or not calls else None
+        if reasoning:
+            message["reasoning"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        finish = _finish(cand.get("finishReason"), bool(calls))
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+            "model": doc.get("modelVersion", ""),
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": _usage(doc.get("usageMetadata") or {}).openai()}
+
+
+class GeminiStream:
+    """Gemini's SSE (each event a whole response holding the next parts) -> internal chunks."""
+
+    def __init__(self, include_usage: bool = True):
+        self.reader = SseReader()
+        self.include_usage = include_usage
+        self.id = ""
+        self.model = ""
+        self.created = int(time.time())
+        self.started = False
+        self.calls = 0
+        self.usage: Usage | None = None
+        self.finished = False
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": finish}]})
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        try:
+            for data in self.reader.feed(chunk):
+                out.extend(self._event(data))
+        except MalformedStream as e:
+            raise UpstreamBroken(str(e), out) from None
+        except UpstreamBroken as e:
+            raise UpstreamBroken(str(e), out) from None
+        return out
+
+    def _event(self, data: str) -> list[bytes]:
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            raise UpstreamBroken("a stream event is not JSON") from None
+        if not isinstance(doc, dict):
+            raise UpstreamBroken("a stream event is not a JSON object")
+        if self.finished:
+            raise UpstreamBroken("a response after the finished one")
+        if "error" in doc:
+            err = doc["error"] if isinstance(doc["error"], dict) else {}
+            raise UpstreamBroken(f"the provider ended the stream: {err.get('status', 'error')}")
+        try:
+            return self._response(doc)
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise UpstreamBroken("a malformed stream response") from None
+
+    def _response(self, doc: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if not self.started:
+            self.started = True
+            self.id, self.model = str(doc.get("responseId", "")), str(doc.get("modelVersion", ""))
+            out.append(self._chunk({"role": "assistant", "content": ""}))
+        if doc.get("usageMetadata"):
+            self.usage = _usage(doc["usageMetadata"])
+        candidates = doc.get("candidates") or []
+        if not candidates and (doc.get("promptFeedback") or {}).get("blockReason"):
+            self.finished = True
+            return [*out, self._chunk({"refusal": "the provider blocked the prompt"}, "content_filter")]
+        for cand in candidates[:1]:
+            for part in (cand.get("content") or {}).get("parts") or ():
+                if "functionCall" in part:
+                    fn = part["functionCall"]
+                    # A call arrives whole: its id, name and arguments in one delta.
+                    out.append(self._chunk({"tool_calls": [{"index": self.calls, "id": _call_id(self.id, self.calls),
+                                                            "type": "function", "function": {
+                                                                "name": fn["name"],
+                                                                "arguments": json.dumps(fn.get("args") or {})}}]}))
+                    self.calls += 1
+                elif part.get("thought"):
+                    out.append(self._chunk({"reasoning": part.get("text", "")}))
+                elif part.get("text"):
+                    out.append(self._chunk({"content": part["text"]}))
+            if cand.get("finishReason"):
+                self.finished = True
+                out.append(self._chunk({}, _finish(cand["finishReason"], self.calls > 0)))
+        return out
+
+    def finish(self) -> list[bytes]:
+        if not self.finished:
+            raise UpstreamBroken("the stream ended without a finish reason")
+        out = []
+        if self.include_usage:
+            usage = (self.usage or Usage()).openai()
+            out.append(sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
+                            "model": self.model, "choices": [], "usage": usage}))
+        return [*out, sse("[DONE]")]
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+STATUSES = {"RESOURCE_EXHAUSTED": "rate_limited", "UNAVAILABLE": "unavailable", "INTERNAL": "unavailable"}
+
+
+def failure(status: int, body: bytes) -> Failure:
+    try:
+        err = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        err = {}
+    kind = str(err.get("status", "")) if isinstance(err, dict) else ""
+    message = str(err.get("message", ""))[:500] if isinstance(err, dict) else ""
+    if kind in STATUSES:
+        return Failure(ErrorCode.UPSTREAM_ERROR, 502, message or kind, STATUSES[kind])
+    if kind == "INVALID_ARGUMENT" and "token" in message and "exceeds" in message:
+        return Failure(ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, message)
+    return failure_for_status(status, message)
+
+
+class GeminiAdapter:
+    name = "gemini"
+    version = 1
+    loss_table = LOSS_TABLE
+
+    def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
+        model = quote(target.model, safe="")
+        path = f"/v1beta/models/{model}:" + ("streamGenerateContent?alt=sse" if target.stream else "generateContent")
+        headers = {"content-type": "application/json"}
+        if target.credential:
+            headers["x-goog-api-key"] = target.credential
+        return path, headers
+
+    def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        path, headers = self.endpoint(target)
+        return NativeRequest(path, headers, orjson.dumps(native_body(body)), tuple(losses(body, LOSS_TABLE)))
+
+    def response(self, status: int, body: bytes) -> dict[str, Any]:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            raise UpstreamBroken("the provider's answer is not JSON") from None
+        if not isinstance(doc, dict) or not ("candidates" in doc or "promptFeedback" in doc):
+            raise UpstreamBroken("the provider's answer is not a generateContent response")
+        try:
+            return completion(doc)
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise UpstreamBroken("the provider's answer is malformed") from None
+
+    def stream(self, include_usage: bool = True) -> GeminiStream:
+        return GeminiStream(include_usage)
+
+    def failure(self, status: int, body: bytes) -> Failure:
+        return failure(status, body)
+
+    def usage(self, native: Mapping[str, Any]) -> Usage:
+        return _usage(native)
+
+
+GEMINI = GeminiAdapter()
