@@ -107,11 +107,20 @@ def test_errors_are_anthropics_with_the_contracts_code(stack: Stack) -> None:
     assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_an_upstream_failure_is_an_anthropic_error(stack: Stack) -> None:
+def test_upstream_failures_and_envoys_own_replies_are_anthropic_errors(stack: Stack) -> None:
+    # custom_response's rewrite of the engine's 503 and Envoy's own timeout reply never pass the door
+    # filter: they are rendered in the door's shape for the door's requests.
     marker = inject_fault(stack.engine_urls(), "status=503", count=4)
     with pytest.raises(anthropic.InternalServerError) as e:
         client(stack).messages.create(model="chat-default", max_tokens=4, messages=ask(marker))
-    assert e.value.status_code == 502 and e.value.body["error"]["code"] == "upstream_error"  # type: ignore[index]
+    assert e.value.status_code == 502 and e.value.body == {  # type: ignore[comparison-overlap]
+        "type": "error", "error": {"type": "api_error", "message": "the upstream is unavailable (503)",
+                                   "code": "upstream_error"}}
+    marker = inject_fault(stack.engine_urls(), "delay_ms=3000", count=4)
+    r = request(f"{stack.url}/v1/messages", "POST", {"model": "chat-default", "max_tokens": 4, "messages": ask(marker)},
+                {"x-api-key": KEY, "x-llmgw-deadline-ms": "300"})
+    assert r.status == 504 and r.json()["type"] == "error"
+    assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("timeout_error", "deadline_exceeded")
 
 
 def test_a_broken_stream_ends_with_an_error_event(stack: Stack) -> None:

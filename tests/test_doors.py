@@ -1,6 +1,6 @@
-"""The Anthropic front door's translations on their own (extproc/doors/anthropic.py): the request into
-the internal contract, answers, errors and streams back into Anthropic's shape. The same requests
-through Envoy with the real SDK: tests/test_anthropic_door_e2e.py."""
+"""The front doors' translations on their own (extproc/doors/): the request into the internal
+contract, answers, errors and streams back into Anthropic's and Gemini's shapes. The same requests
+through Envoy with the real SDKs: tests/test_anthropic_door_e2e.py, tests/test_gemini_door_e2e.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.contract import ErrorCode, GatewayError
+from extproc.doors import GEMINI as GEMINI_DOOR
 from extproc.doors import door_for
 from extproc.doors.anthropic import MessagesStream, answer, error, request
+from extproc.doors.gemini import GenerateContentStream
+from extproc.doors.gemini import answer as gemini_answer
+from extproc.doors.gemini import error as gemini_error
+from extproc.doors.gemini import request as gemini_request
 
 
 def native(**kw: Any) -> bytes:
@@ -179,3 +184,96 @@ def test_valid_looking_chunks_give_well_formed_events(chunks: list[dict[str, Any
     kinds = [k for k, _ in got]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert kinds.count("content_block_start") == kinds.count("content_block_stop")  # every block closed
+
+
+# -- the Gemini door ---------------------------------------------------------------------------------
+
+GPATH = "/v1beta/models/chat-default:generateContent"
+
+
+def gnative(**kw: Any) -> bytes:
+    return json.dumps({"contents": [{"role": "user", "parts": [{"text": "hi"}]}], **kw}).encode()
+
+
+def test_the_gemini_door_takes_the_route_from_the_path_and_both_spellings() -> None:
+    assert door_for("/v1beta/models/chat-default:streamGenerateContent?alt=sse") is GEMINI_DOOR
+    assert door_for("/v1beta/models/a/b:generateContent") is None
+    body = gemini_request(gnative(system_instruction={"parts": [{"text": "brief"}]},
+                                  generation_config={"max_output_tokens": 9, "stop_sequences": ["END"]},
+                                  tools=[{"function_declarations": [{"name": "f", "parameters_json_schema": {}}]}],
+                                  tool_config={"function_calling_config": {"mode": "ANY"}}), GPATH)
+    assert body["model"] == "chat-default" and body["max_tokens"] == 9 and body["stop"] == ["END"]
+    assert body["messages"][0] == {"role": "system", "content": "brief"} and body["tool_choice"] == "required"
+    camel = gemini_request(gnative(systemInstruction={"parts": [{"text": "brief"}]},
+                                   generationConfig={"maxOutputTokens": 9, "stopSequences": ["END"]},
+                                   tools=[{"functionDeclarations": [{"name": "f", "parametersJsonSchema": {}}]}],
+                                   toolConfig={"functionCallingConfig": {"mode": "ANY"}}), GPATH)
+    assert camel == body
+    streamed = gemini_request(gnative(), "/v1beta/models/r:streamGenerateContent?alt=sse")
+    assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("raw, path, code, param", [
+    (gnative(safetySettings=[]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "safetySettings"),
+    (gnative(cachedContent="c/1"), GPATH, ErrorCode.UNSUPPORTED_FIELD, "cachedContent"),
+    (gnative(tools=[{"googleSearch": {}}]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "tools.0.googleSearch"),
+    (gnative(generationConfig={"responseSchema": {}}), GPATH, ErrorCode.UNSUPPORTED_FIELD,
+     "generationConfig.responseSchema"),
+    (json.dumps({"contents": []}).encode(), GPATH, ErrorCode.INVALID_REQUEST, "contents"),
+    (gnative(contents=[{"role": "tool", "parts": [{"text": "x"}]}]), GPATH, ErrorCode.INVALID_REQUEST,
+     "contents.0.role"),
+    (gnative(contents=[{"parts": [{"text": "x", "inlineData": {"mimeType": "a", "data": "b"}}]}]), GPATH,
+     ErrorCode.INVALID_REQUEST, "contents.0.parts.0"),
+    (gnative(), "/v1beta/models/r:streamGenerateContent", ErrorCode.INVALID_REQUEST, "alt"),
+])
+def test_the_gemini_door_refuses_what_it_cannot_carry(raw: bytes, path: str, code: ErrorCode, param: str) -> None:
+    with pytest.raises(GatewayError) as e:
+        gemini_request(raw, path)
+    assert e.value.code is code and (e.value.param or "").startswith(param)
+
+
+def test_a_gemini_answer_and_error() -> None:
+    doc = gemini_answer(completion({"role": "assistant", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}, "tool_calls"))
+    (cand,) = doc["candidates"]
+    assert cand["content"]["parts"] == [{"text": "hi"}, {"functionCall": {"name": "f", "args": {"a": 1}}}]
+    assert cand["finishReason"] == "STOP" and doc["responseId"] == "abc"
+    assert doc["usageMetadata"] == {"promptTokenCount": 10, "candidatesTokenCount": 4, "totalTokenCount": 14,
+                                    "cachedContentTokenCount": 6}
+    err = json.loads(gemini_error(429, GatewayError(ErrorCode.BUDGET_EXHAUSTED, "no budget").body()))["error"]
+    assert (err["code"], err["status"], err["details"][0]["reason"]) == (429, "RESOURCE_EXHAUSTED", "budget_exhausted")
+
+
+def gframes(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\r\n\r\n") if e]
+
+
+def test_a_stream_becomes_geminis_responses() -> None:
+    t = GenerateContentStream()
+    frames = gframes(t.feed(STREAM) + t.finish())
+    texts = [p["text"] for f in frames[:-1] for p in f["candidates"][0]["content"]["parts"]]
+    assert texts == ["Hel", "lo"]
+    last = frames[-1]
+    assert last["candidates"][0]["finishReason"] == "STOP"  # a function call ends the turn: STOP
+    assert last["candidates"][0]["content"]["parts"] == [{"functionCall": {"name": "f", "args": {"a": 1}}}]
+    assert last["usageMetadata"]["candidatesTokenCount"] == 3
+
+
+@given(st.lists(st.integers(0, len(STREAM)), max_size=12))
+def test_any_split_gives_the_same_gemini_stream(cuts: list[int]) -> None:
+    t, out, prev = GenerateContentStream(), b"", 0
+    for c in sorted(cuts):
+        out += t.feed(STREAM[prev:c])
+        prev = c
+    out += t.feed(STREAM[prev:]) + t.finish()
+    whole = GenerateContentStream()
+    assert out == whole.feed(STREAM) + whole.finish()
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=2000))
+def test_random_bytes_never_break_the_gemini_stream(data: bytes) -> None:
+    t = GenerateContentStream()
+    frames = gframes(t.feed(data) + t.finish())
+    assert frames and ("error" in frames[-1] or "finishReason" in frames[-1]["candidates"][0])
+    assert sum("error" in f for f in frames) <= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
+from extproc.doors import BY_NAME, DOORS
 from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
 from llmgw.procs import envoy_binary
 from tests.conftest import POLICY
@@ -74,9 +76,10 @@ def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: di
     assert chain["llmgw.door"]["disabled"] is True
     routes = {r["name"]: r for r in hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]}
     # The door filter is on only for a front door's path (and the response filters with it).
-    door = routes["anthropic_without_body"]
-    assert door["match"] == {"path": "/v1/messages"}
-    assert not door["typed_per_filter_config"]["llmgw.door"].get("disabled", False)
+    for name in ("anthropic", "gemini"):
+        door = routes[f"{name}_without_body"]
+        assert door["match"] == {"safe_regex": {"regex": BY_NAME[name].path}}
+        assert not door["typed_per_filter_config"]["llmgw.door"].get("disabled", False)
     assert "llmgw.door" not in routes["chat_without_body"]["typed_per_filter_config"]
     on = routes["chat_without_body"]["typed_per_filter_config"]
     assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"} <= set(on)
@@ -109,24 +112,28 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         md = r["match"]["dynamic_metadata"][0]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
-        assert r["request_headers_to_remove"] == ["authorization", "x-api-key"]
+        assert r["request_headers_to_remove"] == ["authorization", "x-api-key", "x-goog-api-key"]
         # Streams: the Lua stream guard. Idempotent streams: ext_proc's stream guard. Idempotent JSON:
         # the meter. Other JSON: none of them (the access log settles).
         extra = r["match"]["dynamic_metadata"][1:]
         settles = [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra]
         assert settles in ([], [("settle", "stream")], [("settle", "kept_stream")], [("settle", "metered")])
         kind = settles[0][1] if settles else ""
-        door = r["name"].endswith("_anthropic")  # a front door's path, rewritten for the upstream
+        door = next((d for d in DOORS if r["name"].endswith(f"_{d.name}")), None)  # a front door's path
         assert r["name"] == f"admitted_{r['route']['cluster']}" + (f"_{kind}" if kind else "") + (
-            "_anthropic" if door else "")
-        assert r["match"].get("path") == "/v1/messages" if door else r["match"]["prefix"] == "/v1/"
-        assert r["route"].get("prefix_rewrite", "") == ("/v1/chat/completions" if door else "")
+            f"_{door.name}" if door else "")
+        if door is not None:  # rewritten for the upstream: the request is a chat completion now
+            assert r["match"]["safe_regex"]["regex"] == door.path
+            assert r["route"]["regex_rewrite"] == {"pattern": {"regex": door.path},
+                                                   "substitution": "/v1/chat/completions"}
+        else:
+            assert r["match"]["prefix"] == "/v1/" and "regex_rewrite" not in r["route"]
         guards = {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"}
         off = set(r.get("typed_per_filter_config", {})) & guards
         on = {"stream": "llmgw.lua_streams", "kept_stream": "llmgw.streams", "metered": "llmgw.meter", "": None}
         assert off == guards - {on[kind]}, (kind, off)
     assert {r["name"].removeprefix("admitted_pool_engine-pool") for r in to_clusters} >= {
-        "", "_stream", "_kept_stream", "_metered", "_anthropic", "_stream_anthropic"}
+        "", "_stream", "_kept_stream", "_metered", "_anthropic", "_stream_anthropic", "_gemini", "_stream_gemini"}
     # Everything else is answered by Envoy itself in the contract's JSON.
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:
@@ -152,11 +159,23 @@ def test_pool_cluster_health_checked(rendered: dict[str, Any]) -> None:
 
 
 def test_every_local_reply_is_contract_json(rendered: dict[str, Any]) -> None:
+    """In the contract's shape, or - for a front door's request, matched by its path first - in the
+    door's, with the same code inside."""
     mappers = hcm(rendered)["local_reply_config"]["mappers"]
     assert any("ext_proc" in m["filter"]["extension_filter"]["typed_config"]["expression"] for m in mappers)
-    for m in mappers:
+    plain = [m for m in mappers if "x-envoy-original-path" not in m["filter"]["extension_filter"]["typed_config"][
+        "expression"]]
+    for m in plain:
         err = m["body_format_override"]["json_format"]["error"]
         assert set(err) == {"message", "type", "code", "param"}
+    assert mappers[-len(plain):] == plain  # the doors' mappers come first: the first match wins
+    for door in DOORS:
+        mine = [m for m in mappers if door.path in m["filter"]["extension_filter"]["typed_config"]["expression"]]
+        assert len(mine) == len(plain)
+        for m, p in zip(mine, plain, strict=True):
+            contract = json.dumps(p["body_format_override"]["json_format"]).encode()
+            # the door's shape of the same error
+            assert m["body_format_override"]["json_format"] == json.loads(door.error(m["status_code"], contract))
 
 
 def test_render_cli_writes_file(tmp_path: Path) -> None:

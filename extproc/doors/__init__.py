@@ -10,11 +10,13 @@ in and out, no Envoy types.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
-from extproc.doors import anthropic
+from extproc.doors import anthropic, gemini
 
 
 class DoorStream(Protocol):
@@ -26,20 +28,28 @@ class DoorStream(Protocol):
 @dataclass(frozen=True)
 class Door:
     name: str
-    path: str
-    request: Callable[[bytes], dict[str, Any]]  # the raw body -> the internal request (GatewayError)
+    path: str  # a regular expression the whole path (without its query) matches; Envoy's routes use it too
+    request: Callable[[bytes, str], dict[str, Any]]  # the raw body and path -> the internal request (GatewayError)
     answer: Callable[[dict[str, Any]], dict[str, Any]]  # an internal answer -> the caller's
     error: Callable[[int, bytes], bytes]  # a contract error body -> the caller's
     stream: Callable[[], DoorStream]  # internal SSE -> the caller's events
     credential_headers: tuple[str, ...] = ()  # where its SDK puts the key, besides Authorization: Bearer
+    credential_query: str = ""  # a query parameter that may carry the key (Gemini's `key`)
+
+    def matches(self, path: str) -> bool:
+        return re.fullmatch(self.path, urlsplit(path).path) is not None
 
 
-ANTHROPIC = Door(anthropic.NAME, anthropic.MESSAGES_PATH, anthropic.request, anthropic.answer, anthropic.error,
-                 anthropic.MessagesStream, ("x-api-key",))
-DOORS: dict[str, Door] = {d.path: d for d in (ANTHROPIC,)}
-BY_NAME: dict[str, Door] = {d.name: d for d in DOORS.values()}
+ANTHROPIC = Door(anthropic.NAME, re.escape(anthropic.MESSAGES_PATH), lambda raw, _path: anthropic.request(raw),
+                 anthropic.answer, anthropic.error, anthropic.MessagesStream, ("x-api-key",))
+GEMINI = Door(gemini.NAME, gemini.PATH_REGEX, gemini.request, gemini.answer, gemini.error,
+              gemini.GenerateContentStream, ("x-goog-api-key",), "key")
+DOORS: tuple[Door, ...] = (ANTHROPIC, GEMINI)
+BY_NAME: dict[str, Door] = {d.name: d for d in DOORS}
+CREDENTIAL_HEADERS = tuple(h for d in DOORS for h in d.credential_headers)  # never forwarded
+CREDENTIAL_QUERY = tuple(d.credential_query for d in DOORS if d.credential_query)  # never forwarded or logged
 
 
 def door_for(path: str) -> Door | None:
     """The door a request path opens (the query string aside); None: the chat completions API."""
-    return DOORS.get(path.split("?", 1)[0])
+    return next((d for d in DOORS if d.matches(path)), None)

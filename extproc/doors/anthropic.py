@@ -125,7 +125,8 @@ def request(raw: bytes) -> dict[str, Any]:
     try:
         native = MessagesRequest.model_validate(doc)
     except ValidationError as e:
-        err = e.errors()[0]
+        # A field the gateway does not carry is named first: it is why the rest does not fit either.
+        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
         param = _param(err["loc"])
         if err["type"] == "extra_forbidden":
             raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's "

@@ -11,6 +11,7 @@ import hashlib
 import logging
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import jwt
 
@@ -38,18 +39,21 @@ def bearer_token(authorization: str) -> str | None:
 
 def credential(headers: dict[str, str], path: str) -> str:
     """The gateway credential, where the caller's SDK puts it: `Authorization: Bearer` on every path,
-    and a front door's own header on its path (Anthropic's `x-api-key` on /v1/messages; elsewhere it is
-    just another header, never forwarded). Two different ones are refused: which counts would be a guess."""
+    and a front door's own header or query parameter on its path (Anthropic's `x-api-key`, Google's
+    `x-goog-api-key` and `?key=`; elsewhere just another header, never forwarded). Two different ones
+    are refused: which counts would be a guess."""
     bearer = bearer_token(headers["authorization"]) if "authorization" in headers else None
     if "authorization" in headers and bearer is None:
         raise Unauthenticated("authorization is not a bearer token")
     door = door_for(path)
     tokens = {bearer} if bearer is not None else set()
-    for name in door.credential_headers if door is not None else ():
-        key = headers.get(name, "").strip()
-        if len(key) > _MAX_TOKEN:
-            raise Unauthenticated(f"{name} too long")
-        tokens |= {key} if key else set()
+    given = [headers.get(name, "") for name in door.credential_headers] if door is not None else []
+    if door is not None and door.credential_query:
+        given += parse_qs(urlsplit(path).query).get(door.credential_query, [])
+    for key in given:
+        if len(key.strip()) > _MAX_TOKEN:
+            raise Unauthenticated("credential too long")
+        tokens |= {key.strip()} if key.strip() else set()
     if len(tokens) > 1:
         raise Unauthenticated("two different credentials")
     if not tokens:

@@ -15,7 +15,7 @@ class Intake:
 
     async def run(self, ex: Exchange) -> None:
         door = door_for(ex.path)
-        path = door.path if door is not None else CHAT_PATH
+        path = ex.path.split("?", 1)[0] if door is not None else CHAT_PATH
         if door is None and ex.path.split("?", 1)[0] != CHAT_PATH:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
         if ex.method != "POST":
@@ -23,7 +23,7 @@ class Intake:
         limits = ex.snapshot.gateway.limits
         # Another API shape's request becomes the internal one here; every later stage sees one shape.
         ex.door = door.name if door is not None else ""
-        doc = door.request(ex.raw_body) if door is not None else chat.parse_json(ex.raw_body)
+        doc = door.request(ex.raw_body, ex.path) if door is not None else chat.parse_json(ex.raw_body)
         ex.body = chat.validate(doc, limits.max_messages, limits.max_n)
         ex.stream = ex.body.get("stream") is True
         ex.n = ex.body.get("n") or 1

@@ -17,23 +17,32 @@ from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
-from extproc.contract import REVISION_HEADER, ErrorCode
+from extproc.contract import REVISION_HEADER, ErrorCode, GatewayError
+from extproc.doors import DOORS, Door
 from llmgw.render.common import pack
 from llmgw.render.filters import upstream_answer_headers
 
 OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
 
 
-def _contract_json(code: ErrorCode, message: str, status_fmt: str | None = None) -> (
+def _contract_json(code: ErrorCode, message: str, status: int = 0, door: Door | None = None) -> (
         substitution_format_string_pb2.SubstitutionFormatString):
-    """The contract's error body as an Envoy JSON format string."""
-    error = struct_pb2.Struct()
-    error.update({"message": message, "type": code.error_type, "code": code.value})
-    error.fields["param"].null_value = struct_pb2.NULL_VALUE
+    """The contract's error body as an Envoy JSON format string; for a front door's caller, in its
+    shape (Envoy's own replies and custom_response's never pass the door filter)."""
+    doc = json.loads(GatewayError(code, message).body())
+    if door is not None:
+        doc = json.loads(door.error(status, json.dumps(doc).encode()))
     body = struct_pb2.Struct()
-    body.fields["error"].struct_value.CopyFrom(error)
+    body.update(doc)
     return substitution_format_string_pb2.SubstitutionFormatString(
         json_format=body, content_type="application/json")
+
+
+def door_expr(door: Door) -> str:
+    """CEL: this request came through `door` (its path as the client sent it: an admitted request's
+    was rewritten for the upstream, and Envoy keeps the original in x-envoy-original-path)."""
+    path = "('x-envoy-original-path' in request.headers ? request.headers['x-envoy-original-path'] : request.path)"
+    return f"{path}.matches('^{door.path}([?].*)?$')"
 
 
 def _cel_filter(expr: str) -> accesslog_pb2.AccessLogFilter:
@@ -75,11 +84,12 @@ def local_reply_config(revision: str) -> hcm_pb2.LocalReplyConfig:
                                                  append_action=base_pb2.HeaderValueOption.ADD_IF_ABSENT)
     return hcm_pb2.LocalReplyConfig(mappers=[
         hcm_pb2.ResponseMapper(
-            filter=_cel_filter(expr),
+            filter=_cel_filter(f"{door_expr(door)} && {expr}" if door is not None else expr),
             status_code=wrappers_pb2.UInt32Value(value=status),
-            body_format_override=_contract_json(code, message),
+            body_format_override=_contract_json(code, message, status, door),
             headers_to_add=[revision_header],
         )
+        for door in (*DOORS, None)  # a door's callers first, in their shape
         for expr, status, code, message in LOCAL_REPLY_RULES
     ])
 
@@ -99,7 +109,7 @@ UPSTREAM_ERROR_RULES: tuple[tuple[int, int, ErrorCode, str], ...] = (
 )
 
 
-def _custom_response_filter() -> custom_response_pb2.CustomResponse:
+def _custom_response_filter(door: Door | None) -> custom_response_pb2.CustomResponse:
     status_input = xds_extension_pb2.TypedExtensionConfig(
         name="status", typed_config=pack(status_code_input_pb2.HttpResponseStatusCodeMatchInput()))
     tree = matcher_pb2.Matcher.MatcherTree(
@@ -109,7 +119,7 @@ def _custom_response_filter() -> custom_response_pb2.CustomResponse:
                 name=f"upstream_{upstream}",
                 typed_config=pack(local_response_policy_pb2.LocalResponsePolicy(
                     status_code=wrappers_pb2.UInt32Value(value=status),
-                    body_format=_contract_json(code, message),
+                    body_format=_contract_json(code, message, status, door),
                     # Its content_type is ignored in 1.40; the header is set here instead.
                     response_headers_to_add=[*upstream_answer_headers(), base_pb2.HeaderValueOption(
                         header=base_pb2.HeaderValue(key="content-type", value="application/json"),
@@ -120,9 +130,10 @@ def _custom_response_filter() -> custom_response_pb2.CustomResponse:
     return custom_response_pb2.CustomResponse(custom_response_matcher=matcher_pb2.Matcher(matcher_tree=tree))
 
 
-def admitted_route_filters() -> dict[str, any_pb2.Any]:
-    """Upstream errors are rewritten only on admitted routes, so ext_proc's own replies stay as sent."""
-    return {"envoy.filters.http.custom_response": pack(_custom_response_filter())}
+def admitted_route_filters(door: Door | None = None) -> dict[str, any_pb2.Any]:
+    """Upstream errors are rewritten only on admitted routes, so ext_proc's own replies stay as sent;
+    a front door's admitted routes rewrite them in its caller's shape."""
+    return {"envoy.filters.http.custom_response": pack(_custom_response_filter(door))}
 
 
 def direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.DirectResponseAction:

@@ -25,6 +25,7 @@ from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_TRANSLATED, ATTEMPT_TRA
 from extproc.config import Snapshot
 from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, Role
 from extproc.door_filter import DOOR_ATTRIBUTES, DOOR_MODE
+from extproc.doors import CREDENTIAL_QUERY
 from extproc.names import INTERRUPTED, Key, Settle
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
@@ -109,7 +110,9 @@ def upstream_headers_filter() -> header_mutation_pb2.HeaderMutation:
     return header_mutation_pb2.HeaderMutation(mutations=header_mutation_pb2.Mutations(request_mutations=[
         strip, *(mutation_rules_pb2.HeaderMutation(append=hvo(
             header=base_pb2.HeaderValue(key=k, value=v), append_action=hvo.OVERWRITE_IF_EXISTS_OR_ADD))
-            for k, v in DECISION_HEADERS)]))
+            for k, v in DECISION_HEADERS)],
+        # A front door's key in the query string (Gemini's `?key=`) never travels upstream either.
+        query_parameter_mutations=[base_pb2.KeyValueMutation(remove=name) for name in CREDENTIAL_QUERY]))
 
 
 def header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
@@ -120,7 +123,8 @@ def header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
 # Headers ext_proc reads as CEL attributes on the body message (the whole map is not serializable).
 REQUEST_ATTRIBUTES = (
     "request.id", "request.path", "request.method", "request.time",
-    "request.headers['authorization']", "request.headers['x-api-key']", "request.headers['x-llmgw-data-class']",
+    "request.headers['authorization']", "request.headers['x-api-key']", "request.headers['x-goog-api-key']",
+    "request.headers['x-llmgw-data-class']",
     "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
     "request.headers['traceparent']", "request.headers['tracestate']",
 )
@@ -276,7 +280,8 @@ def stdout_access_log() -> accesslog_pb2.AccessLog:
     fmt = struct_pb2.Struct()
     fmt.update({
         "time": "%START_TIME%", "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%",
-        "path": "%REQ(:PATH):256%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
+        # The client's path, never its query (a front door's key may be there: Gemini's `?key=`).
+        "path": "%PATH(NQ:ORIG_OR_PATH):256%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
         "flags": "%RESPONSE_FLAGS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
         "tenant": f"%DYNAMIC_METADATA({ns}:{Key.TENANT})%", "route": f"%DYNAMIC_METADATA({ns}:{Key.ROUTE})%",

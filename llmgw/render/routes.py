@@ -10,12 +10,12 @@ from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
-from envoy.type.matcher.v3 import metadata_pb2
+from envoy.type.matcher.v3 import metadata_pb2, regex_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
-from extproc.doors import DOORS
+from extproc.doors import CREDENTIAL_HEADERS, DOORS, Door
 from extproc.names import Key, Settle
 from extproc.settlement import ANSWERED_BY
 from llmgw.render.common import duration_ms, pack, string_value_matcher
@@ -83,12 +83,10 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
             streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
             name = f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}")
             metadata = [md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]
-            # A front door's request was turned into a chat completion by ext_proc: the upstream gets
-            # that path (the attempt filter sets a translated candidate's own).
             match = route_components_pb2.RouteMatch
-            for door in DOORS.values():
-                routes.append(admitted_route(f"{name}_{door.name}", match(path=door.path, dynamic_metadata=metadata),
-                                             cluster, streamed, stream_idle_ms, per_route, CHAT_PATH))
+            for door in DOORS:
+                routes.append(admitted_route(f"{name}_{door.name}", match(safe_regex=regex_pb2.RegexMatcher(
+                    regex=door.path), dynamic_metadata=metadata), cluster, streamed, stream_idle_ms, per_route, door))
             routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
                                          cluster, streamed, stream_idle_ms, per_route))
     routes += [
@@ -102,10 +100,11 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
         # A front door's request as it arrives (the door filter on, with the response filters); what
         # it meets only without a body.
         *(route_components_pb2.Route(
-            name=f"{door.name}_without_body", match=route_components_pb2.RouteMatch(path=door.path),
+            name=f"{door.name}_without_body",
+            match=route_components_pb2.RouteMatch(safe_regex=regex_pb2.RegexMatcher(regex=door.path)),
             direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
             response_headers_to_add=own, typed_per_filter_config={**_response_filters_on(snap), **_door_on()})
-          for door in DOORS.values()),
+          for door in DOORS),
         # Everything else, /v1/* included: no such endpoint, answered without asking ext_proc.
         route_components_pb2.Route(
             name="not_found", match=route_components_pb2.RouteMatch(prefix="/"),
@@ -119,15 +118,19 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
 
 def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: str, streamed: bool,
                    stream_idle_ms: int, per_route: dict[str, any_pb2.Any],
-                   rewrite: str = "") -> route_components_pb2.Route:
-    """A route only a decision reaches (its match holds ext_proc's metadata) to `cluster`."""
+                   door: Door | None = None) -> route_components_pb2.Route:
+    """A route only a decision reaches (its match holds ext_proc's metadata) to `cluster`; a front
+    door's request was turned into a chat completion by ext_proc, so the upstream gets that path (the
+    attempt filter sets a translated candidate's own)."""
+    rewrite = regex_pb2.RegexMatchAndSubstitute(pattern=regex_pb2.RegexMatcher(regex=door.path),
+                                                substitution=CHAT_PATH) if door is not None else None
     return route_components_pb2.Route(
         name=name, match=match,
         route=route_components_pb2.RouteAction(
             # A JSON answer is silent until generated: its bound is the deadline. A stream's
             # silence is bounded per attempt (and an attempt silent before its first byte may
             # be retried or fall back, when ext_proc's retry policy says `reset`).
-            cluster=cluster, timeout=duration_ms(0), prefix_rewrite=rewrite,
+            cluster=cluster, timeout=duration_ms(0), regex_rewrite=rewrite,
             idle_timeout=duration_ms(stream_idle_ms if streamed else 300_000),
             # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
             # x-envoy-max-retries, set after the decision). A retry goes to another engine.
@@ -141,9 +144,9 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
         ),
         # The caller's gateway credential never travels upstream (the header allow-list drops
         # it too; this holds even where a mesh operator leaves that filter out).
-        request_headers_to_remove=["authorization", "x-api-key"],
+        request_headers_to_remove=["authorization", *CREDENTIAL_HEADERS],
         response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
-        typed_per_filter_config={**admitted_route_filters(), **per_route})
+        typed_per_filter_config={**admitted_route_filters(door), **per_route})
 
 
 def _door_on() -> dict[str, any_pb2.Any]:

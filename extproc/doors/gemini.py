@@ -1,0 +1,315 @@
+"""The Gemini front door: `POST /v1beta/models/{route}:generateContent` and
+`:streamGenerateContent?alt=sse`, as the Gemini API takes them (the google-genai SDK, or plain HTTP).
+
+Request: the route is the path's model; the body is checked against generateContent's shape
+(pydantic, strict: `safetySettings`, `cachedContent`, tools other than function declarations and the
+OpenAPI `responseSchema` are 400 `unsupported_field` naming them) and turned into the internal chat
+completion (extproc/adapters/gemini.internal_body). A stream must ask for SSE (`alt=sse`).
+
+Answer: the internal chat completion -> `candidates` (text and whole `functionCall` parts, one per
+choice), `finishReason` (STOP, MAX_TOKENS, SAFETY), `usageMetadata` (cached tokens as
+`cachedContentTokenCount`). Stream: one response per internal chunk with text; function calls, the
+finish reason and usage in the last one (Gemini sends calls whole); no `[DONE]`; the contract's
+`stream_interrupted` becomes an error response. Errors: Google's body (`{"error": {"code", "message",
+"status", "details"}}`), the contract's code as the `reason` of an ErrorInfo detail.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from extproc import chat
+from extproc.adapters.gemini import internal_body
+from extproc.contract import ErrorCode, GatewayError
+from extproc.sse import MAX_EVENT_BYTES, event_data, take_events
+
+NAME = "gemini"
+PATH = re.compile(r"/v1beta/models/([^/:]+):(generateContent|streamGenerateContent)")
+PATH_REGEX = PATH.pattern  # for Envoy's routes (RE2 takes it as it is)
+
+
+class _Strict(BaseModel):
+    # The API's JSON takes each field as lowerCamelCase or as its proto name (snake_case): the SDKs
+    # send both (google-genai sends `parameters_json_schema`).
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, alias_generator=to_camel)
+
+
+class Blob(_Strict):
+    mime_type: str
+    data: str
+
+
+class FileData(_Strict):
+    file_uri: str
+    mime_type: str | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    args: dict[str, Any] = {}
+    id: str | None = None
+
+
+class FunctionResponse(_Strict):
+    name: str
+    response: dict[str, Any]
+    id: str | None = None
+
+
+class Part(_Strict):
+    text: str | None = None
+    inline_data: Blob | None = None
+    file_data: FileData | None = None
+    function_call: FunctionCall | None = None
+    function_response: FunctionResponse | None = None
+    thought: bool | None = None
+    thought_signature: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Part:
+        kinds = [k for k in ("text", "inline_data", "file_data", "function_call", "function_response")
+                 if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("a part holds exactly one of text, inlineData, fileData, functionCall, functionResponse")
+        return self
+
+
+class Content(_Strict):
+    role: Literal["user", "model"] = "user"
+    parts: list[Part] = Field(min_length=1)
+
+
+class SystemInstruction(_Strict):
+    role: str | None = None
+    parts: list[Part] = Field(min_length=1)
+
+
+class FunctionDeclaration(_Strict):
+    name: str
+    description: str | None = None
+    parameters_json_schema: dict[str, Any] | None = None
+
+
+class Tool(_Strict):
+    function_declarations: list[FunctionDeclaration]
+
+
+class FunctionCallingConfig(_Strict):
+    mode: Literal["AUTO", "ANY", "NONE", "VALIDATED"] = "AUTO"
+    allowed_function_names: list[str] | None = None
+
+
+class ToolConfig(_Strict):
+    function_calling_config: FunctionCallingConfig
+
+
+class GenerationConfig(_Strict):
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    candidate_count: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    response_mime_type: Literal["text/plain", "application/json"] | None = None
+    response_json_schema: dict[str, Any] | None = None
+
+
+class GenerateContentRequest(_Strict):
+    contents: list[Content] = Field(min_length=1)
+    system_instruction: SystemInstruction | None = None
+    generation_config: GenerationConfig | None = None
+    tools: list[Tool] | None = None
+    tool_config: ToolConfig | None = None
+
+
+def route_of(path: str) -> tuple[str, bool] | None:
+    """(the route named in the path, whether it streams), or None for another path."""
+    m = PATH.fullmatch(urlsplit(path).path)
+    return (unquote(m.group(1)), m.group(2) == "streamGenerateContent") if m else None
+
+
+def request(raw: bytes, path: str) -> dict[str, Any]:
+    """A generateContent request as the internal chat completion request (GatewayError on bad input)."""
+    where = route_of(path)
+    if where is None:
+        raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, "no such endpoint")
+    route, stream = where
+    if stream and parse_qs(urlsplit(path).query).get("alt") != ["sse"]:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "streamGenerateContent takes alt=sse (server-sent events)", "alt")
+    doc = chat.parse_json(raw)
+    try:
+        native = GenerateContentRequest.model_validate(doc)
+    except ValidationError as e:
+        # A field the gateway does not carry is named first: it is why the rest does not fit either.
+        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
+        param = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p[:1].isupper()))
+        if err["type"] == "extra_forbidden":
+            raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's Gemini API",
+                               param) from None
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
+    body = internal_body(native.model_dump(exclude_none=True, by_alias=True), route, stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}  # the last response carries usage
+    return body
+
+
+# -- answers ----------------------------------------------------------------------------------------
+
+FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP", "content_filter": "SAFETY"}
+
+
+def _usage(usage: Any) -> dict[str, int]:
+    u = usage if isinstance(usage, dict) else {}
+    prompt, output = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
+    out = {"promptTokenCount": prompt, "candidatesTokenCount": output, "totalTokenCount": prompt + output}
+    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    if cached:
+        out["cachedContentTokenCount"] = cached
+    return out
+
+
+def _args(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _response_id(internal_id: Any) -> str:
+    return str(internal_id or "").removeprefix("chatcmpl-")
+
+
+def answer(doc: dict[str, Any]) -> dict[str, Any]:
+    candidates = []
+    for choice in doc.get("choices") or ():
+        msg = choice.get("message") or {}
+        parts: list[dict[str, Any]] = [{"text": msg["content"]}] if msg.get("content") else []
+        parts += [{"functionCall": {"name": (c.get("function") or {}).get("name", ""),
+                                    "args": _args((c.get("function") or {}).get("arguments", ""))}}
+                  for c in msg.get("tool_calls") or ()]
+        candidates.append({"content": {"role": "model", "parts": parts or [{"text": ""}]},
+                           "finishReason": FINISH.get(choice.get("finish_reason") or "", "OTHER"),
+                           "index": choice.get("index", 0)})
+    return {"candidates": candidates, "usageMetadata": _usage(doc.get("usage")),
+            "modelVersion": doc.get("model", ""), "responseId": _response_id(doc.get("id"))}
+
+
+STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+            408: "DEADLINE_EXCEEDED", 409: "ABORTED", 413: "INVALID_ARGUMENT", 422: "INVALID_ARGUMENT",
+            429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 502: "UNAVAILABLE", 503: "UNAVAILABLE",
+            504: "DEADLINE_EXCEEDED"}
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    return json.dumps({"error": {"code": status, "message": message, "status": STATUSES.get(status, "UNKNOWN"),
+                                 "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                                              "reason": code, "domain": "llmgw"}]}}).encode()
+
+
+def error(status: int, body: bytes) -> bytes:
+    """A contract error (or any non-2xx body) in Google's shape; one already in it is kept."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(err, dict) and "status" in err:
+        return body
+    if not isinstance(err, dict):
+        return error_body(status, f"the gateway answered {status}", ErrorCode.UPSTREAM_ERROR.value)
+    return error_body(status, str(err.get("message", "")), str(err.get("code", "")))
+
+
+# -- streams ----------------------------------------------------------------------------------------
+
+class GenerateContentStream:
+    """Internal SSE chunks in; Gemini's stream of responses out (`data: {...}` CRLF CRLF)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.id = ""
+        self.model = ""
+        self.calls: dict[int, dict[str, str]] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+        self.ended = False
+
+    def _frame(self, doc: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(doc).encode() + b"\r\n\r\n"
+
+    def _response(self, parts: list[dict[str, Any]], finish: str | None = None) -> dict[str, Any]:
+        cand: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
+        if finish:
+            cand["finishReason"] = finish
+        return {"candidates": [cand], "modelVersion": self.model, "responseId": self.id}
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.ended:
+            return b""
+        self.buf += chunk
+        out: list[bytes] = []
+        for event in take_events(self.buf):
+            data = event_data(event)
+            if data is not None:
+                out += self._one(data)
+            if self.ended:
+                break
+        if len(self.buf) > MAX_EVENT_BYTES and not self.ended:
+            out += self._failed("an event of the stream exceeds 1 MiB")
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The stream ended: one that never said [DONE] is interrupted, never finished."""
+        return b"" if self.ended else b"".join(self._failed("the stream ended before its end"))
+
+    def _failed(self, message: str) -> list[bytes]:
+        self.ended = True
+        return [self._frame(json.loads(error_body(500, message, ErrorCode.STREAM_INTERRUPTED.value)))]
+
+    def _one(self, data: str) -> list[bytes]:
+        if data.strip() == "[DONE]":
+            self.ended = True
+            parts = [{"functionCall": {"name": c["name"], "args": _args(c["arguments"])}}
+                     for _, c in sorted(self.calls.items())]
+            doc = self._response(parts or [{"text": ""}], self.finish_reason or "STOP")
+            if self.usage is not None:
+                doc["usageMetadata"] = self.usage
+            return [self._frame(doc)]
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return self._failed("the stream is malformed")
+        if not isinstance(obj, dict):
+            return self._failed("the stream is malformed")
+        if "error" in obj:
+            err = obj["error"] if isinstance(obj["error"], dict) else {}
+            return self._failed(str(err.get("message", "the stream was interrupted")))
+        self.id = self.id or _response_id(obj.get("id"))
+        self.model = self.model or str(obj.get("model", ""))
+        if isinstance(obj.get("usage"), dict):
+            self.usage = _usage(obj["usage"])
+        out: list[bytes] = []
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out.append(self._frame(self._response([{"text": delta["content"]}])))
+            for call in delta.get("tool_calls") or ():  # whole calls leave with the last response
+                c = self.calls.setdefault(int(call.get("index", 0)), {"name": "", "arguments": ""})
+                fn = call.get("function") or {}
+                c["name"] += fn.get("name") or ""
+                c["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.finish_reason = FINISH.get(choice["finish_reason"], "OTHER")
+        return out
