@@ -26,9 +26,9 @@ from typing import Any
 from aiohttp import web
 
 from enginesim.engine import Sequence
-from enginesim.output import Output, plan
-from enginesim.server import EngineServer, Fault, stream_fault
-from enginesim.tokenizer import TextSampler, apply_chat_template
+from enginesim.output import Output
+from enginesim.server import EngineServer, Fault, garbage, stream_fault
+from enginesim.tokenizer import apply_chat_template
 
 VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")  # `anthropic-version`: a dated API version
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -140,6 +140,8 @@ class MessagesFrontEnd:
         entry = srv._log_request(rid, request, body if isinstance(body, dict) else {}, bad.status if bad else 200)
         if bad is not None:
             return bad
+        if fault.garbage is not None:
+            return await garbage(request, fault.garbage, bool(body.get("stream")))
         if fault.status:
             entry["status"] = fault.status
             await asyncio.sleep(fault.delay_ms / 1000)
@@ -150,14 +152,7 @@ class MessagesFrontEnd:
             return anthropic_error(400, f"prompt is too long: {len(prompt)} tokens > {max_len - 1} maximum")
         max_tokens = min(body["max_tokens"], max_len - len(prompt))
         seed = zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed
-        out = plan(plan_body(body), seed, TextSampler(seed).natural_length, rid)
-        if "tool_calls" in srv.corrupt:
-            out.mangle_tool_calls()
-        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
-                       salt=None, arrival=srv.engine.now())
-        if fault.delay_ms:
-            await asyncio.sleep(fault.delay_ms / 1000)
-        srv.engine.submit(seq)
+        out, seq = await srv.submit_planned(plan_body(body), seed, prompt, max_tokens, rid, fault)
         try:
             if body.get("stream"):
                 return await self._stream(request, seq, out, rid, fault)

@@ -28,9 +28,9 @@ from typing import Any
 from aiohttp import web
 
 from enginesim.engine import Sequence
-from enginesim.output import Output, RequestError, check, plan
-from enginesim.server import EngineServer, Fault, stream_fault
-from enginesim.tokenizer import TextSampler, apply_chat_template
+from enginesim.output import Output, RequestError, check
+from enginesim.server import EngineServer, Fault, garbage, stream_fault
+from enginesim.tokenizer import apply_chat_template
 
 STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
             429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
@@ -136,6 +136,8 @@ class GeminiFrontEnd:
                                  bad.status if bad else 200)
         if bad is not None:
             return bad
+        if fault.garbage is not None:
+            return await garbage(request, fault.garbage, method == "streamGenerateContent")
         if fault.status:
             entry["status"] = fault.status
             await asyncio.sleep(fault.delay_ms / 1000)
@@ -155,14 +157,7 @@ class GeminiFrontEnd:
         max_tokens = min(requested if isinstance(requested, int) and requested > 0 else max_len, max_len - len(prompt))
         seed = config.get("seed")
         seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["contents"]).encode()) ^ srv.seed
-        out = plan(wants, seed, TextSampler(seed).natural_length, rid)
-        if "tool_calls" in srv.corrupt:
-            out.mangle_tool_calls()
-        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
-                       salt=None, arrival=srv.engine.now())
-        if fault.delay_ms:
-            await asyncio.sleep(fault.delay_ms / 1000)
-        srv.engine.submit(seq)
+        out, seq = await srv.submit_planned(wants, seed, prompt, max_tokens, rid, fault)
         try:
             if method == "streamGenerateContent":
                 return await self._stream(request, seq, out, rid, fault)

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import time
 import uuid
 import zlib
@@ -68,6 +69,7 @@ class Fault:
     disconnect_after: int | None = None
     malformed_after: int | None = None
     error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
+    garbage: int | None = None  # a 200 whose body is random bytes from this seed (JSON or stream)
     exit: bool = False
 
     @classmethod
@@ -77,11 +79,26 @@ class Fault:
             key, _, value = part.partition("=")
             if key == "exit":
                 f.exit = True
-            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "error_after"):
+            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "error_after",
+                         "garbage"):
                 setattr(f, key, int(value))
             else:
                 raise ValueError(f"unknown fault {key!r}")
         return f
+
+
+async def garbage(request: web.Request, seed: int, stream: bool) -> web.StreamResponse:
+    """A provider gone wrong: 200 and random bytes, as a JSON body or as a stream of chunks."""
+    rng = random.Random(seed)
+    if not stream:
+        return web.Response(body=rng.randbytes(rng.randint(0, 2000)), content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for _ in range(rng.randint(1, 6)):
+        chunk = rng.randbytes(rng.randint(1, 300))
+        await resp.write(rng.choice([chunk, b"data: " + chunk + b"\n\n"]))
+    await resp.write_eof()
+    return resp
 
 
 async def stream_fault(fault: Fault, sent: int, request: web.Request, resp: web.StreamResponse,
@@ -239,6 +256,8 @@ class EngineServer:
             return bad
         if fault.exit:
             os._exit(3)
+        if fault.garbage is not None:
+            return await garbage(request, fault.garbage, bool(body.get("stream")))
         if fault.status:
             entry["status"] = fault.status  # the request log says what the engine answered
             await asyncio.sleep(fault.delay_ms / 1000)
@@ -292,6 +311,20 @@ class EngineServer:
             entry.update(prompt_tokens=len(first.prompt), output_tokens=sum(s.output_len for s in seqs),
                          ttft_s=None if first.first_token_at is None else first.first_token_at - first.arrival,
                          finish_reason=first.finish_reason)
+
+    async def submit_planned(self, wants: dict[str, Any], seed: int, prompt: list[int], max_tokens: int, rid: str,
+                             fault: Fault) -> tuple[Output, Sequence]:
+        """One answer of a provider-shaped front end: its output plan (corrupted when the server is),
+        its sequence, the fault's delay, then the engine."""
+        out = plan(wants, seed, TextSampler(seed).natural_length, rid)
+        if "tool_calls" in self.corrupt:
+            out.mangle_tool_calls()
+        seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
+                       salt=None, arrival=self.engine.now())
+        if fault.delay_ms:
+            await asyncio.sleep(fault.delay_ms / 1000)
+        self.engine.submit(seq)
+        return out, seq
 
     def _take_fault(self, request: web.Request, body: Any) -> Fault | web.Response:
         spec = request.headers.get(FAULT_HEADER) if self.fault_header else None

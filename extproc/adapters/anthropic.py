@@ -24,11 +24,19 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, sse
+from extproc.adapters.base import (
+    Failure,
+    NativeRequest,
+    NativeStream,
+    Target,
+    UpstreamBroken,
+    Usage,
+    read_answer,
+    sse,
+)
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
 from extproc.adapters.openai import failure_for_status
 from extproc.contract import ErrorCode
-from extproc.sse import MalformedStream, SseReader
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -284,45 +292,19 @@ def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
             "usage": _usage(msg.get("usage") or {}).openai()}
 
 
-class AnthropicStream:
+class AnthropicStream(NativeStream):
     """Messages SSE -> internal chunks, one event at a time. Tool-call arguments arrive as pieces of
     JSON (`input_json_delta`) and leave as argument deltas of the same call index."""
 
     def __init__(self, include_usage: bool = True):
-        self.reader = SseReader()
-        self.include_usage = include_usage
-        self.id = ""
-        self.model = ""
-        self.created = int(time.time())
+        super().__init__(include_usage)
         self.input = Usage()
         self.output = 0
         self.calls: dict[int, int] = {}  # content block index -> tool call index
         self.finish_reason: str | None = None
         self.stopped = False
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                      "finish_reason": finish}]})
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        out: list[bytes] = []
-        try:
-            for data in self.reader.feed(chunk):
-                out.extend(self._event(data))
-        except MalformedStream as e:
-            raise UpstreamBroken(str(e), out) from None
-        except UpstreamBroken as e:
-            raise UpstreamBroken(str(e), out) from None
-        return out
-
-    def _event(self, data: str) -> list[bytes]:
-        try:
-            ev = json.loads(data)
-        except ValueError:
-            raise UpstreamBroken("a stream event is not JSON") from None
-        if not isinstance(ev, dict):
-            raise UpstreamBroken("a stream event is not a JSON object")
+    def _event(self, ev: dict[str, Any]) -> list[bytes]:
         if self.stopped:
             raise UpstreamBroken("an event after message_stop")
         kind = ev.get("type")
@@ -360,12 +342,8 @@ class AnthropicStream:
             return [self._chunk({}, self.finish_reason)]
         if kind == "message_stop":
             self.stopped = True
-            out = []
-            if self.include_usage:
-                usage = Usage(self.input.input, self.input.cached_input, self.output).openai()
-                out.append(sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk",
-                                "created": self.created, "model": self.model, "choices": [], "usage": usage}))
-            return [*out, sse("[DONE]")]
+            usage = Usage(self.input.input, self.input.cached_input, self.output)
+            return [*([self._usage_chunk(usage)] if self.include_usage else []), sse("[DONE]")]
         if kind == "error":
             err = ev.get("error") or {}
             raise UpstreamBroken(f"the provider ended the stream: {err.get('type', 'error')}")
@@ -417,16 +395,7 @@ class AnthropicAdapter:
                              tuple(losses(body, LOSS_TABLE)))
 
     def response(self, status: int, body: bytes) -> dict[str, Any]:
-        try:
-            msg = json.loads(body)
-        except ValueError:
-            raise UpstreamBroken("the provider's answer is not JSON") from None
-        if not isinstance(msg, dict) or msg.get("type") != "message":
-            raise UpstreamBroken("the provider's answer is not a message")
-        try:
-            return completion(msg)
-        except (KeyError, TypeError, AttributeError, ValueError):
-            raise UpstreamBroken("the provider's message is malformed") from None
+        return read_answer(body, lambda doc: doc.get("type") == "message", "a message", completion)
 
     def stream(self, include_usage: bool = True) -> AnthropicStream:
         return AnthropicStream(include_usage)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -11,6 +13,7 @@ import orjson
 
 from extproc.adapters.loss import Loss, LossTable
 from extproc.contract import ErrorCode
+from extproc.sse import MalformedStream, SseReader
 
 
 class UpstreamBroken(Exception):
@@ -92,6 +95,67 @@ class Adapter(Protocol):
     def failure(self, status: int, body: bytes) -> Failure: ...
 
     def usage(self, native: Mapping[str, Any]) -> Usage: ...
+
+
+class NativeStream:
+    """What every stream translator shares: a native SSE stream in, internal chunks out, a native event
+    that does not parse (or any break a subclass finds) raised as UpstreamBroken with the chunks made
+    before it in the same feed. Subclasses handle one parsed event (`_event`) and the end (`finish`)."""
+
+    def __init__(self, include_usage: bool = True):
+        self.reader = SseReader()
+        self.include_usage = include_usage  # the client's, or the gateway's own for metering
+        self.id = ""
+        self.model = ""
+        self.created = int(time.time())
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": finish}]})
+
+    def _usage_chunk(self, usage: Usage) -> bytes:
+        return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [], "usage": usage.openai()})
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        try:
+            for data in self.reader.feed(chunk):
+                try:
+                    doc = json.loads(data)
+                except ValueError:
+                    raise UpstreamBroken("a stream event is not JSON") from None
+                if not isinstance(doc, dict):
+                    raise UpstreamBroken("a stream event is not a JSON object")
+                out.extend(self._event(doc))
+        except MalformedStream as e:
+            raise UpstreamBroken(str(e), out) from None
+        except UpstreamBroken as e:
+            raise UpstreamBroken(str(e), out) from None
+        return out
+
+    def _event(self, doc: dict[str, Any]) -> list[bytes]:
+        raise NotImplementedError
+
+    def finish(self) -> list[bytes]:
+        raise NotImplementedError
+
+
+def read_answer(body: bytes, shaped: Callable[[dict[str, Any]], bool], what: str,
+                convert: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """A native JSON answer as the internal chat completion; UpstreamBroken when it does not parse,
+    is not `what` (`shaped` says), or lacks what `convert` reads."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise UpstreamBroken("the provider's answer is not JSON") from None
+    if not isinstance(doc, dict) or not shaped(doc):
+        raise UpstreamBroken(f"the provider's answer is not {what}")
+    try:
+        return convert(doc)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise UpstreamBroken(f"the provider's {what} is malformed") from None
 
 
 def sse(doc: Mapping[str, Any] | str) -> bytes:

@@ -31,11 +31,19 @@ from urllib.parse import quote
 
 import orjson
 
-from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, sse
+from extproc.adapters.base import (
+    Failure,
+    NativeRequest,
+    NativeStream,
+    Target,
+    UpstreamBroken,
+    Usage,
+    read_answer,
+    sse,
+)
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
 from extproc.adapters.openai import failure_for_status
 from extproc.contract import ErrorCode
-from extproc.sse import MalformedStream, SseReader
 
 S = Support
 
@@ -301,43 +309,17 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
             "usage": _usage(doc.get("usageMetadata") or {}).openai()}
 
 
-class GeminiStream:
+class GeminiStream(NativeStream):
     """Gemini's SSE (each event a whole response holding the next parts) -> internal chunks."""
 
     def __init__(self, include_usage: bool = True):
-        self.reader = SseReader()
-        self.include_usage = include_usage
-        self.id = ""
-        self.model = ""
-        self.created = int(time.time())
+        super().__init__(include_usage)
         self.started = False
         self.calls = 0
         self.usage: Usage | None = None
         self.finished = False
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                      "finish_reason": finish}]})
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        out: list[bytes] = []
-        try:
-            for data in self.reader.feed(chunk):
-                out.extend(self._event(data))
-        except MalformedStream as e:
-            raise UpstreamBroken(str(e), out) from None
-        except UpstreamBroken as e:
-            raise UpstreamBroken(str(e), out) from None
-        return out
-
-    def _event(self, data: str) -> list[bytes]:
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            raise UpstreamBroken("a stream event is not JSON") from None
-        if not isinstance(doc, dict):
-            raise UpstreamBroken("a stream event is not a JSON object")
+    def _event(self, doc: dict[str, Any]) -> list[bytes]:
         if self.finished:
             raise UpstreamBroken("a response after the finished one")
         if "error" in doc:
@@ -382,12 +364,7 @@ class GeminiStream:
     def finish(self) -> list[bytes]:
         if not self.finished:
             raise UpstreamBroken("the stream ended without a finish reason")
-        out = []
-        if self.include_usage:
-            usage = (self.usage or Usage()).openai()
-            out.append(sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
-                            "model": self.model, "choices": [], "usage": usage}))
-        return [*out, sse("[DONE]")]
+        return [*([self._usage_chunk(self.usage or Usage())] if self.include_usage else []), sse("[DONE]")]
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -427,16 +404,8 @@ class GeminiAdapter:
         return NativeRequest(path, headers, orjson.dumps(native_body(body)), tuple(losses(body, LOSS_TABLE)))
 
     def response(self, status: int, body: bytes) -> dict[str, Any]:
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            raise UpstreamBroken("the provider's answer is not JSON") from None
-        if not isinstance(doc, dict) or not ("candidates" in doc or "promptFeedback" in doc):
-            raise UpstreamBroken("the provider's answer is not a generateContent response")
-        try:
-            return completion(doc)
-        except (KeyError, TypeError, AttributeError, ValueError):
-            raise UpstreamBroken("the provider's answer is malformed") from None
+        return read_answer(body, lambda doc: "candidates" in doc or "promptFeedback" in doc,
+                           "a generateContent response", completion)
 
     def stream(self, include_usage: bool = True) -> GeminiStream:
         return GeminiStream(include_usage)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from extproc import chat
 from extproc.adapters.anthropic import internal_body
 from extproc.contract import ErrorCode, GatewayError
-from extproc.sse import MAX_EVENT_BYTES, event_data, take_events
+from extproc.doors.stream import InternalStream
 
 MESSAGES_PATH = "/v1/messages"
 NAME = "anthropic"
@@ -217,42 +217,20 @@ def _event(kind: str, doc: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **doc}).encode() + b"\n\n"
 
 
-class MessagesStream:
+class MessagesStream(InternalStream):
     """Internal SSE chunks (whole events or not) in, Anthropic's events out."""
 
     def __init__(self) -> None:
-        self.buf = bytearray()
+        super().__init__()
         self.started = False
         self.index = -1  # the open content block's index
         self.open: str | None = None  # "text" or the open tool call's internal index
         self.stop: tuple[str, str | None] = ("end_turn", None)
         self.usage: dict[str, int] | None = None
-        self.ended = False
 
-    def feed(self, chunk: bytes) -> bytes:
-        if self.ended:
-            return b""
-        self.buf += chunk
-        out: list[bytes] = []
-        for event in take_events(self.buf):
-            data = event_data(event)
-            if data is None:
-                continue  # a comment (keep-alive): the client's events are Anthropic's own
-            out += self._one(data)
-            if self.ended:
-                break
-        if len(self.buf) > MAX_EVENT_BYTES and not self.ended:
-            out += self._failed("an event of the stream exceeds 1 MiB")
-        return b"".join(out)
-
-    def finish(self) -> bytes:
-        """The stream ended: a stream that never said [DONE] is interrupted, never finished."""
-        return b"" if self.ended else b"".join(self._failed("the stream ended before its end"))
-
-    def _failed(self, message: str) -> list[bytes]:
-        self.ended = True
-        return [_event("error", {"error": {"type": "api_error", "message": message,
-                                           "code": ErrorCode.STREAM_INTERRUPTED.value}})]
+    def _error_event(self, message: str) -> bytes:
+        return _event("error", {"error": {"type": "api_error", "message": message,
+                                          "code": ErrorCode.STREAM_INTERRUPTED.value}})
 
     def _start(self, obj: dict[str, Any]) -> list[bytes]:
         self.started = True
@@ -274,24 +252,15 @@ class MessagesStream:
         self.open = key
         return [*out, _event("content_block_start", {"index": self.index, "content_block": block})]
 
-    def _one(self, data: str) -> list[bytes]:
-        if data.strip() == "[DONE]":
-            self.ended = True
-            out = self._start({}) if not self.started else []
-            out += self._close()
-            reason, sequence = self.stop
-            return [*out, _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                   "usage": self.usage or {"output_tokens": 0}}),
-                    _event("message_stop", {})]
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return self._failed("the stream is malformed")
-        if not isinstance(obj, dict):
-            return self._failed("the stream is malformed")
-        if "error" in obj:  # the contract's stream_interrupted (or an upstream's error event)
-            err = obj["error"] if isinstance(obj["error"], dict) else {}
-            return self._failed(str(err.get("message", "the stream was interrupted")))
+    def _done(self) -> list[bytes]:
+        out = self._start({}) if not self.started else []
+        out += self._close()
+        reason, sequence = self.stop
+        return [*out, _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                               "usage": self.usage or {"output_tokens": 0}}),
+                _event("message_stop", {})]
+
+    def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         out = [] if self.started else self._start(obj)
         if isinstance(obj.get("usage"), dict):
             self.usage = _usage(obj["usage"])

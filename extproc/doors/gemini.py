@@ -27,7 +27,7 @@ from pydantic.alias_generators import to_camel
 from extproc import chat
 from extproc.adapters.gemini import internal_body
 from extproc.contract import ErrorCode, GatewayError
-from extproc.sse import MAX_EVENT_BYTES, event_data, take_events
+from extproc.doors.stream import InternalStream
 
 NAME = "gemini"
 PATH = re.compile(r"/v1beta/models/([^/:]+):(generateContent|streamGenerateContent)")
@@ -232,17 +232,16 @@ def error(status: int, body: bytes) -> bytes:
 
 # -- streams ----------------------------------------------------------------------------------------
 
-class GenerateContentStream:
+class GenerateContentStream(InternalStream):
     """Internal SSE chunks in; Gemini's stream of responses out (`data: {...}` CRLF CRLF)."""
 
     def __init__(self) -> None:
-        self.buf = bytearray()
+        super().__init__()
         self.id = ""
         self.model = ""
         self.calls: dict[int, dict[str, str]] = {}
         self.finish_reason: str | None = None
         self.usage: dict[str, int] | None = None
-        self.ended = False
 
     def _frame(self, doc: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(doc).encode() + b"\r\n\r\n"
@@ -253,47 +252,18 @@ class GenerateContentStream:
             cand["finishReason"] = finish
         return {"candidates": [cand], "modelVersion": self.model, "responseId": self.id}
 
-    def feed(self, chunk: bytes) -> bytes:
-        if self.ended:
-            return b""
-        self.buf += chunk
-        out: list[bytes] = []
-        for event in take_events(self.buf):
-            data = event_data(event)
-            if data is not None:
-                out += self._one(data)
-            if self.ended:
-                break
-        if len(self.buf) > MAX_EVENT_BYTES and not self.ended:
-            out += self._failed("an event of the stream exceeds 1 MiB")
-        return b"".join(out)
+    def _error_event(self, message: str) -> bytes:
+        return self._frame(json.loads(error_body(500, message, ErrorCode.STREAM_INTERRUPTED.value)))
 
-    def finish(self) -> bytes:
-        """The stream ended: one that never said [DONE] is interrupted, never finished."""
-        return b"" if self.ended else b"".join(self._failed("the stream ended before its end"))
+    def _done(self) -> list[bytes]:
+        parts = [{"functionCall": {"name": c["name"], "args": _args(c["arguments"])}}
+                 for _, c in sorted(self.calls.items())]
+        doc = self._response(parts or [{"text": ""}], self.finish_reason or "STOP")
+        if self.usage is not None:
+            doc["usageMetadata"] = self.usage
+        return [self._frame(doc)]
 
-    def _failed(self, message: str) -> list[bytes]:
-        self.ended = True
-        return [self._frame(json.loads(error_body(500, message, ErrorCode.STREAM_INTERRUPTED.value)))]
-
-    def _one(self, data: str) -> list[bytes]:
-        if data.strip() == "[DONE]":
-            self.ended = True
-            parts = [{"functionCall": {"name": c["name"], "args": _args(c["arguments"])}}
-                     for _, c in sorted(self.calls.items())]
-            doc = self._response(parts or [{"text": ""}], self.finish_reason or "STOP")
-            if self.usage is not None:
-                doc["usageMetadata"] = self.usage
-            return [self._frame(doc)]
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return self._failed("the stream is malformed")
-        if not isinstance(obj, dict):
-            return self._failed("the stream is malformed")
-        if "error" in obj:
-            err = obj["error"] if isinstance(obj["error"], dict) else {}
-            return self._failed(str(err.get("message", "the stream was interrupted")))
+    def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         self.id = self.id or _response_id(obj.get("id"))
         self.model = self.model or str(obj.get("model", ""))
         if isinstance(obj.get("usage"), dict):
