@@ -38,7 +38,7 @@ from envoy.extensions.resource_monitors.downstream_connections.v3 import downstr
 from google.protobuf import json_format, struct_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
-from extproc.config.schema import TlsSettings
+from extproc.config.schema import Deployment, TlsSettings
 from llmgw.render.clusters import fallback_clusters, outlier_detection, pool_cluster, static_cluster
 from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
 from llmgw.render.errors import local_reply_config
@@ -83,13 +83,17 @@ class RenderOptions:
     access_log: bool = True
     pool_lb: str = "picker"  # "picker": override_host from ext_proc's order; "round_robin": a baseline
     tls: TlsSettings = field(default_factory=TlsSettings)  # file paths as Envoy must open them
+    # Per hosted deployment, where it is served instead of its `endpoints` (simulated providers).
+    providers: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
     @classmethod
     def for_compose(cls, snap: Snapshot) -> RenderOptions:
-        """docker-compose.yml's topology: services reach each other by name on one network."""
+        """docker-compose.yml's topology: services reach each other by name on one network (a hosted
+        deployment on loopback is simulated there by the service of its name)."""
         return cls(listen=("0.0.0.0", 8080), admin=("127.0.0.1", 9901), extproc=(("extproc", 50051),),
                    pools={name: tuple((f"{name}-{i + 1}", 8000) for i in range(len(pool.endpoints)))
-                          for name, pool in snap.gateway.pools.items()})
+                          for name, pool in snap.gateway.pools.items()},
+                   providers={d.deployment: ((d.deployment, 8000),) for d in simulated_providers(snap)})
 
     @classmethod
     def from_snapshot(cls, snap: Snapshot, **overrides: object) -> RenderOptions:
@@ -158,7 +162,8 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         clusters.append(pool_cluster(cluster_name, pool, snap.gateway.pools[pool], hosts, opts.pool_lb))
     for dep in snap.deployments.values():
         if dep.endpoints:
-            clusters.append(static_cluster(snap.pool_of(dep), (hp(e) for e in dep.endpoints),
+            hosts = opts.providers.get(dep.deployment) or tuple(hp(e) for e in dep.endpoints)
+            clusters.append(static_cluster(snap.pool_of(dep), hosts,
                                            http2=False, connect_ms=1000,
                                            max_retries=snap.gateway.envoy.max_concurrent_retries))
     upstream = [c.name for c in clusters[1:]]
@@ -190,6 +195,16 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         admin=bootstrap_pb2.Admin(address=socket_address(*opts.admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),
     )
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def simulated_providers(snap: Snapshot) -> list[Deployment]:
+    """Hosted deployments served on this machine (every endpoint on loopback): `llmgw up` and
+    docker-compose run a simulated provider of the deployment's API shape for each."""
+    return [d for d in snap.deployments.values()
+            if d.endpoints and all(hp(e)[0] in LOOPBACK for e in d.endpoints)]
 
 
 def render_yaml(snap: Snapshot, opts: RenderOptions) -> str:

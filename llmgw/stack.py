@@ -17,9 +17,10 @@ from pathlib import Path
 
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.schema import Deployment
+from extproc.secrets import resolve
 from llmgw import vllm_env
 from llmgw.demo_keys import ensure_demo_keys, refuse_exposed
-from llmgw.envoy_render import RenderOptions, render_yaml
+from llmgw.envoy_render import RenderOptions, render_yaml, simulated_providers
 from llmgw.procs import (
     Child,
     PortInUse,
@@ -33,7 +34,17 @@ from llmgw.procs import (
     valkey_binary,
     wait_until,
 )
+from llmgw.render.common import hp
 from llmgw.tls import demo_certs
+
+
+def provider_api(dep: Deployment) -> str:
+    """The simulator's `--api` for a hosted deployment: its adapter's shape (Azure's path for an
+    OpenAI-shaped deployment of kind azure)."""
+    shape = dep.fingerprint.adapter.partition("@")[0]
+    if shape in ("openai", "openai-compat"):
+        return "azure" if dep.fingerprint.adapter_options.get("kind") == "azure" else "openai"
+    return shape
 
 
 class DemoKeysExposed(OSError):
@@ -70,10 +81,16 @@ class StackOptions:
     require_client_certificate: bool = False
     status_ports: tuple[int, ...] | None = None  # ext_proc status endpoints; None: free ports
     demo_keys: bool = False  # make a demo key for each tenant without one (llmgw/demo_keys.py)
+    # Run a simulated provider for each hosted deployment on loopback (llmgw up; the conformance sandbox).
+    simulate_providers: bool = False
+    provider_ports: dict[str, tuple[int, ...]] | None = None  # per deployment; None: its own endpoints
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
         workers = int(kw.pop("workers", 1))  # type: ignore[call-overload]
+        if kw.get("simulate_providers"):
+            kw["provider_ports"] = {d.deployment: tuple(free_port() for _ in d.endpoints)
+                                    for d in simulated_providers(snap)}
         return cls(config_dir=config_dir, state_dir=state_dir, listen_port=free_port(), admin_port=free_port(),
                    extproc_ports=tuple(free_port() for _ in range(workers)), workers=workers,
                    engine_ports={p: tuple(free_port() for _ in pool.endpoints)
@@ -111,6 +128,10 @@ class Stack:
         if o.engine_ports:
             overrides["pools"] = {p: tuple(("127.0.0.1", port) for port in ports)
                                   for p, ports in o.engine_ports.items()}
+        if o.simulate_providers:
+            overrides["providers"] = {d.deployment: tuple(("127.0.0.1", port) for port in (
+                (o.provider_ports or {}).get(d.deployment) or [hp(e)[1] for e in d.endpoints]))
+                for d in simulated_providers(self.snapshot)}
         overrides["pool_lb"] = o.pool_lb
         if o.tls:
             overrides["tls"] = demo_certs(o.state_dir / "tls", o.require_client_certificate)
@@ -161,6 +182,8 @@ class Stack:
         if self.opts.start_engines:
             ports += [(h, p, f"gateway.yaml pools.{name}.endpoints")
                       for name, hosts in self.render.pools.items() for h, p in hosts]
+        ports += [(h, p, f"deployments/{name}.yaml endpoints") for name, hosts in self.render.providers.items()
+                  for h, p in hosts]
         return ports
 
     def start(self, timeout: float = 60.0) -> Stack:
@@ -176,6 +199,7 @@ class Stack:
                 self._start_valkey(timeout)
             if self.opts.start_engines:
                 self._start_engines(timeout)
+            self._start_providers(timeout)
             self._start_extprocs(timeout)
             self._start_envoy(timeout)
         except BaseException:
@@ -210,6 +234,28 @@ class Stack:
         for addr, child in self.engines.items():
             wait_until(partial(http_ok, f"http://{addr}/health"), wait, f"engine {addr}", child)
 
+    def _start_providers(self, timeout: float) -> None:
+        """A simulated provider of each hosted deployment's API shape, on the address it is rendered
+        with, taking the key its credential reference resolves to (made here when unset)."""
+        env = self._extproc_env()
+        for name, hosts in self.render.providers.items():
+            dep = self.snapshot.deployments[name]
+            key = env.get(dep.credential_ref.partition(":")[2], "") if dep.credential_ref else ""
+            if dep.credential_ref and not key:
+                key = resolve(dep.credential_ref, self.snapshot.directory)
+            for host, port in hosts:
+                argv = python_module("enginesim", "--api", provider_api(dep), "--host", host, "--port", str(port),
+                                     "--served-model-name", dep.served_model, "--profile", self.opts.engine_profile,
+                                     "--time-scale", str(self.opts.time_scale),
+                                     "--max-model-len", str(dep.context_window))
+                self.engines[f"{host}:{port}"] = Child(f"provider-{name}-{port}", argv,
+                                                       self.logs / f"provider-{name}-{port}.log",
+                                                       env={"ENGINESIM_API_KEY": key} if key else {}).start()
+        for name, hosts in self.render.providers.items():
+            for host, port in hosts:
+                child = self.engines[f"{host}:{port}"]
+                wait_until(partial(http_ok, f"http://{host}:{port}/health"), timeout, f"provider {name}", child)
+
     def _sim_launcher(self) -> EngineLauncher:
         windows = {d.served_model: d.context_window for d in self.snapshot.deployments.values()}
 
@@ -234,7 +280,11 @@ class Stack:
         so restarts and all workers share it."""
         env = {}
         gw = self.snapshot.gateway
-        for ref, file in ((gw.cache_salt_secret_ref, "cache-salt.key"), (gw.store.replay_key_ref, "replay.key")):
+        # A simulated provider's key: the provider and ext_proc must agree on it.
+        providers = [(self.snapshot.deployments[name].credential_ref, f"provider-{name}.key")
+                     for name in self.render.providers]
+        for ref, file in ((gw.cache_salt_secret_ref, "cache-salt.key"), (gw.store.replay_key_ref, "replay.key"),
+                          *providers):
             kind, _, name = (ref or "").partition(":")
             if kind != "env" or os.environ.get(name):
                 continue
@@ -307,6 +357,7 @@ class Stack:
             "url": self.url, "admin_url": self.admin_url, "revision": self.snapshot.revision,
             "tenants": {t: {"api_key": k} for t, k in self.demo_keys().items()},
             "engines": self.engine_urls(), "logs": str(self.logs), "extproc_status": self.status_urls,
+            "providers": {name: [f"http://{h}:{p}" for h, p in hosts] for name, hosts in self.render.providers.items()},
             "store_url": self.store_url,
             **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+import yaml
 
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
@@ -72,6 +73,21 @@ def ledger_of(stack: Stack, rid: str, tenant: str) -> dict[str, Any]:
             return entry
         time.sleep(0.05)
     raise AssertionError(f"no ledger entry for {rid}")
+
+
+def repin(policy: Path, deployment: str) -> str:
+    """After a change to `deployment`'s fingerprint: every route of the policy names its new reference
+    (as an operator accepting the new served system would). Returns the reference."""
+    from extproc.config.schema import Deployment
+
+    ref = Deployment.model_validate(yaml.safe_load((policy / f"deployments/{deployment}.yaml").read_text())).ref
+    for path in (policy / "routes").glob("*.yaml"):
+        doc = yaml.safe_load(path.read_text())
+        for cand in doc["candidates"]:
+            if cand["deployment_ref"].startswith(f"{deployment}@"):
+                cand["deployment_ref"] = ref
+        path.write_text(yaml.safe_dump(doc))
+    return ref
 
 
 def start_stack(tmp: Path, config: Path = POLICY, **kw: object) -> Stack:

@@ -35,7 +35,7 @@ def issues_of(directory: Path) -> list[str]:
 
 def test_example_policy_loads() -> None:
     snap = load_snapshot(POLICY)
-    assert set(snap.routes) == {"chat-default"}
+    assert set(snap.routes) == {"chat-default", "chat-anthropic", "chat-gemini", "chat-fallback"}
     assert set(snap.gateway.tenants) == {"acme", "globex"}
     assert len(snap.revision) == 16
     with pytest.raises(TypeError):
@@ -85,8 +85,9 @@ def test_errors_name_file_and_field(policy: Path, file: str, mutate, expected: s
 
 def test_fingerprint_change_invalidates_route_ref(policy: Path) -> None:
     edit(policy / "deployments/pool-llama-8b.yaml", lambda d: d["fingerprint"].update(precision="fp8"))
-    (msg,) = issues_of(policy)
-    assert "candidates.0.deployment_ref" in msg and "it is now pool-llama-8b@sha256:" in msg
+    issues = issues_of(policy)  # every route that names the pool: chat-default and chat-fallback
+    assert {i.split(":")[0] for i in issues} == {"routes/chat-default.yaml", "routes/chat-fallback.yaml"}
+    assert all("candidates.0.deployment_ref" in msg and "it is now pool-llama-8b@sha256:" in msg for msg in issues)
 
 
 def test_broken_yaml_is_reported(policy: Path) -> None:

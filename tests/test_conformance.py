@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
-from extproc.config.schema import Deployment, Evidence
+from extproc.config.schema import Evidence
 from llmgw.bench_translated import add_anthropic_route, add_provider_route, simulated_provider
 from llmgw.conformance import runner
 from llmgw.conformance.corpus import Outcome, check, load_corpus
-from tests.conftest import POLICY
+from tests.conftest import POLICY, repin
 from tests.test_translated_route_e2e import AZURE_KEY, AZURE_MODEL, add_azure_route
 
 CORPUS = load_corpus()
@@ -71,10 +71,7 @@ def test_changing_a_fingerprint_field_voids_the_record(policy: Path) -> None:
     dep = yaml.safe_load(dep_path.read_text())
     dep["fingerprint"]["precision"] = "fp8"  # another served system
     dep_path.write_text(yaml.safe_dump(dep))
-    route_path = policy / "routes/chat-default.yaml"
-    route = yaml.safe_load(route_path.read_text())
-    route["candidates"][0]["deployment_ref"] = Deployment.model_validate(dep).ref
-    route_path.write_text(yaml.safe_dump(route))
+    repin(policy, "pool-llama-8b")
     assert "NOT ELIGIBLE: no passing conformance" in check_says(policy)  # the old record names the old digest
     assert conformance(policy, "--deployment", "pool-llama-8b").returncode == 0  # earned again for fp8
     assert "NOT ELIGIBLE: no passing conformance" not in check_says(policy)

@@ -101,8 +101,8 @@ def test_the_composite_cluster_holds_exactly_the_plan_and_runs_the_attempt_filte
     # The candidates' own clusters carry no attempt filter: single-candidate requests pay nothing.
     assert "http_filters" not in json.dumps(clusters["pool_engine-pool"])
     # Candidate 1 has a credential: alone, it goes through the attempt filter too (which injects it).
-    assert [n for n in clusters if n.startswith("fallback_")] == ["fallback_chat-default_0",
-                                                                  "fallback_chat-default_0_1"]
+    assert [n for n in clusters if n.startswith("fallback_chat-default")] == ["fallback_chat-default_0",
+                                                                                "fallback_chat-default_0_1"]
     assert {c["name"] for c in clusters["fallback_chat-default_0"]["cluster_type"]["typed_config"]["clusters"]} == {
         "pool_engine-pool"}
 

@@ -22,7 +22,7 @@ from extproc.exchange import Exchange, Identity
 from extproc.stages.budget import Held
 from extproc.stages.route import RouteSelection, tenant_salts
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, repin, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 
 
@@ -144,17 +144,10 @@ def test_a_prompt_redaction_made_longer_takes_the_difference_from_max_tokens(tmp
 def test_stale_evidence_is_reported_by_check(tmp_path: Path) -> None:
     p = policy_copy(tmp_path, lambda p: yaml_edit(p / "deployments/pool-llama-8b.yaml",
                                                   lambda d: d["fingerprint"].update(precision="fp8")))
-    yaml_edit(p / "routes/chat-default.yaml", lambda d: d["candidates"][0].update(
-        deployment_ref=load_snapshot_ref(p)))
+    repin(p, "pool-llama-8b")
     snap = load_snapshot(p)
     assert any("matches no current fingerprint" in w for w in snap.warnings)
     assert refusal(p).code is ErrorCode.NO_QUALIFIED_ROUTE  # a new fingerprint needs new evidence
-
-
-def load_snapshot_ref(p: Path) -> str:
-    from extproc.config.schema import Deployment
-
-    return Deployment.model_validate(yaml.safe_load((p / "deployments/pool-llama-8b.yaml").read_text())).ref
 
 
 # -- end to end: an unqualified candidate is never dispatched to ---------------------------------

@@ -57,6 +57,11 @@ def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -
     shutil.copytree(POLICY, policy)
     doc = yaml.safe_load((policy / "gateway.yaml").read_text())
     doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    for name in ("demo-anthropic", "demo-gemini"):  # the hosted deployments' simulated providers too
+        path = policy / f"deployments/{name}.yaml"
+        dep = yaml.safe_load(path.read_text())
+        dep["endpoints"] = [f"127.0.0.1:{free_port()}"]
+        path.write_text(yaml.safe_dump(dep))
     doc["envoy"]["extproc"] = [f"127.0.0.1:{free_port()}"]
     (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
     state = tmp_path / "state"
@@ -84,7 +89,7 @@ def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -
         except (openai.OpenAIError, AssertionError) as err:
             raise AssertionError(f"{err}\n{log_tails(Path(info['logs']))}") from err
         kids = children_of(proc.pid)
-        assert len(kids) == 5  # valkey, two engines, ext_proc, envoy
+        assert len(kids) == 7  # valkey, two engines, two simulated providers, ext_proc, envoy
     finally:
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)

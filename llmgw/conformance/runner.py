@@ -28,6 +28,7 @@ from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.config import load_snapshot
 from llmgw.bench import demo_policy
 from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
+from llmgw.render.common import hp
 from llmgw.stack import Stack, StackOptions
 
 ROUTE = "conformance"
@@ -190,17 +191,20 @@ def run_case(case: Case, url: str, key: str, context_window: int, upstreams: Ups
 
 
 def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: float = 0.02,
-        only: set[str] | None = None, engine_args: tuple[str, ...] = ()) -> Run:
+        only: set[str] | None = None, engine_args: tuple[str, ...] = (), simulate_providers: bool = False) -> Run:
     """The corpus against `deployment` of the policy at `config` (see the module's doc); a pool's
-    simulated engines start with `engine_args`."""
+    simulated engines start with `engine_args`; with `simulate_providers`, the sandbox also runs a
+    simulated provider for each hosted deployment on loopback (as `llmgw up` does)."""
     policy, ref, key = sandbox(config, deployment, corpus, work)
     snap = load_snapshot(policy)
     dep = snap.deployments[deployment]
     opts = StackOptions.on_free_ports(policy, work / "gateway", snap, time_scale=time_scale, workers=1,
-                                      envoy_concurrency=1, engine_args=engine_args)
+                                      envoy_concurrency=1, engine_args=engine_args,
+                                      simulate_providers=simulate_providers)
     stack = Stack(opts).start()
     try:
-        urls = stack.engine_urls(dep.pool) if dep.pool else [f"http://{e}" for e in dep.endpoints]
+        hosts = stack.render.providers.get(deployment) or tuple(hp(e) for e in dep.endpoints)
+        urls = stack.engine_urls(dep.pool) if dep.pool else [f"http://{h}:{p}" for h, p in hosts]
         upstreams = Upstreams(urls)
         result = Run(ref, dep.fingerprint.adapter, corpus.version)
         for case in corpus.cases:
