@@ -116,15 +116,18 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         # Streams: the Lua stream guard. Idempotent streams: ext_proc's stream guard. Idempotent JSON:
         # the meter. Other JSON: none of them (the access log settles).
         extra = r["match"]["dynamic_metadata"][1:]
-        settles = [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra]
+        settles = [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra
+                   if m["path"][0]["key"] != "door"]
         assert settles in ([], [("settle", "stream")], [("settle", "kept_stream")], [("settle", "metered")])
         kind = settles[0][1] if settles else ""
         door = next((d for d in DOORS if r["name"].endswith(f"_{d.name}")), None)  # a front door's path
         assert r["name"] == f"admitted_{r['route']['cluster']}" + (f"_{kind}" if kind else "") + (
             f"_{door.name}" if door else "")
-        if door is not None:  # rewritten for the upstream: the request is a chat completion now
-            assert r["match"]["safe_regex"]["regex"] == door.path
-            assert r["route"]["regex_rewrite"] == {"pattern": {"regex": door.path},
+        if door is not None:  # by the decision's door; rewritten: the request is a chat completion now
+            assert r["match"]["prefix"] == "/" and "safe_regex" not in r["match"]
+            assert extra[-1] == {"filter": "io.llmgw", "path": [{"key": "door"}],
+                                 "value": {"string_match": {"exact": door.name}}}
+            assert r["route"]["regex_rewrite"] == {"pattern": {"regex": "^.*$"},
                                                    "substitution": "/v1/chat/completions"}
         else:
             assert r["match"]["prefix"] == "/v1/" and "regex_rewrite" not in r["route"]

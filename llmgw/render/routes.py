@@ -85,8 +85,10 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
             metadata = [md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]
             match = route_components_pb2.RouteMatch
             for door in DOORS:
-                routes.append(admitted_route(f"{name}_{door.name}", match(safe_regex=regex_pb2.RegexMatcher(
-                    regex=door.path), dynamic_metadata=metadata), cluster, streamed, stream_idle_ms, per_route, door))
+                # Matched on the decision's `door` metadata, not on the path: no regular expression
+                # is evaluated on the way to any route (every request walks these).
+                routes.append(admitted_route(f"{name}_{door.name}", match(prefix="/", dynamic_metadata=[
+                    *metadata, md(Key.DOOR, door.name)]), cluster, streamed, stream_idle_ms, per_route, door))
             routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
                                          cluster, streamed, stream_idle_ms, per_route))
     routes += [
@@ -122,7 +124,7 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
     """A route only a decision reaches (its match holds ext_proc's metadata) to `cluster`; a front
     door's request was turned into a chat completion by ext_proc, so the upstream gets that path (the
     attempt filter sets a translated candidate's own)."""
-    rewrite = regex_pb2.RegexMatchAndSubstitute(pattern=regex_pb2.RegexMatcher(regex=door.path),
+    rewrite = regex_pb2.RegexMatchAndSubstitute(pattern=regex_pb2.RegexMatcher(regex="^.*$"),
                                                 substitution=CHAT_PATH) if door is not None else None
     return route_components_pb2.Route(
         name=name, match=match,
