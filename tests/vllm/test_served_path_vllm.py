@@ -61,7 +61,7 @@ def test_refusals_in_front_of_vllm(vllm_stack: Stack) -> None:
 
 
 def test_models(vllm_stack: Stack) -> None:
-    assert [m.id for m in sdk(vllm_stack).models.list().data] == ["chat-default"]
+    assert [m.id for m in sdk(vllm_stack).models.list().data] == sorted(vllm_stack.snapshot.routes)
 
 
 def test_client_cancel_stops_generation_in_vllm(vllm_stack: Stack, vllm_url: str) -> None:
