@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import load_snapshot
-from llmgw.bench import METRICS, _start_envoy, bare_bootstrap, demo_policy, report, without_quotas
+from llmgw.bench import METRICS, POOL_ROUTE, _start_envoy, bare_bootstrap, demo_policy, report, without_quotas
 from llmgw.procs import Child, cpu_seconds, free_port, http_ok, wait_until
 from llmgw.stack import Stack, StackOptions, gateway_processes
 
@@ -139,7 +139,7 @@ def measure_token_streams(args: argparse.Namespace) -> str:
                                       start_engines=False, envoy_concurrency=1)
     opts.engine_ports = {p: (up_port,) for p in snap.gateway.pools}
     stack = Stack(opts)
-    body = json.dumps({"model": next(iter(snap.routes)), "max_tokens": args.tokens, "stream": True,
+    body = json.dumps({"model": POOL_ROUTE, "max_tokens": args.tokens, "stream": True,
                        "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]}).encode()
     headers = {"content-type": "application/json", "authorization": f"Bearer {keys['acme']}"}
     runs: dict[str, StreamRun] = {"bare": StreamRun(), "gateway": StreamRun()}
