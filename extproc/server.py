@@ -40,6 +40,7 @@ from extproc.config.reload import Live, Reloader
 from extproc.contract import MODELS_PATH, ROLE_KEY, ErrorCode, GatewayError, Role
 from extproc.decisions import DecisionRecorder
 from extproc.door_filter import DoorFilter
+from extproc.doors import door_for
 from extproc.envoy_msgs import ATTRIBUTES, header_text
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
@@ -172,6 +173,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             match kind:
                 case "request_body":
                     ex.raw_body = first.request_body.body
+                    door = door_for(ex.path)  # once: identity and intake both need it
+                    ex.door = door.name if door is not None else ""
                     await run_stages(self.stages, ex)
                     yield admit(ex)
                 case "request_headers":

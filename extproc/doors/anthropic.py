@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from extproc import chat
 from extproc.adapters.anthropic import internal_body
+from extproc.adapters.openai import OPENAI
 from extproc.contract import ErrorCode, GatewayError
 from extproc.doors.stream import InternalStream
 
@@ -150,10 +151,9 @@ def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
 
 
 def _usage(usage: Any) -> dict[str, int]:
-    u = usage if isinstance(usage, dict) else {}
-    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return {"input_tokens": max(0, int(u.get("prompt_tokens") or 0) - cached), "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": int(u.get("completion_tokens") or 0)}
+    u = OPENAI.usage(usage if isinstance(usage, dict) else {})  # the internal usage, normalised
+    return {"input_tokens": max(0, u.input - u.cached_input), "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": u.cached_input, "output_tokens": u.output}
 
 
 def _input(arguments: str) -> Any:

@@ -26,6 +26,7 @@ from pydantic.alias_generators import to_camel
 
 from extproc import chat
 from extproc.adapters.gemini import internal_body
+from extproc.adapters.openai import OPENAI
 from extproc.contract import ErrorCode, GatewayError
 from extproc.doors.stream import InternalStream
 
@@ -168,12 +169,10 @@ FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP", "content
 
 
 def _usage(usage: Any) -> dict[str, int]:
-    u = usage if isinstance(usage, dict) else {}
-    prompt, output = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
-    out = {"promptTokenCount": prompt, "candidatesTokenCount": output, "totalTokenCount": prompt + output}
-    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    if cached:
-        out["cachedContentTokenCount"] = cached
+    u = OPENAI.usage(usage if isinstance(usage, dict) else {})  # the internal usage, normalised
+    out = {"promptTokenCount": u.input, "candidatesTokenCount": u.output, "totalTokenCount": u.input + u.output}
+    if u.cached_input:
+        out["cachedContentTokenCount"] = u.cached_input
     return out
 
 

@@ -17,7 +17,7 @@ import jwt
 
 from extproc.config.schema import JwtIssuer
 from extproc.contract import ErrorCode, GatewayError
-from extproc.doors import door_for
+from extproc.doors import BY_NAME, Door
 from extproc.exchange import Exchange, Identity
 from extproc.jwks import JwksCache, JwksUnavailable
 from extproc.ratelimit import RateLimitedLog
@@ -37,7 +37,7 @@ def bearer_token(authorization: str) -> str | None:
     return token
 
 
-def credential(headers: dict[str, str], path: str) -> str:
+def credential(headers: dict[str, str], path: str, door: Door | None) -> str:
     """The gateway credential, where the caller's SDK puts it: `Authorization: Bearer` on every path,
     and a front door's own header or query parameter on its path (Anthropic's `x-api-key`, Google's
     `x-goog-api-key` and `?key=`; elsewhere just another header, never forwarded). Two different ones
@@ -45,7 +45,6 @@ def credential(headers: dict[str, str], path: str) -> str:
     bearer = bearer_token(headers["authorization"]) if "authorization" in headers else None
     if "authorization" in headers and bearer is None:
         raise Unauthenticated("authorization is not a bearer token")
-    door = door_for(path)
     tokens = {bearer} if bearer is not None else set()
     given = [headers.get(name, "") for name in door.credential_headers] if door is not None else []
     if door is not None and door.credential_query:
@@ -106,7 +105,7 @@ class CallerIdentity:
 
     async def run(self, ex: Exchange) -> None:
         try:
-            token = credential(ex.headers, ex.path)
+            token = credential(ex.headers, ex.path, BY_NAME.get(ex.door))
             ex.identity = await self._jwt(ex, token) if looks_like_jwt(token) else api_key_identity(ex, token)
         except Unauthenticated as e:
             _refusals.info("request %s unauthenticated: %s", ex.request_id, e.why)

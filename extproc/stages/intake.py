@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from extproc import chat, headers
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
-from extproc.doors import door_for
+from extproc.doors import BY_NAME
 from extproc.exchange import Exchange
 
 
@@ -14,7 +14,7 @@ class Intake:
     name = "intake"
 
     async def run(self, ex: Exchange) -> None:
-        door = door_for(ex.path)
+        door = BY_NAME.get(ex.door)  # set from the path when the request arrived
         path = ex.path.split("?", 1)[0] if door is not None else CHAT_PATH
         if door is None and ex.path.split("?", 1)[0] != CHAT_PATH:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
@@ -22,7 +22,6 @@ class Intake:
             raise chat.invalid(f"{path} takes POST")
         limits = ex.snapshot.gateway.limits
         # Another API shape's request becomes the internal one here; every later stage sees one shape.
-        ex.door = door.name if door is not None else ""
         doc = door.request(ex.raw_body, ex.path) if door is not None else chat.parse_json(ex.raw_body)
         ex.body = chat.validate(doc, limits.max_messages, limits.max_n)
         ex.stream = ex.body.get("stream") is True
