@@ -11,7 +11,8 @@ the provider bills them.
 Faults (the server's queue or `x-enginesim-fault`, as for the OpenAI front end): `status=529` (or 429,
 500, ...) answers the provider's error for that status; `error_after=N` sends N text deltas, then an
 `error` event (overloaded_error) and ends; `malformed_after=N` sends N deltas, then an event that is
-not JSON; `disconnect_after`, `stall_after` and `delay_ms` as before.
+not JSON; `refuse` answers `stop_reason: refusal` with nothing written; `disconnect_after`,
+`stall_after` and `delay_ms` as before.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class MessagesFrontEnd:
         self.server = server
         self.api_key = api_key
         server.app.router.add_post("/v1/messages", self.messages)
+        server.refusals = True
 
     def _check(self, request: web.Request, body: Any) -> web.Response | None:
         # The key comes as `x-api-key`, or (as the newer SDKs send it) as a bearer token.
@@ -150,6 +152,8 @@ class MessagesFrontEnd:
         max_len = srv.engine.profile.max_model_len
         if len(prompt) >= max_len:
             return anthropic_error(400, f"prompt is too long: {len(prompt)} tokens > {max_len - 1} maximum")
+        if fault.refuse:
+            return await self._refusal(request, rid, len(prompt), bool(body.get("stream")))
         max_tokens = min(body["max_tokens"], max_len - len(prompt))
         seed = zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed
         out, seq = await srv.submit_planned(plan_body(body), seed, prompt, max_tokens, rid, fault)
@@ -160,6 +164,23 @@ class MessagesFrontEnd:
         finally:
             srv.engine.abort(seq)
             entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason)
+
+    async def _refusal(self, request: web.Request, rid: str, prompt_tokens: int, stream: bool) -> web.StreamResponse:
+        """The model's safety stop: `stop_reason: refusal`, nothing written."""
+        usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                 "output_tokens": 0}
+        message: dict[str, Any] = {"id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
+                   "content": [], "stop_reason": "refusal", "stop_sequence": None, "usage": usage}
+        if not stream:
+            return web.json_response(message)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for kind, doc in (("message_start", {"message": {**message, "stop_reason": None}}),
+                          ("message_delta", {"delta": {"stop_reason": "refusal", "stop_sequence": None},
+                                             "usage": {"output_tokens": 0}}), ("message_stop", {})):
+            await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **doc})}\n\n".encode())
+        await resp.write_eof()
+        return resp
 
     def _usage(self, seq: Sequence) -> dict[str, int]:
         return {"input_tokens": len(seq.prompt) - seq.cached_tokens, "cache_creation_input_tokens": 0,

@@ -13,8 +13,9 @@ MAX_TOKENS), `usageMetadata` with the prompt's prefix-cache hits as `cachedConte
 `modelVersion`, `responseId`. A stream is one whole response per token (`data: {...}` and CRLF CRLF,
 as the API frames it), the last with `finishReason` and the totals; no `[DONE]`; a function call
 arrives whole in one response. Faults as for the other front ends: `status=429` answers
-RESOURCE_EXHAUSTED, 503 UNAVAILABLE; `error_after=N` sends an error response after N; malformed,
-disconnect, stall and delay as before.
+RESOURCE_EXHAUSTED, 503 UNAVAILABLE; `error_after=N` sends an error response after N; `refuse` blocks
+the prompt (`promptFeedback.blockReason: SAFETY`, no candidate); malformed, disconnect, stall and delay
+as before.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class GeminiFrontEnd:
         self.server = server
         self.api_key = api_key
         server.app.router.add_post("/v1beta/models/{call}", self.generate)
+        server.refusals = True
 
     def _check(self, request: web.Request, body: Any, model: str) -> web.Response | None:
         key = request.headers.get("x-goog-api-key") or request.query.get("key")
@@ -152,6 +154,17 @@ class GeminiFrontEnd:
         if len(prompt) >= max_len:
             return gemini_error(400, f"The input token count ({len(prompt)}) exceeds the maximum number of tokens "
                                      f"allowed ({max_len - 1}).")
+        if fault.refuse:  # the prompt is blocked: no candidate at all
+            usage = {"promptTokenCount": len(prompt), "totalTokenCount": len(prompt)}
+            blocked = {"promptFeedback": {"blockReason": "SAFETY"}, "modelVersion": srv.served_model,
+                       "responseId": rid, "usageMetadata": usage}
+            if method != "streamGenerateContent":
+                return web.json_response(blocked)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: " + json.dumps(blocked).encode() + b"\r\n\r\n")
+            await resp.write_eof()
+            return resp
         config = body.get("generationConfig") or {}
         requested = config.get("maxOutputTokens")
         max_tokens = min(requested if isinstance(requested, int) and requested > 0 else max_len, max_len - len(prompt))

@@ -14,7 +14,11 @@ forwards no such header anyway. SPEC is one or more of:
   stall_after=3       send 3 chunks, then go silent (until the client goes away)
   disconnect_after=3  send 3 chunks, then drop the connection
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
+  refuse              (a hosted provider's front end) refuse as that provider does: its safety stop
+                      (vLLM never refuses: an engine without such a front end rejects the fault)
   exit                end the whole process at once
+A request whose client goes away before its answer ended is marked `cancelled` in the request log
+(what a provider sees of a gateway that passes a client's cancellation on).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from enginesim.tokenizer import TextSampler, apply_chat_template, encode
 
 log = logging.getLogger("enginesim")
 FAULT_HEADER = "x-enginesim-fault"
-CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key", "x-amz-security-token")
 SYSTEM_FINGERPRINT = "vllm-0.32.0-enginesim"  # the vLLM release whose API this simulator follows
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
                  500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -70,6 +74,7 @@ class Fault:
     malformed_after: int | None = None
     error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
     garbage: int | None = None  # a 200 whose body is random bytes from this seed (JSON or stream)
+    refuse: bool = False  # (hosted front ends) the provider's safety stop instead of an answer
     exit: bool = False
 
     @classmethod
@@ -77,8 +82,8 @@ class Fault:
         f = cls()
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, _, value = part.partition("=")
-            if key == "exit":
-                f.exit = True
+            if key in ("exit", "refuse"):
+                setattr(f, key, True)
             elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "error_after",
                          "garbage"):
                 setattr(f, key, int(value))
@@ -140,7 +145,8 @@ class EngineServer:
         self.fault_header = fault_header
         self.requests: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.faults: list[QueuedFault] = []
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.refusals = False  # set by a front end that can refuse (vLLM never does)
+        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._cancellations])
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
@@ -152,6 +158,18 @@ class EngineServer:
         self.app.router.add_delete("/admin/faults", self.clear_faults)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
+
+    @web.middleware
+    async def _cancellations(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            rid = request.headers.get("X-Request-Id")
+            for entry in reversed(self.requests) if rid else ():
+                if entry["request_id"] == rid:
+                    entry["cancelled"] = True
+                    break
+            raise
 
     async def _start(self, _: web.Application) -> None:
         self.engine.start()
@@ -206,6 +224,8 @@ class EngineServer:
             fault = Fault.parse(body["fault"])
         except (KeyError, ValueError) as e:
             return vllm_error(400, f"bad fault: {e}")
+        if fault.refuse and not self.refusals:
+            return vllm_error(400, "bad fault: this API has no refusal to inject (vLLM never refuses)")
         self.faults.extend([QueuedFault(fault, str(body.get("match") or ""))] * int(body.get("count", 1)))
         return web.json_response({"queued": len(self.faults)})
 
@@ -503,11 +523,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api", choices=["openai", "anthropic", "azure", "gemini"], default="openai",
+    p.add_argument("--api", choices=["openai", "anthropic", "azure", "gemini", "bedrock"], default="openai",
                    help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py); "
                         "azure: also serve Azure OpenAI's deployment path, with its api-key header; "
-                        "gemini: also serve generateContent (enginesim/gemini_api.py)")
-    p.add_argument("--api-key", help="(--api anthropic|azure|gemini) the key the provider accepts; unset: any")
+                        "gemini: also serve generateContent (enginesim/gemini_api.py); "
+                        "bedrock: also serve Converse (enginesim/bedrock_api.py)")
+    p.add_argument("--api-key", help="(--api anthropic|azure|gemini|bedrock) the key the provider accepts "
+                                     "(bedrock: ACCESS_KEY_ID:SECRET_ACCESS_KEY, checked as SigV4); unset: any")
     p.add_argument("--corrupt", action="append", choices=["usage", "tool_calls"], default=[],
                    help="a corrupted provider (conformance tests): never send usage; send tool calls that do not parse")
     p.add_argument("--fault-header", action="store_true",
@@ -533,5 +555,9 @@ def main(argv: list[str] | None = None) -> None:
         from enginesim.gemini_api import GeminiFrontEnd
 
         GeminiFrontEnd(server, key)
+    elif args.api == "bedrock":
+        from enginesim.bedrock_api import ConverseFrontEnd
+
+        ConverseFrontEnd(server, key)
     # Like vLLM, a client that goes away aborts its request in the engine.
     web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)

@@ -179,8 +179,14 @@ class _Attempt:
             return self._request_headers(req)
         if kind == "request_body" and self.dep is not None:
             common = ep.CommonResponse()
-            body = (body_for(req.request_body.body, self.dep) if self.adapter is None or self.target is None
-                    else self.adapter.request(json.loads(req.request_body.body), self.target).body)
+            if self.adapter is None or self.target is None:
+                body = body_for(req.request_body.body, self.dep)
+            else:
+                native = self.adapter.request(json.loads(req.request_body.body), self.target)
+                body = native.body
+                # What covers the body (a signature) is known only now.
+                common.header_mutation.set_headers.extend(overwrite_header(k, v)
+                                                          for k, v in native.signed_headers.items())
             if body is not None:
                 common.body_mutation.body = body
             length = len(body if body is not None else req.request_body.body)
@@ -195,6 +201,9 @@ class _Attempt:
                 mutation.set_headers.append(overwrite_header(TRANSLATION_LOSS_HEADER, self.losses))
             if self.adapter is not None and 200 <= self.status < 300:
                 mutation.remove_headers.append("content-length")  # the translated answer has its own
+                # ... and its own type (a provider's stream may not be SSE: Bedrock's event stream).
+                mutation.set_headers.append(overwrite_header(
+                    "content-type", "text/event-stream" if self.streaming else "application/json"))
                 if self.streaming:
                     self.stream = self.adapter.stream(include_usage=True)  # the gateway meters from it
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(

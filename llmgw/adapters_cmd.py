@@ -7,13 +7,14 @@ import argparse
 from typing import Any
 
 from extproc.adapters.anthropic import LOSS_TABLE as ANTHROPIC
+from extproc.adapters.bedrock import LOSS_TABLE as BEDROCK
 from extproc.adapters.gemini import LOSS_TABLE as GEMINI
 from extproc.adapters.loss import Support, describe
 from extproc.adapters.openai import TABLES as OPENAI
 from extproc.chat import CONTRACT_FIELDS
 
 COLUMNS = {"openai (vLLM pool)": OPENAI["vllm"], "openai (OpenAI, Azure)": OPENAI["openai"],
-           "anthropic": ANTHROPIC, "gemini": GEMINI}
+           "anthropic": ANTHROPIC, "gemini": GEMINI, "bedrock": BEDROCK}
 
 
 def loss_table() -> str:

@@ -59,9 +59,10 @@ def add_anthropic_route(policy: Path, endpoint: str, key: str, route: str = "cha
 
 
 def add_provider_route(policy: Path, name: str, adapter: str, engine: str, model: str, endpoint: str, key: str,
-                       route: str, mode: str = "reject") -> str:
-    """A hosted deployment `name` at `endpoint` speaking `adapter` (the pool deployment's copy with its
-    own fingerprint, its key in `<name>.key`), passing evidence from today, and a route of it alone."""
+                       route: str, mode: str = "reject", options: dict[str, str] | None = None) -> str:
+    """A hosted deployment `name` at `endpoint` speaking `adapter` with its `options` (the pool
+    deployment's copy with its own fingerprint, its key in `<name>.key`), passing evidence from today,
+    and a route of it alone."""
     (policy / f"{name}.key").write_text(key)
     dep = yaml.safe_load((policy / "deployments/pool-llama-8b.yaml").read_text())
     dep.pop("pool")
@@ -69,6 +70,8 @@ def add_provider_route(policy: Path, name: str, adapter: str, engine: str, model
                credential_ref=f"file:{name}.key", context_window=8192, prices=PROVIDER_PRICES)
     dep["fingerprint"].update(adapter=adapter, engine=engine,
                               model_digest="sha256:" + hashlib.sha256(name.encode()).hexdigest())
+    if options:
+        dep["fingerprint"]["adapter_options"] = options
     (policy / f"deployments/{name}.yaml").write_text(yaml.safe_dump(dep))
     ref: str = load_snapshot(policy).deployments[name].ref
     today = datetime.now(UTC).date()

@@ -47,6 +47,14 @@ def provider_api(dep: Deployment) -> str:
     return shape
 
 
+def new_key(api: str = "") -> str:
+    """A random key for the gateway's own secrets or a simulated provider of this API shape: a
+    Bedrock-shaped provider's is an AWS key pair (`ACCESS_KEY_ID:SECRET_ACCESS_KEY`) to sign with."""
+    if api == "bedrock":
+        return f"AKIA{secrets.token_hex(8).upper()}:{secrets.token_urlsafe(30)}"
+    return secrets.token_hex(32)
+
+
 class DemoKeysExposed(OSError):
     """The listener would accept demo keys from beyond this machine."""
 
@@ -281,17 +289,17 @@ class Stack:
         env = {}
         gw = self.snapshot.gateway
         # A simulated provider's key: the provider and ext_proc must agree on it.
-        providers = [(self.snapshot.deployments[name].credential_ref, f"provider-{name}.key")
-                     for name in self.render.providers]
-        for ref, file in ((gw.cache_salt_secret_ref, "cache-salt.key"), (gw.store.replay_key_ref, "replay.key"),
-                          *providers):
+        providers = [(dep.credential_ref, f"provider-{name}.key", provider_api(dep))
+                     for name in self.render.providers if (dep := self.snapshot.deployments[name])]
+        for ref, file, api in ((gw.cache_salt_secret_ref, "cache-salt.key", ""),
+                               (gw.store.replay_key_ref, "replay.key", ""), *providers):
             kind, _, name = (ref or "").partition(":")
             if kind != "env" or os.environ.get(name):
                 continue
             key = self.opts.state_dir / file
             if not key.exists():
                 key.touch(mode=0o600)
-                key.write_text(secrets.token_hex(32))
+                key.write_text(new_key(api))
             env[name] = key.read_text().strip()
         return env
 

@@ -35,7 +35,7 @@ def issues_of(directory: Path) -> list[str]:
 
 def test_example_policy_loads() -> None:
     snap = load_snapshot(POLICY)
-    assert set(snap.routes) == {"chat-default", "chat-anthropic", "chat-gemini", "chat-fallback"}
+    assert set(snap.routes) == {"chat-default", "chat-anthropic", "chat-gemini", "chat-bedrock", "chat-fallback"}
     assert set(snap.gateway.tenants) == {"acme", "globex"}
     assert len(snap.revision) == 16
     with pytest.raises(TypeError):

@@ -27,6 +27,8 @@ CORPUS = load_corpus()
 CASES = {c.id: c for c in CORPUS.cases}
 # What the Anthropic Messages API cannot carry (its loss table), so those cases are `lost`, not run.
 ANTHROPIC_LOST = {"seeded-repeat", "json-object", "logprobs", "n-choices"}
+# vLLM never refuses: the OpenAI-shaped simulator takes no refusal fault, so these cases do not run there.
+REFUSALS = {"refusal", "refusal-streamed"}
 
 
 def conformance(policy: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -60,7 +62,8 @@ def test_the_pool_passes_and_its_record_is_what_qualifies_it(policy: Path) -> No
     snap = load_snapshot(policy)
     assert rec.deployment_ref == snap.deployments["pool-llama-8b"].ref and rec.result == "pass"
     assert rec.corpus_version == CORPUS.version and rec.adapter == "openai-compat@1"
-    assert {c.id: c.result for c in rec.cases} == dict.fromkeys(CASES, "pass")  # every case ran against the pool
+    results = {c.id: c.result for c in rec.cases}
+    assert results == {k: "not_run" if k in REFUSALS else "pass" for k in CASES}  # every other case ran
     assert "conformance" in snap.passing_evidence(rec.deployment_ref, date.today())
     assert "qualified" in check_says(policy) and "NOT ELIGIBLE" not in check_says(policy)
 
@@ -139,6 +142,39 @@ def test_a_gemini_shaped_provider_passes_with_what_it_cannot_carry_lost(policy: 
     assert run.passed and all(v == "pass" for k, v in results.items() if k not in ("logprobs", "n-choices"))
 
 
+BEDROCK_LOST = {"seeded-repeat", "json-object", "json-schema", "logprobs", "n-choices"}
+
+
+def bedrock_run(policy: Path, work: Path, *corrupt: str, only: set[str] | None = None) -> runner.Run:
+    model, key = "anthropic.claude-sim-v1:0", "AKIDCONFORMANCE00001:conformance-secret"
+    work.mkdir(exist_ok=True)
+    child, url = simulated_provider("bedrock", model, key, work / "log", 0.02, *corrupt)
+    try:
+        add_provider_route(policy, "bedrock-sim", "bedrock@1", "bedrock-converse@2023-09-30", model,
+                           url.removeprefix("http://"), key, "chat-bedrock", options={"region": "eu-west-1"})
+        return runner.run(policy, "bedrock-sim", CORPUS, work / "work", only=only)
+    finally:
+        child.stop()
+
+
+@pytest.mark.e2e
+def test_a_bedrock_shaped_provider_passes_with_what_it_cannot_carry_lost(policy: Path, tmp_path: Path) -> None:
+    run = bedrock_run(policy, tmp_path)
+    results = {r.id: r.result for r in run.results}
+    assert {k for k, v in results.items() if v == "lost"} == BEDROCK_LOST  # its loss table's
+    # Tools streamed as pieces of input JSON, SigV4, the event stream's faults: all as the corpus expects.
+    assert run.passed and all(v == "pass" for k, v in results.items() if k not in BEDROCK_LOST)
+
+
+@pytest.mark.e2e
+def test_a_bedrock_provider_that_drops_usage_or_mangles_tool_calls_fails(policy: Path, tmp_path: Path) -> None:
+    cases = {"plain-message", "stream-with-usage", "tool-auto"}
+    run = bedrock_run(policy, tmp_path / "usage", "--corrupt", "usage", only=cases)
+    assert {r.id: r.result for r in run.results} == dict.fromkeys(cases, "fail")
+    run = bedrock_run(policy, tmp_path / "tools", "--corrupt", "tool_calls", only={"plain-message", "tool-auto"})
+    assert {r.id: r.result for r in run.results} == {"plain-message": "pass", "tool-auto": "fail"}
+
+
 @pytest.mark.e2e
 def test_an_azure_deployment_passes(policy: Path, tmp_path: Path) -> None:
     child, url = simulated_provider("azure", AZURE_MODEL, AZURE_KEY, tmp_path / "log")
@@ -148,7 +184,8 @@ def test_an_azure_deployment_passes(policy: Path, tmp_path: Path) -> None:
         run = runner.run(policy, "azure-gpt", CORPUS, tmp_path / "work")
     finally:
         child.stop()
-    assert run.passed and all(r.result == "pass" for r in run.results), [r for r in run.results if r.result != "pass"]
+    assert run.passed and all(r.result == ("not_run" if r.id in REFUSALS else "pass") for r in run.results), \
+        [r for r in run.results if r.result != "pass"]
 
 
 def test_a_partial_run_writes_no_record(policy: Path) -> None:
@@ -194,6 +231,26 @@ def test_tool_arguments_must_match_the_tools_schema() -> None:
     assert check(case, [answer(None, usage, good, "tool_calls")]) == []
     assert "do not match its schema" in " ".join(check(case, [answer(None, usage, bad, "tool_calls")]))
     assert check(case, [answer("text", usage, None, "stop")])
+
+
+def test_a_refusal_must_say_content_filter() -> None:
+    assert check(CASES["refusal"], [answer("", finish="content_filter")]) == []
+    assert check(CASES["refusal"], [answer("", finish="stop")])  # an empty normal answer is no refusal
+    done = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"%s"}]}\n\ndata: [DONE]\n\n'
+    assert check(CASES["refusal-streamed"], [Outcome.from_stream(200, done % b"content_filter", [])]) == []
+    assert check(CASES["refusal-streamed"], [Outcome.from_stream(200, done % b"stop", [])])
+
+
+def test_a_cancelled_stream_must_reach_the_upstream_and_the_ledger() -> None:
+    case = CASES["stream-cancelled"]
+    out = Outcome(200, stream=True, stream_end="cancelled", ledger={"termination": "client_cancel"},
+                  upstream={"cancelled": True})
+    assert check(case, [out]) == []
+    assert check(case, [Outcome(200, stream=True, stream_end="cancelled", ledger={"termination": "complete"},
+                                upstream={"cancelled": True})])  # settled as if it had finished
+    assert check(case, [Outcome(200, stream=True, stream_end="cancelled", ledger={"termination": "client_cancel"},
+                                upstream={"output_tokens": 64})])  # the upstream generated on for nobody
+    assert check(case, [Outcome(200, stream=True, stream_end="cancelled")])  # nothing observed: no pass
 
 
 def test_a_stream_must_end_as_the_case_says() -> None:

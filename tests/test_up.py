@@ -89,7 +89,7 @@ def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -
         except (openai.OpenAIError, AssertionError) as err:
             raise AssertionError(f"{err}\n{log_tails(Path(info['logs']))}") from err
         kids = children_of(proc.pid)
-        assert len(kids) == 7  # valkey, two engines, two simulated providers, ext_proc, envoy
+        assert len(kids) == 8  # valkey, two engines, three simulated providers, ext_proc, envoy
     finally:
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)

@@ -22,11 +22,14 @@ from collections.abc import Mapping
 
 from extproc.adapters.anthropic import ANTHROPIC
 from extproc.adapters.base import Adapter
+from extproc.adapters.bedrock import BEDROCK
 from extproc.adapters.gemini import GEMINI
 from extproc.adapters.loss import LossTable
 from extproc.adapters.openai import OPENAI, TABLES
 
-ADAPTERS: dict[str, Adapter] = {"anthropic": ANTHROPIC, "gemini": GEMINI, "openai": OPENAI}
+ADAPTERS: dict[str, Adapter] = {"anthropic": ANTHROPIC, "bedrock": BEDROCK, "gemini": GEMINI, "openai": OPENAI}
+# The adapter options a deployment may set, per adapter (`adapter_options` in its fingerprint).
+OPTIONS = {"openai": {"kind", "deployment", "api_version"}, "bedrock": {"region", "host"}}
 ALIASES = {"openai-compat": "openai"}  # the name deployments used before adapters had modules
 
 
@@ -49,10 +52,11 @@ def loss_table(ref: str, options: Mapping[str, str]) -> LossTable:
 def check_options(ref: str, options: Mapping[str, str]) -> str:
     """What is wrong with a deployment's adapter options ("" when nothing)."""
     adapter = adapter_for(ref)
-    allowed = {"kind", "deployment", "api_version"} if adapter is OPENAI else set()
-    unknown = sorted(set(options) - allowed)
+    unknown = sorted(set(options) - OPTIONS.get(adapter.name, set()))
     if unknown:
         return f"the {adapter.name} adapter takes no option {', '.join(unknown)}"
     if adapter is OPENAI and options.get("kind", "vllm") not in TABLES:
         return f"kind must be one of {', '.join(TABLES)}"
+    if adapter is BEDROCK and not options.get("region"):
+        return "the bedrock adapter needs the option region (the SigV4 signature names it)"
     return ""

@@ -28,6 +28,7 @@ from extproc.adapters.base import (
     Failure,
     NativeRequest,
     NativeStream,
+    ShapeAdapter,
     Target,
     UpstreamBroken,
     Usage,
@@ -377,10 +378,13 @@ def failure(status: int, body: bytes) -> Failure:
     return failure_for_status(status, message)
 
 
-class AnthropicAdapter:
+class AnthropicAdapter(ShapeAdapter):
     name = "anthropic"
     version = 1
     loss_table = LOSS_TABLE
+    stream_type = AnthropicStream
+    failure = staticmethod(failure)
+    usage = staticmethod(_usage)
 
     def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
         """The path and headers of every request to this target."""
@@ -397,14 +401,6 @@ class AnthropicAdapter:
     def response(self, status: int, body: bytes) -> dict[str, Any]:
         return read_answer(body, lambda doc: doc.get("type") == "message", "a message", completion)
 
-    def stream(self, include_usage: bool = True) -> AnthropicStream:
-        return AnthropicStream(include_usage)
-
-    def failure(self, status: int, body: bytes) -> Failure:
-        return failure(status, body)
-
-    def usage(self, native: Mapping[str, Any]) -> Usage:
-        return _usage(native)
 
 
 ANTHROPIC = AnthropicAdapter()

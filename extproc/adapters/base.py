@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +42,8 @@ class NativeRequest:
     headers: Mapping[str, str]
     body: bytes
     losses: tuple[Loss, ...] = ()
+    # Headers that depend on the body (a request signature): set with the body, after `endpoint`'s.
+    signed_headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,7 @@ class NativeStream:
     def feed(self, chunk: bytes) -> list[bytes]:
         out: list[bytes] = []
         try:
-            for data in self.reader.feed(chunk):
-                try:
-                    doc = json.loads(data)
-                except ValueError:
-                    raise UpstreamBroken("a stream event is not JSON") from None
-                if not isinstance(doc, dict):
-                    raise UpstreamBroken("a stream event is not a JSON object")
+            for doc in self._documents(chunk):
                 out.extend(self._event(doc))
         except MalformedStream as e:
             raise UpstreamBroken(str(e), out) from None
@@ -135,11 +131,39 @@ class NativeStream:
             raise UpstreamBroken(str(e), out) from None
         return out
 
+    def _documents(self, chunk: bytes) -> Iterator[dict[str, Any]]:
+        """The native events this chunk completes, parsed: SSE events of JSON objects (a shape with
+        other framing overrides this)."""
+        for data in self.reader.feed(chunk):
+            try:
+                doc = json.loads(data)
+            except ValueError:
+                raise UpstreamBroken("a stream event is not JSON") from None
+            if not isinstance(doc, dict):
+                raise UpstreamBroken("a stream event is not a JSON object")
+            yield doc
+
     def _event(self, doc: dict[str, Any]) -> list[bytes]:
         raise NotImplementedError
 
     def finish(self) -> list[bytes]:
         raise NotImplementedError
+
+
+class ShapeAdapter:
+    """What every adapter of another API shape writes alike: its stream translator is `stream_type`,
+    and its module's `failure` and `usage` functions are its own (set as static methods)."""
+
+    stream_type: type[NativeStream]
+
+    def stream(self, include_usage: bool = True) -> NativeStream:
+        return self.stream_type(include_usage)
+
+
+def settings_back(native: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """The internal request fields a native settings object holds (`names`: internal -> native), for
+    the inverse translations."""
+    return {ours: native[theirs] for ours, theirs in names.items() if native.get(theirs) is not None}
 
 
 def read_answer(body: bytes, shaped: Callable[[dict[str, Any]], bool], what: str,

@@ -35,10 +35,12 @@ from extproc.adapters.base import (
     Failure,
     NativeRequest,
     NativeStream,
+    ShapeAdapter,
     Target,
     UpstreamBroken,
     Usage,
     read_answer,
+    settings_back,
     sse,
 )
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
@@ -229,11 +231,7 @@ def internal_body(native: Mapping[str, Any], model: str, stream: bool = False) -
             messages.append({"role": "user", "content": "".join(t["text"] for t in texts) if only_text else texts})
     body: dict[str, Any] = {"model": model, "messages": messages}
     config = native.get("generationConfig") or {}
-    if config.get("maxOutputTokens") is not None:
-        body["max_tokens"] = config["maxOutputTokens"]
-    for ours, theirs in GENERATION.items():
-        if config.get(theirs) is not None:
-            body[ours] = config[theirs]
+    body.update(settings_back(config, {"max_tokens": "maxOutputTokens", **GENERATION}))
     if config.get("stopSequences"):
         body["stop"] = list(config["stopSequences"])
     if config.get("candidateCount") is not None:
@@ -386,10 +384,13 @@ def failure(status: int, body: bytes) -> Failure:
     return failure_for_status(status, message)
 
 
-class GeminiAdapter:
+class GeminiAdapter(ShapeAdapter):
     name = "gemini"
     version = 1
     loss_table = LOSS_TABLE
+    stream_type = GeminiStream
+    failure = staticmethod(failure)
+    usage = staticmethod(_usage)
 
     def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
         model = quote(target.model, safe="")
@@ -407,14 +408,6 @@ class GeminiAdapter:
         return read_answer(body, lambda doc: "candidates" in doc or "promptFeedback" in doc,
                            "a generateContent response", completion)
 
-    def stream(self, include_usage: bool = True) -> GeminiStream:
-        return GeminiStream(include_usage)
-
-    def failure(self, status: int, body: bytes) -> Failure:
-        return failure(status, body)
-
-    def usage(self, native: Mapping[str, Any]) -> Usage:
-        return _usage(native)
 
 
 GEMINI = GeminiAdapter()

@@ -32,6 +32,8 @@ class Expect(BaseModel):
     logprobs: int | None = None
     stream_end: Literal["done", "interrupted", "cut"] | None = None
     same_content: bool = False
+    ledger_termination: str | None = None  # the request's ledger entry ends so (`client_cancel`)
+    upstream_cancelled: bool = False  # the upstream saw the request cancelled before its answer ended
 
 
 class Case(BaseModel):
@@ -44,6 +46,7 @@ class Case(BaseModel):
     fault: str | None = None
     needs: tuple[str, ...] = ()
     repeat: int = Field(default=1, ge=1, le=5)
+    cancel_after: int | None = Field(default=None, ge=1)  # the client hangs up after this many content chunks
     expect: Expect
 
 
@@ -74,8 +77,11 @@ class Outcome:
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # of choice 0: name, arguments
     usage: dict[str, Any] | None = None
     logprobs: list[dict[str, Any]] | None = None  # of choice 0
-    stream_end: str | None = None  # done | interrupted | eof
+    stream_end: str | None = None  # done | interrupted | eof | reset | cancelled (by the client)
     losses: list[str] = field(default_factory=list)  # x-llmgw-translation-loss fields
+    request_id: str = ""
+    ledger: dict[str, Any] | None = None  # the request's ledger entry, when the case looks at it
+    upstream: dict[str, Any] | None = None  # what the upstream logged of the request, likewise
 
     @classmethod
     def from_json(cls, status: int, doc: Any, losses: list[str]) -> Outcome:
@@ -162,7 +168,11 @@ def check(case: Case, outcomes: list[Outcome]) -> list[str]:
         bad.append(f"stream ended {out.stream_end}, expected {e.stream_end}")
     if out.stream_end == "interrupted" and out.error != "stream_interrupted":
         bad.append(f"interruption event code {out.error!r}, expected 'stream_interrupted'")
-    if e.stream_end in ("interrupted", "cut"):
+    if e.ledger_termination is not None and (out.ledger or {}).get("termination") != e.ledger_termination:
+        bad.append(f"ledger entry {out.ledger}, expected termination {e.ledger_termination!r}")
+    if e.upstream_cancelled and not (out.upstream or {}).get("cancelled"):
+        bad.append(f"the upstream did not see the request cancelled: {out.upstream}")
+    if e.stream_end in ("interrupted", "cut") or out.stream_end == "cancelled":
         return bad
     text = out.contents[0] if out.contents else ""
     if e.finish_reason is not None and (out.finish_reasons[:1] or [None])[0] not in e.finish_reason:

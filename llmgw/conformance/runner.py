@@ -7,7 +7,9 @@ carry is reported rather than refused), a provisional evidence record that exist
 the corpus's tools in the catalog, and a demo key per tenant. A gateway (Envoy, ext_proc, a store, and
 the simulated engines of a pool) starts on that copy; every case goes through the whole request path
 like a client's. Faults are injected through the upstream's admin API (enginesim's), for the case's
-request only; an upstream without one (a real provider) does not run those cases (`not_run`).
+request only; an upstream without one (a real provider) does not run those cases (`not_run`), nor
+does one that cannot be made to fail that way (vLLM has no refusal to inject). A case that looks
+at the ledger reads the sandbox's store; one that looks at the upstream reads its request log.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import string
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis
 import yaml
 
 from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.config import load_snapshot
+from extproc.store import ledger_entry, ledger_key
 from llmgw.bench import demo_policy
 from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
 from llmgw.render.common import hp
@@ -72,8 +78,9 @@ def marker() -> str:
     return "conformance-" + "".join(random.choices(string.ascii_lowercase, k=16))
 
 
-def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path) -> tuple[Path, str, str]:
-    """The sandbox policy (see the module's doc); returns it, the deployment's reference and a key."""
+def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path) -> tuple[Path, str, str, str]:
+    """The sandbox policy (see the module's doc); returns it, the deployment's reference, a tenant
+    and its key."""
     snap = load_snapshot(config)
     dep = snap.deployments[deployment]
     policy, keys = demo_policy(config, work / "policy")
@@ -98,7 +105,7 @@ def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path) -> tuple[
             tools.setdefault(tool["function"]["name"], {"effects": []})
     (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
     tenant = next(t for t in gw["tenants"] if set(dep.data_classes) & set(gw["tenants"][t]["allowed_data_classes"]))
-    return policy, dep.ref, keys[tenant]
+    return policy, dep.ref, tenant, keys[tenant]
 
 
 class Upstreams:
@@ -108,11 +115,27 @@ class Upstreams:
         self.urls = [u for u in urls if _admin(u, "DELETE", "/admin/faults") == 200]
         self.injectable = bool(urls) and len(self.urls) == len(urls)
 
-    def inject(self, spec: str, match: str) -> None:
+    def inject(self, spec: str, match: str) -> bool:
+        """Whether every upstream took the fault (one that cannot fail so refuses it)."""
         for u in self.urls:
             # Enough for every attempt the route may make (and the picker's spread over engines).
             if _admin(u, "POST", "/admin/faults", {"fault": spec, "count": 8, "match": match}) != 200:
-                raise RuntimeError(f"{u} refused fault {spec!r}")
+                self.clear()
+                return False
+        return True
+
+    def logged(self, mark: str, key: str, wait: float = 5.0) -> dict[str, Any] | None:
+        """The upstream's log entry of the request holding `mark`, once it holds `key`."""
+        deadline = time.monotonic() + wait
+        while True:
+            for u in self.urls:
+                entries = _admin_json(u, "/admin/requests") or []
+                found = [e for e in entries if mark in json.dumps(e.get("messages"))]
+                if found and key in found[-1]:
+                    return dict(found[-1])
+            if time.monotonic() > deadline:
+                return found[-1] if found else None
+            time.sleep(0.05)
 
     def clear(self) -> None:
         for u in self.urls:
@@ -132,6 +155,34 @@ def _admin(url: str, method: str, path: str, body: Any = None) -> int:
         return 0
 
 
+def _admin_json(url: str, path: str) -> Any:
+    u = urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=5)
+        conn.request("GET", path)
+        data = conn.getresponse().read()
+        conn.close()
+        return json.loads(data)
+    except (OSError, ValueError):
+        return None
+
+
+def ledger_of(store_url: str, tenant: str, rid: str, wait: float = 5.0) -> dict[str, Any] | None:
+    """The request's ledger entry, once settlement wrote it."""
+    r = redis.Redis.from_url(store_url, decode_responses=True)
+    deadline = time.monotonic() + wait
+    try:
+        while time.monotonic() < deadline:
+            entries: Any = r.xrange(ledger_key(tenant))
+            for _, fields in entries:
+                if (entry := ledger_entry(fields)).get("request_id") == rid:
+                    return entry
+            time.sleep(0.05)
+    finally:
+        r.close()
+    return None
+
+
 def _body(case: Case, context_window: int, mark: str | None) -> dict[str, Any]:
     body = json.loads(json.dumps(case.request))
     body["model"] = ROUTE
@@ -144,16 +195,33 @@ def _body(case: Case, context_window: int, mark: str | None) -> dict[str, Any]:
     return body
 
 
-def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str]) -> Outcome:
+def _read_until(resp: http.client.HTTPResponse, chunks: int) -> tuple[bytes, bool]:
+    """A stream read until it has held `chunks` content deltas (then the caller hangs up) or ended;
+    (what arrived, whether the count was reached)."""
+    data = b""
+    while piece := resp.read1(65536):
+        data += piece
+        if data.count(b'"content":"') - data.count(b'"content":""') >= chunks:
+            return data, True
+    return data, False
+
+
+def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str],
+         cancel_after: int | None = None) -> Outcome:
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=60)
+    cancelled = reset = False
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body),
                      {"authorization": f"Bearer {key}", "content-type": "application/json", **headers})
         resp = conn.getresponse()
-        reset = False
         try:
-            data = resp.read()
+            if cancel_after is not None and resp.status == 200:
+                data, cancelled = _read_until(resp, cancel_after)
+                if cancelled and conn.sock is not None:  # the client hangs up mid-stream
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            else:
+                data = resp.read()
         except http.client.IncompleteRead as cut:
             data, reset = cut.partial, True
     except (OSError, http.client.HTTPException) as e:
@@ -162,22 +230,42 @@ def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str]) -> O
         conn.close()
     losses = [part.strip() for part in (resp.getheader(TRANSLATION_LOSS_HEADER) or "").split(",") if part.strip()]
     if body.get("stream"):
-        return Outcome.from_stream(resp.status, data, losses, reset)
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        doc = None
-    return Outcome.from_json(resp.status, doc, losses)
+        out = Outcome.from_stream(resp.status, data, losses, reset)
+        if cancelled:
+            out.stream_end = "cancelled"
+    else:
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            doc = None
+        out = Outcome.from_json(resp.status, doc, losses)
+    out.request_id = resp.getheader("x-request-id") or ""
+    return out
 
 
-def run_case(case: Case, url: str, key: str, context_window: int, upstreams: Upstreams) -> tuple[CaseResult, list[str]]:
+@dataclass(frozen=True)
+class Gateway:
+    """The sandbox gateway a case goes through: where to send, as whom, and its store."""
+
+    url: str
+    tenant: str
+    key: str
+    store_url: str
+
+
+def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams) -> tuple[CaseResult, list[str]]:
     if case.fault and not upstreams.injectable:
         return CaseResult(case.id, "not_run", "needs fault injection (the simulator's admin API)"), []
     mark = marker() if case.fault else None
-    if case.fault and mark:
-        upstreams.inject(case.fault, mark)
+    if case.fault and mark and not upstreams.inject(case.fault, mark):
+        return CaseResult(case.id, "not_run", f"the upstream cannot be made to fail so ({case.fault})"), []
     try:
-        outcomes = [send(url, key, _body(case, context_window, mark), case.headers) for _ in range(case.repeat)]
+        outcomes = [send(gw.url, gw.key, _body(case, context_window, mark), case.headers, case.cancel_after)
+                    for _ in range(case.repeat)]
+        if case.expect.ledger_termination is not None:
+            outcomes[0].ledger = ledger_of(gw.store_url, gw.tenant, outcomes[0].request_id)
+        if case.expect.upstream_cancelled and mark:
+            outcomes[0].upstream = upstreams.logged(mark, "cancelled")
     finally:
         if case.fault:
             upstreams.clear()
@@ -195,7 +283,7 @@ def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: f
     """The corpus against `deployment` of the policy at `config` (see the module's doc); a pool's
     simulated engines start with `engine_args`; with `simulate_providers`, the sandbox also runs a
     simulated provider for each hosted deployment on loopback (as `llmgw up` does)."""
-    policy, ref, key = sandbox(config, deployment, corpus, work)
+    policy, ref, tenant, key = sandbox(config, deployment, corpus, work)
     snap = load_snapshot(policy)
     dep = snap.deployments[deployment]
     opts = StackOptions.on_free_ports(policy, work / "gateway", snap, time_scale=time_scale, workers=1,
@@ -207,10 +295,11 @@ def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: f
         urls = stack.engine_urls(dep.pool) if dep.pool else [f"http://{h}:{p}" for h, p in hosts]
         upstreams = Upstreams(urls)
         result = Run(ref, dep.fingerprint.adapter, corpus.version)
+        gw = Gateway(stack.url, tenant, key, str(stack.store_url))
         for case in corpus.cases:
             if only and case.id not in only:
                 continue
-            outcome, losses = run_case(case, stack.url, key, dep.context_window, upstreams)
+            outcome, losses = run_case(case, gw, dep.context_window, upstreams)
             result.results.append(outcome)
             result.losses.update(losses)
         return result

@@ -319,6 +319,9 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
             ATTEMPT_WITHOUT_BODY, ATTEMPT_TRANSLATED, ATTEMPT_TRANSLATED_STREAM)],
         request_attributes=list(ATTEMPT_ATTRIBUTES),
         message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
+        # The attempt addresses its candidate: a provider whose signature covers the host (Bedrock's
+        # SigV4) is sent its own authority, which ext_proc may set only with routing headers allowed.
+        mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_all_routing=wrappers_pb2.BoolValue(value=True)),
     )
 
 

@@ -1,0 +1,428 @@
+"""The `bedrock` adapter: Amazon Bedrock's Converse API (`POST /model/{modelId}/converse`, streams at
+`/model/{modelId}/converse-stream`), signed with AWS Signature Version 4.
+
+Request (internal -> Converse): system and developer messages become `system` text blocks; turns
+become `messages` with roles `user` and `assistant` (consecutive turns of one role merge, as the API
+wants them alternating); text becomes content blocks; an assistant's `tool_calls` become `toolUse`
+blocks (input as an object) and `tool` messages `toolResult` blocks of a user turn; tools become
+`toolConfig.tools[].toolSpec` with `inputSchema.json`, `tool_choice` `toolChoice` (`auto`, `any`,
+`tool`); `max_tokens`, `temperature`, `top_p` and `stop` go into `inferenceConfig`, `top_k` into
+`additionalModelRequestFields` (the model family's own field), `user` into `requestMetadata`.
+
+Signing: the credential reference resolves to `ACCESS_KEY_ID:SECRET_ACCESS_KEY[:SESSION_TOKEN]`; the
+request is signed for the service `bedrock` in the deployment's `region` (adapter option) and its
+`host` (option; default `bedrock-runtime.{region}.amazonaws.com`, which the attempt filter also sets as
+the request's authority) with botocore's SigV4 signer, once the body is known (the signature covers
+its hash). Signing happens in the attempt filter, not in Envoy's `aws_request_signing` filter: that one
+would sign every attempt of a composite cluster (a pool attempt too) with one credential for the
+whole Envoy, where here each deployment has its own credential reference, resolved like the others.
+
+Answer and stream (Converse -> internal): text blocks join into `content`, `toolUse` blocks become
+`tool_calls`, `reasoningContent` becomes `reasoning`; `stopReason` maps to `finish_reason`
+(`guardrail_intervened` and `content_filtered` are `content_filter`). Converse answers carry no id or
+model: the id is made here. Usage: `inputTokens` counts what was not read from or written to the
+prompt cache, so the internal input is the sum of the three (cache reads as cached). The stream is
+AWS event-stream framing (binary messages with CRCs, decoded by botocore's parser), not SSE:
+`messageStart`, `contentBlockStart` (tool calls only), `contentBlockDelta` (text, a piece of a tool's
+input JSON, reasoning), `contentBlockStop`, `messageStop`, and `metadata` with the usage last; an
+exception message (`throttlingException`, `modelStreamErrorException`, ...) or a stream that ends
+before its metadata is broken.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+from botocore.auth import SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+from botocore.eventstream import EventStreamBuffer, ParserError
+
+from extproc.adapters.base import (
+    Failure,
+    NativeRequest,
+    NativeStream,
+    ShapeAdapter,
+    Target,
+    UpstreamBroken,
+    Usage,
+    read_answer,
+    settings_back,
+    sse,
+)
+from extproc.adapters.loss import Conditional, LossTable, Support, losses
+from extproc.adapters.openai import failure_for_status
+from extproc.contract import ErrorCode
+from extproc.sse import MAX_EVENT_BYTES
+
+SERVICE = "bedrock"
+S = Support
+
+
+def _over_one(v: Any) -> bool:
+    return isinstance(v, (int, float)) and v > 1
+
+
+LOSS_TABLE: LossTable = {
+    "stream": S.SUPPORTED,  # the converse-stream path
+    "stream_options": S.EMULATED,  # usage arrives in the metadata event; the chunk is built here
+    "max_tokens": S.TRANSFORMED,  # inferenceConfig.maxTokens
+    "max_completion_tokens": S.TRANSFORMED,
+    "temperature": Conditional(_over_one, "above 1 (clamped to 1, the API's range)", otherwise=S.TRANSFORMED,
+                               loss=S.TRANSFORMED),
+    "top_p": S.TRANSFORMED,
+    "top_k": S.TRANSFORMED,  # additionalModelRequestFields.top_k: the model family's own field
+    "stop": S.TRANSFORMED,  # inferenceConfig.stopSequences
+    "tools": S.TRANSFORMED,  # toolConfig.tools[].toolSpec
+    "tool_choice": Conditional(lambda v: v == "none", "none (Converse cannot forbid the tools it is given)",
+                               otherwise=S.TRANSFORMED),
+    "parallel_tool_calls": S.UNSUPPORTED,  # false: Converse has no switch for it
+    "user": S.TRANSFORMED,  # requestMetadata.user
+    "cache_salt": S.EMULATED,  # the provider's cache is per account: no tenant salt to send
+    "n": Conditional(lambda v: v != 1, "above 1 (one answer per request)"),
+    "seed": S.UNSUPPORTED,
+    "frequency_penalty": S.UNSUPPORTED,
+    "presence_penalty": S.UNSUPPORTED,
+    "logit_bias": S.UNSUPPORTED,
+    "logprobs": S.UNSUPPORTED,
+    "top_logprobs": S.UNSUPPORTED,
+    "response_format": S.UNSUPPORTED,
+    "min_p": S.UNSUPPORTED,
+    "repetition_penalty": S.UNSUPPORTED,
+    "min_tokens": S.UNSUPPORTED,
+    "ignore_eos": S.UNSUPPORTED,
+    "skip_special_tokens": S.UNSUPPORTED,
+    "spaces_between_special_tokens": S.UNSUPPORTED,
+    "include_stop_str_in_output": S.UNSUPPORTED,
+}
+
+STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
+                "guardrail_intervened": "content_filter", "content_filtered": "content_filter",
+                "model_context_window_exceeded": "length"}
+INFERENCE = {"temperature": "temperature", "top_p": "topP"}
+
+
+# -- request ----------------------------------------------------------------------------------------
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or () if isinstance(p, dict) and p.get("type") == "text")
+
+
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"text": content}] if content else []
+    # Text parts only: the contract refuses image and audio parts (extproc/chat.py) before any adapter.
+    return [{"text": p["text"]} for p in content if p.get("type") == "text" and p.get("text")]
+
+
+def _arguments(text: str | None) -> Any:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    system: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        elif blocks:
+            turns.append({"role": role, "content": blocks})
+
+    for m in body["messages"]:
+        role = m["role"]
+        if role in ("system", "developer"):
+            if text := _text_of(m.get("content")):
+                system.append({"text": text})
+        elif role == "assistant":
+            blocks = _blocks(m.get("content"))
+            for call in m.get("tool_calls") or ():
+                fn = call["function"]
+                blocks.append({"toolUse": {"toolUseId": call["id"], "name": fn["name"],
+                                           "input": _arguments(fn.get("arguments"))}})
+            add("assistant", blocks)
+        elif role == "tool":
+            add("user", [{"toolResult": {"toolUseId": m.get("tool_call_id", ""),
+                                         "content": [{"text": _text_of(m.get("content"))}]}}])
+        else:
+            add("user", _blocks(m.get("content")))
+    native: dict[str, Any] = {"messages": turns}
+    if system:
+        native["system"] = system
+    config: dict[str, Any] = {}
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if limit:
+        config["maxTokens"] = limit
+    for ours, theirs in INFERENCE.items():
+        if body.get(ours) is not None:
+            config[theirs] = min(body[ours], 1) if ours == "temperature" else body[ours]
+    stop = body.get("stop")
+    if stop:
+        config["stopSequences"] = [stop] if isinstance(stop, str) else list(stop)
+    if config:
+        native["inferenceConfig"] = config
+    if body.get("top_k") is not None:
+        native["additionalModelRequestFields"] = {"top_k": body["top_k"]}
+    if body.get("tools"):
+        tools = []
+        for t in body["tools"]:
+            spec: dict[str, Any] = {"name": t["function"]["name"], "inputSchema": {
+                "json": t["function"].get("parameters") or {"type": "object", "properties": {}}}}
+            if t["function"].get("description"):
+                spec["description"] = t["function"]["description"]
+            tools.append({"toolSpec": spec})
+        native["toolConfig"] = {"tools": tools}
+        choice = body.get("tool_choice")
+        if choice in ("auto", "required"):
+            native["toolConfig"]["toolChoice"] = {"auto": {}} if choice == "auto" else {"any": {}}
+        elif isinstance(choice, dict):
+            native["toolConfig"]["toolChoice"] = {"tool": {"name": choice["function"]["name"]}}
+    if body.get("user"):
+        native["requestMetadata"] = {"user": str(body["user"])}
+    return native
+
+
+def internal_body(native: Mapping[str, Any], model: str, stream: bool = False) -> dict[str, Any]:
+    """A Converse request as the internal contract (the inverse of `native_body` for what both shapes
+    carry; the model and whether it streams come from the path)."""
+    messages: list[dict[str, Any]] = []
+    system = "".join(b.get("text", "") for b in native.get("system") or ())
+    if system:
+        messages.append({"role": "system", "content": system})
+    for turn in native["messages"]:
+        blocks = turn["content"]
+        if turn["role"] == "assistant":
+            uses = [b["toolUse"] for b in blocks if "toolUse" in b]
+            calls = [{"id": u["toolUseId"], "type": "function",
+                      "function": {"name": u["name"], "arguments": json.dumps(u.get("input") or {})}} for u in uses]
+            text = "".join(b["text"] for b in blocks if "text" in b)
+            msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                msg["tool_calls"] = calls
+            messages.append(msg)
+            continue
+        texts: list[str] = []
+        for b in blocks:
+            if "toolResult" in b:
+                result = b["toolResult"]
+                text = "".join(c.get("text", "") if "text" in c else json.dumps(c.get("json"))
+                               for c in result.get("content") or ())
+                messages.append({"role": "tool", "tool_call_id": result["toolUseId"], "content": text})
+            elif "text" in b:
+                texts.append(b["text"])
+        if texts:
+            messages.append({"role": "user", "content": "".join(texts)})
+    body: dict[str, Any] = {"model": model, "messages": messages}
+    config = native.get("inferenceConfig") or {}
+    body.update(settings_back(config, {"max_tokens": "maxTokens", **INFERENCE}))
+    if config.get("stopSequences"):
+        body["stop"] = list(config["stopSequences"])
+    if (native.get("additionalModelRequestFields") or {}).get("top_k") is not None:
+        body["top_k"] = native["additionalModelRequestFields"]["top_k"]
+    tool_config = native.get("toolConfig") or {}
+    if tool_config.get("tools"):
+        body["tools"] = [{"type": "function", "function": {
+            "name": t["toolSpec"]["name"], "description": t["toolSpec"].get("description", ""),
+            "parameters": (t["toolSpec"].get("inputSchema") or {}).get("json") or {}}} for t in tool_config["tools"]]
+        choice = tool_config.get("toolChoice") or {}
+        if "tool" in choice:
+            body["tool_choice"] = {"type": "function", "function": {"name": choice["tool"]["name"]}}
+        elif choice:
+            body["tool_choice"] = "required" if "any" in choice else "auto"
+    user = (native.get("requestMetadata") or {}).get("user")
+    if user:
+        body["user"] = user
+    if stream:
+        body["stream"] = True
+    return body
+
+
+# -- signing ----------------------------------------------------------------------------------------
+
+def host_of(target: Target) -> str:
+    region = target.options.get("region", "")
+    return target.options.get("host") or f"bedrock-runtime.{region}.amazonaws.com"
+
+
+def sign(path: str, headers: Mapping[str, str], body: bytes, target: Target) -> dict[str, str]:
+    """The SigV4 headers of this request (authorization, x-amz-date and, with a session token,
+    x-amz-security-token). The signed headers are the ones given here and the host; what Envoy adds
+    on the way (x-request-id, x-envoy-*) is not signed, as AWS allows."""
+    key_id, _, rest = target.credential.partition(":")
+    secret, _, token = rest.partition(":")
+    request = AWSRequest("POST", f"https://{host_of(target)}{path}", data=body, headers=dict(headers))
+    SigV4Auth(Credentials(key_id, secret, token or None), SERVICE, target.options.get("region", "")).add_auth(request)
+    return {k.lower(): v for k, v in request.headers.items() if k.lower() not in headers}
+
+
+# -- answers ----------------------------------------------------------------------------------------
+
+def _usage(native: Mapping[str, Any]) -> Usage:
+    read = int(native.get("cacheReadInputTokens") or 0)
+    written = int(native.get("cacheWriteInputTokens") or 0)
+    return Usage(int(native["inputTokens"]) + read + written, read, int(native["outputTokens"]))
+
+
+def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in doc["output"]["message"]["content"]:
+        if "text" in block:
+            text.append(str(block["text"]))
+        elif "toolUse" in block:
+            use = block["toolUse"]
+            calls.append({"id": str(use["toolUseId"]), "type": "function",
+                          "function": {"name": str(use["name"]), "arguments": json.dumps(use.get("input") or {})}})
+        elif "reasoningContent" in block:
+            reasoning.append(str((block["reasoningContent"].get("reasoningText") or {}).get("text", "")))
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+    if reasoning:
+        message["reasoning"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": "", "choices": [{"index": 0, "message": message, "logprobs": None,
+                                      "finish_reason": STOP_REASONS.get(str(doc.get("stopReason")), "stop")}],
+            "usage": _usage(doc["usage"]).openai()}
+
+
+class BedrockStream(NativeStream):
+    """ConverseStream's event-stream messages -> internal chunks. A tool call's input arrives as pieces
+    of JSON and leaves as argument deltas of the same call index."""
+
+    def __init__(self, include_usage: bool = True):
+        super().__init__(include_usage)
+        self.id = uuid.uuid4().hex[:24]
+        self.frames = EventStreamBuffer()
+        self.pending = 0  # bytes fed that no whole message has used yet
+        self.calls: dict[int, int] = {}  # content block index -> tool call index
+        self.stopped = False  # messageStop came
+        self.ended = False  # metadata came: nothing may follow
+
+    def _documents(self, chunk: bytes) -> Iterator[dict[str, Any]]:
+        self.pending += len(chunk)
+        if self.pending > MAX_EVENT_BYTES:
+            raise UpstreamBroken(f"an event-stream message is larger than {MAX_EVENT_BYTES} bytes")
+        self.frames.add_data(chunk)
+        try:
+            for message in self.frames:
+                self.pending -= message.prelude.total_length
+                headers = message.headers
+                if headers.get(":message-type") != "event":
+                    raise UpstreamBroken(f"the provider ended the stream: "
+                                         f"{headers.get(':exception-type') or headers.get(':error-code') or 'error'}")
+                try:
+                    payload = json.loads(message.payload or b"{}")
+                except ValueError:
+                    raise UpstreamBroken("an event's payload is not JSON") from None
+                if not isinstance(payload, dict):
+                    raise UpstreamBroken("an event's payload is not a JSON object")
+                yield {str(headers.get(":event-type", "")): payload}
+        except ParserError as e:
+            raise UpstreamBroken(f"the event-stream framing is broken ({type(e).__name__})") from None
+
+    def _event(self, doc: dict[str, Any]) -> list[bytes]:
+        if self.ended:
+            raise UpstreamBroken("an event after the metadata event")
+        (kind, ev), = doc.items()
+        try:
+            return self._handle(kind, ev)
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise UpstreamBroken(f"a malformed {kind} event") from None
+
+    def _handle(self, kind: str, ev: dict[str, Any]) -> list[bytes]:
+        if kind == "messageStart":
+            return [self._chunk({"role": "assistant", "content": ""})]
+        if kind == "contentBlockStart":
+            use = ev["start"]["toolUse"]
+            n = self.calls[int(ev["contentBlockIndex"])] = len(self.calls)
+            return [self._chunk({"tool_calls": [{"index": n, "id": str(use["toolUseId"]), "type": "function",
+                                                 "function": {"name": str(use["name"]), "arguments": ""}}]})]
+        if kind == "contentBlockDelta":
+            delta = ev["delta"]
+            if "text" in delta:
+                return [self._chunk({"content": str(delta["text"])})]
+            if "toolUse" in delta:
+                n = self.calls[int(ev["contentBlockIndex"])]
+                return [self._chunk({"tool_calls": [{"index": n, "function": {
+                    "arguments": str(delta["toolUse"]["input"])}}]})]
+            if "reasoningContent" in delta:
+                return [self._chunk({"reasoning": str(delta["reasoningContent"].get("text", ""))})]
+            return []  # citations and what the API adds later: nothing to carry
+        if kind == "messageStop":
+            self.stopped = True
+            return [self._chunk({}, STOP_REASONS.get(str(ev.get("stopReason")), "stop"))]
+        if kind == "metadata":
+            if not self.stopped:
+                raise UpstreamBroken("the metadata event came before messageStop")
+            self.ended = True
+            usage = _usage(ev["usage"])
+            return [*([self._usage_chunk(usage)] if self.include_usage else []), sse("[DONE]")]
+        return []  # contentBlockStop
+
+    def finish(self) -> list[bytes]:
+        if not self.ended:
+            raise UpstreamBroken("the stream ended before its metadata event")
+        if self.pending:
+            raise UpstreamBroken("the stream ended inside an event-stream message")
+        return []
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+def failure(status: int, body: bytes) -> Failure:
+    """Converse's errors are `{"message": ...}` with the type in a header (`x-amzn-ErrorType`); the
+    status says what it is."""
+    try:
+        doc = json.loads(body)
+        message = str(doc.get("message") or doc.get("Message") or "")[:500] if isinstance(doc, dict) else ""
+    except ValueError:
+        message = ""
+    if status == 400 and "too long" in message.lower():
+        return Failure(ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, message)
+    if status == 500:  # InternalServerException: retry
+        return Failure(ErrorCode.UPSTREAM_ERROR, 502, message or "InternalServerException", "unavailable")
+    return failure_for_status(status, message)
+
+
+class BedrockAdapter(ShapeAdapter):
+    name = "bedrock"
+    version = 1
+    loss_table = LOSS_TABLE
+    stream_type = BedrockStream
+    failure = staticmethod(failure)
+    usage = staticmethod(_usage)
+
+    def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
+        model = quote(target.model, safe="")
+        return (f"/model/{model}/" + ("converse-stream" if target.stream else "converse"),
+                {"content-type": "application/json", ":authority": host_of(target)})
+
+    def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        path, headers = self.endpoint(target)
+        native = orjson.dumps(native_body(body))
+        signed = {"content-type": headers["content-type"]}
+        return NativeRequest(path, headers, native, tuple(losses(body, LOSS_TABLE)),
+                             sign(path, signed, native, target) if target.credential else {})
+
+    def response(self, status: int, body: bytes) -> dict[str, Any]:
+        return read_answer(body, lambda doc: "output" in doc, "a Converse response", completion)
+
+
+
+BEDROCK = BedrockAdapter()
