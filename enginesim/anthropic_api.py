@@ -169,8 +169,9 @@ class MessagesFrontEnd:
         """The model's safety stop: `stop_reason: refusal`, nothing written."""
         usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                  "output_tokens": 0}
-        message: dict[str, Any] = {"id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
-                   "content": [], "stop_reason": "refusal", "stop_sequence": None, "usage": usage}
+        message: dict[str, Any] = {"id": f"msg_{rid}", "type": "message", "role": "assistant",
+                                   "model": self.server.served_model, "content": [], "stop_reason": "refusal",
+                                   "stop_sequence": None, "usage": usage}
         if not stream:
             return web.json_response(message)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})

@@ -1,7 +1,7 @@
 """Build a tiny, seeded Llama checkpoint that real vLLM can serve on a CPU, with no network.
 
 A byte-level BPE tokenizer is trained on a small built-in text, wrapped as a Hugging Face fast
-tokenizer with a Llama-3-style chat template, and saved beside a randomly initialised
+tokenizer with a Llama-3.1-style chat template (tools and tool calls included), and saved beside a randomly initialised
 `LlamaForCausalLM` (2 layers, hidden 128, 2 heads, 1 KV head: head_dim 64, which vLLM's CPU attention
 accepts). Its output is gibberish; the API, the scheduler, the KV cache and the metrics are vLLM's.
 
@@ -16,12 +16,24 @@ import hashlib
 import json
 from pathlib import Path
 
-SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Llama 3.1's special tokens the tool-call parser looks for come last, so the earlier ids stay.
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+           "<|python_tag|>", "<|eom_id|>"]
+# Llama 3.1's shape: the tools' JSON in the first message, an assistant's tool calls as
+# {"name": ..., "parameters": ...} JSON, a tool's result as an `ipython` turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{% set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' }}"
+    "{% if loop.first and tools %}"
+    "{{ 'Call a function as {\"name\": its name, \"parameters\": its arguments}. Functions:\n' }}"
+    "{% for t in tools %}{{ t | tojson }}{{ '\n' }}{% endfor %}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% set args = call['function']['arguments'] %}"
+    "{{ '{\"name\": \"' + call['function']['name'] + '\", \"parameters\": ' }}"
+    "{{ args if args is string else args | tojson }}{{ '}' }}{% endfor %}"
+    "{% elif message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
     "{{ '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )

@@ -49,7 +49,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     for name in names:
         with tempfile.TemporaryDirectory(prefix="llmgw-conformance-") as work:
             result = run(Path(args.config), name, corpus, Path(work), args.time_scale, only,
-                         simulate_providers=args.simulate_providers)
+                         simulate_providers=args.simulate_providers, engine=args.engine)
         print(f"{name}  {result.deployment_ref}  adapter {result.adapter}  corpus {result.corpus_version}")
         for r in result.results:
             print(f"  {r.result.upper():8} {r.id}" + (f"  - {r.detail}" if r.detail else ""))
@@ -76,6 +76,9 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--valid-days", type=int, default=90, help="the record expires this many days after today")
     c.add_argument("--time-scale", type=float, default=0.02, help="the simulated engines' real seconds per second")
     c.add_argument("--dry-run", action="store_true", help="print the results, write no record")
+    c.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                   help="the pool's engines in the sandbox: simulated, or real vLLM (its CPU build serving a "
+                        "generated tiny model; `make test-vllm` installs it)")
     c.add_argument("--simulate-providers", action="store_true",
                    help="serve hosted deployments on loopback with simulated providers, as `llmgw up` does")
     c.set_defaults(func=cmd_conformance)

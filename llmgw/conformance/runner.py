@@ -78,9 +78,11 @@ def marker() -> str:
     return "conformance-" + "".join(random.choices(string.ascii_lowercase, k=16))
 
 
-def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path) -> tuple[Path, str, str, str]:
+def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path,
+            one_engine: bool = False) -> tuple[Path, str, str, str]:
     """The sandbox policy (see the module's doc); returns it, the deployment's reference, a tenant
-    and its key."""
+    and its key. `one_engine`: each pool keeps its first endpoint only (real engines: one answers the
+    corpus, and two do not fit a small machine)."""
     snap = load_snapshot(config)
     dep = snap.deployments[deployment]
     policy, keys = demo_policy(config, work / "policy")
@@ -103,6 +105,8 @@ def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path) -> tuple[
     for case in corpus.cases:
         for tool in case.request.get("tools") or ():
             tools.setdefault(tool["function"]["name"], {"effects": []})
+    for pool in gw.get("pools", {}).values() if one_engine else ():
+        pool["endpoints"] = pool["endpoints"][:1]
     (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
     tenant = next(t for t in gw["tenants"] if set(dep.data_classes) & set(gw["tenants"][t]["allowed_data_classes"]))
     return policy, dep.ref, tenant, keys[tenant]
@@ -279,17 +283,20 @@ def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams)
 
 
 def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: float = 0.02,
-        only: set[str] | None = None, engine_args: tuple[str, ...] = (), simulate_providers: bool = False) -> Run:
+        only: set[str] | None = None, engine_args: tuple[str, ...] = (), simulate_providers: bool = False,
+        engine: str = "sim") -> Run:
     """The corpus against `deployment` of the policy at `config` (see the module's doc); a pool's
-    simulated engines start with `engine_args`; with `simulate_providers`, the sandbox also runs a
-    simulated provider for each hosted deployment on loopback (as `llmgw up` does)."""
-    policy, ref, tenant, key = sandbox(config, deployment, corpus, work)
+    engines are simulated (started with `engine_args`) or real vLLM (`engine="vllm"`); with
+    `simulate_providers`, the sandbox also runs a simulated provider for each hosted deployment on
+    loopback (as `llmgw up` does)."""
+    policy, ref, tenant, key = sandbox(config, deployment, corpus, work, one_engine=engine == "vllm")
     snap = load_snapshot(policy)
     dep = snap.deployments[deployment]
     opts = StackOptions.on_free_ports(policy, work / "gateway", snap, time_scale=time_scale, workers=1,
                                       envoy_concurrency=1, engine_args=engine_args,
-                                      simulate_providers=simulate_providers)
-    stack = Stack(opts).start()
+                                      simulate_providers=simulate_providers, engine=engine,
+                                      engine_timeout=300.0 if engine == "vllm" else 60.0)
+    stack = Stack(opts).start(timeout=300 if engine == "vllm" else 60)
     try:
         hosts = stack.render.providers.get(deployment) or tuple(hp(e) for e in dep.endpoints)
         urls = stack.engine_urls(dep.pool) if dep.pool else [f"http://{h}:{p}" for h, p in hosts]
