@@ -4,7 +4,8 @@ Messages), one gateway in front of it with two routes to it - `chat-default` thr
 OpenAI shape, no translation) and `chat-anthropic` through an Anthropic-shaped deployment (the
 attempt filter translates the request, the answer and the stream) - and the Anthropic front door
 (`/v1/messages`) to the pool (the door filter translates the answer and the stream for the client).
-All budgeted, same request.
+A second engine of the same profile speaks Bedrock's Converse (`chat-bedrock`: translated, SigV4
+signed, its AWS event stream read back). All budgeted, same request.
 
 - JSON at concurrency 1, wrk in alternating rounds: p50 and CPU per request by process.
 - Streams: the same streams on each route (one event per token); ext_proc CPU per streamed chunk.
@@ -118,6 +119,10 @@ def run_translated_bench(args: argparse.Namespace) -> int:
     sim, sim_url = simulated_provider("anthropic", PROVIDER_MODEL, provider_key, work / "engine.log",
                                       args.time_scale)
     port = int(sim_url.rsplit(":", 1)[1])
+    # A Bedrock-shaped provider of the same model on its own engine: SigV4 and the event stream.
+    bedrock_key = "AKIDBENCHMARK0000001:bench-secret"
+    bedrock, bedrock_url = simulated_provider("bedrock", PROVIDER_MODEL, bedrock_key, work / "bedrock.log",
+                                              args.time_scale)
     stack: Stack | None = None
     try:
         config, keys = demo_policy(Path(args.config).resolve(), work / "policy")
@@ -137,6 +142,9 @@ def run_translated_bench(args: argparse.Namespace) -> int:
             ev["deployment_ref"] = ref
             ev_path.write_text(yaml.safe_dump(ev))
         add_anthropic_route(config, f"127.0.0.1:{port}", provider_key)
+        add_provider_route(config, "bedrock-sim", "bedrock@1", "bedrock-converse@2023-09-30", PROVIDER_MODEL,
+                           bedrock_url.removeprefix("http://"), bedrock_key, "chat-bedrock",
+                           options={"region": "eu-central-1"})
         snap = load_snapshot(config)
         opts = StackOptions.on_free_ports(config, work / "gw", snap, start_engines=False, envoy_concurrency=1,
                                           workers=1)
@@ -145,6 +153,7 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         key = keys["acme"]
         chat_url, door_url = f"{stack.url}/v1/chat/completions", f"{stack.url}{MESSAGES_PATH}"
         routes = {"pool (OpenAI shape)": "chat-default", "anthropic (translated)": "chat-anthropic",
+                  "bedrock (translated, signed; its own engine)": "chat-bedrock",
                   "Anthropic door -> pool": "chat-default"}
         urls = {name: door_url if "door" in name else chat_url for name in routes}
         scripts = {}
@@ -187,6 +196,7 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         if stack is not None:
             stack.stop()
         sim.stop()
+        bedrock.stop()
     base = statistics.median(r.p50_ms for r in json_rows["pool (OpenAI shape)"])
     lines = ["| route | p50 ms (c=1) | p50 over the pool | ext_proc CPU us/request | streamed chunks | "
              "ext_proc CPU us/chunk |", "|---|---|---|---|---|---|"]

@@ -28,7 +28,7 @@ from extproc.adapters.base import Target, UpstreamBroken
 from extproc.adapters.bedrock import BEDROCK, LOSS_TABLE, internal_body, native_body
 from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
-from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route, simulated_provider
+from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route, add_route_of, simulated_provider
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, start_stack
 from tests.helpers import request
@@ -346,8 +346,9 @@ def gw(tmp_path_factory: pytest.TempPathFactory, provider: str) -> Iterator[Stac
     tmp = tmp_path_factory.mktemp("bedrock-gw")
     policy = tmp / "policy"
     shutil.copytree(POLICY, policy)
-    add_provider_route(policy, "bedrock-sim", "bedrock@1", "bedrock-converse@2023-09-30", MODEL,
-                       provider.removeprefix("http://"), KEY, "chat-bedrock", options=OPTIONS)
+    ref = add_provider_route(policy, "bedrock-sim", "bedrock@1", "bedrock-converse@2023-09-30", MODEL,
+                             provider.removeprefix("http://"), KEY, "chat-bedrock", options=OPTIONS)
+    add_route_of(policy, "chat-bedrock-report", ref, "report", adapter="bedrock@1")
     s = start_stack(tmp / "state", policy)
     yield s
     s.stop()
@@ -417,10 +418,36 @@ def test_a_throttled_stream_is_interrupted_and_a_throttled_request_is_an_upstrea
     assert e.value.status_code == 502 and e.value.code == "upstream_error"  # type: ignore[attr-defined]
 
 
+UNSUPPORTED = [f for f, rule in LOSS_TABLE.items() if rule is Support.UNSUPPORTED]
+VALUES = {"seed": 7, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"1": 1}, "logprobs": True,
+          "top_logprobs": 2, "response_format": {"type": "json_object"}, "parallel_tool_calls": False, "min_p": 0.1,
+          "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True, "skip_special_tokens": False,
+          "spaces_between_special_tokens": False, "include_stop_str_in_output": True}
+
+
 @pytest.mark.e2e
-def test_what_bedrock_cannot_carry_is_refused_before_it_is_sent(gw: Stack, provider: str) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        sdk(gw).chat.completions.create(model="chat-bedrock", max_tokens=4, seed=7,
-                                        messages=[{"role": "user", "content": "never sent"}])
-    assert e.value.code == "unsupported_field" and e.value.param == "seed"  # type: ignore[attr-defined]
-    assert not sent_to(provider, "never sent")
+@pytest.mark.parametrize("field", UNSUPPORTED)
+def test_what_bedrock_cannot_carry_is_refused_before_it_is_sent(gw: Stack, provider: str, field: str) -> None:
+    marker = f"never sent {field.replace('_', ' ')}"
+    body: dict[str, Any] = {"model": "chat-bedrock", "max_tokens": 4, field: VALUES[field],
+                            "messages": [{"role": "user", "content": marker}]}
+    if field == "parallel_tool_calls":
+        body["tools"] = [SEARCH]
+    r = request(f"{gw.url}/v1/chat/completions", "POST", body, {"authorization": f"Bearer {DEMO_KEYS['acme']}"})
+    assert r.status == 400 and r.json()["error"]["code"] == "unsupported_field", r.body
+    assert r.json()["error"]["param"] == field
+    assert not sent_to(provider, marker)
+
+
+@pytest.mark.e2e
+def test_what_bedrock_cannot_carry_is_served_and_reported_under_report(gw: Stack, provider: str) -> None:
+    raw = sdk(gw).chat.completions.with_raw_response.create(
+        model="chat-bedrock-report", max_tokens=4, seed=7, logprobs=True,
+        messages=[{"role": "user", "content": "report what is lost"}])
+    lost = {"max_tokens (transformed)", "seed (unsupported)", "logprobs (unsupported)"}
+    assert set(raw.headers["x-llmgw-translation-loss"].split(", ")) == lost
+    entry = ledger_of(gw, raw.headers["x-request-id"], "acme")
+    (attempt,) = entry["attempts"]
+    assert set(attempt["translation_loss"]) == lost
+    (sent,) = sent_to(provider, "report what is lost")
+    assert "seed" not in json.dumps(sent) and "logprobs" not in json.dumps(sent)
