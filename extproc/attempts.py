@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.adapters import adapter_for
 from extproc.adapters.base import Adapter, StreamTranslator, Target, UpstreamBroken
 from extproc.config import Snapshot
+from extproc.config.reload import Live
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.envoy_msgs import ATTRIBUTES, attr, header, with_first
@@ -43,7 +44,6 @@ from extproc.fallback import attempt_kind, decode_plan, translated
 from extproc.names import Key
 from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
-from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import ANSWERED_BY
 from extproc.store import Store, StoreUnavailable
 from extproc.streams import interrupted_event
@@ -91,9 +91,9 @@ def body_for(body: bytes, dep: Deployment) -> bytes | None:
 
 
 class AttemptFilter:
-    def __init__(self, store: Store | None, snapshot: Callable[[], Snapshot]):
+    def __init__(self, store: Store | None, live: Callable[[], Live]):
         self.store = store
-        self.snapshot = snapshot
+        self.live = live
         self._pending: set[asyncio.Task[None]] = set()
 
     def _record_later(self, state: _Attempt) -> None:
@@ -117,7 +117,8 @@ class AttemptFilter:
 
     async def handle(self, first: ep.ProcessingRequest,
                      rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
-        state = _Attempt(self.snapshot())
+        live = self.live()
+        state = _Attempt(live.snapshot, credentials=live.credentials, credential_errors=live.credential_errors)
         try:
             async for req in with_first(first, rest):
                 try:
@@ -149,6 +150,8 @@ class _Attempt:
     """What one attempt's filter stream knows, message by message."""
 
     snap: Snapshot
+    credentials: Mapping[str, str] = field(default_factory=dict)  # the revision's, resolved when loaded
+    credential_errors: Mapping[str, str] = field(default_factory=dict)
     tenant: str = ""
     rid: str = ""
     n: int = 1
@@ -260,10 +263,10 @@ class _Attempt:
         mutation = ep.HeaderMutation()
         token = ""
         if dep.credential_ref:
-            try:
-                token = resolve(dep.credential_ref, snap.directory)
-            except SecretUnavailable as e:
-                raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, str(e)) from None
+            if dep.deployment not in self.credentials:
+                raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, self.credential_errors.get(
+                    dep.deployment, f"credential reference {dep.credential_ref} is not resolved"))
+            token = self.credentials[dep.deployment]
         if translated(dep):
             self.adapter = adapter_for(dep.fingerprint.adapter)
             self.streaming = attr(attrs, PLAN_STREAM) == "1"

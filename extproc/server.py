@@ -113,7 +113,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self.meter = (Meter(self.settler, lambda: self.live.snapshot, lambda: self.live.sealer)
                       if self.settler is not None else None)
         self.guard = StreamGuard(self.meter) if self.meter is not None else None
-        self.attempts = AttemptFilter(store, lambda: self.live.snapshot)
+        self.attempts = AttemptFilter(store, lambda: self.live)
         self._background: set[asyncio.Task[None]] = set()
         # ext_proc messages received, by role: what each kind of exchange costs in round trips
         # (GET /status reports them).
@@ -250,9 +250,19 @@ def salts_for(snapshot: Snapshot) -> dict[str, str]:
 
 
 def live_for(snapshot: Snapshot) -> Live:
-    """The secrets a revision is served with; one that cannot be resolved stops it (fail closed)."""
+    """The secrets a revision is served with: the gateway's own stop it when they cannot be resolved
+    (fail closed); a deployment's credential that cannot be resolved makes that deployment
+    unaddressable (its attempts are refused), and is logged now."""
     ref = snapshot.gateway.store.replay_key_ref
-    return Live(snapshot, salts_for(snapshot), Sealer(resolve(ref, snapshot.directory) if ref else None))
+    live = Live(snapshot, salts_for(snapshot), Sealer(resolve(ref, snapshot.directory) if ref else None))
+    for dep in snapshot.deployments.values():
+        if dep.credential_ref:
+            try:
+                live.credentials[dep.deployment] = resolve(dep.credential_ref, snapshot.directory)
+            except SecretUnavailable as e:
+                live.credential_errors[dep.deployment] = str(e)
+                log.error("deployment %s cannot be addressed: %s", dep.deployment, e)
+    return live
 
 
 async def status_app(reloader: Reloader, listen: str, processor: Processor | None = None,

@@ -34,3 +34,26 @@ def test_extproc_refuses_to_start_without_its_salt_secret() -> None:
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0
     assert "env:LLMGW_CACHE_SALT_SECRET is not set" in r.stderr
+
+
+def test_deployment_credentials_resolve_when_a_revision_loads_not_per_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from extproc.config import load_snapshot
+    from extproc.server import live_for
+
+    policy = tmp_path / "policy"
+    shutil.copytree(POLICY, policy)
+    monkeypatch.setenv("LLMGW_CACHE_SALT_SECRET", "salt")
+    monkeypatch.setenv("LLMGW_REPLAY_KEY", "replay")
+    monkeypatch.setenv("LLMGW_SIM_ANTHROPIC_KEY", "anthropic-key-1")
+    monkeypatch.delenv("LLMGW_SIM_GEMINI_KEY", raising=False)
+    live = live_for(load_snapshot(policy))
+    assert live.credentials["demo-anthropic"] == "anthropic-key-1"
+    # One deployment's missing key makes that deployment unaddressable, not the revision unservable.
+    assert "demo-gemini" not in live.credentials
+    assert live.credential_errors["demo-gemini"] == "credential reference env:LLMGW_SIM_GEMINI_KEY is not set"
+    monkeypatch.setenv("LLMGW_SIM_ANTHROPIC_KEY", "anthropic-key-2")
+    assert live.credentials["demo-anthropic"] == "anthropic-key-1"  # served as loaded until the next reload
+    assert live_for(load_snapshot(policy)).credentials["demo-anthropic"] == "anthropic-key-2"

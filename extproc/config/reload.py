@@ -31,6 +31,11 @@ class Live:
     snapshot: Snapshot
     cache_salts: dict[str, str]
     sealer: Sealer = field(default_factory=lambda: Sealer(None))  # idempotent answers kept for replay
+    # Each deployment's credential, resolved from its reference when the revision is loaded (at start
+    # and on every reload), never per request; a reference that does not resolve leaves its
+    # deployment unaddressable (the attempt is refused, naming the reference) without stopping the rest.
+    credentials: dict[str, str] = field(default_factory=dict)
+    credential_errors: dict[str, str] = field(default_factory=dict)
 
 
 def directory_signature(root: Path) -> tuple[tuple[str, int, int], ...]:
