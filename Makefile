@@ -23,7 +23,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+# The FOCUS validator, in its own environment: its pinned, older dependencies (pandas, pandera,
+# multimethod < 1.11, which its release needs) stay out of the project's.
+FOCUS_VENV := .venv-focus
+$(FOCUS_VENV)/.installed-stamp:
+	$(PYTHON) -m venv $(FOCUS_VENV)
+	$(FOCUS_VENV)/bin/python -m pip install -q 'focus-validator==1.0.0' 'multimethod<1.11'
+	touch $@
+
+test: lint typecheck $(FOCUS_VENV)/.installed-stamp
 	$(BIN)/python -m pytest -m "not vllm"
 
 # Real vLLM (CPU build, installed into .venv-vllm on first use) serving a generated tiny model.
@@ -42,4 +50,4 @@ bench: $(STAMP)
 	$(BIN)/llmgw bench overhead --output docs/bench-overhead.md
 
 clean:
-	rm -rf $(VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FOCUS_VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache

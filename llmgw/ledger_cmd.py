@@ -2,12 +2,15 @@
 with `--decisions` the decision log streams (`llmgw:{tenant}:decisions`, extproc/decisions.py).
 
 `export` reads with a consumer group and acknowledges what it wrote, so repeated exports continue
-where the last one stopped and a record is exported once; `tail` only reads.
+where the last one stopped and a record is exported once; `tail` only reads. `--format focus` writes
+FOCUS cost rows (llmgw/focus.py) as CSV instead of the records as JSON lines: each batch of records
+aggregated, written, then acknowledged (a later export may add rows for the same period).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 import time
@@ -18,6 +21,7 @@ import redis
 
 from extproc.store import decisions_key, ledger_entry, ledger_key
 from llmgw.cli_common import snapshot_or_report
+from llmgw.focus import COLUMNS, FOCUS_VERSION, aggregate, record
 
 GROUP = "llmgw-export"
 
@@ -83,7 +87,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 1
     client, tenants = opened
     key_of, decode = _stream(args)
-    out = open(args.output, "a") if args.output != "-" else sys.stdout  # noqa: SIM115 - closed below
+    focus = args.format == "focus"
+    if focus and args.decisions:
+        print("error: --format focus exports the ledger, not the decision log", file=sys.stderr)
+        return 2
+    snap = snapshot_or_report(args.config) if focus else None
+    fresh = args.output == "-" or not Path(args.output).exists() or Path(args.output).stat().st_size == 0
+    out = open(args.output, "a", newline="") if args.output != "-" else sys.stdout  # noqa: SIM115 - closed below
+    writer = csv.DictWriter(out, fieldnames=COLUMNS) if focus else None
+    if writer is not None and fresh:
+        writer.writeheader()
     total = 0
     try:
         for t in tenants:
@@ -98,15 +111,21 @@ def cmd_export(args: argparse.Namespace) -> int:
                 entries = got[0][1] if got else []
                 if not entries:
                     break
-                for _, fields in entries:
-                    out.write(json.dumps(decode(fields)) + "\n")
+                if writer is not None and snap is not None:
+                    rows = aggregate((decode(f) for _, f in entries), snap, args.period)
+                    writer.writerows(record(r, args.period) for r in rows)
+                else:
+                    for _, fields in entries:
+                        out.write(json.dumps(decode(fields)) + "\n")
                 out.flush()
                 client.xack(key, GROUP, *(eid for eid, _ in entries))  # only what was written
                 total += len(entries)
     finally:
         if out is not sys.stdout:
             out.close()
-    print(f"exported {total} record(s) at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", file=sys.stderr)
+    shape = f" as FOCUS {FOCUS_VERSION} rows" if focus else ""
+    print(f"exported {total} record(s){shape} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+          file=sys.stderr)
     return 0
 
 
@@ -127,6 +146,9 @@ def add_parser(sub: Any) -> None:
             p.add_argument("-f", "--follow", action="store_true")
             p.add_argument("--all", action="store_true", help="every record from the start")
         else:
-            p.add_argument("--format", choices=["jsonl"], default="jsonl")
+            p.add_argument("--format", choices=["jsonl", "focus"], default="jsonl",
+                           help=f"focus: FOCUS {FOCUS_VERSION} cost rows as CSV (one per period, tenant, route, "
+                                "deployment, price version and token class)")
+            p.add_argument("--period", choices=["day", "hour"], default="day", help="(focus) the charge period")
             p.add_argument("-o", "--output", default="-")
             p.add_argument("--consumer", default="cli")
