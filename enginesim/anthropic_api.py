@@ -163,7 +163,8 @@ class MessagesFrontEnd:
             return await self._complete(seq, out, rid)
         finally:
             srv.engine.abort(seq)
-            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason)
+            entry.update(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens, output_tokens=seq.output_len,
+                         finish_reason=seq.finish_reason)
 
     async def _refusal(self, request: web.Request, rid: str, prompt_tokens: int, stream: bool) -> web.StreamResponse:
         """The model's safety stop: `stop_reason: refusal`, nothing written."""

@@ -184,7 +184,8 @@ class ConverseFrontEnd:
             return await self._complete(seq, out, body, started)
         finally:
             srv.engine.abort(seq)
-            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason)
+            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason,
+                         cached_tokens=seq.cached_tokens if _marks_cache_point(body) else 0)
 
     async def _refusal(self, request: web.Request, prompt_tokens: int, stream: bool) -> web.StreamResponse:
         """The model's safety stop: `stopReason: content_filtered`, nothing written."""

@@ -177,7 +177,8 @@ class GeminiFrontEnd:
             return await self._complete(seq, out, rid)
         finally:
             srv.engine.abort(seq)
-            entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason)
+            entry.update(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens, output_tokens=seq.output_len,
+                         finish_reason=seq.finish_reason)
 
     def _usage(self, seq: Sequence) -> dict[str, int]:
         usage = {"promptTokenCount": len(seq.prompt), "candidatesTokenCount": seq.output_len,

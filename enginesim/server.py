@@ -2,7 +2,8 @@
 
 Endpoints as vLLM serves them: POST /v1/chat/completions (stream or not, include_usage, [DONE]),
 GET /v1/models, GET /health, GET /metrics (vLLM's names), POST /tokenize. Simulator-only:
-GET/DELETE /admin/requests (what this engine received), POST/DELETE /admin/faults (inject faults).
+GET/DELETE /admin/requests (what this engine received), POST/DELETE /admin/faults (inject faults),
+GET /admin/invoice (what a provider would bill for it, as CSV).
 
 Faults are the operator's: queued by the admin endpoint (`{"fault": SPEC, "count": N, "match": TEXT}`:
 the next N requests whose messages contain TEXT, or any request without `match`), which the gateway
@@ -155,6 +156,7 @@ class EngineServer:
         self.app.router.add_get("/admin/requests", self.list_requests)
         self.app.router.add_delete("/admin/requests", self.clear_requests)
         self.app.router.add_post("/admin/faults", self.add_faults)
+        self.app.router.add_get("/admin/invoice", self.invoice)
         self.app.router.add_delete("/admin/faults", self.clear_faults)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
@@ -228,6 +230,35 @@ class EngineServer:
             return vllm_error(400, "bad fault: this API has no refusal to inject (vLLM never refuses)")
         self.faults.extend([QueuedFault(fault, str(body.get("match") or ""))] * int(body.get("count", 1)))
         return web.json_response({"queued": len(self.faults)})
+
+    async def invoice(self, request: web.Request) -> web.Response:
+        """What this provider bills for the requests it answered, as CSV: per UTC day and model, input
+        tokens (cached included), cached input tokens, output tokens and their amount at the prices
+        in the query (`input_per_mtok`, `cached_input_per_mtok`, `output_per_mtok`: micro-units of
+        `currency` per million tokens). `discrepancy=SEED`: one day's output tokens are off by a few,
+        as a provider's bill sometimes is."""
+        q = request.query
+        try:
+            prices = [int(q.get(k, "0")) for k in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")]
+        except ValueError:
+            return vllm_error(400, "prices are integers (micro-units per million tokens)")
+        days: dict[tuple[str, str], list[int]] = {}
+        for e in self.requests:
+            if e.get("status") != 200 or e.get("prompt_tokens") is None:
+                continue
+            day = time.strftime("%Y-%m-%d", time.gmtime(e["time"]))
+            row = days.setdefault((day, str(e.get("model") or self.served_model)), [0, 0, 0])
+            row[0] += int(e["prompt_tokens"])
+            row[1] += int(e.get("cached_tokens") or 0)
+            row[2] += int(e.get("output_tokens") or 0)
+        if q.get("discrepancy") and days:
+            rng = random.Random(int(q["discrepancy"]))
+            days[rng.choice(sorted(days))][2] += rng.randint(3, 40)
+        lines = ["date,model,input_tokens,cached_input_tokens,output_tokens,currency,amount"]
+        for (day, model), (inp, cached, out) in sorted(days.items()):
+            micros = ((inp - cached) * prices[0] + cached * prices[1] + out * prices[2]) / 1e6
+            lines.append(f"{day},{model},{inp},{cached},{out},{q.get('currency', 'USD')},{micros / 1e6:.6f}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/csv")
 
     async def clear_faults(self, _: web.Request) -> web.Response:
         self.faults.clear()
@@ -329,6 +360,7 @@ class EngineServer:
             # Simulated seconds, for benchmarks that read the engine's view of latency.
             first = seqs[0]
             entry.update(prompt_tokens=len(first.prompt), output_tokens=sum(s.output_len for s in seqs),
+                         cached_tokens=first.cached_tokens,
                          ttft_s=None if first.first_token_at is None else first.first_token_at - first.arrival,
                          finish_reason=first.finish_reason)
 

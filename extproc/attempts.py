@@ -5,15 +5,17 @@ attempt (extproc/fallback.py). Envoy's router owns the retries; this only addres
   `plan` metadata: the tenant and the qualified candidates in order), the attempt number
   (`x-envoy-attempt-count`) and the cluster of the host Envoy chose (its metadata). A host that is no
   candidate of the plan is never sent to: 503 `no_qualified_route`, which Envoy does not retry. The
-  candidate's credential, if it has one, is its authorization; otherwise there is none.
+  candidate's credential (resolved when the revision loaded), if it has one, is its authorization;
+  otherwise there is none.
 - Request body: the candidate's served model (the body was written for the first candidate; when
   the candidate serves that same model, the headers reply switches the body message off).
 - Response headers: `x-llmgw-deployment` names the candidate that answered; `x-llmgw-translation-loss`
   what its adapter changed or lost of the request.
-- A candidate of another API shape (extproc/adapters/): the path, headers and body of its shape on
-  the way up, and its JSON answer as a chat completion on the way back, before the meter and the
-  settlement read it (its error statuses are left to Envoy's custom_response, which answers in the
-  contract's shape). A broken answer is a 502 `upstream_error`.
+- A candidate of another API shape (extproc/adapters/): the path, headers (its authority too) and body
+  of its shape on the way up - signed with the body when its shape signs (Bedrock's SigV4) - and its
+  answer, JSON or stream, as a chat completion of the internal content type on the way back, before
+  the meter and the settlement read it (its error statuses are left to Envoy's custom_response, which
+  answers in the contract's shape). A broken answer is a 502 `upstream_error`.
 - Each attempt is recorded in the store with its reservation, once: with its status when its response
   headers come, with status 0 when it ends without them; so the one ledger entry settlement writes
   lists every attempt, whichever ext_proc worker saw it.

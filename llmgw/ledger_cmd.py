@@ -14,6 +14,7 @@ import csv
 import json
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import redis
 from extproc.store import decisions_key, ledger_entry, ledger_key
 from llmgw.cli_common import snapshot_or_report
 from llmgw.focus import COLUMNS, FOCUS_VERSION, aggregate, record
+from llmgw.reconcile import invoice_days, ledger_days, reconcile
 
 GROUP = "llmgw-export"
 
@@ -129,6 +131,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    opened = open_store(args)
+    if opened is None:
+        return 1
+    client, tenants = opened
+    snap = snapshot_or_report(args.config)
+    if snap is None or args.deployment not in snap.deployments:
+        print(f"error: no deployment {args.deployment} in {args.config}", file=sys.stderr)
+        return 2
+    dep = snap.deployments[args.deployment]
+    entries = [ledger_entry(f) for t in tenants for _, f in client.xrange(ledger_key(t))]
+    result = reconcile(ledger_days(entries, dep.deployment), invoice_days(Path(args.invoice), dep.deployment,
+                                                                         dep.served_model),
+                       dep.deployment, Decimal(str(args.tolerance)))
+    for d in result.differences:
+        print(d)
+    print(f"{dep.deployment}: {result.days} day(s); " + ("the ledger and the invoice agree" if result.agrees else
+          f"{sum(d.what != 'estimate' for d in result.differences)} difference(s)"))
+    return 0 if result.agrees else 1
+
+
 def add_parser(sub: Any) -> None:
     led = sub.add_parser("ledger", help="the ledger: one record per authenticated request")
     lsub = led.add_subparsers(dest="ledger_command", required=True)
@@ -152,3 +175,14 @@ def add_parser(sub: Any) -> None:
             p.add_argument("--period", choices=["day", "hour"], default="day", help="(focus) the charge period")
             p.add_argument("-o", "--output", default="-")
             p.add_argument("--consumer", default="cli")
+    r = lsub.add_parser("reconcile", help="one deployment's per-day totals against its provider's invoice")
+    r.add_argument("--config", default="policy")
+    r.add_argument("--state-dir", default=".llmgw")
+    r.add_argument("--store-url")
+    r.add_argument("--tenant")
+    r.add_argument("--invoice", required=True,
+                   help="the provider's invoice: CSV (date, model, tokens, amount) or FOCUS")
+    r.add_argument("--deployment", required=True)
+    r.add_argument("--tolerance", type=float, default=0.0,
+                   help="an amount difference allowed beyond the ledger's rounding, as a fraction of the invoice's")
+    r.set_defaults(func=cmd_reconcile)
