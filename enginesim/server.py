@@ -564,6 +564,8 @@ def main(argv: list[str] | None = None) -> None:
                                      "(bedrock: ACCESS_KEY_ID:SECRET_ACCESS_KEY, checked as SigV4); unset: any")
     p.add_argument("--corrupt", action="append", choices=["usage", "tool_calls"], default=[],
                    help="a corrupted provider (conformance tests): never send usage; send tool calls that do not parse")
+    p.add_argument("--tls-cert", help="serve HTTPS with this certificate (and --tls-key), as a hosted provider does")
+    p.add_argument("--tls-key")
     p.add_argument("--fault-header", action="store_true",
                    help=f"honour the {FAULT_HEADER} request header (the simulator's own tests; never behind a gateway)")
     args = p.parse_args(argv)
@@ -592,4 +594,11 @@ def main(argv: list[str] | None = None) -> None:
 
         ConverseFrontEnd(server, key)
     # Like vLLM, a client that goes away aborts its request in the engine.
-    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
+    tls = None
+    if args.tls_cert:
+        import ssl
+
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True,
+                ssl_context=tls)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
@@ -65,7 +66,7 @@ from llmgw.render.filters import (
     usage_to_metadata,
 )
 from llmgw.render.routes import route_config
-from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls
+from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, upstream_tls
 
 __all__ = ["EXTPROC_CLUSTER", "FORWARDED_HEADERS", "RenderOptions", "duration_ms", "fallback_clusters",
            "names_outside", "pack", "render_bootstrap", "render_yaml", "socket_address", "static_cluster",
@@ -166,6 +167,10 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
             clusters.append(static_cluster(snap.pool_of(dep), hosts,
                                            http2=False, connect_ms=1000,
                                            max_retries=snap.gateway.envoy.max_concurrent_retries))
+            if dep.tls is not None:
+                ca = Path(dep.tls.ca_file)
+                clusters[-1].transport_socket.CopyFrom(upstream_tls(
+                    dep.server_name, str(ca if ca.is_absolute() else snap.directory / ca)))
     upstream = [c.name for c in clusters[1:]]
     fallbacks = fallback_clusters(snap, set(upstream))
     clusters += fallbacks

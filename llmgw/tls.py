@@ -47,6 +47,18 @@ def _issue(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, cn: str, se
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
+def server_cert(directory: Path, name: str) -> tuple[Path, Path, Path]:
+    """A certificate for `name` from the demo CA in `directory` (made when missing): (CA, certificate,
+    key) files - for a simulated provider served over TLS, as a real one is."""
+    demo_certs(directory)
+    ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    stem = "server-" + name.replace("*", "_")
+    _write(directory, stem, *_issue(ca_key, ca, name, True, [x509.DNSName(name)]))
+    return directory / "ca.crt", directory / f"{stem}.crt", directory / f"{stem}.key"
+
+
 def demo_certs(directory: Path, require_client_certificate: bool = False) -> TlsSettings:
     """Make (or reuse) the demo CA and certificates in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)

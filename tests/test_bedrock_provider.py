@@ -8,14 +8,19 @@ ledger."""
 from __future__ import annotations
 
 import json
+import shutil
+import ssl
 import struct
+import urllib.request
 import zlib
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import yaml
 from botocore.eventstream import EventStreamBuffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,8 +34,10 @@ from extproc.adapters.bedrock import BEDROCK, LOSS_TABLE, internal_body, native_
 from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
 from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route, add_route_of, simulated_provider
+from llmgw.procs import Child, free_port, python_module, wait_until
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, ledger_of, start_stack
+from llmgw.tls import demo_certs, server_cert
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import request
 from tests.test_adapters import contract_requests
 
@@ -340,9 +347,6 @@ def test_the_simulated_api_checks_what_bedrock_checks(provider: str) -> None:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory, provider: str) -> Iterator[Stack]:
-    import shutil
-
-    from tests.conftest import POLICY
     tmp = tmp_path_factory.mktemp("bedrock-gw")
     policy = tmp / "policy"
     shutil.copytree(POLICY, policy)
@@ -451,3 +455,73 @@ def test_what_bedrock_cannot_carry_is_served_and_reported_under_report(gw: Stack
     assert set(attempt["translation_loss"]) == lost
     (sent,) = sent_to(provider, "report what is lost")
     assert "seed" not in json.dumps(sent) and "logprobs" not in json.dumps(sent)
+
+
+# -- over TLS, as a real provider is reached --------------------------------------------------------
+
+HOST = "bedrock-runtime.eu-central-1.amazonaws.com"
+
+
+@pytest.fixture(scope="module")
+def tls_provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """The simulated Bedrock provider serving HTTPS with a certificate for Bedrock's host name (from a
+    CA of the test's own): (its address, the CA file)."""
+    d = tmp_path_factory.mktemp("bedrock-tls")
+    ca, cert, key = server_cert(d / "certs", HOST)
+    port = free_port()
+    child = Child("bedrock-tls", python_module("enginesim", "--port", str(port), "--api", "bedrock",
+                                               "--served-model-name", MODEL, "--time-scale", "0.02",
+                                               "--tls-cert", str(cert), "--tls-key", str(key)),
+                  d / "log", env={"ENGINESIM_API_KEY": KEY}).start()
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.check_hostname = False  # the health check dials 127.0.0.1; Envoy checks the name below
+
+    def healthy() -> bool:
+        try:
+            return urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=ctx, timeout=2).status == 200
+        except OSError:
+            return False
+    wait_until(healthy, 30, "enginesim over TLS", child)
+    yield f"127.0.0.1:{port}", ca
+    child.stop()
+
+
+def _tls_policy(tmp: Path, address: str, ca: Path) -> Path:
+    policy = tmp / "policy"
+    shutil.copytree(POLICY, policy)
+    shutil.copy(ca, policy / "provider-ca.crt")
+    add_provider_route(policy, "bedrock-tls", "bedrock@1", "bedrock-converse@2023-09-30", MODEL, address, KEY,
+                       "chat-bedrock-tls", options=OPTIONS)
+    path = policy / "deployments/bedrock-tls.yaml"
+    dep = yaml.safe_load(path.read_text())
+    dep["tls"] = {"server_name": HOST, "ca_file": "provider-ca.crt"}  # relative to the policy directory
+    path.write_text(yaml.safe_dump(dep))
+    return policy
+
+
+@pytest.mark.e2e
+def test_a_provider_is_reached_over_tls_and_its_certificate_is_checked(
+        tmp_path: Path, tls_provider: tuple[str, Path]) -> None:
+    address, ca = tls_provider
+    policy = _tls_policy(tmp_path, address, ca)
+    s = start_stack(tmp_path / "state", policy)
+    try:
+        r = sdk(s).chat.completions.create(model="chat-bedrock-tls", max_tokens=4,
+                                           messages=[{"role": "user", "content": "over tls"}])
+        assert r.choices[0].message.content and r.usage and r.usage.completion_tokens == 4
+    finally:
+        s.stop()
+    # Another CA: Envoy refuses the provider's certificate, and nothing is answered in its name.
+    other = demo_certs(tmp_path / "other-ca")
+    assert other.extproc is not None
+    (policy / "provider-ca.crt").write_bytes(Path(other.extproc.ca_file).read_bytes())
+    s = start_stack(tmp_path / "state2", policy)
+    try:
+        r2 = request(f"{s.url}/v1/chat/completions", "POST", {
+            "model": "chat-bedrock-tls", "max_tokens": 4, "messages": [{"role": "user", "content": "wrong ca"}]},
+            {"authorization": f"Bearer {DEMO_KEYS['acme']}"})
+        assert r2.status in (502, 503), r2.body
+        assert r2.json()["error"]["code"] in ("upstream_error", "no_qualified_route"), r2.body
+    finally:
+        s.stop()
+    assert yaml.safe_load((policy / "deployments/bedrock-tls.yaml").read_text())["tls"]["server_name"] == HOST

@@ -353,6 +353,18 @@ class Prices(Strict):
     output_per_mtok: int = Field(ge=0)
 
 
+SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's bundle (ca-certificates)
+
+
+class UpstreamTls(Strict):
+    """TLS to a hosted deployment's endpoints: Envoy sends `server_name` as SNI and accepts only a
+    certificate for that name from a CA in `ca_file` (a path relative to the policy directory, or
+    absolute; default: the system's bundle)."""
+
+    server_name: str | None = None  # default: the first endpoint's host name
+    ca_file: str = SYSTEM_CA_FILE
+
+
 class Deployment(Strict):
     deployment: Name
     fingerprint: Fingerprint
@@ -367,12 +379,24 @@ class Deployment(Strict):
     retire_at: date | None = None
     withdrawn: bool = False
     credential_ref: CredentialRef | None = None  # sent to this deployment's upstream as its adapter says
+    tls: UpstreamTls | None = None  # hosted endpoints over TLS (a real provider always is)
 
     @model_validator(mode="after")
     def _one_upstream(self) -> Deployment:
         if (self.pool is None) == (not self.endpoints):
             raise ValueError("exactly one of `pool` or `endpoints` must be set")
+        if self.tls is not None and not self.endpoints:
+            raise ValueError("tls: only a deployment with `endpoints` is reached over TLS this way")
+        if self.tls is not None and self.tls.server_name is None and all(
+                c.isdigit() or c == "." for c in self.endpoints[0].rpartition(":")[0]):
+            raise ValueError("tls.server_name is required when the endpoint is an IP address")
         return self
+
+    @property
+    def server_name(self) -> str:
+        """The name TLS asks for and verifies (with `tls` set)."""
+        return (self.tls.server_name if self.tls and self.tls.server_name
+                else self.endpoints[0].rpartition(":")[0])
 
     @cached_property
     def ref(self) -> str:

@@ -41,6 +41,20 @@ def listener_tls(tls: ListenerTls) -> base_pb2.TransportSocket:
     return base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=pack(ctx))
 
 
+def upstream_tls(server_name: str, ca_file: str) -> base_pb2.TransportSocket:
+    """Envoy -> a hosted provider: SNI `server_name`, and only a certificate for that name from a CA
+    in `ca_file` (Envoy checks neither unless told)."""
+    common = tls_pb2.CommonTlsContext(
+        validation_context=tls_common_pb2.CertificateValidationContext(
+            trusted_ca=_file(ca_file),
+            match_typed_subject_alt_names=[tls_common_pb2.SubjectAltNameMatcher(
+                san_type=tls_common_pb2.SubjectAltNameMatcher.DNS,
+                matcher=string_pb2.StringMatcher(exact=server_name))]),
+        alpn_protocols=["http/1.1"])
+    ctx = tls_pb2.UpstreamTlsContext(common_tls_context=common, sni=server_name)
+    return base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=pack(ctx))
+
+
 def extproc_mtls(tls: ExtprocTls) -> base_pb2.TransportSocket:
     """Envoy -> ext_proc: verify ext_proc's certificate against the CA and present Envoy's own."""
     common = tls_pb2.CommonTlsContext(
