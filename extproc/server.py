@@ -44,6 +44,7 @@ from extproc.doors import door_for
 from extproc.envoy_msgs import ATTRIBUTES, header_text
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
+from extproc.metrics import count_refusal, exposition
 from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.ratelimit import RateLimitedLog
@@ -201,6 +202,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
     def _ended(self, ex: Exchange, err: GatewayError) -> None:
         """A refused request: release what it reserved, or record the refusal in the ledger."""
         termination = "denied" if err.code is ErrorCode.FORBIDDEN else "refused"
+        count_refusal(ex.route.route_contract if ex.route is not None else "", err.code.value)
         if ex.held is not None:
             self._later(release(self.store, ex, termination, err.status))
         elif ex.identity is not None and err.code is not ErrorCode.POLICY_UNAVAILABLE:
@@ -268,7 +270,8 @@ def live_for(snapshot: Snapshot) -> Live:
 async def status_app(reloader: Reloader, listen: str, processor: Processor | None = None,
                      access_log: SettlementLog | None = None, picker: Picker | None = None) -> web.AppRunner:
     """GET /status: the serving revision, the last reload's outcome (errors name file and field),
-    and what this worker has received (ext_proc messages, access-log entries) and scraped."""
+    and what this worker has received (ext_proc messages, access-log entries) and scraped. GET
+    /metrics: Prometheus text for every worker of this host (extproc/metrics.py)."""
     async def status(_: web.Request) -> web.Response:
         counts = {"extproc_messages": dict(processor.messages) if processor is not None else {},
                   "access_log_entries": access_log.entries if access_log is not None else 0,
@@ -280,8 +283,13 @@ async def status_app(reloader: Reloader, listen: str, processor: Processor | Non
         reloader.reload("admin request")
         return web.json_response(reloader.status)
 
+    async def metrics(_: web.Request) -> web.Response:
+        text, content_type = exposition()
+        return web.Response(body=text, headers={"Content-Type": content_type})
+
     app = web.Application()
     app.router.add_get("/status", status)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/reload", reload)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -48,9 +50,11 @@ from extproc.accounting import (
     termination_of,
 )
 from extproc.config import Snapshot
+from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE
 from extproc.envoy_msgs import ATTRIBUTES, MD, attr, md_attr, with_first
 from extproc.exchange import Exchange
+from extproc.metrics import observe_settlement
 from extproc.names import Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Answer, Sealer
@@ -67,8 +71,8 @@ RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, 
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{ANSWERED_BY}']",
-                    *(f"{MD}['{k}']" for k in (Key.TENANT, Key.DEPLOYMENT, Key.REDACTIONS, Key.HOLD, Key.STREAM,
-                                               Key.WITHHOLD_USAGE, Key.PLAN, Key.STREAM_ENDS_AT_MS)))
+                    *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.DEPLOYMENT, Key.REDACTIONS, Key.HOLD,
+                                               Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN, Key.STREAM_ENDS_AT_MS)))
 
 
 async def release(store: Store | None, ex: Exchange, termination: str, status: int) -> None:
@@ -106,13 +110,14 @@ class Settler:
 
     def __init__(self, store: Store):
         self.store = store
-        # (settlement, its future, when it first failed: 0.0 = never)
-        self._queue: list[tuple[Settlement, asyncio.Future[bool], float]] = []
+        # (settlement, its future, when it first failed: 0.0 = never, what to observe once it is written)
+        self._queue: list[tuple[Settlement, asyncio.Future[bool], float, Observe | None]] = []
         self._flushing: asyncio.Task[None] | None = None
 
-    def submit(self, item: Settlement) -> asyncio.Future[bool]:
+    def submit(self, item: Settlement, observe: Observe | None = None) -> asyncio.Future[bool]:
+        """`observe` runs once if this settlement is the one the store keeps (the metrics)."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._queue.append((item, done, 0.0))
+        self._queue.append((item, done, 0.0, observe))
         if self._flushing is None:
             self._flushing = asyncio.ensure_future(self._flush())
         return done
@@ -125,18 +130,21 @@ class Settler:
                     await asyncio.sleep(BATCH_WAIT_S)
                 batch, self._queue = self._queue[:BATCH_MAX], self._queue[BATCH_MAX:]
                 try:
-                    await self.store.settle_many([item for item, _, _ in batch])
+                    first = await self.store.settle_many([item for item, _, _, _ in batch])
                     written = True
+                    for (_, _, _, observe), won in zip(batch, first, strict=True):
+                        if won and observe is not None:
+                            observe()
                 except StoreUnavailable:
                     written = False
                     now = loop.time()
-                    kept = [(item, done, failed or now) for item, done, failed in batch if now - (failed or now)
-                            < RETRY_FOR_S]
+                    kept = [(item, done, failed or now, observe) for item, done, failed, observe in batch
+                            if now - (failed or now) < RETRY_FOR_S]
                     if len(kept) < len(batch):
                         log.error("%d settlement(s) not written for %.0fs (store unavailable); the sweeper "
                                   "will charge them when their leases expire", len(batch) - len(kept), RETRY_FOR_S)
                     self._queue = kept + self._queue
-                for _, done, _ in batch:
+                for _, done, _, _ in batch:
                     if not done.done():
                         done.set_result(written)
                 if not written:
@@ -223,8 +231,26 @@ class Meter:
             kept = self.sealer().seal(held["i"], Answer(status, "text/event-stream" if sse else "application/json",
                                                         body), store.idempotency_max_body_bytes)
             idem_status = str(status)
+        try:
+            started: float | None = datetime.fromisoformat(attr(attrs, "request.time")).timestamp()
+        except ValueError:
+            started = None
+        now = time.time()
+        observe = observer(dep, md_attr(attrs, Key.ROUTE), sse, status, outcome,
+                           None if started is None else now - started,
+                           None if started is None else first_at - started)
         return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
-                                    snap.gateway.store.idempotency_ttl_s * 1000))
+                                    snap.gateway.store.idempotency_ttl_s * 1000), observe)
+
+
+Observe = Callable[[], None]
+
+
+def observer(dep: Deployment | None, route: str, stream: bool, status: int, outcome: dict[str, Any],
+             duration_s: float | None, first_byte_s: float | None) -> Observe:
+    """The metrics of one settlement, observed if the store keeps it (extproc/metrics.py)."""
+    return functools.partial(observe_settlement, route, dep.deployment if dep else "", dep.provider if dep else "",
+                             stream, status, outcome, duration_s, first_byte_s)
 
 
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
@@ -312,7 +338,11 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
                                  if common.HasField("time_to_first_upstream_rx_byte") else None})
-        self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0))
+        def seconds(name: str) -> float | None:
+            return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
+        observe = observer(dep, attr(md, Key.ROUTE), stream, status, outcome,
+                           seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte"))
+        self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0), observe)
 
 
 # Settled by their own ext_proc filter, the access log being the backstop.

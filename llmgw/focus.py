@@ -127,8 +127,7 @@ def record(row: Row, period: str) -> dict[str, str]:
     month = start.replace(day=1, hour=0)
     next_month = (month + timedelta(days=32)).replace(day=1)
     dep = row.deployment
-    provider = ("self-hosted" if dep is not None and dep.pool else
-                dep.fingerprint.adapter.partition("@")[0] if dep is not None else "unknown")
+    provider = dep.provider if dep is not None else "unknown"
     region = dep.regions[0] if dep is not None else ""
     price = _decimal(row.unit_price) if row.unit_price is not None else ""
     unit = "Tokens" if token_class != "unmetered" else ""

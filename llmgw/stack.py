@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,6 +153,11 @@ class Stack:
     def url(self) -> str:
         host, port = self.render.listen
         return f"{'https' if self.render.tls.listener else 'http'}://{host}:{port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus text for every ext_proc worker (any worker's status port answers for all)."""
+        return f"http://127.0.0.1:{self.status_ports[0]}/metrics"
 
     @property
     def status_urls(self) -> list[str]:
@@ -316,6 +322,12 @@ class Stack:
 
     def _start_extprocs(self, timeout: float) -> None:
         env = self._extproc_env()
+        # The workers' metrics, one directory for the host (prometheus-client's multiprocess mode):
+        # emptied first, so a new start counts from zero.
+        metrics = self.opts.state_dir / "metrics"
+        shutil.rmtree(metrics, ignore_errors=True)
+        metrics.mkdir(parents=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
         pools = [f"--pool={name}=" + ",".join(f"{h}:{p}" for h, p in hosts)
                  for name, hosts in self.render.pools.items()]
         mtls = self.render.tls.extproc
@@ -366,7 +378,7 @@ class Stack:
             "tenants": {t: {"api_key": k} for t, k in self.demo_keys().items()},
             "engines": self.engine_urls(), "logs": str(self.logs), "extproc_status": self.status_urls,
             "providers": {name: [f"http://{h}:{p}" for h, p in hosts] for name, hosts in self.render.providers.items()},
-            "store_url": self.store_url,
+            "store_url": self.store_url, "metrics_url": self.metrics_url,
             **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")
         return path

@@ -393,6 +393,11 @@ class Deployment(Strict):
         return self
 
     @property
+    def provider(self) -> str:
+        """Who serves it: `self-hosted` for a pool, else its adapter's shape (`anthropic`, ...)."""
+        return "self-hosted" if self.pool else self.fingerprint.adapter.partition("@")[0]
+
+    @property
     def server_name(self) -> str:
         """The name TLS asks for and verifies (with `tls` set)."""
         return (self.tls.server_name if self.tls and self.tls.server_name

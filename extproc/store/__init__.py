@@ -216,13 +216,15 @@ class Store:
             return None
         return Settled(*(int(x) for x in out[1:5]))
 
-    async def settle_many(self, items: list[Settlement]) -> None:
-        """Many settlements, pipelined on the one connection; each is still its own script."""
+    async def settle_many(self, items: list[Settlement]) -> list[bool]:
+        """Many settlements, pipelined on the one connection; each is still its own script. Returns,
+        per item, whether this was its settlement (False: an earlier one had won)."""
         calls = [self._settle_call(*item) for item in items]
         results = await self.pipe.evalsha_many(SETTLE, calls)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")
+        return [bool(r) and int(r[0]) == 1 for r in results]
 
     async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
         """One attempt of a fallback route (extproc/attempts.py); settlement puts them in the ledger."""

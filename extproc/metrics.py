@@ -1,0 +1,88 @@
+"""Prometheus metrics: what an operator graphs and alerts on, with low-cardinality labels only (route,
+deployment, provider, token type, termination, error code; never a tenant, a subject or content).
+
+Names follow the OpenTelemetry GenAI semantic conventions as Prometheus writes them
+(`gen_ai.server.request.duration` -> `gen_ai_server_request_duration_seconds`), with their advised
+bucket boundaries, beside the gateway's own counters (`llmgw_*`). Each settled request is observed
+exactly once: when its settlement is the one the store wrote (extproc/settlement.py's Settler), so
+a request settled twice (its filter, then the access log's backstop) is counted once, whichever
+worker settled it.
+
+Every ext_proc worker of a host writes into one directory (`PROMETHEUS_MULTIPROC_DIR`, set by
+`llmgw up` and docker-compose; prometheus-client's multiprocess mode), and any worker's
+`GET /metrics` (its status port) answers for all of them. Without the variable, a worker answers for
+itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+if _shared := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.makedirs(_shared, exist_ok=True)  # prometheus-client writes there from the first observation
+
+# Advised bucket boundaries of the GenAI semantic conventions (seconds, tokens).
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+SERVED = ("route", "deployment", "provider")
+
+REQUEST_DURATION = Histogram("gen_ai_server_request_duration", "Time from the request's arrival to its answer's end",
+                             [*SERVED, "error_type"], unit="seconds", buckets=DURATION_BUCKETS)
+TIME_TO_FIRST_TOKEN = Histogram("gen_ai_server_time_to_first_token", "Time to a stream's first byte (its first token)",
+                                SERVED, unit="seconds", buckets=TTFT_BUCKETS)
+TIME_PER_OUTPUT_TOKEN = Histogram("gen_ai_server_time_per_output_token",
+                                  "A stream's time per output token after the first", SERVED, unit="seconds",
+                                  buckets=TPOT_BUCKETS)
+TOKEN_USAGE = Histogram("gen_ai_client_token_usage", "Tokens per request, by type (input, output)",
+                        [*SERVED, "gen_ai_token_type"], buckets=TOKEN_BUCKETS)
+SETTLEMENTS = Counter("llmgw_settlements", "Requests settled, by how they ended and how they were charged",
+                      ["route", "deployment", "termination", "settlement"])
+REFUSALS = Counter("llmgw_refusals", "Requests refused before any upstream, by the contract's error code",
+                   ["route", "code"])
+
+
+def observe_settlement(route: str, deployment: str, provider: str, stream: bool, status: int,
+                       outcome: Mapping[str, Any], duration_s: float | None, first_byte_s: float | None) -> None:
+    """One settled request (the settlement the store wrote)."""
+    served = (route or "unknown", deployment or "none", provider or "none")
+    termination = str(outcome.get("termination", ""))
+    SETTLEMENTS.labels(served[0], served[1], termination, str(outcome.get("settlement", ""))).inc()
+    ok = 200 <= status < 300 and termination == "complete"
+    if duration_s is not None:
+        REQUEST_DURATION.labels(*served, "" if ok else termination or str(status)).observe(duration_s)
+    usage = outcome.get("usage") or {}
+    output = int(usage.get("completion_tokens") or 0)
+    if usage:
+        TOKEN_USAGE.labels(*served, "input").observe(int(usage.get("prompt_tokens") or 0))
+        TOKEN_USAGE.labels(*served, "output").observe(output)
+    if stream and ok and first_byte_s is not None:
+        TIME_TO_FIRST_TOKEN.labels(*served).observe(first_byte_s)
+        if duration_s is not None and output > 1:
+            TIME_PER_OUTPUT_TOKEN.labels(*served).observe(max(duration_s - first_byte_s, 0.0) / (output - 1))
+
+
+def count_refusal(route: str, code: str) -> None:
+    REFUSALS.labels(route or "unknown", code).inc()
+
+
+def exposition() -> tuple[bytes, str]:
+    """The Prometheus text of this host's workers (all of them, in multiprocess mode)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
