@@ -43,6 +43,7 @@ from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.envoy_msgs import ATTRIBUTES, attr, header, with_first
 from extproc.fallback import attempt_kind, decode_plan, translated
+from extproc.metrics import count_attempt
 from extproc.names import Key
 from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
@@ -103,6 +104,8 @@ class AttemptFilter:
         pipelined connection at once, so it reaches the store well before the settlement, which
         waits for the end of the answer and the access log's flush."""
         state.recorded = True
+        if state.record:
+            count_attempt(str(state.record.get("deployment", "")), str(state.record.get("kind", "")), state.status)
         if self.store is not None and state.tenant and state.rid and state.record:
             task = asyncio.ensure_future(self._record(self.store, state.tenant, state.rid, state.n,
                                                       dict(state.record)))

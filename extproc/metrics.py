@@ -51,6 +51,8 @@ TOKEN_USAGE = Histogram("gen_ai_client_token_usage", "Tokens per request, by typ
                         [*SERVED, "gen_ai_token_type"], buckets=TOKEN_BUCKETS)
 SETTLEMENTS = Counter("llmgw_settlements", "Requests settled, by how they ended and how they were charged",
                       ["route", "deployment", "termination", "settlement"])
+ATTEMPTS = Counter("llmgw_attempts", "Upstream attempts, by candidate, kind (first, retry, model_fallback) and "
+                   "status class (2xx, 4xx, 5xx; 0: no answer)", ["deployment", "kind", "status"])
 REFUSALS = Counter("llmgw_refusals", "Requests refused before any upstream, by the contract's error code",
                    ["route", "code"])
 
@@ -73,6 +75,10 @@ def observe_settlement(route: str, deployment: str, provider: str, stream: bool,
         TIME_TO_FIRST_TOKEN.labels(*served).observe(first_byte_s)
         if duration_s is not None and output > 1:
             TIME_PER_OUTPUT_TOKEN.labels(*served).observe(max(duration_s - first_byte_s, 0.0) / (output - 1))
+
+
+def count_attempt(deployment: str, kind: str, status: int) -> None:
+    ATTEMPTS.labels(deployment or "none", kind, f"{status // 100}xx" if status else "0").inc()
 
 
 def count_refusal(route: str, code: str) -> None:

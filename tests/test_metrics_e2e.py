@@ -90,32 +90,62 @@ def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def query(url: str, promql: str) -> list[dict[str, object]]:
+    """The query's result; [] while Prometheus is not up or has no data. An invalid query fails."""
     try:
         r = request(f"{url}/api/v1/query?query={urllib.parse.quote(promql)}")
     except OSError:
         return []
+    assert r.status != 400, f"{promql}: {r.body.decode()}"  # a bad query is the query's fault
     if r.status != 200:
         return []
     result: list[dict[str, object]] = r.json()["data"]["result"]
     return result
 
 
-def test_a_real_prometheus_scrapes_it_and_answers_ttft_p95_per_route(gw: Stack, tmp_path: Path) -> None:
-    proc, url = _prometheus(tmp_path, gw.metrics_url.removeprefix("http://").removesuffix("/metrics"))
-    try:
-        p95 = "histogram_quantile(0.95, sum by (le, route) (gen_ai_server_time_to_first_token_seconds_bucket))"
-        deadline = time.monotonic() + 30
-        while not (result := query(url, p95)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert result, (tmp_path / "prometheus.log").read_text()[-2000:]
-        (series,) = result
-        assert series["metric"] == {"route": "chat-default"}  # type: ignore[comparison-overlap]
-        value = float(series["value"][1])  # type: ignore[index]
-        assert 0 < value <= 10.0  # seconds, within the advised buckets
-        (settled,) = query(url, 'sum(llmgw_settlements_total{route="chat-default"})')
-        assert float(settled["value"][1]) == STREAMS + ANSWERS  # type: ignore[index]
-        up = query(url, 'up{job="llmgw"}')
-        assert up and float(up[0]["value"][1]) == 1  # type: ignore[index]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def wait_for(url: str, promql: str, timeout: float = 30) -> list[dict[str, object]]:
+    deadline = time.monotonic() + timeout
+    while not (result := query(url, promql)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return result
+
+
+@pytest.fixture(scope="module")
+def prometheus(gw: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("prometheus")
+    proc, url = _prometheus(tmp, gw.metrics_url.removeprefix("http://").removesuffix("/metrics"))
+    up = wait_for(url, 'up{job="llmgw"} == 1')
+    assert up, (tmp / "prometheus.log").read_text()[-2000:]
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_a_real_prometheus_scrapes_it_and_answers_ttft_p95_per_route(gw: Stack, prometheus: str) -> None:
+    p95 = "histogram_quantile(0.95, sum by (le, route) (gen_ai_server_time_to_first_token_seconds_bucket))"
+    (series,) = wait_for(prometheus, p95)
+    assert series["metric"] == {"route": "chat-default"}  # type: ignore[comparison-overlap]
+    value = float(series["value"][1])  # type: ignore[index]
+    assert 0 < value <= 10.0  # seconds, within the advised buckets
+    (settled,) = wait_for(prometheus, 'sum(llmgw_settlements_total{route="chat-default"})')
+    assert float(settled["value"][1]) >= STREAMS + ANSWERS  # type: ignore[index]
+
+
+def test_the_dashboards_queries_are_valid_and_its_latency_panels_show_data(gw: Stack, prometheus: str) -> None:
+    """deploy/grafana/dashboards/llmgw.json, each panel's query run by the real Prometheus (Grafana's
+    `$__rate_interval` as 1m) while traffic flows."""
+    auth = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
+    for i in range(4):  # traffic between scrapes: rates over the window are not zero
+        r = request(f"{gw.url}/v1/chat/completions", "POST", {
+            "model": "chat-default", "max_tokens": 6, "stream": True,
+            "messages": [{"role": "user", "content": f"dashboard traffic {'abcd'[i]}"}]}, auth)
+        assert r.status == 200
+        time.sleep(1.2)
+    dashboard = json.loads((Path(__file__).parents[1] / "deploy/grafana/dashboards/llmgw.json").read_text())
+    exprs = {p["title"]: t["expr"].replace("$__rate_interval", "1m") for p in dashboard["panels"] for t in p["targets"]}
+    assert len(exprs) >= 8
+    for expr in exprs.values():
+        query(prometheus, expr)  # valid PromQL (a 400 fails the test)
+    for title in ("Time to first token, p95 by route (s)", "Settled requests per second, by termination",
+                  "Tokens per second, by type"):
+        result = wait_for(prometheus, exprs[title])
+        assert result and all(float(s["value"][1]) > 0 for s in result), (title, result)  # type: ignore[index]
