@@ -35,6 +35,7 @@ import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc import tracing
 from extproc.adapters import adapter_for
 from extproc.adapters.base import Adapter, StreamTranslator, Target, UpstreamBroken
 from extproc.config import Snapshot
@@ -57,7 +58,8 @@ HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE
 PLAN = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN}']"  # the request's, set by the decision
 LOSSES = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.LOSSES}']"  # the same, per candidate
 PLAN_STREAM = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN_STREAM}']"
-ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, PLAN_STREAM, "request.id")
+TRACE = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.TRACE}']"  # the request's trace
+ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, PLAN_STREAM, TRACE, "request.id")
 TRANSLATION_LOSS_HEADER = "x-llmgw-translation-loss"
 KEEPALIVE = b":\n\n"  # an SSE comment
 _PM = processing_mode_pb2.ProcessingMode
@@ -106,6 +108,13 @@ class AttemptFilter:
         state.recorded = True
         if state.record:
             count_attempt(str(state.record.get("deployment", "")), str(state.record.get("kind", "")), state.status)
+        if state.dep is not None and state.trace:
+            dep = state.dep
+            tracing.attempt_span(state.trace, dep.served_model, state.started_at, time.time(), {
+                "gen_ai.operation.name": "chat", "gen_ai.provider.name": dep.provider,
+                "gen_ai.request.model": dep.served_model, "llmgw.deployment": dep.deployment,
+                "llmgw.attempt.n": state.n, "llmgw.attempt.kind": state.record.get("kind"),
+                "http.response.status_code": state.status or None, "llmgw.ledger.request_id": state.rid})
         if self.store is not None and state.tenant and state.rid and state.record:
             task = asyncio.ensure_future(self._record(self.store, state.tenant, state.rid, state.n,
                                                       dict(state.record)))
@@ -163,6 +172,8 @@ class _Attempt:
     dep: Deployment | None = None
     record: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)  # the same, as the span's start
+    trace: str = ""  # the request's trace context (metadata `trace`)
     recorded: bool = False
     adapter: Adapter | None = None  # set when the candidate is of another API shape
     target: Target | None = None
@@ -253,6 +264,7 @@ class _Attempt:
         attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
         self.tenant, plan = decode_plan(attr(attrs, PLAN))
         self.rid = attr(attrs, "request.id")
+        self.trace = attr(attrs, TRACE)
         count = header(req.request_headers.headers, "x-envoy-attempt-count", "1")
         self.n = n = int(count) if count.isdigit() else 1
         dep = self.dep = snap.deployments[plan[choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))]]

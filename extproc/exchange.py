@@ -19,6 +19,7 @@ from extproc.fallback import encode_plan, uses_attempt_filter
 from extproc.names import Key, Settle
 from extproc.redact import log_safe
 from extproc.replay import Sealer
+from extproc.tracing import context_value
 
 if TYPE_CHECKING:
     from extproc.stages.budget import Held
@@ -55,8 +56,12 @@ class Exchange:
     n: int = 1  # completions asked for: each may run to the completion bound (invariant 3)
     deadline_ms: int | None = None  # x-llmgw-deadline-ms, parsed by intake
     idempotency_key: str | None = None
-    traceparent: str = ""  # W3C trace context, only when valid ("" otherwise)
+    traceparent: str = ""  # the client's W3C trace context, only when valid ("" otherwise)
     tracestate: str = ""
+    # The request's trace (extproc/tracing.py): the client's continued, or a new one; the id of the
+    # gateway's own span for the request, decided now (its attempts' spans and the upstream name it).
+    trace_id: str = ""
+    span_id: str = ""
     identity: Identity | None = None
     data_class: str = ""
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
@@ -89,7 +94,7 @@ class Exchange:
     def ledger_facts(self) -> dict[str, Any]:
         """What the ledger records about the request itself (design.md invariant 8); never content."""
         facts: dict[str, Any] = {
-            "request_id": self.request_id, "trace_id": self.traceparent[3:35] if self.traceparent else "",
+            "request_id": self.request_id, "trace_id": self.trace_id,
             "time": round(self.arrived_at, 3), "route_revision": self.snapshot.revision,
             "data_class": self.data_class, "stream": self.stream,
         }
@@ -152,8 +157,13 @@ class Exchange:
             ends_at_ms = int(self.arrived_at * 1000) + self.route.max_stream_ms
             md[Key.STREAM_ENDS_AT_MS] = str(ends_at_ms)
             md[Key.RQ_TIMEOUT_MS] = str(max(1, ends_at_ms - int(time.time() * 1000)) + STREAM_END_GRACE_MS)
-        if self.traceparent and self.route is not None and self.route.telemetry.propagate_trace_context:
-            md[Key.TRACEPARENT] = self.traceparent  # re-added upstream by Envoy (client's own is dropped)
+        if self.trace_id:
+            md[Key.TRACE] = context_value(self.trace_id, self.span_id, self.traceparent[36:52])
+        if self.trace_id and self.route is not None and self.route.telemetry.propagate_trace_context:
+            # Re-added upstream by Envoy (the client's own is dropped): the upstream's parent is the
+            # gateway's span for the request; the client's sampling flag is kept.
+            flags = self.traceparent[53:55] if self.traceparent else "01"
+            md[Key.TRACEPARENT] = f"00-{self.trace_id}-{self.span_id}-{flags}"
             if self.tracestate:
                 md[Key.TRACESTATE] = self.tracestate
         if self.route is not None:  # always set: they overwrite whatever the client sent

@@ -35,6 +35,7 @@ class Key(StrEnum):
     PLAN_STREAM = "plan_stream"  # "1": the plan's answer is a stream (translated chunk by chunk)
     RQ_TIMEOUT_MS = "rq_timeout_ms"
     PER_TRY_TIMEOUT_MS = "per_try_timeout_ms"
+    TRACE = "trace"  # the request's trace: `trace_id:span_id:parent_span_id` (extproc/tracing.py)
     TRACEPARENT = "traceparent"
     TRACESTATE = "tracestate"
     RETRY_ON = "retry_on"

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
@@ -34,6 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
+from extproc import tracing
 from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
@@ -202,7 +204,15 @@ class Processor(ep_grpc.ExternalProcessorServicer):
     def _ended(self, ex: Exchange, err: GatewayError) -> None:
         """A refused request: release what it reserved, or record the refusal in the ledger."""
         termination = "denied" if err.code is ErrorCode.FORBIDDEN else "refused"
-        count_refusal(ex.route.route_contract if ex.route is not None else "", err.code.value)
+        route = ex.route.route_contract if ex.route is not None else ""
+        count_refusal(route, err.code.value)
+        if ex.trace_id and ex.identity is not None:  # a request the ledger records: its span too
+            tracing.request_span(tracing.context_value(ex.trace_id, ex.span_id, ex.traceparent[36:52]), route,
+                                 ex.arrived_at, time.time(), {
+                                     "gen_ai.operation.name": "chat", "gen_ai.request.model": route or None,
+                                     "http.response.status_code": err.status, "llmgw.route": route or None,
+                                     "llmgw.termination": termination, "error.type": err.code.value,
+                                     "llmgw.ledger.request_id": ex.request_id})
         if ex.held is not None:
             self._later(release(self.store, ex, termination, err.status))
         elif ex.identity is not None and err.code is not ErrorCode.POLICY_UNAVAILABLE:
@@ -330,6 +340,9 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     picker = Picker(pools, shared_dir=picker_dir) if pools else None
     if picker is not None:
         await picker.start()
+    if tracing.init():
+        log.info("traces exported (%s)", ", ".join(k for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "LLMGW_TRACES_FILE")
+                                                   if os.environ.get(k)))
     jwks = JwksCache()
     store_cfg = reloader.live.snapshot.gateway.store
     store_url = store_url or store_cfg.url
@@ -364,6 +377,7 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if sweeper is not None:
         await sweeper
     await server.stop(grace=2)
+    tracing.shutdown()
     if runner is not None:
         await runner.cleanup()
     if picker is not None:

@@ -31,6 +31,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -39,6 +40,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc import tracing
 from extproc.accounting import (
     Usage,
     answered_by,
@@ -71,8 +73,9 @@ RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, 
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{ANSWERED_BY}']",
-                    *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.DEPLOYMENT, Key.REDACTIONS, Key.HOLD,
-                                               Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN, Key.STREAM_ENDS_AT_MS)))
+                    *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
+                                               Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
+                                               Key.STREAM_ENDS_AT_MS)))
 
 
 async def release(store: Store | None, ex: Exchange, termination: str, status: int) -> None:
@@ -236,9 +239,9 @@ class Meter:
         except ValueError:
             started = None
         now = time.time()
-        observe = observer(dep, md_attr(attrs, Key.ROUTE), sse, status, outcome,
-                           None if started is None else now - started,
-                           None if started is None else first_at - started)
+        observe = observer(Settled(dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
+                                   md_attr(attrs, Key.REVISION), started, None if started is None else now - started,
+                                   None if started is None else first_at - started))
         return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
                                     snap.gateway.store.idempotency_ttl_s * 1000), observe)
 
@@ -246,11 +249,42 @@ class Meter:
 Observe = Callable[[], None]
 
 
-def observer(dep: Deployment | None, route: str, stream: bool, status: int, outcome: dict[str, Any],
-             duration_s: float | None, first_byte_s: float | None) -> Observe:
-    """The metrics of one settlement, observed if the store keeps it (extproc/metrics.py)."""
-    return functools.partial(observe_settlement, route, dep.deployment if dep else "", dep.provider if dep else "",
-                             stream, status, outcome, duration_s, first_byte_s)
+@dataclass(frozen=True)
+class Settled:
+    """What is observed of a settlement the store kept: its metrics and the request's span."""
+
+    dep: Deployment | None
+    route: str
+    stream: bool
+    status: int
+    outcome: dict[str, Any]
+    request_id: str
+    trace: str  # the request's trace context (metadata `trace`), "" when it had none
+    revision: str
+    start_s: float | None  # epoch seconds of the request's arrival
+    duration_s: float | None
+    first_byte_s: float | None  # from the arrival to the answer's first byte
+
+
+def observer(s: Settled) -> Observe:
+    return functools.partial(_observe, s)
+
+
+def _observe(s: Settled) -> None:
+    dep = s.dep
+    observe_settlement(s.route, dep.deployment if dep else "", dep.provider if dep else "", s.stream, s.status,
+                       s.outcome, s.duration_s, s.first_byte_s)
+    if s.trace and s.start_s is not None:
+        usage = s.outcome.get("usage") or {}
+        tracing.request_span(s.trace, s.route, s.start_s, s.start_s + (s.duration_s or 0.0), {
+            "gen_ai.operation.name": "chat", "gen_ai.provider.name": dep.provider if dep else None,
+            "gen_ai.request.model": s.route, "gen_ai.response.model": dep.served_model if dep else None,
+            "gen_ai.usage.input_tokens": usage.get("prompt_tokens"),
+            "gen_ai.usage.output_tokens": usage.get("completion_tokens"),
+            "http.response.status_code": s.status, "llmgw.route": s.route, "llmgw.route_revision": s.revision,
+            "llmgw.deployment": dep.deployment if dep else None, "llmgw.stream": s.stream,
+            "llmgw.termination": s.outcome.get("termination"), "llmgw.settlement": s.outcome.get("settlement"),
+            "llmgw.ledger.request_id": s.request_id})
 
 
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
@@ -340,8 +374,10 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  if common.HasField("time_to_first_upstream_rx_byte") else None})
         def seconds(name: str) -> float | None:
             return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
-        observe = observer(dep, attr(md, Key.ROUTE), stream, status, outcome,
-                           seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte"))
+        start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
+        observe = observer(Settled(dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE),
+                                   attr(md, Key.REVISION), start, seconds("time_to_last_downstream_tx_byte"),
+                                   seconds("time_to_first_downstream_tx_byte")))
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0), observe)
 
 

@@ -69,7 +69,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         engine_profile=args.engine_profile, valkey_port=args.valkey_port, engine=args.engine,
                         start_engines=args.engine != "none", engine_timeout=180.0 if args.engine == "vllm" else 60.0,
                         tls=args.tls or args.require_client_cert, require_client_certificate=args.require_client_cert,
-                        demo_keys=True, simulate_providers=not args.no_simulated_providers)
+                        demo_keys=True, simulate_providers=not args.no_simulated_providers, traces=True)
     try:
         stack = Stack(opts)
     except ConfigError as e:
@@ -93,6 +93,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         shown = key if tenant in stack.new_demo_keys else f"(demo key in {up_json})"
         print(f"  tenant {tenant:<8} api key: {shown}")
     print(f"  routes:   {', '.join(sorted(stack.snapshot.routes))}")
+    print(f"  metrics:  {stack.metrics_url}   traces: {stack.traces_file}")
     print(f"  details:  {up_json}; logs in {stack.logs}")
     print("Ctrl-C stops every process; one that exits is started again.", flush=True)
     supervisor = Supervisor(stack.children)

@@ -93,6 +93,8 @@ class StackOptions:
     # Run a simulated provider for each hosted deployment on loopback (llmgw up; the conformance sandbox).
     simulate_providers: bool = False
     provider_ports: dict[str, tuple[int, ...]] | None = None  # per deployment; None: its own endpoints
+    traces: bool = False  # the workers' spans into <state>/traces.jsonl (llmgw up)
+    extproc_env: dict[str, str] = field(default_factory=dict)  # more environment for the workers (OTLP)
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -153,6 +155,10 @@ class Stack:
     def url(self) -> str:
         host, port = self.render.listen
         return f"{'https' if self.render.tls.listener else 'http'}://{host}:{port}"
+
+    @property
+    def traces_file(self) -> Path:
+        return self.opts.state_dir / "traces.jsonl"
 
     @property
     def metrics_url(self) -> str:
@@ -328,6 +334,9 @@ class Stack:
         shutil.rmtree(metrics, ignore_errors=True)
         metrics.mkdir(parents=True)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
+        if self.opts.traces:
+            env["LLMGW_TRACES_FILE"] = str(self.traces_file)
+        env.update(self.opts.extproc_env)
         pools = [f"--pool={name}=" + ",".join(f"{h}:{p}" for h, p in hosts)
                  for name, hosts in self.render.pools.items()]
         mtls = self.render.tls.extproc
@@ -379,6 +388,7 @@ class Stack:
             "engines": self.engine_urls(), "logs": str(self.logs), "extproc_status": self.status_urls,
             "providers": {name: [f"http://{h}:{p}" for h, p in hosts] for name, hosts in self.render.providers.items()},
             "store_url": self.store_url, "metrics_url": self.metrics_url,
+            **({"traces_file": str(self.traces_file)} if self.opts.traces else {}),
             **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")
         return path

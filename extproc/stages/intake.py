@@ -4,7 +4,7 @@ once, into the Exchange; later stages use the parsed values."""
 
 from __future__ import annotations
 
-from extproc import chat, headers
+from extproc import chat, headers, tracing
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
 from extproc.doors import BY_NAME
 from extproc.exchange import Exchange
@@ -30,3 +30,6 @@ class Intake:
         ex.idempotency_key = headers.idempotency_key(ex.headers.get(headers.IDEMPOTENCY_KEY))
         ex.traceparent, ex.tracestate = headers.trace_context(ex.headers.get(headers.TRACEPARENT),
                                                               ex.headers.get(headers.TRACESTATE))
+        # The client's trace continued, or a new one; the gateway's span for the request is named now.
+        ex.trace_id = ex.traceparent[3:35] if ex.traceparent else tracing.new_trace_id()
+        ex.span_id = tracing.new_span_id()

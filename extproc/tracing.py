@@ -1,0 +1,146 @@
+"""Traces (OpenTelemetry): one server span per logical request and one client span per upstream
+attempt, named and attributed after the GenAI semantic conventions (`gen_ai.operation.name`,
+`gen_ai.provider.name`, `gen_ai.request.model`, `gen_ai.response.model`, `gen_ai.usage.*`) plus the
+gateway's facts (`llmgw.*`): route and revision, deployment, attempt kind, termination, settlement,
+and the ledger entry (`llmgw.ledger.request_id`) every span names.
+
+The gateway decides a request's trace when it admits it (extproc/exchange.py): the client's trace
+continued (its span the parent) or a new one, and the id of the request's own span - fixed then,
+because the attempts' spans, made earlier and maybe by another worker, are its children, and the
+upstream's `traceparent` names it. Spans are made when what they describe has ended: an attempt's
+when its answer's headers come (or it ends without them), the request's when its settlement is the
+one the store keeps - so each request has one span, like its one ledger entry. The ledger is never
+sampled; traces are, by trace id (`LLMGW_TRACE_SAMPLE_RATIO`, default 1), so a request's spans are
+kept or dropped together whichever worker made them.
+
+Exporters: OTLP over gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; JSON lines into
+`LLMGW_TRACES_FILE` (`llmgw up`: `.llmgw/traces.jsonl`). Neither: no spans are made. No prompt,
+completion, tool argument or credential is ever an attribute.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import random
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+
+_preset_trace: contextvars.ContextVar[int | None] = contextvars.ContextVar("llmgw_trace_id", default=None)
+_preset_span: contextvars.ContextVar[int | None] = contextvars.ContextVar("llmgw_span_id", default=None)
+
+
+def new_trace_id() -> str:
+    return f"{random.getrandbits(128) or 1:032x}"
+
+
+def new_span_id() -> str:
+    return f"{random.getrandbits(64) or 1:016x}"
+
+
+class PresetIds(IdGenerator):
+    """Ids chosen before the span is made (the request's, decided at admission); random otherwise."""
+
+    def generate_span_id(self) -> int:
+        return _preset_span.get() or random.getrandbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        return _preset_trace.get() or random.getrandbits(128) or 1
+
+
+class JsonLinesExporter(SpanExporter):
+    """Each span as one line of JSON (the SDK's own rendering), for a local run without a collector."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(json.loads(s.to_json()), separators=(",", ":")) + "\n" for s in spans)
+        with self.lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(lines)
+        return SpanExportResult.SUCCESS
+
+
+_tracer: trace.Tracer | None = None
+_provider: TracerProvider | None = None
+
+
+def init() -> bool:
+    """Set up the exporters the environment names; whether spans will be made."""
+    global _tracer, _provider
+    endpoint, path = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), os.environ.get("LLMGW_TRACES_FILE")
+    if not endpoint and not path:
+        return False
+    provider = TracerProvider(sampler=TraceIdRatioBased(float(os.environ.get("LLMGW_TRACE_SAMPLE_RATIO", "1"))),
+                              id_generator=PresetIds(), resource=Resource.create({"service.name": "llmgw"}))
+    if endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
+                                                       schedule_delay_millis=500))
+    if path:
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesExporter(path), schedule_delay_millis=500))
+    _provider, _tracer = provider, provider.get_tracer("llmgw")
+    return True
+
+
+def shutdown() -> None:
+    """Export what is still queued (at the worker's exit)."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def context_value(trace_id: str, span_id: str, parent_span_id: str) -> str:
+    """The request's trace as the metadata carries it: `trace:span:parent` (parent "" for a new trace)."""
+    return f"{trace_id}:{span_id}:{parent_span_id}"
+
+
+def parse_context(value: str) -> tuple[str, str, str] | None:
+    parts = value.split(":")
+    return (parts[0], parts[1], parts[2]) if len(parts) == 3 and len(parts[0]) == 32 and len(parts[1]) == 16 else None
+
+
+def _span(name: str, kind: SpanKind, trace_id: str, span_id: str | None, parent_span_id: str, start_s: float,
+          end_s: float, attributes: Mapping[str, Any]) -> None:
+    if _tracer is None:
+        return
+    ctx = None
+    if parent_span_id:
+        parent = SpanContext(int(trace_id, 16), int(parent_span_id, 16), is_remote=True,
+                             trace_flags=TraceFlags(TraceFlags.SAMPLED))
+        ctx = trace.set_span_in_context(NonRecordingSpan(parent))
+    tokens = (_preset_trace.set(int(trace_id, 16)), _preset_span.set(int(span_id, 16) if span_id else None))
+    try:
+        span = _tracer.start_span(name, context=ctx, kind=kind, start_time=int(start_s * 1e9),
+                                  attributes={k: v for k, v in attributes.items() if v is not None and v != ""})
+    finally:
+        _preset_trace.reset(tokens[0])
+        _preset_span.reset(tokens[1])
+    span.end(end_time=int(end_s * 1e9))
+
+
+def request_span(context: str, route: str, start_s: float, end_s: float, attributes: Mapping[str, Any]) -> None:
+    """The request's server span, with the id decided at admission."""
+    parsed = parse_context(context)
+    if parsed is not None:
+        trace_id, span_id, parent = parsed
+        _span(f"chat {route}", SpanKind.SERVER, trace_id, span_id, parent, start_s, end_s, attributes)
+
+
+def attempt_span(context: str, model: str, start_s: float, end_s: float, attributes: Mapping[str, Any]) -> None:
+    """An upstream attempt's client span, a child of the request's."""
+    parsed = parse_context(context)
+    if parsed is not None:
+        trace_id, span_id, _ = parsed
+        _span(f"chat {model}", SpanKind.CLIENT, trace_id, None, span_id, start_s, end_s, attributes)
