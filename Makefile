@@ -10,6 +10,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# xds-protos ships OpenTelemetry's proto modules too, older ones, and whichever package installs
+	# last owns the files: opentelemetry-proto's own must (the OTLP exporter needs what only they define).
+	$(BIN)/python -m pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(BIN)/python -c \
+		'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 install: $(STAMP)

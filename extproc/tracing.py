@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import logging
 import os
 import random
 import threading
@@ -36,6 +37,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
+log = logging.getLogger("llmgw.tracing")
 _preset_trace: contextvars.ContextVar[int | None] = contextvars.ContextVar("llmgw_trace_id", default=None)
 _preset_span: contextvars.ContextVar[int | None] = contextvars.ContextVar("llmgw_span_id", default=None)
 
@@ -85,10 +87,13 @@ def init() -> bool:
     provider = TracerProvider(sampler=TraceIdRatioBased(float(os.environ.get("LLMGW_TRACE_SAMPLE_RATIO", "1"))),
                               id_generator=PresetIds(), resource=Resource.create({"service.name": "llmgw"}))
     if endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
-                                                       schedule_delay_millis=500))
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as e:  # xds-protos's older copies of the OTel protos won the files (see Makefile)
+            log.error("traces: the OTLP exporter cannot be loaded (%s); no spans go to %s", e, endpoint)
+        else:
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
+                                                           schedule_delay_millis=500))
     if path:
         provider.add_span_processor(BatchSpanProcessor(JsonLinesExporter(path), schedule_delay_millis=500))
     _provider, _tracer = provider, provider.get_tracer("llmgw")
