@@ -30,6 +30,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+# `LLMGW_METRICS=off`: nothing is observed (`llmgw bench telemetry` measures what observing costs).
+ENABLED = os.environ.get("LLMGW_METRICS", "on") != "off"
 if _shared := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.makedirs(_shared, exist_ok=True)  # prometheus-client writes there from the first observation
 
@@ -60,6 +62,8 @@ REFUSALS = Counter("llmgw_refusals", "Requests refused before any upstream, by t
 def observe_settlement(route: str, deployment: str, provider: str, stream: bool, status: int,
                        outcome: Mapping[str, Any], duration_s: float | None, first_byte_s: float | None) -> None:
     """One settled request (the settlement the store wrote)."""
+    if not ENABLED:
+        return
     served = (route or "unknown", deployment or "none", provider or "none")
     termination = str(outcome.get("termination", ""))
     SETTLEMENTS.labels(served[0], served[1], termination, str(outcome.get("settlement", ""))).inc()
@@ -78,10 +82,14 @@ def observe_settlement(route: str, deployment: str, provider: str, stream: bool,
 
 
 def count_attempt(deployment: str, kind: str, status: int) -> None:
+    if not ENABLED:
+        return
     ATTEMPTS.labels(deployment or "none", kind, f"{status // 100}xx" if status else "0").inc()
 
 
 def count_refusal(route: str, code: str) -> None:
+    if not ENABLED:
+        return
     REFUSALS.labels(route or "unknown", code).inc()
 
 

@@ -21,7 +21,6 @@ completion, tool argument or credential is ever an attribute.
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import os
 import random
@@ -29,6 +28,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -61,15 +61,24 @@ class PresetIds(IdGenerator):
 
 
 class JsonLinesExporter(SpanExporter):
-    """Each span as one line of JSON (the SDK's own rendering), for a local run without a collector."""
+    """Each span as one line of JSON, for a local run without a collector: ids in hex, times in epoch
+    nanoseconds, the attributes. (The SDK's own `to_json` pretty-prints: several times the cost.)"""
 
     def __init__(self, path: str):
         self.path = path
         self.lock = threading.Lock()
 
+    @staticmethod
+    def record(s: ReadableSpan) -> bytes:
+        ctx = s.get_span_context()
+        return orjson.dumps({
+            "trace_id": f"{ctx.trace_id:032x}" if ctx else "", "span_id": f"{ctx.span_id:016x}" if ctx else "",
+            "parent_id": f"{s.parent.span_id:016x}" if s.parent else None, "name": s.name, "kind": s.kind.name,
+            "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes or {})}) + b"\n"
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(json.dumps(json.loads(s.to_json()), separators=(",", ":")) + "\n" for s in spans)
-        with self.lock, open(self.path, "a", encoding="utf-8") as f:
+        lines = b"".join(self.record(s) for s in spans)
+        with self.lock, open(self.path, "ab") as f:
             f.write(lines)
         return SpanExportResult.SUCCESS
 

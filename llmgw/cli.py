@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.bench_idle import add_parser as add_idle_bench
 
     add_idle_bench(bsub)
+    from llmgw.bench_telemetry import add_parser as add_telemetry_bench
+
+    add_telemetry_bench(bsub)
     from llmgw.bench_translated import add_parser as add_translated_bench
 
     add_translated_bench(bsub)
