@@ -37,7 +37,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
 from extproc.adapters import adapter_for
-from extproc.adapters.base import Adapter, StreamTranslator, Target, UpstreamBroken
+from extproc.adapters.base import Adapter, NativeStream, StreamTranslator, Target, UpstreamBroken
 from extproc.config import Snapshot
 from extproc.config.reload import Live
 from extproc.config.schema import Deployment
@@ -225,6 +225,8 @@ class _Attempt:
                     "content-type", "text/event-stream" if self.streaming else "application/json"))
                 if self.streaming:
                     self.stream = self.adapter.stream(include_usage=True)  # the gateway meters from it
+                    if isinstance(self.stream, NativeStream) and not self.stream.model:
+                        self.stream.model = self.dep.served_model  # a shape whose stream names none (Bedrock)
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
                 header_mutation=mutation)))
         if kind == "response_body" and self.adapter is not None and self.stream is not None:
@@ -237,6 +239,8 @@ class _Attempt:
                     answer = self.adapter.response(self.status, req.response_body.body)
                 except UpstreamBroken as e:
                     raise GatewayError(ErrorCode.UPSTREAM_ERROR, f"the provider's answer is broken: {e}") from None
+                if not answer.get("model") and self.dep is not None:  # Converse names no model
+                    answer["model"] = self.dep.served_model
                 common.body_mutation.body = orjson.dumps(answer)
             return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
         _errors.warning("attempt filter: unexpected message %s", kind)
