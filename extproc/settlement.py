@@ -132,12 +132,10 @@ class Settler:
                 if len(self._queue) < BATCH_MAX:
                     await asyncio.sleep(BATCH_WAIT_S)
                 batch, self._queue = self._queue[:BATCH_MAX], self._queue[BATCH_MAX:]
+                first: list[bool] = []
                 try:
                     first = await self.store.settle_many([item for item, _, _, _ in batch])
                     written = True
-                    for (_, _, _, observe), won in zip(batch, first, strict=True):
-                        if won and observe is not None:
-                            observe()
                 except StoreUnavailable:
                     written = False
                     now = loop.time()
@@ -150,6 +148,14 @@ class Settler:
                 for _, done, _, _ in batch:
                     if not done.done():
                         done.set_result(written)
+                # Metrics and spans of the settlements the store kept; what they raise never holds up a
+                # settlement (their callers are already answered).
+                for (_, _, _, observe), won in zip(batch, first, strict=False):
+                    if won and observe is not None:
+                        try:
+                            observe()
+                        except Exception:
+                            log.exception("observing a settlement failed")
                 if not written:
                     await asyncio.sleep(RETRY_EVERY_S)
         finally:
@@ -239,9 +245,10 @@ class Meter:
         except ValueError:
             started = None
         now = time.time()
-        observe = observer(Settled(dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
-                                   md_attr(attrs, Key.REVISION), started, None if started is None else now - started,
-                                   None if started is None else first_at - started))
+        observe = observer(SettledRequest(
+            dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
+            md_attr(attrs, Key.REVISION), started, None if started is None else now - started,
+            None if started is None else first_at - started))
         return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
                                     snap.gateway.store.idempotency_ttl_s * 1000), observe)
 
@@ -250,7 +257,7 @@ Observe = Callable[[], None]
 
 
 @dataclass(frozen=True)
-class Settled:
+class SettledRequest:
     """What is observed of a settlement the store kept: its metrics and the request's span."""
 
     dep: Deployment | None
@@ -266,25 +273,24 @@ class Settled:
     first_byte_s: float | None  # from the arrival to the answer's first byte
 
 
-def observer(s: Settled) -> Observe:
+def observer(s: SettledRequest) -> Observe:
     return functools.partial(_observe, s)
 
 
-def _observe(s: Settled) -> None:
+def _observe(s: SettledRequest) -> None:
     dep = s.dep
     observe_settlement(s.route, dep.deployment if dep else "", dep.provider if dep else "", s.stream, s.status,
                        s.outcome, s.duration_s, s.first_byte_s)
     if s.trace and s.start_s is not None:
         usage = s.outcome.get("usage") or {}
         tracing.request_span(s.trace, s.route, s.start_s, s.start_s + (s.duration_s or 0.0), {
-            "gen_ai.operation.name": "chat", "gen_ai.provider.name": dep.provider if dep else None,
-            "gen_ai.request.model": s.route, "gen_ai.response.model": dep.served_model if dep else None,
+            **tracing.request_facts(s.route, s.request_id, s.status, str(s.outcome.get("termination", ""))),
+            "gen_ai.provider.name": dep.provider if dep else None,
+            "gen_ai.response.model": dep.served_model if dep else None,
             "gen_ai.usage.input_tokens": usage.get("prompt_tokens"),
             "gen_ai.usage.output_tokens": usage.get("completion_tokens"),
-            "http.response.status_code": s.status, "llmgw.route": s.route, "llmgw.route_revision": s.revision,
-            "llmgw.deployment": dep.deployment if dep else None, "llmgw.stream": s.stream,
-            "llmgw.termination": s.outcome.get("termination"), "llmgw.settlement": s.outcome.get("settlement"),
-            "llmgw.ledger.request_id": s.request_id})
+            "llmgw.route_revision": s.revision, "llmgw.deployment": dep.deployment if dep else None,
+            "llmgw.stream": s.stream, "llmgw.settlement": s.outcome.get("settlement")})
 
 
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
@@ -375,9 +381,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         def seconds(name: str) -> float | None:
             return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
-        observe = observer(Settled(dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE),
-                                   attr(md, Key.REVISION), start, seconds("time_to_last_downstream_tx_byte"),
-                                   seconds("time_to_first_downstream_tx_byte")))
+        observe = observer(SettledRequest(
+            dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
+            start, seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte")))
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0), observe)
 
 
