@@ -91,6 +91,12 @@ class Exchange:
         reasons = self.decision.reasons if self.decision is not None else ()
         return [log_safe(r) for r in reasons[:MAX_LOGGED_REASONS]]
 
+    @property
+    def trace_context(self) -> str:
+        """The request's trace as the metadata carries it (extproc/tracing.py): the trace, the
+        gateway's span for the request, and the client's span, its parent ("" for a new trace)."""
+        return context_value(self.trace_id, self.span_id, self.traceparent[36:52])
+
     def ledger_facts(self) -> dict[str, Any]:
         """What the ledger records about the request itself (design.md invariant 8); never content."""
         facts: dict[str, Any] = {
@@ -158,7 +164,7 @@ class Exchange:
             md[Key.STREAM_ENDS_AT_MS] = str(ends_at_ms)
             md[Key.RQ_TIMEOUT_MS] = str(max(1, ends_at_ms - int(time.time() * 1000)) + STREAM_END_GRACE_MS)
         if self.trace_id:
-            md[Key.TRACE] = context_value(self.trace_id, self.span_id, self.traceparent[36:52])
+            md[Key.TRACE] = self.trace_context
         if self.trace_id and self.route is not None and self.route.telemetry.propagate_trace_context:
             # Re-added upstream by Envoy (the client's own is dropped): the upstream's parent is the
             # gateway's span for the request; the client's sampling flag is kept.

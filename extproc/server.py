@@ -207,12 +207,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         route = ex.route.route_contract if ex.route is not None else ""
         count_refusal(route, err.code.value)
         if ex.trace_id and ex.identity is not None:  # a request the ledger records: its span too
-            tracing.request_span(tracing.context_value(ex.trace_id, ex.span_id, ex.traceparent[36:52]), route,
-                                 ex.arrived_at, time.time(), {
-                                     "gen_ai.operation.name": "chat", "gen_ai.request.model": route or None,
-                                     "http.response.status_code": err.status, "llmgw.route": route or None,
-                                     "llmgw.termination": termination, "error.type": err.code.value,
-                                     "llmgw.ledger.request_id": ex.request_id})
+            tracing.request_span(ex.trace_context, route, ex.arrived_at, time.time(), {
+                **tracing.request_facts(route, ex.request_id, err.status, termination), "error.type": err.code.value})
         if ex.held is not None:
             self._later(release(self.store, ex, termination, err.status))
         elif ex.identity is not None and err.code is not ErrorCode.POLICY_UNAVAILABLE:

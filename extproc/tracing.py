@@ -144,6 +144,14 @@ def _span(name: str, kind: SpanKind, trace_id: str, span_id: str | None, parent_
     span.end(end_time=int(end_s * 1e9))
 
 
+def request_facts(route: str, request_id: str, status: int, termination: str) -> dict[str, Any]:
+    """What every request span says, however the request ended: the operation, the route asked
+    for, the answer's status, how it ended, and the ledger entry it names."""
+    return {"gen_ai.operation.name": "chat", "gen_ai.request.model": route or None, "llmgw.route": route or None,
+            "http.response.status_code": status, "llmgw.termination": termination,
+            "llmgw.ledger.request_id": request_id}
+
+
 def request_span(context: str, route: str, start_s: float, end_s: float, attributes: Mapping[str, Any]) -> None:
     """The request's server span, with the id decided at admission."""
     parsed = parse_context(context)
