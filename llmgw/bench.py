@@ -162,6 +162,16 @@ def run_wrk(url: str, script: Path, connections: int, duration: float) -> Result
     return Result(rps, _ms(lat["50"]), _ms(lat["99"]), int(bad.group(1)) if bad else 0)
 
 
+def measured_wrk(url: str, script: Path, connections: int, duration: float,
+                 procs: dict[str, list[Child]]) -> tuple[Result, dict[str, float], float]:
+    """One wrk round with what it cost: (its result, the CPU seconds each kind of process spent
+    during it, the requests it served - its rate over the whole seconds wrk runs)."""
+    before = cpu_seconds(procs)
+    r = run_wrk(url, script, connections, duration)
+    spent = {proc: sec - before.get(proc, 0.0) for proc, sec in cpu_seconds(procs).items()}
+    return r, spent, r.rps * max(1, round(duration))
+
+
 # The route every benchmark measures: the pool's (the demo policy's other routes reach hosted
 # providers, which the benchmarks do not run).
 POOL_ROUTE = "chat-default"

@@ -25,12 +25,13 @@ from llmgw.bench import (
     Result,
     _start_envoy,
     demo_policy,
+    measured_wrk,
     report,
     run_wrk,
     upstream_bootstrap,
     without_quotas,
 )
-from llmgw.procs import cpu_seconds, free_port
+from llmgw.procs import free_port
 from llmgw.stack import Stack, StackOptions, gateway_processes
 
 MODES = {"telemetry on": True, "telemetry off": False}
@@ -67,12 +68,11 @@ def run_telemetry_bench(args: argparse.Namespace) -> int:
         for c in (1, 32):
             for _ in range(args.rounds):
                 for name in MODES:
-                    before = cpu_seconds(gateway_processes(stacks[name]))
-                    r = run_wrk(urls[name], script, c, args.duration / args.rounds)
-                    after = cpu_seconds(gateway_processes(stacks[name]))
+                    r, spent, n = measured_wrk(urls[name], script, c, args.duration / args.rounds,
+                                               gateway_processes(stacks[name]))
                     results.setdefault((name, c), []).append(r)
-                    cpu[(name, c)] = cpu.get((name, c), 0.0) + after["ext_proc"] - before["ext_proc"]
-                    served[(name, c)] = served.get((name, c), 0.0) + r.rps * max(1, round(args.duration / args.rounds))
+                    cpu[(name, c)] = cpu.get((name, c), 0.0) + spent["ext_proc"]
+                    served[(name, c)] = served.get((name, c), 0.0) + n
         traced = stacks["telemetry on"].traces_file
         spans = traced.read_text().count("\n") if traced.exists() else 0
     finally:

@@ -28,7 +28,7 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.doors.anthropic import MESSAGES_PATH
-from llmgw.bench import WRK_LUA, Result, demo_policy, report, run_wrk
+from llmgw.bench import WRK_LUA, Result, demo_policy, measured_wrk, report, run_wrk
 from llmgw.procs import Child, cpu_seconds, free_port, http_ok, python_module, wait_until
 from llmgw.stack import Stack, StackOptions, gateway_processes
 
@@ -169,12 +169,11 @@ def run_translated_bench(args: argparse.Namespace) -> int:
             run_wrk(urls[name], scripts[name], 1, 2)  # warm-up
         for _ in range(args.rounds):
             for name in routes:
-                before = cpu_seconds(gateway_processes(stack))
-                r = run_wrk(urls[name], scripts[name], 1, args.duration / args.rounds)
-                after = cpu_seconds(gateway_processes(stack))
+                r, spent, n = measured_wrk(urls[name], scripts[name], 1, args.duration / args.rounds,
+                                           gateway_processes(stack))
                 json_rows[name].append(r)
-                json_cpu[name] += after["ext_proc"] - before["ext_proc"]
-                served[name] += r.rps * max(1, round(args.duration / args.rounds))
+                json_cpu[name] += spent["ext_proc"]
+                served[name] += n
         stream_cpu: dict[str, float] = {}
         chunks: dict[str, int] = {}
         for name, model in routes.items():
