@@ -43,23 +43,29 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[tuple[Receiver, int]]:
-    r = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(r, server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    yield r, port
-    server.stop(0)
+def otlp_port() -> int:
+    return free_port()
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory, receiver: tuple[Receiver, int]) -> Iterator[Stack]:
+def gw(tmp_path_factory: pytest.TempPathFactory, otlp_port: int) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("traces"), simulate_providers=True,
-                    extproc_env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver[1]}"})
+                    extproc_env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}"})
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def receiver(gw: Stack, otlp_port: int) -> Iterator[tuple[Receiver, int]]:
+    """Started after the gateway's processes: a gRPC server's threads in this process would otherwise
+    run gRPC's fork handlers in each child the stack forks, which sometimes killed one at start."""
+    r = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(r, server)
+    server.add_insecure_port(f"127.0.0.1:{otlp_port}")
+    server.start()
+    yield r, otlp_port
+    server.stop(0)
 
 
 def chat(gw: Stack, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
