@@ -77,10 +77,18 @@ def charge_for(usage: Usage | None, source: str, termination: str, status: int, 
     return 0, 0, failed
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
 def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, source: str,
-               dep: Deployment | None, redactions: str, attempt: dict[str, Any]) -> dict[str, Any]:
-    """The settlement half of a ledger entry (the admission half is stored with the reservation)."""
+               dep: Deployment | None, redactions: str, attempt: dict[str, Any],
+               duration_s: float | None = None, first_byte_s: float | None = None) -> dict[str, Any]:
+    """The settlement half of a ledger entry (the admission half is stored with the reservation).
+    `duration_s` and `first_byte_s` run from the request's arrival to its answer's last and first
+    byte to the client (None when not known); `llmgw report` reads its latencies from them."""
     return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
+            "duration_ms": _ms(duration_s), "first_byte_ms": _ms(first_byte_s),
             "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,
             "attempts": [{"deployment": dep.deployment if dep else "",
                           "adapter": dep.fingerprint.adapter if dep else "", "status": status, **attempt}]}

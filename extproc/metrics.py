@@ -57,6 +57,20 @@ ATTEMPTS = Counter("llmgw_attempts", "Upstream attempts, by candidate, kind (fir
                    "status class (2xx, 4xx, 5xx; 0: no answer)", ["deployment", "kind", "status"])
 REFUSALS = Counter("llmgw_refusals", "Requests refused before any upstream, by the contract's error code",
                    ["route", "code"])
+ADMITTED = Counter("llmgw_admitted", "Requests admitted: their budgets, quotas and bulkhead reserved", ["route"])
+RELOADS = Counter("llmgw_config_reloads", "Configuration reloads by this host's workers (each worker reloads), "
+                  "by result (accepted, refused: the last known good revision stays)", ["result"])
+PICKS = Counter("llmgw_picker_decisions", "Engine picks per pool: by load, by a prefix the engine holds, or left to "
+                "Envoy's balancer when no engine has fresh metrics", ["pool", "decision"])
+STORE_LATENCY = Histogram("llmgw_store_duration", "Store round trips from the ext_proc workers (reserve, settle: "
+                          "batches)", ["operation"], unit="seconds",
+                          buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+# Per tenant, only where gateway.yaml says so (`metrics.tenant_label: true`): a label per tenant is
+# unbounded in a multi-tenant deployment, so the default families carry none.
+TENANT_SETTLEMENTS = Counter("llmgw_tenant_settlements", "Requests settled per tenant (metrics.tenant_label)",
+                             ["tenant", "route", "termination"])
+TENANT_TOKENS = Counter("llmgw_tenant_tokens", "Tokens charged per tenant (metrics.tenant_label)",
+                        ["tenant", "gen_ai_token_type"])
 
 
 def observe_settlement(route: str, deployment: str, provider: str, stream: bool, status: int,
@@ -79,6 +93,37 @@ def observe_settlement(route: str, deployment: str, provider: str, stream: bool,
         TIME_TO_FIRST_TOKEN.labels(*served).observe(first_byte_s)
         if duration_s is not None and output > 1:
             TIME_PER_OUTPUT_TOKEN.labels(*served).observe(max(duration_s - first_byte_s, 0.0) / (output - 1))
+
+
+def observe_tenant(tenant: str, route: str, outcome: Mapping[str, Any]) -> None:
+    """The per-tenant families (only called where gateway.yaml's metrics.tenant_label is on)."""
+    if not ENABLED:
+        return
+    TENANT_SETTLEMENTS.labels(tenant, route or "unknown", str(outcome.get("termination", ""))).inc()
+    usage = outcome.get("usage") or {}
+    for kind, field in (("input", "prompt_tokens"), ("output", "completion_tokens")):
+        if usage.get(field):
+            TENANT_TOKENS.labels(tenant, kind).inc(int(usage[field]))
+
+
+def count_admitted(route: str) -> None:
+    if ENABLED:
+        ADMITTED.labels(route).inc()
+
+
+def count_reload(accepted: bool) -> None:
+    if ENABLED:
+        RELOADS.labels("accepted" if accepted else "refused").inc()
+
+
+def count_pick(pool: str, decision: str) -> None:
+    if ENABLED:
+        PICKS.labels(pool, decision).inc()
+
+
+def observe_store(operation: str, seconds: float) -> None:
+    if ENABLED:
+        STORE_LATENCY.labels(operation).observe(seconds)
 
 
 def count_attempt(deployment: str, kind: str, status: int) -> None:

@@ -36,6 +36,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from extproc.metrics import count_pick
+
 log = logging.getLogger("llmgw.picker")
 
 LB_NAMESPACE = "envoy.lb"
@@ -249,6 +251,8 @@ class Picker:
         self._note_pick(now)
         loads = {ep: ld for ep in self.pools.get(pool, ()) if (ld := self.fresh(ep, now)) is not None}
         if not loads:
+            if record:
+                count_pick(pool, "no_fresh_metrics")
             return []
         blocks = prompt_blocks(salt, messages)
         matched = self._matched_blocks(blocks)
@@ -267,6 +271,7 @@ class Picker:
         order = sorted(loads, key=lambda ep: (-score(ep), pending[ep], ep))
         if record:
             self._record(order[0], blocks, now)
+            count_pick(pool, "prefix" if matched.get(order[0]) else "load")
         return order
 
     def _matched_blocks(self, blocks: list[int]) -> dict[str, int]:

@@ -35,7 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
-from extproc import tracing
+from extproc import occupancy, tracing
 from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
@@ -291,7 +291,9 @@ async def status_app(reloader: Reloader, listen: str, processor: Processor | Non
 
     async def metrics(_: web.Request) -> web.Response:
         text, content_type = exposition()
-        return web.Response(body=text, headers={"Content-Type": content_type})
+        held = await occupancy.exposition(processor.store if processor is not None else None,
+                                          reloader.live.snapshot)
+        return web.Response(body=text + held, headers={"Content-Type": content_type})
 
     app = web.Application()
     app.router.add_get("/status", status)

@@ -56,7 +56,7 @@ from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE
 from extproc.envoy_msgs import ATTRIBUTES, MD, attr, md_attr, with_first
 from extproc.exchange import Exchange
-from extproc.metrics import observe_settlement
+from extproc.metrics import observe_settlement, observe_tenant
 from extproc.names import Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Answer, Sealer
@@ -231,9 +231,6 @@ class Meter:
         finished = complete and (not sse or stream_usage.done) and not stream_usage.error
         termination = termination_of(status, finished)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep)
-        outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
-                             {"upstream": attr(attrs, "upstream.address"),
-                              "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)})
         idem_status, kept = "", ""
         if held.get("i") and termination == "complete":
             store = snap.gateway.store
@@ -244,11 +241,15 @@ class Meter:
             started: float | None = datetime.fromisoformat(attr(attrs, "request.time")).timestamp()
         except ValueError:
             started = None
-        now = time.time()
+        duration, first = (None, None) if started is None else (time.time() - started, first_at - started)
+        outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
+                             {"upstream": attr(attrs, "upstream.address"),
+                              "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)},
+                             duration, first)
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
-            md_attr(attrs, Key.REVISION), started, None if started is None else now - started,
-            None if started is None else first_at - started))
+            md_attr(attrs, Key.REVISION), started, duration, first,
+            tenant if snap.gateway.metrics.tenant_label else ""))
         return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
                                     snap.gateway.store.idempotency_ttl_s * 1000), observe)
 
@@ -271,6 +272,7 @@ class SettledRequest:
     start_s: float | None  # epoch seconds of the request's arrival
     duration_s: float | None
     first_byte_s: float | None  # from the arrival to the answer's first byte
+    tenant: str = ""  # set only where the per-tenant metrics are on (gateway.yaml metrics.tenant_label)
 
 
 def observer(s: SettledRequest) -> Observe:
@@ -281,6 +283,8 @@ def _observe(s: SettledRequest) -> None:
     dep = s.dep
     observe_settlement(s.route, dep.deployment if dep else "", dep.provider if dep else "", s.stream, s.status,
                        s.outcome, s.duration_s, s.first_byte_s)
+    if s.tenant:
+        observe_tenant(s.tenant, s.route, s.outcome)
     if s.trace and s.start_s is not None:
         usage = s.outcome.get("usage") or {}
         tracing.request_span(s.trace, s.route, s.start_s, s.start_s + (s.duration_s or 0.0), {
@@ -372,18 +376,20 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
+        def seconds(name: str) -> float | None:
+            return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
+        duration, first = seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte")
         outcome = outcome_of(termination, status, kind, usage, source, dep,
                              attr(md, Key.REDACTIONS), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
-                                 if common.HasField("time_to_first_upstream_rx_byte") else None})
-        def seconds(name: str) -> float | None:
-            return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
+                                 if common.HasField("time_to_first_upstream_rx_byte") else None},
+                             duration, first)
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
-            start, seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte")))
+            start, duration, first, tenant if snap.gateway.metrics.tenant_label else ""))
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0), observe)
 
 

@@ -94,6 +94,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"  tenant {tenant:<8} api key: {shown}")
     print(f"  routes:   {', '.join(sorted(stack.snapshot.routes))}")
     print(f"  metrics:  {stack.metrics_url}   traces: {stack.traces_file}")
+    print(f"  report:   llmgw report --state-dir {args.state_dir} -o {Path(args.state_dir) / 'report.html'}"
+          "   (the ledger and the metrics as one page)")
     print(f"  details:  {up_json}; logs in {stack.logs}")
     print("Ctrl-C stops every process; one that exits is started again.", flush=True)
     supervisor = Supervisor(stack.children)
@@ -227,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.conformance_cmd import add_parser as add_conformance
 
     add_conformance(sub)
+    from llmgw.report_cmd import add_parser as add_report
+
+    add_report(sub)
     return p
 
 

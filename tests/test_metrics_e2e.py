@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.store import ledger_entry, ledger_key
 from llmgw.procs import free_port
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, start_stack
@@ -74,6 +76,26 @@ def test_every_worker_answers_for_all_and_each_request_counts_once(gw: Stack) ->
     # No tenant, subject or content in any label.
     labels = {k for fam in one.values() for key in fam for k, _ in key}
     assert not labels & {"tenant", "subject", "user"}
+
+
+def test_admissions_picks_store_round_trips_and_what_the_store_holds(gw: Stack) -> None:
+    one = families(gw.metrics_url)
+    admitted = STREAMS + ANSWERS  # the refused request reserved nothing
+    assert total(one["llmgw_admitted_total"], route="chat-default") == admitted
+    # One pick per request routed to the pool (by load, by prefix, or Envoy's when metrics are stale).
+    assert total(one["llmgw_picker_decisions_total"], pool="engine-pool") == admitted
+    assert total(one["llmgw_store_duration_seconds_count"], operation="reserve") == admitted
+    assert total(one["llmgw_store_duration_seconds_count"], operation="settle_batch") >= 1
+    # Read from the store at scrape time: nothing in flight now, and the budget's remainder is its
+    # limit less exactly what the ledger charged.
+    assert one["llmgw_store_up"][()] == 1
+    assert one["llmgw_reservations_open"][()] == 0 and one["llmgw_inflight_tokens"][()] == 0
+    charged = sum(ledger_entry(f)["charged_micros"] for _, f in redis.Redis.from_url(
+        str(gw.store_url), decode_responses=True).xrange(ledger_key("acme")))
+    assert charged > 0
+    assert one["llmgw_budget_reserved"][(("budget", "acme-monthly"), ("unit", "micros"))] == 0
+    assert one["llmgw_budget_remaining"][(("budget", "acme-monthly"), ("unit", "micros"))] == 100_000_000 - charged
+    assert not any(name.startswith("llmgw_tenant_") for name in one)  # per-tenant families: off by default
 
 
 def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import REGISTRY
 
 from extproc.config import load_snapshot
 from extproc.config.reload import Live, Reloader
@@ -39,7 +40,13 @@ def _reloader(policy: Path, run_tests: bool = False) -> Reloader:
     return Reloader(policy, lambda s: Live(s, {}), Live(snap, {}), run_tests=run_tests)
 
 
+def reloads(result: str) -> float:
+    """llmgw_config_reloads_total{result} as this process counted it (extproc/metrics.py)."""
+    return REGISTRY.get_sample_value("llmgw_config_reloads_total", {"result": result}) or 0.0
+
+
 def test_reloader_refuses_invalid_config_and_failing_policy_tests(policy: Path) -> None:
+    refused = reloads("refused")
     r = _reloader(policy, run_tests=True)
     old = r.live.snapshot.revision
     (policy / "routes/chat-default.yaml").write_text("route_contract: chat-default\n")  # no candidates
@@ -50,14 +57,18 @@ def test_reloader_refuses_invalid_config_and_failing_policy_tests(policy: Path) 
         "test_write_tool_with_grant if {\n\tauthz.allow", "test_write_tool_with_grant if {\n\tnot authz.allow"))
     assert not r.reload("test") and "test_write_tool_with_grant" in r.status["last_error"][0]
     assert r.status["refused"] == 2 and r.live.snapshot.revision == old
+    assert reloads("refused") == refused + 2  # the metric counts what the status counts
 
 
 def test_reloader_swaps_a_good_revision(policy: Path) -> None:
+    accepted = reloads("accepted")
     r = _reloader(policy)
     old = r.live
+    assert not r.reload("unchanged") and reloads("accepted") == accepted  # the same revision is no reload
     (policy / "routes/chat-default.yaml").write_text(
         (policy / "routes/chat-default.yaml").read_text().replace("deadline_ms: 30000", "deadline_ms: 20000"))
     assert r.reload("test")
+    assert reloads("accepted") == accepted + 1
     assert r.live is not old and r.live.snapshot.routes["chat-default"].deadline_ms == 20000
     assert old.snapshot.routes["chat-default"].deadline_ms == 30000  # requests holding it keep it
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from extproc.config.loader import ConfigError, Snapshot, load_snapshot
 from extproc.config.policy_tests import run_isolated
+from extproc.metrics import count_reload
 from extproc.replay import Sealer
 from extproc.secrets import SecretUnavailable
 
@@ -96,10 +97,12 @@ class Reloader:
         self.live = live
         self.status.update(revision=snapshot.revision, loaded_at=time.time(), last_error=None,
                            reloads=self.status["reloads"] + 1)
+        count_reload(True)
         return True
 
     def _refuse(self, reason: str, problems: list[str]) -> bool:
         self.status.update(last_error=problems, refused=self.status["refused"] + 1)
+        count_reload(False)
         log.error("config reload (%s) refused; revision %s keeps serving:\n  %s", reason,
                   self.live.snapshot.revision, "\n  ".join(problems))
         return False

@@ -259,6 +259,12 @@ class Limits(Strict):
     max_n: int = Field(default=8, ge=1, le=128)  # completions per request (`n`); each is reserved in full
 
 
+class MetricsSettings(Strict):
+    # Per-tenant metric families beside the default ones (which never carry a tenant): one series per
+    # tenant, so only where the tenants are few.
+    tenant_label: bool = False
+
+
 class GatewayConfig(Strict):
     data_classes: tuple[Name, ...] = Field(min_length=1)  # ordered, least to most sensitive
     # Keys the per-tenant prefix-cache salt (HMAC(secret, tenant)); resolved when ext_proc starts.
@@ -276,6 +282,7 @@ class GatewayConfig(Strict):
     budgets: tuple[Budget, ...] = ()
     quotas: tuple[Quota, ...] = ()
     decision_log: DecisionLog = DecisionLog()
+    metrics: MetricsSettings = MetricsSettings()
     policy_dry_run: PolicyDryRun | None = None
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ from datetime import UTC, date, datetime
 from extproc.bounds import candidate_deployments
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
+from extproc.metrics import count_admitted
 from extproc.replay import Answer
 from extproc.stages.deadline import effective_deadline_ms
 from extproc.store import (
@@ -145,9 +146,11 @@ class BudgetReservation:
         except StoreUnavailable as e:
             if route.budget_reservation == "required":
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the budget store is unavailable") from e
+            count_admitted(route.route_contract)
             return  # optional: served unmetered, and the log says so
         match result.outcome:
             case "ok":
+                count_admitted(route.route_contract)
                 ex.held = Held(micros, tokens, prompt, bound.per_choice, ex.n, version, reservation.hint,
                                idem is not None)
             case "budget_exhausted":

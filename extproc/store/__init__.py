@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import orjson
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from extproc.metrics import observe_store
 from extproc.store.errors import StoreUnavailable
 from extproc.store.pipe import ScriptPipe
 from extproc.store.scripts import ATTEMPT, DECISIONS, RESERVE, SETTLE
@@ -138,6 +140,21 @@ class Settled:
     charged_tokens: int
 
 
+@dataclass(frozen=True)
+class BudgetUse:
+    reserved_micros: int
+    settled_micros: int
+    reserved_tokens: int
+    settled_tokens: int
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    leases: dict[str, int]  # tenant -> open reservations
+    inflight_tokens: dict[str, int]  # tenant -> tokens reserved by them
+    budgets: dict[str, BudgetUse]  # budget key (current window) -> its use
+
+
 class Store:
     def __init__(self, url: str, timeout_ms: int = 250):
         timeout = timeout_ms / 1000
@@ -177,7 +194,9 @@ class Store:
                      -1 if b.limit_tokens is None else b.limit_tokens, b.expire_at_s]
         for q in r.rates:
             args += [repr(q.ms_per_unit), q.cost]
+        started = time.perf_counter()
         out = await self.pipe.evalsha(RESERVE, keys, args)
+        observe_store("reserve", time.perf_counter() - started)
         return ReserveResult(out[0], tuple(str(x) for x in out[1:]))
 
     async def reservation(self, tenant: str, rid: str) -> dict[str, str]:
@@ -220,7 +239,9 @@ class Store:
         """Many settlements, pipelined on the one connection; each is still its own script. Returns,
         per item, whether this was its settlement (False: an earlier one had won)."""
         calls = [self._settle_call(*item) for item in items]
+        started = time.perf_counter()
         results = await self.pipe.evalsha_many(SETTLE, calls)
+        observe_store("settle_batch", time.perf_counter() - started)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")
@@ -255,6 +276,22 @@ class Store:
                 for name, n in fields.items():
                     pipe.hincrby(dry_run_key(revision), name, n)
             await self._call(pipe.execute())
+
+    async def occupancy(self, tenants: Sequence[str], budget_keys: Sequence[str]) -> Occupancy:
+        """What is held right now (for the metrics, at scrape time): per tenant, open leases and
+        in-flight tokens; per budget key, reserved and settled micros and tokens. One pipeline."""
+        pipe = self.client.pipeline(transaction=False)
+        for t in tenants:
+            pipe.zcard(leases_key(t))
+            pipe.hget(inflight_key(t), "tokens")
+        for k in budget_keys:
+            pipe.hmget(k, "reserved_micros", "settled_micros", "reserved_tokens", "settled_tokens")
+        out = await self._call(pipe.execute())
+        n = len(tenants)
+        return Occupancy(
+            leases={t: int(out[2 * i]) for i, t in enumerate(tenants)},
+            inflight_tokens={t: int(out[2 * i + 1] or 0) for i, t in enumerate(tenants)},
+            budgets={k: BudgetUse(*(int(v or 0) for v in out[2 * n + i])) for i, k in enumerate(budget_keys)})
 
     async def expired_leases(self, tenant: str, now_ms: int, limit: int = 100) -> list[str]:
         rids: list[str] = await self._call(
