@@ -100,7 +100,8 @@ class Exchange:
     def ledger_facts(self) -> dict[str, Any]:
         """What the ledger records about the request itself (design.md invariant 8); never content."""
         facts: dict[str, Any] = {
-            "request_id": self.request_id, "trace_id": self.trace_id,
+            "request_id": self.request_id, "trace_id": self.trace_id, "span_id": self.span_id,
+            "parent_span_id": self.traceparent[36:52],
             "time": round(self.arrived_at, 3), "route_revision": self.snapshot.revision,
             "data_class": self.data_class, "stream": self.stream,
         }

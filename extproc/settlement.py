@@ -30,7 +30,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -404,6 +404,18 @@ _CUT_FIELDS = ("upstream_connection_failure", "upstream_connection_termination",
                "upstream_max_stream_duration_reached", "no_healthy_upstream", "local_reset")
 
 
+def swept(rid: str, record: Mapping[str, Any], outcome: dict[str, Any]) -> Observe:
+    """The observation of a request the sweeper settled (its worker died with it): counted like any
+    settlement, and its request span made from what admission stored, under the span id the request's
+    attempts already named as their parent."""
+    trace_id, span_id = str(record.get("trace_id", "")), str(record.get("span_id", ""))
+    start = record.get("time")
+    return observer(SettledRequest(
+        None, str(record.get("route", "")), bool(record.get("stream")), 0, outcome, rid,
+        tracing.context_value(trace_id, span_id, str(record.get("parent_span_id", ""))) if span_id else "",
+        str(record.get("route_revision", "")), start, None if start is None else time.time() - start, None))
+
+
 class Sweeper:
     """Charges expired leases in full, marked ambiguous. Every worker sweeps; settlement is idempotent."""
 
@@ -415,11 +427,15 @@ class Sweeper:
         settled = 0
         for tenant in self.tenants():
             for rid in await self.store.expired_leases(tenant, now_ms):
+                held = await self.store.reservation(tenant, rid)
+                if not held:
+                    continue  # settled since the lease was read
                 outcome: dict[str, Any] = {"termination": "unknown", "settlement": "ambiguous", "usage": None,
                                            "attempts": [], "note": "lease expired before settlement: charged in full"}
-                if await self.store.settle(tenant, rid, outcome, -1, -1) is not None:
+                if await self.store.settle(tenant, rid, outcome, -1, -1, hint=held.get("hint", "")) is not None:
                     settled += 1
                     log.warning("request %s (%s): lease expired; charged in full as ambiguous", rid, tenant)
+                    swept(rid, orjson.loads(held.get("record") or "{}"), outcome)()
         return settled
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -4,11 +4,17 @@ quotas, bulkheads and idempotency states. End to end (Envoy, two ext_proc worker
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
+from prometheus_client import REGISTRY
 
+from extproc import tracing
 from extproc.settlement import Sweeper
 from extproc.store import (
     PERIOD_MS,
@@ -191,3 +197,30 @@ def test_dead_store_raises_store_unavailable_fast() -> None:
             await store.close()
         raise AssertionError("a dead store reserved")
     assert asyncio.run(go()) < 0.5
+
+
+def test_a_swept_request_gets_its_request_span_and_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose worker died (SIGKILL) is settled by the sweeper: its span is made then, from
+    what admission stored - the trace and the span id its attempts already named as their parent -
+    and names its ledger entry; the settlement is counted like any other."""
+    t, trace_id, span_id = tenant(), uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    record = {"request_id": "killed", "tenant": t, "trace_id": trace_id, "span_id": span_id, "parent_span_id": "",
+              "route": "chat-swept", "stream": True, "time": time.time() - 30, "route_revision": "rev1"}
+    spans = tmp_path / "spans.jsonl"
+    monkeypatch.setenv("LLMGW_TRACES_FILE", str(spans))
+    monkeypatch.setattr(tracing, "_tracer", None)  # restored after the test
+    monkeypatch.setattr(tracing, "_provider", None)
+    assert tracing.init()
+    labels = {"route": "chat-swept", "deployment": "none", "termination": "unknown", "settlement": "ambiguous"}
+    counted = REGISTRY.get_sample_value("llmgw_settlements_total", labels) or 0.0
+
+    async def go(store: Store) -> int:
+        await store.reserve(reservation(t, "killed", lease_until_ms=1_000, record=record))
+        return await Sweeper(store, lambda: [t]).sweep_once()
+    assert run(go) == 1
+    tracing.shutdown()
+    (span,) = [json.loads(line) for line in spans.read_text().splitlines()]
+    assert (span["trace_id"], span["span_id"]) == (trace_id, span_id)
+    assert span["attributes"]["llmgw.ledger.request_id"] == "killed"
+    assert span["attributes"]["llmgw.termination"] == "unknown"
+    assert REGISTRY.get_sample_value("llmgw_settlements_total", labels) == counted + 1
