@@ -66,6 +66,7 @@ from llmgw.render.filters import (
     usage_to_metadata,
 )
 from llmgw.render.routes import route_config
+from llmgw.render.stats import stats_listener
 from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, upstream_tls
 
 __all__ = ["EXTPROC_CLUSTER", "FORWARDED_HEADERS", "RenderOptions", "duration_ms", "fallback_clusters",
@@ -86,6 +87,8 @@ class RenderOptions:
     tls: TlsSettings = field(default_factory=TlsSettings)  # file paths as Envoy must open them
     # Per hosted deployment, where it is served instead of its `endpoints` (simulated providers).
     providers: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    # Where Envoy's /stats/prometheus (only) is served for a scraper on another host (render/stats.py).
+    stats_listen: tuple[str, int] | None = None
 
     @classmethod
     def for_compose(cls, snap: Snapshot) -> RenderOptions:
@@ -94,7 +97,8 @@ class RenderOptions:
         return cls(listen=("0.0.0.0", 8080), admin=("127.0.0.1", 9901), extproc=(("extproc", 50051),),
                    pools={name: tuple((f"{name}-{i + 1}", 8000) for i in range(len(pool.endpoints)))
                           for name, pool in snap.gateway.pools.items()},
-                   providers={d.deployment: ((d.deployment, 8000),) for d in simulated_providers(snap)})
+                   providers={d.deployment: ((d.deployment, 8000),) for d in simulated_providers(snap)},
+                   stats_listen=("0.0.0.0", 9902))
 
     @classmethod
     def from_snapshot(cls, snap: Snapshot, **overrides: object) -> RenderOptions:
@@ -182,6 +186,11 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
             name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))])])
     if opts.tls.listener is not None:
         listener.filter_chains[0].transport_socket.CopyFrom(listener_tls(opts.tls.listener))
+    listeners = [listener]
+    if opts.stats_listen is not None:
+        stats, admin_cluster = stats_listener(opts.stats_listen, opts.admin)
+        listeners.append(stats)
+        clusters.append(admin_cluster)
     # A bounded number of client connections: each can make ext_proc buffer a body before its verdict.
     overload = overload_pb2.OverloadManager(resource_monitors=[overload_pb2.ResourceMonitor(
         name="envoy.resource_monitors.global_downstream_max_connections",
@@ -198,7 +207,7 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
             bootstrap_pb2.RuntimeLayer(name="admin", admin_layer=bootstrap_pb2.RuntimeLayer.AdminLayer())]),
         overload_manager=overload,
         admin=bootstrap_pb2.Admin(address=socket_address(*opts.admin)),
-        static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=listeners, clusters=clusters),
     )
 
 

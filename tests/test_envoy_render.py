@@ -13,8 +13,9 @@ import yaml
 from extproc.config import load_snapshot
 from extproc.doors import BY_NAME, DOORS
 from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
-from llmgw.procs import envoy_binary
+from llmgw.procs import envoy_binary, free_port, wait_until
 from tests.conftest import POLICY
+from tests.helpers import request
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +215,29 @@ def test_downstream_connections_are_bounded(rendered: dict[str, Any]) -> None:
     (monitor,) = rendered["overload_manager"]["resource_monitors"]
     assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
     assert monitor["typed_config"]["max_active_downstream_connections"] == "10000"
+
+
+def test_the_stats_listener_serves_envoys_metrics_and_nothing_else_of_admin(tmp_path: Path) -> None:
+    """docker-compose's Prometheus reads Envoy's /stats/prometheus on its own listener; the admin
+    interface stays on loopback and none of its other paths is reachable through it."""
+    snap = load_snapshot(POLICY)
+    listen, admin, stats = free_port(), free_port(), free_port()
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_yaml(snap, RenderOptions.from_snapshot(
+        snap, listen=("127.0.0.1", listen), admin=("127.0.0.1", admin), stats_listen=("127.0.0.1", stats))))
+    assert RenderOptions.for_compose(snap).stats_listen == ("0.0.0.0", 9902)
+    proc = subprocess.Popen([str(envoy_binary()), "-c", str(path), "--base-id", str(stats)],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "envoy.log", "wb"))  # noqa: SIM115
+    try:
+        base = f"http://127.0.0.1:{stats}"
+        wait_until(lambda: request(f"{base}/stats/prometheus").status == 200, 30, "envoy stats listener")
+        page = request(f"{base}/stats/prometheus").body.decode()
+        assert "envoy_cluster_upstream_rq_total" in page or "envoy_server_live" in page
+        for method, probe in (("GET", "/quitquitquit"), ("POST", "/quitquitquit"), ("POST", "/stats/prometheus"),
+                              ("GET", "/config_dump"), ("GET", "/stats/prometheus/../config_dump")):
+            assert request(f"{base}{probe}", method).status == 404, (method, probe)
+        assert proc.poll() is None  # still running: /quitquitquit never reached the admin interface
+        assert request(f"http://127.0.0.1:{admin}/ready").status == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)

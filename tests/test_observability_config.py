@@ -27,6 +27,12 @@ def test_prometheus_config_passes_promtool_and_scrapes_the_gateway() -> None:
     extproc = COMPOSE["services"]["extproc"]["command"]
     status = extproc[extproc.index("--status-listen") + 1].rpartition(":")[2]
     assert f"extproc:{status}" in targets  # the status port, where /metrics is
+    # Envoy's own metrics, from the stats listener the compose render adds (not the loopback admin).
+    envoy = yaml.safe_load((ROOT / "envoy/envoy.compose.yaml").read_text())
+    (stats,) = [lst for lst in envoy["static_resources"]["listeners"] if lst["name"] == "envoy_stats"]
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "envoy"]
+    assert job["metrics_path"] == "/stats/prometheus"
+    assert job["static_configs"][0]["targets"] == [f"envoy:{stats['address']['socket_address']['port_value']}"]
 
 
 def test_every_mounted_file_exists_and_the_dashboard_uses_the_provisioned_source() -> None:
