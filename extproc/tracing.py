@@ -20,26 +20,24 @@ completion, tool argument or credential is ever an attribute.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 import random
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 log = logging.getLogger("llmgw.tracing")
-_preset_trace: contextvars.ContextVar[int | None] = contextvars.ContextVar("llmgw_trace_id", default=None)
-_preset_span: contextvars.ContextVar[int | None] = contextvars.ContextVar("llmgw_span_id", default=None)
+SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
 def new_trace_id() -> str:
@@ -48,16 +46,6 @@ def new_trace_id() -> str:
 
 def new_span_id() -> str:
     return f"{random.getrandbits(64) or 1:016x}"
-
-
-class PresetIds(IdGenerator):
-    """Ids chosen before the span is made (the request's, decided at admission); random otherwise."""
-
-    def generate_span_id(self) -> int:
-        return _preset_span.get() or random.getrandbits(64) or 1
-
-    def generate_trace_id(self) -> int:
-        return _preset_trace.get() or random.getrandbits(128) or 1
 
 
 class JsonLinesExporter(SpanExporter):
@@ -83,36 +71,55 @@ class JsonLinesExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-_tracer: trace.Tracer | None = None
-_provider: TracerProvider | None = None
+@dataclass(frozen=True)
+class _Pipeline:
+    """Where finished spans go. Spans are made as finished ReadableSpans and handed to the batch
+    processors directly: every span describes something that already ended, with ids decided
+    before, so the SDK's live-span machinery (context, id generator, attribute re-validation: most
+    of a span's cost) has nothing to do. Sampling is TraceIdRatioBased's rule on the trace id."""
+
+    processors: tuple[BatchSpanProcessor, ...]
+    bound: int  # a trace is kept when its id's low 64 bits are below this
+    resource: Resource
+    scope: InstrumentationScope
+
+
+_pipeline: _Pipeline | None = None
 
 
 def init() -> bool:
     """Set up the exporters the environment names; whether spans will be made."""
-    global _tracer, _provider
+    global _pipeline
     endpoint, path = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), os.environ.get("LLMGW_TRACES_FILE")
     if not endpoint and not path:
         return False
-    provider = TracerProvider(sampler=TraceIdRatioBased(float(os.environ.get("LLMGW_TRACE_SAMPLE_RATIO", "1"))),
-                              id_generator=PresetIds(), resource=Resource.create({"service.name": "llmgw"}))
+    processors = []
     if endpoint:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError as e:  # xds-protos's older copies of the OTel protos won the files (see Makefile)
             log.error("traces: the OTLP exporter cannot be loaded (%s); no spans go to %s", e, endpoint)
         else:
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
-                                                           schedule_delay_millis=500))
+            processors.append(_batch(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
     if path:
-        provider.add_span_processor(BatchSpanProcessor(JsonLinesExporter(path), schedule_delay_millis=500))
-    _provider, _tracer = provider, provider.get_tracer("llmgw")
+        processors.append(_batch(JsonLinesExporter(path)))
+    sampler = TraceIdRatioBased(float(os.environ.get("LLMGW_TRACE_SAMPLE_RATIO", "1")))
+    _pipeline = _Pipeline(tuple(processors), sampler.bound, Resource.create({"service.name": "llmgw"}),
+                          InstrumentationScope("llmgw"))
     return True
+
+
+def _batch(exporter: SpanExporter) -> BatchSpanProcessor:
+    # Two spans a request at a worker's ~1,300 requests/s fill the SDK's default queue (2,048) within
+    # one export delay when the exporter's thread waits for the GIL: a queue of 16,384 holds ~6 s.
+    return BatchSpanProcessor(exporter, schedule_delay_millis=500, max_queue_size=16_384)
 
 
 def shutdown() -> None:
     """Export what is still queued (at the worker's exit)."""
-    if _provider is not None:
-        _provider.shutdown()
+    if _pipeline is not None:
+        for p in _pipeline.processors:
+            p.shutdown()
 
 
 def context_value(trace_id: str, span_id: str, parent_span_id: str) -> str:
@@ -127,21 +134,23 @@ def parse_context(value: str) -> tuple[str, str, str] | None:
 
 def _span(name: str, kind: SpanKind, trace_id: str, span_id: str | None, parent_span_id: str, start_s: float,
           end_s: float, attributes: Mapping[str, Any]) -> None:
-    if _tracer is None:
+    pipe = _pipeline
+    if pipe is None:
         return
-    ctx = None
-    if parent_span_id:
-        parent = SpanContext(int(trace_id, 16), int(parent_span_id, 16), is_remote=True,
-                             trace_flags=TraceFlags(TraceFlags.SAMPLED))
-        ctx = trace.set_span_in_context(NonRecordingSpan(parent))
-    tokens = (_preset_trace.set(int(trace_id, 16)), _preset_span.set(int(span_id, 16) if span_id else None))
-    try:
-        span = _tracer.start_span(name, context=ctx, kind=kind, start_time=int(start_s * 1e9),
-                                  attributes={k: v for k, v in attributes.items() if v is not None and v != ""})
-    finally:
-        _preset_trace.reset(tokens[0])
-        _preset_span.reset(tokens[1])
-    span.end(end_time=int(end_s * 1e9))
+    tid = int(trace_id, 16)
+    if tid & TraceIdRatioBased.TRACE_ID_LIMIT >= pipe.bound:
+        return  # not sampled: neither is any other span of this trace, whichever worker makes it
+    span = ReadableSpan(
+        name, context=SpanContext(tid, int(span_id, 16) if span_id else random.getrandbits(64) or 1, is_remote=False,
+                                  trace_flags=SAMPLED),
+        parent=SpanContext(tid, int(parent_span_id, 16), is_remote=True, trace_flags=SAMPLED)
+        if parent_span_id else None,
+        resource=pipe.resource, kind=kind, instrumentation_scope=pipe.scope,
+        # Attributes are the gateway's own facts (str, int, float, bool, lists of str): nothing to clean.
+        attributes={k: v for k, v in attributes.items() if v is not None and v != ""},
+        start_time=int(start_s * 1e9), end_time=int(end_s * 1e9))
+    for p in pipe.processors:
+        p.on_end(span)
 
 
 def request_facts(route: str, request_id: str, status: int, termination: str) -> dict[str, Any]:

@@ -208,8 +208,7 @@ def test_a_swept_request_gets_its_request_span_and_is_counted(tmp_path: Path, mo
               "route": "chat-swept", "stream": True, "time": time.time() - 30, "route_revision": "rev1"}
     spans = tmp_path / "spans.jsonl"
     monkeypatch.setenv("LLMGW_TRACES_FILE", str(spans))
-    monkeypatch.setattr(tracing, "_tracer", None)  # restored after the test
-    monkeypatch.setattr(tracing, "_provider", None)
+    monkeypatch.setattr(tracing, "_pipeline", None)  # restored after the test
     assert tracing.init()
     labels = {"route": "chat-swept", "deployment": "none", "termination": "unknown", "settlement": "ambiguous"}
     counted = REGISTRY.get_sample_value("llmgw_settlements_total", labels) or 0.0

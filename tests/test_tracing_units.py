@@ -16,8 +16,7 @@ def traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "traces.jsonl"
     monkeypatch.setenv("LLMGW_TRACES_FILE", str(path))
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    monkeypatch.setattr(tracing, "_tracer", None)
-    monkeypatch.setattr(tracing, "_provider", None)
+    monkeypatch.setattr(tracing, "_pipeline", None)
     return path
 
 
