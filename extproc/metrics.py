@@ -16,6 +16,7 @@ itself.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -73,6 +74,15 @@ TENANT_TOKENS = Counter("llmgw_tenant_tokens", "Tokens charged per tenant (metri
                         ["tenant", "gen_ai_token_type"])
 
 
+def _series(metric: Counter | Histogram, labels: tuple[str, ...]) -> Any:
+    """The metric's child for these label values, looked up once: `labels()` validates and locks on
+    every call, several times a request otherwise (label values are few: route, deployment, code...)."""
+    return _child(metric, labels)
+
+
+_child = functools.lru_cache(maxsize=8192)(lambda metric, labels: metric.labels(*labels))
+
+
 def observe_settlement(route: str, deployment: str, provider: str, stream: bool, status: int,
                        outcome: Mapping[str, Any], duration_s: float | None, first_byte_s: float | None) -> None:
     """One settled request (the settlement the store wrote)."""
@@ -80,62 +90,62 @@ def observe_settlement(route: str, deployment: str, provider: str, stream: bool,
         return
     served = (route or "unknown", deployment or "none", provider or "none")
     termination = str(outcome.get("termination", ""))
-    SETTLEMENTS.labels(served[0], served[1], termination, str(outcome.get("settlement", ""))).inc()
+    _series(SETTLEMENTS, (served[0], served[1], termination, str(outcome.get("settlement", "")))).inc()
     ok = 200 <= status < 300 and termination == "complete"
     if duration_s is not None:
-        REQUEST_DURATION.labels(*served, "" if ok else termination or str(status)).observe(duration_s)
+        _series(REQUEST_DURATION, (*served, "" if ok else termination or str(status))).observe(duration_s)
     usage = outcome.get("usage") or {}
     output = int(usage.get("completion_tokens") or 0)
     if usage:
-        TOKEN_USAGE.labels(*served, "input").observe(int(usage.get("prompt_tokens") or 0))
-        TOKEN_USAGE.labels(*served, "output").observe(output)
+        _series(TOKEN_USAGE, (*served, "input")).observe(int(usage.get("prompt_tokens") or 0))
+        _series(TOKEN_USAGE, (*served, "output")).observe(output)
     if stream and ok and first_byte_s is not None:
-        TIME_TO_FIRST_TOKEN.labels(*served).observe(first_byte_s)
+        _series(TIME_TO_FIRST_TOKEN, served).observe(first_byte_s)
         if duration_s is not None and output > 1:
-            TIME_PER_OUTPUT_TOKEN.labels(*served).observe(max(duration_s - first_byte_s, 0.0) / (output - 1))
+            _series(TIME_PER_OUTPUT_TOKEN, served).observe(max(duration_s - first_byte_s, 0.0) / (output - 1))
 
 
 def observe_tenant(tenant: str, route: str, outcome: Mapping[str, Any]) -> None:
     """The per-tenant families (only called where gateway.yaml's metrics.tenant_label is on)."""
     if not ENABLED:
         return
-    TENANT_SETTLEMENTS.labels(tenant, route or "unknown", str(outcome.get("termination", ""))).inc()
+    _series(TENANT_SETTLEMENTS, (tenant, route or "unknown", str(outcome.get("termination", "")))).inc()
     usage = outcome.get("usage") or {}
     for kind, field in (("input", "prompt_tokens"), ("output", "completion_tokens")):
         if usage.get(field):
-            TENANT_TOKENS.labels(tenant, kind).inc(int(usage[field]))
+            _series(TENANT_TOKENS, (tenant, kind)).inc(int(usage[field]))
 
 
 def count_admitted(route: str) -> None:
     if ENABLED:
-        ADMITTED.labels(route).inc()
+        _series(ADMITTED, (route,)).inc()
 
 
 def count_reload(accepted: bool) -> None:
     if ENABLED:
-        RELOADS.labels("accepted" if accepted else "refused").inc()
+        _series(RELOADS, ("accepted" if accepted else "refused",)).inc()
 
 
 def count_pick(pool: str, decision: str) -> None:
     if ENABLED:
-        PICKS.labels(pool, decision).inc()
+        _series(PICKS, (pool, decision)).inc()
 
 
 def observe_store(operation: str, seconds: float) -> None:
     if ENABLED:
-        STORE_LATENCY.labels(operation).observe(seconds)
+        _series(STORE_LATENCY, (operation,)).observe(seconds)
 
 
 def count_attempt(deployment: str, kind: str, status: int) -> None:
     if not ENABLED:
         return
-    ATTEMPTS.labels(deployment or "none", kind, f"{status // 100}xx" if status else "0").inc()
+    _series(ATTEMPTS, (deployment or "none", kind, f"{status // 100}xx" if status else "0")).inc()
 
 
 def count_refusal(route: str, code: str) -> None:
     if not ENABLED:
         return
-    REFUSALS.labels(route or "unknown", code).inc()
+    _series(REFUSALS, (route or "unknown", code)).inc()
 
 
 def exposition() -> tuple[bytes, str]:
