@@ -92,15 +92,25 @@ async def release(store: Store | None, ex: Exchange, termination: str, status: i
 
 
 async def record_refusal(store: Store | None, ex: Exchange, termination: str, status: int, code: str) -> None:
-    """The ledger entry of an authenticated request that never reserved (denied, refused)."""
+    """The ledger entry of an authenticated request that never reserved (denied, refused). A store
+    that does not answer is tried again every RETRY_EVERY_S for RETRY_FOR_S, as settlements are; the
+    append is once-only, so a retry after a lost reply adds nothing."""
     if store is None or ex.identity is None or ex.held is not None:
         return
     outcome = {"termination": termination, "status": status, "error": code, "settlement": "none",
                "usage": None, "attempts": []}
-    try:
-        await store.append_ledger(ex.identity.tenant, ex.ledger_facts(), outcome)
-    except StoreUnavailable:
-        _store_down.error("request %s: ledger entry lost (store unavailable)", ex.request_id)
+    facts, tenant = ex.ledger_facts(), ex.identity.tenant
+    give_up = time.monotonic() + RETRY_FOR_S
+    while True:
+        try:
+            await store.append_ledger(tenant, ex.request_id, facts, outcome)
+            return
+        except StoreUnavailable:
+            if time.monotonic() >= give_up:
+                _store_down.error("request %s: ledger entry lost (store unavailable for %.0f s)", ex.request_id,
+                                  RETRY_FOR_S)
+                return
+            await asyncio.sleep(RETRY_EVERY_S)
 
 
 class Settler:

@@ -223,3 +223,40 @@ def test_a_swept_request_gets_its_request_span_and_is_counted(tmp_path: Path, mo
     assert span["attributes"]["llmgw.ledger.request_id"] == "killed"
     assert span["attributes"]["llmgw.termination"] == "unknown"
     assert REGISTRY.get_sample_value("llmgw_settlements_total", labels) == counted + 1
+
+
+def test_a_refusal_s_ledger_entry_is_appended_once_even_when_retried() -> None:
+    t = tenant()
+
+    async def go(store: Store) -> list[bool]:
+        facts, outcome = {"request_id": "refused-1", "tenant": t}, {"termination": "refused", "settlement": "none"}
+        return [await store.append_ledger(t, "refused-1", facts, outcome),
+                await store.append_ledger(t, "refused-1", facts, outcome)]  # a retry after a lost reply
+    assert run(go) == [True, False]
+    (entry,) = sync().xrange(ledger_key(t))
+    assert ledger_entry(entry[1])["request_id"] == "refused-1"
+
+
+def test_a_refusal_s_ledger_entry_waits_out_a_store_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store does not answer twice (a stall longer than its timeout), then does: the entry lands,
+    once. It used to be dropped on the first timeout."""
+    from extproc import settlement
+    from extproc.config import load_snapshot
+    from extproc.exchange import Exchange, Identity
+    from extproc.store import StoreUnavailable
+    from tests.conftest import POLICY
+
+    monkeypatch.setattr(settlement, "RETRY_EVERY_S", 0.01)
+    calls: list[str] = []
+
+    class Stalling:
+        async def append_ledger(self, tenant: str, rid: str, facts: dict[str, Any], outcome: dict[str, Any]) -> bool:
+            calls.append(rid)
+            if len(calls) < 3:
+                raise StoreUnavailable("store unavailable: TimeoutError")
+            return True
+
+    ex = Exchange(snapshot=load_snapshot(POLICY), headers={})
+    ex.identity = Identity(tenant="acme", subject="k", kind="api_key")
+    asyncio.run(settlement.record_refusal(Stalling(), ex, "refused", 400, "unsupported_field"))  # type: ignore[arg-type]
+    assert calls == [ex.request_id] * 3

@@ -22,11 +22,12 @@ from redis.exceptions import RedisError
 from extproc.metrics import observe_store
 from extproc.store.errors import StoreUnavailable
 from extproc.store.pipe import ScriptPipe
-from extproc.store.scripts import ATTEMPT, DECISIONS, RESERVE, SETTLE
+from extproc.store.scripts import APPEND_ONCE, ATTEMPT, DECISIONS, RESERVE, SETTLE
 
 __all__ = ["Store", "StoreUnavailable"]
 
 PERIOD_MS = 60_000  # quotas are per minute
+LEDGERED_TTL_S = 3_600  # how long a refusal's ledger entry is known written: longer than any retry
 
 
 def packed(doc: Any) -> bytes:
@@ -251,11 +252,12 @@ class Store:
         """One attempt of a fallback route (extproc/attempts.py); settlement puts them in the ledger."""
         await self.pipe.evalsha(ATTEMPT, [res_key(tenant, rid)], [n, packed(record)])
 
-    async def append_ledger(self, tenant: str, facts: dict[str, Any], outcome: dict[str, Any]) -> None:
-        """The entry of a request that reserved nothing (denied, refused before dispatch)."""
-        await self._call(self.client.xadd(ledger_key(tenant), {
-            "record": packed(facts), "outcome": packed(outcome),
-            "reserved_micros": 0, "reserved_tokens": 0, "charged_micros": 0, "charged_tokens": 0}))
+    async def append_ledger(self, tenant: str, rid: str, facts: dict[str, Any], outcome: dict[str, Any]) -> bool:
+        """The entry of a request that reserved nothing (denied, refused before dispatch), once:
+        False when it was already appended (a retry whose first try's reply was lost)."""
+        out = await self.pipe.evalsha(APPEND_ONCE, [ledger_key(tenant), f"{tag(tenant)}:ledgered:{rid}"],
+                                      [packed(facts), packed(outcome), LEDGERED_TTL_S])
+        return bool(out)
 
     async def append_decisions(self, entries: Sequence[tuple[str, bytes]],
                                counts: dict[str, dict[str, int]]) -> None:

@@ -126,6 +126,17 @@ redis.call('DEL', KEYS[1])
 return {1, rm, rt, cm, ct}
 """
 
+# KEYS: the tenant's ledger stream, the request's ledgered marker ({tenant}:ledgered:{rid})
+# ARGV: record_json, outcome_json, marker_ttl_s
+# The ledger entry of a request that reserved nothing (denied, refused), appended once: the marker
+# makes a retry after a lost reply (a store timeout) a no-op instead of a second entry.
+APPEND_ONCE = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[3])) then return 0 end
+redis.call('XADD', KEYS[1], '*', 'record', ARGV[1], 'outcome', ARGV[2],
+           'reserved_micros', 0, 'reserved_tokens', 0, 'charged_micros', 0, 'charged_tokens', 0)
+return 1
+"""
+
 # KEYS: res. ARGV: attempt number, record_json. An attempt of a reservation that is still open (a
 # settled or unknown one gains nothing: no stray keys); settlement copies the attempts into the ledger.
 ATTEMPT = """
