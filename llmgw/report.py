@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.config import Snapshot
 from extproc.config.schema import Budget
+from llmgw.stats import percentile
 
 PERCENTILES = (50, 95, 99)
 TIMED_OUT = ("deadline",)
@@ -85,12 +85,6 @@ def reading(entry: Mapping[str, Any]) -> Request:
 
 def _seconds(ms: Any) -> float | None:
     return None if ms is None else float(ms) / 1000
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (the value below which p% of the observations fall)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
 @dataclass

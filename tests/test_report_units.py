@@ -7,7 +7,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from extproc.config import load_snapshot
-from llmgw.report import percentile, reading, render
+from llmgw.report import reading, render
+from llmgw.stats import percentile
 from tests.conftest import POLICY
 
 NOW = datetime(2026, 12, 15, 12, 0, tzinfo=UTC)
