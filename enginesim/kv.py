@@ -70,6 +70,16 @@ class KVCache:
         table.blocks.extend(hits)
         return len(hits) * self.block_size
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's `POST /reset_prefix_cache` does: only while no
+        sequence holds a block (False otherwise, and nothing changes)."""
+        if self.used_blocks:
+            return False
+        for b in self._cached.values():
+            b.hash = None
+        self._cached.clear()
+        return True
+
     def record_query(self, prompt_len: int, hit_tokens: int) -> None:
         """Count a lookup once its allocation went through (vllm:prefix_cache_queries/hits_total)."""
         self.queries_tokens += prompt_len

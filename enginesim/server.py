@@ -158,6 +158,7 @@ class EngineServer:
         self.app.router.add_post("/admin/faults", self.add_faults)
         self.app.router.add_get("/admin/invoice", self.invoice)
         self.app.router.add_delete("/admin/faults", self.clear_faults)
+        self.app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)  # vLLM's (its dev mode)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -263,6 +264,12 @@ class EngineServer:
     async def clear_faults(self, _: web.Request) -> web.Response:
         self.faults.clear()
         return web.json_response({"queued": 0})
+
+    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+        """Empty the prefix cache (a cold-cache benchmark pass); refused while sequences hold blocks."""
+        if self.engine.kv.reset_prefix_cache():
+            return web.Response(status=200)
+        return web.json_response({"error": "Failed to reset prefix cache: sequences are running"}, status=500)
 
     # -- chat completions --------------------------------------------------------------------------
 

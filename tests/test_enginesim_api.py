@@ -138,6 +138,23 @@ def test_same_prompt_and_salt_hits_prefix_cache(engine: str) -> None:
     assert hits() == after_a
 
 
+def test_reset_prefix_cache_makes_the_next_request_cold(engine: str) -> None:
+    def hits() -> float:
+        for line in request(f"{engine}/metrics").body.decode().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no hits metric")
+
+    long = "a prompt to forget " * 80
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="r"))
+    assert request(f"{engine}/reset_prefix_cache", "POST").status == 200
+    before = hits()
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="r"))
+    assert hits() == before  # cold: nothing of it was cached any more
+    request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="r"))
+    assert hits() - before >= 160  # and it caches again
+
+
 @pytest.mark.parametrize("status", [429, 500, 503])
 def test_fault_status_before_headers(engine: str, status: int) -> None:
     r = request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL), {"x-enginesim-fault": f"status={status}"})
