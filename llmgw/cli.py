@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.bench_translated import add_parser as add_translated_bench
 
     add_translated_bench(bsub)
+    from llmgw.bench_run import add_parsers as add_run_bench
+
+    add_run_bench(bsub)
     from llmgw.ledger_cmd import add_parser as add_ledger
 
     add_ledger(sub)
@@ -232,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.report_cmd import add_parser as add_report
 
     add_report(sub)
+    from llmgw.plan_cmd import add_parser as add_plan
+
+    add_plan(sub)
+    from llmgw.review_cmd import add_parser as add_review
+
+    add_review(sub)
     return p
 
 

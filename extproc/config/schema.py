@@ -372,6 +372,16 @@ class UpstreamTls(Strict):
     ca_file: str = SYSTEM_CA_FILE
 
 
+class ModelGeometry(Strict):
+    """What the model's KV cache holds per token: 2 (K and V) x layers x KV heads x head dim x bytes
+    per element (`llmgw review` sizes a sequence's KV memory from it)."""
+
+    layers: int = Field(gt=0)
+    kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    kv_bytes_per_element: int = Field(default=2, gt=0)  # 2: fp16/bf16 KV cache; 1: fp8
+
+
 class Deployment(Strict):
     deployment: Name
     fingerprint: Fingerprint
@@ -387,6 +397,7 @@ class Deployment(Strict):
     withdrawn: bool = False
     credential_ref: CredentialRef | None = None  # sent to this deployment's upstream as its adapter says
     tls: UpstreamTls | None = None  # hosted endpoints over TLS (a real provider always is)
+    model_geometry: ModelGeometry | None = None  # self-hosted models: for KV memory sizing
 
     @model_validator(mode="after")
     def _one_upstream(self) -> Deployment:

@@ -1,0 +1,47 @@
+"""`llmgw review` (issue 15, part 8) on the demo policy: every question answered, from the
+configuration and the measurements given, and "not measured" where there are none."""
+
+from __future__ import annotations
+
+from datetime import date
+
+from extproc.config import load_snapshot
+from extproc.config.schema import ModelGeometry
+from llmgw.review import SEED_70B, Measured, kv_bytes_per_token, review
+from tests.conftest import POLICY
+from tests.helpers import llmgw
+
+TODAY = date(2026, 12, 1)
+
+
+def test_the_seed_s_kv_illustration() -> None:
+    per = kv_bytes_per_token(SEED_70B)
+    assert per == 320 * 1024  # 320 KiB per token
+    assert round(per * 8000 / 1e9, 1) == 2.6  # GB for one 8,000-token sequence
+    assert kv_bytes_per_token(ModelGeometry(layers=32, kv_heads=8, head_dim=128)) == 128 * 1024  # Llama 3.1 8B
+
+
+def test_every_question_is_answered_on_the_demo_policy() -> None:
+    text = review(load_snapshot(POLICY), Measured(p95_context_tokens=8000, context_source="given",
+                                                   usage_sources={"reported": 9, "estimated": 1}), TODAY)
+    assert "320 KiB per token holds 2.6 GB for one 8,000-token sequence" in text
+    assert "- pool-llama-8b (h100-sxm-80g): 128 KiB per token; 1.05 GB at the p95 context" in text
+    assert "Utilisation at the latency SLO" in text and "Not measured: run `llmgw bench sweep`" in text
+    # Without H100s the pool's only route has nothing left; the fallback route keeps its hosted model.
+    assert "- h100-sxm-80g: routes with no candidate left: chat-default; routes that keep another: " \
+           "chat-fallback (left: demo-anthropic)" in text
+    assert "- restricted: no route" in text  # no candidate serves restricted data
+    assert "chat-fallback [pool-llama-8b passes; demo-anthropic passes; the same corpus 2026-12-01.2]" in text
+    assert "Ledger entries by usage source: estimated: 1 (10%), reported: 9 (90%)." in text
+    assert "- pool-llama-8b: retires 2027-12-31 (in 395 days); chat-default -> NO qualified replacement; " \
+           "chat-fallback -> demo-anthropic" in text
+
+
+def test_the_command_prints_markdown_and_says_what_is_not_measured(tmp_path: object) -> None:
+    out = llmgw("review", "--config", str(POLICY), "--state-dir", "/nonexistent")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# Review of revision ")
+    assert "p95 context length: not measured" in out.stdout
+    for heading in ("KV memory per sequence", "Utilisation at the latency SLO", "When an accelerator type",
+                    "Policy-equivalent routes", "Who counts the tokens", "Deprecations"):
+        assert f"## {heading}" in out.stdout
