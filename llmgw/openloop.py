@@ -23,7 +23,12 @@ import aiohttp
 from llmgw.stats import percentile
 from llmgw.workload import TraceRecord
 
-WORDS_PER_TOKEN = 1.0  # the simulator's tokenizer and Llama's count about one token per short word
+# Words of at most eight letters: one token each in byte-level BPE vocabularies of English text and
+# in the simulator's tokenizer (digits and mixed pieces split into several).
+VOCABULARY = ("the", "model", "answer", "request", "policy", "budget", "route", "engine", "tenant", "token",
+              "stream", "cache", "prefix", "latency", "deploy", "review", "account", "invoice", "summary", "report",
+              "quarter", "revenue", "customer", "ticket", "search", "document", "contract", "system", "network",
+              "storage", "service", "region")
 TOOLS = [{"type": "function", "function": {"name": "search_docs", "description": "Search the documentation",
                                            "parameters": {"type": "object", "properties": {
                                                "query": {"type": "string"}}, "required": ["query"]}}}]
@@ -55,22 +60,32 @@ class Outcome:
         return self.code == "deadline_exceeded"
 
 
-def prompt(r: TraceRecord) -> list[dict[str, str]]:
+def _letters(n: int) -> str:
+    """n as a word of letters (base 26), so a request's own text is unique and one token per word."""
+    out = ""
+    while True:
+        n, d = divmod(n, 26)
+        out = chr(97 + d) + out
+        if n == 0:
+            return "q" + out
+
+
+def prompt(r: TraceRecord, index: int) -> list[dict[str, str]]:
     """Messages of about `input_tokens` tokens; a prefix group's requests share their first 60% (a
-    system prompt), so the prefix cache can serve it."""
-    words = max(1, round(r.input_tokens / WORDS_PER_TOKEN))
-    shared = round(words * 0.6) if r.prefix_group is not None else 0
+    system prompt), so the prefix cache can serve it; the rest starts with words of its own."""
+    group = r.prefix_group
+    shared = round(r.input_tokens * 0.6) if group is not None else 0
     messages = []
-    if shared:
-        system = " ".join(f"policy{r.prefix_group}w{i % 97}" for i in range(shared))
+    if group is not None and shared:
+        system = " ".join(VOCABULARY[(group * 7 + i * 3) % len(VOCABULARY)] for i in range(shared))
         messages.append({"role": "system", "content": system})
-    unique = " ".join(f"q{round(r.at * 1e6)}w{i % 89}" for i in range(words - shared))
-    messages.append({"role": "user", "content": unique})
+    own = [_letters(index), *(VOCABULARY[(index + i) % len(VOCABULARY)] for i in range(r.input_tokens - shared - 1))]
+    messages.append({"role": "user", "content": " ".join(own)})
     return messages
 
 
-def body(r: TraceRecord, exact_lengths: bool = True) -> dict[str, object]:
-    doc: dict[str, object] = {"model": r.route, "messages": prompt(r), "max_tokens": r.output_tokens,
+def body(r: TraceRecord, index: int, exact_lengths: bool = True) -> dict[str, object]:
+    doc: dict[str, object] = {"model": r.route, "messages": prompt(r, index), "max_tokens": r.output_tokens,
                               "stream": r.stream}
     if exact_lengths:  # vLLM's ignore_eos: the trace's output length, exactly (pools only: providers refuse it)
         doc["ignore_eos"] = True
@@ -81,7 +96,7 @@ def body(r: TraceRecord, exact_lengths: bool = True) -> dict[str, object]:
     return doc
 
 
-async def _one(session: aiohttp.ClientSession, url: str, keys: Mapping[str, str], r: TraceRecord,
+async def _one(session: aiohttp.ClientSession, url: str, keys: Mapping[str, str], r: TraceRecord, index: int,
                scheduled: float, exact_lengths: bool) -> Outcome:
     late = max(0.0, time.monotonic() - scheduled)
     headers = {"authorization": f"Bearer {keys[r.tenant]}", "x-llmgw-data-class": r.data_class}
@@ -90,7 +105,7 @@ async def _one(session: aiohttp.ClientSession, url: str, keys: Mapping[str, str]
     start = time.monotonic()
     first: float | None = None
     chunks, status, code, rid, attempts, usage_out = 0, 0, "", "", 0, 0
-    doc = body(r, exact_lengths)
+    doc = body(r, index, exact_lengths)
     try:
         async with asyncio.timeout(r.cancel_after_s), session.post(url, json=doc, headers=headers) as resp:
             status, rid = resp.status, resp.headers.get("x-request-id", "")
@@ -130,12 +145,12 @@ async def replay(url: str, keys: Mapping[str, str], trace: Sequence[TraceRecord]
     async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.monotonic() + 0.05
         tasks = []
-        for r in trace:
+        for i, r in enumerate(trace):
             scheduled = t0 + r.at / speed
             delay = scheduled - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(_one(session, url, keys, r, scheduled, exact_lengths)))
+            tasks.append(asyncio.ensure_future(_one(session, url, keys, r, i, scheduled, exact_lengths)))
         return list(await asyncio.gather(*tasks))
 
 
