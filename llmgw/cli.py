@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.bench_run import add_parsers as add_run_bench
 
     add_run_bench(bsub)
+    from llmgw.sweep import add_parser as add_sweep
+
+    add_sweep(bsub)
     from llmgw.ledger_cmd import add_parser as add_ledger
 
     add_ledger(sub)

@@ -1,0 +1,42 @@
+"""The sweep's arithmetic (llmgw/sweep.py) on hand-made outcomes: offered and completed rates, the
+gate per level, and the knee - the highest load below the first level where the gate fails."""
+
+from __future__ import annotations
+
+from llmgw.openloop import Outcome
+from llmgw.slo import Gate
+from llmgw.sweep import Level, knee, measure
+from llmgw.workload import TraceRecord
+
+GATE = Gate("chat", ttft_s=0.5, tpot_s=0.05, e2e_s=2.0, alpha=0.9)
+
+
+def rec(at: float) -> TraceRecord:
+    return TraceRecord(at=at, request_class="chat", route="chat-default", tenant="acme", data_class="internal",
+                       input_tokens=10, output_tokens=10, stream=True)
+
+
+def out(r: TraceRecord, e2e: float | None, status: int = 200, code: str = "") -> Outcome:
+    return Outcome(r, 0.001, status, code, "rid", 0.1 if e2e else None, 0.01 if e2e else None, e2e, 10, 1, False)
+
+
+def test_a_level_s_rates_attainment_and_gate() -> None:
+    trace = [rec(i * 0.5) for i in range(10)]  # 10 requests over 4.5 s: 2.2 req/s at speed 1
+    outcomes = [out(r, 1.1) for r in trace[:8]] + [out(trace[8], 3.0), out(trace[9], None, 429, "rate_limited")]
+    lv = measure(outcomes, trace, speed=2.0, wall_s=4.0, gate=GATE, min_admission=0.95)
+    assert round(lv.offered_rps, 2) == round(10 / 2.25, 2)  # twice the trace's rate
+    # Sends at 0.001 + i/4 s; answers 1.1 s later (the 9th 3 s): completed within [0.226, 2.251], the
+    # sending window after its first tenth - 5 of them (i = 0..4).
+    assert lv.completed_rps == 5 / (2.251 - 0.226)
+    assert lv.admission == 0.9 and lv.attainment == 8 / 9
+    assert not lv.holds  # 88.9% < alpha 90%, and admission 90% < 95%
+
+
+def level(rps: float, holds: bool, completed: float) -> Level:
+    return Level(1.0, rps, completed, 1.0, 1.0 if holds else 0.5, holds, None, None, None, None, None, None, 0.0)
+
+
+def test_the_knee_is_the_last_holding_level_before_the_first_miss() -> None:
+    levels = [level(8, False, 20), level(1, True, 1), level(2, True, 2), level(4, False, 3.5), level(16, True, 20)]
+    assert knee(levels) == levels[2]  # 2 req/s; the 16 req/s "hold" past a miss is not capacity
+    assert knee([level(1, False, 1)]) is None
