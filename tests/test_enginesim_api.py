@@ -121,12 +121,16 @@ def test_metrics_use_vllm_names(engine: str) -> None:
     assert "vllm:gpu_cache_usage_perc" not in text  # removed in vLLM 0.12
 
 
+def prefix_hits(engine: str) -> float:
+    for line in request(f"{engine}/metrics").body.decode().splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no hits metric")
+
+
 def test_same_prompt_and_salt_hits_prefix_cache(engine: str) -> None:
     def hits() -> float:
-        for line in request(f"{engine}/metrics").body.decode().splitlines():
-            if line.startswith("vllm:prefix_cache_hits_total{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError("no hits metric")
+        return prefix_hits(engine)
 
     long = "shared system prompt " * 80
     base = hits()
@@ -140,10 +144,7 @@ def test_same_prompt_and_salt_hits_prefix_cache(engine: str) -> None:
 
 def test_reset_prefix_cache_makes_the_next_request_cold(engine: str) -> None:
     def hits() -> float:
-        for line in request(f"{engine}/metrics").body.decode().splitlines():
-            if line.startswith("vllm:prefix_cache_hits_total{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError("no hits metric")
+        return prefix_hits(engine)
 
     long = "a prompt to forget " * 80
     request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="r"))
