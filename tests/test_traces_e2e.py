@@ -6,19 +6,23 @@ span; no prompt and no credential in any span."""
 
 from __future__ import annotations
 
+import shutil
+import socket
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from llmgw.procs import free_port
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, ledger_of, start_stack
-from tests.helpers import inject_fault, request
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
+from tests.helpers import inject_fault, request, stream_raw
 
 pytestmark = pytest.mark.e2e
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -47,9 +51,21 @@ def otlp_port() -> int:
     return free_port()
 
 
+def traces_policy(tmp: Path) -> Path:
+    """The demo policy, plus a budget that refuses globex on chat-gemini (a budget refusal's span)."""
+    policy = tmp / "policy"
+    shutil.copytree(POLICY, policy)
+    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
+    doc["budgets"].append({"name": "globex-gemini-none", "tenant": "globex", "route": "chat-gemini",
+                           "window": "total", "limit_tokens": 1})
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    return policy
+
+
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory, otlp_port: int) -> Iterator[Stack]:
-    s = start_stack(tmp_path_factory.mktemp("traces"), simulate_providers=True,
+    tmp = tmp_path_factory.mktemp("traces")
+    s = start_stack(tmp / "state", traces_policy(tmp), simulate_providers=True,
                     extproc_env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}"})
     yield s
     s.stop()
@@ -137,3 +153,42 @@ def test_every_outcome_has_one_span_and_no_content_or_credential(gw: Stack, rece
         text = repr(span)
         assert CANARY not in text and DEMO_KEYS["acme"] not in text
     assert by_request and set(by_request.values()) == {1}  # one request span per request
+
+
+def test_each_outcome_has_one_ledger_entry_and_one_span_naming_it(gw: Stack, receiver: tuple[Receiver, int]) -> None:
+    """Denied, refused by budget, upstream failure, deadline, client cancel and stream interruption
+    (success, fallback and an intake refusal above; a request whose worker died: tests/test_store.py)."""
+    pool = gw.engine_urls("engine-pool")
+    seen: dict[str, tuple[str, str]] = {}  # outcome -> (tenant, request id)
+
+    def outcome(name: str, r: Any, tenant: str = "acme") -> None:
+        seen[name] = (tenant, r.headers["x-request-id"])
+
+    body = {"model": "chat-default", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    outcome("denied", chat(gw, body, {"x-llmgw-data-class": "restricted"}))
+    outcome("budget", request(f"{gw.url}/v1/chat/completions", "POST", {**body, "model": "chat-gemini"},
+                              {"authorization": f"Bearer {DEMO_KEYS['globex']}"}), "globex")
+    marker = inject_fault(pool, "status=500", count=4)
+    outcome("upstream", chat(gw, {**body, "messages": [{"role": "user", "content": marker}]}))
+    marker = inject_fault(pool, "delay_ms=3000")
+    outcome("deadline", chat(gw, {**body, "messages": [{"role": "user", "content": marker}]},
+                             {"x-llmgw-deadline-ms": "300"}))
+    marker = inject_fault(pool, "disconnect_after=2")
+    _, rid, _ = stream_raw(f"{gw.url}/v1/chat/completions", {**body, "stream": True, "messages": [
+        {"role": "user", "content": marker}]}, {"authorization": f"Bearer {DEMO_KEYS['acme']}"})
+    seen["interrupted"] = ("acme", rid)
+    cancel = inject_fault(pool, "delay_ms=2000")
+    with pytest.raises((TimeoutError, socket.timeout)):
+        request(f"{gw.url}/v1/chat/completions", "POST", {**body, "messages": [{"role": "user", "content": cancel}]},
+                {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=0.5)
+    (sent,) = [e for u in pool for e in request(f"{u}/admin/requests").json() if cancel in str(e["messages"])]
+    seen["client_cancel"] = ("acme", sent["request_id"])
+    expected = {"denied": "denied", "budget": "refused", "upstream": "upstream_error", "deadline": "deadline",
+                "interrupted": "stream_interrupted", "client_cancel": "client_cancel"}
+    for name, (tenant, rid) in seen.items():
+        entry = ledger_of(gw, rid, tenant)  # exactly one
+        servers = [s for s in spans_of(receiver[0], rid) if s["kind"] == SERVER]
+        assert len(servers) == 1, (name, servers)
+        (span,) = servers
+        assert span["trace"] == entry["trace_id"], name
+        assert entry["termination"] == span["attrs"]["llmgw.termination"] == expected[name], (name, entry)
