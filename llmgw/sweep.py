@@ -3,11 +3,10 @@ through saturation, against the running gateway (llmgw/openloop.py); per level, 
 percentiles, the admission rate and the SLO gate's joint attainment (llmgw/slo.py).
 
 The knee is the highest offered load at which the gate still holds (attainment >= alpha with the
-admission rate >= --min-admission). The service rate mu is the most the system completed per second
-at any level while that level was sending (saturation; a level must last well beyond the
-end-to-end latency for this to be its steady state); utilisation at the SLO is what it completed
-at the knee over mu - the figure `llmgw review` and `llmgw plan` need. Plots (PNG): latency percentiles and attainment against
-offered load, the knee marked.
+admission rate >= --min-admission). The service rate mu is the most the system completed per
+second at any level, over that level's busy period (first send to last answer: saturation); utilisation at the
+SLO is what it completed at the knee over mu - the figure `llmgw review` and `llmgw plan` need.
+Plots (PNG): latency percentiles and attainment against offered load, the knee marked.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from llmgw.workload import TraceRecord, read
 class Level:
     speed: float
     offered_rps: float
-    completed_rps: float  # answered per second while the level was sending (completed_rate)
+    completed_rps: float  # answers per second over the level's busy period (completed_rate)
     admission: float
     attainment: float
     holds: bool
@@ -51,15 +50,17 @@ def _p(values: list[float], q: float) -> float | None:
 
 
 def completed_rate(outcomes: Sequence[Outcome], speed: float, wall_s: float) -> float:
-    """Answers completed per second while the level was sending, after its first tenth: below
-    saturation the arrival rate, above it the service rate. Counting over the whole run instead
-    would charge the drain of the last requests to throughput and read low at every load."""
+    """Answers per second over the level's busy period, from its first send to its last answer.
+    Below saturation that is the arrival rate, less the last answers' tail; above it, the rate the
+    engines got through the work. Two estimators that looked better were wrong: counting answers
+    within the sending window finds none when a level is shorter than its latency, and the rate
+    between the first and last answer is inflated above saturation, when a batch that keeps
+    growing (the engines admit everything) finishes its requests together."""
     sends = [o.record.at / speed + o.late_s for o in outcomes]
-    if len(sends) < 2 or max(sends) <= min(sends):
-        return sum(o.e2e_s is not None for o in outcomes) / wall_s
-    lo, hi = min(sends) + 0.1 * (max(sends) - min(sends)), max(sends)
     done = [s + o.e2e_s for s, o in zip(sends, outcomes, strict=True) if o.e2e_s is not None]
-    return sum(lo <= d <= hi for d in done) / (hi - lo)
+    if not done or max(done) <= min(sends):
+        return len(done) / wall_s
+    return len(done) / (max(done) - min(sends))
 
 
 def measure(outcomes: Sequence[Outcome], trace: Sequence[TraceRecord], speed: float, wall_s: float, gate: Gate,
@@ -145,6 +146,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     gate = Gate(args.request_class or trace[0].request_class, args.ttft, args.tpot, args.e2e, args.alpha)
     url = f"{up['url']}/v1/chat/completions"
     levels = []
+    raw: list[list[dict[str, Any]]] = []  # each level's requests, for a second look at the figures
     for speed in (float(s) for s in args.speeds.split(",")):
         for engine in up.get("engines", []):  # every level starts from an idle, cold engine
             with urllib.request.urlopen(urllib.request.Request(f"{engine}/reset_prefix_cache", data=b"",
@@ -156,6 +158,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         lv = measure([o for o in outcomes if o.record.request_class == gate.request_class],
                      [r for r in trace if r.request_class == gate.request_class], speed, wall, gate, args.min_admission)
         levels.append(lv)
+        raw.append([{"at": o.record.at, "late_s": o.late_s, "status": o.status, "code": o.code, "ttft_s": o.ttft_s,
+                     "tpot_s": o.tpot_s, "e2e_s": o.e2e_s, "output_tokens": o.output_tokens} for o in outcomes])
         print(f"speed {speed:g}: offered {lv.offered_rps:.1f} req/s, completed {lv.completed_rps:.1f}/s, "
               f"attainment {lv.attainment:.1%}, admission {lv.admission:.1%}", file=sys.stderr)
         time.sleep(args.pause)  # let the engines drain before the next level
@@ -167,7 +171,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     plot(levels, gate, at_knee, out / "sweep.png")
     route = trace[0].route
     (out / "sweep.json").write_text(json.dumps({
-        "gate": asdict(gate), "levels": [asdict(lv) for lv in levels], "mu_rps": mu,
+        "gate": asdict(gate), "levels": [asdict(lv) for lv in levels], "requests": raw, "mu_rps": mu,
         "knee_rps": at_knee.offered_rps if at_knee else None,
         "slo_utilization": {route: util} if util is not None else {}}, indent=2))
     text = (f"# Sweep of {args.trace} on route {route} ({len(trace)} requests per level)\n\n"
