@@ -13,25 +13,26 @@ one the store keeps - so each request has one span, like its one ledger entry. T
 sampled; traces are, by trace id (`LLMGW_TRACE_SAMPLE_RATIO`, default 1), so a request's spans are
 kept or dropped together whichever worker made them.
 
-Exporters: OTLP over gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; JSON lines into
-`LLMGW_TRACES_FILE` (`llmgw up`: `.llmgw/traces.jsonl`). Neither: no spans are made. No prompt,
+Exporters: OTLP over gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (the SDK's batch processor,
+in its thread: the export is a network call); JSON lines into `LLMGW_TRACES_FILE` (`llmgw up`:
+`.llmgw/traces.jsonl`), buffered and appended by the event loop itself. Neither: no spans are made. No prompt,
 completion, tool argument or credential is ever an attribute.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
@@ -48,27 +49,51 @@ def new_span_id() -> str:
     return f"{random.getrandbits(64) or 1:016x}"
 
 
-class JsonLinesExporter(SpanExporter):
-    """Each span as one line of JSON, for a local run without a collector: ids in hex, times in epoch
-    nanoseconds, the attributes. (The SDK's own `to_json` pretty-prints: several times the cost.)"""
+def json_line(s: ReadableSpan) -> bytes:
+    """A span as one line of JSON: ids in hex, times in epoch nanoseconds, the attributes. (The
+    SDK's own `to_json` pretty-prints: several times the cost.)"""
+    ctx = s.get_span_context()
+    return orjson.dumps({
+        "trace_id": f"{ctx.trace_id:032x}" if ctx else "", "span_id": f"{ctx.span_id:016x}" if ctx else "",
+        "parent_id": f"{s.parent.span_id:016x}" if s.parent else None, "name": s.name, "kind": s.kind.name,
+        "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes or {})}) + b"\n"
+
+
+class Sink(Protocol):
+    def on_end(self, span: ReadableSpan) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class LoopFileSpans:
+    """The JSON-lines file without an exporter thread: each span is written into a buffer where it
+    is made (the event loop), and the buffer is appended to the file by the loop every FLUSH_S. A
+    batch processor's thread would take the GIL from the event loop and gRPC's threads in bursts."""
+
+    FLUSH_S = 0.5
 
     def __init__(self, path: str):
         self.path = path
-        self.lock = threading.Lock()
+        self.lines: list[bytes] = []
+        self.scheduled = False
 
-    @staticmethod
-    def record(s: ReadableSpan) -> bytes:
-        ctx = s.get_span_context()
-        return orjson.dumps({
-            "trace_id": f"{ctx.trace_id:032x}" if ctx else "", "span_id": f"{ctx.span_id:016x}" if ctx else "",
-            "parent_id": f"{s.parent.span_id:016x}" if s.parent else None, "name": s.name, "kind": s.kind.name,
-            "start_ns": s.start_time, "end_ns": s.end_time, "attributes": dict(s.attributes or {})}) + b"\n"
+    def on_end(self, span: ReadableSpan) -> None:
+        self.lines.append(json_line(span))
+        if not self.scheduled:
+            try:
+                asyncio.get_running_loop().call_later(self.FLUSH_S, self.flush)
+                self.scheduled = True
+            except RuntimeError:  # no loop (a command, a test): written at shutdown
+                pass
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = b"".join(self.record(s) for s in spans)
-        with self.lock, open(self.path, "ab") as f:
-            f.write(lines)
-        return SpanExportResult.SUCCESS
+    def flush(self) -> None:
+        self.scheduled = False
+        lines, self.lines = self.lines, []
+        if lines:
+            with open(self.path, "ab") as f:
+                f.write(b"".join(lines))
+
+    def shutdown(self) -> None:
+        self.flush()
 
 
 @dataclass(frozen=True)
@@ -78,7 +103,7 @@ class _Pipeline:
     before, so the SDK's live-span machinery (context, id generator, attribute re-validation: most
     of a span's cost) has nothing to do. Sampling is TraceIdRatioBased's rule on the trace id."""
 
-    processors: tuple[BatchSpanProcessor, ...]
+    processors: tuple[Sink, ...]
     bound: int  # a trace is kept when its id's low 64 bits are below this
     resource: Resource
     scope: InstrumentationScope
@@ -93,7 +118,7 @@ def init() -> bool:
     endpoint, path = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), os.environ.get("LLMGW_TRACES_FILE")
     if not endpoint and not path:
         return False
-    processors = []
+    processors: list[Sink] = []
     if endpoint:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -102,7 +127,7 @@ def init() -> bool:
         else:
             processors.append(_batch(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
     if path:
-        processors.append(_batch(JsonLinesExporter(path)))
+        processors.append(LoopFileSpans(path))
     sampler = TraceIdRatioBased(float(os.environ.get("LLMGW_TRACE_SAMPLE_RATIO", "1")))
     _pipeline = _Pipeline(tuple(processors), sampler.bound, Resource.create({"service.name": "llmgw"}),
                           InstrumentationScope("llmgw"))
