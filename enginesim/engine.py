@@ -65,10 +65,10 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, profile: EngineProfile, time_scale: float = 1.0):
+    def __init__(self, profile: EngineProfile, time_scale: float = 1.0, prefix_caching: bool = True):
         self.profile = profile
         self.time_scale = time_scale
-        self.kv = KVCache(profile.num_gpu_blocks, profile.block_size)
+        self.kv = KVCache(profile.num_gpu_blocks, profile.block_size, prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = EngineStats()

@@ -35,8 +35,9 @@ def block_hashes(tokens: list[int], block_size: int, salt: str | None) -> list[i
 
 
 class KVCache:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.block_size = block_size
+        self.prefix_caching = prefix_caching  # vLLM's --enable-prefix-caching (on by default in V1)
         self.num_blocks = num_blocks
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self._blocks)  # LRU first
@@ -55,6 +56,8 @@ class KVCache:
     def lookup_prefix(self, table: BlockTable, prompt_len: int) -> int:
         """Take cached blocks for the longest cached prefix; return the number of hit tokens.
         At least one prompt token is always left to compute, as in vLLM."""
+        if not self.prefix_caching:
+            return 0
         hits: list[Block] = []
         for h in table.hashes:
             if (len(hits) + 1) * self.block_size >= prompt_len:

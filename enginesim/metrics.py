@@ -66,7 +66,8 @@ def render_metrics(engine: Engine, model_name: str) -> str:
                         lb, s.e2e, E2E_BUCKETS)
     lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
               "# TYPE vllm:cache_config_info gauge",
-              f'vllm:cache_config_info{{block_size="{p.block_size}",cache_dtype="auto",enable_prefix_caching="True",'
+              f'vllm:cache_config_info{{block_size="{p.block_size}",cache_dtype="auto",'
+              f'enable_prefix_caching="{engine.kv.prefix_caching}",'
               f'engine="0",gpu_memory_utilization="{p.gpu_memory_utilization}",'
               f'num_gpu_blocks="{engine.kv.num_blocks}"}} 1.0']
     lines += ["# HELP vllm:lora_requests_info Running stats on lora requests.",

@@ -545,9 +545,9 @@ class AzureFrontEnd:
         return await self.server.chat(request)
 
 
-def build_engine(profile_name: str, time_scale: float, **overrides: Any) -> Engine:
+def build_engine(profile_name: str, time_scale: float, prefix_caching: bool = True, **overrides: Any) -> Engine:
     prof: EngineProfile = profile(profile_name, **{k: v for k, v in overrides.items() if v is not None})
-    return Engine(prof, time_scale=time_scale)
+    return Engine(prof, time_scale=time_scale, prefix_caching=prefix_caching)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -561,6 +561,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's flag (on by default): --no-enable-prefix-caching computes every prompt in full")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api", choices=["openai", "anthropic", "azure", "gemini", "bedrock"], default="openai",
                    help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py); "
@@ -580,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     uvloop.install()
-    engine = build_engine(args.profile, args.time_scale, max_model_len=args.max_model_len,
+    engine = build_engine(args.profile, args.time_scale, args.enable_prefix_caching, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           num_blocks_override=args.num_blocks_override)
     server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header,
