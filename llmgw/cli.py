@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.sweep import add_parser as add_sweep
 
     add_sweep(bsub)
+    from llmgw.compare import add_parser as add_compare
+
+    add_compare(bsub)
     from llmgw.ledger_cmd import add_parser as add_ledger
 
     add_ledger(sub)
