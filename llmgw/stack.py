@@ -109,11 +109,12 @@ class StackOptions:
                    valkey_port=free_port(), **kw)  # type: ignore[arg-type]
 
 
-# Every acknowledged write is in the append-only file before its reply. With Valkey's default
-# `appendfsync everysec`, a write may be postponed while a background fsync runs, and a crash then
-# loses reservations and ledger entries whose callers were already answered (tests/test_supervisor.py
-# caught one). Fsyncs are grouped per event-loop turn: 3% fewer scripts/s at 32 clients here.
-VALKEY_DURABILITY = ("--appendonly", "yes", "--appendfsync", "always")
+# Valkey's append-only file, fsynced every second (its default). `always` (every acknowledged write
+# on disk before its reply) closes the last gap - a Valkey crash can lose the second of reservations
+# and ledger entries before it (seen once in tests/test_supervisor.py) - but puts the disk's fsync
+# latency on every request's reservation: right after a large install it stalled Valkey past the
+# store timeout and requests failed closed (503) in the real-vLLM lane. See README: Operations.
+VALKEY_DURABILITY = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 
 @dataclass
