@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from extproc.store import ledger_entry, ledger_key
+from llmgw.ledger_cmd import ledger_entries
 from llmgw.openloop import Outcome, replay, summarise
 from llmgw.stats import percentile
 from llmgw.workload import ClassShape, TraceShape, generate, read, write
@@ -44,8 +44,7 @@ def ledger_cost(store_url: str, tenants: Sequence[str], request_ids: set[str], w
     client = redis.Redis.from_url(store_url, decode_responses=True)
     deadline = time.monotonic() + wait_s
     while True:
-        entries: Any = [x for t in tenants for x in client.xrange(ledger_key(t))]  # type: ignore[union-attr]
-        found = {e["request_id"]: e for _, f in entries if (e := ledger_entry(f)).get("request_id") in request_ids}
+        found = {e["request_id"]: e for e in ledger_entries(client, tenants) if e.get("request_id") in request_ids}
         if len(found) >= len(request_ids) or time.monotonic() > deadline:
             return sum(int(e.get("charged_micros") or 0) for e in found.values())
         time.sleep(0.2)
@@ -76,7 +75,7 @@ def render(label: str, outcomes: Sequence[Outcome], wall_s: float, charged_micro
     return "\n".join(lines) + "\n"
 
 
-def _reset_prefix_caches(engines: Sequence[str]) -> None:
+def reset_prefix_caches(engines: Sequence[str]) -> None:
     for url in engines:
         req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
         with urllib.request.urlopen(req, timeout=10):  # vLLM's endpoint; the simulator has it too
@@ -105,7 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     for label in passes:
         if label == "cold":
-            _reset_prefix_caches(up.get("engines", []))
+            reset_prefix_caches(up.get("engines", []))
         t0 = time.monotonic()
         outcomes = asyncio.run(replay(url, keys, trace, args.speed, args.exact_lengths))
         wall = time.monotonic() - t0

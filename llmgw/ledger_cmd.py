@@ -14,6 +14,7 @@ import csv
 import json
 import sys
 import time
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from llmgw.reconcile import invoice_days, ledger_days, reconcile
 GROUP = "llmgw-export"
 
 
-def _store_url(args: argparse.Namespace, config_url: str | None) -> str | None:
+def store_url(args: argparse.Namespace, config_url: str | None) -> str | None:
     if args.store_url:
         return str(args.store_url)
     if config_url:
@@ -38,6 +39,11 @@ def _store_url(args: argparse.Namespace, config_url: str | None) -> str | None:
         url: str | None = json.loads(up.read_text()).get("store_url")
         return url
     return None
+
+
+def ledger_entries(client: Any, tenants: Sequence[str]) -> list[dict[str, Any]]:
+    """Every ledger entry of these tenants, oldest first per tenant (read only: nothing acknowledged)."""
+    return [ledger_entry(f) for t in tenants for _, f in client.xrange(ledger_key(t))]
 
 
 def decision_entry(fields: dict[str, str]) -> dict[str, Any]:
@@ -54,7 +60,7 @@ def open_store(args: argparse.Namespace) -> tuple[Any, list[str]] | None:
     snap = snapshot_or_report(args.config)
     if snap is None:
         return None
-    url = _store_url(args, snap.gateway.store.url)
+    url = store_url(args, snap.gateway.store.url)
     if not url:
         print("error: no store: pass --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
         return None
@@ -141,7 +147,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         print(f"error: no deployment {args.deployment} in {args.config}", file=sys.stderr)
         return 2
     dep = snap.deployments[args.deployment]
-    entries = [ledger_entry(f) for t in tenants for _, f in client.xrange(ledger_key(t))]
+    entries = ledger_entries(client, tenants)
     result = reconcile(ledger_days(entries, dep.deployment), invoice_days(Path(args.invoice), dep.deployment,
                                                                          dep.served_model),
                        dep.deployment, Decimal(str(args.tolerance)))

@@ -9,9 +9,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from extproc.store import ledger_entry, ledger_key
 from llmgw.cli_common import snapshot_or_report
-from llmgw.ledger_cmd import open_store
+from llmgw.ledger_cmd import ledger_entries, open_store
 
 
 def _metrics(args: argparse.Namespace) -> tuple[str | None, str]:
@@ -35,7 +34,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if opened is None or snap is None:
         return 1
     client, tenants = opened
-    entries: list[dict[str, Any]] = [ledger_entry(f) for t in tenants for _, f in client.xrange(ledger_key(t))]
+    entries = ledger_entries(client, tenants)
     text, source = _metrics(args)
     from llmgw.report import render  # matplotlib loads only for this command
 

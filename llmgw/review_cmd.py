@@ -10,29 +10,25 @@ from typing import Any
 
 import redis
 
-from extproc.store import ledger_entry, ledger_key
 from llmgw.cli_common import snapshot_or_report
+from llmgw.ledger_cmd import ledger_entries, store_url
 from llmgw.review import Measured, review
 from llmgw.stats import percentile
 
 
 def _ledger(url: str, tenants: list[str]) -> list[dict[str, Any]]:
+    """The ledger, or nothing when the store does not answer (the review says "not measured")."""
     try:
-        client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
-        entries: Any = [x for t in tenants for x in client.xrange(ledger_key(t))]  # type: ignore[union-attr]
+        return ledger_entries(redis.Redis.from_url(url, decode_responses=True, socket_timeout=5), tenants)
     except (redis.RedisError, OSError):
         return []
-    return [ledger_entry(f) for _, f in entries]
 
 
 def cmd_review(args: argparse.Namespace) -> int:
     snap = snapshot_or_report(args.config)
     if snap is None:
         return 1
-    url = args.store_url
-    up = Path(args.state_dir) / "up.json"
-    if not url and up.exists():
-        url = json.loads(up.read_text()).get("store_url")
+    url = store_url(args, snap.gateway.store.url)
     entries = _ledger(url, sorted(snap.gateway.tenants)) if url else []
     contexts = [int(u.get("prompt_tokens") or 0) + int(u.get("completion_tokens") or 0)
                 for e in entries if (u := e.get("usage"))]

@@ -16,12 +16,12 @@ import asyncio
 import json
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmgw.bench_run import reset_prefix_caches
 from llmgw.openloop import Outcome, replay
 from llmgw.slo import Gate, Sample, evaluate
 from llmgw.stats import percentile
@@ -148,10 +148,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     levels = []
     raw: list[list[dict[str, Any]]] = []  # each level's requests, for a second look at the figures
     for speed in (float(s) for s in args.speeds.split(",")):
-        for engine in up.get("engines", []):  # every level starts from an idle, cold engine
-            with urllib.request.urlopen(urllib.request.Request(f"{engine}/reset_prefix_cache", data=b"",
-                                                               method="POST"), timeout=10):
-                pass
+        reset_prefix_caches(up.get("engines", []))  # every level starts from an idle, cold engine
         t0 = time.monotonic()
         outcomes = asyncio.run(replay(url, keys, trace, speed, args.exact_lengths))
         wall = time.monotonic() - t0
