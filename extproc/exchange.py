@@ -109,6 +109,10 @@ class Exchange:
             facts.update(tenant=self.identity.tenant, subject=self.identity.subject, identity_kind=self.identity.kind)
         if self.route is not None:
             facts.update(route=self.route.route_contract, request_class=self.route.request_class)
+        if self.effects:  # what the offered tools can change, and the key to reconcile an ambiguous outcome by
+            facts["effects"] = list(self.effects)
+            if self.idempotency_key is not None:
+                facts["idempotency_key"] = self.idempotency_key
         if self.decision is not None:
             facts["decision"] = {"allow": self.decision.allow, "reasons": self.logged_reasons(),
                                  "policy_revision": self.decision.policy_revision, "decision_id": self.decision_id}

@@ -151,6 +151,20 @@ def test_retry_policy_per_request() -> None:
     assert policy(stream=True).remaining_ms == 300  # three attempts share the time to first byte
     assert policy(effects=("write",)).max_retries == 0
     assert policy(effects=("write",), idempotency_key="k").max_retries == 2
+    # A timeout or reset after sending is ambiguous for a request with effects: never retried, key or not.
+    timeouts = route.model_copy(update={"retry": route.retry.model_copy(update={
+        "eligible_failures": ("connect_before_send", "no_first_byte")})})
+    keyed = Exchange(snapshot=snap, route=timeouts, remaining_ms=900, effects=("write",), idempotency_key="k")
+    asyncio.run(Retries().run(keyed))
+    assert "reset" not in keyed.retry_on.split(",") and keyed.retry_on.startswith("connect-failure")
+    read_only = Exchange(snapshot=snap, route=timeouts, remaining_ms=900)
+    asyncio.run(Retries().run(read_only))
+    assert "reset" in read_only.retry_on.split(",")
+    only_timeouts = timeouts.model_copy(update={"retry": timeouts.retry.model_copy(update={
+        "eligible_failures": ("no_first_byte",)})})
+    keyed = Exchange(snapshot=snap, route=only_timeouts, remaining_ms=900, effects=("write",), idempotency_key="k")
+    asyncio.run(Retries().run(keyed))
+    assert (keyed.retry_on, keyed.max_retries) == ("", 0)
     never = route.model_copy(update={"retry": route.retry.model_copy(update={"requires": "never"})})
     ex = Exchange(snapshot=snap, route=never, remaining_ms=900)
     asyncio.run(Retries().run(ex))

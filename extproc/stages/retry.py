@@ -9,6 +9,12 @@ client's own values are overwritten).
   400, 401 and 403 are never in the list, so they are never retried.
 - A request with effects (a tool whose catalog entry has effects) is retried only with an
   `Idempotency-Key`; `requires: idempotency_key` demands one always; `never` turns retries off.
+- Even with a key, a request with effects is never retried after it may have been acted on: a
+  timeout or reset after it was sent (`no_first_byte`) is an ambiguous outcome, not proof that no
+  work occurred, and the key means nothing to the upstream (it is the gateway's, for replays). Only
+  failures that prove the upstream did nothing - no connection, or an error status it answered -
+  move it on. The ambiguous attempt ends the request (504 or 502) and its ledger entry names the
+  Idempotency-Key, so the caller reconciles instead of the gateway re-sending the action elsewhere.
 - The route's `retry.attempts` is how many retries may follow the first attempt. With one qualified
   candidate a retry goes to another engine of it (transport retry); with several, to the next
   candidate (failover or model fallback), and once all were tried, to the last one again. All attempts share
@@ -29,6 +35,7 @@ RETRY_ON = {
     # them: nothing reached the client yet.
     "no_first_byte": "reset",
 }
+AMBIGUOUS = ("no_first_byte",)  # the request was sent; the upstream may have acted on it
 STATUS_CODES = {"rate_limited": "429", "overloaded": "529", "unavailable": "503"}
 
 
@@ -46,9 +53,12 @@ class Retries:
         if not allowed or policy.attempts < 1:
             ex.retry_on, ex.max_retries, ex.retriable_codes = "", 0, ""
             return
-        ex.retry_on = ",".join(dict.fromkeys(
-            part for f in policy.eligible_failures for part in RETRY_ON[f].split(",")))
-        ex.retriable_codes = ",".join(STATUS_CODES[f] for f in policy.eligible_failures if f in STATUS_CODES)
+        eligible = [f for f in policy.eligible_failures if not (ex.effects and f in AMBIGUOUS)]
+        if not eligible:
+            ex.retry_on, ex.max_retries, ex.retriable_codes = "", 0, ""
+            return
+        ex.retry_on = ",".join(dict.fromkeys(part for f in eligible for part in RETRY_ON[f].split(",")))
+        ex.retriable_codes = ",".join(STATUS_CODES[f] for f in eligible if f in STATUS_CODES)
         ex.max_retries = policy.attempts
         if ex.stream and ex.remaining_ms:
             ex.remaining_ms = max(1, ex.remaining_ms // (ex.max_retries + 1))

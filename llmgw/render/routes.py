@@ -14,6 +14,7 @@ from envoy.type.matcher.v3 import metadata_pb2, regex_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
+from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
 from extproc.doors import CREDENTIAL_HEADERS, DOORS, Door
 from extproc.names import Key, Settle
@@ -132,8 +133,11 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
             # A JSON answer is silent until generated: its bound is the deadline. A stream's
             # silence is bounded per attempt (and an attempt silent before its first byte may
             # be retried or fall back, when ext_proc's retry policy says `reset`).
+            # The route's own idle timer is a backstop above every attempt's: it is not reset when a
+            # retry starts, so at the attempts' limit it could end a request whose silent first
+            # attempt was about to fall back (found by `llmgw chaos`, slow first byte).
             cluster=cluster, timeout=duration_ms(0), regex_rewrite=rewrite,
-            idle_timeout=duration_ms(stream_idle_ms if streamed else 300_000),
+            idle_timeout=duration_ms(stream_idle_ms * (MAX_RETRIES + 1) if streamed else 300_000),
             # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
             # x-envoy-max-retries, set after the decision). A retry goes to another engine.
             retry_policy=route_components_pb2.RetryPolicy(
