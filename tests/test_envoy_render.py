@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
+from extproc.config.schema import MAX_RETRIES
 from extproc.doors import BY_NAME, DOORS
 from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
 from llmgw.procs import envoy_binary, free_port, wait_until
@@ -121,6 +122,11 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
                    if m["path"][0]["key"] != "door"]
         assert settles in ([], [("settle", "stream")], [("settle", "kept_stream")], [("settle", "metered")])
         kind = settles[0][1] if settles else ""
+        if kind in ("stream", "kept_stream"):
+            # Each attempt's silence is bounded by the per-try idle timer; the route's own, which a
+            # retry does not reset, sits above all attempts' so a silent attempt can still fall back.
+            per_try = float(r["route"]["retry_policy"]["per_try_idle_timeout"].rstrip("s"))
+            assert float(r["route"]["idle_timeout"].rstrip("s")) >= per_try * (MAX_RETRIES + 1)
         door = next((d for d in DOORS if r["name"].endswith(f"_{d.name}")), None)  # a front door's path
         assert r["name"] == f"admitted_{r['route']['cluster']}" + (f"_{kind}" if kind else "") + (
             f"_{door.name}" if door else "")
