@@ -211,7 +211,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                 **tracing.request_facts(route, ex.request_id, err.status, termination), "error.type": err.code.value})
         if ex.held is not None:
             self._later(release(self.store, ex, termination, err.status))
-        elif ex.identity is not None and err.code is not ErrorCode.POLICY_UNAVAILABLE:
+        elif ex.identity is not None:  # a store that is down takes it when it is back (record_refusal)
             self._later(record_refusal(self.store, ex, termination, err.status, err.code.value))
 
     async def _models(self, ex: Exchange) -> ep.ProcessingResponse:

@@ -58,9 +58,10 @@ _NOT_OURS = (f"!response.code_details.startsWith('{OWN_REPLY_PREFIX}') && "
              "response.code_details != 'direct_response' && response.code_details != ''")
 
 
+# Envoy's answer when no ext_proc worker took the request: nothing about it was decided or recorded.
+NOT_PROCESSED = "the gateway's policy service is unavailable; the request was not processed"
 LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
-    ("response.code_details.startsWith('ext_proc')", 503, ErrorCode.POLICY_UNAVAILABLE,
-     "the gateway's policy service is unavailable; the request was not processed"),
+    ("response.code_details.startsWith('ext_proc')", 503, ErrorCode.POLICY_UNAVAILABLE, NOT_PROCESSED),
     (f"{_NOT_OURS} && response.code == 413", 413, ErrorCode.INVALID_REQUEST,
      "request body exceeds the gateway's size limit"),
     (f"{_NOT_OURS} && response.code == 408", 408, ErrorCode.INVALID_REQUEST,
