@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.review_cmd import add_parser as add_review
 
     add_review(sub)
+    from llmgw.chaos import add_parser as add_chaos
+
+    add_chaos(sub)
     return p
 
 
