@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 PRICES_AS_OF = "2026-10-07"
 CAPACITY_BLOCK_USD = {  # per accelerator-hour
@@ -40,6 +41,31 @@ def accelerators_min(peak_rps: float, service_s: float, rho_max: float) -> int:
     if not 0 < rho_max < 1:
         raise ValueError("rho_max must be in (0, 1)")
     return max(1, math.ceil(peak_rps * service_s / rho_max - 1e-9))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a sweep (`llmgw bench sweep`'s sweep.json) says about the pool it ran on."""
+
+    accelerators: int  # in the swept pool
+    mu_rps: float  # the most requests completed per second at any level
+    slo_utilization: float | None  # the knee's completed rate over mu: where the gate still held
+    route: str
+
+    @property
+    def service_s(self) -> float:
+        """E[S] = accelerators / mu: accelerator-seconds per request at saturation, under the trace's mix."""
+        return self.accelerators / self.mu_rps
+
+
+def measured(sweep: dict[str, Any], accelerators: int) -> Measured:
+    """The sweep's figures for the planner; ValueError when it measured nothing usable."""
+    mu = float(sweep.get("mu_rps") or 0.0)
+    if mu <= 0 or accelerators < 1:
+        raise ValueError("the sweep completed no requests, or --sweep-accelerators is below 1")
+    util = sweep.get("slo_utilization") or {}
+    route, value = next(iter(util.items()), ("", None))
+    return Measured(accelerators, mu, float(value) if value is not None else None, route)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from llmgw.cli_common import snapshot_or_report
@@ -15,8 +17,11 @@ from llmgw.plan import (
     Reserves,
     Workload,
     cost_per_million_tokens,
+    measured,
     plan_scenario,
 )
+
+DEFAULT_RHO_MAX = 0.7
 
 
 def _hosted(args: argparse.Namespace) -> Hosted | str | None:
@@ -65,15 +70,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.peak_rps is None:
         return 0
     tokens = args.input_tokens + args.output_tokens
-    service = args.service_seconds if args.service_seconds is not None else tokens / args.tokens_per_second
+    try:
+        sweep = measured(json.loads(Path(args.sweep).read_text()), args.sweep_accelerators) if args.sweep else None
+    except (OSError, ValueError) as e:
+        print(f"error: --sweep: {e}", file=sys.stderr)
+        return 2
+    if args.service_seconds is not None:
+        service, how = args.service_seconds, "measured (given)"
+    elif sweep is not None:
+        service, how = sweep.service_s, (f"measured by the sweep: {sweep.accelerators} accelerator(s) / mu "
+                                         f"{sweep.mu_rps:.3g} req/s")
+    else:
+        service = tokens / args.tokens_per_second
+        how = f"estimated: {tokens:g} tokens per request / {args.tokens_per_second:g} tokens/s"
+    # rho_max: given, else where the sweep's SLO gate still held (below 1: the bound needs slack), else 0.7.
+    rho_max = args.rho_max if args.rho_max is not None else (
+        min(sweep.slo_utilization, 0.99) if sweep is not None and sweep.slo_utilization else DEFAULT_RHO_MAX)
     work = Workload(args.peak_rps, service, args.input_tokens, args.output_tokens, args.peak_hours_per_day)
-    reserves = Reserves(args.rho_max, args.headroom, args.redundancy, args.allocation_unit)
+    reserves = Reserves(rho_max, args.headroom, args.redundancy, args.allocation_unit)
     hosted = _hosted(args)
     if isinstance(hosted, str):
         print(f"error: {hosted}", file=sys.stderr)
         return 2
-    how = "measured (given)" if args.service_seconds is not None else \
-        f"estimated: {tokens:g} tokens per request / {args.tokens_per_second:g} tokens/s"
     print(f"\nE[S] = {service:.4g} accelerator-seconds per request ({how}); rho_max {reserves.rho_max}, headroom "
           f"{reserves.headroom:.0%}, redundancy {reserves.redundancy} unit(s) of {reserves.allocation_unit}; "
           f"{work.peak_hours_per_day:g} h/day at peak\n")
@@ -91,8 +109,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if hosted is not None:
         print(f"\nhosted: {hosted.name}: {hosted.input_per_mtok:g} / {hosted.output_per_mtok:g} per million input / "
               "output tokens")
-    print("\nSLO attainment: not measured here - the bound is necessary, not sufficient for p95/p99; run "
-          "`llmgw bench sweep` and size from where its attainment holds.")
+    if sweep is not None and sweep.slo_utilization:
+        print(f"\nSLO attainment: measured by the sweep on route {sweep.route}: the gate held up to "
+              f"{sweep.slo_utilization:.0%} utilisation (the knee over mu); rho_max "
+              f"{'is that' if args.rho_max is None else 'given: ' + str(args.rho_max)}, so the plan sizes to "
+              "where it holds for the swept trace's mix.")
+    elif sweep is not None:
+        print("\nSLO attainment: the sweep's gate held at no level - no utilisation meets the SLO on that pool; "
+              "the sizes above meet load, not the SLO.")
+    else:
+        print("\nSLO attainment: not measured here - the bound is necessary, not sufficient for p95/p99; run "
+              "`llmgw bench sweep` and size from where its attainment holds (--sweep sweep.json).")
     return 0
 
 
@@ -109,7 +136,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--input-tokens", type=float, default=1000.0, help="per request, mean")
     p.add_argument("--output-tokens", type=float, default=250.0, help="per request, mean")
     p.add_argument("--peak-hours-per-day", type=float, default=24.0)
-    p.add_argument("--rho-max", type=float, default=0.7)
+    p.add_argument("--rho-max", type=float, help=f"planning cap on utilisation (default: the sweep's utilisation at "
+                   f"the SLO, else {DEFAULT_RHO_MAX})")
+    p.add_argument("--sweep", help="a sweep.json (llmgw bench sweep): E[S] and rho_max from what it measured")
+    p.add_argument("--sweep-accelerators", type=int, default=1, help="accelerators in the swept pool")
     p.add_argument("--headroom", type=float, default=0.2)
     p.add_argument("--redundancy", type=int, default=1, help="allocation units kept for failures")
     p.add_argument("--allocation-unit", type=int, default=8, help="accelerators per placement")

@@ -3,7 +3,9 @@ planning bound's arithmetic - g_min, reserves, the allocation unit, stability - 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,22 @@ def test_the_command_prices_low_base_high_beside_the_demo_s_hosted_route() -> No
     assert "SLO attainment: not measured" in out.stdout
     missing = llmgw("plan", "--peak-rps", "1", "--hosted-route", "no-such-route")
     assert missing.returncode == 2 and "no route no-such-route" in missing.stderr
+
+
+def test_a_sweep_gives_e_s_and_rho_max(tmp_path: Path) -> None:
+    """E[S] = accelerators / mu from the sweep, rho_max = its utilisation at the SLO: 20 req/s at
+    E[S] = 2 / 8 = 0.25 s under rho_max 0.75 needs ceil(20 x 0.25 / 0.75) = 7 accelerators."""
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"mu_rps": 8.0, "knee_rps": 6.0, "slo_utilization": {"chat-default": 0.75}}))
+    out = llmgw("plan", "--peak-rps", "20", "--sweep", str(sweep), "--sweep-accelerators", "2")
+    assert out.returncode == 0, out.stderr
+    assert "E[S] = 0.25 accelerator-seconds per request (measured by the sweep: 2 accelerator(s) / mu 8" in out.stdout
+    assert "rho_max 0.75" in out.stdout
+    base = next(line for line in out.stdout.splitlines() if line.startswith("| base"))
+    assert base.split("|")[3].strip() == "7"  # g_min
+    assert "the gate held up to 75% utilisation" in out.stdout
+    given = llmgw("plan", "--peak-rps", "20", "--sweep", str(sweep), "--sweep-accelerators", "2", "--rho-max", "0.5")
+    assert "rho_max 0.5" in given.stdout and "given: 0.5" in given.stdout
+    sweep.write_text(json.dumps({"mu_rps": 0, "slo_utilization": {}}))
+    empty = llmgw("plan", "--peak-rps", "20", "--sweep", str(sweep))
+    assert empty.returncode == 2 and "completed no requests" in empty.stderr
