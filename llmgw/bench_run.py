@@ -27,9 +27,15 @@ from llmgw.openloop import Outcome, replay, summarise
 from llmgw.stats import percentile
 from llmgw.workload import ClassShape, TraceShape, generate, read, write
 
+# ClassShape's length distributions, settable for every class from the command line (a small
+# model's context, a hosted route's typical answer).
+LENGTH_OPTIONS = {"input_median": int, "input_sigma": float, "output_median": int, "output_sigma": float,
+                  "max_input": int, "max_output": int, "stream_share": float}
+
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    classes = tuple(ClassShape(name, float(share), route=args.route)
+    lengths = {k: getattr(args, k) for k in LENGTH_OPTIONS if getattr(args, k) is not None}
+    classes = tuple(ClassShape(name, float(share), route=args.route, **lengths)
                     for name, _, share in (c.partition("=") for c in args.classes.split(",")))
     shape = TraceShape(rate_rps=args.rate, duration_s=args.duration, arrivals=args.arrivals, classes=classes,
                        tenants={t: 1.0 for t in args.tenants.split(",")}, prefix_share=args.prefix_share,
@@ -136,6 +142,9 @@ def add_parsers(bsub: Any) -> None:
     t.add_argument("--tenants", default="acme")
     t.add_argument("--prefix-share", type=float, default=0.5)
     t.add_argument("--cancel-share", type=float, default=0.02)
+    for name, kind in LENGTH_OPTIONS.items():
+        default = ClassShape.__dataclass_fields__[name].default
+        t.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"every class's (default {default})")
     t.set_defaults(func=cmd_trace)
     r = bsub.add_parser("run", help="replay a trace open-loop through the running gateway (llmgw up)")
     r.add_argument("trace")
