@@ -1,7 +1,8 @@
 """A vLLM-compatible OpenAI server over the simulated engine (aiohttp).
 
 Endpoints as vLLM serves them: POST /v1/chat/completions (stream or not, include_usage, [DONE]),
-GET /v1/models, GET /health, GET /metrics (vLLM's names), POST /tokenize. Simulator-only:
+GET /v1/models, GET /health, GET /metrics (vLLM's names), POST /tokenize, and with
+VLLM_SERVER_DEV_MODE=1 (as vLLM) POST /reset_prefix_cache. Simulator-only:
 GET/DELETE /admin/requests (what this engine received), POST/DELETE /admin/faults (inject faults),
 GET /admin/invoice (what a provider would bill for it, as CSV).
 
@@ -47,6 +48,11 @@ from enginesim.tokenizer import TextSampler, apply_chat_template, encode
 
 log = logging.getLogger("enginesim")
 FAULT_HEADER = "x-enginesim-fault"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's switch for its development endpoints (cache resets among them)
+
+
+def dev_mode() -> bool:
+    return os.environ.get(DEV_MODE_ENV, "0").strip().lower() in ("1", "true")
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key", "x-amz-security-token")
 SYSTEM_FINGERPRINT = "vllm-0.32.0-enginesim"  # the vLLM release whose API this simulator follows
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
@@ -158,7 +164,8 @@ class EngineServer:
         self.app.router.add_post("/admin/faults", self.add_faults)
         self.app.router.add_get("/admin/invoice", self.invoice)
         self.app.router.add_delete("/admin/faults", self.clear_faults)
-        self.app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)  # vLLM's (its dev mode)
+        if dev_mode():  # vLLM serves its cache-reset endpoint only in dev mode, and so does the simulator
+            self.app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -266,10 +273,9 @@ class EngineServer:
         return web.json_response({"queued": 0})
 
     async def reset_prefix_cache(self, _: web.Request) -> web.Response:
-        """Empty the prefix cache (a cold-cache benchmark pass); refused while sequences hold blocks."""
-        if self.engine.kv.reset_prefix_cache():
-            return web.Response(status=200)
-        return web.json_response({"error": "Failed to reset prefix cache: sequences are running"}, status=500)
+        """Empty the prefix cache (a cold-cache benchmark pass). As vLLM 0.32 answers: 200 with
+        `{"success": false}` while sequences hold blocks (the caller may retry)."""
+        return web.json_response({"success": self.engine.kv.reset_prefix_cache()})
 
     # -- chat completions --------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,11 +82,38 @@ def render(label: str, outcomes: Sequence[Outcome], wall_s: float, charged_micro
     return "\n".join(lines) + "\n"
 
 
-def reset_prefix_caches(engines: Sequence[str]) -> None:
+def reset_prefix_caches(engines: Sequence[str], tries: int = 20) -> list[str]:
+    """Empty every engine's prefix cache (vLLM's `POST /reset_prefix_cache`, a dev-mode endpoint).
+    vLLM answers `{"success": false}` while requests hold blocks: retried while the last level
+    drains. Returns what could not be emptied, each with why (the pass is then not cold there)."""
+    failed = []
     for url in engines:
-        req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=10):  # vLLM's endpoint; the simulator has it too
-            pass
+        why = ""
+        for _ in range(tries):
+            req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    answer = json.loads(r.read() or b"{}")
+            except urllib.error.HTTPError as e:
+                why = ("no /reset_prefix_cache (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)" if e.code == 404
+                       else f"HTTP {e.code}")
+                break
+            except (OSError, ValueError) as e:
+                why = str(e)
+                break
+            if not isinstance(answer, dict) or answer.get("success", True):
+                why = ""
+                break
+            why = "requests still hold cache blocks"
+            time.sleep(0.5)
+        if why:
+            failed.append(f"{url}: {why}")
+    return failed
+
+
+def warn_not_cold(failed: list[str]) -> None:
+    for line in failed:
+        print(f"warning: prefix cache not emptied, the pass is not cold there: {line}", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -110,7 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     for label in passes:
         if label == "cold":
-            reset_prefix_caches(up.get("engines", []))
+            warn_not_cold(reset_prefix_caches(up.get("engines", [])))
         t0 = time.monotonic()
         outcomes = asyncio.run(replay(url, keys, trace, args.speed, args.exact_lengths))
         wall = time.monotonic() - t0

@@ -291,7 +291,8 @@ class Stack:
             # The engine's window is the deployment's, so gateway and engine agree on what fits.
             return python_module("enginesim", "--host", host, "--port", str(port), "--served-model-name", served,
                                  "--profile", self.opts.engine_profile, "--time-scale", str(self.opts.time_scale),
-                                 "--max-model-len", str(windows.get(served, 8192)), *self.opts.engine_args), {}
+                                 "--max-model-len", str(windows.get(served, 8192)), *self.opts.engine_args), \
+                dict(vllm_env.DEV_MODE)
         return launch
 
     def _vllm_launcher(self) -> EngineLauncher:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmgw.bench_run import reset_prefix_caches
+from llmgw.bench_run import reset_prefix_caches, warn_not_cold
 from llmgw.openloop import Outcome, replay
 from llmgw.slo import Gate, Sample, evaluate
 from llmgw.stats import percentile
@@ -148,7 +148,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     levels = []
     raw: list[list[dict[str, Any]]] = []  # each level's requests, for a second look at the figures
     for speed in (float(s) for s in args.speeds.split(",")):
-        reset_prefix_caches(up.get("engines", []))  # every level starts from an idle, cold engine
+        warn_not_cold(reset_prefix_caches(up.get("engines", [])))  # every level starts idle and cold
         t0 = time.monotonic()
         outcomes = asyncio.run(replay(url, keys, trace, speed, args.exact_lengths))
         wall = time.monotonic() - t0

@@ -42,10 +42,15 @@ def ensure_venv(venv: Path, log: Path) -> Path:
     return python
 
 
+# vLLM's development endpoints, POST /reset_prefix_cache among them (a benchmark's cold pass). The
+# engines `llmgw up` starts listen on loopback; engines run by the operator need it set for cold passes.
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
 def offline_env() -> dict[str, str]:
     return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "PYTHONPATH": str(PROJECT_ROOT)}
+            "PYTHONPATH": str(PROJECT_ROOT), **DEV_MODE}
 
 
 def ensure_tiny_model(python: Path, out: Path, log: Path, seed: int = 0) -> Path:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from enginesim.server import DEV_MODE_ENV
+from llmgw.bench_run import reset_prefix_caches
 from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
 from tests.helpers import chat_body, request
 
@@ -21,7 +23,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = Path(tmp_path_factory.mktemp("engine")) / "engine.log"
     # --fault-header: these tests inject faults per request; behind the gateway only the admin API can.
     child = Child("engine", python_module("enginesim", "--port", str(port), "--time-scale", "0.02",
-                                          "--max-model-len", "4096", "--fault-header"), log).start()
+                                          "--max-model-len", "4096", "--fault-header"), log,
+                  env={DEV_MODE_ENV: "1"}).start()
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: http_ok(f"{url}/health"), 30, "enginesim", child)
     yield url
@@ -148,12 +151,29 @@ def test_reset_prefix_cache_makes_the_next_request_cold(engine: str) -> None:
 
     long = "a prompt to forget " * 80
     request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="r"))
-    assert request(f"{engine}/reset_prefix_cache", "POST").status == 200
+    reset = request(f"{engine}/reset_prefix_cache", "POST")
+    assert reset.status == 200 and reset.json() == {"success": True}  # vLLM 0.32's answer
     before = hits()
     request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="r"))
     assert hits() == before  # cold: nothing of it was cached any more
     request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, long, max_tokens=1, cache_salt="r"))
     assert hits() - before >= 160  # and it caches again
+
+
+def test_cache_reset_is_a_dev_mode_endpoint_as_in_vllm(tmp_path: Path) -> None:
+    """vLLM 0.32 registers POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (a benchmark
+    found the simulator answering it always)."""
+    port = free_port()
+    child = Child("engine", python_module("enginesim", "--port", str(port)), tmp_path / "engine.log",
+                  env={DEV_MODE_ENV: "0"}).start()
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "enginesim", child)
+        assert request(f"http://127.0.0.1:{port}/reset_prefix_cache", "POST").status == 404
+        # A benchmark's cold pass says which engine it could not empty, and why, instead of failing.
+        (failed,) = reset_prefix_caches([f"http://127.0.0.1:{port}"])
+        assert "VLLM_SERVER_DEV_MODE=1" in failed
+    finally:
+        child.stop()
 
 
 @pytest.mark.parametrize("status", [429, 500, 503])
