@@ -12,6 +12,7 @@ from pathlib import Path
 
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE
+from llmgw import deprecations
 from llmgw.cli_common import snapshot_or_report
 
 
@@ -32,9 +33,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             missing = sorted(REQUIRED_EVIDENCE - snap.passing_evidence(cand.deployment_ref, today))
             state = "qualified" if not missing else f"NOT ELIGIBLE: no passing {', '.join(missing)} evidence"
             print(f"route {name}: candidate {cand.deployment_name}: {state}")
+    failed = False
+    for f in deprecations.findings(snap, today):
+        print(f"{'error' if f.error else 'warning'}: {f.text}", file=sys.stderr)
+        failed |= f.error
     print(f"routes: {', '.join(sorted(snap.routes))}")
     print(f"revision {snap.revision}")
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_envoy_render(args: argparse.Namespace) -> int:

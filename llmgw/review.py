@@ -23,6 +23,7 @@ from datetime import date
 
 from extproc.config import Snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE, Deployment, ModelGeometry
+from llmgw.deprecations import replacement_problems
 
 # The seed's illustration: a 70B-class model (80 layers, 8 KV heads of dimension 128, 16-bit KV).
 SEED_70B = ModelGeometry(layers=80, kv_heads=8, head_dim=128, kv_bytes_per_element=2)
@@ -150,10 +151,14 @@ def _deprecations(snap: Snapshot, today: date) -> list[str]:
                       if c.deployment_name != dep.deployment
                       and not REQUIRED_EVIDENCE - snap.passing_evidence(c.deployment_ref, today)]
             lines.append(f"{name} -> {', '.join(others) if others else 'NO qualified replacement'}")
-        when = "passed" if dep.retire_at and dep.retire_at <= today else f"in {(dep.retire_at - today).days} days" \
-            if dep.retire_at else ""
-        out.append(f"- {dep.deployment}: retires {dep.retire_at} ({when}); "
-                   f"{'; '.join(lines) if lines else 'on no route'}")
+        assert dep.retire_at is not None
+        passed = dep.retire_at <= today
+        when = "passed" if passed else f"in {(dep.retire_at - today).days} days"
+        problems = [] if passed else replacement_problems(snap, dep, today)
+        declared = (f"owner {dep.retire_owner or 'NONE'}, replacement {dep.retire_replacement or 'NONE'}"
+                    + ("" if passed else f" ({'; '.join(problems)})" if problems else " (qualified)"))
+        out.append(f"- {dep.deployment}: retires {dep.retire_at} ({when}); {declared}; on its routes: "
+                   f"{'; '.join(lines) if lines else 'none'}")
     return out
 
 

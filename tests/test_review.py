@@ -33,8 +33,9 @@ def test_every_question_is_answered_on_the_demo_policy() -> None:
     assert "- restricted: no route" in text  # no candidate serves restricted data
     assert "chat-fallback [pool-llama-8b passes; demo-anthropic passes; the same corpus 2026-12-01.2]" in text
     assert "Ledger entries by usage source: estimated: 1 (10%), reported: 9 (90%)." in text
-    assert "- pool-llama-8b: retires 2027-12-31 (in 395 days); chat-default -> NO qualified replacement; " \
-           "chat-fallback -> demo-anthropic" in text
+    assert "- demo-anthropic: retires 2027-12-31 (in 395 days); owner platform-inference, replacement " \
+           "chat-default (qualified); on its routes: chat-anthropic -> NO qualified replacement; " \
+           "chat-fallback -> pool-llama-8b" in text
 
 
 def test_the_command_prints_markdown_and_says_what_is_not_measured(tmp_path: object) -> None:

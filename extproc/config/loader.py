@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from extproc.adapters import check_options
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
-from extproc.config.schema import ApiKey, Deployment, Evidence, GatewayConfig, KeysFile, Route
+from extproc.config.schema import RETIRE_WARNING_DAYS, ApiKey, Deployment, Evidence, GatewayConfig, KeysFile, Route
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -161,7 +161,7 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
             issues.append(ConfigIssue(rel, "data_classes", f"unknown data class {dc!r}"))
         if dep.retire_at is not None and dep.retire_at <= today:
             warnings.append(f"{rel}: deployment {dep.deployment} is retired since {dep.retire_at}")
-        elif dep.retire_at is not None and (dep.retire_at - today).days <= 30:
+        elif dep.retire_at is not None and (dep.retire_at - today).days <= RETIRE_WARNING_DAYS:
             warnings.append(f"{rel}: deployment {dep.deployment} retires on {dep.retire_at}")
     for rel, route in routes.values():
         for i, cand in enumerate(route.candidates):

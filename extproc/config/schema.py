@@ -382,6 +382,9 @@ class ModelGeometry(Strict):
     kv_bytes_per_element: int = Field(default=2, gt=0)  # 2: fp16/bf16 KV cache; 1: fp8
 
 
+RETIRE_WARNING_DAYS = 30  # a deployment this close to its retire_at is warned about (and checked: llmgw check)
+
+
 class Deployment(Strict):
     deployment: Name
     fingerprint: Fingerprint
@@ -393,7 +396,12 @@ class Deployment(Strict):
     prices: Prices
     regions: tuple[Name, ...] = Field(min_length=1)
     data_classes: tuple[Name, ...] = Field(min_length=1)
+    # A deprecation is a scheduled outage: its date, who owns the move, and what replaces it (a route,
+    # or a deployment serving beside it as a candidate) with passing evidence before the date
+    # (`llmgw check` fails inside the warning window when the replacement is missing or unqualified).
     retire_at: date | None = None
+    retire_owner: str | None = Field(default=None, min_length=1, max_length=200)
+    retire_replacement: Name | None = None
     withdrawn: bool = False
     credential_ref: CredentialRef | None = None  # sent to this deployment's upstream as its adapter says
     tls: UpstreamTls | None = None  # hosted endpoints over TLS (a real provider always is)
@@ -403,6 +411,10 @@ class Deployment(Strict):
     def _one_upstream(self) -> Deployment:
         if (self.pool is None) == (not self.endpoints):
             raise ValueError("exactly one of `pool` or `endpoints` must be set")
+        if self.retire_at is None and (self.retire_owner or self.retire_replacement):
+            raise ValueError("retire_owner and retire_replacement describe a retirement: set retire_at")
+        if self.retire_replacement == self.deployment:
+            raise ValueError("retire_replacement: a deployment cannot replace itself")
         if self.tls is not None and not self.endpoints:
             raise ValueError("tls: only a deployment with `endpoints` is reached over TLS this way")
         if self.tls is not None and self.tls.server_name is None and all(
