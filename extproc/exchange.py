@@ -56,6 +56,7 @@ class Exchange:
     n: int = 1  # completions asked for: each may run to the completion bound (invariant 3)
     deadline_ms: int | None = None  # x-llmgw-deadline-ms, parsed by intake
     idempotency_key: str | None = None
+    degraded: str = ""  # `route:NAME` when the route's degraded route serves it (no candidate of its own qualified)
     traceparent: str = ""  # the client's W3C trace context, only when valid ("" otherwise)
     tracestate: str = ""
     # The request's trace (extproc/tracing.py): the client's continued, or a new one; the id of the
@@ -146,6 +147,8 @@ class Exchange:
             md[Key.ROUTE] = self.route.route_contract
         if self.door:
             md[Key.DOOR] = self.door
+        if self.degraded:
+            md[Key.DEGRADED] = self.degraded
         if self.deployment is not None:
             md[Key.DEPLOYMENT] = self.deployment.deployment
         if self.cluster:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
@@ -76,3 +79,28 @@ def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:
     Envoy does not retry an upstream filter's own reply."""
     return ep.ProcessingResponse(immediate_response=_immediate_response(
         err.status, err.body(), f"llmgw_{err.code.value}", [_JSON]))
+
+
+DEGRADED_HEADER = "x-llmgw-degraded"  # on an answer the route's degraded answer gave: `response` or `route:NAME`
+
+
+def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
+    """The route's fixed degraded answer as a completed chat completion (a stream when one was asked
+    for), with no usage: nothing upstream ran. A front door's caller gets it in its own shape from the
+    door filter, which translates every answer on the way out."""
+    assert ex.route is not None
+    base = {"id": f"chatcmpl-degraded-{ex.request_id}", "created": int(time.time()), "model": ex.route.route_contract}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    if not ex.stream:
+        doc = {**base, "object": "chat.completion", "usage": usage, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+        return immediate(ex, 200, orjson.dumps(doc), "llmgw_degraded", {DEGRADED_HEADER: "response"})
+    chunk = {**base, "object": "chat.completion.chunk"}
+    events = [{**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                                     "finish_reason": None}]},
+              {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    options = ex.body.get("stream_options")
+    if ex.door or (isinstance(options, dict) and options.get("include_usage") is True):
+        events.append({**chunk, "choices": [], "usage": usage})
+    sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return immediate(ex, 200, sse, "llmgw_degraded", {DEGRADED_HEADER: "response"}, content_type="text/event-stream")

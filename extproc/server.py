@@ -51,12 +51,12 @@ from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Sealer
-from extproc.replies import admit, immediate, refuse
+from extproc.replies import admit, degraded_answer, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
-from extproc.stages.route import tenant_salts
+from extproc.stages.route import Degraded, tenant_salts
 from extproc.store import Store, StoreUnavailable
 from extproc.streams import StreamGuard
 from extproc.wire import lenient_parser
@@ -192,6 +192,11 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             self._later(record_refusal(self.store, ex, "idempotent_replay", answer.status, ""))
             yield immediate(ex, answer.status, answer.body, "llmgw_idempotent_replay",
                             {"x-llmgw-idempotent-replay": "true"}, content_type=answer.content_type)
+        except Degraded as degraded:  # no candidate qualified: the route's fixed answer, nothing spent
+            ex.degraded = "response"
+            self._later(release(self.store, ex, "degraded", 200, {"degraded": "response"}) if ex.held is not None
+                        else record_refusal(self.store, ex, "degraded", 200, ""))
+            yield degraded_answer(ex, degraded.text)
         except GatewayError as err:
             self._ended(ex, err)
             yield refuse(ex, err)

@@ -75,15 +75,17 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                     f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
                                                Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
+                                               Key.DEGRADED,
                                                Key.STREAM_ENDS_AT_MS)))
 
 
-async def release(store: Store | None, ex: Exchange, termination: str, status: int) -> None:
+async def release(store: Store | None, ex: Exchange, termination: str, status: int,
+                  extra: dict[str, Any] | None = None) -> None:
     """A reserved request ended before dispatch: nothing was spent."""
     if store is None or ex.held is None or ex.identity is None:
         return
     outcome = {"termination": termination, "status": status, "settlement": "released", "usage": None,
-               "attempts": []}
+               "attempts": [], **(extra or {})}
     try:
         await store.settle(ex.identity.tenant, ex.request_id, outcome, 0, 0, hint=ex.held.hint)
     except StoreUnavailable:
@@ -255,7 +257,7 @@ class Meter:
         outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)},
-                             duration, first)
+                             duration, first, md_attr(attrs, Key.DEGRADED))
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,
@@ -395,7 +397,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
                                  if common.HasField("time_to_first_upstream_rx_byte") else None},
-                             duration, first)
+                             duration, first, attr(md, Key.DEGRADED))
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),

@@ -20,7 +20,16 @@ from pydantic import BaseModel, ValidationError
 
 from extproc.adapters import check_options
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
-from extproc.config.schema import RETIRE_WARNING_DAYS, ApiKey, Deployment, Evidence, GatewayConfig, KeysFile, Route
+from extproc.config.schema import (
+    RETIRE_WARNING_DAYS,
+    ApiKey,
+    Deployment,
+    Evidence,
+    GatewayConfig,
+    KeysFile,
+    Prices,
+    Route,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -185,6 +194,36 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
             for region in set(cand.regions) - set(dep.regions):
                 issues.append(ConfigIssue(rel, f"{where}.regions",
                                           f"deployment {dep.deployment} is not in region {region!r}"))
+        if route.degraded is not None and route.degraded.route is not None:
+            _check_degraded_route(rel, route, routes, deployments, issues)
+
+
+def _check_degraded_route(rel: str, route: Route, routes: dict[str, tuple[str, Route]],
+                          deployments: dict[str, tuple[str, Deployment]], issues: list[ConfigIssue]) -> None:
+    """A degraded route must exist, be another route, not degrade further, and be cheaper: no
+    candidate of it prices a token above the route's dearest candidate, so the reservation made at
+    the route's prices covers whichever of them serves (invariant 3)."""
+    name = route.degraded.route if route.degraded is not None else None
+    target = routes.get(name or "")
+    if target is None or name == route.route_contract:
+        issues.append(ConfigIssue(rel, "degraded.route", f"{name!r} is not another route"))
+        return
+    if target[1].degraded is not None and target[1].degraded.route is not None:
+        issues.append(ConfigIssue(rel, "degraded.route", f"route {name} degrades to a route itself: one step only"))
+
+    def prices(r: Route) -> list[Prices]:
+        return [deployments[c.deployment_name][1].prices for c in r.candidates if c.deployment_name in deployments]
+
+    mine = prices(route)
+    for p in prices(target[1]):
+        for price in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok"):
+            if mine and getattr(p, price) > max(getattr(m, price) for m in mine):
+                issues.append(ConfigIssue(rel, "degraded.route", f"route {name} is dearer ({price} {getattr(p, price)}"
+                                          f" above every candidate of {route.route_contract}): not a cheaper route"))
+                return
+        if mine and any(m.currency != p.currency for m in mine):
+            issues.append(ConfigIssue(rel, "degraded.route", f"route {name} prices in another currency"))
+            return
 
 
 def _load_named(root: Path, folder: str, model: type[M], name_field: str,

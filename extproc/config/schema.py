@@ -515,6 +515,21 @@ class FallbackPolicy(Strict):
     requires_same_contract: Literal[True] = True
 
 
+class DegradedAnswer(Strict):
+    """What a route answers when no qualified, policy-equivalent candidate exists (all withdrawn,
+    retired or without evidence): a fixed answer, or a named cheaper route whose candidates pass the
+    same checks for the request. Never open: without one, 503 no_qualified_route."""
+
+    response: str | None = Field(default=None, min_length=1, max_length=4096)  # the assistant's text
+    route: Name | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> DegradedAnswer:
+        if (self.response is None) == (self.route is None):
+            raise ValueError("exactly one of `response` or `route`")
+        return self
+
+
 class TelemetryPolicy(Strict):
     record_content: bool = False
     propagate_trace_context: bool = True
@@ -538,3 +553,4 @@ class Route(Strict):
     retry: RetryPolicy = RetryPolicy()
     fallback: FallbackPolicy = FallbackPolicy()
     telemetry: TelemetryPolicy = TelemetryPolicy()
+    degraded: DegradedAnswer | None = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from extproc.bounds import requested_max_tokens
 from extproc.config.policy import PolicyEvaluationError, cache_key
+from extproc.config.schema import Route
 from extproc.contract import ErrorCode, GatewayError
 from extproc.decisions import DecisionRecorder, differences, log_entry, new_decision_id, result_of, sampled
 from extproc.exchange import Exchange
@@ -30,9 +31,10 @@ def requested_tools(ex: Exchange) -> list[dict[str, Any]]:
     return out
 
 
-def policy_input(ex: Exchange, data_class: str) -> dict[str, Any]:
+def policy_input(ex: Exchange, data_class: str, on: Route | None = None) -> dict[str, Any]:
+    """The policy's input for this request on its route (or on `on`, another route)."""
     assert ex.identity is not None and ex.route is not None
-    ident, route = ex.identity, ex.route
+    ident, route = ex.identity, on or ex.route
     return {
         "identity": {"tenant": ident.tenant, "subject": ident.subject, "kind": ident.kind,
                      "groups": list(ident.groups), "effects": list(ident.effects)},
@@ -48,6 +50,18 @@ def policy_input(ex: Exchange, data_class: str) -> dict[str, Any]:
         "candidates": [{"deployment": c.deployment_name, "data_classes": list(c.data_classes),
                         "regions": list(c.regions)} for c in route.candidates],
     }
+
+
+def authorized_on(ex: Exchange, route: Route) -> bool:
+    """Whether the policy allows this request on another route (a degraded route): the same caller,
+    data class, tools and size, that route's name, class and candidates. Any evaluation problem: no."""
+    if ex.snapshot.policy is None or ex.identity is None:
+        return False
+    doc = policy_input(ex, ex.data_class, route)
+    try:
+        return ex.snapshot.policy.decide(doc, cache_key(doc)).allow
+    except PolicyEvaluationError:
+        return False
 
 
 class Authorization:

@@ -27,11 +27,12 @@ from extproc.adapters.loss import Loss, Support, losses
 from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment
+from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.fallback import composite_name, uses_attempt_filter
 from extproc.picker import Picker
+from extproc.stages.authorize import authorized_on
 
 
 def tenant_salts(secret: str, tenants: Iterable[str]) -> dict[str, str]:
@@ -110,6 +111,34 @@ def translation_check(dep: Deployment, body: dict[str, Any], mode: str) -> tuple
         else set()
 
 
+class Degraded(Exception):  # an outcome, like Replay, not an error
+    """No candidate qualified and the route declares a fixed degraded answer: this text."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
+def qualify(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, Any], loss_rule: str) -> tuple[
+        list[int], dict[str, set[str]], dict[str, tuple[Loss, ...]]]:
+    """(indices of the route's qualified candidates, each refused one's reasons, what each qualified
+    one's adapter loses of the request)."""
+    refused: dict[str, set[str]] = {}
+    qualified: list[int] = []
+    lost: dict[str, tuple[Loss, ...]] = {}
+    for i, cand in enumerate(route.candidates):
+        failed = disqualifications(snap, cand, facts)
+        dep = snap.deployments.get(cand.deployment_name)
+        if dep is not None and not failed:
+            lost[dep.deployment], why = translation_check(dep, body, loss_rule)
+            failed |= why
+        if failed:
+            refused[cand.deployment_name] = failed
+        else:
+            qualified.append(i)
+    return qualified, refused, lost
+
+
 class RouteSelection:
     name = "route"
 
@@ -124,19 +153,8 @@ class RouteSelection:
                              n_messages=len(ex.body.get("messages") or ()),
                              max_tokens=requested_max_tokens(ex.body, route.max_tokens_cap,
                                                              snap.gateway.limits.default_max_tokens))
-        refused: dict[str, set[str]] = {}
-        qualified: list[int] = []
-        lost: dict[str, tuple[Loss, ...]] = {}
-        for i, cand in enumerate(route.candidates):
-            failed = disqualifications(snap, cand, facts)
-            dep = snap.deployments.get(cand.deployment_name)
-            if dep is not None and not failed:
-                lost[dep.deployment], why = translation_check(dep, ex.body, route.translation_loss)
-                failed |= why
-            if failed:
-                refused[cand.deployment_name] = failed
-            else:
-                qualified.append(i)
+        serving = route  # the route whose candidates serve: this one, or its degraded route
+        qualified, refused, lost = qualify(snap, route, facts, ex.body, route.translation_loss)
         if not qualified:
             reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
             if all(f == {"context"} for f in refused.values()):
@@ -147,16 +165,31 @@ class RouteSelection:
                 first = next(x for x in lost[route.candidates[0].deployment_name] if x.support is Support.UNSUPPORTED)
                 raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{first.field}` cannot be carried to this route's "
                                    f"provider ({first.note or 'no equivalent'})", first.field)
-            raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,
-                               f"no candidate of route {route.route_contract!r} qualifies ({reasons})")
-        if not route.fallback.enabled:
+            degraded = route.degraded
+            if degraded is not None and degraded.response is not None:
+                raise Degraded(degraded.response)
+            if degraded is not None and degraded.route is not None:
+                serving = snap.routes[degraded.route]
+                # The same checks for the request: the policy allows it on that route, and its candidates
+                # qualify for this data class, region, evidence, context and loss rule.
+                qualified, more, lost = qualify(snap, serving, facts, ex.body, route.translation_loss) \
+                    if authorized_on(ex, serving) else ([], {degraded.route: {"forbidden"}}, {})
+                refused |= more
+                reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
+                ex.degraded = f"route:{serving.route_contract}" if qualified else ""
+            if not qualified:
+                raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,
+                                   f"no candidate of route {route.route_contract!r} qualifies ({reasons})"
+                                   + (f", nor of its degraded route {degraded.route!r}"
+                                      if degraded is not None and degraded.route else ""))
+        if not serving.fallback.enabled:
             qualified = qualified[:1]
-        ex.candidates = tuple(snap.deployments[route.candidates[i].deployment_name] for i in qualified)
+        ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)
         ex.translation_losses = {d.deployment: lost[d.deployment] for d in ex.candidates if lost.get(d.deployment)}
         dep = ex.deployment = ex.candidates[0]
         # Several qualified (or one that needs its credential): the composite cluster of exactly these,
         # tried in the route's order, behind the attempt filter.
-        ex.cluster = (composite_name(route.route_contract, qualified) if uses_attempt_filter(ex.candidates)
+        ex.cluster = (composite_name(serving.route_contract, qualified) if uses_attempt_filter(ex.candidates)
                       else snap.pool_of(dep))
         body = dict(ex.body)
         body["model"] = dep.served_model

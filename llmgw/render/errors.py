@@ -122,7 +122,7 @@ def _custom_response_filter(door: Door | None) -> custom_response_pb2.CustomResp
                     status_code=wrappers_pb2.UInt32Value(value=status),
                     body_format=_contract_json(code, message, status, door),
                     # Its content_type is ignored in 1.40; the header is set here instead.
-                    response_headers_to_add=[*upstream_answer_headers(), base_pb2.HeaderValueOption(
+                    response_headers_to_add=[*upstream_answer_headers(errors=True), base_pb2.HeaderValueOption(
                         header=base_pb2.HeaderValue(key="content-type", value="application/json"),
                         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)],
                 ))))

@@ -28,6 +28,7 @@ from extproc.door_filter import DOOR_ATTRIBUTES, DOOR_MODE
 from extproc.doors import CREDENTIAL_QUERY
 from extproc.names import INTERRUPTED, Key, Settle
 from extproc.picker import LB_KEY, LB_NAMESPACE
+from extproc.replies import DEGRADED_HEADER
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
 from extproc.sse import MAX_EVENT_BYTES
 from extproc.streams import interrupted_event
@@ -41,16 +42,20 @@ ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
     (REVISION_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.REVISION})%"),
     ("x-llmgw-deployment", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEPLOYMENT})%"),
     ("x-llmgw-attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
+    # Only on an answer the route's degraded route gave (empty, so left out, otherwise).
+    (DEGRADED_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEGRADED})%"),
 )
 
 
-def upstream_answer_headers() -> list[base_pb2.HeaderValueOption]:
+def upstream_answer_headers(errors: bool = False) -> list[base_pb2.HeaderValueOption]:
     """x-llmgw-deployment only where absent: on a fallback route the attempt filter named the candidate
-    that answered; every other admitted route removes whatever an upstream sent under that name."""
+    that answered; every other admitted route removes whatever an upstream sent under that name. An
+    upstream error rewritten into the contract (`errors`, one copy per route and status) leaves out
+    x-llmgw-degraded: the ledger says it, and the copies would grow Envoy's config by a tenth."""
     hvo = base_pb2.HeaderValueOption
     return [hvo(header=base_pb2.HeaderValue(key=k, value=v),
                 append_action=hvo.ADD_IF_ABSENT if k == ANSWERED_BY else hvo.OVERWRITE_IF_EXISTS_OR_ADD)
-            for k, v in ANSWER_HEADERS]
+            for k, v in ANSWER_HEADERS if not (errors and k == DEGRADED_HEADER)]
 
 
 UPSTREAM_HEADERS_FILTER = "llmgw.upstream_headers"
