@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.chaos import add_parser as add_chaos
 
     add_chaos(sub)
+    from llmgw.revisions_cmd import add_parsers as add_revision_commands
+
+    add_revision_commands(sub)
     return p
 
 
