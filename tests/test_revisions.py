@@ -64,7 +64,8 @@ KINDS: list[tuple[str, Callable[[Path], None]]] = [
     ("route", lambda p: edit(p / "routes/chat-default.yaml", lambda d: d.update(deadline_ms=20000))),
     ("engine endpoints", lambda p: edit(p / "gateway.yaml",
                                         lambda d: d["pools"]["engine-pool"]["endpoints"].append("127.0.0.1:8103"))),
-    ("model deployment", lambda p: edit(p / "deployments/pool-llama-8b.yaml", lambda d: d.update(context_window=65536))),
+    ("model deployment", lambda p: edit(p / "deployments/pool-llama-8b.yaml",
+                                        lambda d: d.update(context_window=65536))),
     ("scheduler and picker", lambda p: refingerprint(p, "pool-llama-8b", "batching_policy",
                                                      "continuous,max-num-seqs-128,max-batched-tokens-8192")),
     ("policy", lambda p: (p / "authz.rego").write_text((p / "authz.rego").read_text() + "\n# reviewed\n")),
@@ -123,7 +124,8 @@ def test_changes_name_the_field(policy: Path) -> None:
     edit(policy / "routes/chat-default.yaml", lambda d: d.update(deadline_ms=20000))
     (policy / "examples/new.rego").write_text("package x\n")
     found = [str(c) for c in changes(before, policy_files(policy))]
-    assert found == ["[policy] examples/new.rego: added", "[route] routes/chat-default.yaml: deadline_ms: 30000 -> 20000"]
+    assert found == ["[policy] examples/new.rego: added",
+                     "[route] routes/chat-default.yaml: deadline_ms: 30000 -> 20000"]
 
 
 @pytest.mark.e2e
