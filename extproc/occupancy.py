@@ -4,7 +4,8 @@ in-flight tokens, and each budget's reserved amount and what remains of it in it
 These are the store's facts, shared by every worker and every host, so they are read from the store
 when `/metrics` is scraped (one pipelined round trip, bounded by the store's timeout) instead of
 being counted by each worker. Without a store, or when it does not answer, `llmgw_store_up` is 0 and
-the other gauges are absent: a missing series, not a stale one.
+the other gauges are absent: a missing series, not a stale one. Beside them, from the serving
+revision itself: `llmgw_evidence_voided` (extproc/config/evidence.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,22 @@ from extproc.stages.budget import window_id
 from extproc.store import Occupancy, Store, StoreUnavailable, budget_key
 
 
+def voided_evidence(snap: Snapshot) -> GaugeMetricFamily:
+    """Evidence records a re-evaluation trigger voided, per deployment of the serving revision (its
+    candidate left routing where nothing else qualifies it; `llmgw check` says why)."""
+    g = GaugeMetricFamily("llmgw_evidence_voided", "Evidence records voided by a re-evaluation trigger, per "
+                          "deployment (price, quota or data-class policy change; provider drift, workload "
+                          "shift, SLO regression)", labels=["deployment"])
+    by_ref = {d.ref: d.deployment for d in snap.deployments.values()}
+    for ref, why in sorted(snap.voided.items()):
+        g.add_metric([by_ref.get(ref, ref)], len(why))
+    return g
+
+
 def families(snap: Snapshot, held: Occupancy | None, tenant_label: bool) -> list[Metric]:
     up = GaugeMetricFamily("llmgw_store_up", "Whether the store answered this scrape", value=held is not None)
     if held is None:
-        return [up]
+        return [up, voided_evidence(snap)]
     leases = GaugeMetricFamily("llmgw_reservations_open", "Reservations held now: admitted requests not yet settled",
                                value=sum(held.leases.values()))
     tokens = GaugeMetricFamily("llmgw_inflight_tokens", "Tokens reserved by the requests in flight (their bounds)",
@@ -49,7 +62,7 @@ def families(snap: Snapshot, held: Occupancy | None, tenant_label: bool) -> list
             reserved.add_metric([b.name, unit], r)
             if limit is not None:
                 remaining.add_metric([b.name, unit], limit - s - r)
-    return [*out, reserved, remaining]
+    return [*out, reserved, remaining, voided_evidence(snap)]
 
 
 async def read(store: Store | None, snap: Snapshot) -> Occupancy | None:

@@ -32,6 +32,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         for cand in route.candidates:
             missing = sorted(REQUIRED_EVIDENCE - snap.passing_evidence(cand.deployment_ref, today))
             state = "qualified" if not missing else f"NOT ELIGIBLE: no passing {', '.join(missing)} evidence"
+            if missing and snap.voided.get(cand.deployment_ref):
+                state += f" (voided: {'; '.join(snap.voided[cand.deployment_ref])})"
             print(f"route {name}: candidate {cand.deployment_name}: {state}")
     failed = False
     for f in deprecations.findings(snap, today):
@@ -258,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.revisions_cmd import add_parsers as add_revision_commands
 
     add_revision_commands(sub)
+    from llmgw.reevaluate import add_parser as add_evidence
+
+    add_evidence(sub)
     return p
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from extproc.config.evidence import basis_for
 from llmgw.cli_common import snapshot_or_report
 from llmgw.conformance.corpus import CORPUS, load_corpus
 from llmgw.conformance.runner import run
@@ -59,7 +60,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         failed |= not result.passed
         if not args.dry_run:
             path = Path(args.config) / "evidence" / f"{name}-conformance.yaml"
-            path.write_text(HEADER + yaml.safe_dump(result.evidence(today, args.valid_days), sort_keys=False))
+            record = result.evidence(today, args.valid_days)
+            # What it was earned under: a later price, quota or data-class policy change voids it.
+            record["basis"] = basis_for(snap.gateway, snap.deployments[name]).model_dump(mode="json")
+            path.write_text(HEADER + yaml.safe_dump(record, sort_keys=False))
             print(f"  wrote {path}")
     return 1 if failed else 0
 

@@ -53,6 +53,8 @@ def test_the_store_gauges_say_what_is_held_and_what_remains() -> None:
     assert "llmgw_tenant_reservations_open" not in by_name
     per_tenant = {m.name: m for m in families(snap, held, tenant_label=True)}["llmgw_tenant_reservations_open"]
     assert {s.labels["tenant"]: s.value for s in per_tenant.samples} == {"acme": 2, "globex": 1}
-    # A store that did not answer: only llmgw_store_up, at 0 (no stale figures).
-    (down,) = families(snap, None, tenant_label=False)
+    # A store that did not answer: llmgw_store_up at 0 and no stale store figures (the revision's own
+    # voided evidence still counts: it is no store fact).
+    down, voided = families(snap, None, tenant_label=False)
     assert (down.name, [s.value for s in down.samples]) == ("llmgw_store_up", [0])
+    assert (voided.name, voided.samples) == ("llmgw_evidence_voided", [])

@@ -19,12 +19,14 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from extproc.adapters import check_options
+from extproc.config.evidence import sift
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
 from extproc.config.schema import (
     RETIRE_WARNING_DAYS,
     ApiKey,
     Deployment,
     Evidence,
+    EvidenceVoid,
     GatewayConfig,
     KeysFile,
     Prices,
@@ -69,7 +71,8 @@ class Snapshot:
     revision: str
     warnings: tuple[str, ...] = ()
     keys_by_hash: Mapping[str, KeyOwner] = field(default_factory=dict)
-    evidence: Mapping[str, tuple[Evidence, ...]] = field(default_factory=dict)  # by deployment_ref
+    evidence: Mapping[str, tuple[Evidence, ...]] = field(default_factory=dict)  # by deployment_ref, still valid
+    voided: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # deployment_ref -> why records were voided
     policy: CompiledPolicy | None = None  # None only for snapshots built without their Rego
     dry_run_policy: CompiledPolicy | None = None  # gateway.yaml policy_dry_run's candidate, never enforced
     policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
@@ -126,9 +129,11 @@ def _parse(model: type[M], data: Any, rel: str, issues: list[ConfigIssue]) -> M 
 
 
 def _revision(gateway: GatewayConfig, routes: dict[str, Route], deployments: dict[str, Deployment],
-              rego: dict[str, str], evidence: dict[str, list[Evidence]], keys: list[Any]) -> str:
+              rego: dict[str, str], evidence: dict[str, list[Evidence]], keys: list[Any],
+              voids: list[EvidenceVoid]) -> str:
     doc = {
         "keys": keys,
+        **({"evidence_voids": [v.model_dump(mode="json") for v in voids]} if voids else {}),
         "evidence": {k: [e.model_dump(mode="json") for e in v] for k, v in sorted(evidence.items())},
         "gateway": gateway.model_dump(mode="json"),
         "routes": {k: v.model_dump(mode="json") for k, v in sorted(routes.items())},
@@ -278,6 +283,11 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     current_refs = {d.ref for _, d in deployments.values()}
     for ref in sorted(set(evidence) - current_refs):
         warnings.append(f"evidence for {ref} matches no current fingerprint; it qualifies nothing")
+    voids: list[EvidenceVoid] = []
+    for path in sorted((root / "evidence" / "voids").glob("*.yaml")):
+        void = _parse(EvidenceVoid, _read_yaml(path, root, issues), str(path.relative_to(root)), issues)
+        if void is not None:
+            voids.append(void)
 
     # A dry-run candidate's Rego is evaluated beside the enforced policy, never as part of it.
     dry = gateway.policy_dry_run if gateway is not None else None
@@ -315,12 +325,16 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     keys.update({k.sha256: KeyOwner(managed_owner[k.sha256], k) for k in managed})
     all_rego = {**rego, **{f"dry-run:{k}": v for k, v in candidate.items()}}
     revision = _revision(gateway, plain_routes, plain_deps, all_rego, evidence,
-                         [k.model_dump(mode="json") for k in managed])
+                         [k.model_dump(mode="json") for k in managed], voids)
+    counted, voided = sift(evidence, plain_deps, gateway, voids)
+    for ref, why in sorted(voided.items()):
+        warnings.append(f"evidence for {ref} voided: {'; '.join(why)}")
     data = policy_data(gateway)
     policy = _compile(rego, data, revision, "")
     dry_run = _compile(candidate, data, f"{revision}+dry-run", f"{dry.directory}/") if dry is not None else None
     return Snapshot(
-        evidence=MappingProxyType({ref: tuple(recs) for ref, recs in evidence.items()}),
+        evidence=MappingProxyType(counted),
+        voided=MappingProxyType(voided),
         directory=root,
         gateway=gateway,
         routes=MappingProxyType(plain_routes),

@@ -382,6 +382,15 @@ class ModelGeometry(Strict):
     kv_bytes_per_element: int = Field(default=2, gt=0)  # 2: fp16/bf16 KV cache; 1: fp8
 
 
+class ProviderQuota(Strict):
+    """The provider's rate limits for a deployment, as agreed (a hosted model's quota): what its evidence
+    was earned under, so a change voids the evidence. The gateway's own quotas (gateway.yaml) enforce
+    limits on callers; this one is a fact about the served system."""
+
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+
+
 RETIRE_WARNING_DAYS = 30  # a deployment this close to its retire_at is warned about (and checked: llmgw check)
 
 
@@ -406,6 +415,7 @@ class Deployment(Strict):
     credential_ref: CredentialRef | None = None  # sent to this deployment's upstream as its adapter says
     tls: UpstreamTls | None = None  # hosted endpoints over TLS (a real provider always is)
     model_geometry: ModelGeometry | None = None  # self-hosted models: for KV memory sizing
+    provider_quota: ProviderQuota | None = None  # hosted models: the quota agreed with the provider
 
     @model_validator(mode="after")
     def _one_upstream(self) -> Deployment:
@@ -448,6 +458,27 @@ class CaseResult(Strict):
     detail: str = ""
 
 
+class EvidenceBasis(Strict):
+    """What a record was earned under (extproc/config/evidence.py). A change to any of these voids the
+    record: its re-evaluation triggers beside the fingerprint, which a changed artifact or adapter
+    already voids by changing the reference."""
+
+    prices_version: str | None = None  # the deployment's price version: a price change
+    quota_digest: str | None = None  # the provider's quota for the deployment: a quota change
+    policy_digest: str | None = None  # the data classes it may serve and how they are redacted: a policy change
+
+
+class EvidenceVoid(Strict):
+    """A re-evaluation trigger that fired at run time (`llmgw evidence reevaluate` writes them to
+    evidence/voids/): every record of this fingerprint is void from `recorded_at` until evidence is
+    earned again after it."""
+
+    deployment_ref: DeploymentRef
+    trigger: Literal["provider_drift", "workload_shift", "slo_regression"]
+    reason: str
+    recorded_at: date
+
+
 class Evidence(Strict):
     """A qualification record for one exact fingerprint (the reference names its digest, so changing
     any fingerprint field leaves the record qualifying nothing). `llmgw conformance` writes the
@@ -465,6 +496,7 @@ class Evidence(Strict):
     corpus_version: str = ""
     losses: tuple[str, ...] = ()
     cases: tuple[CaseResult, ...] = ()
+    basis: EvidenceBasis | None = None  # without one, only the fingerprint and expiry void it
 
     @model_validator(mode="after")
     def _result_follows_cases(self) -> Evidence:

@@ -1,0 +1,135 @@
+"""Re-evaluation triggers (issue 16, part 5): each voids evidence, takes the candidate out of routing,
+and says why in `llmgw check` and the metrics. Static ones (price, provider quota, a policy change
+touching the deployment's data classes) at every load; run-time ones (provider drift, workload shift,
+SLO regression) from the ledger, written as void records; and a later failing record outranks an
+earlier pass."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from datetime import date, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+
+from extproc.config import load_snapshot
+from extproc.config.schema import REQUIRED_EVIDENCE
+from extproc.occupancy import _Fixed, families
+from llmgw.reevaluate import Bounds, evaluate, void_files
+from tests.conftest import POLICY
+from tests.helpers import llmgw
+
+TODAY = date.today()
+
+
+@pytest.fixture
+def policy(tmp_path: Path) -> Path:
+    dst = tmp_path / "policy"
+    shutil.copytree(POLICY, dst, ignore=shutil.ignore_patterns("keys.yaml"))
+    return dst
+
+
+def edit(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
+    doc = yaml.safe_load(path.read_text())
+    change(doc)
+    path.write_text(yaml.safe_dump(doc))
+
+
+def qualified(policy: Path, deployment: str) -> bool:
+    snap = load_snapshot(policy)
+    return REQUIRED_EVIDENCE.issubset(snap.passing_evidence(snap.deployments[deployment].ref, TODAY))
+
+
+def narrow_anthropic(p: Path) -> None:
+    """demo-anthropic serves fewer classes (its candidates may not claim more than it serves)."""
+    edit(p / "deployments/demo-anthropic.yaml", lambda d: d.update(data_classes=["public", "internal"]))
+    for route in ("chat-anthropic", "chat-fallback"):
+        edit(p / f"routes/{route}.yaml", lambda d: [c.update(data_classes=["public", "internal"])
+                                                   for c in d["candidates"]])
+
+
+STATIC = [  # (what `llmgw check` says, the change, whether it touches every deployment)
+    ("price change (2026-12 -> 2027-01)",
+     lambda p: edit(p / "deployments/demo-anthropic.yaml", lambda d: d["prices"].update(version="2027-01")), False),
+    ("provider quota change", lambda p: edit(p / "deployments/demo-anthropic.yaml",
+                                             lambda d: d["provider_quota"].update(requests_per_minute=1)), False),
+    ("policy change touching its data classes", narrow_anthropic, False),
+    # Redaction decides what every deployment receives: all their evidence is void.
+    ("policy change touching its data classes",
+     lambda p: edit(p / "gateway.yaml", lambda d: d["redaction"].update(from_data_class="confidential")), True),
+]
+
+
+@pytest.mark.parametrize(("reason", "change", "everyone"), STATIC, ids=["price", "quota", "data classes", "redaction"])
+def test_a_static_trigger_voids_the_evidence_and_the_candidate_leaves_routing(
+        policy: Path, reason: str, change: Callable[[Path], None], everyone: bool) -> None:
+    assert qualified(policy, "demo-anthropic")
+    change(policy)
+    assert not qualified(policy, "demo-anthropic")
+    snap = load_snapshot(policy)
+    why = snap.voided[snap.deployments["demo-anthropic"].ref]
+    assert {w.split(": ", 1)[0] for w in why} == {"conformance", "quality_gate"}
+    assert all(reason in w for w in why), why
+    out = llmgw("check", str(policy))
+    assert "route chat-anthropic: candidate demo-anthropic: NOT ELIGIBLE" in out.stdout and reason in out.stdout
+    assert qualified(policy, "pool-llama-8b") is not everyone  # only what the change touches is voided
+
+
+def test_a_later_failing_record_outranks_an_earlier_pass(policy: Path) -> None:
+    rec = yaml.safe_load((policy / "evidence/demo-gemini-conformance.yaml").read_text())
+    later = {**rec, "result": "fail", "recorded_at": (TODAY + timedelta(days=1)).isoformat(), "cases": []}
+    (policy / "evidence/demo-gemini-conformance-rerun.yaml").write_text(yaml.safe_dump(later))
+    assert not qualified(policy, "demo-gemini")
+    earlier = {**later, "recorded_at": "2026-01-01"}  # an old failure the pass superseded
+    (policy / "evidence/demo-gemini-conformance-rerun.yaml").write_text(yaml.safe_dump(earlier))
+    assert qualified(policy, "demo-gemini")
+
+
+def entry(dep: str, t: float, request_class: str = "chat", status: int = 200, termination: str = "complete",
+          stream: bool = True, first_byte_ms: float = 100.0, prompt: int = 500) -> dict[str, Any]:
+    return {"time": t, "request_class": request_class, "termination": termination, "stream": stream,
+            "first_byte_ms": first_byte_ms, "duration_ms": first_byte_ms * 5, "usage": {"prompt_tokens": prompt},
+            "attempts": [{"deployment": dep, "status": status}]}
+
+
+def test_run_time_triggers_fire_beyond_their_bounds_and_not_before() -> None:
+    bounds = Bounds(max_failure_share=0.05, ttft_p95_ms=1000, min_requests=50)
+    base = [entry("a", i) for i in range(100)]
+    assert evaluate(base, base, bounds) == []
+    broken = [entry("a", i, status=502 if i < 10 else 200, termination="upstream_error" if i < 10 else "complete")
+              for i in range(100)]
+    (drift,) = evaluate(broken, base, bounds)
+    assert (drift.deployment, drift.trigger) == ("a", "provider_drift") and "10.0% of 100" in drift.reason
+    slow = [entry("a", i, first_byte_ms=2000 if i < 10 else 100) for i in range(100)]
+    (slo,) = evaluate(slow, base, bounds)
+    assert slo.trigger == "slo_regression" and "TTFT p95 2000 ms" in slo.reason
+    shifted = [entry("a", i, request_class="agent" if i < 40 else "chat") for i in range(100)]
+    (mix,) = evaluate(shifted, base, bounds)
+    assert mix.trigger == "workload_shift" and "moved by 0.40" in mix.reason
+    longer = [entry("a", i, prompt=1000) for i in range(100)]
+    (length,) = evaluate(longer, base, bounds)
+    assert length.trigger == "workload_shift" and "prompt p95 1000" in length.reason
+    assert evaluate(broken[:49], base, bounds) == []  # too few requests decide nothing
+
+
+def test_a_void_record_takes_the_candidate_out_and_the_metrics_say_so(policy: Path) -> None:
+    snap = load_snapshot(policy)
+    from llmgw.reevaluate import Finding
+
+    void_files([Finding("demo-bedrock", "provider_drift", "12.0% of 80 answers failed or broke (bound 5%)")],
+               dict(snap.deployments), policy, TODAY.isoformat())
+    assert not qualified(policy, "demo-bedrock") and qualified(policy, "demo-anthropic")
+    snap = load_snapshot(policy)
+    assert "provider drift: 12.0% of 80 answers" in " ".join(snap.voided[snap.deployments["demo-bedrock"].ref])
+    registry = CollectorRegistry()
+    registry.register(_Fixed(families(snap, None, False)))
+    assert 'llmgw_evidence_voided{deployment="demo-bedrock"} 2.0' in generate_latest(registry).decode()
+    # Evidence earned after the trigger counts again.
+    for kind in ("conformance", "quality-gate"):
+        path = policy / f"evidence/demo-bedrock-{kind}.yaml"
+        edit(path, lambda d: d.update(recorded_at=(TODAY + timedelta(days=1)).isoformat()))
+    assert qualified(policy, "demo-bedrock")
