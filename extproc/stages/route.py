@@ -7,8 +7,10 @@ Eligibility (invariant 2): the candidate and its deployment serve the request's 
 region the tenant allows; passing, unexpired evidence of every required kind exists for the exact
 fingerprint; the deployment is neither withdrawn nor retired; and its context window holds the prompt's
 upper bound (UTF-8 bytes + template allowance per message) plus max_tokens. A candidate may also take
-only prompts of a size range (a pool for long prompts). None left: 503 no_qualified_route, or 400
-context_length_exceeded when the context window was the only reason.
+only prompts of a size range (a pool for long prompts). None left: 400 context_length_exceeded when
+the context window was the only reason; else the route's degraded answer when it declares one (a
+fixed response, or its degraded route's candidates qualified the same way, where the policy allows
+the request on that route); else 503 no_qualified_route - never open.
 """
 
 from __future__ import annotations
