@@ -133,3 +133,37 @@ def test_a_void_record_takes_the_candidate_out_and_the_metrics_say_so(policy: Pa
         path = policy / f"evidence/demo-bedrock-{kind}.yaml"
         edit(path, lambda d: d.update(recorded_at=(TODAY + timedelta(days=1)).isoformat()))
     assert qualified(policy, "demo-bedrock")
+
+
+def test_the_reevaluate_command_reads_the_ledger_and_voids_what_drifted(policy: Path) -> None:
+    """The command end to end: ledger entries in a real store, a void record written, the candidate out."""
+    import json
+    import time
+
+    import redis
+
+    from extproc.store import ledger_key
+    from tests.conftest import valkey_url
+
+    url = valkey_url().rsplit("/", 1)[0] + "/8"
+    client = redis.Redis.from_url(url, decode_responses=True)
+    client.flushdb()
+    try:
+        now = time.time()
+        for i in range(60):  # the last hour: 10 of 60 Bedrock answers failed upstream
+            e = entry("demo-bedrock", now - 3600 + i, status=502 if i < 10 else 200,
+                      termination="upstream_error" if i < 10 else "complete")
+            record = {k: v for k, v in e.items() if k in ("time", "request_class", "stream")}
+            outcome = {k: v for k, v in e.items() if k not in record}
+            client.xadd(ledger_key("acme"), {"record": json.dumps(record), "outcome": json.dumps(outcome)})
+        dry = llmgw("evidence", "reevaluate", "--config", str(policy), "--store-url", url, "--dry-run")
+        assert dry.returncode == 1 and "demo-bedrock: provider_drift: 16.7% of 60" in dry.stdout
+        assert qualified(policy, "demo-bedrock")  # a dry run writes nothing
+        run = llmgw("evidence", "reevaluate", "--config", str(policy), "--store-url", url)
+        assert run.returncode == 1 and "wrote" in run.stdout
+        assert not qualified(policy, "demo-bedrock") and qualified(policy, "pool-llama-8b")
+        quiet = llmgw("evidence", "reevaluate", "--config", str(policy), "--store-url", url,
+                      "--max-failure-share", "0.5")
+        assert quiet.returncode == 0 and "no trigger fired" in quiet.stdout
+    finally:
+        client.flushdb()
