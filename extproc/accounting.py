@@ -84,12 +84,12 @@ def _ms(seconds: float | None) -> float | None:
 def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, source: str,
                dep: Deployment | None, redactions: str, attempt: dict[str, Any],
                duration_s: float | None = None, first_byte_s: float | None = None,
-               degraded: str = "") -> dict[str, Any]:
+               marks: dict[str, str] | None = None) -> dict[str, Any]:
     """The settlement half of a ledger entry (the admission half is stored with the reservation).
     `duration_s` and `first_byte_s` run from the request's arrival to its answer's last and first
     byte to the client (None when not known); `llmgw report` reads its latencies from them."""
     return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
-            **({"degraded": degraded} if degraded else {}),
+            **{k: v for k, v in (marks or {}).items() if v},  # degraded, canary: what served it, and why
             "duration_ms": _ms(duration_s), "first_byte_ms": _ms(first_byte_s),
             "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,
             "attempts": [{"deployment": dep.deployment if dep else "",

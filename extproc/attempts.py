@@ -41,7 +41,7 @@ from extproc.adapters.base import Adapter, NativeStream, StreamTranslator, Targe
 from extproc.config import Snapshot
 from extproc.config.reload import Live
 from extproc.config.schema import Deployment
-from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
+from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.envoy_msgs import ATTRIBUTES, attr, header, with_first
 from extproc.fallback import attempt_kind, decode_plan, translated
 from extproc.metrics import count_attempt
@@ -71,6 +71,12 @@ ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _P
 # whole (JSON) or chunk by chunk (a stream).
 ATTEMPT_TRANSLATED = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": _PM.BUFFERED, "response_body_mode": _PM.BUFFERED}
 ATTEMPT_TRANSLATED_STREAM = {**ATTEMPT_TRANSLATED, "response_body_mode": _PM.STREAMED}
+
+
+# Headers a candidate's adapter sets on its request (keys, protocol versions, SigV4's): removed from
+# every attempt whose candidate did not set them (tests/test_adapters.py keeps this list whole).
+SHAPE_HEADERS = ("x-api-key", "anthropic-version", "x-goog-api-key", "api-key", "x-amz-date",
+                 "x-amz-security-token", "x-amz-content-sha256")
 
 
 def choose_candidate(snap: Snapshot, plan: list[str], attempt: int, host_cluster: str) -> int:
@@ -295,10 +301,17 @@ class _Attempt:
             path, headers = self.adapter.endpoint(self.target)
             mutation.remove_headers.append("authorization")
             mutation.set_headers.extend(overwrite_header(k, v) for k, v in (*headers.items(), (":path", path)))
-        elif token:
-            mutation.set_headers.append(overwrite_header("authorization", f"Bearer {token}"))
         else:
-            mutation.remove_headers.append("authorization")
+            # An OpenAI-shaped candidate after one of another shape: back to the chat path.
+            mutation.set_headers.append(overwrite_header(":path", CHAT_PATH))
+            headers = {}
+            if token:
+                mutation.set_headers.append(overwrite_header("authorization", f"Bearer {token}"))
+            else:
+                mutation.remove_headers.append("authorization")
+        # An earlier attempt's candidate of another shape set its own key and protocol headers, and
+        # Envoy reuses them for this one: none of them may reach a candidate they were not for.
+        mutation.remove_headers.extend(h for h in SHAPE_HEADERS if h not in headers)
         reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=mutation)))
         if self.adapter is not None:

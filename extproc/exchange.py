@@ -57,6 +57,7 @@ class Exchange:
     deadline_ms: int | None = None  # x-llmgw-deadline-ms, parsed by intake
     idempotency_key: str | None = None
     degraded: str = ""  # `route:NAME` when the route's degraded route serves it (no candidate of its own qualified)
+    canary: str = ""  # on a route with a canary: `canary` when it goes there first, else `stable`
     traceparent: str = ""  # the client's W3C trace context, only when valid ("" otherwise)
     tracestate: str = ""
     # The request's trace (extproc/tracing.py): the client's continued, or a new one; the id of the
@@ -149,6 +150,8 @@ class Exchange:
             md[Key.DOOR] = self.door
         if self.degraded:
             md[Key.DEGRADED] = self.degraded
+        if self.canary:
+            md[Key.CANARY] = self.canary
         if self.deployment is not None:
             md[Key.DEPLOYMENT] = self.deployment.deployment
         if self.cluster:

@@ -23,7 +23,8 @@ MAX_ATTEMPTS = MAX_RETRIES + 1  # at least MAX_CANDIDATES: every candidate can b
 
 
 def composite_name(route: str, indices: Sequence[int]) -> str:
-    """The composite cluster for these candidates (indices into the route's list, ascending)."""
+    """The composite cluster for these candidates (indices into the route's list, in plan order:
+    ascending, or a canary's first)."""
     return f"fallback_{route}_" + "_".join(str(i) for i in indices)
 
 
@@ -48,6 +49,15 @@ def candidate_subsets(n: int, credentialed: Collection[int] = ()) -> Iterator[tu
         yield (i,)
     for size in range(2, n + 1):
         yield from combinations(range(n), size)
+
+
+def canary_orderings(n: int, canary: int) -> Iterator[tuple[int, ...]]:
+    """A canary route's plans that put its canary first: the canary, then each ordered subset of the
+    others (the plans without it first are among candidate_subsets')."""
+    others = [i for i in range(n) if i != canary]
+    for size in range(1, len(others) + 1):
+        for rest in combinations(others, size):
+            yield (canary, *rest)
 
 
 def uses_attempt_filter(plan: Sequence[Deployment]) -> bool:

@@ -32,6 +32,7 @@ class Key(StrEnum):
     CLUSTER = "cluster"  # the cluster the request was admitted to (routes match on it)
     PLAN = "plan"  # a fallback route's candidates, for the attempt filter
     LOSSES = "losses"  # per candidate, what its adapter loses or changes (JSON), for the attempt filter
+    CANARY = "canary"  # on a route with a canary: `canary` (it was tried first) or `stable` (ledger)
     DEGRADED = "degraded"  # the route's degraded answer served it: `route:NAME` (x-llmgw-degraded, ledger)
     PLAN_STREAM = "plan_stream"  # "1": the plan's answer is a stream (translated chunk by chunk)
     RQ_TIMEOUT_MS = "rq_timeout_ms"

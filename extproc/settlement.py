@@ -75,7 +75,7 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                     f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
                                                Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
-                                               Key.DEGRADED,
+                                               Key.DEGRADED, Key.CANARY,
                                                Key.STREAM_ENDS_AT_MS)))
 
 
@@ -157,6 +157,10 @@ class Settler:
                         log.error("%d settlement(s) not written for %.0fs (store unavailable); the sweeper "
                                   "will charge them when their leases expire", len(batch) - len(kept), RETRY_FOR_S)
                     self._queue = kept + self._queue
+                except Exception:  # a settlement that cannot be written at all (a bug): never the whole queue
+                    written = False
+                    log.exception("%d settlement(s) could not be written; the sweeper will charge them when "
+                                  "their leases expire", len(batch))
                 for _, done, _, _ in batch:
                     if not done.done():
                         done.set_result(written)
@@ -168,7 +172,7 @@ class Settler:
                             observe()
                         except Exception:
                             log.exception("observing a settlement failed")
-                if not written:
+                if not written and self._queue:
                     await asyncio.sleep(RETRY_EVERY_S)
         finally:
             self._flushing = None
@@ -257,7 +261,7 @@ class Meter:
         outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)},
-                             duration, first, md_attr(attrs, Key.DEGRADED))
+                             duration, first, {k.value: md_attr(attrs, k) for k in (Key.DEGRADED, Key.CANARY)})
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,
@@ -397,7 +401,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
                                  if common.HasField("time_to_first_upstream_rx_byte") else None},
-                             duration, first, attr(md, Key.DEGRADED))
+                             duration, first, {k.value: attr(md, k) for k in (Key.DEGRADED, Key.CANARY)})
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),

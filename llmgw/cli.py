@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     from llmgw.reevaluate import add_parser as add_evidence
 
     add_evidence(sub)
+    from llmgw.canary import add_parser as add_canary
+
+    add_canary(sub)
     return p
 
 

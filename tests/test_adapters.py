@@ -342,3 +342,24 @@ def test_adapter_options_are_part_of_the_fingerprint() -> None:
     v1 = fp.model_copy(update={"adapter_options": {"kind": "azure", "api_version": "2024-10-21"}})
     v2 = fp.model_copy(update={"adapter_options": {"kind": "azure", "api_version": "2025-01-01"}})
     assert same.digest() == fp.digest() and len({fp.digest(), v1.digest(), v2.digest()}) == 3
+
+
+@pytest.mark.parametrize(("adapter", "options"), [("anthropic@1", {}), ("gemini@1", {}), ("bedrock@1", {}),
+                                                  ("openai@1", {"kind": "openai"}),
+                                                  ("openai@1", {"kind": "azure", "deployment": "d",
+                                                                "api_version": "2024-10-21"})])
+def test_every_header_an_adapter_sets_is_scrubbed_from_other_candidates_attempts(adapter: str,
+                                                                                 options: dict[str, str]) -> None:
+    """Envoy reuses an attempt's headers for the next: each header a candidate's adapter sets (its key,
+    protocol version, signature) is in the attempt filter's list of what other candidates' attempts
+    remove (extproc/attempts.py SHAPE_HEADERS); authorization is handled on its own."""
+    from extproc.adapters import adapter_for
+    from extproc.adapters.base import Target
+    from extproc.attempts import SHAPE_HEADERS
+
+    credential = "AKIAEXAMPLE:secret" if adapter.startswith("bedrock") else "secret"
+    for stream in (False, True):
+        native = adapter_for(adapter).request({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                                              Target("m", credential, options, stream))
+        names = {k.lower() for k in (*native.headers, *native.signed_headers)}
+        assert names - {"content-type", "authorization", ":authority"} <= set(SHAPE_HEADERS), names

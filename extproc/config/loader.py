@@ -201,6 +201,10 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                                           f"deployment {dep.deployment} is not in region {region!r}"))
         if route.degraded is not None and route.degraded.route is not None:
             _check_degraded_route(rel, route, routes, deployments, issues)
+        names = [c.deployment_name for c in route.candidates]
+        if route.canary is not None and (route.canary.deployment not in names or len(set(names)) < 2):
+            issues.append(ConfigIssue(rel, "canary.deployment", f"{route.canary.deployment!r} must be a candidate of "
+                                      "the route beside at least one other (the stable ones)"))
 
 
 def _check_degraded_route(rel: str, route: Route, routes: dict[str, tuple[str, Route]],

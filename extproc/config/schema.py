@@ -562,6 +562,22 @@ class DegradedAnswer(Strict):
         return self
 
 
+class Canary(Strict):
+    """A candidate of the route taking a share of its traffic first, chosen per request by its id
+    (deterministic), for some request classes and tenants; the rest never reach it while another
+    candidate qualifies. `llmgw canary watch` removes it (an audited revision) when its error rate or
+    TTFT p95 over the window exceeds the stable candidates' by the margins."""
+
+    deployment: Name
+    share: float = Field(gt=0, le=1)
+    request_classes: tuple[Name, ...] = ()  # empty: every class the route serves
+    tenants: tuple[Name, ...] = ()  # empty: every tenant
+    max_error_rate_increase: float = Field(default=0.05, ge=0, le=1)
+    max_ttft_p95_ratio: float = Field(default=1.5, ge=1)
+    window_s: int = Field(default=300, gt=0)
+    min_requests: int = Field(default=20, gt=0)  # per side, before anything is decided
+
+
 class TelemetryPolicy(Strict):
     record_content: bool = False
     propagate_trace_context: bool = True
@@ -586,3 +602,4 @@ class Route(Strict):
     fallback: FallbackPolicy = FallbackPolicy()
     telemetry: TelemetryPolicy = TelemetryPolicy()
     degraded: DegradedAnswer | None = None
+    canary: Canary | None = None

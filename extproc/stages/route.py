@@ -141,6 +141,29 @@ def qualify(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, A
     return qualified, refused, lost
 
 
+def canary_bucket(request_id: str) -> float:
+    """Where a request falls in [0, 1): the same request id always falls in the same place."""
+    return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 2**32
+
+
+def canary_order(ex: Exchange, route: Route, qualified: list[int]) -> list[int]:
+    """The canary first for its share of the requests it takes; out of every other request's plan
+    while a stable candidate qualifies. Marks the exchange `canary` or `stable` for the ledger."""
+    canary = route.canary
+    assert canary is not None
+    at = next(i for i, c in enumerate(route.candidates) if c.deployment_name == canary.deployment)
+    tenant = ex.identity.tenant if ex.identity is not None else ""
+    takes = ((not canary.tenants or tenant in canary.tenants)
+             and (not canary.request_classes or route.request_class in canary.request_classes)
+             and canary_bucket(ex.request_id) < canary.share)
+    stable = [i for i in qualified if i != at]
+    if takes and at in qualified:
+        ex.canary = "canary"
+        return [at, *stable]
+    ex.canary = "stable"
+    return stable or qualified
+
+
 class RouteSelection:
     name = "route"
 
@@ -184,6 +207,8 @@ class RouteSelection:
                                    f"no candidate of route {route.route_contract!r} qualifies ({reasons})"
                                    + (f", nor of its degraded route {degraded.route!r}"
                                       if degraded is not None and degraded.route else ""))
+        if serving is route and route.canary is not None:
+            qualified = canary_order(ex, route, qualified)
         if not serving.fallback.enabled:
             qualified = qualified[:1]
         ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)

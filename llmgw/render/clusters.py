@@ -20,7 +20,13 @@ from google.protobuf.message import Message
 from extproc.config import Snapshot
 from extproc.config.schema import Pool
 from extproc.contract import METADATA_NAMESPACE
-from extproc.fallback import candidate_subsets, composite_name, needs_attempt_filter, sub_clusters
+from extproc.fallback import (
+    canary_orderings,
+    candidate_subsets,
+    composite_name,
+    needs_attempt_filter,
+    sub_clusters,
+)
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from llmgw.render.common import duration_ms, is_ip, pack, socket_address
 from llmgw.render.filters import attempt_filter
@@ -91,7 +97,11 @@ def fallback_clusters(snap: Snapshot, known: set[str]) -> list[cluster_pb2.Clust
                     else "" for c in route.candidates]
         credentialed = [i for i, c in enumerate(route.candidates)
                         if (d := snap.deployments.get(c.deployment_name)) is not None and needs_attempt_filter(d)]
-        for subset in candidate_subsets(len(clusters), credentialed):
+        plans = list(candidate_subsets(len(clusters), credentialed))
+        if route.canary is not None and route.fallback.enabled:
+            at = next(i for i, c in enumerate(route.candidates) if c.deployment_name == route.canary.deployment)
+            plans += [p for p in canary_orderings(len(clusters), at) if p not in plans]
+        for subset in plans:
             if len(subset) > 1 and not route.fallback.enabled:
                 continue
             if all(clusters[i] in known for i in subset):  # a candidate without a deployment never qualifies
