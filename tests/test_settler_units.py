@@ -38,3 +38,26 @@ def test_observers_run_for_kept_settlements_only_and_a_failing_one_holds_nothing
 
     assert asyncio.run(run()) == [True, True, True]  # every caller answered, the broken observer's too
     assert seen == ["r2"]
+
+
+class Unwritable(Store):
+    """A settlement the store client cannot even encode (a bug) fails its whole batch."""
+
+    async def settle_many(self, items: list[Any]) -> list[bool]:
+        if any(item[1] == "bad" for item in items):
+            raise TypeError("Dict key must be str")
+        return await super().settle_many(items)
+
+
+def test_a_batch_that_cannot_be_written_fails_alone_and_the_settler_goes_on() -> None:
+    """Found when a settlement carried an enum as a key: the flush task died, every caller of its batch
+    waited forever and nothing queued after it was written. Now the batch answers False (the sweeper
+    charges its leases) and what follows is settled."""
+    async def run() -> tuple[list[bool], bool]:
+        settler = Settler(Unwritable())  # type: ignore[arg-type]
+        batch = [settler.submit(("acme", rid)) for rid in ("r1", "bad")]
+        answers = list(await asyncio.wait_for(asyncio.gather(*batch), 5))
+        later = await asyncio.wait_for(settler.submit(("acme", "r3")), 5)
+        return answers, later
+
+    assert asyncio.run(run()) == ([False, False], True)
