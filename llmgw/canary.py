@@ -13,6 +13,7 @@ candidates. Run it beside the gateway (`--interval`), or once from a scheduler (
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -121,8 +122,6 @@ def cmd_watch(args: argparse.Namespace) -> int:
     client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
     urls = list(args.reload_url or [])
     if not urls and (Path(args.state_dir) / "up.json").exists():
-        import json
-
         urls = json.loads((Path(args.state_dir) / "up.json").read_text()).get("extproc_status", [])
     while True:
         try:
