@@ -9,11 +9,15 @@ import threading
 import time
 from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE
 from llmgw import deprecations
 from llmgw.cli_common import snapshot_or_report
+
+if TYPE_CHECKING:
+    from llmgw.stack import Stack
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -92,6 +96,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"error: the gateway did not start: {e}", file=sys.stderr)
         return 1
     up_json = stack.write_up_json()
+    _record_start(stack, args)
     print(f"llmgw is up in {time.monotonic() - t0:.1f}s (revision {stack.snapshot.revision})")
     print(f"  gateway:  {stack.url}/v1   (OpenAI-compatible; model = a route name)")
     print(f"  admin:    {stack.admin_url}")
@@ -119,6 +124,22 @@ def cmd_up(args: argparse.Namespace) -> int:
         up_json.unlink(missing_ok=True)
     print("llmgw stopped.")
     return 0
+
+
+def _record_start(stack: Stack, args: argparse.Namespace) -> None:
+    """The revision `llmgw up` serves joins the audited history (llmgw/revisions.py), so it can be
+    rolled back to; a store that does not answer only costs the entry."""
+    import redis
+
+    from llmgw.revisions_cmd import operator, record_start
+
+    if not stack.store_url:
+        return
+    try:
+        client = redis.Redis.from_url(stack.store_url, decode_responses=True, socket_timeout=5)
+        record_start(client, stack.snapshot.directory, f"{operator(args)} (llmgw up)")
+    except (redis.RedisError, OSError, ValueError) as e:
+        print(f"warning: the starting revision is not in the history: {e}", file=sys.stderr)
 
 
 def cmd_engines_install(args: argparse.Namespace) -> int:

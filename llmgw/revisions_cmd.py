@@ -31,7 +31,7 @@ OPERATOR_ENV = "LLMGW_OPERATOR"
 
 def operator(args: argparse.Namespace) -> str:
     """Who: --who, else $LLMGW_OPERATOR, else the login name."""
-    return str(args.who or os.environ.get(OPERATOR_ENV) or getpass.getuser())
+    return str(getattr(args, "who", None) or os.environ.get(OPERATOR_ENV) or getpass.getuser())
 
 
 def write_files(directory: Path, files: dict[str, bytes]) -> None:
@@ -71,6 +71,21 @@ def apply(client: Any, directory: Path, who: str, today: date | None = None, sou
     if entry.accepted and source is not None:
         write_files(directory, files)
     record(client, entry, files if entry.accepted else None)
+    return entry
+
+
+def record_start(client: Any, directory: Path, who: str) -> Entry | None:
+    """`llmgw up` started serving the directory's revision: in the history (with its files, so it can be
+    rolled back to) unless it is already the current one. Not checked again: it is already serving."""
+    snap = load_snapshot(directory)
+    cur = current(client)
+    if cur is not None and cur.revision == snap.revision:
+        return None
+    files = policy_files(directory)
+    before = (files_of(client, cur.revision) if cur else None) or files
+    entry = Entry(now(), who, "start", snap.revision, True, [], [str(c) for c in changes(before, files)],
+                  cur.revision if cur else "")
+    record(client, entry, files)
     return entry
 
 
