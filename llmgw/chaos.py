@@ -317,7 +317,6 @@ class Fault:
     name: str
     run: Callable[[Harness], Awaitable[Result]]
     wait_s: float = 8.0  # for its ledger entries and settlements
-    evidence_first: bool = False  # (the store outage) records are read only after the fault is undone
 
 
 def _statuses(sent: list[Sent]) -> str:
