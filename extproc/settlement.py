@@ -373,7 +373,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         source = "reported" if usage else "none"
         if usage is None and stream and chunks and 200 <= status < 300 and not backstop:
             usage, source = estimated(prompt_bound, int(chunks)), "estimated"
-        if flags.downstream_connection_termination:
+        ended = attr(md, Key.STREAM_END) == StreamEnd.DONE  # the stream guard passed its normal end on
+        if flags.downstream_connection_termination and not (stream and ended):
+            # (A client that closes right after the last chunk got the whole stream: not a cancel.)
             termination = "client_cancel"
         elif (flags.upstream_request_timeout or status == 504) and not stream:
             termination = "deadline"
@@ -382,7 +384,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         else:
             # A stream is complete only when the Lua stream guard saw its normal end; a stream it did
             # not guard reaches here only when Envoy cut it after it started (or it failed before).
-            termination = termination_of(status, attr(md, Key.STREAM_END) == StreamEnd.DONE if stream else True)
+            termination = termination_of(status, ended if stream else True)
         failed = "released"
         if usage is None and not 200 <= status < 300:
             usage, failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
