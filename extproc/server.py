@@ -278,6 +278,16 @@ def live_for(snapshot: Snapshot) -> Live:
     return live
 
 
+def _peer_gone(record: logging.LogRecord) -> bool:
+    """gRPC logs, with a traceback, a stream's final status it could not send because Envoy had already
+    closed the stream (its client left): nothing was lost, so it is one line at INFO instead."""
+    error = record.exc_info[1] if record.exc_info else None
+    if error is not None and type(error).__name__ == "ExecuteBatchError" and "SendStatusFromServer" in str(error):
+        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
+        record.msg, record.args = "a stream's final status was not sent: Envoy had closed the stream", ()
+    return True
+
+
 async def status_app(reloader: Reloader, listen: str, processor: Processor | None = None,
                      access_log: SettlementLog | None = None, picker: Picker | None = None) -> web.AppRunner:
     """GET /status: the serving revision, the last reload's outcome (errors name file and field),
@@ -418,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
 
         policy.DECISION_CACHE = False
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_peer_gone)
     snapshot = load_snapshot(args.config)
     exposed = snapshot.demo_keys_exposed_on(args.public_address)
     if exposed:

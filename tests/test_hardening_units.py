@@ -229,3 +229,24 @@ def test_without_a_key_or_over_the_limit_only_a_refusal_is_kept() -> None:
     for kept in (digest, too_big):
         with pytest.raises(NotReplayable):
             Sealer("s").open("k", kept)
+
+
+def test_a_final_status_envoy_no_longer_waits_for_is_one_line_not_a_traceback() -> None:
+    """gRPC logs a stream's final status it could not send (Envoy had closed the stream) with a
+    traceback; the fuzz test once found it in the worker's log. It becomes one INFO line; any other
+    error keeps its traceback."""
+    import logging
+
+    from extproc.server import _peer_gone
+
+    class ExecuteBatchError(Exception):
+        pass
+
+    def record(error: BaseException) -> logging.LogRecord:
+        return logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 1, "raised in core", (),
+                                 (type(error), error, None))
+
+    gone = record(ExecuteBatchError('Failed "execute_batch": (<...SendStatusFromServerOperation ...>,)'))
+    assert _peer_gone(gone) and gone.levelno == logging.INFO and gone.exc_info is None
+    other = record(ValueError("a real error"))
+    assert _peer_gone(other) and other.levelno == logging.ERROR and other.exc_info is not None
