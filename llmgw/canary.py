@@ -13,7 +13,6 @@ candidates. Run it beside the gateway (`--interval`), or once from a scheduler (
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import yaml
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import Canary
 from llmgw.ledger_cmd import ledger_entries, store_url
-from llmgw.revisions_cmd import apply, reload_workers
+from llmgw.revisions_cmd import apply, reload_workers, status_urls
 from llmgw.stats import percentile
 
 WHO = "canary-watch"
@@ -120,9 +119,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         print("error: no store: give --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
         return 2
     client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
-    urls = list(args.reload_url or [])
-    if not urls and (Path(args.state_dir) / "up.json").exists():
-        urls = json.loads((Path(args.state_dir) / "up.json").read_text()).get("extproc_status", [])
+    urls = status_urls(args)
     while True:
         try:
             rolled = watch_once(client, directory, urls)

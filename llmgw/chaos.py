@@ -21,7 +21,6 @@ import hashlib
 import json
 import secrets
 import signal
-import string
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ import yaml
 from extproc.store import leases_key
 from llmgw.bench import demo_policy
 from llmgw.chaos_checks import INVARIANTS, Arrival, Evidence, Sent, by_trace, check_all
+from llmgw.conformance.runner import marker as fault_marker
 from llmgw.keys_cmd import read_keys, write_keys
 from llmgw.ledger_cmd import ledger_entries
 from llmgw.procs import Child, http_ok, json_at, tcp_open, wait_until
@@ -81,12 +81,6 @@ def chaos_policy(src: Path, work: Path, pool_route: str, fallback_route: str) ->
                     "effects": ["write"], "created": date.today().isoformat()})
     write_keys(policy / "keys.yaml", entries)
     return policy, {**keys, WRITER: writer}
-
-
-def new_marker() -> str:
-    """Text that matches a fault to one request: letters only, so redaction (a run of digits can read
-    as a phone number) leaves it in the body the engine sees."""
-    return "".join(secrets.choice(string.ascii_lowercase) for _ in range(12))
 
 
 def _chunk_event(line: bytes) -> dict[str, Any] | None:
@@ -371,7 +365,7 @@ async def scale_up_delay(h: Harness) -> Result:
 
 
 async def _status_before_headers(h: Harness, status: int) -> Result:
-    marker = new_marker()
+    marker = fault_marker("chaos-")
     h.fault(h.pool_engines(), f"status={status}", marker)
     sent = [await h.send(f"status-{status}", h.fallback_route, marker=marker)]
     second = h.snap.routes[h.fallback_route].candidates[1].deployment_name
@@ -389,10 +383,10 @@ async def unavailable(h: Harness) -> Result:
 
 
 async def slow_first_byte(h: Harness) -> Result:
-    marker = new_marker()
+    marker = fault_marker("chaos-")
     h.fault(h.pool_engines(), "delay_ms=6000", marker)
     stream = await h.send("slow-stream", h.fallback_route, stream=True, deadline_ms=3000, marker=marker)
-    marker = new_marker()
+    marker = fault_marker("chaos-")
     h.fault(h.pool_engines(), "delay_ms=6000", marker)
     plain = await h.send("slow-json", h.pool_route, deadline_ms=1500, marker=marker)
     second = h.snap.routes[h.fallback_route].candidates[1].deployment_name
@@ -404,7 +398,7 @@ async def slow_first_byte(h: Harness) -> Result:
 
 
 async def _mid_stream(h: Harness, spec: str, label: str) -> Result:
-    marker = new_marker()
+    marker = fault_marker("chaos-")
     h.fault(h.pool_engines(), spec, marker)
     s = await h.send(label, h.fallback_route, stream=True, max_tokens=48, marker=marker)
     misses: list[str] = []
@@ -485,7 +479,7 @@ async def worker_sigkill(h: Harness) -> Result:
     # expires (charged in full, marked ambiguous). Requests sent to the dead worker get Envoy's
     # "not processed" answer: never authenticated, never dispatched.
     tasks = [asyncio.ensure_future(h.send(f"worker-{i}", h.pool_route, stream=True, max_tokens=300, ignore_eos=True,
-                                          deadline_ms=2000, idempotency_key=f"chaos-{new_marker()}"))
+                                          deadline_ms=2000, idempotency_key=fault_marker("chaos-key-")))
              for i in range(6)]
     await asyncio.sleep(0.8)
     h.stack.extprocs[0].signal(signal.SIGKILL)
@@ -549,7 +543,7 @@ async def ambiguous_tool_action(h: Harness) -> Result:
     misses: list[str] = []
     sent = []
     for stream in (True, False):
-        marker = new_marker()
+        marker = fault_marker("chaos-")
         h.fault(h.pool_engines(), "delay_ms=6000", marker)
         s = await h.send(f"ambiguous-{'stream' if stream else 'json'}", h.fallback_route, key=WRITER, stream=stream,
                          deadline_ms=2000, tools=WRITE_TOOL, idempotency_key=f"chaos-{marker}", marker=marker)

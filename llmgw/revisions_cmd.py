@@ -130,7 +130,8 @@ def reload_workers(urls: list[str], revision: str, timeout_s: float = 10.0) -> l
     return failed
 
 
-def _status_urls(args: argparse.Namespace) -> list[str]:
+def status_urls(args: argparse.Namespace) -> list[str]:
+    """The workers' status URLs: --reload-url, else `llmgw up`'s up.json."""
     if args.reload_url:
         return list(args.reload_url)
     up = Path(args.state_dir) / "up.json"
@@ -164,7 +165,7 @@ def _report(entry: Entry, args: argparse.Namespace) -> int:
         print(f"  {c}")
     if args.no_reload:
         return 0
-    failed = reload_workers(_status_urls(args), entry.revision)
+    failed = reload_workers(status_urls(args), entry.revision)
     for line in failed:
         print(f"error: a worker did not take revision {entry.revision}: {line}", file=sys.stderr)
     return 1 if failed else 0

@@ -73,9 +73,10 @@ class Run:
         }
 
 
-def marker() -> str:
-    """Letters only: redaction leaves it alone, so the upstream sees it and its fault applies."""
-    return "conformance-" + "".join(random.choices(string.ascii_lowercase, k=16))
+def marker(prefix: str = "conformance-") -> str:
+    """Text that matches a fault to one request. Letters only: redaction (a run of digits can read as a
+    phone number) leaves it alone, so the upstream sees it and its fault applies."""
+    return prefix + "".join(random.choices(string.ascii_lowercase, k=16))
 
 
 def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path,
