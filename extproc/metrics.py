@@ -68,6 +68,8 @@ STORE_LATENCY = Histogram("llmgw_store_duration", "Store round trips from the ex
                           buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 # Per tenant, only where gateway.yaml says so (`metrics.tenant_label: true`): a label per tenant is
 # unbounded in a multi-tenant deployment, so the default families carry none.
+STORE_UNREPLICATED = Counter("llmgw_store_unreplicated_batches", "Batches of store scripts whose WAIT saw fewer "
+                             "replicas than store.replica_acks asks (the writes stand on the primary only)", [])
 TENANT_SETTLEMENTS = Counter("llmgw_tenant_settlements", "Requests settled per tenant (metrics.tenant_label)",
                              ["tenant", "route", "termination"])
 TENANT_TOKENS = Counter("llmgw_tenant_tokens", "Tokens charged per tenant (metrics.tenant_label)",
@@ -134,6 +136,11 @@ def count_pick(pool: str, decision: str) -> None:
 def observe_store(operation: str, seconds: float) -> None:
     if ENABLED:
         _series(STORE_LATENCY, (operation,)).observe(seconds)
+
+
+def count_unreplicated() -> None:
+    if ENABLED:
+        STORE_UNREPLICATED.inc()
 
 
 def count_attempt(deployment: str, kind: str, status: int) -> None:

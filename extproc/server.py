@@ -359,7 +359,7 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     jwks = JwksCache()
     store_cfg = reloader.live.snapshot.gateway.store
     store_url = store_url or store_cfg.url
-    store = Store(store_url, store_cfg.timeout_ms) if store_url else None
+    store = Store.from_settings(store_url, store_cfg) if store_url else None
     if store is not None:
         try:
             await store.prepare()

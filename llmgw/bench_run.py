@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import redis
-
+from llmgw.cli_common import store_client
 from llmgw.ledger_cmd import ledger_entries
 from llmgw.openloop import Outcome, replay, summarise
 from llmgw.stats import percentile
@@ -48,7 +47,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def ledger_cost(store_url: str, tenants: Sequence[str], request_ids: set[str], wait_s: float = 10.0) -> int:
     """Micro-units the run's requests were charged, once every answered one is settled."""
-    client = redis.Redis.from_url(store_url, decode_responses=True)
+    client = store_client(store_url)
     deadline = time.monotonic() + wait_s
     while True:
         found = {e["request_id"]: e for e in ledger_entries(client, tenants) if e.get("request_id") in request_ids}

@@ -27,6 +27,7 @@ import yaml
 
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import Canary
+from llmgw.cli_common import store_client
 from llmgw.ledger_cmd import ledger_entries, store_url
 from llmgw.revisions_cmd import apply, reload_workers, status_urls
 from llmgw.stats import percentile
@@ -118,7 +119,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     if not url:
         print("error: no store: give --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    client = store_client(url)
     urls = status_urls(args)
     while True:
         try:

@@ -40,6 +40,7 @@ import yaml
 from extproc.store import leases_key
 from llmgw.bench import demo_policy
 from llmgw.chaos_checks import INVARIANTS, Arrival, Evidence, Sent, by_trace, check_all
+from llmgw.cli_common import store_client
 from llmgw.conformance.runner import marker as fault_marker
 from llmgw.keys_cmd import read_keys, write_keys
 from llmgw.ledger_cmd import ledger_entries
@@ -257,7 +258,7 @@ class Harness:
     def evidence(self, sent: list[Sent], wait_s: float) -> Evidence:
         """The records of these requests, once each has its ledger entry and no reservation is left
         open (or `wait_s` passed: what is missing then is a finding)."""
-        client = redis.Redis.from_url(str(self.stack.store_url), decode_responses=True, socket_timeout=5)
+        client = store_client(str(self.stack.store_url))
         tenants = sorted(self.snap.gateway.tenants)
         traces = {s.trace_id for s in sent}
         give_up = time.monotonic() + wait_s

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE
 from llmgw import deprecations
-from llmgw.cli_common import snapshot_or_report
+from llmgw.cli_common import snapshot_or_report, store_client
 
 if TYPE_CHECKING:
     from llmgw.stack import Stack
@@ -136,7 +136,7 @@ def _record_start(stack: Stack, args: argparse.Namespace) -> None:
     if not stack.store_url:
         return
     try:
-        client = redis.Redis.from_url(stack.store_url, decode_responses=True, socket_timeout=5)
+        client = store_client(stack.store_url)
         record_start(client, stack.snapshot.directory, f"{operator(args)} (llmgw up)")
     except (redis.RedisError, OSError, ValueError) as e:
         print(f"warning: the starting revision is not in the history: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from extproc.store import decisions_key, ledger_entry, ledger_key
-from llmgw.cli_common import snapshot_or_report
+from llmgw.cli_common import snapshot_or_report, store_client
 from llmgw.focus import COLUMNS, FOCUS_VERSION, aggregate, record
 from llmgw.reconcile import invoice_days, ledger_days, reconcile
 
@@ -65,7 +65,7 @@ def open_store(args: argparse.Namespace) -> tuple[Any, list[str]] | None:
         print("error: no store: pass --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
         return None
     tenants = [args.tenant] if args.tenant else sorted(snap.gateway.tenants)
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5), tenants
+    return store_client(url), tenants
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
@@ -80,12 +80,14 @@ def cmd_tail(args: argparse.Namespace) -> int:
         for _, fields in entries:
             print(json.dumps(decode(fields)))
         last[key] = entries[-1][0] if entries else "0-0"
-    while args.follow:
-        got: Any = client.xread(last, count=500, block=1000)
-        for key, new in got or []:
-            for eid, fields in new:
-                print(json.dumps(decode(fields)), flush=True)
-                last[key] = eid
+    while args.follow and last:
+        # One stream per read: on a Redis Cluster the tenants' streams live on different nodes.
+        for key in last:
+            got: Any = client.xread({key: last[key]}, count=500, block=max(50, 1000 // len(last)))
+            for _, new in got or []:
+                for eid, fields in new:
+                    print(json.dumps(decode(fields)), flush=True)
+                    last[key] = eid
     return 0
 
 

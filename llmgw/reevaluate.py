@@ -28,7 +28,7 @@ import redis
 import yaml
 
 from extproc.config.schema import Deployment
-from llmgw.cli_common import snapshot_or_report
+from llmgw.cli_common import snapshot_or_report, store_client
 from llmgw.ledger_cmd import ledger_entries, store_url
 from llmgw.stats import percentile
 
@@ -136,7 +136,7 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
         print("error: no store: give --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
         return 2
     try:
-        entries = ledger_entries(redis.Redis.from_url(url, decode_responses=True, socket_timeout=5),
+        entries = ledger_entries(store_client(url),
                                  sorted(snap.gateway.tenants))
     except redis.RedisError as e:
         print(f"error: the store: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from llmgw.cli_common import snapshot_or_report
+from llmgw.cli_common import snapshot_or_report, store_client
 from llmgw.ledger_cmd import ledger_entries, store_url
 from llmgw.review import Measured, review
 from llmgw.stats import percentile
@@ -19,7 +19,7 @@ from llmgw.stats import percentile
 def _ledger(url: str, tenants: list[str]) -> list[dict[str, Any]]:
     """The ledger, or nothing when the store does not answer (the review says "not measured")."""
     try:
-        return ledger_entries(redis.Redis.from_url(url, decode_responses=True, socket_timeout=5), tenants)
+        return ledger_entries(store_client(url), tenants)
     except (redis.RedisError, OSError):
         return []
 

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from extproc.config import ConfigError, load_snapshot
+from llmgw.cli_common import store_client
 from llmgw.ledger_cmd import store_url
 from llmgw.revisions import Entry, changes, check, current, files_of, history, now, policy_files, record
 
@@ -148,7 +149,7 @@ def _client(args: argparse.Namespace, directory: Path | None) -> Any:
     url = store_url(args, config_url)
     if not url:
         raise ValueError("no store: give --store-url, set store.url in gateway.yaml, or run `llmgw up`")
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    return store_client(url)
 
 
 def _report(entry: Entry, args: argparse.Namespace) -> int:

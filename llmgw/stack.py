@@ -197,6 +197,11 @@ class Stack:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
+    @property
+    def own_store(self) -> bool:
+        """Whether this stack starts a Valkey of its own: not when gateway.yaml names the store."""
+        return self.opts.with_valkey and not self.snapshot.gateway.store.url
+
     def children(self) -> list[Child]:
         return [c for c in (self.envoy, *self.extprocs, *self.engines.values(), self.valkey) if c is not None]
 
@@ -205,7 +210,7 @@ class Stack:
         ports = [(*self.render.listen, "--port (or gateway.yaml envoy.listen)"),
                  (*self.render.admin, "--admin-port (or gateway.yaml envoy.admin)")]
         ports += [(h, p, "gateway.yaml envoy.extproc") for h, p in self.render.extproc]
-        if self.opts.with_valkey:
+        if self.own_store:
             ports.append(("127.0.0.1", self.opts.valkey_port or 6379, "--valkey-port"))
         if self.opts.start_engines:
             ports += [(h, p, f"gateway.yaml pools.{name}.endpoints")
@@ -223,7 +228,7 @@ class Stack:
             if not port_free(host, port):
                 raise PortInUse(f"port {port} on {host} is in use; choose another with {option}")
         try:
-            if self.opts.with_valkey:
+            if self.own_store:
                 self._start_valkey(timeout)
             if self.opts.start_engines:
                 self._start_engines(timeout)

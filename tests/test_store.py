@@ -260,3 +260,20 @@ def test_a_refusal_s_ledger_entry_waits_out_a_store_outage(monkeypatch: pytest.M
     ex.identity = Identity(tenant="acme", subject="k", kind="api_key")
     asyncio.run(settlement.record_refusal(Stalling(), ex, "refused", 400, "unsupported_field"))  # type: ignore[arg-type]
     assert calls == [ex.request_id] * 3
+
+
+def test_cluster_slot_map_takes_the_healthy_primary_and_refuses_a_partial_map() -> None:
+    from extproc.store.cluster import _slot_map
+
+    def node(port: int, role: str, health: str) -> list[object]:
+        return ["id", str(port), "port", port, "ip", "127.0.0.1", "role", role, "health", health]
+
+    shards = [["slots", [0, 8191], "nodes", [node(7000, "master", "online"), node(7003, "replica", "online")]],
+              # after a failover: the old primary still listed (failed), its replica promoted
+              ["slots", [8192, 16383], "nodes", [node(7001, "master", "fail"), node(7004, "master", "online")]]]
+    slots, nodes = _slot_map(shards)
+    assert slots is not None and slots[0] == slots[8191] == "127.0.0.1:7000"
+    assert slots[8192] == slots[16383] == "127.0.0.1:7004"
+    assert set(nodes) == {"127.0.0.1:7000", "127.0.0.1:7003", "127.0.0.1:7001", "127.0.0.1:7004"}
+    shards[1][3] = [node(7001, "master", "fail")]  # no primary yet: the map is not usable
+    assert _slot_map(shards)[0] is None

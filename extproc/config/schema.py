@@ -185,6 +185,21 @@ class StoreSettings(Strict):
     # Key for sealing idempotent answers kept for replay (extproc/replay.py). None: only a digest is
     # kept, and a repeated key of a completed request gets 409 instead of the answer.
     replay_key_ref: CredentialRef | None = None
+    # A Valkey/Redis Cluster: `url` names one node, the rest are found with CLUSTER SHARDS; each script
+    # goes to the primary of its tenant's slot (extproc/store/cluster.py).
+    cluster: bool = False
+    # After each script, wait until this many replicas hold it (Valkey's WAIT), for at most
+    # replica_ack_timeout_ms: a failover then loses no acknowledged reservation or settlement.
+    replica_acks: int = Field(default=0, ge=0)
+    replica_ack_timeout_ms: int = Field(default=50, gt=0)
+
+    @model_validator(mode="after")
+    def _ack_within_timeout(self) -> StoreSettings:
+        # A script can wait for the previous batch's WAIT and then its own, within the store timeout.
+        if self.replica_acks and 2 * self.replica_ack_timeout_ms >= self.timeout_ms:
+            raise ValueError("replica_ack_timeout_ms must be below half of timeout_ms (a script can wait "
+                             "for two WAITs)")
+        return self
 
 
 class OutlierSettings(Strict):

@@ -17,9 +17,12 @@ from typing import Any
 
 import orjson
 import redis.asyncio as redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from extproc.config.schema import StoreSettings
 from extproc.metrics import observe_store
+from extproc.store.cluster import ClusterPipe
 from extproc.store.errors import StoreUnavailable
 from extproc.store.pipe import ScriptPipe
 from extproc.store.scripts import APPEND_ONCE, ATTEMPT, DECISIONS, RESERVE, SETTLE
@@ -157,12 +160,24 @@ class Occupancy:
 
 
 class Store:
-    def __init__(self, url: str, timeout_ms: int = 250):
+    def __init__(self, url: str, timeout_ms: int = 250, cluster: bool = False, replica_acks: int = 0,
+                 replica_ack_timeout_ms: int = 0):
         timeout = timeout_ms / 1000
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                           decode_responses=True, health_check_interval=0,
-                                           retry_on_timeout=False)
-        self.pipe = ScriptPipe(url, timeout)  # the two scripts every request runs
+        opts: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout,
+                                "decode_responses": True, "health_check_interval": 0}
+        # The scripts every request runs go through the pipe; the rest (reads, counts) through redis-py.
+        self.pipe: ScriptPipe | ClusterPipe
+        self.client: redis.Redis | RedisCluster
+        if cluster:
+            self.client = RedisCluster.from_url(url, cluster_error_retry_attempts=1, **opts)
+            self.pipe = ClusterPipe(url, timeout, replica_acks, replica_ack_timeout_ms)
+        else:
+            self.client = redis.Redis.from_url(url, retry_on_timeout=False, **opts)
+            self.pipe = ScriptPipe(url, timeout, replica_acks, replica_ack_timeout_ms)
+
+    @classmethod
+    def from_settings(cls, url: str, s: StoreSettings) -> Store:
+        return cls(url, s.timeout_ms, s.cluster, s.replica_acks, s.replica_ack_timeout_ms)
 
     async def prepare(self) -> None:
         """At start: the hot-path connection open and its scripts loaded (StoreUnavailable if not)."""

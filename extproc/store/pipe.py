@@ -18,6 +18,7 @@ from typing import Any
 
 import hiredis
 
+from extproc.metrics import count_unreplicated
 from extproc.store.errors import StoreUnavailable
 
 
@@ -50,7 +51,7 @@ class _Replies(asyncio.Protocol):
 
 
 class ScriptPipe:
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, replica_acks: int = 0, replica_ack_timeout_ms: int = 0):
         u = urllib.parse.urlsplit(url)
         if u.scheme not in ("redis", ""):
             raise ValueError("the hot-path connection speaks plain redis:// (use a local proxy for TLS)")
@@ -59,6 +60,13 @@ class ScriptPipe:
         self.password = urllib.parse.unquote(u.password) if u.password else None
         self.username = urllib.parse.unquote(u.username) if u.username else None
         self.timeout_s = timeout_s
+        # After each written batch of scripts, WAIT for this many replicas (Valkey's WAIT: the writes
+        # reached their memory) before any script of it is answered, so a failover cannot lose an
+        # acknowledged reservation or settlement to asynchronous replication. 0: no WAIT.
+        self.replica_acks, self.replica_ack_timeout_ms = replica_acks, replica_ack_timeout_ms
+        self.unreplicated = 0  # batches whose WAIT saw fewer replicas than asked (the writes stand)
+        self._batch_ack: asyncio.Future[int] | None = None  # the WAIT of the batch being queued
+        self._ack_in_flight = False
         self._conn: _Replies | None = None
         self._waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self._out: list[bytes] = []  # commands of this event-loop turn, written together
@@ -99,6 +107,9 @@ class ScriptPipe:
             self._conn = None
             self._loaded.clear()
             self._out.clear()
+            if self._batch_ack is not None and not self._batch_ack.done():
+                self._batch_ack.set_exception(StoreUnavailable("store connection lost or timed out"))
+            self._batch_ack, self._ack_in_flight = None, False
             while self._waiting:
                 fut, _ = self._waiting.popleft()
                 if not fut.done():
@@ -118,9 +129,33 @@ class ScriptPipe:
                 self._reset(conn)
 
     def _flush(self, conn: _Replies) -> None:
-        if self._out and self._conn is conn and conn.transport is not None:
-            conn.transport.write(b"".join(self._out))
-            self._out.clear()
+        if not (self._out and self._conn is conn and conn.transport is not None):
+            return
+        if self.replica_acks and self._batch_ack is not None:
+            if self._ack_in_flight:
+                return  # written when the previous batch's WAIT answers: a WAIT blocks the connection
+            # One WAIT after the batch: it answers once the replicas hold everything written before it.
+            loop = asyncio.get_running_loop()
+            ack, self._batch_ack = self._batch_ack, None
+            wait: asyncio.Future[Any] = loop.create_future()
+            self._waiting.append((wait, loop.time()))
+            self._out.append(hiredis.pack_command(("WAIT", self.replica_acks, self.replica_ack_timeout_ms)))  # type: ignore[arg-type]
+            self._ack_in_flight = True
+            wait.add_done_callback(functools.partial(self._acked, conn, ack))
+        conn.transport.write(b"".join(self._out))
+        self._out.clear()
+
+    def _acked(self, conn: _Replies, ack: asyncio.Future[int], wait: asyncio.Future[Any]) -> None:
+        self._ack_in_flight = False
+        if not ack.done():
+            if wait.cancelled() or wait.exception() is not None or not isinstance(wait.result(), int):
+                ack.set_exception(StoreUnavailable("store connection lost while waiting for its replicas"))
+            else:
+                if wait.result() < self.replica_acks:
+                    self.unreplicated += 1  # the writes stand on the primary; fewer copies than asked
+                    count_unreplicated()
+                ack.set_result(wait.result())
+        self._flush(conn)
 
     def _queue(self, conn: _Replies, cmd: tuple[Any, ...]) -> asyncio.Future[Any]:
         """Queue one command; everything queued in this event-loop turn is written together."""
@@ -151,10 +186,40 @@ class ScriptPipe:
         for script in scripts:
             await self._ready(script)
 
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def command(self, *cmd: Any) -> Any:
+        """One command on this connection (cluster discovery: CLUSTER SHARDS); a refusal raises."""
+        conn = self._conn or await self._connect()
+        reply = await self._send(conn, cmd)
+        if isinstance(reply, hiredis.ReplyError):
+            raise StoreUnavailable(f"store refused {cmd[0]}: {reply}")
+        return _decode(reply)
+
+    def _script(self, conn: _Replies, sha: str, keys: list[str],
+                args: list[Any]) -> tuple[asyncio.Future[Any], asyncio.Future[int] | None]:
+        """Queue one script call: its reply, and (with replica_acks) the WAIT of the batch it is written in."""
+        fut = self._queue(conn, ("EVALSHA", sha, len(keys), *keys, *args))
+        if not self.replica_acks:
+            return fut, None
+        if self._batch_ack is None:
+            self._batch_ack = asyncio.get_running_loop().create_future()
+            # A caller whose script failed never awaits the WAIT: its failure is still consumed.
+            self._batch_ack.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return fut, self._batch_ack
+
+    async def _answer(self, fut: asyncio.Future[Any], ack: asyncio.Future[int] | None) -> Any:
+        reply = await fut
+        if ack is not None:
+            await ack
+        return self._result(reply)
+
     async def evalsha(self, script: str, keys: list[str], args: list[Any]) -> Any:
         conn, sha = await self._ready(script)
         try:
-            return self._result(await self._send(conn, ("EVALSHA", sha, len(keys), *keys, *args)))
+            return await self._answer(*self._script(conn, sha, keys, args))
         except _Reload:
             return await self.evalsha(script, keys, args)
 
@@ -162,11 +227,11 @@ class ScriptPipe:
         """Many calls of one script, written together; each is still its own atomic script. A failed
         call is returned as its exception (StoreUnavailable), the others as their results."""
         conn, sha = await self._ready(script)
-        futs = [self._queue(conn, ("EVALSHA", sha, len(k), *k, *a)) for k, a in calls]
+        futs = [self._script(conn, sha, k, a) for k, a in calls]
         out: list[Any] = []
-        for (keys, args), fut in zip(calls, futs, strict=True):
+        for (keys, args), (fut, ack) in zip(calls, futs, strict=True):
             try:
-                out.append(self._result(await fut))
+                out.append(await self._answer(fut, ack))
             except _Reload:
                 out.append(await self.evalsha(script, keys, args))
             except StoreUnavailable as e:
@@ -178,6 +243,8 @@ class ScriptPipe:
             if str(reply).startswith("NOSCRIPT"):  # the server restarted and forgot it
                 self._loaded.clear()
                 raise _Reload
+            if str(reply).startswith(("MOVED ", "ASK ")):  # Redis Cluster: the slot is served elsewhere
+                raise Redirected(str(reply).split()[-1])
             raise StoreUnavailable(f"store script failed: {reply}")
         return _decode(reply)
 
@@ -186,6 +253,15 @@ class ScriptPipe:
             self._reset(self._conn)
         if self._watchdog is not None:
             self._watchdog.cancel()
+
+
+class Redirected(StoreUnavailable):
+    """MOVED/ASK: the key's slot lives on another node (its address). A standalone store never says it;
+    the cluster pipe refreshes its slot map and calls again."""
+
+    def __init__(self, address: str):
+        super().__init__(f"store redirected to {address}")
+        self.address = address
 
 
 class _Reload(Exception):

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import redis
 import yaml
 
 from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
 from llmgw.bench import demo_policy
+from llmgw.cli_common import store_client
 from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
 from llmgw.render.common import hp
 from llmgw.stack import Stack, StackOptions
@@ -174,7 +174,7 @@ def _admin_json(url: str, path: str) -> Any:
 
 def ledger_of(store_url: str, tenant: str, rid: str, wait: float = 5.0) -> dict[str, Any] | None:
     """The request's ledger entry, once settlement wrote it."""
-    r = redis.Redis.from_url(store_url, decode_responses=True)
+    r = store_client(store_url)
     deadline = time.monotonic() + wait
     try:
         while time.monotonic() < deadline:
