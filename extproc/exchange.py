@@ -19,6 +19,7 @@ from extproc.fallback import encode_plan, uses_attempt_filter
 from extproc.names import Key, Settle
 from extproc.redact import log_safe
 from extproc.replay import Sealer
+from extproc.shadow import Grant
 from extproc.tracing import context_value
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class Exchange:
     snapshot: Snapshot  # taken when the stream starts: the whole request sees one revision
     cache_salts: Mapping[str, str] = field(default_factory=dict)  # tenant -> prefix-cache salt
     sealer: Sealer = field(default_factory=lambda: Sealer(None))  # opens idempotent answers kept for replay
+    shadow_key: bytes = b""  # checks a shadow copy's grant and signs the grants of the copies this one makes
     request_id: str = ""
     method: str = ""
     path: str = ""
@@ -58,6 +60,9 @@ class Exchange:
     idempotency_key: str | None = None
     degraded: str = ""  # `route:NAME` when the route's degraded route serves it (no candidate of its own qualified)
     canary: str = ""  # on a route with a canary: `canary` when it goes there first, else `stable`
+    shadow_of: Grant | None = None  # this request is a shadow copy: the grant it came with
+    shadow: str = ""  # the shadow candidate this request is copied to ("" = not shadowed)
+    shadow_grant: str = ""  # the copy's grant, for Envoy's mirror policy
     traceparent: str = ""  # the client's W3C trace context, only when valid ("" otherwise)
     tracestate: str = ""
     # The request's trace (extproc/tracing.py): the client's continued, or a new one; the id of the
@@ -111,6 +116,8 @@ class Exchange:
             facts.update(tenant=self.identity.tenant, subject=self.identity.subject, identity_kind=self.identity.kind)
         if self.route is not None:
             facts.update(route=self.route.route_contract, request_class=self.route.request_class)
+        if self.shadow_of is not None:  # a shadow copy: the request it copies
+            facts["shadow_of"] = self.shadow_of.of
         if self.effects:  # what the offered tools can change, and the key to reconcile an ambiguous outcome by
             facts["effects"] = list(self.effects)
             if self.idempotency_key is not None:
@@ -135,6 +142,8 @@ class Exchange:
                 md[Key.REASONS] = "; ".join(self.logged_reasons())
         if self.decision_id:
             md[Key.DECISION_ID] = self.decision_id
+        if self.shadow:
+            md[Key.SHADOW], md[Key.SHADOW_GRANT] = self.shadow, self.shadow_grant
         if self.redactions:
             md[Key.REDACTIONS] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
         if self.held is not None:

@@ -33,6 +33,8 @@ class Key(StrEnum):
     PLAN = "plan"  # a fallback route's candidates, for the attempt filter
     LOSSES = "losses"  # per candidate, what its adapter loses or changes (JSON), for the attempt filter
     CANARY = "canary"  # on a route with a canary: `canary` (it was tried first) or `stable` (ledger)
+    SHADOW = "shadow"  # the shadow candidate a copy goes to: selects the admitted route with the mirror policy
+    SHADOW_GRANT = "shadow_grant"  # the copy's grant (extproc/shadow.py), added to the copy by the mirror
     DEGRADED = "degraded"  # the route's degraded answer served it: `route:NAME` (x-llmgw-degraded, ledger)
     PLAN_STREAM = "plan_stream"  # "1": the plan's answer is a stream (translated chunk by chunk)
     RQ_TIMEOUT_MS = "rq_timeout_ms"

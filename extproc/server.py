@@ -54,6 +54,7 @@ from extproc.replay import Sealer
 from extproc.replies import admit, degraded_answer, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
+from extproc.shadow import grant_key
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import Degraded, tenant_salts
@@ -167,7 +168,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         cleanly (only a gRPC error ends the request), and the worker may restart while it runs."""
         live = self.live
         # The whole request is decided under this one revision, whatever a reload does meanwhile.
-        ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts, sealer=live.sealer)
+        ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts, sealer=live.sealer,
+                      shadow_key=live.shadow_key)
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
         if attrs is not None:
             apply_attributes(ex, attrs)
@@ -256,18 +258,16 @@ def model_object(route: str) -> dict[str, Any]:
     return {"id": route, "object": "model", "created": 0, "owned_by": "llmgw"}
 
 
-def salts_for(snapshot: Snapshot) -> dict[str, str]:
-    """Resolve the salt secret; a missing one stops the service from starting (fail closed)."""
-    secret = resolve(snapshot.gateway.cache_salt_secret_ref, snapshot.directory)
-    return tenant_salts(secret, snapshot.gateway.tenants)
-
-
 def live_for(snapshot: Snapshot) -> Live:
     """The secrets a revision is served with: the gateway's own stop it when they cannot be resolved
     (fail closed); a deployment's credential that cannot be resolved makes that deployment
     unaddressable (its attempts are refused), and is logged now."""
     ref = snapshot.gateway.store.replay_key_ref
-    live = Live(snapshot, salts_for(snapshot), Sealer(resolve(ref, snapshot.directory) if ref else None))
+    # The gateway's own secret (a missing one stops the service from starting: fail closed): the
+    # tenants' prefix-cache salts and the shadow grants' key derive from it; every host shares it.
+    secret = resolve(snapshot.gateway.cache_salt_secret_ref, snapshot.directory)
+    live = Live(snapshot, tenant_salts(secret, snapshot.gateway.tenants),
+                Sealer(resolve(ref, snapshot.directory) if ref else None), shadow_key=grant_key(secret))
     for dep in snapshot.deployments.values():
         if dep.credential_ref:
             try:

@@ -70,13 +70,15 @@ BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
 RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, sent again
 # What the meter filter asks Envoy for with the first response message (render uses this list).
+# Decisions the route stage made that the ledger entry records as they are (canary side, degraded
+# answer, the shadow candidate the request was copied to).
+LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW)
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
                                                Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
-                                               Key.DEGRADED, Key.CANARY,
-                                               Key.STREAM_ENDS_AT_MS)))
+                                               *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS)))
 
 
 async def release(store: Store | None, ex: Exchange, termination: str, status: int,
@@ -261,7 +263,7 @@ class Meter:
         outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)},
-                             duration, first, {k.value: md_attr(attrs, k) for k in (Key.DEGRADED, Key.CANARY)})
+                             duration, first, {k.value: md_attr(attrs, k) for k in LEDGER_MARKS})
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,
@@ -403,7 +405,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
                                  if common.HasField("time_to_first_upstream_rx_byte") else None},
-                             duration, first, {k.value: attr(md, k) for k in (Key.DEGRADED, Key.CANARY)})
+                             duration, first, {k.value: attr(md, k) for k in LEDGER_MARKS})
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),

@@ -40,6 +40,7 @@ from google.protobuf import json_format, struct_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment, TlsSettings
+from extproc.shadow import SHADOW_CLUSTER
 from llmgw.render.clusters import fallback_clusters, outlier_detection, pool_cluster, static_cluster
 from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
 from llmgw.render.errors import local_reply_config
@@ -67,7 +68,7 @@ from llmgw.render.filters import (
 )
 from llmgw.render.routes import route_config
 from llmgw.render.stats import stats_listener
-from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, upstream_tls
+from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, loopback_tls, upstream_tls
 
 __all__ = ["EXTPROC_CLUSTER", "FORWARDED_HEADERS", "RenderOptions", "duration_ms", "fallback_clusters",
            "names_outside", "pack", "render_bootstrap", "render_yaml", "socket_address", "static_cluster",
@@ -178,6 +179,13 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
     upstream = [c.name for c in clusters[1:]]
     fallbacks = fallback_clusters(snap, set(upstream))
     clusters += fallbacks
+    if any(r.shadow is not None for r in snap.routes.values()):
+        # Shadow copies come back in through the gateway's own listener (extproc/shadow.py).
+        host, port = opts.listen
+        clusters.append(static_cluster(SHADOW_CLUSTER, [("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)],
+                                       http2=False, connect_ms=1000))
+        if opts.tls.listener is not None:
+            clusters[-1].transport_socket.CopyFrom(loopback_tls())
     hcm = _hcm(snap, upstream + [c.name for c in fallbacks], opts.access_log)
     listener = listener_pb2.Listener(
         name="llmgw", address=socket_address(*opts.listen),

@@ -205,6 +205,9 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
         if route.canary is not None and (route.canary.deployment not in names or len(set(names)) < 2):
             issues.append(ConfigIssue(rel, "canary.deployment", f"{route.canary.deployment!r} must be a candidate of "
                                       "the route beside at least one other (the stable ones)"))
+        if route.shadow is not None and (route.shadow.deployment not in names or len(set(names)) < 2):
+            issues.append(ConfigIssue(rel, "shadow.deployment", f"{route.shadow.deployment!r} must be a candidate of "
+                                      "the route beside at least one other (the ones that answer)"))
 
 
 def _check_degraded_route(rel: str, route: Route, routes: dict[str, tuple[str, Route]],

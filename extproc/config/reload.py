@@ -37,6 +37,7 @@ class Live:
     # deployment unaddressable (the attempt is refused, naming the reference) without stopping the rest.
     credentials: dict[str, str] = field(default_factory=dict)
     credential_errors: dict[str, str] = field(default_factory=dict)
+    shadow_key: bytes = b""  # signs and checks shadow grants (extproc/shadow.py); empty: none accepted
 
 
 def directory_signature(root: Path) -> tuple[tuple[str, int, int], ...]:

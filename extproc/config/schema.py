@@ -160,6 +160,9 @@ class Scope(Strict):
 class Budget(Scope):
     name: Name
     window: Literal["daily", "monthly", "total"] = "monthly"  # calendar windows in UTC
+    # What it pays for: the requests the gateway serves, or the shadow copies a route mirrors to a
+    # candidate under evaluation (route `shadow`): neither ever charges the other's budget.
+    traffic: Literal["served", "shadow"] = "served"
     limit_micros: int | None = Field(default=None, ge=0)  # money, integer micro-units of the price currency
     limit_tokens: int | None = Field(default=None, ge=0)
 
@@ -593,6 +596,20 @@ class Canary(Strict):
     min_requests: int = Field(default=20, gt=0)  # per side, before anything is decided
 
 
+class Shadow(Strict):
+    """A candidate of the route under evaluation that receives a copy of a share of its read-only
+    requests (no offered tool with effects), chosen per request by its id, for some request classes and
+    tenants, when the policy lets it receive the request's data class and region. Its answer never
+    reaches the caller; it is charged to the tenant's `traffic: shadow` budgets (a tenant without one
+    is never shadowed) and has its own ledger entry (`shadow_of`). Evidence is not required of it:
+    gathering it is what the shadow is for."""
+
+    deployment: Name
+    share: float = Field(gt=0, le=1)
+    request_classes: tuple[Name, ...] = ()  # empty: every class the route serves
+    tenants: tuple[Name, ...] = ()  # empty: every tenant
+
+
 class TelemetryPolicy(Strict):
     record_content: bool = False
     propagate_trace_context: bool = True
@@ -618,3 +635,4 @@ class Route(Strict):
     telemetry: TelemetryPolicy = TelemetryPolicy()
     degraded: DegradedAnswer | None = None
     canary: Canary | None = None
+    shadow: Shadow | None = None

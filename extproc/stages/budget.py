@@ -112,14 +112,19 @@ class BudgetReservation:
         micros, version = price_of(ex, bound.prompt, bound.completion)
         now = time.time()
         when = datetime.fromtimestamp(now, UTC)
+        # A shadow copy pays from the tenant's shadow budgets only, and takes none of its quotas or
+        # bulkhead: the traffic it copies already did.
+        shadow = ex.shadow_of is not None
         budgets = []
         for b in gw.budgets:
-            if b.matches(ident.tenant, ident.subject, route.route_contract):
+            if b.matches(ident.tenant, ident.subject, route.route_contract) and (b.traffic == "shadow") == shadow:
                 wid, expire = window_id(b.window, when)
                 budgets.append(BudgetCharge(budget_key(ident.tenant, b.name, wid), b.limit_micros, b.limit_tokens,
                                             expire))
+        if shadow and not budgets:
+            raise GatewayError(ErrorCode.BUDGET_EXHAUSTED, "no shadow budget for this tenant and route")
         rates = []
-        for q in gw.quotas:
+        for q in () if shadow else gw.quotas:
             if q.matches(ident.tenant, ident.subject, route.route_contract):
                 if q.requests_per_minute:
                     rates.append(RateCharge(rate_key(ident.tenant, q.name, "rpm"), PERIOD_MS / q.requests_per_minute,
@@ -128,7 +133,7 @@ class BudgetReservation:
                     rates.append(RateCharge(rate_key(ident.tenant, q.name, "tpm"), PERIOD_MS / q.tokens_per_minute,
                                             tokens, True))
         lease_ms = effective_deadline_ms(ex) + (route.max_stream_ms if ex.stream else 0) + gw.store.lease_grace_ms
-        bulkhead = gw.tenants[ident.tenant].bulkhead
+        bulkhead = gw.tenants[ident.tenant].bulkhead if not shadow else None
         idem = ex.idempotency_key
         reservation = Reservation(
             tenant=ident.tenant, rid=ex.request_id, now_ms=int(now * 1000),

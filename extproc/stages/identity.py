@@ -16,11 +16,13 @@ from urllib.parse import parse_qs, urlsplit
 import jwt
 
 from extproc.config.schema import JwtIssuer
-from extproc.contract import ErrorCode, GatewayError
+from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
 from extproc.doors import BY_NAME, Door
 from extproc.exchange import Exchange, Identity
+from extproc.headers import DATA_CLASS
 from extproc.jwks import JwksCache, JwksUnavailable
 from extproc.ratelimit import RateLimitedLog
+from extproc.shadow import GRANT_HEADER, InvalidGrant, verify
 
 log = logging.getLogger("llmgw.identity")
 # Anyone can send a bad credential: one line a second at most, with the count of the rest.
@@ -97,6 +99,22 @@ def _claims_identity(ex: Exchange, issuer: JwtIssuer, claims: dict[str, Any]) ->
     return Identity(tenant=tenant, subject=subject, kind="jwt", groups=tuple(groups), effects=tuple(effects))
 
 
+def shadow_identity(ex: Exchange, token: str) -> Identity:
+    """A shadow copy Envoy mirrored (extproc/shadow.py): the tenant and subject of the request it copies,
+    on the chat path only, with the copied request's data class (the copy does not carry its headers)."""
+    if ex.door or ex.path.split("?", 1)[0] != CHAT_PATH or len(token) > _MAX_TOKEN:
+        raise Unauthenticated("shadow grant outside a chat completion")
+    try:
+        grant = verify(ex.shadow_key, token)
+    except InvalidGrant as e:
+        raise Unauthenticated(str(e)) from None
+    if grant.tenant not in ex.snapshot.gateway.tenants:
+        raise Unauthenticated("shadow grant names no configured tenant")
+    ex.shadow_of = grant
+    ex.headers[DATA_CLASS] = grant.data_class
+    return Identity(tenant=grant.tenant, subject=grant.subject, kind="shadow")
+
+
 class CallerIdentity:
     name = "identity"
 
@@ -105,6 +123,9 @@ class CallerIdentity:
 
     async def run(self, ex: Exchange) -> None:
         try:
+            if GRANT_HEADER in ex.headers:
+                ex.identity = shadow_identity(ex, ex.headers[GRANT_HEADER])
+                return
             token = credential(ex.headers, ex.path, BY_NAME.get(ex.door))
             ex.identity = await self._jwt(ex, token) if looks_like_jwt(token) else api_key_identity(ex, token)
         except Unauthenticated as e:

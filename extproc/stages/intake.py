@@ -23,6 +23,9 @@ class Intake:
         limits = ex.snapshot.gateway.limits
         # Another API shape's request becomes the internal one here; every later stage sees one shape.
         doc = door.request(ex.raw_body, ex.path) if door is not None else chat.parse_json(ex.raw_body)
+        if ex.shadow_of is not None and isinstance(doc, dict):
+            # A shadow copy is the body as the upstream got it: the served model's name, not the route's.
+            doc["model"] = ex.shadow_of.route
         ex.body = chat.validate(doc, limits.max_messages, limits.max_n)
         ex.stream = ex.body.get("stream") is True
         ex.n = ex.body.get("n") or 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -34,6 +35,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.fallback import composite_name, uses_attempt_filter
 from extproc.picker import Picker
+from extproc.shadow import Grant, issue, shadow_bucket
 from extproc.stages.authorize import authorized_on
 
 
@@ -141,6 +143,44 @@ def qualify(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, A
     return qualified, refused, lost
 
 
+def shadow_plan(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, Any],
+                deployment: str) -> tuple[list[int], dict[str, set[str]], dict[str, tuple[Loss, ...]]]:
+    """A shadow copy's plan: its candidate alone, if it qualifies for the request's data class, region,
+    context and the route's loss rule. Evidence is not asked of it (the shadow gathers it)."""
+    at = next((i for i, c in enumerate(route.candidates) if c.deployment_name == deployment), None)
+    dep = snap.deployments.get(deployment)
+    if at is None or dep is None:
+        return [], {deployment: {"not_a_candidate"}}, {}
+    failed = disqualifications(snap, route.candidates[at], facts) - {"evidence"}
+    lost, why = translation_check(dep, body, route.translation_loss)
+    if failed | why:
+        return [], {deployment: failed | why}, {}
+    return [at], {}, {deployment: lost}
+
+
+def shadow_copy(ex: Exchange, route: Route, facts: RequestFacts) -> None:
+    """Whether this admitted request is copied to the route's shadow candidate, and its grant if so: a
+    chat completion offering no tool with effects, in the shadow's share, class and tenants, that the
+    shadow candidate may receive (shadow_plan) and the tenant has a shadow budget for."""
+    shadow, ident, snap = route.shadow, ex.identity, ex.snapshot
+    if shadow is None or ident is None or ex.shadow_of is not None or ex.door or ex.effects or not ex.shadow_key:
+        return
+    if ((shadow.tenants and ident.tenant not in shadow.tenants)
+            or (shadow.request_classes and route.request_class not in shadow.request_classes)
+            or shadow_bucket(ex.request_id) >= shadow.share
+            or ex.deployment is None or ex.deployment.deployment == shadow.deployment):
+        return
+    if not any(b.traffic == "shadow" and b.matches(ident.tenant, ident.subject, route.route_contract)
+               for b in snap.gateway.budgets):
+        return
+    if not shadow_plan(snap, route, facts, ex.body, shadow.deployment)[0]:
+        return
+    ex.shadow = shadow.deployment
+    ex.shadow_grant = issue(ex.shadow_key, Grant(
+        of=ex.request_id, tenant=ident.tenant, subject=ident.subject, route=route.route_contract,
+        data_class=ex.data_class, deployment=shadow.deployment, expires=time.time() + route.deadline_ms / 1000))
+
+
 def canary_bucket(request_id: str) -> float:
     """Where a request falls in [0, 1): the same request id always falls in the same place."""
     return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) / 2**32
@@ -179,7 +219,12 @@ class RouteSelection:
                              max_tokens=requested_max_tokens(ex.body, route.max_tokens_cap,
                                                              snap.gateway.limits.default_max_tokens))
         serving = route  # the route whose candidates serve: this one, or its degraded route
-        qualified, refused, lost = qualify(snap, route, facts, ex.body, route.translation_loss)
+        if ex.shadow_of is not None:
+            qualified, refused, lost = shadow_plan(snap, route, facts, ex.body, ex.shadow_of.deployment)
+        else:
+            qualified, refused, lost = qualify(snap, route, facts, ex.body, route.translation_loss)
+        if not qualified and ex.shadow_of is not None:
+            raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE, f"the shadow candidate does not qualify ({refused})")
         if not qualified:
             reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
             if all(f == {"context"} for f in refused.values()):
@@ -214,6 +259,8 @@ class RouteSelection:
         ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)
         ex.translation_losses = {d.deployment: lost[d.deployment] for d in ex.candidates if lost.get(d.deployment)}
         dep = ex.deployment = ex.candidates[0]
+        if serving is route and route.shadow is not None:
+            shadow_copy(ex, route, facts)
         # Several qualified (or one that needs its credential): the composite cluster of exactly these,
         # tried in the route's order, behind the attempt filter.
         ex.cluster = (composite_name(serving.route_contract, qualified) if uses_attempt_filter(ex.candidates)

@@ -30,6 +30,7 @@ from extproc.names import INTERRUPTED, Key, Settle
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.replies import DEGRADED_HEADER
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
+from extproc.shadow import GRANT_HEADER
 from extproc.sse import MAX_EVENT_BYTES
 from extproc.streams import interrupted_event
 from llmgw.render.common import duration_ms, pack
@@ -132,6 +133,7 @@ REQUEST_ATTRIBUTES = (
     "request.headers['x-llmgw-data-class']",
     "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
     "request.headers['traceparent']", "request.headers['tracestate']",
+    f"request.headers['{GRANT_HEADER}']",
 )
 
 

@@ -5,20 +5,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2
+from envoy.type.matcher.v3 import value_pb2 as matcher_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
 from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
 from extproc.doors import CREDENTIAL_HEADERS, DOORS, Door
+from extproc.fallback import composite_name
 from extproc.names import Key, Settle
 from extproc.settlement import ANSWERED_BY
+from extproc.shadow import GRANT_HEADER, SHADOW_CLUSTER
 from llmgw.render.common import duration_ms, pack, string_value_matcher
 from llmgw.render.errors import admitted_route_filters, direct
 from llmgw.render.filters import DOOR_FILTER, LUA_STREAM_GUARD, METER_FILTER, STREAM_FILTER, meters
@@ -73,6 +77,7 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
         return metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
                                             value=string_value_matcher(value))
+    shadowed = shadowed_clusters(snap, clusters)
     for cluster in clusters:
         for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
             # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
@@ -90,6 +95,12 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                 # is evaluated on the way to any route (every request walks these).
                 routes.append(admitted_route(f"{name}_{door.name}", match(prefix="/", dynamic_metadata=[
                     *metadata, md(Key.DOOR, door.name)]), cluster, streamed, stream_idle_ms, per_route, door))
+            if cluster in shadowed:  # the same, with a copy to the shadow candidate (extproc/shadow.py)
+                present = metadata_pb2.MetadataMatcher(
+                    filter=METADATA_NAMESPACE, path=[metadata_pb2.MetadataMatcher.PathSegment(key=Key.SHADOW)],
+                    value=matcher_pb2.ValueMatcher(present_match=True))
+                routes.append(admitted_route(f"{name}_shadow", match(prefix="/v1/", dynamic_metadata=[
+                    *metadata, present]), cluster, streamed, stream_idle_ms, per_route, mirror=True))
             routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
                                          cluster, streamed, stream_idle_ms, per_route))
     routes += [
@@ -119,9 +130,37 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
         include_request_attempt_count=True)])
 
 
+def shadowed_clusters(snap: Snapshot, clusters: Iterable[str]) -> set[str]:
+    """The clusters a request of a route with a shadow can be admitted to: its candidates' own and its
+    composites. Only these get the admitted route with the mirror policy (every request walks the
+    route table, so it grows only where a shadow is configured)."""
+    out: set[str] = set()
+    for route in snap.routes.values():
+        if route.shadow is None:
+            continue
+        out |= {snap.pool_of(snap.deployments[c.deployment_name]) for c in route.candidates
+                if c.deployment_name in snap.deployments}
+        out |= {c for c in clusters if c.startswith(composite_name(route.route_contract, ()))}
+    return out
+
+
+def mirror_policy() -> route_components_pb2.RouteAction.RequestMirrorPolicy:
+    """The copy of an admitted request to the gateway's own listener: with its grant (only the copy
+    carries it: an upstream never sees one) and a request id of its own (Envoy gives an external
+    request a new one anyway; where loopback counts as internal it would keep the original's, and the
+    copy's reservation and ledger entry would collide with it)."""
+    hvo = base_pb2.HeaderValueOption
+    return route_components_pb2.RouteAction.RequestMirrorPolicy(
+        cluster=SHADOW_CLUSTER, disable_shadow_host_suffix_append=True,
+        request_headers_mutations=[mutation_rules_pb2.HeaderMutation(append=hvo(
+            header=base_pb2.HeaderValue(key=k, value=v), append_action=hvo.OVERWRITE_IF_EXISTS_OR_ADD)) for k, v in (
+                (GRANT_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.SHADOW_GRANT})%"),
+                ("x-request-id", "%REQ(x-request-id)%-shadow"))])
+
+
 def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: str, streamed: bool,
                    stream_idle_ms: int, per_route: dict[str, any_pb2.Any],
-                   door: Door | None = None) -> route_components_pb2.Route:
+                   door: Door | None = None, mirror: bool = False) -> route_components_pb2.Route:
     """A route only a decision reaches (its match holds ext_proc's metadata) to `cluster`; a front
     door's request was turned into a chat completion by ext_proc, so the upstream gets that path (the
     attempt filter sets a translated candidate's own)."""
@@ -137,6 +176,7 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
             # retry starts, so at the attempts' limit it could end a request whose silent first
             # attempt was about to fall back (found by `llmgw chaos`, slow first byte).
             cluster=cluster, timeout=duration_ms(0), regex_rewrite=rewrite,
+            request_mirror_policies=[mirror_policy()] if mirror else [],
             idle_timeout=duration_ms(stream_idle_ms * (MAX_RETRIES + 1) if streamed else 300_000),
             # No retries of its own: each request's come from ext_proc (x-envoy-retry-on and
             # x-envoy-max-retries, set after the decision). A retry goes to another engine.

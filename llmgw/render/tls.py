@@ -55,6 +55,13 @@ def upstream_tls(server_name: str, ca_file: str) -> base_pb2.TransportSocket:
     return base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=pack(ctx))
 
 
+def loopback_tls() -> base_pb2.TransportSocket:
+    """Envoy -> its own TLS listener on loopback (shadow copies): the peer is this process, so there is
+    no certificate to check that the connection's address does not already prove."""
+    ctx = tls_pb2.UpstreamTlsContext(common_tls_context=tls_pb2.CommonTlsContext(alpn_protocols=["http/1.1"]))
+    return base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=pack(ctx))
+
+
 def extproc_mtls(tls: ExtprocTls) -> base_pb2.TransportSocket:
     """Envoy -> ext_proc: verify ext_proc's certificate against the CA and present Envoy's own."""
     common = tls_pb2.CommonTlsContext(
