@@ -45,6 +45,7 @@ class Exchange:
     cache_salts: Mapping[str, str] = field(default_factory=dict)  # tenant -> prefix-cache salt
     sealer: Sealer = field(default_factory=lambda: Sealer(None))  # opens idempotent answers kept for replay
     shadow_key: bytes = b""  # checks a shadow copy's grant and signs the grants of the copies this one makes
+    region: str = ""  # the region of the gateway deciding it ("" = not declared)
     request_id: str = ""
     method: str = ""
     path: str = ""
@@ -112,6 +113,8 @@ class Exchange:
             "time": round(self.arrived_at, 3), "route_revision": self.snapshot.revision,
             "data_class": self.data_class, "stream": self.stream,
         }
+        if self.region:
+            facts["region"] = self.region
         if self.identity is not None:
             facts.update(tenant=self.identity.tenant, subject=self.identity.subject, identity_kind=self.identity.kind)
         if self.route is not None:

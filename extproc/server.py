@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -169,7 +170,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         live = self.live
         # The whole request is decided under this one revision, whatever a reload does meanwhile.
         ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts, sealer=live.sealer,
-                      shadow_key=live.shadow_key)
+                      shadow_key=live.shadow_key, region=live.region)
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
         if attrs is not None:
             apply_attributes(ex, attrs)
@@ -258,7 +259,7 @@ def model_object(route: str) -> dict[str, Any]:
     return {"id": route, "object": "model", "created": 0, "owned_by": "llmgw"}
 
 
-def live_for(snapshot: Snapshot) -> Live:
+def live_for(snapshot: Snapshot, region: str = "") -> Live:
     """The secrets a revision is served with: the gateway's own stop it when they cannot be resolved
     (fail closed); a deployment's credential that cannot be resolved makes that deployment
     unaddressable (its attempts are refused), and is logged now."""
@@ -267,7 +268,8 @@ def live_for(snapshot: Snapshot) -> Live:
     # tenants' prefix-cache salts and the shadow grants' key derive from it; every host shares it.
     secret = resolve(snapshot.gateway.cache_salt_secret_ref, snapshot.directory)
     live = Live(snapshot, tenant_salts(secret, snapshot.gateway.tenants),
-                Sealer(resolve(ref, snapshot.directory) if ref else None), shadow_key=grant_key(secret))
+                Sealer(resolve(ref, snapshot.directory) if ref else None), shadow_key=grant_key(secret),
+                region=region)
     for dep in snapshot.deployments.values():
         if dep.credential_ref:
             try:
@@ -421,6 +423,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--public-address", default=os.environ.get("LLMGW_PUBLIC_ADDRESS", "127.0.0.1"),
                    help="where clients reach the gateway (default $LLMGW_PUBLIC_ADDRESS or loopback): beyond "
                         "loopback, demo keys are refused")
+    p.add_argument("--region", default=os.environ.get("LLMGW_REGION", ""),
+                   help="the region this gateway runs in: a tenant whose residency excludes it is refused (403)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.no_decision_cache:
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"ext_proc: refusing to serve a gateway published on {args.public_address} while demo keys "
                          f"are configured ({', '.join(exposed)}): revoke them and make real ones (`llmgw keys`)")
     try:
-        live = live_for(snapshot)
+        live = live_for(snapshot, args.region)
     except SecretUnavailable as e:
         raise SystemExit(f"ext_proc: {e}") from None
     tls = (args.tls_cert, args.tls_key, args.tls_client_ca)
@@ -445,7 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     uvloop.install()
-    reloader = Reloader(snapshot.directory, live_for, live, run_tests=args.reload_runs_policy_tests)
+    reloader = Reloader(snapshot.directory, functools.partial(live_for, region=args.region), live,
+                        run_tests=args.reload_runs_policy_tests)
     pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
     asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials, args.store_url,
                       args.picker_dir))

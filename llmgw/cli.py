@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -80,7 +81,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                         engine_profile=args.engine_profile, valkey_port=args.valkey_port, engine=args.engine,
                         start_engines=args.engine != "none", engine_timeout=180.0 if args.engine == "vllm" else 60.0,
                         tls=args.tls or args.require_client_cert, require_client_certificate=args.require_client_cert,
-                        demo_keys=True, simulate_providers=not args.no_simulated_providers, traces=True)
+                        demo_keys=True, simulate_providers=not args.no_simulated_providers, traces=True,
+                        region=args.region)
     try:
         stack = Stack(opts)
     except ConfigError as e:
@@ -196,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TLS for clients and mTLS Envoy -> ext_proc, with demo certificates in STATE_DIR/tls")
     u.add_argument("--require-client-cert", action="store_true", help="with --tls: callers must present "
                    "a certificate signed by the demo CA (STATE_DIR/tls/client.crt is one)")
+    u.add_argument("--region", default=os.environ.get("LLMGW_REGION", ""),
+                   help="the region this gateway runs in: tenants whose residency excludes it are refused")
     u.add_argument("--no-simulated-providers", action="store_true",
                    help="do not serve hosted deployments on loopback with simulated providers (enginesim --api ...)")
     u.set_defaults(func=cmd_up)

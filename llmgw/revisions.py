@@ -194,7 +194,7 @@ def check(directory: Path, today: date | None = None) -> tuple[Snapshot | None, 
 class Entry:
     time: float
     who: str
-    action: str  # apply | rollback
+    action: str  # apply | rollback | start | sync (a region took the control plane's current revision)
     revision: str  # the revision made current (or refused)
     accepted: bool
     why: list[str]  # a refusal's reasons

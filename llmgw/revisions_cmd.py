@@ -109,6 +109,35 @@ def rollback(client: Any, directory: Path, target: str, who: str, today: date | 
     return entry
 
 
+class ControlPlaneUnreachable(Exception):
+    pass
+
+
+def sync(control: Any, local: Any, directory: Path, who: str, today: date | None = None) -> Entry | None:
+    """Make the control plane's current revision this region's, through the same checks as a rollback
+    (on a copy; the region's keys and credential files are its own), recorded in the region's own
+    history. None when the directory already holds it. When the control plane cannot be read, nothing
+    changes: the region keeps serving its last known good revision (ControlPlaneUnreachable)."""
+    try:
+        cur = current(control)
+        wanted = files_of(control, cur.revision) if cur is not None else None
+    except (redis.RedisError, OSError) as e:
+        raise ControlPlaneUnreachable(f"{type(e).__name__}: {e}") from None
+    if cur is None or wanted is None:
+        raise ControlPlaneUnreachable("the control plane holds no revision")
+    here = policy_files(directory)
+    if here == wanted:
+        return None
+    local_cur = current(local)
+    revision, problems = _staged(directory, wanted, today)
+    entry = Entry(now(), who, "sync", revision, not problems, problems, [str(c) for c in changes(here, wanted)],
+                  local_cur.revision if local_cur else "", cur.revision)
+    if entry.accepted:
+        write_files(directory, wanted)
+    record(local, entry, wanted if entry.accepted else None)
+    return entry
+
+
 def reload_workers(urls: list[str], revision: str, timeout_s: float = 10.0) -> list[str]:
     """POST /reload to each worker's status server; what did not end up serving `revision`."""
     failed = []
@@ -153,7 +182,7 @@ def _client(args: argparse.Namespace, directory: Path | None) -> Any:
 
 
 def _report(entry: Entry, args: argparse.Namespace) -> int:
-    verb = "rolled back to" if entry.action == "rollback" else "applied"
+    verb = {"rollback": "rolled back to", "sync": "synced from the control plane"}.get(entry.action, "applied")
     if not entry.accepted:
         print(f"refused: {entry.action} {entry.target or entry.revision}; revision {entry.previous or '-'} stays "
               "current:", file=sys.stderr)
@@ -193,6 +222,33 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_sync(args: argparse.Namespace) -> int:
+    """Exit 0: in sync (or synced and reloaded); 1: the revision was refused here or a worker did not
+    take it; 2: bad arguments or the region's own store unreachable; 3: the control plane unreachable
+    (the region serves its last known good revision). With --interval, runs until stopped."""
+    directory = Path(args.config).resolve()
+    who = operator(args)
+    while True:
+        try:
+            control, local = store_client(args.control_store), _client(args, directory)
+            entry = sync(control, local, directory, who)
+            if entry is None:
+                print(f"in sync: revision {load_snapshot(directory).revision}")
+                code = 0
+            else:
+                code = _report(entry, args)
+        except ControlPlaneUnreachable as e:
+            print(f"control plane unreachable ({e}); revision {load_snapshot(directory).revision} (last known "
+                  "good) keeps serving", file=sys.stderr)
+            code = 3
+        except (ValueError, OSError, redis.RedisError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 2
+        if not args.interval:
+            return code
+        time.sleep(args.interval)
+
+
 def cmd_revisions(args: argparse.Namespace) -> int:
     try:
         entries = history(_client(args, Path(args.config) if Path(args.config, "gateway.yaml").exists() else None))
@@ -209,7 +265,7 @@ def cmd_revisions(args: argparse.Namespace) -> int:
         when = datetime.fromtimestamp(e.time, UTC).strftime("%Y-%m-%d %H:%M:%S")
         result = ("current" if e is cur else "accepted") if e.accepted else "refused: " + "; ".join(e.why[:2])
         what = "; ".join(e.changes[:3]) + (f" (+{len(e.changes) - 3} more)" if len(e.changes) > 3 else "")
-        action = f"rollback to {e.target}" if e.action == "rollback" else e.action
+        action = {"rollback": f"rollback to {e.target}", "sync": f"sync of {e.target}"}.get(e.action, e.action)
         print(f"| {when} | {e.who} | {action} | {e.revision} | {result} | {what or '-'} |")
     return 0
 
@@ -235,6 +291,12 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("revision")
     changing(r)
     r.set_defaults(func=cmd_rollback)
+    s = sub.add_parser("sync", help="a region: make the control plane's current revision this one's, through the "
+                       "checks; when it cannot be read, the last known good revision keeps serving")
+    changing(s)
+    s.add_argument("--control-store", required=True, help="the control plane's store (redis:// URL): its history")
+    s.add_argument("--interval", type=float, default=0, help="seconds between syncs (0: once)")
+    s.set_defaults(func=cmd_sync)
     h = sub.add_parser("revisions", help="the audited history of applied, rolled back and refused revisions")
     common(h)
     h.add_argument("--json", action="store_true", help="one JSON object per entry (an export)")

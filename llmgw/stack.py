@@ -95,6 +95,7 @@ class StackOptions:
     provider_ports: dict[str, tuple[int, ...]] | None = None  # per deployment; None: its own endpoints
     traces: bool = False  # the workers' spans into <state>/traces.jsonl (llmgw up)
     extproc_env: dict[str, str] = field(default_factory=dict)  # more environment for the workers (OTLP)
+    region: str = ""  # where this gateway runs (ext_proc --region); "" = not declared
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -362,7 +363,8 @@ class Stack:
                 "--status-listen", f"127.0.0.1:{status}", *tls_args, *self._store_args(),
                 # One worker scrapes the engines for all of this gateway's workers.
                 "--picker-dir", str(self.opts.state_dir / "picker"),
-                *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else [])),
+                *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else []),
+                *(["--region", self.opts.region] if self.opts.region else [])),
                 self.logs / f"extproc-{port}.log", env=env).start())
         # Ready when its own status endpoint names this revision: the status server starts after the
         # gRPC port is bound, and an open port alone could be another process's.

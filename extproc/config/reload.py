@@ -38,6 +38,7 @@ class Live:
     credentials: dict[str, str] = field(default_factory=dict)
     credential_errors: dict[str, str] = field(default_factory=dict)
     shadow_key: bytes = b""  # signs and checks shadow grants (extproc/shadow.py); empty: none accepted
+    region: str = ""  # where this gateway runs (ext_proc --region): residency is enforced for it
 
 
 def directory_signature(root: Path) -> tuple[tuple[str, int, int], ...]:
@@ -64,7 +65,7 @@ class Reloader:
 
     def __post_init__(self) -> None:
         self._signature = directory_signature(self.directory)
-        self.status = {"revision": self.live.snapshot.revision, "loaded_at": time.time(),
+        self.status = {"revision": self.live.snapshot.revision, "region": self.live.region, "loaded_at": time.time(),
                        "last_attempt": None, "last_error": None, "reloads": 0, "refused": 0}
 
     def reload(self, reason: str) -> bool:

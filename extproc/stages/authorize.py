@@ -78,6 +78,11 @@ class Authorization:
         if route is None:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no route named {ex.body['model']!r}", "model")
         ex.route = route
+        residency = snap.gateway.tenants[ex.identity.tenant].regions
+        if ex.region and residency is not None and ex.region not in residency:
+            # The request would be processed here, outside the tenant's residency, before any upstream.
+            raise GatewayError(ErrorCode.FORBIDDEN, f"this gateway runs in region {ex.region!r}, outside the tenant's "
+                               f"residency ({', '.join(residency)}): use the gateway of one of those regions")
         data_class = ex.headers.get(DATA_CLASS) or snap.gateway.tenants[ex.identity.tenant].default_data_class
         if data_class not in snap.gateway.data_classes:
             raise GatewayError(ErrorCode.INVALID_REQUEST, "unknown data class", DATA_CLASS)
