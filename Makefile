@@ -35,7 +35,14 @@ $(FOCUS_VENV)/.installed-stamp:
 	$(FOCUS_VENV)/bin/python -m pip install -q 'focus-validator==1.0.0' 'multimethod<1.11'
 	touch $@
 
-test: lint typecheck $(FOCUS_VENV)/.installed-stamp
+# The Istio and Envoy Gateway CRDs' schemas, compiled by kubernetes-models (npm): the mesh manifests
+# are validated against them (tests/test_mesh_manifests.py). Node.js and npm come with the machine.
+MESH_SCHEMAS := deploy/mesh/node_modules/.installed-stamp
+$(MESH_SCHEMAS): deploy/mesh/package-lock.json
+	npm ci --prefix deploy/mesh --no-audit --no-fund --silent
+	touch $@
+
+test: lint typecheck $(FOCUS_VENV)/.installed-stamp $(MESH_SCHEMAS)
 	$(BIN)/python -m pytest -m "not vllm"
 
 # Real vLLM (CPU build, installed into .venv-vllm on first use) serving a generated tiny model.
@@ -54,4 +61,4 @@ bench: $(STAMP)
 	$(BIN)/llmgw bench overhead --output docs/bench-overhead.md
 
 clean:
-	rm -rf $(VENV) $(FOCUS_VENV) .llmgw .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FOCUS_VENV) deploy/mesh/node_modules .llmgw .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,7 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from extproc.config import ConfigError, load_snapshot
+from extproc.config import ConfigError, Snapshot, load_snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE
 from llmgw import deprecations
 from llmgw.cli_common import snapshot_or_report, store_client
@@ -56,6 +56,8 @@ def cmd_envoy_render(args: argparse.Namespace) -> int:
     snap = snapshot_or_report(args.config)
     if snap is None:
         return 1
+    if args.target != "envoy":
+        return _render_manifests(snap, args)
     opts = RenderOptions.for_compose(snap) if args.compose else RenderOptions.from_snapshot(snap)
     # Compose's Envoy listens on every interface of its container; docker-compose.yml publishes it on
     # loopback, and its ext_proc refuses demo keys when told the gateway is published further.
@@ -64,6 +66,26 @@ def cmd_envoy_render(args: argparse.Namespace) -> int:
         print(f"error: {refusal}", file=sys.stderr)
         return 1
     text = render_yaml(snap, opts)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} (revision {snap.revision})", file=sys.stderr)
+    return 0
+
+
+def _render_manifests(snap: Snapshot, args: argparse.Namespace) -> int:
+    """Kubernetes manifests for a mesh's Envoy (llmgw/render/mesh.py), as one multi-document YAML."""
+
+    from llmgw.render.mesh import MeshTarget, manifests_yaml, render_manifests
+
+    selector = dict(pair.split("=", 1) for pair in args.selector) if args.selector else None
+    target = MeshTarget(namespace=args.namespace, listen_port=args.listen_port, context=args.context,
+                        gateway=args.gateway, listener=args.listener,
+                        **({"selector": selector} if selector else {}))
+    header = (f"# Rendered by `llmgw envoy render --target {args.target}` from policy revision {snap.revision}. "
+              "Do not edit.\n")
+    text = header + manifests_yaml(render_manifests(snap, args.target, target))
     if args.output == "-":
         sys.stdout.write(text)
     else:
@@ -180,6 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", default="policy")
     r.add_argument("-o", "--output", default="-")
     r.add_argument("--compose", action="store_true", help="addresses of docker-compose.yml's services")
+    r.add_argument("--target", choices=["envoy", "istio", "envoy-gateway"], default="envoy",
+                   help="a bootstrap for Envoy itself, or Kubernetes manifests that add the gateway to an Envoy "
+                        "that Istio (EnvoyFilter) or Envoy Gateway (EnvoyPatchPolicy) manages")
+    r.add_argument("--namespace", default="llmgw", help="manifests: their namespace and the Services'")
+    r.add_argument("--listen-port", type=int, default=8080, help="manifests: the port of the listener to patch")
+    r.add_argument("--selector", action="append", metavar="LABEL=VALUE",
+                   help="istio: the gateway workload's labels (default app=llmgw-gateway)")
+    r.add_argument("--context", choices=["GATEWAY", "SIDECAR_INBOUND"], default="GATEWAY", help="istio")
+    r.add_argument("--gateway", default="llmgw", help="envoy-gateway: the Gateway's name")
+    r.add_argument("--listener", default="http", help="envoy-gateway: the Gateway listener's name")
     r.set_defaults(func=cmd_envoy_render)
 
     u = sub.add_parser("up", help="run the whole gateway locally until Ctrl-C")
