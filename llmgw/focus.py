@@ -42,6 +42,7 @@ COLUMNS = (
     "RegionName", "ResourceID", "ResourceName", "ResourceType", "ServiceCategory", "ServiceName", "SkuId",
     "SkuPriceId", "SkuMeter", "SubAccountId", "SubAccountName", "Tags",
     "x_tenant", "x_route", "x_route_revision", "x_price_version", "x_ledger_entries", "x_focus_version",
+    "x_export_batch",  # the ledger stream and the last entry id of the export batch the row came from
 )
 
 

@@ -2,7 +2,8 @@
 with `--decisions` the decision log streams (`llmgw:{tenant}:decisions`, extproc/decisions.py).
 
 `export` reads with a consumer group and acknowledges what it wrote, so repeated exports continue
-where the last one stopped and a record is exported once; `tail` only reads. `--format focus` writes
+where the last one stopped; into a file, each record is exported exactly once (cmd_export); `tail` only
+reads. `--format focus` writes
 FOCUS cost rows (llmgw/focus.py) as CSV instead of the records as JSON lines: each batch of records
 aggregated, written, then acknowledged (a later export may add rows for the same period).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -91,7 +93,32 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sid(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def exported(path: str, focus: bool) -> dict[str, tuple[int, int]]:
+    """The last entry id of each stream already in the output file (the export's commit point): JSON
+    lines carry `stream` and `stream_id`, FOCUS rows `x_export_batch` (stream and its batch's last id)."""
+    last: dict[str, tuple[int, int]] = {}
+    if path == "-" or not Path(path).exists():
+        return last
+    with open(path, newline="") as f:
+        marks = ((r.get("x_export_batch") or "").rpartition(" ")[::2] for r in csv.DictReader(f)) if focus else (
+            (d.get("stream", ""), d.get("stream_id", "")) for line in f if line.strip()
+            for d in [json.loads(line)])
+        for stream, eid in marks:
+            if stream and eid:
+                last[stream] = max(last.get(stream, (0, 0)), _sid(eid))
+    return last
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    """Exactly once into a file: a batch is written and fsynced (the commit point), then acknowledged.
+    Entries delivered to this consumer but never acknowledged (an export that died between the two, or
+    an acknowledgement a store failover lost) are read again first: those the output already holds are
+    only acknowledged, the rest written. To stdout it is at least once."""
     opened = open_store(args)
     if opened is None:
         return 1
@@ -103,10 +130,24 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 2
     snap = snapshot_or_report(args.config) if focus else None
     fresh = args.output == "-" or not Path(args.output).exists() or Path(args.output).stat().st_size == 0
+    done = exported(args.output, focus)
     out = open(args.output, "a", newline="") if args.output != "-" else sys.stdout  # noqa: SIM115 - closed below
     writer = csv.DictWriter(out, fieldnames=COLUMNS) if focus else None
     if writer is not None and fresh:
         writer.writeheader()
+
+    def write(key: str, entries: list[tuple[str, dict[str, str]]]) -> None:
+        if writer is not None and snap is not None:
+            rows = aggregate((decode(f) for _, f in entries), snap, args.period)
+            batch = f"{key} {entries[-1][0]}"
+            writer.writerows({**record(r, args.period), "x_export_batch": batch} for r in rows)
+        else:
+            for eid, fields in entries:
+                out.write(json.dumps({**decode(fields), "stream": key, "stream_id": eid}) + "\n")
+        out.flush()
+        if out is not sys.stdout:
+            os.fsync(out.fileno())
+
     total = 0
     try:
         for t in tenants:
@@ -116,20 +157,24 @@ def cmd_export(args: argparse.Namespace) -> int:
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
+            after = "0"  # first this consumer's pending entries (from "0"), then new ones (">")
             while True:
-                got: Any = client.xreadgroup(GROUP, args.consumer, {key: ">"}, count=1000)
+                got: Any = client.xreadgroup(GROUP, args.consumer, {key: after}, count=1000)
                 entries = got[0][1] if got else []
                 if not entries:
-                    break
-                if writer is not None and snap is not None:
-                    rows = aggregate((decode(f) for _, f in entries), snap, args.period)
-                    writer.writerows(record(r, args.period) for r in rows)
-                else:
-                    for _, fields in entries:
-                        out.write(json.dumps(decode(fields)) + "\n")
-                out.flush()
-                client.xack(key, GROUP, *(eid for eid, _ in entries))  # only what was written
-                total += len(entries)
+                    if after == ">":
+                        break
+                    after = ">"
+                    continue
+                if after != ">":
+                    after = entries[-1][0]
+                # (A pending entry trimmed from the stream since comes back without fields: nothing to write.)
+                fresh_entries = [(eid, f) for eid, f in entries
+                                 if f is not None and _sid(eid) > done.get(key, (-1, -1))]
+                if fresh_entries:
+                    write(key, fresh_entries)
+                client.xack(key, GROUP, *(eid for eid, _ in entries))  # only what the output holds
+                total += len(fresh_entries)
     finally:
         if out is not sys.stdout:
             out.close()
