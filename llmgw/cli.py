@@ -57,7 +57,7 @@ def cmd_envoy_render(args: argparse.Namespace) -> int:
     if snap is None:
         return 1
     if args.target != "envoy":
-        return _render_manifests(snap, args)
+        return _write_rendered(_render_manifests(snap, args), args.output, snap.revision)
     opts = RenderOptions.for_compose(snap) if args.compose else RenderOptions.from_snapshot(snap)
     # Compose's Envoy listens on every interface of its container; docker-compose.yml publishes it on
     # loopback, and its ext_proc refuses demo keys when told the gateway is published further.
@@ -65,18 +65,20 @@ def cmd_envoy_render(args: argparse.Namespace) -> int:
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 1
-    text = render_yaml(snap, opts)
-    if args.output == "-":
+    return _write_rendered(render_yaml(snap, opts), args.output, snap.revision)
+
+
+def _write_rendered(text: str, output: str, revision: str) -> int:
+    if output == "-":
         sys.stdout.write(text)
     else:
-        Path(args.output).write_text(text)
-        print(f"wrote {args.output} (revision {snap.revision})", file=sys.stderr)
+        Path(output).write_text(text)
+        print(f"wrote {output} (revision {revision})", file=sys.stderr)
     return 0
 
 
-def _render_manifests(snap: Snapshot, args: argparse.Namespace) -> int:
+def _render_manifests(snap: Snapshot, args: argparse.Namespace) -> str:
     """Kubernetes manifests for a mesh's Envoy (llmgw/render/mesh.py), as one multi-document YAML."""
-
     from llmgw.render.mesh import MeshTarget, manifests_yaml, render_manifests
 
     selector = dict(pair.split("=", 1) for pair in args.selector) if args.selector else None
@@ -85,13 +87,7 @@ def _render_manifests(snap: Snapshot, args: argparse.Namespace) -> int:
                         **({"selector": selector} if selector else {}))
     header = (f"# Rendered by `llmgw envoy render --target {args.target}` from policy revision {snap.revision}. "
               "Do not edit.\n")
-    text = header + manifests_yaml(render_manifests(snap, args.target, target))
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        Path(args.output).write_text(text)
-        print(f"wrote {args.output} (revision {snap.revision})", file=sys.stderr)
-    return 0
+    return header + manifests_yaml(render_manifests(snap, args.target, target))
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import yaml
 
 from extproc.chat import prompt_bytes
 from extproc.store import budget_key, ledger_entry, ledger_key
+from llmgw.cli_common import store_client
 from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, module_stack, start_stack
@@ -85,11 +86,19 @@ def chat(s: Stack, tenant: str, body: dict[str, Any] | None = None, **headers: s
 
 
 def test_500_concurrent_never_overshoot_the_budget_across_two_workers(gw: Stack) -> None:
+    burst_holds_the_budget([gw], 500, str(gw.store_url))
+
+
+def burst_holds_the_budget(stacks: list[Stack], per_stack: int, store_url: str) -> None:
+    """`per_stack` requests of the burst tenant through each stack at once: the budget's reserved plus
+    settled tokens, sampled throughout, never pass its ceiling (invariant 3); one ledger entry each.
+    (tests/test_cluster_e2e.py: two stacks on one Valkey Cluster.)"""
     ceiling = N * bound(BURST_BODY)
     key = budget_key("burst", "burst-total", "total")
-    r = store(gw)
+    r = store_client(store_url)
     samples: list[int] = []
     stop = threading.Event()
+    total = per_stack * len(stacks)
 
     def sample() -> None:
         while not stop.is_set():
@@ -98,15 +107,16 @@ def test_500_concurrent_never_overshoot_the_budget_across_two_workers(gw: Stack)
             time.sleep(0.002)
 
     async def burst() -> list[tuple[int, dict[str, Any]]]:
-        # The engines hold each admitted request 3 s, so all 500 reserve while the first are in flight.
+        # The engines hold each admitted request 3 s, so all reserve while the first are in flight.
         headers = {"authorization": f"Bearer {KEYS['burst']}"}
-        inject_fault(gw.engine_urls(), "delay_ms=3000", count=500, marker=BURST_MARKER)
+        for s in stacks:
+            inject_fault(s.engine_urls(), "delay_ms=3000", count=per_stack, marker=BURST_MARKER)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            async def one() -> tuple[int, dict[str, Any]]:
-                async with session.post(f"{gw.url}/v1/chat/completions", json=BURST_BODY, headers=headers,
+            async def one(s: Stack) -> tuple[int, dict[str, Any]]:
+                async with session.post(f"{s.url}/v1/chat/completions", json=BURST_BODY, headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=60)) as resp:
                     return resp.status, await resp.json(content_type=None)
-            return await asyncio.gather(*(one() for _ in range(500)))
+            return await asyncio.gather(*(one(s) for _ in range(per_stack) for s in stacks))
 
     sampler = threading.Thread(target=sample)
     sampler.start()
@@ -120,11 +130,11 @@ def test_500_concurrent_never_overshoot_the_budget_across_two_workers(gw: Stack)
     refused = [b for s, b in results if s != 200]
     assert 0 < len(admitted) <= N, len(admitted)
     assert all(b["error"]["code"] == "budget_exhausted" for b in refused), {b["error"]["code"] for b in refused}
-    assert len(samples) > 100 and max(samples) <= ceiling, (max(samples), ceiling)
+    assert len(samples) > 50 and max(samples) <= ceiling, (max(samples), ceiling)
     h = r.hgetall(key)
     assert int(h["reserved_tokens"]) == 0
-    records = ledger(gw, "burst")
-    assert len(records) == 500  # one per authenticated request, admitted or refused
+    records = [ledger_entry(f) for _, f in r.xrange(ledger_key("burst"))]
+    assert len(records) == total  # one per authenticated request, admitted or refused, whichever stack
     assert int(h["settled_tokens"]) == sum(x.get("charged_tokens", 0) for x in records)
     assert sum(1 for x in records if x["settlement"] == "actual") == len(admitted)
 
@@ -158,24 +168,32 @@ def test_ledger_export_writes_each_record_once(gw: Stack, tmp_path: Path) -> Non
 
 
 def test_idempotency_in_flight_replay_and_reuse(gw: Stack) -> None:
-    clear_engine_logs(gw)
-    marker = inject_fault(gw.engine_urls(), "delay_ms=1500")
+    idempotency_holds(gw, gw)
+
+
+def idempotency_holds(first_gw: Stack, then: Stack) -> None:
+    """A key taken through `first_gw`: 409 through `then` while in flight, the answer replayed there
+    afterwards, 422 for another body; one upstream call in all (tests/test_cluster_e2e.py: two stacks)."""
+    stacks = [first_gw] if first_gw is then else [first_gw, then]
+    for s in stacks:
+        clear_engine_logs(s)
+    marker = inject_fault(first_gw.engine_urls(), "delay_ms=1500")
     body = chat_body(max_tokens=4, content=f"idempotent hello {marker}")
     key = f"idem-{time.time_ns()}"
     first: list[Any] = []
-    t = threading.Thread(target=lambda: first.append(chat(gw, "steady", body, **{"idempotency-key": key})))
+    t = threading.Thread(target=lambda: first.append(chat(first_gw, "steady", body, **{"idempotency-key": key})))
     t.start()
     time.sleep(0.4)
-    assert_contract_error(chat(gw, "steady", body, **{"idempotency-key": key}), 409, "idempotency_conflict")
+    assert_contract_error(chat(then, "steady", body, **{"idempotency-key": key}), 409, "idempotency_conflict")
     t.join(10)
     assert first[0].status == 200
     time.sleep(0.3)  # the meter records the outcome when the response ends
-    replay = chat(gw, "steady", body, **{"idempotency-key": key})
+    replay = chat(then, "steady", body, **{"idempotency-key": key})
     assert replay.status == 200 and replay.headers.get("x-llmgw-idempotent-replay") == "true"
     assert replay.json() == first[0].json()
     other = chat_body(max_tokens=4, content="a different body")
-    assert_contract_error(chat(gw, "steady", other, **{"idempotency-key": key}), 422, "idempotency_key_reused")
-    upstream = [e for e in engine_log(gw) if marker in json.dumps(e["messages"])]
+    assert_contract_error(chat(then, "steady", other, **{"idempotency-key": key}), 422, "idempotency_key_reused")
+    upstream = [e for s in stacks for e in engine_log(s) if marker in json.dumps(e["messages"])]
     assert len(upstream) == 1  # never a second upstream call
 
 

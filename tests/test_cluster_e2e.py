@@ -6,24 +6,24 @@ stacks, and a primary lost under load with nothing lost or charged twice (invari
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import aiohttp
 import pytest
 import yaml
 
 from extproc.store import budget_key, leases_key, ledger_entry, ledger_key, res_key
+from extproc.store.cluster import ClusterPipe
+from extproc.store.pipe import Redirected, ScriptPipe
 from llmgw.cli_common import store_client
 from llmgw.stack import Stack, new_key
 from llmgw.store_cluster import ValkeyCluster
 from tests.conftest import start_stack
-from tests.helpers import Response, assert_contract_error, chat_body, inject_fault, request
-from tests.test_budgets_e2e import BURST_BODY, BURST_MARKER, KEYS, N, bound, make_policy
-from tests.test_e2e_served_path import clear_engine_logs, engine_log
+from tests.helpers import Response, chat_body, inject_fault, request
+from tests.test_budgets_e2e import KEYS, burst_holds_the_budget, idempotency_holds, make_policy
 
 pytestmark = pytest.mark.e2e
 STEADY_BUDGET = "steady-tokens"
@@ -67,19 +67,6 @@ def ledger(cluster: ValkeyCluster, tenant: str) -> list[dict[str, Any]]:
     return [ledger_entry(f) for _, f in store_client(cluster.url).xrange(ledger_key(tenant))]
 
 
-def burst(targets: list[tuple[Stack, str, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
-    """Every (stack, tenant, body) at once; (status, body) of each."""
-    async def run() -> list[tuple[int, dict[str, Any]]]:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            async def one(s: Stack, tenant: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-                async with session.post(f"{s.url}/v1/chat/completions", json=body,
-                                        headers={"authorization": f"Bearer {KEYS[tenant]}"},
-                                        timeout=aiohttp.ClientTimeout(total=60)) as resp:
-                    return resp.status, await resp.json(content_type=None)
-            return await asyncio.gather(*(one(*t) for t in targets))
-    return asyncio.run(run())
-
-
 def test_the_cluster_spreads_tenants_and_replicates_each_write(cluster: ValkeyCluster) -> None:
     """The ground the rest stands on: the tenants' slots live on different primaries, and a write
     acknowledged with replica_acks is already on the replica."""
@@ -99,39 +86,7 @@ def test_the_cluster_spreads_tenants_and_replicates_each_write(cluster: ValkeyCl
 
 
 def test_two_stacks_never_overshoot_one_budget(cluster: ValkeyCluster, stacks: tuple[Stack, Stack]) -> None:
-    a, b = stacks
-    ceiling = N * bound(BURST_BODY)
-    key = budget_key("burst", "burst-total", "total")
-    r = store_client(cluster.url)
-    samples: list[int] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            h = r.hgetall(key)
-            samples.append(int(h.get("settled_tokens", 0)) + int(h.get("reserved_tokens", 0)))
-            time.sleep(0.005)
-
-    for s in stacks:  # the engines hold each admitted request 2 s: all reserve while the first are in flight
-        inject_fault(s.engine_urls(), "delay_ms=2000", count=200, marker=BURST_MARKER)
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        results = burst([(s, "burst", BURST_BODY) for _ in range(100) for s in (a, b)])
-    finally:
-        time.sleep(1.0)  # settlements and refusal records land after the replies
-        stop.set()
-        sampler.join()
-    admitted = [body for status, body in results if status == 200]
-    refused = [body for status, body in results if status != 200]
-    assert 0 < len(admitted) <= N, len(admitted)
-    assert {x["error"]["code"] for x in refused} == {"budget_exhausted"}
-    assert len(samples) > 50 and max(samples) <= ceiling, (max(samples), ceiling)
-    h = r.hgetall(key)
-    assert int(h["reserved_tokens"]) == 0
-    records = ledger(cluster, "burst")
-    assert len(records) == 200  # one per request, whichever stack took it
-    assert int(h["settled_tokens"]) == sum(x["charged_tokens"] for x in records)
+    burst_holds_the_budget(list(stacks), 100, cluster.url)
 
 
 def test_one_bulkhead_across_both_stacks(stacks: tuple[Stack, Stack]) -> None:
@@ -140,33 +95,16 @@ def test_one_bulkhead_across_both_stacks(stacks: tuple[Stack, Stack]) -> None:
     for s in stacks:
         inject_fault(s.engine_urls(), "delay_ms=1500", count=12, marker=marker)
     body = chat_body(max_tokens=4, content=f"flood {marker}")
-    results = burst([(s, "flood", body) for _ in range(6) for s in (a, b)])
-    served = [x for status, x in results if status == 200]
-    limited = [x for status, x in results if status == 429]
-    assert 1 <= len(served) <= 4 and len(served) + len(limited) == 12, [s for s, _ in results]
-    assert {x["error"]["code"] for x in limited} == {"concurrency_limited"}
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda s: chat(s, "flood", body), [a, b] * 6))
+    served = [r for r in results if r.status == 200]
+    limited = [r for r in results if r.status == 429]
+    assert 1 <= len(served) <= 4 and len(served) + len(limited) == 12, [r.status for r in results]
+    assert {r.json()["error"]["code"] for r in limited} == {"concurrency_limited"}
 
 
 def test_an_idempotency_key_holds_across_stacks(stacks: tuple[Stack, Stack]) -> None:
-    a, b = stacks
-    for s in stacks:
-        clear_engine_logs(s)
-    marker = inject_fault(a.engine_urls(), "delay_ms=1500")
-    body = chat_body(max_tokens=4, content=f"idempotent across stacks {marker}")
-    key = f"idem-{time.time_ns()}"
-    first: list[Response] = []
-    t = threading.Thread(target=lambda: first.append(chat(a, "steady", body, **{"idempotency-key": key})))
-    t.start()
-    time.sleep(0.4)
-    assert_contract_error(chat(b, "steady", body, **{"idempotency-key": key}), 409, "idempotency_conflict")
-    t.join(10)
-    assert first[0].status == 200
-    time.sleep(0.3)  # the meter records the answer when the response ends
-    replay = chat(b, "steady", body, **{"idempotency-key": key})
-    assert replay.status == 200 and replay.headers.get("x-llmgw-idempotent-replay") == "true"
-    assert replay.json() == first[0].json()
-    upstream = [e for s in stacks for e in engine_log(s) if marker in json.dumps(e["messages"])]
-    assert len(upstream) == 1  # one upstream call for both stacks
+    idempotency_holds(*stacks)
 
 
 def test_a_primary_lost_under_load_loses_and_doubles_nothing(cluster: ValkeyCluster,
@@ -224,3 +162,31 @@ def test_a_primary_lost_under_load_loses_and_doubles_nothing(cluster: ValkeyClus
     h = r.hgetall(budget_key("steady", STEADY_BUDGET, "total"))
     assert int(h["reserved_tokens"]) == 0
     assert int(h["settled_tokens"]) == sum(x["charged_tokens"] for x in ledger(cluster, "steady"))
+
+
+def test_a_moved_slot_is_followed_once(cluster: ValkeyCluster) -> None:
+    """A slot map gone stale (a slot moved): the wrong node answers MOVED, and the script is sent once
+    more, to the node it names."""
+    keys = [ledger_key(t) for t in ("burst", "flood", "steady", "quota", "acme")]
+    wrong = cluster.primary_of(keys[0])
+    key = next(k for k in keys if cluster.primary_of(k) != wrong)
+
+    async def run() -> tuple[Any, Any]:
+        pipe, alone = ClusterPipe(cluster.url, 1.0), ScriptPipe(f"redis://127.0.0.1:{wrong}/0", 1.0)
+        try:
+            await pipe.load("return KEYS[1]")
+            assert pipe._slots is not None
+            pipe._slots = [f"127.0.0.1:{wrong}"] * len(pipe._slots)  # every slot "on" one primary
+            followed = await pipe.evalsha("return KEYS[1]", [key], [])
+            try:
+                direct: Any = await alone.evalsha("return KEYS[1]", [key], [])
+            except Redirected as e:
+                direct = e
+            return followed, direct
+        finally:
+            await pipe.close()
+            await alone.close()
+
+    followed, direct = asyncio.run(run())
+    assert followed == key
+    assert isinstance(direct, Redirected) and direct.address == f"127.0.0.1:{cluster.primary_of(key)}"
