@@ -60,7 +60,7 @@ class InvalidGrant(ValueError):
 def verify(key: bytes, token: str, now: float | None = None) -> Grant:
     """The grant this token carries, if this gateway signed it and it has not expired."""
     payload, _, mac = token.partition(".")
-    if not key or not payload or not hmac.compare_digest(mac, _mac(key, payload.encode())):
+    if not key or not payload or not token.isascii() or not hmac.compare_digest(mac, _mac(key, payload.encode())):
         raise InvalidGrant("shadow grant not signed by this gateway")
     try:
         doc = orjson.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))

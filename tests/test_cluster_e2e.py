@@ -162,6 +162,15 @@ def test_a_primary_lost_under_load_loses_and_doubles_nothing(cluster: ValkeyClus
     h = r.hgetall(budget_key("steady", STEADY_BUDGET, "total"))
     assert int(h["reserved_tokens"]) == 0
     assert int(h["settled_tokens"]) == sum(x["charged_tokens"] for x in ledger(cluster, "steady"))
+    # The new primary has no replica left (its old primary is dead): every batch's WAIT saw none, the
+    # writes stood and served, and the workers counted them.
+    unreplicated = [counter(s.metrics_url, "llmgw_store_unreplicated_batches_total") for s in stacks]
+    assert sum(unreplicated) > 0, unreplicated
+
+
+def counter(metrics_url: str, name: str) -> float:
+    text = request(metrics_url).body.decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_a_moved_slot_is_followed_once(cluster: ValkeyCluster) -> None:

@@ -126,10 +126,6 @@ class ClusterPipe:
                 self._slots = None
         return out
 
-    @property
-    def unreplicated(self) -> int:
-        return sum(p.unreplicated for p in self._pipes.values())
-
     async def close(self) -> None:
         for pipe in self._pipes.values():
             await pipe.close()

@@ -64,7 +64,6 @@ class ScriptPipe:
         # reached their memory) before any script of it is answered, so a failover cannot lose an
         # acknowledged reservation or settlement to asynchronous replication. 0: no WAIT.
         self.replica_acks, self.replica_ack_timeout_ms = replica_acks, replica_ack_timeout_ms
-        self.unreplicated = 0  # batches whose WAIT saw fewer replicas than asked (the writes stand)
         self._batch_ack: asyncio.Future[int] | None = None  # the WAIT of the batch being queued
         self._ack_in_flight = False
         self._conn: _Replies | None = None
@@ -152,8 +151,7 @@ class ScriptPipe:
                 ack.set_exception(StoreUnavailable("store connection lost while waiting for its replicas"))
             else:
                 if wait.result() < self.replica_acks:
-                    self.unreplicated += 1  # the writes stand on the primary; fewer copies than asked
-                    count_unreplicated()
+                    count_unreplicated()  # the writes stand on the primary, with fewer copies than asked
                 ack.set_result(wait.result())
         self._flush(conn)
 
@@ -185,10 +183,6 @@ class ScriptPipe:
         """Connect and load the scripts now, so the first request does not wait for it."""
         for script in scripts:
             await self._ready(script)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     async def command(self, *cmd: Any) -> Any:
         """One command on this connection (cluster discovery: CLUSTER SHARDS); a refusal raises."""
