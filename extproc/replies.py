@@ -84,23 +84,31 @@ def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:
 DEGRADED_HEADER = "x-llmgw-degraded"  # on an answer the route's degraded answer gave: `response` or `route:NAME`
 
 
-def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
-    """The route's fixed degraded answer as a completed chat completion (a stream when one was asked
-    for), with no usage: nothing upstream ran. A front door's caller gets it in its own shape from the
-    door filter, which translates every answer on the way out."""
-    assert ex.route is not None
-    base = {"id": f"chatcmpl-degraded-{ex.request_id}", "created": int(time.time()), "model": ex.route.route_contract}
+def degraded_body(route: str, text: str, request_id: str, created: int, stream: bool, usage_chunk: bool) -> bytes:
+    """A route's fixed degraded answer as a completed chat completion (SSE when `stream`), with no
+    usage: nothing upstream ran. Also what Envoy answers when every upstream was down
+    (llmgw/render/errors.py renders it with Envoy's request id)."""
+    base = {"id": f"chatcmpl-degraded-{request_id}", "created": created, "model": route}
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    if not ex.stream:
-        doc = {**base, "object": "chat.completion", "usage": usage, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
-        return immediate(ex, 200, orjson.dumps(doc), "llmgw_degraded", {DEGRADED_HEADER: "response"})
+    if not stream:
+        return orjson.dumps({**base, "object": "chat.completion", "usage": usage, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
     chunk = {**base, "object": "chat.completion.chunk"}
     events = [{**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
                                      "finish_reason": None}]},
               {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
-    options = ex.body.get("stream_options")
-    if ex.door or (isinstance(options, dict) and options.get("include_usage") is True):
+    if usage_chunk:
         events.append({**chunk, "choices": [], "usage": usage})
-    sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-    return immediate(ex, 200, sse, "llmgw_degraded", {DEGRADED_HEADER: "response"}, content_type="text/event-stream")
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
+    """The route's fixed degraded answer (degraded_body). A front door's caller gets it in its own shape
+    from the door filter, which translates every answer on the way out."""
+    assert ex.route is not None
+    options = ex.body.get("stream_options")
+    body = degraded_body(ex.route.route_contract, text, ex.request_id, int(time.time()), ex.stream,
+                         bool(ex.door) or (isinstance(options, dict) and options.get("include_usage") is True))
+    if not ex.stream:
+        return immediate(ex, 200, body, "llmgw_degraded", {DEGRADED_HEADER: "response"})
+    return immediate(ex, 200, body, "llmgw_degraded", {DEGRADED_HEADER: "response"}, content_type="text/event-stream")

@@ -60,6 +60,7 @@ from extproc.metrics import observe_settlement, observe_tenant
 from extproc.names import Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Answer, Sealer
+from extproc.replies import DEGRADED_HEADER
 from extproc.sse import StreamUsage
 from extproc.store import Settlement, Store, StoreUnavailable
 
@@ -394,6 +395,13 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                            prompt_bound=prompt_bound)
             source = "estimated" if usage else source
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
+        marks = {k.value: attr(md, k) for k in LEDGER_MARKS}
+        if entry.response.response_headers.get(DEGRADED_HEADER) == "response" and not common.HasField(
+                "time_to_first_upstream_rx_byte"):
+            # Envoy's degraded answer for a route whose upstreams were all down (llmgw/render/errors.py):
+            # no upstream answered, so nothing was generated.
+            termination, usage, source, (micros, tokens, kind) = "degraded", None, "none", (0, 0, "released")
+            marks[Key.DEGRADED.value] = "response"
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
         def seconds(name: str) -> float | None:
@@ -405,7 +413,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
                                  if common.HasField("time_to_first_upstream_rx_byte") else None},
-                             duration, first, {k.value: attr(md, k) for k in LEDGER_MARKS})
+                             duration, first, marks)
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),

@@ -130,7 +130,9 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
         common_http_protocol_options=protocol_pb2.HttpProtocolOptions(
             idle_timeout=duration_ms(env.idle_connection_timeout_ms)),
         route_config=route_config(snap, clusters),
-        local_reply_config=local_reply_config(snap.revision),
+        local_reply_config=local_reply_config(snap.revision, {
+            name: r.degraded.response for name, r in snap.routes.items()
+            if r.degraded is not None and r.degraded.response is not None}),
         access_log=[*([stdout_access_log()] if access_log else []), *([settlement_log()] if meters(snap) else [])],
         http_filters=[
             http_filter("envoy.filters.http.header_mutation", header_mutation_filter()),

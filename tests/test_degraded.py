@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import yaml
 
 from extproc.config import ConfigError, load_snapshot
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 
 KEY = DEMO_KEYS["acme"]
@@ -138,3 +139,38 @@ def test_without_a_degraded_answer_it_stays_503(gw: Stack) -> None:
                 {"authorization": f"Bearer {KEY}"})
     assert_contract_error(r, 503, "no_qualified_route")
     assert "x-llmgw-degraded" not in r.headers
+
+
+def test_when_every_upstream_is_down_the_fixed_answer_serves_and_charges_nothing(tmp_path: Path) -> None:
+    """The decision cannot see Envoy's health: it admits a request whose candidates turn out all down.
+    Envoy then answers the route's fixed degraded answer (not 502), as JSON or a stream, marked and
+    settled at nothing; a route without one keeps its 502."""
+    policy = copy_policy(tmp_path)
+    edit(policy / "routes/chat-default.yaml", lambda d: d.update(degraded={"response": FIXED}))
+    s = start_stack(tmp_path / "state", policy)
+    try:
+        for engine in s.engines.values():
+            engine.stop()  # the pool is gone: refused connections, then no healthy host
+
+        def ask(route: str, **kw: Any) -> Any:
+            return request(f"{s.url}/v1/chat/completions", "POST", chat_body(route, max_tokens=8, **kw),
+                           {"authorization": f"Bearer {KEY}"}, timeout=30)
+
+        answers = [ask("chat-default"), ask("chat-default", stream=True)]
+        time.sleep(3)  # the health checks have marked every engine down
+        answers += [ask("chat-default"), ask("chat-default", stream=True)]
+        for r in answers:
+            assert r.status == 200 and r.headers["x-llmgw-degraded"] == "response", (r.status, r.body[:300])
+            text = r.body.decode()
+            assert FIXED in text and r.headers["x-request-id"] in text
+            entry = ledger_of(s, r.headers["x-request-id"], "acme")
+            assert (entry["termination"], entry["settlement"], entry["degraded"]) == ("degraded", "released",
+                                                                                     "response")
+            assert entry["charged_micros"] == 0 and entry["charged_tokens"] == 0
+        assert answers[1].headers["content-type"].startswith("text/event-stream")
+        assert answers[1].body.decode().rstrip().endswith("data: [DONE]")
+        assert json.loads(answers[0].body)["choices"][0]["message"]["content"] == FIXED
+        other = ask("chat-fallback")  # no degraded answer declared: its failure stays an error
+        assert other.status >= 500 and "x-llmgw-degraded" not in other.headers
+    finally:
+        s.stop()

@@ -225,6 +225,8 @@ function envoy_on_response(h)
   local headers = h:headers()
   local status = tonumber(headers:get(":status")) or 0
   if status < 200 or status >= 300 then return end  -- an error status: already in the contract's shape
+  -- Envoy's own degraded answer (every upstream was down): the gateway wrote it, whole; nothing to guard.
+  if headers:get(CONFIG.degraded_header) == "response" then return end
   -- The body may change length (an event withheld or added): Envoy frames it itself.
   headers:remove("content-length")
   -- An upstream that answered a stream request with something else is broken: the client, which

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
@@ -17,8 +18,10 @@ from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
-from extproc.contract import REVISION_HEADER, ErrorCode, GatewayError
+from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError
 from extproc.doors import DOORS, Door
+from extproc.names import Key, Settle
+from extproc.replies import DEGRADED_HEADER, degraded_body
 from llmgw.render.common import pack
 from llmgw.render.filters import upstream_answer_headers
 
@@ -76,22 +79,57 @@ LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
 )
 
 
-def local_reply_config(revision: str) -> hcm_pb2.LocalReplyConfig:
-    """Envoy's own replies in the contract's shape, naming the revision Envoy was rendered from. The
+MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
+# Every upstream of the plan was down: none had a healthy host, or none took the connection.
+ALL_DOWN = "(response.code_details == 'no_healthy_upstream' || response.code_details.contains('connection_failure'))"
+_RID, _CREATED = "@@llmgw-request-id@@", 1  # placeholders in the rendered body, replaced by formatters
+
+
+def _degraded_mappers(degraded: Mapping[str, str], revision_header: base_pb2.HeaderValueOption) -> (
+        list[hcm_pb2.ResponseMapper]):
+    """A route's fixed degraded answer when every upstream was down at dispatch (the decision, which
+    cannot see Envoy's health, had admitted it): 200 with the answer instead of 502. Chat completions
+    only (a front door's caller keeps its 502, in its shape) and not for an idempotent answer, whose
+    meter would record it for replay. Settlement charges it nothing (extproc/settlement.py)."""
+    settle = f"('{Key.SETTLE}' in {MD} ? {MD}['{Key.SETTLE}'] == '{{}}' : true)"
+    kinds = ((False, f"!('{Key.STREAM}' in {MD}) && " + settle.format(Settle.ACCESS_LOG), "application/json"),
+             (True, f"('{Key.STREAM}' in {MD}) && " + settle.format(Settle.STREAM), "text/event-stream"))
+    out = []
+    for route, text in sorted(degraded.items()):
+        for stream, which, content_type in kinds:
+            body = degraded_body(route, text, _RID, _CREATED, stream, usage_chunk=False).decode()
+            body = (body.replace("%", "%%").replace(_RID, "%REQ(x-request-id)%")
+                    .replace(f'"created":{_CREATED}', '"created":%START_TIME(%s)%'))
+            out.append(hcm_pb2.ResponseMapper(
+                filter=_cel_filter(f"{_NOT_OURS} && response.code >= 500 && {ALL_DOWN} && "
+                                   f"{MD}['{Key.ROUTE}'] == {json.dumps(route)} && !('{Key.DOOR}' in {MD}) && {which}"),
+                status_code=wrappers_pb2.UInt32Value(value=200),
+                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+                    text_format_source=base_pb2.DataSource(inline_string=body), content_type=content_type),
+                headers_to_add=[revision_header, base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key=DEGRADED_HEADER, value="response"),
+                    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)]))
+    return out
+
+
+def local_reply_config(revision: str, degraded: Mapping[str, str] | None = None) -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own replies in the contract's shape, naming the revision Envoy was rendered from (and
+    first, each route's fixed degraded answer for when its upstreams were all down). The
     response filters that could hold such a reply are off unless a chat route turned them on, so a
     reply to a request Envoy could not even parse is complete (a filter waiting for ext_proc once
     left it without its body when Envoy closed the connection)."""
     revision_header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=REVISION_HEADER, value=revision),
                                                  append_action=base_pb2.HeaderValueOption.ADD_IF_ABSENT)
     return hcm_pb2.LocalReplyConfig(mappers=[
-        hcm_pb2.ResponseMapper(
+        *_degraded_mappers(degraded or {}, revision_header),
+        *(hcm_pb2.ResponseMapper(
             filter=_cel_filter(f"{door_expr(door)} && {expr}" if door is not None else expr),
             status_code=wrappers_pb2.UInt32Value(value=status),
             body_format_override=_contract_json(code, message, status, door),
             headers_to_add=[revision_header],
         )
-        for door in (*DOORS, None)  # a door's callers first, in their shape
-        for expr, status, code, message in LOCAL_REPLY_RULES
+          for door in (*DOORS, None)  # a door's callers first, in their shape
+          for expr, status, code, message in LOCAL_REPLY_RULES),
     ])
 
 

@@ -234,7 +234,8 @@ def stream_guard_lua() -> str:
     events = ", ".join(f"{end.value} = {_lua_string(interrupted_event(message).decode())}"
                        for end, message in INTERRUPTED.items())
     config = (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, settle_stream = {_lua_string(Settle.STREAM)},"
-              f" max_event_bytes = {MAX_EVENT_BYTES},\n  keys = {{{keys}}},\n  events = {{{events}}}}}\n")
+              f" max_event_bytes = {MAX_EVENT_BYTES}, degraded_header = {_lua_string(DEGRADED_HEADER)},"
+              f"\n  keys = {{{keys}}},\n  events = {{{events}}}}}\n")
     return config + LUA_SOURCE.read_text()
 
 
@@ -275,7 +276,7 @@ def settlement_log() -> accesslog_pb2.AccessLog:
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
         grpc_service=_extproc_service(),
         buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)),
-        additional_response_headers_to_log=[ANSWERED_BY])
+        additional_response_headers_to_log=[ANSWERED_BY, DEGRADED_HEADER])
     return accesslog_pb2.AccessLog(
         name="envoy.access_loggers.http_grpc",
         filter=which,
