@@ -22,7 +22,7 @@ from tests.helpers import request
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, Any]:
     snap = load_snapshot(POLICY)
-    return yaml.safe_load(render_yaml(snap, RenderOptions.from_snapshot(snap)))
+    return yaml.load(render_yaml(snap, RenderOptions.from_snapshot(snap)), Loader=yaml.CSafeLoader)
 
 
 def hcm(doc: dict[str, Any]) -> dict[str, Any]:
@@ -189,12 +189,14 @@ def test_every_local_reply_is_contract_json(rendered: dict[str, Any]) -> None:
 
 
 def test_render_cli_writes_file(tmp_path: Path) -> None:
-    import sys
+    from llmgw.cli import main
+
     out = tmp_path / "envoy.yaml"
-    r = subprocess.run([sys.executable, "-m", "llmgw", "envoy", "render", "--config", str(POLICY), "-o", str(out)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(out.read_text())["static_resources"]["listeners"][0]["name"] == "llmgw"
+    with pytest.raises(SystemExit) as done:
+        main(["envoy", "render", "--config", str(POLICY), "-o", str(out)])
+    assert done.value.code == 0
+    doc = yaml.load(out.read_text(), Loader=yaml.CSafeLoader)
+    assert doc["static_resources"]["listeners"][0]["name"] == "llmgw"
 
 
 def test_pool_uses_override_host_from_picker_metadata(rendered: dict[str, Any]) -> None:
@@ -211,7 +213,7 @@ def test_pool_uses_override_host_from_picker_metadata(rendered: dict[str, Any]) 
 def test_round_robin_baseline_has_no_override() -> None:
     snap = load_snapshot(POLICY)
     opts = RenderOptions.from_snapshot(snap, pool_lb="round_robin")
-    doc = yaml.safe_load(render_yaml(snap, opts))
+    doc = yaml.load(render_yaml(snap, opts), Loader=yaml.CSafeLoader)
     (pool,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "pool_engine-pool"]
     # ROUND_ROBIN is the enum default, which the JSON render omits.
     assert pool.get("lb_policy", "ROUND_ROBIN") == "ROUND_ROBIN" and "load_balancing_policy" not in pool

@@ -84,7 +84,7 @@ def test_prices_of_the_deployment_that_answered_only_if_the_plan_holds_it(snap: 
 
 
 def _rendered(snap: Snapshot) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load(render_yaml(snap, RenderOptions.from_snapshot(snap)))
+    doc: dict[str, Any] = yaml.load(render_yaml(snap, RenderOptions.from_snapshot(snap)), Loader=yaml.CSafeLoader)
     return doc
 
 

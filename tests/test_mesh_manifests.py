@@ -8,6 +8,7 @@ filters, routes and clusters in place."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -22,7 +23,6 @@ from extproc.config import load_snapshot
 from llmgw.procs import envoy_binary
 from llmgw.render.mesh import HCM, HCM_TYPE, ROUTER, MeshTarget, manifests_yaml, render_manifests
 from tests.conftest import POLICY
-from tests.helpers import llmgw
 
 ROOT = Path(__file__).resolve().parent.parent
 VALIDATOR = ROOT / "deploy/mesh/validate.mjs"
@@ -30,6 +30,17 @@ SNAP = load_snapshot(POLICY)
 TARGET = MeshTarget()
 K8S_VERSION = "1.33"
 ENVOY_TYPES = "type.googleapis.com/envoy.extensions"
+
+
+@functools.cache
+def _rendered(kind: str) -> str:
+    return json.dumps(render_manifests(SNAP, kind, TARGET))
+
+
+def manifests(kind: str) -> list[dict[str, Any]]:
+    """The manifests for `kind`, rendered once per test session (each caller gets its own copy)."""
+    docs: list[dict[str, Any]] = json.loads(_rendered(kind))
+    return docs
 
 
 def crd_check(docs: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
@@ -40,7 +51,7 @@ def crd_check(docs: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("kind", ["istio", "envoy-gateway"])
 def test_the_manifests_validate_against_their_schemas(kind: str) -> None:
-    docs = render_manifests(SNAP, kind, TARGET)
+    docs = manifests(kind)
     for doc in (d for d in docs if d["apiVersion"] == "v1"):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     out = crd_check(docs)
@@ -49,8 +60,8 @@ def test_the_manifests_validate_against_their_schemas(kind: str) -> None:
 
 
 def test_the_validators_refuse_what_their_schemas_refuse() -> None:
-    istio = render_manifests(SNAP, "istio", TARGET)
-    eg = render_manifests(SNAP, "envoy-gateway", TARGET)
+    istio = manifests("istio")
+    eg = manifests("envoy-gateway")
     bad_filter = copy.deepcopy(istio[-1])
     bad_filter["spec"]["configPatches"][0]["applyTo"] = "HTTP_FILTERS"
     bad_policy = copy.deepcopy(eg[-1])
@@ -136,7 +147,8 @@ def apply_envoy_gateway(proxy: dict[str, Any], policy: dict[str, Any]) -> dict[s
         if kind == "Cluster" and p["operation"]["path"] == "":
             clusters.append(p["operation"]["value"])
             continue
-        resources[(kind, p["name"])] = jsonpatch.apply_patch(resources[(kind, p["name"])], [p["operation"]])
+        resources[(kind, p["name"])] = jsonpatch.apply_patch(resources[(kind, p["name"])], [p["operation"]],
+                                                             in_place=True)
     listener = resources[("Listener", name)]
     hcm = listener["default_filter_chain"]["filters"][0]["typed_config"]
     hcm["route_config"] = resources[("RouteConfiguration", name)]
@@ -156,7 +168,7 @@ def envoy_accepts(boot: dict[str, Any], tmp: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["istio", "envoy-gateway"])
 def test_the_patches_applied_give_a_config_envoy_accepts_with_the_gateway_in_place(kind: str, tmp_path: Path) -> None:
-    docs = render_manifests(SNAP, kind, TARGET)
+    docs = manifests(kind)
     if kind == "istio":
         boot = apply_envoy_filter(mesh_bootstrap(mesh_listener("mesh", "filter_chains")), docs[-1])
         hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
@@ -179,13 +191,17 @@ def test_the_patches_applied_give_a_config_envoy_accepts_with_the_gateway_in_pla
         "address"] == "engine-pool.llmgw.svc.cluster.local"
 
 
-def test_the_cli_writes_the_manifests() -> None:
-    out = llmgw("envoy", "render", "--config", str(POLICY), "--target", "istio", "--namespace", "ai",
-                "--selector", "istio=ingressgateway")
-    assert out.returncode == 0, out.stderr
-    docs = list(yaml.safe_load_all(out.stdout))
+def test_the_cli_writes_the_manifests(capsys: pytest.CaptureFixture[str]) -> None:
+    from llmgw.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["envoy", "render", "--config", str(POLICY), "--target", "istio", "--namespace", "ai",
+              "--selector", "istio=ingressgateway"])
+    assert done.value.code == 0
+    out = capsys.readouterr()
+    docs = list(yaml.load_all(out.out, Loader=yaml.CSafeLoader))
     assert [d["kind"] for d in docs] == ["Service", "Service", "EnvoyFilter"]
     assert docs[-1]["metadata"]["namespace"] == "ai"
     assert docs[-1]["spec"]["workloadSelector"]["labels"] == {"istio": "ingressgateway"}
-    assert "&id" not in out.stdout and out.stdout == out.stdout.strip() + "\n"
-    assert manifests_yaml(docs) in out.stdout
+    assert "&id" not in out.out and out.out == out.out.strip() + "\n"
+    assert manifests_yaml(docs) in out.out

@@ -168,7 +168,7 @@ def envoy_gateway(snap: Snapshot, target: MeshTarget) -> list[dict[str, Any]]:
 TARGETS = {"istio": istio, "envoy-gateway": envoy_gateway}
 
 
-class _NoAliases(yaml.SafeDumper):
+class _NoAliases(yaml.CSafeDumper):
     def ignore_aliases(self, data: Any) -> bool:  # every match written out: kubectl users read them
         return True
 
