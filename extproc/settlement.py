@@ -70,11 +70,11 @@ MAX_JSON_BODY = 8 << 20
 BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
 RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, sent again
-# What the meter filter asks Envoy for with the first response message (render uses this list).
 # Decisions the route stage made that the ledger entry records as they are (canary side, degraded
 # answer, the shadow candidate the request was copied to).
 LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW)
 ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
+# What the meter filter asks Envoy for with the first response message (render uses this list).
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{ANSWERED_BY}']",
                     *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,

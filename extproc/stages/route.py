@@ -252,7 +252,7 @@ class RouteSelection:
                                    f"no candidate of route {route.route_contract!r} qualifies ({reasons})"
                                    + (f", nor of its degraded route {degraded.route!r}"
                                       if degraded is not None and degraded.route else ""))
-        if serving is route and route.canary is not None:
+        if serving is route and route.canary is not None and ex.shadow_of is None:  # a copy is neither side
             qualified = canary_order(ex, route, qualified)
         if not serving.fallback.enabled:
             qualified = qualified[:1]
