@@ -78,6 +78,7 @@ class Exchange:
     redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
     bound: Bound | None = None  # invariant 3's bound, before redaction (stages/size.py)
     held: Held | None = None  # the budget reservation, once the store granted it
+    reserve_unknown: bool = False  # the reserve's reply was lost: a reservation may stand
     route: Route | None = None
     deployment: Deployment | None = None  # the first candidate
     candidates: tuple[Deployment, ...] = ()  # every qualified candidate, in the route's order

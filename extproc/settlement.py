@@ -97,7 +97,7 @@ async def release(store: Store | None, ex: Exchange, termination: str, status: i
 
 
 async def record_refusal(store: Store | None, ex: Exchange, termination: str, status: int, code: str) -> None:
-    """The ledger entry of an authenticated request that never reserved (denied, refused). A store
+    """The ledger entry of an authenticated request that holds no reservation (denied, refused). A store
     that does not answer is tried again every RETRY_EVERY_S for RETRY_FOR_S, as settlements are; the
     append is once-only, so a retry after a lost reply adds nothing."""
     if store is None or ex.identity is None or ex.held is not None:
@@ -108,6 +108,12 @@ async def record_refusal(store: Store | None, ex: Exchange, termination: str, st
     give_up = time.monotonic() + RETRY_FOR_S
     while True:
         try:
+            # A reserve whose reply was lost may have run: its reservation is released at nothing and
+            # its settlement is the request's one entry. Otherwise the refusal's entry, once; its marker
+            # also refuses a reserve of this request that runs late.
+            if ex.reserve_unknown and await store.settle(tenant, ex.request_id, {**outcome, "settlement": "released"},
+                                                         charge_micros=0, charge_tokens=0) is not None:
+                return
             await store.append_ledger(tenant, ex.request_id, facts, outcome)
             return
         except StoreUnavailable:

@@ -277,3 +277,33 @@ def test_cluster_slot_map_takes_the_healthy_primary_and_refuses_a_partial_map() 
     assert set(nodes) == {"127.0.0.1:7000", "127.0.0.1:7003", "127.0.0.1:7001", "127.0.0.1:7004"}
     shards[1][3] = [node(7001, "master", "fail")]  # no primary yet: the map is not usable
     assert _slot_map(shards)[0] is None
+
+
+def test_a_refusal_after_a_lost_reserve_reply_releases_it_and_a_late_reserve_holds_nothing() -> None:
+    """The reserve ran but its reply was lost (a failover, a timeout): the request was refused 503, and
+    its refusal's ledger entry is the reservation's settlement at nothing. If instead the reserve had
+    not run yet, the refusal's marker makes it refuse when it runs late. One entry either way."""
+    from extproc.config import load_snapshot
+    from extproc.exchange import Exchange, Identity
+    from extproc.settlement import record_refusal
+    from tests.conftest import POLICY
+
+    t = tenant()
+    snap = load_snapshot(POLICY)
+
+    def refused(rid: str) -> Exchange:
+        return Exchange(snapshot=snap, request_id=rid, identity=Identity(t, "k", "api_key"), reserve_unknown=True)
+
+    async def go(store: Store) -> str:
+        assert (await store.reserve(reservation(t, "ran"))).outcome == "ok"  # ... and then its reply was lost
+        await record_refusal(store, refused("ran"), "policy_unavailable", 503, "policy_unavailable")
+        await record_refusal(store, refused("late"), "policy_unavailable", 503, "policy_unavailable")
+        return (await store.reserve(reservation(t, "late"))).outcome  # the lost reserve, running late
+    assert run(go) == "abandoned"
+    r = sync()
+    entries = [ledger_entry(f) for _, f in r.xrange(ledger_key(t))]
+    assert sorted(e["request_id"] for e in entries) == ["late", "ran"]  # one entry each
+    assert all(e["charged_micros"] == 0 and e["termination"] == "policy_unavailable" for e in entries)
+    assert r.zcard(f"llmgw:{{{t}}}:leases") == 0
+    assert r.hgetall(budget_key(t, "b", "total")) == {"reserved_micros": "0", "reserved_tokens": "0",
+                                                       "settled_micros": "0", "settled_tokens": "0"}

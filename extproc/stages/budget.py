@@ -149,6 +149,9 @@ class BudgetReservation:
         try:
             result = await self.store.reserve(reservation)
         except StoreUnavailable as e:
+            # The script may have run before its reply was lost (a failover, a timeout): the refusal's
+            # ledger entry releases what it may hold (settlement.record_refusal).
+            ex.reserve_unknown = True
             if route.budget_reservation == "required":
                 raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the budget store is unavailable") from e
             count_admitted(route.route_contract)

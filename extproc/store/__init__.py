@@ -59,6 +59,11 @@ def ledger_key(tenant: str) -> str:
     return f"{tag(tenant)}:ledger"
 
 
+def ledgered_key(tenant: str, rid: str) -> str:
+    """Set once a request's refusal is in the ledger: a late reserve of it is refused (RESERVE)."""
+    return f"{tag(tenant)}:ledgered:{rid}"
+
+
 def decisions_key(tenant: str) -> str:
     """The decision log (gateway.yaml `decision_log`, and every dry-run difference)."""
     return f"{tag(tenant)}:decisions"
@@ -196,7 +201,7 @@ class Store:
     async def reserve(self, r: Reservation) -> ReserveResult:
         t = r.tenant
         idem = r.idem_key or f"{tag(t)}:idem:-"
-        keys = [res_key(t, r.rid), leases_key(t), inflight_key(t), idem,
+        keys = [res_key(t, r.rid), leases_key(t), inflight_key(t), idem, ledgered_key(t, r.rid),
                 *(b.key for b in r.budgets), *(q.key for q in r.rates)]
         args: list[Any] = [
             r.rid, r.now_ms, r.lease_until_ms, r.micros, r.tokens,
@@ -270,7 +275,7 @@ class Store:
     async def append_ledger(self, tenant: str, rid: str, facts: dict[str, Any], outcome: dict[str, Any]) -> bool:
         """The entry of a request that reserved nothing (denied, refused before dispatch), once:
         False when it was already appended (a retry whose first try's reply was lost)."""
-        out = await self.pipe.evalsha(APPEND_ONCE, [ledger_key(tenant), f"{tag(tenant)}:ledgered:{rid}"],
+        out = await self.pipe.evalsha(APPEND_ONCE, [ledger_key(tenant), ledgered_key(tenant, rid)],
                                       [packed(facts), packed(outcome), LEDGERED_TTL_S])
         return bool(out)
 

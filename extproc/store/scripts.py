@@ -2,7 +2,7 @@
 they are loaded once and called by SHA (extproc/store/pipe.py loads them again after a restart).
 All keys of one call share the tenant's hash tag, so they also run on Redis Cluster."""
 
-# KEYS: res, leases, inflight, idem, budgets..., rates...
+# KEYS: res, leases, inflight, idem, ledgered marker (APPEND_ONCE's), budgets..., rates...
 # ARGV: rid, now_ms, lease_until_ms, micros, tokens, max_inflight, max_inflight_tokens, n_budgets, n_rates,
 #       idem_body_hash, idem_ttl_ms, record_json, hint (the keys settlement touches: Reservation.hint),
 #       then per budget: limit_micros, limit_tokens, expire_at_s; then per rate: ms_per_unit, cost
@@ -12,6 +12,10 @@ local micros, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_inflight, max_tokens = tonumber(ARGV[6]), tonumber(ARGV[7])
 local nb, nr = tonumber(ARGV[8]), tonumber(ARGV[9])
 local idem_hash = ARGV[10]
+
+-- A request whose refusal was already recorded (its reserve's reply was lost, and the refusal released
+-- what it might have held): this late copy of the reserve must not hold anything.
+if redis.call('EXISTS', KEYS[5]) == 1 then return {'abandoned'} end
 
 if idem_hash ~= '' then
   local st = redis.call('HMGET', KEYS[4], 'body', 'state', 'status', 'response')
@@ -33,7 +37,7 @@ local new_tats = {}
 for r = 1, nr do
   local ms_per_unit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   a = a + 2
-  local tat = tonumber(redis.call('GET', KEYS[4 + nb + r]) or '0')
+  local tat = tonumber(redis.call('GET', KEYS[5 + nb + r]) or '0')
   if tat < now then tat = now end
   local new_tat = tat + ms_per_unit * cost
   if new_tat - now > 60000 then
@@ -44,7 +48,7 @@ end
 
 for b = 1, nb do
   local lim_m, lim_t = tonumber(ARGV[14 + 3 * (b - 1)]), tonumber(ARGV[15 + 3 * (b - 1)])
-  local h = redis.call('HMGET', KEYS[4 + b], 'reserved_micros', 'settled_micros', 'reserved_tokens', 'settled_tokens')
+  local h = redis.call('HMGET', KEYS[5 + b], 'reserved_micros', 'settled_micros', 'reserved_tokens', 'settled_tokens')
   local used_m = tonumber(h[1] or '0') + tonumber(h[2] or '0')
   local used_t = tonumber(h[3] or '0') + tonumber(h[4] or '0')
   if (lim_m >= 0 and used_m + micros > lim_m) or (lim_t >= 0 and used_t + tokens > lim_t) then
@@ -53,7 +57,7 @@ for b = 1, nb do
 end
 
 for b = 1, nb do
-  local key = KEYS[4 + b]
+  local key = KEYS[5 + b]
   local fresh = redis.call('HINCRBY', key, 'reserved_micros', micros) == micros
   redis.call('HINCRBY', key, 'reserved_tokens', tokens)
   local expire_at = tonumber(ARGV[16 + 3 * (b - 1)])
@@ -61,7 +65,7 @@ for b = 1, nb do
   if expire_at > 0 and fresh then redis.call('EXPIREAT', key, expire_at) end
 end
 for r = 1, nr do
-  redis.call('SET', KEYS[4 + nb + r], tostring(new_tats[r]), 'PX', math.ceil(new_tats[r] - now) + 60000)
+  redis.call('SET', KEYS[5 + nb + r], tostring(new_tats[r]), 'PX', math.ceil(new_tats[r] - now) + 60000)
 end
 redis.call('HINCRBY', KEYS[3], 'tokens', tokens)
 redis.call('ZADD', KEYS[2], lease_until, rid)
