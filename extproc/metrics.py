@@ -66,10 +66,10 @@ PICKS = Counter("llmgw_picker_decisions", "Engine picks per pool: by load, by a 
 STORE_LATENCY = Histogram("llmgw_store_duration", "Store round trips from the ext_proc workers (reserve, settle: "
                           "batches)", ["operation"], unit="seconds",
                           buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
-# Per tenant, only where gateway.yaml says so (`metrics.tenant_label: true`): a label per tenant is
-# unbounded in a multi-tenant deployment, so the default families carry none.
 STORE_UNREPLICATED = Counter("llmgw_store_unreplicated_batches", "Batches of store scripts whose WAIT saw fewer "
                              "replicas than store.replica_acks asks (the writes stand on the primary only)", [])
+# Per tenant, only where gateway.yaml says so (`metrics.tenant_label: true`): a label per tenant is
+# unbounded in a multi-tenant deployment, so the default families carry none.
 TENANT_SETTLEMENTS = Counter("llmgw_tenant_settlements", "Requests settled per tenant (metrics.tenant_label)",
                              ["tenant", "route", "termination"])
 TENANT_TOKENS = Counter("llmgw_tenant_tokens", "Tokens charged per tenant (metrics.tenant_label)",

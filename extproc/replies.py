@@ -109,6 +109,5 @@ def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
     options = ex.body.get("stream_options")
     body = degraded_body(ex.route.route_contract, text, ex.request_id, int(time.time()), ex.stream,
                          bool(ex.door) or (isinstance(options, dict) and options.get("include_usage") is True))
-    if not ex.stream:
-        return immediate(ex, 200, body, "llmgw_degraded", {DEGRADED_HEADER: "response"})
-    return immediate(ex, 200, body, "llmgw_degraded", {DEGRADED_HEADER: "response"}, content_type="text/event-stream")
+    return immediate(ex, 200, body, "llmgw_degraded", {DEGRADED_HEADER: "response"},
+                     content_type="text/event-stream" if ex.stream else "application/json")

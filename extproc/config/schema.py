@@ -191,7 +191,7 @@ class StoreSettings(Strict):
     # A Valkey/Redis Cluster: `url` names one node, the rest are found with CLUSTER SHARDS; each script
     # goes to the primary of its tenant's slot (extproc/store/cluster.py).
     cluster: bool = False
-    # After each script, wait until this many replicas hold it (Valkey's WAIT), for at most
+    # After each batch of scripts, wait until this many replicas hold it (Valkey's WAIT), for at most
     # replica_ack_timeout_ms: a failover then loses no acknowledged reservation or settlement.
     replica_acks: int = Field(default=0, ge=0)
     replica_ack_timeout_ms: int = Field(default=50, gt=0)

@@ -33,7 +33,6 @@ class ClusterPipe:
         self.known: list[str] = [seed]  # every node of the last map (replicas too), seed first
         self._slots: list[str] | None = None  # slot -> its primary's "host:port"
         self._pipes: dict[str, ScriptPipe] = {}
-        self._scripts: list[str] = []
         self._refreshing: asyncio.Lock | None = None
         self._failed_at = -1.0  # when a refresh last found no full map: callers then fail at once
 
@@ -68,17 +67,14 @@ class ClusterPipe:
 
     async def _node(self, key: str) -> ScriptPipe:
         slots = self._slots or await self._refresh()
-        pipe = self._pipe(slots[key_slot(key.encode())])
-        if self._scripts:
-            await pipe.load(*self._scripts)
-        return pipe
+        return self._pipe(slots[key_slot(key.encode())])
 
     async def load(self, *scripts: str) -> None:
-        """Every primary gets the scripts now (and a new primary when it is first used)."""
-        self._scripts = [*dict.fromkeys([*self._scripts, *scripts])]
+        """Every primary gets the scripts now; a primary first used later (after a failover) loads each
+        on its first call, as every ScriptPipe does."""
         slots = self._slots or await self._refresh()
         for address in dict.fromkeys(slots):
-            await self._pipe(address).load(*self._scripts)
+            await self._pipe(address).load(*scripts)
 
     async def evalsha(self, script: str, keys: list[str], args: list[Any]) -> Any:
         for attempt in (1, 2):
@@ -104,9 +100,7 @@ class ClusterPipe:
 
         async def group(address: str, idx: list[int]) -> list[Any]:
             try:
-                pipe = self._pipe(address)
-                await pipe.load(*self._scripts, script)
-                return await pipe.evalsha_many(script, [calls[i] for i in idx])
+                return await self._pipe(address).evalsha_many(script, [calls[i] for i in idx])
             except StoreUnavailable as e:
                 return [e] * len(idx)
 
@@ -115,15 +109,19 @@ class ClusterPipe:
         for idx, res in zip(groups.values(), results, strict=True):
             for i, r in zip(idx, res, strict=True):
                 out[i] = r
-        for i, r in enumerate(out):
-            if isinstance(r, Redirected):
+        if any(isinstance(r, StoreUnavailable) and not isinstance(r, Redirected) for r in out):
+            self._slots = None  # a node may be gone: ask the cluster again next time
+        redirected = [i for i, r in enumerate(out) if isinstance(r, Redirected)]
+        if redirected:  # one new map for all of them; each call is then sent once more
+            try:
+                await self._refresh()
+            except StoreUnavailable as e:
+                return [e if i in redirected else r for i, r in enumerate(out)]
+            for i in redirected:
                 try:
-                    await self._refresh()
                     out[i] = await self.evalsha(script, *calls[i])
                 except StoreUnavailable as e:
                     out[i] = e
-            elif isinstance(r, StoreUnavailable):
-                self._slots = None
         return out
 
     async def close(self) -> None:
