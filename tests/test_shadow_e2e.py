@@ -147,7 +147,7 @@ def test_no_copy_of_a_data_class_the_shadow_may_not_receive_or_without_a_shadow_
 def test_a_client_cannot_bring_its_own_grant(gw: Stack) -> None:
     g = Grant(of="x", tenant="acme", subject="acme-demo", route=ROUTE, data_class="internal",
               deployment="demo-anthropic", expires=time.time() + 30)
-    for token in (issue(grant_key("not this gateway's secret"), g), "garbage"):
+    for token in (issue(grant_key("not this gateway's secret"), g), "garbage", "x" * 9000, "\u00e9t\u00e9.\u00ff"):
         r = request(f"{gw.url}/v1/chat/completions", "POST", chat_body(ROUTE, max_tokens=4), {GRANT_HEADER: token})
         assert_contract_error(r, 401, "unauthenticated")
 
