@@ -34,6 +34,7 @@ from extproc.adapters.base import (
     Usage,
     read_answer,
     sse,
+    tool_arguments,
 )
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
 from extproc.adapters.openai import failure_for_status
@@ -280,7 +281,7 @@ def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
             reasoning.append(block.get("thinking", ""))
         elif kind == "tool_use":
             calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+                          "function": {"name": block["name"], "arguments": tool_arguments(block.get("input"))}})
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
     if reasoning:
         message["reasoning"] = "".join(reasoning)

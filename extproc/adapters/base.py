@@ -160,6 +160,14 @@ class ShapeAdapter:
         return self.stream_type(include_usage)
 
 
+def tool_arguments(given: Any) -> str:
+    """A tool call's input (a JSON object, or absent) as the internal arguments string; ValueError for
+    anything else (read_answer makes that a broken answer)."""
+    if given is not None and not isinstance(given, dict):
+        raise ValueError("a tool's input is not an object")
+    return json.dumps(given or {})
+
+
 def settings_back(native: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
     """The internal request fields a native settings object holds (`names`: internal -> native), for
     the inverse translations."""

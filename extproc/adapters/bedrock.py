@@ -55,6 +55,7 @@ from extproc.adapters.base import (
     read_answer,
     settings_back,
     sse,
+    tool_arguments,
 )
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
 from extproc.adapters.openai import failure_for_status
@@ -258,6 +259,9 @@ def host_of(target: Target) -> str:
     return target.options.get("host") or f"bedrock-runtime.{region}.amazonaws.com"
 
 
+SIGNED_HEADERS = ("authorization", "x-amz-date", "x-amz-security-token")  # what `sign` adds
+
+
 def sign(path: str, headers: Mapping[str, str], body: bytes, target: Target) -> dict[str, str]:
     """The SigV4 headers of this request (authorization, x-amz-date and, with a session token,
     x-amz-security-token). The signed headers are the ones given here and the host; what Envoy adds
@@ -287,7 +291,7 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
         elif "toolUse" in block:
             use = block["toolUse"]
             calls.append({"id": str(use["toolUseId"]), "type": "function",
-                          "function": {"name": str(use["name"]), "arguments": json.dumps(use.get("input") or {})}})
+                          "function": {"name": str(use["name"]), "arguments": tool_arguments(use.get("input"))}})
         elif "reasoningContent" in block:
             reasoning.append(str((block["reasoningContent"].get("reasoningText") or {}).get("text", "")))
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}

@@ -42,6 +42,7 @@ from extproc.adapters.base import (
     read_answer,
     settings_back,
     sse,
+    tool_arguments,
 )
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
 from extproc.adapters.openai import failure_for_status
@@ -203,7 +204,7 @@ def internal_body(native: Mapping[str, Any], model: str, stream: bool = False) -
                     fn = p["functionCall"]
                     ids[fn["name"]] = f"call_{len(ids)}_{fn['name']}"
                     calls.append({"id": ids[fn["name"]], "type": "function",
-                                  "function": {"name": fn["name"], "arguments": json.dumps(fn.get("args") or {})}})
+                                  "function": {"name": fn["name"], "arguments": tool_arguments(fn.get("args"))}})
             text = "".join(p.get("text", "") for p in parts if "text" in p)
             msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
@@ -290,7 +291,7 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
             if "functionCall" in part:
                 fn = part["functionCall"]
                 calls.append({"id": _call_id(rid, len(calls)), "type": "function",
-                              "function": {"name": fn["name"], "arguments": json.dumps(fn.get("args") or {})}})
+                              "function": {"name": fn["name"], "arguments": tool_arguments(fn.get("args"))}})
             elif part.get("thought"):
                 reasoning.append(part.get("text", ""))
             elif "text" in part:
