@@ -88,6 +88,11 @@ class Exchange:
     cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route
     endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
     upstream_body: bytes | None = None  # the body as the upstream must receive it, when rewritten
+    # Translated by the decision (extproc/direct.py): the provider's path and headers, its answer's shape.
+    upstream_headers: dict[str, str] | None = None
+    answer_shape: str = ""
+    credentials: Mapping[str, str] = field(default_factory=dict)  # deployment -> its resolved credential
+    credential_errors: Mapping[str, str] = field(default_factory=dict)
     withhold_usage: bool = False  # the gateway asked for the stream's usage chunk; the client did not
     retry_on: str = ""  # Envoy's retry conditions for this request ("" = none)
     retriable_codes: str = ""
@@ -133,9 +138,9 @@ class Exchange:
             facts["decision"] = {"error": "policy_unavailable", "decision_id": self.decision_id}
         return facts
 
-    def metadata(self) -> dict[str, str]:
+    def metadata(self) -> dict[str, Any]:
         """What Envoy keeps for routing, response headers and its access log (io.llmgw namespace)."""
-        md: dict[str, str] = {Key.REVISION: self.snapshot.revision, Key.REQUEST_ID: self.request_id}
+        md: dict[str, Any] = {Key.REVISION: self.snapshot.revision, Key.REQUEST_ID: self.request_id}
         if self.identity is not None:
             md[Key.TENANT] = self.identity.tenant
             md[Key.SUBJECT] = self.identity.subject
@@ -169,7 +174,14 @@ class Exchange:
             md[Key.DEPLOYMENT] = self.deployment.deployment
         if self.cluster:
             md[Key.CLUSTER] = self.cluster
-        if uses_attempt_filter(self.candidates) and self.identity is not None:
+        if self.upstream_headers is not None and self.deployment is not None:
+            # Read by Envoy's Lua answer filter (llmgw/lua/answers.lua), which blanks the headers once set.
+            md[Key.UPSTREAM_HEADERS] = self.upstream_headers
+            md[Key.ANSWER_SHAPE], md[Key.ANSWER_MODEL] = self.answer_shape, self.deployment.served_model
+            lost = self.translation_losses.get(self.deployment.deployment)
+            if lost:
+                md[Key.TRANSLATION_LOSS] = ", ".join(map(str, lost))
+        elif uses_attempt_filter(self.candidates) and self.identity is not None:
             # Read by the upstream filter of each attempt (extproc/attempts.py).
             md[Key.PLAN] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
             if self.stream:

@@ -37,6 +37,14 @@ class Key(StrEnum):
     SHADOW_GRANT = "shadow_grant"  # the copy's grant (extproc/shadow.py), added to the copy by the mirror
     DEGRADED = "degraded"  # the route's degraded answer served it: `route:NAME` (x-llmgw-degraded, ledger)
     PLAN_STREAM = "plan_stream"  # "1": the plan's answer is a stream (translated chunk by chunk)
+    # A lone candidate of another shape, translated without the attempt filter (extproc/direct.py): the
+    # request headers its shape needs (`:path`, its key), which Envoy's Lua answer filter sets and then
+    # blanks; the shape of its answer, the model to name when the answer names none, and what the
+    # translation lost (x-llmgw-translation-loss, the ledger).
+    UPSTREAM_HEADERS = "upstream_headers"
+    ANSWER_SHAPE = "answer_shape"
+    ANSWER_MODEL = "answer_model"
+    TRANSLATION_LOSS = "translation_loss"
     RQ_TIMEOUT_MS = "rq_timeout_ms"
     PER_TRY_TIMEOUT_MS = "per_try_timeout_ms"
     TRACE = "trace"  # the request's trace: `trace_id:span_id:parent_span_id` (extproc/tracing.py)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -28,7 +29,7 @@ def overwrite_header(key: str, value: str) -> base_pb2.HeaderValueOption:
                                       append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
-def _metadata(values: dict[str, str], endpoints: list[str] | None = None) -> struct_pb2.Struct:
+def _metadata(values: dict[str, Any], endpoints: list[str] | None = None) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
     md.fields[METADATA_NAMESPACE].struct_value.update(values)
     if endpoints:  # read by the pool cluster's override_host load-balancing policy

@@ -170,7 +170,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         live = self.live
         # The whole request is decided under this one revision, whatever a reload does meanwhile.
         ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts, sealer=live.sealer,
-                      shadow_key=live.shadow_key, region=live.region)
+                      shadow_key=live.shadow_key, region=live.region, credentials=live.credentials,
+                      credential_errors=live.credential_errors)
         attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
         if attrs is not None:
             apply_attributes(ex, attrs)

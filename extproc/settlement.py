@@ -418,7 +418,10 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
-                                 if common.HasField("time_to_first_upstream_rx_byte") else None},
+                                 if common.HasField("time_to_first_upstream_rx_byte") else None,
+                                 # translated by the decision (extproc/direct.py): what the translation lost
+                                 **({"translation_loss": lost.split(", ")}
+                                    if (lost := attr(md, Key.TRANSLATION_LOSS)) else {})},
                              duration, first, marks)
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(

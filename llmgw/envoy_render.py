@@ -48,6 +48,7 @@ from llmgw.render.filters import (
     DOOR_FILTER,
     EXTPROC_CLUSTER,
     FORWARDED_HEADERS,
+    LUA_ANSWERS,
     LUA_STREAM_GUARD,
     METER_FILTER,
     STREAM_FILTER,
@@ -55,6 +56,7 @@ from llmgw.render.filters import (
     door_filter,
     ext_proc_filter,
     header_mutation_filter,
+    lua_answers,
     lua_stream_guard,
     meter_filter,
     meters,
@@ -66,7 +68,7 @@ from llmgw.render.filters import (
     upstream_headers_filter,
     usage_to_metadata,
 )
-from llmgw.render.routes import route_config
+from llmgw.render.routes import direct_clusters, route_config
 from llmgw.render.stats import stats_listener
 from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, loopback_tls, upstream_tls
 
@@ -151,6 +153,11 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
                http_filter(LUA_STREAM_GUARD, lua_stream_guard(), disabled=True),
                http_filter("envoy.filters.http.json_to_metadata", usage_to_metadata())] if meters(snap) else []),
             http_filter(UPSTREAM_HEADERS_FILTER, upstream_headers_filter()),
+            # A lone candidate the decision translated for (extproc/direct.py): its headers after the
+            # allow-list above, and its answer translated before json_to_metadata reads the usage.
+            # Off unless a chat completion's first route turns it on; its script runs only on those
+            # candidates' JSON routes.
+            *([http_filter(LUA_ANSWERS, lua_answers(), disabled=True)] if direct_clusters(snap) else []),
             http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
             http_filter("envoy.filters.http.router", router_pb2.Router()),
         ],

@@ -15,6 +15,7 @@ from extproc.config.schema import MAX_RETRIES
 from extproc.doors import BY_NAME, DOORS
 from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
 from llmgw.procs import envoy_binary, free_port, wait_until
+from llmgw.render.routes import direct_clusters
 from tests.conftest import POLICY
 from tests.helpers import request
 
@@ -69,7 +70,10 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
     assert list(filters(rendered)) == [
         "envoy.filters.http.header_mutation", "llmgw.door", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
         "llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "envoy.filters.http.json_to_metadata",
-        "llmgw.upstream_headers", "envoy.filters.http.custom_response", "envoy.filters.http.router"]
+        # The Lua answer filter after the allow-list (it sets a translated request's headers) and
+        # nearer the router than json_to_metadata (it translates the answer before its usage is read).
+        "llmgw.upstream_headers", "llmgw.lua_answers", "envoy.filters.http.custom_response",
+        "envoy.filters.http.router"]
 
 
 def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: dict[str, Any]) -> None:
@@ -84,7 +88,7 @@ def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: di
         assert not door["typed_per_filter_config"]["llmgw.door"].get("disabled", False)
     assert "llmgw.door" not in routes["chat_without_body"]["typed_per_filter_config"]
     on = routes["chat_without_body"]["typed_per_filter_config"]
-    assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"} <= set(on)
+    assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "llmgw.lua_answers"} <= set(on)
     assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams", "llmgw.lua_streams"))
     # The Lua guard's script is off on the route that turns its filter on: it runs on the stream route.
     assert on["llmgw.lua_streams"]["config"]["disabled"] is True
@@ -107,6 +111,10 @@ def test_every_admitted_request_reaches_the_settlement_log(rendered: dict[str, A
 
 
 def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> None:
+    translated_here = direct_clusters(load_snapshot(POLICY))
+    assert set(translated_here) == {"dep_demo-anthropic", "dep_demo-gemini", "dep_demo-bedrock"}
+    assert "x-api-key" in translated_here["dep_demo-anthropic"]
+    assert "authorization" in translated_here["dep_demo-bedrock"]
     routes = hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]
     to_clusters = [r for r in routes if "route" in r]
     assert to_clusters, "no route reaches an upstream"
@@ -114,7 +122,13 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         md = r["match"]["dynamic_metadata"][0]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
-        assert r["request_headers_to_remove"] == ["authorization", "x-api-key", "x-goog-api-key"]
+        # The Lua answer filter runs only on the JSON route of a deployment the decision translates for
+        # (extproc/direct.py); there the router keeps what the filter sets (its key among them).
+        answers = "llmgw.lua_answers" not in r.get("typed_per_filter_config", {})
+        shape = translated_here.get(r["route"]["cluster"]) if answers else None
+        assert answers == (shape is not None and r["name"] == f"admitted_{r['route']['cluster']}"), r["name"]
+        assert r["request_headers_to_remove"] == [h for h in ("authorization", "x-api-key", "x-goog-api-key")
+                                                  if h not in (shape or ())]
         # Streams: the Lua stream guard. Idempotent streams: ext_proc's stream guard. Idempotent JSON:
         # the meter. Other JSON: none of them (the access log settles).
         extra = r["match"]["dynamic_metadata"][1:]

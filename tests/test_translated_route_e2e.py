@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from llmgw.bench_translated import (
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
+from tests.promtext import scrape, value
 
 pytestmark = pytest.mark.e2e
 
@@ -130,6 +132,43 @@ def test_the_openai_sdk_is_answered_by_the_anthropic_provider(gw: Stack, provide
     expected = (out.usage.prompt_tokens * PRICES["input_per_mtok"]
                 + out.usage.completion_tokens * PRICES["output_per_mtok"]) // 1_000_000
     assert abs(entry["charged_micros"] - expected) <= 1
+
+
+def attempts_through_the_filter(stack: Stack, deployment: str) -> float:
+    """Attempts the attempt filter (an ext_proc stream per attempt) has seen for `deployment`."""
+    try:
+        return value(scrape(stack.metrics_url.removesuffix("/metrics")), "llmgw_attempts_total", deployment=deployment)
+    except KeyError:
+        return 0.0
+
+
+def test_a_lone_json_candidate_is_translated_without_the_attempt_filter(gw: Stack, provider: str) -> None:
+    """The decision translates the request and Envoy's Lua filter the answer (extproc/direct.py): no
+    ext_proc message per attempt; a stream still goes through the attempt filter. The provider's key
+    reaches the provider and nothing else: no log line, no ledger entry."""
+    before = attempts_through_the_filter(gw, "claude-sim")
+    r = chat(gw, "chat-anthropic")
+    assert r.status == 200, r.body
+    out = json.loads(r.body)
+    assert out["object"] == "chat.completion" and out["model"] == MODEL and out["choices"][0]["message"]["content"]
+    assert r.headers["content-type"] == "application/json"
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    (attempt,) = entry["attempts"]
+    assert attempt["deployment"] == "claude-sim" and attempt["status"] == 200 and attempt["count"] == 1
+    assert entry["usage"]["completion_tokens"] == out["usage"]["completion_tokens"]
+    (sent,) = received(provider)
+    assert sent["path"] == "/v1/messages" and sent["api_key_present"]
+    time.sleep(1)  # long enough for the metric to show an attempt, had there been one
+    assert attempts_through_the_filter(gw, "claude-sim") == before
+    streamed = request(f"{gw.url}/v1/chat/completions", "POST", chat_body("chat-anthropic", max_tokens=4, stream=True),
+                       headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+    assert streamed.status == 200 and b"data: [DONE]" in streamed.body
+    deadline = time.time() + 5  # workers' metrics are gathered, not read live
+    while attempts_through_the_filter(gw, "claude-sim") == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert attempts_through_the_filter(gw, "claude-sim") == before + 1
+    logs = "".join(f.read_text(errors="replace") for f in gw.logs.glob("*.log"))
+    assert PROVIDER_KEY not in logs and PROVIDER_KEY not in json.dumps(entry)
 
 
 def test_a_transformed_field_is_carried_and_reported(gw: Stack, provider: str) -> None:

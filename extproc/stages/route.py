@@ -32,8 +32,10 @@ from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
+from extproc.direct import decision_translates, native_request
 from extproc.exchange import Exchange
 from extproc.fallback import composite_name, uses_attempt_filter
+from extproc.names import Settle
 from extproc.picker import Picker
 from extproc.shadow import Grant, issue, shadow_bucket
 from extproc.stages.authorize import authorized_on
@@ -261,10 +263,14 @@ class RouteSelection:
         dep = ex.deployment = ex.candidates[0]
         if serving is route and route.shadow is not None:
             shadow_copy(ex, route, facts)
-        # Several qualified (or one that needs its credential): the composite cluster of exactly these,
-        # tried in the route's order, behind the attempt filter.
-        ex.cluster = (composite_name(serving.route_contract, qualified) if uses_attempt_filter(ex.candidates)
-                      else snap.pool_of(dep))
+        # A lone candidate of another shape whose JSON answer Envoy's Lua filter translates: translated
+        # here, its own cluster (extproc/direct.py). Several qualified (or one that needs its credential
+        # or translation otherwise): the composite cluster of exactly these, tried in the route's order,
+        # behind the attempt filter.
+        here = (len(ex.candidates) == 1 and decision_translates(dep) and not ex.stream and not ex.door and not ex.shadow
+                and ex.settled_by() is Settle.ACCESS_LOG)
+        ex.cluster = (composite_name(serving.route_contract, qualified)
+                      if uses_attempt_filter(ex.candidates) and not here else snap.pool_of(dep))
         body = dict(ex.body)
         body["model"] = dep.served_model
         # The bound the reservation holds is also the engine's (invariant 3).
@@ -284,4 +290,8 @@ class RouteSelection:
             if options.get("include_usage") is not True:
                 body["stream_options"] = {**options, "include_usage": True}
                 ex.withhold_usage = True
-        ex.upstream_body = orjson.dumps(body)
+        if here:
+            ex.upstream_body, ex.upstream_headers, ex.answer_shape = native_request(
+                dep, body, ex.credentials, ex.credential_errors)
+        else:
+            ex.upstream_body = orjson.dumps(body)

@@ -1,6 +1,7 @@
 -- The stream guard, in Envoy (LuaJIT): every chunk of an admitted stream passes here, with no round
--- trip to ext_proc. The renderer (llmgw/envoy_render.py) prepends `CONFIG`: the metadata namespace,
--- the io.llmgw key names (extproc/names.py) and the contract's `stream_interrupted` events.
+-- trip to ext_proc. The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace,
+-- the io.llmgw key names from extproc/names.py, the contract's `stream_interrupted` events) and
+-- llmgw/lua/json.lua (its JSON checker).
 --
 -- - Whole events only: the start of an event still arriving is held back until the rest comes.
 -- - Each event's data is checked to be JSON (or [DONE]): a malformed event, an upstream error event,
@@ -16,86 +17,7 @@
 
 local find, sub, byte, concat = string.find, string.sub, string.byte, table.concat
 local K, EVENT, MAX_EVENT, NS = CONFIG.keys, CONFIG.events, CONFIG.max_event_bytes, CONFIG.namespace
-local MAX_DEPTH = 64
 local CR_SEPARATORS = {"\r\n\r\n", "\r\r"}
-
--- A JSON checker written for LuaJIT's compiler: byte comparisons only (string patterns are not
--- compiled, and a checker built on them cost ~4 us per event against ~0.5 us for this one).
-local function skip(s, i)  -- past whitespace: the index and the byte there
-  local c = byte(s, i)
-  while c == 32 or c == 10 or c == 13 or c == 9 do
-    i = i + 1
-    c = byte(s, i)
-  end
-  return i, c
-end
-
-local function is_hex(c)
-  return c ~= nil and ((c >= 48 and c <= 57) or (c >= 65 and c <= 70) or (c >= 97 and c <= 102))
-end
-
-local function json_string(s, i)  -- s[i] is the opening quote; the index after the closing one
-  i = i + 1
-  while true do
-    local c = byte(s, i)
-    if c == nil or c < 32 then return nil end  -- unterminated, or a raw control character
-    if c == 34 then return i + 1 end
-    if c == 92 then
-      local e = byte(s, i + 1)
-      if e == 117 then
-        if not (is_hex(byte(s, i + 2)) and is_hex(byte(s, i + 3)) and is_hex(byte(s, i + 4))
-                and is_hex(byte(s, i + 5))) then return nil end
-        i = i + 6
-      elseif e == 34 or e == 92 or e == 47 or e == 98 or e == 102 or e == 110 or e == 114 or e == 116 then
-        i = i + 2
-      else
-        return nil
-      end
-    else
-      i = i + 1
-    end
-  end
-end
-
-local function digits(s, i)
-  local c = byte(s, i)
-  while c ~= nil and c >= 48 and c <= 57 do
-    i = i + 1
-    c = byte(s, i)
-  end
-  return i
-end
-
-local function number(s, i)
-  if byte(s, i) == 45 then i = i + 1 end  -- -
-  local c = byte(s, i)
-  if c == 48 then
-    i = i + 1
-  elseif c ~= nil and c >= 49 and c <= 57 then
-    i = digits(s, i + 1)
-  else
-    return nil
-  end
-  if byte(s, i) == 46 then  -- .
-    local j = digits(s, i + 1)
-    if j == i + 1 then return nil end
-    i = j
-  end
-  c = byte(s, i)
-  if c == 101 or c == 69 then  -- e E
-    i = i + 1
-    c = byte(s, i)
-    if c == 43 or c == 45 then i = i + 1 end
-    local j = digits(s, i)
-    if j == i then return nil end
-    i = j
-  end
-  return i
-end
-
-local function literal(s, i, word)
-  return sub(s, i, i + #word - 1) == word and i + #word or nil
-end
 
 -- The index after the JSON value at (or after whitespace from) i, or nil when the text there is not
 -- JSON. For the top-level object, `fields` gets the text of the values of `error`, `usage` and

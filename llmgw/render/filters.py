@@ -5,7 +5,7 @@ json_to_metadata, and the access logs (the settlement log among them)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,16 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
-from extproc.attempts import ATTEMPT_ATTRIBUTES, ATTEMPT_TRANSLATED, ATTEMPT_TRANSLATED_STREAM, ATTEMPT_WITHOUT_BODY
+from extproc.adapters import anthropic, bedrock, gemini
+from extproc.attempts import (
+    ATTEMPT_ATTRIBUTES,
+    ATTEMPT_TRANSLATED,
+    ATTEMPT_TRANSLATED_STREAM,
+    ATTEMPT_WITHOUT_BODY,
+    TRANSLATION_LOSS_HEADER,
+)
 from extproc.config import Snapshot
-from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, Role
+from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, ErrorCode, GatewayError, Role
 from extproc.door_filter import DOOR_ATTRIBUTES, DOOR_MODE
 from extproc.doors import CREDENTIAL_QUERY
 from extproc.names import INTERRUPTED, Key, Settle
@@ -215,7 +222,7 @@ def stream_filter() -> ext_proc_pb2.ExternalProcessor:
 LUA_STREAM_GUARD = "llmgw.lua_streams"
 
 
-LUA_SOURCE = Path(__file__).parent.parent / "lua" / "stream_guard.lua"
+LUA_DIR = Path(__file__).parent.parent / "lua"
 
 
 def _lua_string(s: str) -> str:
@@ -227,16 +234,25 @@ def _lua_string(s: str) -> str:
     return f"[{eq}[{s}]{eq}]" if not s.startswith("\n") else f"[{eq}[\n{s}]{eq}]"
 
 
-def stream_guard_lua() -> str:
-    """The Lua stream guard's source: its CONFIG (names from extproc/names.py, the contract's events
-    from extproc/contract.py) and then llmgw/lua/stream_guard.lua."""
+def _lua_table(values: Mapping[str, str]) -> str:
+    return "{" + ", ".join(f"[ {_lua_string(k)} ] = {_lua_string(v)}" for k, v in values.items()) + "}"
+
+
+def _lua_script(script: str, config: Mapping[str, str]) -> str:
+    """A Lua filter's source: its CONFIG (`config`'s Lua expressions, with the metadata namespace and
+    the io.llmgw key names from extproc/names.py), llmgw/lua/json.lua, then the script."""
     keys = ", ".join(f"{k.name.lower()} = {_lua_string(k.value)}" for k in Key)
-    events = ", ".join(f"{end.value} = {_lua_string(interrupted_event(message).decode())}"
-                       for end, message in INTERRUPTED.items())
-    config = (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, settle_stream = {_lua_string(Settle.STREAM)},"
-              f" max_event_bytes = {MAX_EVENT_BYTES}, degraded_header = {_lua_string(DEGRADED_HEADER)},"
-              f"\n  keys = {{{keys}}},\n  events = {{{events}}}}}\n")
-    return config + LUA_SOURCE.read_text()
+    fields = "".join(f", {name} = {value}" for name, value in config.items())
+    return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}{fields},\n  keys = {{{keys}}}}}\n"
+            + (LUA_DIR / "json.lua").read_text() + (LUA_DIR / script).read_text())
+
+
+def stream_guard_lua() -> str:
+    """The Lua stream guard's source (llmgw/lua/stream_guard.lua), with the contract's events."""
+    events = {end.value: interrupted_event(message).decode() for end, message in INTERRUPTED.items()}
+    return _lua_script("stream_guard.lua", {
+        "settle_stream": _lua_string(Settle.STREAM), "max_event_bytes": str(MAX_EVENT_BYTES),
+        "degraded_header": _lua_string(DEGRADED_HEADER), "events": _lua_table(events)})
 
 
 def lua_stream_guard() -> lua_pb2.Lua:
@@ -244,6 +260,27 @@ def lua_stream_guard() -> lua_pb2.Lua:
     trip to ext_proc; the script does what extproc/streams.py does for idempotent streams, and leaves
     settlement to the access log (llmgw/lua/stream_guard.lua)."""
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=stream_guard_lua()))
+
+
+LUA_ANSWERS = "llmgw.lua_answers"
+
+
+def answers_lua() -> str:
+    """The Lua answer filter's source (llmgw/lua/answers.lua), with each shape's stop reasons from its
+    adapter and the contract's 502 for an answer that does not parse."""
+    broken = GatewayError(ErrorCode.UPSTREAM_ERROR, "the provider's answer is broken").body()
+    return _lua_script("answers.lua", {
+        "loss_header": _lua_string(TRANSLATION_LOSS_HEADER), "degraded_header": _lua_string(DEGRADED_HEADER),
+        "broken": _lua_string(broken.decode()), "anthropic_stop": _lua_table(anthropic.STOP_REASONS),
+        "gemini_finish": _lua_table(gemini.FINISH_REASONS), "bedrock_stop": _lua_table(bedrock.STOP_REASONS)})
+
+
+def lua_answers() -> lua_pb2.Lua:
+    """A lone candidate of another shape translated by the decision (extproc/direct.py): its headers
+    set on the request, its JSON answer translated back, in LuaJIT in Envoy (llmgw/lua/answers.lua).
+    The provider's path must not send the request to another route: the route cache is kept."""
+    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=answers_lua()),
+                       clear_route_cache=wrappers_pb2.BoolValue(value=False))
 
 
 USAGE_FIELDS = ((Key.USAGE_PROMPT, ("usage", "prompt_tokens")), (Key.USAGE_COMPLETION, ("usage", "completion_tokens")),

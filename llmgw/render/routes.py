@@ -18,6 +18,7 @@ from google.protobuf import any_pb2, wrappers_pb2
 from extproc.config import Snapshot
 from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
+from extproc.direct import decision_translates, shape_headers
 from extproc.doors import CREDENTIAL_HEADERS, DOORS, Door
 from extproc.fallback import composite_name
 from extproc.names import Key, Settle
@@ -25,7 +26,7 @@ from extproc.settlement import ANSWERED_BY
 from extproc.shadow import GRANT_HEADER, SHADOW_CLUSTER
 from llmgw.render.common import duration_ms, pack, string_value_matcher
 from llmgw.render.errors import admitted_route_filters, direct
-from llmgw.render.filters import DOOR_FILTER, LUA_STREAM_GUARD, METER_FILTER, STREAM_FILTER, meters
+from llmgw.render.filters import DOOR_FILTER, LUA_ANSWERS, LUA_STREAM_GUARD, METER_FILTER, STREAM_FILTER, meters
 
 
 def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
@@ -42,7 +43,17 @@ def _no_stream_guard() -> dict[str, any_pb2.Any]:
 
 
 def _no_lua_guard() -> dict[str, any_pb2.Any]:
-    return {LUA_STREAM_GUARD: pack(lua_pb2.LuaPerRoute(disabled=True))}
+    return {LUA_STREAM_GUARD: pack(lua_pb2.LuaPerRoute(disabled=True)), **_no_lua_answers()}
+
+
+def _no_lua_answers() -> dict[str, any_pb2.Any]:
+    return {LUA_ANSWERS: pack(lua_pb2.LuaPerRoute(disabled=True))}
+
+
+def direct_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
+    """The clusters of deployments the decision may translate for (extproc/direct.py), each with the
+    headers its shape sets: their JSON route runs the Lua answer filter."""
+    return {snap.pool_of(d): shape_headers(d) for d in snap.deployments.values() if decision_translates(d)}
 
 
 def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
@@ -78,12 +89,15 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
                                             value=string_value_matcher(value))
     shadowed = shadowed_clusters(snap, clusters)
+    translated_here = direct_clusters(snap)
     for cluster in clusters:
         for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
             # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
-            # stream guard only (it reads `settle` itself). Other JSON: none of them.
+            # stream guard only (it reads `settle` itself). Other JSON: none of them, but the Lua
+            # answer filter on a deployment the decision translates for.
             no_meter = {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
-            per_route = {Settle.STREAM: {**no_meter, STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))},
+            per_route = {Settle.STREAM: {**no_meter, STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)),
+                                         **_no_lua_answers()},
                          Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
                          Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
             streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
@@ -101,8 +115,12 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                     value=matcher_pb2.ValueMatcher(present_match=True))
                 routes.append(admitted_route(f"{name}_shadow", match(prefix="/v1/", dynamic_metadata=[
                     *metadata, present]), cluster, streamed, stream_idle_ms, per_route, mirror=True))
+            shape_sets: tuple[str, ...] = ()
+            if kind is Settle.ACCESS_LOG and cluster in translated_here:
+                per_route = {k: v for k, v in per_route.items() if k != LUA_ANSWERS}
+                shape_sets = translated_here[cluster]
             routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
-                                         cluster, streamed, stream_idle_ms, per_route))
+                                         cluster, streamed, stream_idle_ms, per_route, shape_sets=shape_sets))
     routes += [
         # The route a chat completion matches when it arrives, before ext_proc decides: it turns the
         # response filters on (their per-route switches on the admitted route then decide). It is
@@ -160,10 +178,12 @@ def mirror_policy() -> route_components_pb2.RouteAction.RequestMirrorPolicy:
 
 def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: str, streamed: bool,
                    stream_idle_ms: int, per_route: dict[str, any_pb2.Any],
-                   door: Door | None = None, mirror: bool = False) -> route_components_pb2.Route:
+                   door: Door | None = None, mirror: bool = False,
+                   shape_sets: tuple[str, ...] = ()) -> route_components_pb2.Route:
     """A route only a decision reaches (its match holds ext_proc's metadata) to `cluster`; a front
     door's request was turned into a chat completion by ext_proc, so the upstream gets that path (the
-    attempt filter sets a translated candidate's own)."""
+    attempt filter sets a translated candidate's own, or the Lua answer filter, which sets the
+    headers in `shape_sets`: the router must not remove them)."""
     rewrite = regex_pb2.RegexMatchAndSubstitute(pattern=regex_pb2.RegexMatcher(regex="^.*$"),
                                                 substitution=CHAT_PATH) if door is not None else None
     return route_components_pb2.Route(
@@ -190,7 +210,7 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
         ),
         # The caller's gateway credential never travels upstream (the header allow-list drops
         # it too; this holds even where a mesh operator leaves that filter out).
-        request_headers_to_remove=["authorization", *CREDENTIAL_HEADERS],
+        request_headers_to_remove=[h for h in ("authorization", *CREDENTIAL_HEADERS) if h not in shape_sets],
         response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
         typed_per_filter_config={**admitted_route_filters(door), **per_route})
 
@@ -206,11 +226,12 @@ def _door_on() -> dict[str, any_pb2.Any]:
 def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:
     """Turn on the response filters that are off by default (where a gateway renders them). Envoy
     refuses an empty per-route config, so each repeats a setting its filter already has."""
-    if not meters(snap):
-        return {}
-    on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(ext_proc_pb2.ExtProcPerRoute(
-        overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))))))
-    # The Lua filter joins the chain here, its script off on this route: it runs on the stream route
-    # ext_proc's decision then selects, and on no other (_no_lua_guard).
+    # The Lua filters join the chain here, their scripts off on this route: each runs on the route
+    # ext_proc's decision then selects where its script is not switched off (_no_lua_guard).
     lua_on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(lua_pb2.LuaPerRoute(disabled=True))))
-    return {METER_FILTER: on, STREAM_FILTER: on, LUA_STREAM_GUARD: lua_on}
+    filters = {LUA_ANSWERS: lua_on} if direct_clusters(snap) else {}
+    if meters(snap):
+        on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(ext_proc_pb2.ExtProcPerRoute(
+            overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))))))
+        filters |= {METER_FILTER: on, STREAM_FILTER: on, LUA_STREAM_GUARD: lua_on}
+    return filters

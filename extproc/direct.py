@@ -1,0 +1,59 @@
+"""A lone candidate of another API shape, translated without the attempt filter.
+
+The attempt filter (extproc/attempts.py) costs four ext_proc messages per translated attempt: request
+headers and body, response headers and body. When a request's plan is one candidate whose shape
+Envoy's Lua answer filter can read (llmgw/lua/answers.lua) and its answer is JSON that settles through
+the access log, the decision translates the request itself: the native body in its own reply, the
+path and the shape's headers (its key among them) as metadata, which the Lua filter sets on the
+request after the header allow-list and then blanks; the same filter translates the answer back before
+json_to_metadata and settlement read it. Such a request costs ext_proc no message more than one to
+the pool. Plans of several candidates, streams, idempotent answers, front doors and shadowed requests
+keep the attempt filter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from extproc.adapters import adapter_for
+from extproc.adapters.base import Target
+from extproc.adapters.bedrock import BEDROCK, SIGNED_HEADERS
+from extproc.config.schema import Deployment
+from extproc.contract import ErrorCode, GatewayError
+from extproc.fallback import translated
+
+# The shapes whose JSON answers the Lua answer filter reads: Anthropic's Messages API, Gemini's
+# generateContent, Bedrock's Converse, and hosted OpenAI-shaped servers (OpenAI, Azure), whose answers
+# it only checks.
+LUA_SHAPES = ("anthropic", "gemini", "bedrock", "openai")
+
+
+def decision_translates(dep: Deployment) -> bool:
+    """Whether a request planned to this deployment alone may skip the attempt filter."""
+    return translated(dep) and adapter_for(dep.fingerprint.adapter).name in LUA_SHAPES
+
+
+def shape_headers(dep: Deployment) -> tuple[str, ...]:
+    """The names of the headers this deployment's adapter sets on each request, its signature's
+    included. The renderer keeps them off the route's removal list: the router applies it when it
+    forwards, after the Lua filter has set them."""
+    adapter = adapter_for(dep.fingerprint.adapter)
+    _path, headers = adapter.endpoint(Target(dep.served_model, "credential", dep.fingerprint.adapter_options))
+    return tuple(sorted({h.lower() for h in headers} | set(SIGNED_HEADERS if adapter is BEDROCK else ())))
+
+
+def native_request(dep: Deployment, body: Mapping[str, Any], credentials: Mapping[str, str],
+                   credential_errors: Mapping[str, str]) -> tuple[bytes, dict[str, str], str]:
+    """The request as `dep`'s provider takes it: its body, its headers (`:path` among them, and the
+    credential, resolved when the revision loaded), and the shape of its answer. Refused (503
+    `policy_unavailable`) when the deployment's credential reference did not resolve."""
+    token = ""
+    if dep.credential_ref:
+        if dep.deployment not in credentials:
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, credential_errors.get(
+                dep.deployment, f"credential reference {dep.credential_ref} is not resolved"))
+        token = credentials[dep.deployment]
+    adapter = adapter_for(dep.fingerprint.adapter)
+    native = adapter.request(body, Target(dep.served_model, token, dep.fingerprint.adapter_options))
+    return native.body, {":path": native.path, **native.headers, **native.signed_headers}, adapter.name

@@ -1,0 +1,246 @@
+-- The answer filter, in Envoy (LuaJIT): a request that ext_proc's decision translated for a lone
+-- candidate of another API shape (extproc/direct.py) passes here, with no round trip to ext_proc.
+-- The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names from
+-- extproc/names.py, Anthropic's stop reasons from its adapter, the contract's 502 body) and
+-- llmgw/lua/json.lua.
+--
+-- - Request: the headers the provider's shape needs (`:path`, its key, its version header), which the
+--   decision left in the request's metadata, are set - after the header allow-list, which would drop
+--   them - and the metadata's copy is blanked, so the credential reaches no access log.
+-- - Answer: a 2xx answer is read whole and written as the internal chat completion (what
+--   extproc/adapters/anthropic.py's `completion` makes of it), before json_to_metadata reads its usage
+--   for settlement; one that does not parse or is not the shape's answer becomes the contract's 502
+--   `upstream_error`. Error statuses pass: custom_response has already put them in the contract's shape.
+--   What the translation lost is named in x-llmgw-translation-loss.
+
+local concat, gsub, format, floor, time = table.concat, string.gsub, string.format, math.floor, os.time
+local K, NS = CONFIG.keys, CONFIG.namespace
+
+function envoy_on_request(h)
+  local dm = h:streamInfo():dynamicMetadata()
+  local md = dm:get(NS)
+  local native = md and md[K.upstream_headers]
+  if type(native) ~= "table" then return end
+  local headers = h:headers()
+  for name, value in pairs(native) do headers:replace(name, value) end
+  dm:set(NS, K.upstream_headers, "")
+end
+
+-- JSON text as the content of a JSON string (a tool call's arguments).
+local ESCAPES = {['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t"}
+local function as_string(text)
+  return (gsub(text, '[%c"\\]', function(c) return ESCAPES[c] or format("\\u%04x", c:byte()) end))
+end
+
+local function is_object(v) local span = SPAN[v]; return span ~= nil and not span[3] end
+local function is_array(v) local span = SPAN[v]; return span ~= nil and span[3] == true end
+local function absent(v) return v == nil or v == NULL end
+
+-- A count as Python's int() takes it (absent is 0); nil for anything but a number.
+local function count(v)
+  if absent(v) then return 0 end
+  if type(v) ~= "number" then return nil end
+  return v >= 0 and floor(v) or -floor(-v)
+end
+
+-- A string field: its (still escaped) text, `default` when absent; nil when it is not a string.
+local function text_of(v, default)
+  if absent(v) then return default end
+  if type(v) ~= "string" then return nil end
+  return v
+end
+
+-- The internal chat completion's text. `text`, `reasoning`: lists of escaped string contents; `calls`:
+-- tool calls as JSON; a `refusal` (escaped) leaves the content null.
+local function usage_json(prompt, cached, output, reasoning)
+  return concat({'{"prompt_tokens":', format("%d", prompt), ',"completion_tokens":', format("%d", output),
+                 ',"total_tokens":', format("%d", prompt + output), ',"prompt_tokens_details":{"cached_tokens":',
+                 format("%d", cached), "}",
+                 reasoning > 0 and (',"completion_tokens_details":{"reasoning_tokens":' .. format("%d", reasoning) .. "}")
+                   or "", "}"})
+end
+
+local function completion(id, model, text, reasoning, calls, finish, usage, refusal)
+  local message = {'{"role":"assistant","content":',
+                   (refusal == nil and (#text > 0 or #calls == 0)) and ('"' .. concat(text) .. '"') or "null"}
+  if refusal ~= nil then message[#message + 1] = ',"refusal":"' .. refusal .. '"' end
+  if #reasoning > 0 then message[#message + 1] = ',"reasoning":"' .. concat(reasoning) .. '"' end
+  if #calls > 0 then message[#message + 1] = ',"tool_calls":[' .. concat(calls, ",") .. "]" end
+  message[#message + 1] = "}"
+  return concat({'{"id":"chatcmpl-', id, '","object":"chat.completion","created":', format("%d", time()),
+                 ',"model":"', model, '","choices":[{"index":0,"message":', concat(message),
+                 ',"logprobs":null,"finish_reason":"', finish, '"}],"usage":', usage, "}"})
+end
+
+-- A tool call; its arguments the provider's JSON object as it wrote it (absent: `{}`), or nil when the
+-- input is something else.
+local function call_json(id, name, input, body)
+  local args
+  if absent(input) then
+    args = "{}"
+  elseif is_object(input) then
+    local span = SPAN[input]
+    args = as_string(sub(body, span[1], span[2]))
+  else
+    return nil
+  end
+  return '{"id":"' .. id .. '","type":"function","function":{"name":"' .. name .. '","arguments":"' .. args .. '"}}'
+end
+
+local function list_of(v)  -- an array, {} when absent, nil when something else
+  if absent(v) then return {} end
+  if is_array(v) then return v end
+  return nil
+end
+
+local function object_of(v)  -- an object, {} when absent, nil when something else
+  if absent(v) then return {} end
+  if is_object(v) then return v end
+  return nil
+end
+
+-- Anthropic's Messages answer (extproc/adapters/anthropic.py `completion`).
+local ANTHROPIC_STOP = CONFIG.anthropic_stop
+local function anthropic(body, model)
+  local doc = decode_all(body)
+  if not is_object(doc) or doc.type ~= "message" then return nil end
+  local id, named = text_of(doc.id, ""), text_of(doc.model, "")
+  local content, usage = list_of(doc.content), object_of(doc.usage)
+  if id == nil or named == nil or content == nil or usage == nil then return nil end
+  local text, reasoning, calls = {}, {}, {}
+  for _, block in ipairs(content) do
+    if not is_object(block) then return nil end
+    local kind = block.type
+    if kind == "text" or kind == "thinking" then
+      local t = text_of(block[kind], "")
+      if t == nil then return nil end
+      local into = kind == "text" and text or reasoning
+      into[#into + 1] = t
+    elseif kind == "tool_use" then
+      if type(block.id) ~= "string" or type(block.name) ~= "string" then return nil end
+      local call = call_json(block.id, block.name, block.input, body)
+      if call == nil then return nil end
+      calls[#calls + 1] = call
+    end
+  end
+  local input, read, written, output = count(usage.input_tokens), count(usage.cache_read_input_tokens),
+    count(usage.cache_creation_input_tokens), count(usage.output_tokens)
+  if input == nil or read == nil or written == nil or output == nil then return nil end
+  local stop = type(doc.stop_reason) == "string" and ANTHROPIC_STOP[doc.stop_reason] or "stop"
+  return completion(id, named ~= "" and named or model, text, reasoning, calls, stop,
+                    usage_json(input + read + written, read, output, 0))
+end
+
+-- Gemini's generateContent answer (extproc/adapters/gemini.py `completion`). A call without a response
+-- id is named after the request's id.
+local GEMINI_FINISH = CONFIG.gemini_finish
+local function gemini(body, model, request_id)
+  local doc = decode_all(body)
+  if not is_object(doc) or (doc.candidates == nil and doc.promptFeedback == nil) then return nil end
+  local rid, named = text_of(doc.responseId, ""), text_of(doc.modelVersion, "")
+  local candidates, meta = list_of(doc.candidates), object_of(doc.usageMetadata)
+  if rid == nil or named == nil or candidates == nil or meta == nil then return nil end
+  local text, reasoning, calls, finish, refusal = {}, {}, {}, "content_filter", nil
+  if #candidates == 0 then  -- the prompt was blocked: no candidate at all
+    local feedback = object_of(doc.promptFeedback)
+    local reason = feedback and text_of(feedback.blockReason, "OTHER")
+    if reason == nil then return nil end
+    refusal = "the provider blocked the prompt (" .. reason .. ")"
+  else
+    local cand = candidates[1]
+    local content = is_object(cand) and object_of(cand.content)
+    local parts = content and list_of(content.parts)
+    if not parts then return nil end
+    for _, part in ipairs(parts) do
+      if not is_object(part) then return nil end
+      if part.functionCall ~= nil then
+        local fn = part.functionCall
+        if not is_object(fn) or type(fn.name) ~= "string" then return nil end
+        local call = call_json("call_" .. (rid ~= "" and rid or request_id) .. "_" .. #calls, fn.name, fn.args, body)
+        if call == nil then return nil end
+        calls[#calls + 1] = call
+      elseif part.thought == true then
+        local t = text_of(part.text, "")
+        if t == nil then return nil end
+        reasoning[#reasoning + 1] = t
+      elseif part.text ~= nil then
+        if type(part.text) ~= "string" then return nil end
+        text[#text + 1] = part.text
+      end
+    end
+    finish = type(cand.finishReason) == "string" and GEMINI_FINISH[cand.finishReason] or "stop"
+    if #calls > 0 and finish == "stop" then finish = "tool_calls" end
+  end
+  local prompt, cached, output, thoughts = count(meta.promptTokenCount), count(meta.cachedContentTokenCount),
+    count(meta.candidatesTokenCount), count(meta.thoughtsTokenCount)
+  if prompt == nil or cached == nil or output == nil or thoughts == nil then return nil end
+  return completion(rid, named ~= "" and named or model, text, reasoning, calls, finish,
+                    usage_json(prompt, cached, output + thoughts, thoughts), refusal)
+end
+
+-- Bedrock's Converse answer (extproc/adapters/bedrock.py `completion`), named after the request's id.
+local BEDROCK_STOP = CONFIG.bedrock_stop
+local function bedrock(body, model, request_id)
+  local doc = decode_all(body)
+  if not is_object(doc) or doc.output == nil then return nil end
+  local message = is_object(doc.output) and doc.output.message
+  local content = is_object(message) and message.content
+  local usage = doc.usage
+  if not is_array(content) or not is_object(usage) then return nil end
+  local text, reasoning, calls = {}, {}, {}
+  for _, block in ipairs(content) do
+    if not is_object(block) then return nil end
+    if block.text ~= nil then
+      if type(block.text) ~= "string" then return nil end
+      text[#text + 1] = block.text
+    elseif block.toolUse ~= nil then
+      local use = block.toolUse
+      if not is_object(use) or type(use.toolUseId) ~= "string" or type(use.name) ~= "string" then return nil end
+      local call = call_json(use.toolUseId, use.name, use.input, body)
+      if call == nil then return nil end
+      calls[#calls + 1] = call
+    elseif block.reasoningContent ~= nil then
+      local said = is_object(block.reasoningContent) and object_of(block.reasoningContent.reasoningText)
+      local t = said and text_of(said.text, "")
+      if not t then return nil end
+      reasoning[#reasoning + 1] = t
+    end
+  end
+  if type(usage.inputTokens) ~= "number" or type(usage.outputTokens) ~= "number" then return nil end
+  local input, read, written, output = count(usage.inputTokens), count(usage.cacheReadInputTokens),
+    count(usage.cacheWriteInputTokens), count(usage.outputTokens)
+  if read == nil or written == nil then return nil end
+  local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
+  return completion(request_id, model, text, reasoning, calls, stop, usage_json(input + read + written, read, output, 0))
+end
+
+-- A hosted OpenAI-shaped server's answer is already the internal shape: checked, passed as it came.
+local function openai(body)
+  local doc = decode_all(body)
+  if not is_object(doc) or not is_array(doc.choices) then return nil end
+  return body
+end
+
+local TRANSLATE = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
+
+function envoy_on_response(h)
+  local md = h:streamInfo():dynamicMetadata():get(NS)
+  local translate = md and TRANSLATE[md[K.answer_shape] or ""]
+  if translate == nil then return end
+  local headers = h:headers()
+  local lost = md[K.translation_loss]
+  if lost ~= nil and lost ~= "" then headers:replace(CONFIG.loss_header, lost) end
+  local status = tonumber(headers:get(":status")) or 0
+  if status < 200 or status >= 300 then return end
+  -- Envoy's own degraded answer (every upstream was down): the gateway wrote it, in the internal shape.
+  if headers:get(CONFIG.degraded_header) == "response" then return end
+  local body = h:body()
+  local out = body and translate(body:getBytes(0, body:length()), md[K.answer_model] or "", md[K.request_id] or "")
+  headers = h:headers()  -- the handle taken before the body was read is out of scope now
+  headers:replace("content-type", "application/json")
+  if out == nil then
+    headers:replace(":status", "502")
+    out = CONFIG.broken
+  end
+  if body then body:setBytes(out) end
+end

@@ -1,0 +1,258 @@
+"""The Lua answer filter (llmgw/lua/answers.lua, as the renderer renders it, with llmgw/lua/json.lua),
+run under LuaJIT (lupa's build) with a stand-in for Envoy's stream handle. Its translation of each
+shape's answer (Anthropic, Gemini, Bedrock) must be the Python adapter's (extproc/adapters/), which
+the attempt filter uses: the two are compared on generated answers. Through real Envoy it is tested
+by tests/test_translated_route_e2e.py, tests/test_provider_fuzz_e2e.py and the providers' e2e tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lupa import luajit21
+
+from extproc.adapters import bedrock, gemini
+from extproc.adapters.anthropic import ANTHROPIC, STOP_REASONS
+from extproc.adapters.base import Adapter, UpstreamBroken
+from extproc.attempts import TRANSLATION_LOSS_HEADER
+from extproc.names import Key
+from extproc.replies import DEGRADED_HEADER
+from llmgw.render.filters import answers_lua
+
+# Envoy's handle as the script uses it: metadata get/set in one namespace, the headers, and the whole
+# body (which may be replaced). Headers taken before body() are out of scope after it, as in Envoy.
+HARNESS = """
+local function handle(md, hdrs, body)
+  local sets, out, epoch = {}, {body = body}, 0
+  local dm = {get = function(self, ns) return md end,
+              set = function(self, ns, k, v) sets[k] = v; md[k] = v end}
+  local si = {dynamicMetadata = function(self) return dm end}
+  local buf = body and {length = function(self) return #body end,
+                        getBytes = function(self, at, n) return string.sub(body, at + 1, at + n) end,
+                        setBytes = function(self, s) out.body = s end}
+  local h = {
+    streamInfo = function(self) return si end,
+    headers = function(self)
+      local mine = epoch
+      local function live() if mine ~= epoch then error("object used outside of proper scope") end end
+      return {get = function(self, k) live(); return hdrs[k] end,
+              replace = function(self, k, v) live(); hdrs[k] = v end,
+              remove = function(self, k) live(); hdrs[k] = nil end}
+    end,
+    body = function(self) epoch = epoch + 1; return buf end,
+  }
+  return h, sets, out
+end
+
+function run_response(md, hdrs, body)
+  local h, sets, out = handle(md, hdrs, body)
+  envoy_on_response(h)
+  return out.body, hdrs, sets
+end
+
+function run_request(md, hdrs)
+  local h, sets = handle(md, hdrs, nil)
+  envoy_on_request(h)
+  return hdrs, sets
+end
+"""
+
+MODEL = "claude-sim-1"
+REQUEST_ID = "5f0c2a9e-request"
+
+
+@pytest.fixture(scope="module")
+def lua() -> Any:
+    runtime = luajit21.LuaRuntime(unpack_returned_tuples=True, encoding=None)
+    runtime.execute(answers_lua())
+    runtime.execute(HARNESS)
+    return runtime
+
+
+def _table(lua: Any, d: dict[str, Any]) -> Any:
+    return lua.table_from({k.encode(): (_table(lua, v) if isinstance(v, dict) else v.encode()) for k, v in d.items()})
+
+
+def answer(lua: Any, body: bytes | None, *, status: str = "200", shape: str = "anthropic",
+           md: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> tuple[
+        bytes | None, dict[str, str]]:
+    """What the client gets: the body and the response headers."""
+    meta = {Key.ANSWER_SHAPE: shape, Key.ANSWER_MODEL: MODEL, Key.REQUEST_ID: REQUEST_ID, **(md or {})}
+    hdrs = {":status": status, "content-type": "application/json; charset=utf-8", **(headers or {})}
+    out, got, _ = lua.globals().run_response(_table(lua, meta), _table(lua, hdrs), body)
+    return out, {k.decode(): v.decode() for k, v in got.items()}
+
+
+def python_answer(body: bytes, adapter: Adapter = ANTHROPIC) -> dict[str, Any]:
+    """What the attempt filter makes of the same answer."""
+    out = adapter.response(200, body)
+    if not out.get("model"):
+        out["model"] = MODEL
+    return out
+
+
+def comparable(doc: dict[str, Any], ids: bool = True) -> dict[str, Any]:
+    """A completion without its creation time, each tool call's arguments parsed; without the ids
+    (`ids` False) where the Python adapter makes random ones and the Lua filter names them after the
+    request."""
+    doc = {k: v for k, v in doc.items() if k != "created" and (ids or k != "id")}
+    for call in doc["choices"][0]["message"].get("tool_calls") or ():
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        if not ids:
+            del call["id"]
+    return doc
+
+
+text = st.text(max_size=20)
+scalars = (st.none() | st.booleans() | st.integers(-10**9, 10**9) | st.floats(allow_nan=False, allow_infinity=False)
+           | text)
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=6), inner, max_size=3), max_leaves=10)
+blocks = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": text, "signature": text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": text}, optional={
+        "input": st.none() | st.dictionaries(st.text(max_size=6), json_values, max_size=4)}),
+    st.fixed_dictionaries({"type": st.just("redacted_thinking"), "data": text}),
+)
+counts = st.none() | st.integers(0, 10**9)
+usages = st.fixed_dictionaries({}, optional={k: counts for k in (
+    "input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")})
+messages = st.fixed_dictionaries({"type": st.just("message"), "role": st.just("assistant")}, optional={
+    "id": text, "model": text, "content": st.none() | st.lists(blocks, max_size=5),
+    "stop_reason": st.none() | st.sampled_from([*STOP_REASONS, "something_new"]),
+    "stop_sequence": st.none() | text, "usage": st.none() | usages})
+
+
+tool_inputs = st.none() | st.dictionaries(st.text(max_size=6), json_values, max_size=4)
+gemini_parts = st.one_of(
+    st.fixed_dictionaries({"text": text}),
+    st.fixed_dictionaries({"text": text, "thought": st.just(True)}),
+    st.fixed_dictionaries({"functionCall": st.fixed_dictionaries({"name": text}, optional={"args": tool_inputs})}),
+)
+gemini_answers = st.fixed_dictionaries({"candidates": st.lists(st.fixed_dictionaries({}, optional={
+    "content": st.fixed_dictionaries({}, optional={"role": st.just("model"),
+                                                   "parts": st.lists(gemini_parts, max_size=5)}),
+    "finishReason": st.sampled_from([*gemini.FINISH_REASONS, "SOMETHING_NEW"])}), max_size=2)}, optional={
+    "responseId": text, "modelVersion": text, "promptFeedback": st.fixed_dictionaries({}, optional={
+        "blockReason": st.sampled_from(["SAFETY", "OTHER"])}),
+    "usageMetadata": st.none() | st.fixed_dictionaries({}, optional={k: counts for k in (
+        "promptTokenCount", "candidatesTokenCount", "cachedContentTokenCount", "thoughtsTokenCount")})})
+bedrock_blocks = st.one_of(
+    st.fixed_dictionaries({"text": text}),
+    st.fixed_dictionaries({"toolUse": st.fixed_dictionaries({"toolUseId": text, "name": text},
+                                                            optional={"input": tool_inputs})}),
+    st.fixed_dictionaries({"reasoningContent": st.fixed_dictionaries({}, optional={
+        "reasoningText": st.fixed_dictionaries({}, optional={"text": text, "signature": text})})}),
+)
+bedrock_answers = st.fixed_dictionaries({
+    "output": st.fixed_dictionaries({"message": st.fixed_dictionaries({
+        "role": st.just("assistant"), "content": st.lists(bedrock_blocks, max_size=5)})}),
+    "usage": st.fixed_dictionaries({"inputTokens": st.integers(0, 10**9), "outputTokens": st.integers(0, 10**9)},
+                                   optional={"cacheReadInputTokens": counts, "cacheWriteInputTokens": counts})},
+    optional={"stopReason": st.sampled_from([*bedrock.STOP_REASONS, "something_new"])})
+SHAPES = {"anthropic": (messages, ANTHROPIC), "gemini": (gemini_answers, gemini.GEMINI),
+          "bedrock": (bedrock_answers, bedrock.BEDROCK)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_lua_translation_is_the_python_adapters(lua: Any, shape: str) -> None:
+    answers, adapter = SHAPES[shape]
+
+    @settings(max_examples=300, deadline=None)
+    @given(answers, st.booleans(), st.sampled_from([None, 0, 2]))
+    def translates_alike(doc: dict[str, Any], ascii_only: bool, indent: int | None) -> None:
+        body = json.dumps(doc, ensure_ascii=ascii_only, indent=indent).encode()
+        out, headers = answer(lua, body, shape=shape)
+        assert out is not None and headers[":status"] == "200" and headers["content-type"] == "application/json"
+        # Gemini names its calls after its response id, and Bedrock has none: Python makes random ids.
+        ids = shape == "anthropic" or (shape == "gemini" and bool(doc.get("responseId")))
+        assert comparable(json.loads(out), ids) == comparable(python_answer(body, adapter), ids)
+        if not ids:
+            lua_doc = json.loads(out)
+            named = [c["id"] for c in lua_doc["choices"][0]["message"].get("tool_calls") or ()]
+            if shape == "bedrock":
+                assert lua_doc["id"] == f"chatcmpl-{REQUEST_ID}"
+            else:
+                assert named == [f"call_{REQUEST_ID}_{n}" for n in range(len(named))]
+
+    translates_alike()
+
+
+def test_tool_calls_keep_their_arguments_exactly_as_the_provider_wrote_them(lua: Any) -> None:
+    body = (b'{"type":"message","id":"m1","model":"claude","content":[{"type":"text","text":"caf\\u00e9 \\"q\\""},'
+            b'{"type":"tool_use","id":"t1","name":"lookup","input":{"q": "a\\nb", "n": [1, 2.5e3]}}],'
+            b'"stop_reason":"tool_use","usage":{"input_tokens":3,"cache_read_input_tokens":4,'
+            b'"cache_creation_input_tokens":5,"output_tokens":6}}')
+    out, _ = answer(lua, body)
+    doc = json.loads(out or b"")
+    message = doc["choices"][0]["message"]
+    assert message["content"] == 'caf\u00e9 "q"' and doc["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = message["tool_calls"]
+    assert call["function"]["arguments"] == '{"q": "a\\nb", "n": [1, 2.5e3]}'
+    assert doc["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
+                            "prompt_tokens_details": {"cached_tokens": 4}}
+    assert comparable(doc) == comparable(python_answer(body))
+
+
+BROKEN = [b"", b"not json", b"[1,2]", b'{"type":"error","error":{"type":"api_error"}}',
+          b'{"type":"message","content":{"type":"text"}}', b'{"type":"message","content":["text"]}',
+          b'{"type":"message","content":[{"type":"tool_use","name":"f","input":{}}]}',
+          b'{"type":"message","content":[{"type":"tool_use","id":"t","name":"f","input":[1]}]}',
+          b'{"type":"message","content":[{"type":"text","text":"a"}]} trailing',
+          b'{"type":"message","usage":{"input_tokens":"many"}}', b'{"type":"message","usage":[1]}',
+          b'{"type":"message","content":[{"type":"text","text":"a"',
+          b'{"type":"message","content":' + b"[" * 100 + b"]" * 100 + b"}"]  # deeper than the decoder goes
+
+
+@pytest.mark.parametrize("body", BROKEN)
+def test_an_answer_that_is_not_a_message_is_the_contracts_502(lua: Any, body: bytes) -> None:
+    out, headers = answer(lua, body)
+    assert headers[":status"] == "502" and headers["content-type"] == "application/json"
+    assert json.loads(out or b"")["error"]["code"] == "upstream_error"
+    if body != b'{"type":"message","usage":{"input_tokens":"many"}}':  # Python's int() takes a numeric string
+        with pytest.raises(UpstreamBroken):
+            ANTHROPIC.response(200, body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | st.text(alphabet='{}[]":,0123456789.e-truefalsnl \\u', max_size=80).map(str.encode))
+def test_any_bytes_are_a_completion_or_the_contracts_502_and_never_a_script_error(lua: Any, body: bytes) -> None:
+    for shape in (*SHAPES, "openai"):
+        out, headers = answer(lua, body, shape=shape)
+        doc = json.loads(out or b"")
+        refused = "error" in doc and doc.get("error", {}).get("code") == "upstream_error"
+        assert (headers[":status"] == "502") == refused
+
+
+def test_a_hosted_openai_answer_is_checked_and_passed_as_it_came(lua: Any) -> None:
+    body = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"content":"hi"}}]}'
+    assert answer(lua, body, shape="openai") == (body, {":status": "200", "content-type": "application/json"})
+    out, headers = answer(lua, b'{"id":"x","choices":{}}', shape="openai")
+    assert headers[":status"] == "502" and json.loads(out or b"")["error"]["code"] == "upstream_error"
+
+
+def test_error_statuses_and_the_degraded_answer_pass_untouched_and_the_loss_is_named(lua: Any) -> None:
+    loss = {Key.TRANSLATION_LOSS: "seed (unsupported)"}
+    error = b'{"error": {"code": "upstream_error"}}'
+    out, headers = answer(lua, error, status="502", md=loss)
+    assert out == error and headers[TRANSLATION_LOSS_HEADER] == "seed (unsupported)"
+    assert headers["content-type"] == "application/json; charset=utf-8"
+    degraded = b'{"choices": []}'
+    assert answer(lua, degraded, headers={DEGRADED_HEADER: "response"})[0] == degraded
+    # A request the decision did not translate: nothing happens.
+    out, headers = answer(lua, b"not json", shape="")
+    assert out == b"not json" and headers[":status"] == "200" and TRANSLATION_LOSS_HEADER not in headers
+
+
+def test_the_request_gets_the_shapes_headers_and_the_metadata_keeps_no_credential(lua: Any) -> None:
+    native = {":path": "/v1/messages", "x-api-key": "sk-secret", "anthropic-version": "2023-06-01"}
+    hdrs, sets = lua.globals().run_request(_table(lua, {Key.UPSTREAM_HEADERS: native}),
+                                           _table(lua, {":path": "/v1/chat/completions", "x-api-key": "client"}))
+    assert {k.decode(): v.decode() for k, v in hdrs.items()} == native
+    assert {k.decode(): v for k, v in sets.items()} == {Key.UPSTREAM_HEADERS: b""}
+    untouched, sets = lua.globals().run_request(_table(lua, {}), _table(lua, {":path": "/v1/chat/completions"}))
+    assert dict(untouched.items()) == {b":path": b"/v1/chat/completions"} and not dict(sets.items())
