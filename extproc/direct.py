@@ -3,12 +3,14 @@
 The attempt filter (extproc/attempts.py) costs four ext_proc messages per translated attempt: request
 headers and body, response headers and body. When a request's plan is one candidate whose shape
 Envoy's Lua answer filter can read (llmgw/lua/answers.lua) and its answer is JSON that settles through
-the access log, the decision translates the request itself: the native body in its own reply, the
+the access log (or is a stream the Lua stream guard settles), the decision translates the request
+itself: the native body in its own reply, the
 path and the shape's headers (its key among them) as metadata, which the Lua filter sets on the
 request after the header allow-list and then blanks; the same filter translates the answer back before
-json_to_metadata and settlement read it. Such a request costs ext_proc no message more than one to
-the pool. Plans of several candidates, streams, idempotent answers, front doors and shadowed requests
-keep the attempt filter.
+json_to_metadata and settlement read it, or a stream chunk by chunk before the Lua stream guard reads
+it. Such a request costs ext_proc no message more than one to the pool, and a stream none per chunk.
+Plans of several candidates, idempotent answers, front doors, shadowed requests and streams of shapes
+the Lua filter does not read (Gemini's, Bedrock's event stream) keep the attempt filter.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from extproc.fallback import translated
 # generateContent, Bedrock's Converse, and hosted OpenAI-shaped servers (OpenAI, Azure), whose answers
 # it only checks.
 LUA_SHAPES = ("anthropic", "gemini", "bedrock", "openai")
+# ... and whose streams it reads: Anthropic's SSE, and OpenAI-shaped streams, which pass as they come.
+LUA_STREAM_SHAPES = ("anthropic", "openai")
 
 
-def decision_translates(dep: Deployment) -> bool:
-    """Whether a request planned to this deployment alone may skip the attempt filter."""
-    return translated(dep) and adapter_for(dep.fingerprint.adapter).name in LUA_SHAPES
+def decision_translates(dep: Deployment, stream: bool = False) -> bool:
+    """Whether a request planned to this deployment alone (a stream, with `stream`) may skip the
+    attempt filter."""
+    return translated(dep) and adapter_for(dep.fingerprint.adapter).name in (
+        LUA_STREAM_SHAPES if stream else LUA_SHAPES)
 
 
 def shape_headers(dep: Deployment) -> tuple[str, ...]:
@@ -44,7 +50,7 @@ def shape_headers(dep: Deployment) -> tuple[str, ...]:
 
 
 def native_request(dep: Deployment, body: Mapping[str, Any], credentials: Mapping[str, str],
-                   credential_errors: Mapping[str, str]) -> tuple[bytes, dict[str, str], str]:
+                   credential_errors: Mapping[str, str], stream: bool = False) -> tuple[bytes, dict[str, str], str]:
     """The request as `dep`'s provider takes it: its body, its headers (`:path` among them, and the
     credential, resolved when the revision loaded), and the shape of its answer. Refused (503
     `policy_unavailable`) when the deployment's credential reference did not resolve."""
@@ -55,5 +61,5 @@ def native_request(dep: Deployment, body: Mapping[str, Any], credentials: Mappin
                 dep.deployment, f"credential reference {dep.credential_ref} is not resolved"))
         token = credentials[dep.deployment]
     adapter = adapter_for(dep.fingerprint.adapter)
-    native = adapter.request(body, Target(dep.served_model, token, dep.fingerprint.adapter_options))
+    native = adapter.request(body, Target(dep.served_model, token, dep.fingerprint.adapter_options, stream))
     return native.body, {":path": native.path, **native.headers, **native.signed_headers}, adapter.name

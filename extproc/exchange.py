@@ -178,6 +178,8 @@ class Exchange:
             # Read by Envoy's Lua answer filter (llmgw/lua/answers.lua), which blanks the headers once set.
             md[Key.UPSTREAM_HEADERS] = self.upstream_headers
             md[Key.ANSWER_SHAPE], md[Key.ANSWER_MODEL] = self.answer_shape, self.deployment.served_model
+            if self.stream:
+                md[Key.PLAN_STREAM] = "1"
             lost = self.translation_losses.get(self.deployment.deployment)
             if lost:
                 md[Key.TRANSLATION_LOSS] = ", ".join(map(str, lost))

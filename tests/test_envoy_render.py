@@ -115,6 +115,8 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
     assert set(translated_here) == {"dep_demo-anthropic", "dep_demo-gemini", "dep_demo-bedrock"}
     assert "x-api-key" in translated_here["dep_demo-anthropic"]
     assert "authorization" in translated_here["dep_demo-bedrock"]
+    streamed_here = direct_clusters(load_snapshot(POLICY), stream=True)
+    assert set(streamed_here) == {"dep_demo-anthropic"}  # Gemini's and Bedrock's streams: the attempt filter
     routes = hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]
     to_clusters = [r for r in routes if "route" in r]
     assert to_clusters, "no route reaches an upstream"
@@ -122,11 +124,14 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         md = r["match"]["dynamic_metadata"][0]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
-        # The Lua answer filter runs only on the JSON route of a deployment the decision translates for
-        # (extproc/direct.py); there the router keeps what the filter sets (its key among them).
+        # The Lua answer filter runs only on the JSON route of a deployment the decision translates for,
+        # and on its stream route where the filter reads that shape's streams (extproc/direct.py);
+        # there the router keeps what the filter sets (its key among them).
         answers = "llmgw.lua_answers" not in r.get("typed_per_filter_config", {})
-        shape = translated_here.get(r["route"]["cluster"]) if answers else None
-        assert answers == (shape is not None and r["name"] == f"admitted_{r['route']['cluster']}"), r["name"]
+        cluster = r["route"]["cluster"]
+        shape = (translated_here if r["name"] == f"admitted_{cluster}" else
+                 streamed_here if r["name"] == f"admitted_{cluster}_stream" else {}).get(cluster)
+        assert answers == (shape is not None), r["name"]
         assert r["request_headers_to_remove"] == [h for h in ("authorization", "x-api-key", "x-goog-api-key")
                                                   if h not in (shape or ())]
         # Streams: the Lua stream guard. Idempotent streams: ext_proc's stream guard. Idempotent JSON:

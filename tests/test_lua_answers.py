@@ -21,10 +21,11 @@ from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.names import Key
 from extproc.replies import DEGRADED_HEADER
 from llmgw.render.filters import answers_lua
+from tests.lua_harness import BODY_CHUNKS
 
 # Envoy's handle as the script uses it: metadata get/set in one namespace, the headers, and the whole
 # body (which may be replaced). Headers taken before body() are out of scope after it, as in Envoy.
-HARNESS = """
+HARNESS = BODY_CHUNKS + """
 local function handle(md, hdrs, body)
   local sets, out, epoch = {}, {body = body}, 0
   local dm = {get = function(self, ns) return md end,
@@ -51,6 +52,14 @@ function run_response(md, hdrs, body)
   local h, sets, out = handle(md, hdrs, body)
   envoy_on_response(h)
   return out.body, hdrs, sets
+end
+
+function run_stream(md, hdrs, chunks)
+  local h, sets = handle(md, hdrs, nil)
+  local outs = {}
+  h.bodyChunks = function(self) return body_chunks(chunks, outs) end
+  envoy_on_response(h)
+  return outs, hdrs
 end
 
 function run_request(md, hdrs)
@@ -256,3 +265,137 @@ def test_the_request_gets_the_shapes_headers_and_the_metadata_keeps_no_credentia
     assert {k.decode(): v for k, v in sets.items()} == {Key.UPSTREAM_HEADERS: b""}
     untouched, sets = lua.globals().run_request(_table(lua, {}), _table(lua, {":path": "/v1/chat/completions"}))
     assert dict(untouched.items()) == {b":path": b"/v1/chat/completions"} and not dict(sets.items())
+
+
+# -- streams ----------------------------------------------------------------------------------------
+
+def sse_event(doc: dict[str, Any]) -> bytes:
+    return f"event: {doc['type']}\ndata: {json.dumps(doc)}\n\n".encode()
+
+
+@st.composite
+def anthropic_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A Messages stream's events, as the API sends them: text, thinking and tool-use blocks, their
+    deltas (a tool's input as pieces of its JSON), pings anywhere, the stop reason and usage."""
+    usage = draw(st.fixed_dictionaries({"input_tokens": st.integers(0, 10**6), "output_tokens": st.integers(0, 9)},
+                                        optional={"cache_read_input_tokens": counts,
+                                                  "cache_creation_input_tokens": counts}))
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": {
+        "id": draw(text), "type": "message", "role": "assistant", "model": draw(st.text(min_size=1, max_size=10)),
+        "content": [], "stop_reason": None, "usage": usage}}]
+    for i, kind in enumerate(draw(st.lists(st.sampled_from(["text", "thinking", "tool_use"]), max_size=4))):
+        if kind == "tool_use":
+            events.append({"type": "content_block_start", "index": i, "content_block": {
+                "type": "tool_use", "id": draw(text), "name": draw(text), "input": {}}})
+            args = json.dumps(draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
+            cuts = sorted(draw(st.lists(st.integers(0, len(args)), max_size=3)))
+            pieces = [args[a:b] for a, b in zip([0, *cuts], [*cuts, len(args)], strict=True)]
+            events += [{"type": "content_block_delta", "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": piece}} for piece in pieces]
+        else:
+            events.append({"type": "content_block_start", "index": i, "content_block": {"type": kind, kind: ""}})
+            events += [{"type": "content_block_delta", "index": i, "delta": {"type": f"{kind}_delta", kind: t}}
+                       for t in draw(st.lists(text, max_size=3))]
+        events.append({"type": "content_block_stop", "index": i})
+        if draw(st.booleans()):
+            events.append({"type": "ping"})
+    events.append({"type": "message_delta", "delta": {"stop_reason": draw(st.sampled_from([*STOP_REASONS, "new"]))},
+                   "usage": {"output_tokens": draw(st.integers(0, 10**6))}})
+    events.append({"type": "message_stop"})
+    return events
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(max(c, 0), len(data)) for c in cuts})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if b > a]
+
+
+def lua_stream(lua: Any, chunks: list[bytes]) -> tuple[bytes, dict[str, str]]:
+    """What the stream guard after the Lua filter gets: the chunks as translated (the last, empty, is
+    the end of the stream)."""
+    meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
+    hdrs = {":status": "200", "content-type": "text/event-stream; charset=utf-8", "content-length": "99"}
+    outs, got = lua.globals().run_stream(_table(lua, meta), _table(lua, hdrs), lua.table_from([*chunks, b""]))
+    body = b"".join(outs[i] for i in range(1, len(chunks) + 2))
+    return body, {k.decode(): v.decode() for k, v in got.items()}
+
+
+def python_stream(chunks: list[bytes]) -> bytes:
+    """What the attempt filter makes of the same chunks (extproc/attempts.py `_translate_chunk`)."""
+    translator = ANTHROPIC.stream(include_usage=True)
+    translator.model = MODEL
+    out: list[bytes] = []
+    try:
+        for c in chunks:
+            out += translator.feed(c)
+        out += translator.finish()
+    except UpstreamBroken as e:
+        out += e.partial
+        out.append(b"data: " + json.dumps({"error": {"code": "stream_interrupted"}}).encode() + b"\n\n")
+    return b"".join(out)
+
+
+def events_of(body: bytes) -> list[Any]:
+    """The data events (SSE comments dropped), parsed; `created` left out, an interruption as its code."""
+    out: list[Any] = []
+    for event in body.decode().split("\n\n"):
+        if not event.startswith("data: "):
+            continue
+        data = event.removeprefix("data: ")
+        doc = data if data == "[DONE]" else json.loads(data)
+        if isinstance(doc, dict):
+            doc.pop("created", None)
+            if "error" in doc:
+                doc = {"interrupted": doc["error"]["code"]}
+        out.append(doc)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(anthropic_streams(), st.lists(st.integers(0, 4000), max_size=6), st.sampled_from(["whole", "cut", "error"]))
+def test_the_lua_stream_translation_is_the_python_adapters(lua: Any, events: list[dict[str, Any]], cuts: list[int],
+                                                          ending: str) -> None:
+    if ending == "cut":  # the provider's stream ends before message_stop
+        events = events[:-1]
+    elif ending == "error":  # the provider reports an error mid-stream
+        events = [*events[:-2], {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}]
+    data = b"".join(sse_event(e) for e in events)
+    chunks = split(data, cuts)
+    out, headers = lua_stream(lua, chunks)
+    assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
+    assert events_of(out) == events_of(python_stream(chunks))
+    got = events_of(out)
+    if ending == "whole":
+        assert got[-1] == "[DONE]" and "usage" in got[-2]
+    else:
+        assert got[-1] == {"interrupted": "stream_interrupted"}
+    # Every chunk that completed no event passed as a comment, never empty (the guard's end).
+    assert b"".join(c for c in chunks) == data
+
+
+@pytest.mark.parametrize("bad", [b"data: not json\n\n", b"data: [1]\n\n",
+                                 b'data: {"type":"content_block_delta","index":5,"delta":{"type":"input_json_delta",'
+                                 b'"partial_json":"{"}}\n\n', b"data: " + b"x" * (1 << 20) + b"x"])
+def test_a_broken_provider_stream_ends_with_the_contracts_interruption_and_nothing_after(lua: Any, bad: bytes) -> None:
+    start = sse_event({"type": "message_start", "message": {"id": "m", "model": "claude", "usage": {}}})
+    after = sse_event({"type": "message_stop"})
+    out, _ = lua_stream(lua, [start, bad, after])
+    got = events_of(out)
+    assert got[-1] == {"interrupted": "stream_interrupted"} and got[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len(got) == 2  # the role chunk, the interruption: nothing of the stop after it
+
+
+def test_a_chunk_that_completes_no_event_passes_as_a_comment(lua: Any) -> None:
+    start = sse_event({"type": "message_start", "message": {"id": "m", "model": "claude", "usage": {}}})
+    meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
+    outs, _ = lua.globals().run_stream(_table(lua, meta), _table(lua, {":status": "200"}), lua.table_from(
+        [start[:10], start[10:], sse_event({"type": "ping"}), b""]))
+    assert outs[1] == b":\n\n" and outs[2].startswith(b"data: ") and outs[3] == b":\n\n"
+
+
+def test_an_event_after_the_stop_breaks_the_stream_as_in_the_adapter(lua: Any) -> None:
+    events = [{"type": "message_start", "message": {"id": "m", "model": "claude", "usage": {}}},
+              {"type": "message_stop"}, {"type": "ping"}]
+    chunks = [b"".join(sse_event(e) for e in events)]
+    got = events_of(lua_stream(lua, chunks)[0])
+    assert got[-2:] == ["[DONE]", {"interrupted": "stream_interrupted"}] and got == events_of(python_stream(chunks))

@@ -15,10 +15,11 @@ from lupa import luajit21
 from extproc.names import INTERRUPTED, Key, StreamEnd
 from extproc.streams import interrupted_event
 from llmgw.envoy_render import stream_guard_lua
+from tests.lua_harness import BODY_CHUNKS
 
 # Envoy's handle as the script uses it: metadata get/set in one namespace, the response status, a
 # clock, and the body as chunks (each one's bytes may be replaced; an empty one ends the stream).
-HARNESS = """
+HARNESS = BODY_CHUNKS + """
 function run_guard(chunks, md, status, now, content_type)
   local sets, outs = {}, {}
   local hdrs = {[":status"] = status, ["content-type"] = content_type, ["content-length"] = "123"}
@@ -32,19 +33,7 @@ function run_guard(chunks, md, status, now, content_type)
               replace = function(self, k, v) hdrs[k] = v end}
     end,
     timestamp = function(self) return now end,
-    bodyChunks = function(self)
-      local i = 0
-      return function()
-        i = i + 1
-        if chunks[i] == nil then return nil end
-        local c = {s = chunks[i]}
-        function c:length() return #self.s end
-        function c:getBytes(at, n) return string.sub(self.s, at + 1, at + n) end
-        function c:setBytes(s) outs[i] = s end
-        outs[i] = c.s
-        return c
-      end
-    end,
+    bodyChunks = function(self) return body_chunks(chunks, outs) end,
   }
   envoy_on_response(h)
   return outs, sets, hdrs

@@ -142,10 +142,10 @@ def attempts_through_the_filter(stack: Stack, deployment: str) -> float:
         return 0.0
 
 
-def test_a_lone_json_candidate_is_translated_without_the_attempt_filter(gw: Stack, provider: str) -> None:
-    """The decision translates the request and Envoy's Lua filter the answer (extproc/direct.py): no
-    ext_proc message per attempt; a stream still goes through the attempt filter. The provider's key
-    reaches the provider and nothing else: no log line, no ledger entry."""
+def test_a_lone_candidate_is_translated_without_the_attempt_filter(gw: Stack, provider: str) -> None:
+    """The decision translates the request and Envoy's Lua filter the answer, JSON or stream
+    (extproc/direct.py): no ext_proc message per attempt or per chunk. The provider's key reaches the
+    provider and nothing else: no log line, no ledger entry."""
     before = attempts_through_the_filter(gw, "claude-sim")
     r = chat(gw, "chat-anthropic")
     assert r.status == 200, r.body
@@ -156,19 +156,22 @@ def test_a_lone_json_candidate_is_translated_without_the_attempt_filter(gw: Stac
     (attempt,) = entry["attempts"]
     assert attempt["deployment"] == "claude-sim" and attempt["status"] == 200 and attempt["count"] == 1
     assert entry["usage"]["completion_tokens"] == out["usage"]["completion_tokens"]
-    (sent,) = received(provider)
-    assert sent["path"] == "/v1/messages" and sent["api_key_present"]
-    time.sleep(1)  # long enough for the metric to show an attempt, had there been one
-    assert attempts_through_the_filter(gw, "claude-sim") == before
     streamed = request(f"{gw.url}/v1/chat/completions", "POST", chat_body("chat-anthropic", max_tokens=4, stream=True),
                        headers={"authorization": f"Bearer {KEY}"}, timeout=30)
-    assert streamed.status == 200 and b"data: [DONE]" in streamed.body
-    deadline = time.time() + 5  # workers' metrics are gathered, not read live
-    while attempts_through_the_filter(gw, "claude-sim") == before and time.time() < deadline:
-        time.sleep(0.1)
-    assert attempts_through_the_filter(gw, "claude-sim") == before + 1
+    assert streamed.status == 200 and streamed.headers["content-type"] == "text/event-stream"
+    events = [e.removeprefix("data: ") for e in streamed.body.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert "usage" not in str(chunks)  # asked for on the client's behalf, withheld from it
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    stream_entry = ledger_of(gw, streamed.headers["x-request-id"], "acme")
+    assert text and stream_entry["usage"]["completion_tokens"] == 4 and stream_entry["termination"] == "complete"
+    assert [s["path"] for s in received(provider)] == ["/v1/messages"] * 2
+    time.sleep(1)  # long enough for the metric to show an attempt, had there been one
+    assert attempts_through_the_filter(gw, "claude-sim") == before
     logs = "".join(f.read_text(errors="replace") for f in gw.logs.glob("*.log"))
-    assert PROVIDER_KEY not in logs and PROVIDER_KEY not in json.dumps(entry)
+    assert PROVIDER_KEY not in logs and PROVIDER_KEY not in json.dumps(entry) + json.dumps(stream_entry)
 
 
 def test_a_transformed_field_is_carried_and_reported(gw: Stack, provider: str) -> None:

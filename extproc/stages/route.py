@@ -263,12 +263,12 @@ class RouteSelection:
         dep = ex.deployment = ex.candidates[0]
         if serving is route and route.shadow is not None:
             shadow_copy(ex, route, facts)
-        # A lone candidate of another shape whose JSON answer Envoy's Lua filter translates: translated
-        # here, its own cluster (extproc/direct.py). Several qualified (or one that needs its credential
-        # or translation otherwise): the composite cluster of exactly these, tried in the route's order,
-        # behind the attempt filter.
-        here = (len(ex.candidates) == 1 and decision_translates(dep) and not ex.stream and not ex.door and not ex.shadow
-                and ex.settled_by() is Settle.ACCESS_LOG)
+        # A lone candidate of another shape whose answer (JSON, or a stream) Envoy's Lua filter
+        # translates: translated here, its own cluster (extproc/direct.py). Several qualified (or one
+        # that needs its credential or translation otherwise): the composite cluster of exactly these,
+        # tried in the route's order, behind the attempt filter.
+        here = (len(ex.candidates) == 1 and decision_translates(dep, ex.stream) and not ex.door and not ex.shadow
+                and ex.settled_by() in (Settle.ACCESS_LOG, Settle.STREAM))
         ex.cluster = (composite_name(serving.route_contract, qualified)
                       if uses_attempt_filter(ex.candidates) and not here else snap.pool_of(dep))
         body = dict(ex.body)
@@ -292,6 +292,6 @@ class RouteSelection:
                 ex.withhold_usage = True
         if here:
             ex.upstream_body, ex.upstream_headers, ex.answer_shape = native_request(
-                dep, body, ex.credentials, ex.credential_errors)
+                dep, body, ex.credentials, ex.credential_errors, ex.stream)
         else:
             ex.upstream_body = orjson.dumps(body)

@@ -221,11 +221,123 @@ local function openai(body)
   return body
 end
 
+-- Anthropic's Messages stream, one event at a time (extproc/adapters/anthropic.py `AnthropicStream`):
+-- each event's chunks are added to `out`; false when the event breaks the stream.
+local function chunk(st, delta, finish)
+  return concat({'data: {"id":"chatcmpl-', st.id, '","object":"chat.completion.chunk","created":', st.created,
+                 ',"model":"', st.model, '","choices":[{"index":0,"delta":', delta, ',"logprobs":null,"finish_reason":',
+                 finish and ('"' .. finish .. '"') or "null", "}]}\n\n"})
+end
+
+local function anthropic_event(st, doc, out)
+  if st.stopped then return false end  -- nothing may follow message_stop
+  local kind = doc.type
+  if kind == "message_start" then
+    local msg = doc.message
+    local usage = is_object(msg) and object_of(msg.usage)
+    local named = is_object(msg) and text_of(msg.model, "")
+    if not usage or not named or type(msg.id) ~= "string" then return false end
+    local input, read, written = count(usage.input_tokens), count(usage.cache_read_input_tokens),
+      count(usage.cache_creation_input_tokens)
+    if input == nil or read == nil or written == nil then return false end
+    st.id, st.prompt, st.cached = msg.id, input + read + written, read
+    if named ~= "" then st.model = named end
+    out[#out + 1] = chunk(st, '{"role":"assistant","content":""}')
+  elseif kind == "content_block_start" then
+    local block = doc.content_block
+    if not is_object(block) then return false end
+    if block.type == "tool_use" then
+      if type(doc.index) ~= "number" or type(block.id) ~= "string" or type(block.name) ~= "string" then
+        return false
+      end
+      local n = st.ncalls
+      st.calls[doc.index], st.ncalls = n, n + 1
+      out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"id":"', block.id,
+                                       '","type":"function","function":{"name":"', block.name, '","arguments":""}}]}'}))
+    end
+  elseif kind == "content_block_delta" then
+    local delta = doc.delta
+    if not is_object(delta) then return false end
+    local dt = delta.type
+    if dt == "text_delta" or dt == "thinking_delta" then
+      local t = delta[dt == "text_delta" and "text" or "thinking"]
+      if type(t) ~= "string" then return false end
+      out[#out + 1] = chunk(st, (dt == "text_delta" and '{"content":"' or '{"reasoning":"') .. t .. '"}')
+    elseif dt == "input_json_delta" then
+      local n = type(doc.index) == "number" and st.calls[doc.index]
+      if not n or type(delta.partial_json) ~= "string" then return false end
+      out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"function":{"arguments":"',
+                                       delta.partial_json, '"}}]}'}))
+    end
+  elseif kind == "message_delta" then
+    local delta, usage = doc.delta, object_of(doc.usage)
+    if not is_object(delta) or usage == nil then return false end
+    local output = usage.output_tokens
+    if not absent(output) and output ~= 0 then
+      output = count(output)
+      if output == nil then return false end
+      st.output = output
+    end
+    st.finish = type(delta.stop_reason) == "string" and ANTHROPIC_STOP[delta.stop_reason] or "stop"
+    out[#out + 1] = chunk(st, "{}", st.finish)
+  elseif kind == "message_stop" then
+    st.stopped = true
+    out[#out + 1] = concat({'data: {"id":"chatcmpl-', st.id, '","object":"chat.completion.chunk","created":',
+                            st.created, ',"model":"', st.model, '","choices":[],"usage":',
+                            usage_json(st.prompt, st.cached, st.output, 0), "}\n\n", "data: [DONE]\n\n"})
+  elseif kind == "error" then
+    return false
+  end
+  return true  -- ping, content_block_stop, and what the API adds later: nothing to carry
+end
+
+-- A 2xx stream of a shape translated here: every chunk's complete events translated as they come (the
+-- start of one still arriving is held back); at a break - an event that does not parse or breaks the
+-- shape, one over the size bound, an end before the stream's own - what was translated, then the
+-- contract's `stream_interrupted` event, and nothing after it. A chunk that completes no event passes
+-- as an SSE comment: an empty chunk would read as the stream's end to the stream guard after this.
+local function translate_stream(h, model, event)
+  local st = {id = "", model = model, created = format("%d", time()), calls = {}, ncalls = 0,
+              prompt = 0, cached = 0, output = 0, stopped = false}
+  local pending, broken = "", false
+  for piece in h:bodyChunks() do
+    local n = piece:length()
+    if broken then
+      if n > 0 then piece:setBytes("") end
+    else
+      local out = {}
+      pending = pending .. (n > 0 and piece:getBytes(0, n) or "")
+      while true do
+        local e = event_end(pending)
+        if e == nil then break end
+        local data = event_data(sub(pending, 1, e))
+        pending = sub(pending, e + 1)
+        if data ~= nil then
+          local doc = decode_all(data)
+          if not is_object(doc) or not event(st, doc, out) then
+            broken = true
+            break
+          end
+        end
+      end
+      if not broken and (#pending > CONFIG.max_event_bytes or (n == 0 and not st.stopped)) then broken = true end
+      if broken then out[#out + 1] = CONFIG.interrupted end
+      local text = concat(out)
+      if text == "" and n > 0 then text = CONFIG.keepalive end
+      if n > 0 or text ~= "" then piece:setBytes(text) end
+    end
+    if n == 0 then break end
+  end
+end
+
+local TRANSLATE_STREAM = {anthropic = anthropic_event}
+
 local TRANSLATE = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
 
 function envoy_on_response(h)
   local md = h:streamInfo():dynamicMetadata():get(NS)
-  local translate = md and TRANSLATE[md[K.answer_shape] or ""]
+  local shape = md and md[K.answer_shape]
+  local translate = shape and TRANSLATE[shape]
   if translate == nil then return end
   local headers = h:headers()
   local lost = md[K.translation_loss]
@@ -234,6 +346,15 @@ function envoy_on_response(h)
   if status < 200 or status >= 300 then return end
   -- Envoy's own degraded answer (every upstream was down): the gateway wrote it, in the internal shape.
   if headers:get(CONFIG.degraded_header) == "response" then return end
+  if md[K.plan_stream] == "1" then
+    -- A stream: an OpenAI-shaped one passes as it comes (the stream guard checks it).
+    local event = TRANSLATE_STREAM[shape]
+    if event == nil then return end
+    headers:remove("content-length")
+    headers:replace("content-type", "text/event-stream")
+    translate_stream(h, md[K.answer_model] or "", event)
+    return
+  end
   local body = h:body()
   local out = body and translate(body:getBytes(0, body:length()), md[K.answer_model] or "", md[K.request_id] or "")
   headers = h:headers()  -- the handle taken before the body was read is out of scope now

@@ -1,7 +1,7 @@
 -- The stream guard, in Envoy (LuaJIT): every chunk of an admitted stream passes here, with no round
 -- trip to ext_proc. The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace,
 -- the io.llmgw key names from extproc/names.py, the contract's `stream_interrupted` events) and
--- llmgw/lua/json.lua (its JSON checker).
+-- llmgw/lua/json.lua and llmgw/lua/sse.lua (its JSON checker, its SSE framing).
 --
 -- - Whole events only: the start of an event still arriving is held back until the rest comes.
 -- - Each event's data is checked to be JSON (or [DONE]): a malformed event, an upstream error event,
@@ -17,7 +17,6 @@
 
 local find, sub, byte, concat = string.find, string.sub, string.byte, table.concat
 local K, EVENT, MAX_EVENT, NS = CONFIG.keys, CONFIG.events, CONFIG.max_event_bytes, CONFIG.namespace
-local CR_SEPARATORS = {"\r\n\r\n", "\r\r"}
 
 -- The index after the JSON value at (or after whitespace from) i, or nil when the text there is not
 -- JSON. For the top-level object, `fields` gets the text of the values of `error`, `usage` and
@@ -78,36 +77,6 @@ local function object_fields(data)
   local e = value(data, i, 0, fields)
   if e == nil or skip(data, e) <= #data then return nil end
   return fields
-end
-
--- An event's data: its `data:` lines joined (nil for an event without any). The common event is one
--- `data: ` line.
-local function event_data(event)
-  if sub(event, 1, 6) == "data: " then
-    local nl = find(event, "\n", 7, true)
-    if nl == #event - 1 and byte(event, nl - 1) ~= 13 then return sub(event, 7, nl - 1) end
-  end
-  local parts = nil
-  for line in string.gmatch(event, "[^\r\n]+") do
-    if sub(line, 1, 5) == "data:" then
-      local d = sub(line, 6)
-      if byte(d, 1) == 32 then d = sub(d, 2) end
-      parts = parts or {}
-      parts[#parts + 1] = d
-    end
-  end
-  return parts and concat(parts, "\n")
-end
-
--- The end of the first complete event in buf (its blank line included), or nil.
-local function event_end(buf)
-  local _, j = find(buf, "\n\n", 1, true)
-  if find(buf, "\r", 1, true) == nil then return j end
-  for _, sep in ipairs(CR_SEPARATORS) do
-    local _, k = find(buf, sep, 1, true)
-    if k and (j == nil or k < j) then j = k end
-  end
-  return j
 end
 
 -- Whether a chunk's choices carry a field `name` whose value is a non-empty string (`kind` 34) or a

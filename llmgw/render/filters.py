@@ -27,6 +27,7 @@ from extproc.attempts import (
     ATTEMPT_TRANSLATED,
     ATTEMPT_TRANSLATED_STREAM,
     ATTEMPT_WITHOUT_BODY,
+    KEEPALIVE,
     TRANSLATION_LOSS_HEADER,
 )
 from extproc.config import Snapshot
@@ -239,20 +240,22 @@ def _lua_table(values: Mapping[str, str]) -> str:
 
 
 def _lua_script(script: str, config: Mapping[str, str]) -> str:
-    """A Lua filter's source: its CONFIG (`config`'s Lua expressions, with the metadata namespace and
-    the io.llmgw key names from extproc/names.py), llmgw/lua/json.lua, then the script."""
+    """A Lua filter's source: its CONFIG (`config`'s Lua expressions, with the metadata namespace, the
+    io.llmgw key names from extproc/names.py and the SSE event size bound), the JSON and SSE helpers
+    (llmgw/lua/json.lua, sse.lua), then the script."""
     keys = ", ".join(f"{k.name.lower()} = {_lua_string(k.value)}" for k in Key)
     fields = "".join(f", {name} = {value}" for name, value in config.items())
-    return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}{fields},\n  keys = {{{keys}}}}}\n"
-            + (LUA_DIR / "json.lua").read_text() + (LUA_DIR / script).read_text())
+    return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, max_event_bytes = {MAX_EVENT_BYTES}"
+            f"{fields},\n  keys = {{{keys}}}}}\n"
+            + "".join((LUA_DIR / name).read_text() for name in ("json.lua", "sse.lua", script)))
 
 
 def stream_guard_lua() -> str:
     """The Lua stream guard's source (llmgw/lua/stream_guard.lua), with the contract's events."""
     events = {end.value: interrupted_event(message).decode() for end, message in INTERRUPTED.items()}
     return _lua_script("stream_guard.lua", {
-        "settle_stream": _lua_string(Settle.STREAM), "max_event_bytes": str(MAX_EVENT_BYTES),
-        "degraded_header": _lua_string(DEGRADED_HEADER), "events": _lua_table(events)})
+        "settle_stream": _lua_string(Settle.STREAM), "degraded_header": _lua_string(DEGRADED_HEADER),
+        "events": _lua_table(events)})
 
 
 def lua_stream_guard() -> lua_pb2.Lua:
@@ -272,6 +275,8 @@ def answers_lua() -> str:
     return _lua_script("answers.lua", {
         "loss_header": _lua_string(TRANSLATION_LOSS_HEADER), "degraded_header": _lua_string(DEGRADED_HEADER),
         "broken": _lua_string(broken.decode()), "anthropic_stop": _lua_table(anthropic.STOP_REASONS),
+        "interrupted": _lua_string(interrupted_event("the provider's stream broke").decode()),
+        "keepalive": _lua_string(KEEPALIVE.decode()),
         "gemini_finish": _lua_table(gemini.FINISH_REASONS), "bedrock_stop": _lua_table(bedrock.STOP_REASONS)})
 
 

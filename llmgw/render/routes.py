@@ -50,10 +50,11 @@ def _no_lua_answers() -> dict[str, any_pb2.Any]:
     return {LUA_ANSWERS: pack(lua_pb2.LuaPerRoute(disabled=True))}
 
 
-def direct_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
-    """The clusters of deployments the decision may translate for (extproc/direct.py), each with the
-    headers its shape sets: their JSON route runs the Lua answer filter."""
-    return {snap.pool_of(d): shape_headers(d) for d in snap.deployments.values() if decision_translates(d)}
+def direct_clusters(snap: Snapshot, stream: bool = False) -> dict[str, tuple[str, ...]]:
+    """The clusters of deployments the decision may translate for (extproc/direct.py; their streams,
+    with `stream`), each with the headers its shape sets: their JSON (stream) route runs the Lua answer
+    filter."""
+    return {snap.pool_of(d): shape_headers(d) for d in snap.deployments.values() if decision_translates(d, stream)}
 
 
 def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
@@ -89,12 +90,12 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
                                             value=string_value_matcher(value))
     shadowed = shadowed_clusters(snap, clusters)
-    translated_here = direct_clusters(snap)
+    translated_here = {Settle.ACCESS_LOG: direct_clusters(snap), Settle.STREAM: direct_clusters(snap, stream=True)}
     for cluster in clusters:
         for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
             # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
-            # stream guard only (it reads `settle` itself). Other JSON: none of them, but the Lua
-            # answer filter on a deployment the decision translates for.
+            # stream guard only (it reads `settle` itself). Other JSON: none of them. On a deployment the
+            # decision translates for, JSON and streams also run the Lua answer filter.
             no_meter = {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
             per_route = {Settle.STREAM: {**no_meter, STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)),
                                          **_no_lua_answers()},
@@ -116,9 +117,9 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                 routes.append(admitted_route(f"{name}_shadow", match(prefix="/v1/", dynamic_metadata=[
                     *metadata, present]), cluster, streamed, stream_idle_ms, per_route, mirror=True))
             shape_sets: tuple[str, ...] = ()
-            if kind is Settle.ACCESS_LOG and cluster in translated_here:
+            if cluster in translated_here.get(kind, {}):
                 per_route = {k: v for k, v in per_route.items() if k != LUA_ANSWERS}
-                shape_sets = translated_here[cluster]
+                shape_sets = translated_here[kind][cluster]
             routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
                                          cluster, streamed, stream_idle_ms, per_route, shape_sets=shape_sets))
     routes += [
