@@ -2,13 +2,16 @@
 both APIs on one core (`enginesim --api anthropic`: OpenAI's chat completions and Anthropic's
 Messages), one gateway in front of it with two routes to it - `chat-default` through the pool (the
 OpenAI shape, no translation) and `chat-anthropic` through an Anthropic-shaped deployment (the
-attempt filter translates the request, the answer and the stream) - and the Anthropic front door
-(`/v1/messages`) to the pool (the door filter translates the answer and the stream for the client).
-A second engine of the same profile speaks Bedrock's Converse (`chat-bedrock`: translated, SigV4
-signed, its AWS event stream read back). All budgeted, same request.
+request translated by the decision, its answer - JSON or stream - by Envoy's Lua answer filter:
+extproc/direct.py) - and the Anthropic front door (`/v1/messages`) to the pool (the door
+filter translates the answer and the stream for the client). A second engine of the same profile
+speaks Bedrock's Converse (`chat-bedrock`: translated and SigV4 signed the same way, its AWS event
+stream read back by the attempt filter). All budgeted, same request.
 
-- JSON at concurrency 1, wrk in alternating rounds: p50 and CPU per request by process.
-- Streams: the same streams on each route (one event per token); ext_proc CPU per streamed chunk.
+- JSON at concurrency 1, wrk in alternating rounds: p50 and the CPU per request of ext_proc and of
+  Envoy (the Lua filter's work is Envoy's).
+- Streams: the same streams on each route (one event per token); ext_proc's and Envoy's CPU per
+  streamed chunk.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ def run_translated_bench(args: argparse.Namespace) -> int:
             scripts[name].write_text(WRK_LUA.format(body=body, key=key))
         json_rows: dict[str, list[Result]] = {n: [] for n in routes}
         json_cpu: dict[str, float] = dict.fromkeys(routes, 0.0)
+        envoy_cpu: dict[str, float] = dict.fromkeys(routes, 0.0)
         served: dict[str, float] = dict.fromkeys(routes, 0.0)
         for name in routes:
             run_wrk(urls[name], scripts[name], 1, 2)  # warm-up
@@ -173,8 +177,10 @@ def run_translated_bench(args: argparse.Namespace) -> int:
                                            gateway_processes(stack))
                 json_rows[name].append(r)
                 json_cpu[name] += spent["ext_proc"]
+                envoy_cpu[name] += spent["envoy"]
                 served[name] += n
         stream_cpu: dict[str, float] = {}
+        stream_envoy_cpu: dict[str, float] = {}
         chunks: dict[str, int] = {}
         for name, model in routes.items():
             _stream_chunks(urls[name], key, model, 4)  # warm-up
@@ -191,18 +197,22 @@ def run_translated_bench(args: argparse.Namespace) -> int:
             after = cpu_seconds(gateway_processes(stack))
             chunks[name] = sum(got)
             stream_cpu[name] = after["ext_proc"] - before["ext_proc"]
+            stream_envoy_cpu[name] = after["envoy"] - before["envoy"]
     finally:
         if stack is not None:
             stack.stop()
         sim.stop()
         bedrock.stop()
     base = statistics.median(r.p50_ms for r in json_rows["pool (OpenAI shape)"])
-    lines = ["| route | p50 ms (c=1) | p50 over the pool | ext_proc CPU us/request | streamed chunks | "
-             "ext_proc CPU us/chunk |", "|---|---|---|---|---|---|"]
+    lines = ["| route | p50 ms (c=1) | p50 over the pool | ext_proc CPU us/request | Envoy CPU us/request "
+             "| streamed chunks | ext_proc CPU us/chunk | Envoy CPU us/chunk |", "|---|---|---|---|---|---|---|---|"]
     for name in routes:
         p50 = statistics.median(r.p50_ms for r in json_rows[name])
-        lines.append(f"| {name} | {p50:.3f} | {p50 - base:+.3f} | {json_cpu[name] / max(served[name], 1) * 1e6:.0f} "
-                     f"| {chunks[name]} | {stream_cpu[name] / max(chunks[name], 1) * 1e6:.1f} |")
+        per_request = max(served[name], 1) / 1e6
+        lines.append(f"| {name} | {p50:.3f} | {p50 - base:+.3f} | {json_cpu[name] / per_request:.0f} "
+                     f"| {envoy_cpu[name] / per_request:.0f} | {chunks[name]} "
+                     f"| {stream_cpu[name] / max(chunks[name], 1) * 1e6:.1f} "
+                     f"| {stream_envoy_cpu[name] / max(chunks[name], 1) * 1e6:.1f} |")
     note = (f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; JSON: {args.rounds} alternating rounds of "
             f"{args.duration / args.rounds:.0f}s at concurrency 1; streams: {args.streams} at once of {args.tokens} "
             f"tokens per route; engine time scale {args.time_scale}; one ext_proc worker.\n")
