@@ -71,9 +71,13 @@ def test_random_bytes_from_a_provider_never_look_like_an_answer(gw: tuple[Stack,
 
 
 def test_the_fuzz_left_no_traceback(gw: tuple[Stack, dict[str, str]]) -> None:
-    """Runs after the fuzz in this module: the ext_proc log holds no traceback, and both outcomes
-    were reached (a translated stream can break before or after its first byte)."""
+    """Runs after the fuzz in this module: the ext_proc log holds no traceback, Envoy's no error of a
+    Lua filter's script (the answer filter read Anthropic's and Gemini's answers, and Anthropic's
+    streams), and both outcomes were reached (a translated stream can break before or after its first
+    byte)."""
     stack, _ = gw
     logs = {f.name: f.read_text(errors="replace") for f in Path(stack.logs).glob("extproc-*.log")}
     assert not [name for name, text in logs.items() if "Traceback" in text], logs
+    envoy = (Path(stack.logs) / "envoy.log").read_text(errors="replace")
+    assert not [line for line in envoy.splitlines() if "[lua]" in line], envoy[-2000:]
     assert OUTCOMES["502"] >= len(SEEDS) * 2 and sum(OUTCOMES.values()) == len(SEEDS) * 4, OUTCOMES
