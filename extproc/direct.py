@@ -2,15 +2,15 @@
 
 The attempt filter (extproc/attempts.py) costs four ext_proc messages per translated attempt: request
 headers and body, response headers and body. When a request's plan is one candidate whose shape
-Envoy's Lua answer filter can read (llmgw/lua/answers.lua) and its answer is JSON that settles through
-the access log (or is a stream the Lua stream guard settles), the decision translates the request
-itself: the native body in its own reply, the
-path and the shape's headers (its key among them) as metadata, which the Lua filter sets on the
-request after the header allow-list and then blanks; the same filter translates the answer back before
-json_to_metadata and settlement read it, or a stream chunk by chunk before the Lua stream guard reads
-it. Such a request costs ext_proc no message more than one to the pool, and a stream none per chunk.
-Plans of several candidates, idempotent answers, front doors, shadowed requests and streams of shapes
-the Lua filter does not read (Gemini's, Bedrock's event stream) keep the attempt filter.
+Envoy's Lua answer filter can read (llmgw/lua/answers.lua), and its answer is JSON that settles
+through the access log or a stream the Lua stream guard settles, the decision translates the request
+itself: the native body in its own reply, the path and the shape's headers (its key among them) as
+metadata, which the Lua filter sets on the request after the header allow-list and then blanks. The
+same filter translates the answer back before json_to_metadata reads its usage, or a stream chunk by
+chunk before the Lua stream guard reads it. Such a request costs ext_proc no message more than one to
+the pool, and a stream none per chunk. Plans of several candidates, idempotent answers, front doors,
+shadowed requests and streams of shapes the Lua filter does not read (Gemini's, Bedrock's event
+stream) keep the attempt filter.
 """
 
 from __future__ import annotations

@@ -154,9 +154,9 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
                http_filter("envoy.filters.http.json_to_metadata", usage_to_metadata())] if meters(snap) else []),
             http_filter(UPSTREAM_HEADERS_FILTER, upstream_headers_filter()),
             # A lone candidate the decision translated for (extproc/direct.py): its headers after the
-            # allow-list above, and its answer translated before json_to_metadata reads the usage.
-            # Off unless a chat completion's first route turns it on; its script runs only on those
-            # candidates' JSON routes.
+            # allow-list above, and its answer translated before json_to_metadata (or the Lua stream
+            # guard) reads it. Off unless a chat completion's first route turns it on; its script runs
+            # only on those candidates' JSON and stream routes.
             *([http_filter(LUA_ANSWERS, lua_answers(), disabled=True)] if direct_clusters(snap) else []),
             http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
             http_filter("envoy.filters.http.router", router_pb2.Router()),

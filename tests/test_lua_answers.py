@@ -399,3 +399,10 @@ def test_an_event_after_the_stop_breaks_the_stream_as_in_the_adapter(lua: Any) -
     chunks = [b"".join(sse_event(e) for e in events)]
     got = events_of(lua_stream(lua, chunks)[0])
     assert got[-2:] == ["[DONE]", {"interrupted": "stream_interrupted"}] and got == events_of(python_stream(chunks))
+
+
+@pytest.mark.parametrize("tokens", [b"-5", b"1e300", b"9007199254740993e3"])
+def test_a_count_no_provider_would_give_is_a_broken_answer(lua: Any, tokens: bytes) -> None:
+    body = b'{"type":"message","content":[],"usage":{"input_tokens":' + tokens + b',"output_tokens":1}}'
+    out, headers = answer(lua, body)
+    assert headers[":status"] == "502" and json.loads(out or b"")["error"]["code"] == "upstream_error"

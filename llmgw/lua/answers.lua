@@ -1,17 +1,19 @@
 -- The answer filter, in Envoy (LuaJIT): a request that ext_proc's decision translated for a lone
 -- candidate of another API shape (extproc/direct.py) passes here, with no round trip to ext_proc.
 -- The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names from
--- extproc/names.py, Anthropic's stop reasons from its adapter, the contract's 502 body) and
--- llmgw/lua/json.lua.
+-- extproc/names.py, each shape's stop reasons from its adapter, the contract's 502 body and
+-- `stream_interrupted` event) and llmgw/lua/json.lua and sse.lua.
 --
--- - Request: the headers the provider's shape needs (`:path`, its key, its version header), which the
---   decision left in the request's metadata, are set - after the header allow-list, which would drop
---   them - and the metadata's copy is blanked, so the credential reaches no access log.
--- - Answer: a 2xx answer is read whole and written as the internal chat completion (what
---   extproc/adapters/anthropic.py's `completion` makes of it), before json_to_metadata reads its usage
---   for settlement; one that does not parse or is not the shape's answer becomes the contract's 502
---   `upstream_error`. Error statuses pass: custom_response has already put them in the contract's shape.
---   What the translation lost is named in x-llmgw-translation-loss.
+-- - Request: the headers the provider's shape needs (`:path`, its key, its version header, Bedrock's
+--   authority and signature), which the decision left in the request's metadata, are set - after the
+--   header allow-list, which would drop them - and the metadata's copy is blanked, so the credential
+--   reaches no access log.
+-- - Answer: a 2xx answer is read whole and written as the internal chat completion (what the shape's
+--   adapter in extproc/adapters/ makes of it), before json_to_metadata reads its usage for settlement;
+--   one that does not parse or is not the shape's answer becomes the contract's 502 `upstream_error`.
+--   A 2xx stream (Anthropic's) is translated chunk by chunk before the Lua stream guard reads it.
+--   Error statuses pass: custom_response has already put them in the contract's shape. What the
+--   translation lost is named in x-llmgw-translation-loss.
 
 local concat, gsub, format, floor, time = table.concat, string.gsub, string.format, math.floor, os.time
 local K, NS = CONFIG.keys, CONFIG.namespace
@@ -36,11 +38,12 @@ local function is_object(v) local span = SPAN[v]; return span ~= nil and not spa
 local function is_array(v) local span = SPAN[v]; return span ~= nil and span[3] == true end
 local function absent(v) return v == nil or v == NULL end
 
--- A count as Python's int() takes it (absent is 0); nil for anything but a number.
+-- A token count as Python's int() takes it (absent is 0); nil for anything but a number, and for a
+-- negative one or one past 2^53 (no provider counts so; settlement would charge it).
 local function count(v)
   if absent(v) then return 0 end
-  if type(v) ~= "number" then return nil end
-  return v >= 0 and floor(v) or -floor(-v)
+  if type(v) ~= "number" or not (v >= 0 and v <= 9007199254740992) then return nil end
+  return floor(v)
 end
 
 -- A string field: its (still escaped) text, `default` when absent; nil when it is not a string.

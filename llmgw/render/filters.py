@@ -282,7 +282,8 @@ def answers_lua() -> str:
 
 def lua_answers() -> lua_pb2.Lua:
     """A lone candidate of another shape translated by the decision (extproc/direct.py): its headers
-    set on the request, its JSON answer translated back, in LuaJIT in Envoy (llmgw/lua/answers.lua).
+    set on the request, its answer (JSON or stream) translated back, in LuaJIT in Envoy
+    (llmgw/lua/answers.lua).
     The provider's path must not send the request to another route: the route cache is kept."""
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=answers_lua()),
                        clear_route_cache=wrappers_pb2.BoolValue(value=False))
