@@ -16,6 +16,7 @@ forwards no such header anyway. SPEC is one or more of:
   stall_after=3       send 3 chunks, then go silent (until the client goes away)
   disconnect_after=3  send 3 chunks, then drop the connection
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
+  end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
   refuse              (a hosted provider's front end) refuse as that provider does: its safety stop
                       (vLLM never refuses: an engine without such a front end rejects the fault)
   exit                end the whole process at once
@@ -79,6 +80,7 @@ class Fault:
     stall_after: int | None = None
     disconnect_after: int | None = None
     malformed_after: int | None = None
+    end_after: int | None = None  # a clean end (the chunked encoding's last chunk) without the stream's own
     error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
     garbage: int | None = None  # a 200 whose body is random bytes from this seed (JSON or stream)
     refuse: bool = False  # (hosted front ends) the provider's safety stop instead of an answer
@@ -91,8 +93,8 @@ class Fault:
             key, _, value = part.partition("=")
             if key in ("exit", "refuse"):
                 setattr(f, key, True)
-            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "error_after",
-                         "garbage"):
+            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "end_after",
+                         "error_after", "garbage"):
                 setattr(f, key, int(value))
             else:
                 raise ValueError(f"unknown fault {key!r}")
@@ -116,7 +118,7 @@ async def garbage(request: web.Request, seed: int, stream: bool) -> web.StreamRe
 async def stream_fault(fault: Fault, sent: int, request: web.Request, resp: web.StreamResponse,
                        malformed: bytes) -> bool:
     """The fault due after `sent` chunks of a stream: go silent (until the client or the gateway gives
-    up), drop the connection, or send `malformed` and end. True when the stream ended."""
+    up), drop the connection, send `malformed` and end, or just end. True when the stream ended."""
     if fault.stall_after is not None and sent >= fault.stall_after:
         await asyncio.sleep(3600)
     if fault.disconnect_after is not None and sent >= fault.disconnect_after:
@@ -125,6 +127,9 @@ async def stream_fault(fault: Fault, sent: int, request: web.Request, resp: web.
         return True
     if fault.malformed_after is not None and sent >= fault.malformed_after:
         await resp.write(malformed)
+        await resp.write_eof()
+        return True
+    if fault.end_after is not None and sent >= fault.end_after:
         await resp.write_eof()
         return True
     return False

@@ -255,6 +255,19 @@ def test_a_provider_error_mid_stream_interrupts_the_clients_stream(gw: Stack, pr
     assert entry["termination"] != "complete"
 
 
+def test_a_provider_stream_that_ends_early_ends_with_the_contracts_interruption(gw: Stack, provider: str) -> None:
+    """The provider ends its answer cleanly, but before `message_stop`: the Lua filter's interruption
+    rides on the stream's last frame and still reaches the client, and nothing says it finished."""
+    request(f"{provider}/admin/faults", "POST", {"fault": "end_after=3", "count": 1})
+    r = chat(gw, "chat-anthropic", stream=True)
+    assert r.status == 200
+    events = [e for e in r.body.decode().split("\n\n") if e.strip() and not e.startswith(":")]
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "stream_interrupted", events[-3:]
+    assert "[DONE]" not in r.body.decode() and '"finish_reason":"stop"' not in r.body.decode()
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["termination"] == "stream_interrupted", entry
+
+
 def test_the_pool_failing_before_its_first_byte_falls_back_across_shapes(gw: Stack, provider: str) -> None:
     for url in gw.engine_urls():
         request(f"{url}/admin/faults", "POST", {"fault": "status=503", "count": 1})
