@@ -64,11 +64,27 @@ def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: in
     return None, "ambiguous"  # a JSON answer is generated before its headers: it may all have been
 
 
+MAX_COUNT = 2**53  # no upstream counts more tokens than this for one request
+
+
+def believable(usage: Usage) -> bool:
+    """Whether every count in an upstream's usage is one: a whole number from 0 to 2^53. A negative
+    count would refund a budget and a huge one drain it: such usage is not believed (unknown)."""
+    details = usage.get("prompt_tokens_details") or {}
+    counts = [usage.get("prompt_tokens"), usage.get("completion_tokens"),
+              details.get("cached_tokens") if isinstance(details, dict) else None]
+    return all(c is None or (isinstance(c, int | float) and not isinstance(c, bool) and 0 <= c <= MAX_COUNT
+                             and c == int(c)) for c in counts)
+
+
 def charge_for(usage: Usage | None, source: str, termination: str, status: int, dep: Deployment | None,
                failed: str = "released") -> tuple[int, int, str]:
     """(micros, tokens, settlement kind): actual usage when reported (or estimated); -1 (the whole
-    reservation) when the engine may have worked but its usage is unknown; else the kind a failure
-    without usage settles as (failure_charge's): the whole reservation when `ambiguous`, else nothing."""
+    reservation) when the engine may have worked but its usage is unknown - or not believable; else
+    the kind a failure without usage settles as (failure_charge's): the whole reservation when
+    `ambiguous`, else nothing."""
+    if usage and not believable(usage):
+        usage = None
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
         return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"

@@ -3,6 +3,7 @@ stream whose first message was already read. Shared by every ext_proc handler.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,8 +31,8 @@ def attr(attrs: Any, key: str) -> str:
     kind = v.WhichOneof("kind")
     if kind == "string_value":
         return str(v.string_value)
-    if kind == "number_value":
-        return str(int(v.number_value))
+    if kind == "number_value":  # (an upstream's usage may hold any JSON number: inf has no whole number)
+        return str(int(v.number_value)) if math.isfinite(v.number_value) else ""
     return ""
 
 

@@ -4,9 +4,11 @@ the ledger names the ending."""
 from __future__ import annotations
 
 import pytest
+from google.protobuf import struct_pb2
 
 from extproc.accounting import charge_for, charge_of, estimated, failure_charge, termination_of
 from extproc.config import load_snapshot
+from extproc.envoy_msgs import attr
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
@@ -60,6 +62,26 @@ def test_a_charge_with_usage(usage: dict[str, int], source: str, termination: st
 ])
 def test_a_charge_without_usage(status: int, failed: str, charge: tuple[int, int, str]) -> None:
     assert charge_for(None, "none", "upstream_error", status, DEP, failed) == charge
+
+
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": -5, "completion_tokens": 3},  # would refund the budget
+    {"prompt_tokens": 5, "completion_tokens": 2**60},  # would drain it
+    {"prompt_tokens": 5, "completion_tokens": 1.5},
+    {"prompt_tokens": 5, "completion_tokens": "3"},
+    {"prompt_tokens": 5, "completion_tokens": True},
+    {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": -1}},
+])
+def test_usage_no_upstream_would_count_is_charged_as_unknown(usage: dict[str, object]) -> None:
+    assert charge_for(usage, "reported", "complete", 200, DEP) == (-1, -1, "ambiguous")
+    assert charge_for(usage, "reported", "upstream_error", 502, DEP) == (0, 0, "released")
+    assert charge_for({"prompt_tokens": 5.0, "completion_tokens": 3}, "reported", "complete", 200, DEP)[2] == "actual"
+
+
+def test_a_metadata_number_without_a_whole_value_reads_as_absent() -> None:
+    md = struct_pb2.Struct()
+    md.update({"inf": float("inf"), "nan": float("nan"), "neg": -5.0, "n": 7.0})
+    assert (attr(md, "inf"), attr(md, "nan"), attr(md, "neg"), attr(md, "n")) == ("", "", "-5", "7")
 
 
 @pytest.mark.parametrize(("stream", "sent", "answered", "status", "charge"), [
