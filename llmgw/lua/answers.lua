@@ -53,8 +53,7 @@ local function text_of(v, default)
   return v
 end
 
--- The internal chat completion's text. `text`, `reasoning`: lists of escaped string contents; `calls`:
--- tool calls as JSON; a `refusal` (escaped) leaves the content null.
+-- The internal usage object's text (extproc/adapters/base.py `Usage.openai`).
 local function usage_json(prompt, cached, output, reasoning)
   return concat({'{"prompt_tokens":', format("%d", prompt), ',"completion_tokens":', format("%d", output),
                  ',"total_tokens":', format("%d", prompt + output), ',"prompt_tokens_details":{"cached_tokens":',
@@ -63,6 +62,8 @@ local function usage_json(prompt, cached, output, reasoning)
                    or "", "}"})
 end
 
+-- The internal chat completion's text. `text`, `reasoning`: lists of escaped string contents; `calls`:
+-- tool calls as JSON; a `refusal` (escaped) leaves the content null.
 local function completion(id, model, text, reasoning, calls, finish, usage, refusal)
   local message = {'{"role":"assistant","content":',
                    (refusal == nil and (#text > 0 or #calls == 0)) and ('"' .. concat(text) .. '"') or "null"}
