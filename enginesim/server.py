@@ -17,6 +17,7 @@ forwards no such header anyway. SPEC is one or more of:
   disconnect_after=3  send 3 chunks, then drop the connection
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
   end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
+  end_delay_ms=500    (the pool's streams) wait after [DONE] before ending the answer
   refuse              (a hosted provider's front end) refuse as that provider does: its safety stop
                       (vLLM never refuses: an engine without such a front end rejects the fault)
   exit                end the whole process at once
@@ -81,6 +82,7 @@ class Fault:
     disconnect_after: int | None = None
     malformed_after: int | None = None
     end_after: int | None = None  # a clean end (the chunked encoding's last chunk) without the stream's own
+    end_delay_ms: int = 0  # the pool's streams: the answer's end this long after [DONE]
     error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
     garbage: int | None = None  # a 200 whose body is random bytes from this seed (JSON or stream)
     refuse: bool = False  # (hosted front ends) the provider's safety stop instead of an answer
@@ -94,7 +96,7 @@ class Fault:
             if key in ("exit", "refuse"):
                 setattr(f, key, True)
             elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "end_after",
-                         "error_after", "garbage"):
+                         "end_delay_ms", "error_after", "garbage"):
                 setattr(f, key, int(value))
             else:
                 raise ValueError(f"unknown fault {key!r}")
@@ -518,6 +520,8 @@ class EngineServer:
         if include_usage and "usage" not in self.corrupt:
             await send({**base, "choices": [], "usage": self._usage(seqs), "system_fingerprint": SYSTEM_FINGERPRINT})
         await resp.write(b"data: [DONE]\n\n")
+        if fault.end_delay_ms:
+            await asyncio.sleep(fault.end_delay_ms / 1000)
         await resp.write_eof()
         return resp
 

@@ -355,7 +355,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             return
         status = entry.response.response_code.value
         flags = common.response_flags
-        cut = any(getattr(flags, name) for name in _CUT_FIELDS)
+        cut = any(getattr(flags, name) for name in _CUT_FIELDS if not (
+            # A client that hung up once its stream's guard had passed [DONE] got the whole stream.
+            name == "downstream_connection_termination" and attr(md, Key.STREAM_END) == StreamEnd.DONE))
         if attr(md, Key.SETTLE) in _OWN_FILTER_SETTLES and 200 <= status < 300 and not cut:
             # An idempotent answer or stream that ended normally: its ext_proc filter settles it. This
             # is the backstop for a filter that could not (its worker died); the first settlement wins.

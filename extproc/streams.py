@@ -71,7 +71,7 @@ class StreamGuard:
         # byte more to know it went over).
         keep = self.meter.snapshot().gateway.store.idempotency_max_body_bytes + 1 \
             if guarded and orjson.loads(hint).get("i") else 0
-        sent, settled = bytearray(), False
+        sent, settled, done_passed = bytearray(), False, False
         try:
             async for msg in with_first(first, rest):
                 if msg.WhichOneof("request") != "response_body":
@@ -129,15 +129,24 @@ class StreamGuard:
                     # the access log settles it with this count and Envoy's reason (client gone or not).
                     counted = usage.content_chunks
                     reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.update(
-                        {"stream_chunks": counted})
+                        {Key.STREAM_CHUNKS: counted})
+                if usage.done and not broken and not done_passed:
+                    # The client has the whole stream once this reply goes on: a client that hangs up
+                    # right after [DONE] - before the upstream's own end reaches this guard - did not
+                    # cancel, and the access log leaves the settlement to this guard.
+                    done_passed = True
+                    reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.update(
+                        {Key.STREAM_END: StreamEnd.DONE.value})
                 yield reply
                 if complete:
                     break
         finally:
             if guarded and not settled:
-                settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status,
-                                 complete and not broken, usage, first_at)
-                if complete or broken:
+                # [DONE] went on: the stream was whole, even if its end never came through here.
+                whole = (complete or done_passed) and not broken
+                settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status, whole, usage,
+                                 first_at, bytes(sent) if keep and whole else None)
+                if complete or broken or done_passed:
                     settle()
                 else:
                     # Envoy ended the exchange early (client gone, reset, idle timeout): its access

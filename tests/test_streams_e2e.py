@@ -65,6 +65,30 @@ def test_usage_the_client_asked_for_reaches_it(stack: Stack) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
 
 
+@GUARDS
+def test_a_client_that_hangs_up_right_after_done_got_the_whole_stream(stack: Stack, idempotent: bool) -> None:
+    """The engine ends its answer 600 ms after [DONE] and the client hangs up on [DONE] (as the SDKs
+    do): Envoy reports the client gone, yet the client had everything - settled as complete, at the
+    reported usage, and an idempotent one kept for replay (found in a CI run: it was client_cancel)."""
+    marker = inject_fault(stack.engine_urls(), "end_delay_ms=600")
+    key = idempotency(idempotent)
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
+
+    def stream() -> tuple[str, str]:
+        with client.chat.completions.with_streaming_response.create(
+                model="chat-default", max_tokens=5, stream=True, extra_headers=key,
+                messages=[{"role": "user", "content": marker}]) as resp:
+            return resp.headers["x-request-id"], "".join(c.choices[0].delta.content or ""
+                                                          for c in resp.parse() if c.choices)
+    rid, text = stream()
+    entry = ledger_of(stack, rid)
+    assert (entry["termination"], entry["settlement"], entry["usage_source"]) == ("complete", "actual", "reported")
+    assert entry["usage"]["completion_tokens"] == 5
+    if idempotent:  # the repeat is the recorded answer, not a second run
+        assert stream()[1] == text
+        assert len([e for e in engine_log(stack) if marker in json.dumps(e["messages"])]) == 1
+
+
 def stream_until_cut(stack: Stack, fault: str, idempotent: bool = False) -> tuple[str, bytes]:
     """(request id, what arrived) of a stream that may be cut: a reset is what the client then sees."""
     marker = inject_fault(stack.engine_urls(), fault)

@@ -126,7 +126,7 @@ function envoy_on_response(h)
   if not sse then headers:replace("content-type", "text/event-stream") end
   local withhold = md[K.withhold_usage] == "1"
   local ends_at = tonumber(md[K.stream_ends_at_ms] or "")
-  local pending, chunks, counted, ended, done = "", 0, 0, nil, false
+  local pending, chunks, counted, ended, done, done_marked = "", 0, 0, nil, false, false
 
   for chunk in h:bodyChunks() do
     local n = chunk:length()
@@ -180,6 +180,12 @@ function envoy_on_response(h)
     if chunks ~= counted then
       counted = chunks
       metadata(h, K.stream_chunks, chunks)
+    end
+    if done and ended == nil and not done_marked then
+      -- The client has the whole stream once this chunk goes on: one that hangs up now, before the
+      -- upstream's own end arrives, did not cancel (settlement reads this).
+      done_marked = true
+      metadata(h, K.stream_end, "done")
     end
     if at_end then break end
   end
