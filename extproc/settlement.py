@@ -355,9 +355,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             return
         status = entry.response.response_code.value
         flags = common.response_flags
-        cut = any(getattr(flags, name) for name in _CUT_FIELDS if not (
-            # A client that hung up once its stream's guard had passed [DONE] got the whole stream.
-            name == "downstream_connection_termination" and attr(md, Key.STREAM_END) == StreamEnd.DONE))
+        # A client that hung up once its stream's guard had passed [DONE] got the whole stream.
+        cut = any(getattr(flags, name) for name in _CUT_FIELDS
+                  if not (name == "downstream_connection_termination" and passed_done(md)))
         if attr(md, Key.SETTLE) in _OWN_FILTER_SETTLES and 200 <= status < 300 and not cut:
             # An idempotent answer or stream that ended normally: its ext_proc filter settles it. This
             # is the backstop for a filter that could not (its worker died); the first settlement wins.
@@ -384,7 +384,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         source = "reported" if usage else "none"
         if usage is None and stream and chunks and 200 <= status < 300 and not backstop:
             usage, source = estimated(prompt_bound, int(chunks)), "estimated"
-        ended = attr(md, Key.STREAM_END) == StreamEnd.DONE  # the stream guard passed its normal end on
+        ended = passed_done(md)
         if flags.downstream_connection_termination and not (stream and ended):
             # (A client that closes right after the last chunk got the whole stream: not a cancel.)
             termination = "client_cancel"
@@ -430,6 +430,11 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
             start, duration, first, tenant if snap.gateway.metrics.tenant_label else ""))
         self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0), observe)
+
+
+def passed_done(md: Any) -> bool:
+    """Whether the request's stream guard (Lua's or ext_proc's) passed the stream's normal end on."""
+    return attr(md, Key.STREAM_END) == StreamEnd.DONE
 
 
 # Settled by their own ext_proc filter, the access log being the backstop.
