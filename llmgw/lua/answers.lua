@@ -103,6 +103,15 @@ local function object_of(v)  -- an object, {} when absent, nil when something el
   return nil
 end
 
+-- Anthropic's prompt tokens (cache reads and writes included) and cache reads, from a usage object
+-- (extproc/adapters/anthropic.py `_usage`); nil when a count is not one.
+local function anthropic_prompt(usage)
+  local input, read, written = count(usage.input_tokens), count(usage.cache_read_input_tokens),
+    count(usage.cache_creation_input_tokens)
+  if input == nil or read == nil or written == nil then return nil end
+  return input + read + written, read
+end
+
 -- Anthropic's Messages answer (extproc/adapters/anthropic.py `completion`).
 local ANTHROPIC_STOP = CONFIG.anthropic_stop
 local function anthropic(body, model)
@@ -127,12 +136,12 @@ local function anthropic(body, model)
       calls[#calls + 1] = call
     end
   end
-  local input, read, written, output = count(usage.input_tokens), count(usage.cache_read_input_tokens),
-    count(usage.cache_creation_input_tokens), count(usage.output_tokens)
-  if input == nil or read == nil or written == nil or output == nil then return nil end
+  local prompt, read = anthropic_prompt(usage)
+  local output = count(usage.output_tokens)
+  if prompt == nil or output == nil then return nil end
   local stop = type(doc.stop_reason) == "string" and ANTHROPIC_STOP[doc.stop_reason] or "stop"
   return completion(id, named ~= "" and named or model, text, reasoning, calls, stop,
-                    usage_json(input + read + written, read, output, 0))
+                    usage_json(prompt, read, output, 0))
 end
 
 -- Gemini's generateContent answer (extproc/adapters/gemini.py `completion`). A call without a response
@@ -227,9 +236,17 @@ end
 
 -- Anthropic's Messages stream, one event at a time (extproc/adapters/anthropic.py `AnthropicStream`):
 -- each event's chunks are added to `out`; false when the event breaks the stream.
+-- Every chunk's text up to its choices: made once per stream (again if message_start renames it).
+local function chunk_head(st)
+  if st.head == nil then
+    st.head = concat({'data: {"id":"chatcmpl-', st.id, '","object":"chat.completion.chunk","created":',
+                      st.created, ',"model":"', st.model, '","choices":'})
+  end
+  return st.head
+end
+
 local function chunk(st, delta, finish)
-  return concat({'data: {"id":"chatcmpl-', st.id, '","object":"chat.completion.chunk","created":', st.created,
-                 ',"model":"', st.model, '","choices":[{"index":0,"delta":', delta, ',"logprobs":null,"finish_reason":',
+  return concat({chunk_head(st), '[{"index":0,"delta":', delta, ',"logprobs":null,"finish_reason":',
                  finish and ('"' .. finish .. '"') or "null", "}]}\n\n"})
 end
 
@@ -241,10 +258,9 @@ local function anthropic_event(st, doc, out)
     local usage = is_object(msg) and object_of(msg.usage)
     local named = is_object(msg) and text_of(msg.model, "")
     if not usage or not named or type(msg.id) ~= "string" then return false end
-    local input, read, written = count(usage.input_tokens), count(usage.cache_read_input_tokens),
-      count(usage.cache_creation_input_tokens)
-    if input == nil or read == nil or written == nil then return false end
-    st.id, st.prompt, st.cached = msg.id, input + read + written, read
+    local prompt, read = anthropic_prompt(usage)
+    if prompt == nil then return false end
+    st.id, st.prompt, st.cached, st.head = msg.id, prompt, read, nil
     if named ~= "" then st.model = named end
     out[#out + 1] = chunk(st, '{"role":"assistant","content":""}')
   elseif kind == "content_block_start" then
@@ -286,9 +302,8 @@ local function anthropic_event(st, doc, out)
     out[#out + 1] = chunk(st, "{}", st.finish)
   elseif kind == "message_stop" then
     st.stopped = true
-    out[#out + 1] = concat({'data: {"id":"chatcmpl-', st.id, '","object":"chat.completion.chunk","created":',
-                            st.created, ',"model":"', st.model, '","choices":[],"usage":',
-                            usage_json(st.prompt, st.cached, st.output, 0), "}\n\n", "data: [DONE]\n\n"})
+    out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(st.prompt, st.cached, st.output, 0),
+                            "}\n\n", "data: [DONE]\n\n"})
   elseif kind == "error" then
     return false
   end
