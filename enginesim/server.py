@@ -18,6 +18,8 @@ forwards no such header anyway. SPEC is one or more of:
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
   end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
   end_delay_ms=500    (the pool's streams) wait after [DONE] before ending the answer
+  usage=-7            (the pool's answers) report this JSON value as the completion's token count: a
+                      broken engine's usage (-7, 1e300, 2.5, "7", true), which the gateway must not believe
   refuse              (a hosted provider's front end) refuse as that provider does: its safety stop
                       (vLLM never refuses: an engine without such a front end rejects the fault)
   exit                end the whole process at once
@@ -85,6 +87,7 @@ class Fault:
     end_delay_ms: int = 0  # the pool's streams: the answer's end this long after [DONE]
     error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
     garbage: int | None = None  # a 200 whose body is random bytes from this seed (JSON or stream)
+    usage: str | None = None  # (the pool's answers) the JSON text reported as completion_tokens
     refuse: bool = False  # (hosted front ends) the provider's safety stop instead of an answer
     exit: bool = False
 
@@ -95,6 +98,9 @@ class Fault:
             key, _, value = part.partition("=")
             if key in ("exit", "refuse"):
                 setattr(f, key, True)
+            elif key == "usage":
+                json.loads(value)  # a JSON value, or the fault is refused
+                f.usage = value
             elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "end_after",
                          "end_delay_ms", "error_after", "garbage"):
                 setattr(f, key, int(value))
@@ -373,7 +379,7 @@ class EngineServer:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, seqs, outputs, rid, include_usage, fault, logprobs)
-            return await self._complete(seqs, outputs, rid, logprobs)
+            return await self._complete(seqs, outputs, rid, logprobs, fault)
         finally:
             for seq in seqs:
                 self.engine.abort(seq)  # a no-op when it finished; frees the engine when the client left
@@ -430,13 +436,15 @@ class EngineServer:
         return {"id": f"chatcmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.served_model}
 
     @staticmethod
-    def _usage(seqs: list[Sequence]) -> dict[str, Any]:
-        """The prompt once, the completions summed over the `n` choices (vLLM's usage)."""
+    def _usage(seqs: list[Sequence], fault: Fault) -> dict[str, Any]:
+        """The prompt once, the completions summed over the `n` choices (vLLM's usage); a `usage`
+        fault's value in place of the completion's count."""
         prompt, completion = len(seqs[0].prompt), sum(s.output_len for s in seqs)
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                "completion_tokens": completion if fault.usage is None else json.loads(fault.usage)}
 
     async def _complete(self, seqs: list[Sequence], outputs: list[Output], rid: str,
-                        logprobs: int | None) -> web.Response:
+                        logprobs: int | None, fault: Fault) -> web.Response:
         choices = []
         for i, (seq, out) in enumerate(zip(seqs, outputs, strict=True)):
             produced = 0
@@ -460,7 +468,8 @@ class EngineServer:
             "choices": choices,
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
             **({} if "usage" in self.corrupt else {
-                "usage": {**self._usage(seqs), "prompt_tokens_details": None, "completion_tokens_details": None}}),
+                "usage": {**self._usage(seqs, fault), "prompt_tokens_details": None,
+                          "completion_tokens_details": None}}),
             "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
             "ec_transfer_params": None, "metrics": None,
         })
@@ -518,7 +527,8 @@ class EngineServer:
             for f in forwarders:
                 f.cancel()
         if include_usage and "usage" not in self.corrupt:
-            await send({**base, "choices": [], "usage": self._usage(seqs), "system_fingerprint": SYSTEM_FINGERPRINT})
+            await send({**base, "choices": [], "usage": self._usage(seqs, fault),
+                        "system_fingerprint": SYSTEM_FINGERPRINT})
         await resp.write(b"data: [DONE]\n\n")
         if fault.end_delay_ms:
             await asyncio.sleep(fault.end_delay_ms / 1000)

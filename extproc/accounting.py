@@ -77,14 +77,22 @@ def believable(usage: Usage) -> bool:
                              and c == int(c)) for c in counts)
 
 
+def believed(usage: Usage | None, source: str) -> tuple[Usage | None, str]:
+    """The usage to charge and record, and its source: usage with a count no upstream gives is none,
+    from the source `unbelievable` - kept out of the ledger, the metrics and the cost exports, which
+    sum it (a negative count there would be a refund too)."""
+    if usage and not believable(usage):
+        return None, "unbelievable"
+    return usage, source
+
+
 def charge_for(usage: Usage | None, source: str, termination: str, status: int, dep: Deployment | None,
                failed: str = "released") -> tuple[int, int, str]:
     """(micros, tokens, settlement kind): actual usage when reported (or estimated); -1 (the whole
     reservation) when the engine may have worked but its usage is unknown - or not believable; else
     the kind a failure without usage settles as (failure_charge's): the whole reservation when
     `ambiguous`, else nothing."""
-    if usage and not believable(usage):
-        usage = None
+    usage, source = believed(usage, source)
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
         return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"

@@ -36,6 +36,23 @@ def attr(attrs: Any, key: str) -> str:
     return ""
 
 
+def count_attr(attrs: Any, key: str) -> Any:
+    """A usage count from Envoy's metadata as the upstream wrote it (json_to_metadata keeps the JSON
+    type; the Lua stream guard a whole number as a number, anything else as its text): a whole number
+    as an int, None when absent or null, anything else as itself - a fraction, inf, a string, a
+    boolean - for accounting.believable() to refuse rather than round into a count."""
+    v = attrs.fields.get(key) if attrs is not None else None
+    kind = v.WhichOneof("kind") if v is not None else None
+    if v is None or kind is None or kind == "null_value":
+        return None
+    if kind == "number_value":
+        n = v.number_value
+        return int(n) if math.isfinite(n) and n == int(n) else n
+    if kind in ("string_value", "bool_value"):
+        return getattr(v, kind)
+    return kind  # an object or a list: no count
+
+
 def md_attr(attrs: Any, key: str) -> str:
     """An io.llmgw metadata value Envoy sent as a CEL attribute (`{MD}['key']`)."""
     return attr(attrs, f"{MD}['{key}']")

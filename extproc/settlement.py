@@ -44,6 +44,7 @@ from extproc import tracing
 from extproc.accounting import (
     Usage,
     answered_by,
+    believed,
     charge_for,
     estimated,
     failure_charge,
@@ -54,7 +55,7 @@ from extproc.accounting import (
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE
-from extproc.envoy_msgs import ATTRIBUTES, MD, attr, md_attr, with_first
+from extproc.envoy_msgs import ATTRIBUTES, MD, attr, count_attr, md_attr, with_first
 from extproc.exchange import Exchange
 from extproc.metrics import observe_settlement, observe_tenant
 from extproc.names import Key, Settle, StreamEnd
@@ -255,6 +256,7 @@ class Meter:
                         usage, source = doc["usage"], "reported"
         finished = complete and (not sse or stream_usage.done) and not stream_usage.error
         termination = termination_of(status, finished)
+        usage, source = believed(usage, source)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep)
         idem_status, kept = "", ""
         if held.get("i") and termination == "complete":
@@ -375,11 +377,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         stream = attr(md, Key.STREAM) == "1"
         prompt_bound = int(orjson.loads(hint).get("p", 0))
         # Present only when json_to_metadata (a JSON answer) or the Lua stream guard found a usage object.
-        prompt = attr(md, Key.USAGE_PROMPT)
+        prompt = count_attr(md, Key.USAGE_PROMPT)
         usage: Usage | None = None
-        if prompt and not backstop:
-            usage = {"prompt_tokens": int(prompt), "completion_tokens": int(attr(md, Key.USAGE_COMPLETION) or 0),
-                     "prompt_tokens_details": {"cached_tokens": int(attr(md, Key.USAGE_CACHED) or 0)}}
+        if prompt is not None and not backstop:
+            completion, cached = count_attr(md, Key.USAGE_COMPLETION), count_attr(md, Key.USAGE_CACHED)
+            usage = {"prompt_tokens": prompt, "completion_tokens": 0 if completion is None else completion,
+                     "prompt_tokens_details": {"cached_tokens": 0 if cached is None else cached}}
         chunks = attr(md, Key.STREAM_CHUNKS)  # the stream guard's count of what was generated so far
         source = "reported" if usage else "none"
         if usage is None and stream and chunks and 200 <= status < 300 and not backstop:
@@ -402,6 +405,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                            answered=common.HasField("time_to_first_upstream_rx_byte"),
                                            prompt_bound=prompt_bound)
             source = "estimated" if usage else source
+        usage, source = believed(usage, source)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}
         if entry.response.response_headers.get(DEGRADED_HEADER) == "response" and not common.HasField(

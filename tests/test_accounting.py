@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from google.protobuf import struct_pb2
 
-from extproc.accounting import charge_for, charge_of, estimated, failure_charge, termination_of
+from extproc.accounting import believed, charge_for, charge_of, estimated, failure_charge, termination_of
 from extproc.config import load_snapshot
-from extproc.envoy_msgs import attr
+from extproc.envoy_msgs import attr, count_attr
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
@@ -82,6 +82,22 @@ def test_a_metadata_number_without_a_whole_value_reads_as_absent() -> None:
     md = struct_pb2.Struct()
     md.update({"inf": float("inf"), "nan": float("nan"), "neg": -5.0, "n": 7.0})
     assert (attr(md, "inf"), attr(md, "nan"), attr(md, "neg"), attr(md, "n")) == ("", "", "-5", "7")
+
+
+def test_a_metadata_count_is_read_as_the_upstream_wrote_it() -> None:
+    """What json_to_metadata (the JSON type kept) or the Lua stream guard (a whole number as a number,
+    anything else as its text) put in the metadata: only a whole number reads as a count."""
+    md = struct_pb2.Struct()
+    md.update({"n": 7.0, "big": 1e300, "frac": 2.5, "inf": float("inf"), "text": "-7", "flag": True,
+               "none": None, "obj": {"a": 1}})
+    got = {k: count_attr(md, k) for k in ("n", "big", "frac", "text", "flag", "none", "obj", "absent")}
+    assert got == {"n": 7, "big": int(1e300), "frac": 2.5, "text": "-7", "flag": True, "none": None,
+                   "obj": "struct_value", "absent": None}
+    assert count_attr(md, "inf") == float("inf")
+    for key in ("big", "frac", "inf", "text", "flag", "obj"):
+        usage, source = believed({"prompt_tokens": 3, "completion_tokens": count_attr(md, key)}, "reported")
+        assert (usage, source) == (None, "unbelievable"), key
+    assert believed({"prompt_tokens": 3, "completion_tokens": count_attr(md, "n")}, "reported")[1] == "reported"
 
 
 @pytest.mark.parametrize(("stream", "sent", "answered", "status", "charge"), [

@@ -369,6 +369,28 @@ def test_a_client_that_gives_up_before_the_answer_is_settled_at_once(gw: Stack) 
     assert chat(gw, body, {"idempotency-key": f"k-{marker}"}).status == 200
 
 
+# Counts no engine would report: each would refund (negative), drain (past 2^53) or fool (not a whole
+# number) a budget if it were charged as it came.
+UNBELIEVABLE_COUNTS = ["-7", "1e300", "2.5", '"7"', "true"]
+
+
+@pytest.mark.parametrize("path", ["json", "lua-guard", "extproc-guard"])
+def test_usage_no_engine_would_report_is_charged_as_unknown(gw: Stack, path: str) -> None:
+    """The engine reports a completion count that is no count: not believed, whichever reads it
+    (json_to_metadata and the access log, the Lua stream guard, ext_proc's guard) - the whole
+    reservation is charged, as for an answer without usage, and nothing is refunded."""
+    for value in UNBELIEVABLE_COUNTS:
+        marker = inject_fault(gw.engine_urls(), f"usage={value}")
+        headers = {"idempotency-key": f"k-{marker}"} if path == "extproc-guard" else {}
+        r = chat(gw, chat_body(content=marker, max_tokens=4, stream=path != "json"), headers)
+        assert r.status == 200, r.body[:200]
+        entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+        assert (entry["termination"], entry["settlement"]) == ("complete", "ambiguous"), (value, entry)
+        assert entry["charged_micros"] == entry["reserved_micros"] > 0, (value, entry)
+        # and it is kept out of the ledger's usage, which the metrics and cost exports sum
+        assert (entry["usage_source"], entry["usage"]) == ("unbelievable", None), (value, entry)
+
+
 # -- content and logs -----------------------------------------------------------------------------
 
 def test_client_chosen_strings_in_denials_are_kept_out_of_logs(gw: Stack) -> None:

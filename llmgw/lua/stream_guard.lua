@@ -101,9 +101,14 @@ local function content_chunk(choices)
     or has_value(choices, '"reasoning"', 34) or has_value(choices, '"reasoning_content"', 34)
 end
 
+-- A usage count as the upstream wrote it: a whole number as a number, an absent or null one as 0,
+-- anything else (a sign, a fraction, an exponent, a string, a boolean) as its text, which settlement
+-- does not believe (a `-7` read as `7`, or as nothing, would charge what the engine never said).
 local function usage_number(usage, name)
-  local _, _, n = find(usage, '"' .. name .. '"%s*:%s*(%d+)')
-  return n and tonumber(n) or 0
+  local _, _, v = find(usage, '"' .. name .. '"%s*:%s*([^,}%]%s]*)')
+  if v == nil or v == "null" then return 0 end
+  if #v <= 16 and find(v, "^%d+$") then return tonumber(v) end
+  return sub(v, 1, 24)
 end
 
 local function metadata(h, key, v)

@@ -294,10 +294,12 @@ USAGE_FIELDS = ((Key.USAGE_PROMPT, ("usage", "prompt_tokens")), (Key.USAGE_COMPL
 
 
 def usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
-    """A JSON answer's `usage` into io.llmgw metadata, where the access log carries it to settlement."""
+    """A JSON answer's `usage` into io.llmgw metadata, where the access log carries it to settlement.
+    Each value keeps its JSON type (NUMBER would turn a string "7" into a count, which no upstream
+    sends): settlement believes only whole numbers (extproc/envoy_msgs.count_attr)."""
     j = json_to_metadata_pb2.JsonToMetadata
     rules = [j.Rule(selectors=[j.Selector(key=k) for k in path],
-                    on_present=j.KeyValuePair(metadata_namespace=METADATA_NAMESPACE, key=key, type=j.NUMBER))
+                    on_present=j.KeyValuePair(metadata_namespace=METADATA_NAMESPACE, key=key, type=j.PROTOBUF_VALUE))
              for key, path in USAGE_FIELDS]
     # Engines answer `application/json` (vLLM) or with a charset (`application/json; charset=utf-8`).
     return j(response_rules=j.MatchRules(rules=rules, allow_content_types_regex=regex_pb2.RegexMatcher(
