@@ -8,6 +8,7 @@ import math
 from datetime import datetime
 from typing import Any
 
+from extproc.adapters.base import MAX_COUNT
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment, Prices
 from extproc.fallback import decode_plan
@@ -64,7 +65,6 @@ def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: in
     return None, "ambiguous"  # a JSON answer is generated before its headers: it may all have been
 
 
-MAX_COUNT = 2**53  # no upstream counts more tokens than this for one request
 
 
 def believable(usage: Usage) -> bool:

@@ -17,6 +17,7 @@ import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc.adapters.base import UpstreamBroken
 from extproc.contract import ErrorCode
 from extproc.doors import BY_NAME, Door, DoorStream, door_for
 from extproc.envoy_msgs import ATTRIBUTES, MD, attr, header, md_attr, with_first
@@ -39,7 +40,7 @@ def translate_body(door: Door, status: int, body: bytes) -> bytes:
         return door.error(status, body)
     try:
         return orjson.dumps(door.answer(orjson.loads(body)))
-    except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError, IndexError):
+    except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError, IndexError, UpstreamBroken):
         _errors.warning("door %s: an answer that is not a chat completion (%d bytes)", door.name, len(body))
         return door.error(502, orjson.dumps({"error": {"message": "the upstream's answer could not be read",
                                                        "code": ErrorCode.UPSTREAM_ERROR.value}}))

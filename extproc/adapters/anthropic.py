@@ -34,6 +34,7 @@ from extproc.adapters.base import (
     Usage,
     read_answer,
     sse,
+    token_count,
     tool_arguments,
 )
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
@@ -266,9 +267,10 @@ def _collapse(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
 # -- answers ----------------------------------------------------------------------------------------
 
 def _usage(native: Mapping[str, Any]) -> Usage:
-    read = int(native.get("cache_read_input_tokens") or 0)
-    written = int(native.get("cache_creation_input_tokens") or 0)
-    return Usage(int(native.get("input_tokens") or 0) + read + written, read, int(native.get("output_tokens") or 0))
+    read = token_count(native.get("cache_read_input_tokens"))
+    written = token_count(native.get("cache_creation_input_tokens"))
+    return Usage(token_count(native.get("input_tokens")) + read + written, read,
+                 token_count(native.get("output_tokens")))
 
 
 def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
@@ -340,7 +342,7 @@ class AnthropicStream(NativeStream):
             return []  # signature_delta and what the API adds later: nothing to carry
         if kind == "message_delta":
             self.finish_reason = STOP_REASONS.get(str(ev["delta"].get("stop_reason")), "stop")
-            self.output = int((ev.get("usage") or {}).get("output_tokens") or self.output)
+            self.output = token_count((ev.get("usage") or {}).get("output_tokens")) or self.output
             return [self._chunk({}, self.finish_reason)]
         if kind == "message_stop":
             self.stopped = True

@@ -26,6 +26,20 @@ class UpstreamBroken(Exception):
         self.partial = partial or []
 
 
+MAX_COUNT = 2**53  # no upstream counts more tokens than this for one request
+
+
+def token_count(value: Any) -> int:
+    """A usage count as an upstream reports it: absent (None) is 0, a number from 0 to 2^53 its whole
+    part. Anything else - negative, past 2^53, a string, a boolean - is no upstream's count, and the
+    answer that holds it is broken (llmgw/lua/answers.lua's `count` reads counts the same way)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_COUNT:
+        raise UpstreamBroken("a token count no upstream gives")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Target:
     """What an adapter needs to know of the candidate it translates for."""

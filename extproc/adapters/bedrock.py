@@ -55,6 +55,7 @@ from extproc.adapters.base import (
     read_answer,
     settings_back,
     sse,
+    token_count,
     tool_arguments,
 )
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
@@ -276,9 +277,9 @@ def sign(path: str, headers: Mapping[str, str], body: bytes, target: Target) -> 
 # -- answers ----------------------------------------------------------------------------------------
 
 def _usage(native: Mapping[str, Any]) -> Usage:
-    read = int(native.get("cacheReadInputTokens") or 0)
-    written = int(native.get("cacheWriteInputTokens") or 0)
-    return Usage(int(native["inputTokens"]) + read + written, read, int(native["outputTokens"]))
+    read = token_count(native.get("cacheReadInputTokens"))
+    written = token_count(native.get("cacheWriteInputTokens"))
+    return Usage(token_count(native["inputTokens"]) + read + written, read, token_count(native["outputTokens"]))
 
 
 def completion(doc: Mapping[str, Any]) -> dict[str, Any]:

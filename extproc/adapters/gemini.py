@@ -42,6 +42,7 @@ from extproc.adapters.base import (
     read_answer,
     settings_back,
     sse,
+    token_count,
     tool_arguments,
 )
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
@@ -260,9 +261,9 @@ def internal_body(native: Mapping[str, Any], model: str, stream: bool = False) -
 # -- answers ----------------------------------------------------------------------------------------
 
 def _usage(meta: Mapping[str, Any]) -> Usage:
-    thoughts = int(meta.get("thoughtsTokenCount") or 0)
-    return Usage(int(meta.get("promptTokenCount") or 0), int(meta.get("cachedContentTokenCount") or 0),
-                 int(meta.get("candidatesTokenCount") or 0) + thoughts, thoughts)
+    thoughts = token_count(meta.get("thoughtsTokenCount"))
+    return Usage(token_count(meta.get("promptTokenCount")), token_count(meta.get("cachedContentTokenCount")),
+                 token_count(meta.get("candidatesTokenCount")) + thoughts, thoughts)
 
 
 def _call_id(response_id: str, n: int) -> str:

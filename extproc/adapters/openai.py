@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import orjson
 
-from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage
+from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, token_count
 from extproc.adapters.loss import LossTable, Support, losses
 from extproc.chat import CONTRACT_FIELDS
 from extproc.contract import ErrorCode
@@ -85,8 +85,8 @@ class OpenAIAdapter:
     def usage(self, native: Mapping[str, Any]) -> Usage:
         details = native.get("prompt_tokens_details") or {}
         out_details = native.get("completion_tokens_details") or {}
-        return Usage(int(native.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
-                     int(native.get("completion_tokens") or 0), int(out_details.get("reasoning_tokens") or 0))
+        return Usage(token_count(native.get("prompt_tokens")), token_count(details.get("cached_tokens")),
+                     token_count(native.get("completion_tokens")), token_count(out_details.get("reasoning_tokens")))
 
 
 def failure_for_status(status: int, message: str) -> Failure:

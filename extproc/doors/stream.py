@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from extproc.adapters.base import UpstreamBroken
 from extproc.sse import MAX_EVENT_BYTES, event_data, take_events
 
 
@@ -53,7 +54,10 @@ class InternalStream:
         if "error" in obj:  # the contract's stream_interrupted (or an upstream's error event)
             err = obj["error"] if isinstance(obj["error"], dict) else {}
             return self._failed(str(err.get("message", "the stream was interrupted")))
-        return self._chunk(obj)
+        try:
+            return self._chunk(obj)
+        except UpstreamBroken as e:  # a chunk the door cannot carry (a usage count no upstream gives)
+            return self._failed(str(e))
 
     # -- the door's --------------------------------------------------------------------------------
 
