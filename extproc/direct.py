@@ -9,8 +9,8 @@ metadata, which the Lua filter sets on the request after the header allow-list a
 same filter translates the answer back before json_to_metadata reads its usage, or a stream chunk by
 chunk before the Lua stream guard reads it. Such a request costs ext_proc no message more than one to
 the pool, and a stream none per chunk. Plans of several candidates, idempotent answers, front doors,
-shadowed requests and streams of shapes the Lua filter does not read (Gemini's, Bedrock's event
-stream) keep the attempt filter.
+shadowed requests and streams of shapes the Lua filter does not read (Bedrock's binary event stream)
+keep the attempt filter.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from extproc.fallback import translated
 # generateContent, Bedrock's Converse, and hosted OpenAI-shaped servers (OpenAI, Azure), whose answers
 # it only checks.
 LUA_SHAPES = ("anthropic", "gemini", "bedrock", "openai")
-# ... and whose streams it reads: Anthropic's SSE, and OpenAI-shaped streams, which pass as they come.
-LUA_STREAM_SHAPES = ("anthropic", "openai")
+# ... and whose streams it reads: Anthropic's and Gemini's SSE, and OpenAI-shaped streams, which pass as
+# they come.
+LUA_STREAM_SHAPES = ("anthropic", "gemini", "openai")
 
 
 def decision_translates(dep: Deployment, stream: bool = False) -> bool:

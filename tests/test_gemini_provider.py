@@ -6,6 +6,7 @@ Envoy with the openai SDK as the client: JSON, a stream with usage, a tool call,
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, start_stack
 from tests.helpers import request
 from tests.test_adapters import contract_requests
+from tests.test_translated_route_e2e import attempts_through_the_filter
 
 MODEL = "gemini-sim-1"
 KEY = "goog-sim-3f1a77"
@@ -277,6 +279,43 @@ def test_a_stream_and_a_tool_call_from_the_gemini_provider(gw: Stack) -> None:
     (call,) = r.choices[0].message.tool_calls or []
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "search_docs"  # type: ignore[union-attr]
     assert isinstance(json.loads(call.function.arguments)["query"], str)  # type: ignore[union-attr]
+
+
+def stream_events(stack: Stack, **extra: Any) -> tuple[str, list[Any]]:
+    """(request id, the data events) of a raw stream from the Gemini route."""
+    r = request(f"{stack.url}/v1/chat/completions", "POST", {
+        "model": "chat-gemini", "max_tokens": 5, "stream": True,
+        "messages": [{"role": "user", "content": "a raw gemini stream"}], **extra},
+        {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30)
+    assert r.status == 200 and r.headers["content-type"] == "text/event-stream", r.body[:200]
+    data = [e.removeprefix("data: ") for e in r.body.decode().split("\n\n") if e.startswith("data: ")]
+    return r.headers["x-request-id"], [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+@pytest.mark.e2e
+def test_a_gemini_stream_is_translated_in_envoy_and_metered(gw: Stack, provider: str) -> None:
+    """A lone Gemini candidate's stream is translated by Envoy's Lua filter (extproc/direct.py), with no
+    attempt-filter stream: whole, it ends with [DONE] (Gemini's stream has no end event: the usage and
+    [DONE] ride on its last frame) and is metered at the provider's usage; a provider error mid-stream,
+    or an end before the finish reason, reaches the client as `stream_interrupted`."""
+    before = attempts_through_the_filter(gw, "gemini-sim")
+    rid, events = stream_events(gw)
+    assert events[-1] == "[DONE]" and all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    assert "usage" not in json.dumps(events) and events[-2]["choices"][0]["finish_reason"] == "length"
+    entry = ledger_of(gw, rid, "acme")
+    assert (entry["termination"], entry["settlement"], entry["usage"]["completion_tokens"]) == ("complete", "actual", 5)
+    _, events = stream_events(gw, tools=[SEARCH], max_tokens=200,
+                              messages=[{"role": "user", "content": "use search_docs for a gemini stream"}])
+    calls = [c for e in events[:-1] for c in e["choices"][0]["delta"].get("tool_calls") or ()]
+    assert [c["function"]["name"] for c in calls] == ["search_docs"] and json.loads(calls[0]["function"]["arguments"])
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls" and events[-1] == "[DONE]"
+    for fault in ("error_after=2", "end_after=2"):
+        request(f"{provider}/admin/faults", "POST", {"fault": fault, "count": 1})
+        rid, events = stream_events(gw)
+        assert events[-1]["error"]["code"] == "stream_interrupted" and "[DONE]" not in events, (fault, events)
+        assert ledger_of(gw, rid, "acme")["termination"] == "stream_interrupted", fault
+    time.sleep(1)  # long enough for the metric to show an attempt, had there been one
+    assert attempts_through_the_filter(gw, "gemini-sim") == before
 
 
 @pytest.mark.e2e

@@ -309,19 +309,19 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if b > a]
 
 
-def lua_stream(lua: Any, chunks: list[bytes]) -> tuple[bytes, dict[str, str]]:
+def lua_stream(lua: Any, chunks: list[bytes], shape: str = "anthropic") -> tuple[bytes, dict[str, str]]:
     """What the stream guard after the Lua filter gets: the chunks as translated (the last, empty, is
     the end of the stream)."""
-    meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
+    meta = {Key.ANSWER_SHAPE: shape, Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1", Key.REQUEST_ID: REQUEST_ID}
     hdrs = {":status": "200", "content-type": "text/event-stream; charset=utf-8", "content-length": "99"}
     outs, got = lua.globals().run_stream(_table(lua, meta), _table(lua, hdrs), lua.table_from([*chunks, b""]))
     body = b"".join(outs[i] for i in range(1, len(chunks) + 2))
     return body, {k.decode(): v.decode() for k, v in got.items()}
 
 
-def python_stream(chunks: list[bytes]) -> bytes:
+def python_stream(chunks: list[bytes], adapter: Adapter = ANTHROPIC) -> bytes:
     """What the attempt filter makes of the same chunks (extproc/attempts.py `_translate_chunk`)."""
-    translator = ANTHROPIC.stream(include_usage=True)
+    translator = adapter.stream(include_usage=True)
     translator.model = MODEL
     out: list[bytes] = []
     try:
@@ -382,6 +382,102 @@ def test_a_broken_provider_stream_ends_with_the_contracts_interruption_and_nothi
     got = events_of(out)
     assert got[-1] == {"interrupted": "stream_interrupted"} and got[0]["choices"][0]["delta"]["role"] == "assistant"
     assert len(got) == 2  # the role chunk, the interruption: nothing of the stop after it
+
+
+@st.composite
+def gemini_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Gemini's stream, as the API sends it: responses each holding the next parts of the first
+    candidate (text, thoughts, whole function calls) and the usage so far; the last a finish reason -
+    or a prompt blocked before any candidate."""
+    head = {"responseId": draw(text), "modelVersion": draw(st.text(min_size=1, max_size=10))}
+    meta = st.fixed_dictionaries({}, optional={k: counts for k in (
+        "promptTokenCount", "candidatesTokenCount", "cachedContentTokenCount", "thoughtsTokenCount")})
+    if draw(st.integers(0, 9)) == 0:
+        return [{**head, "promptFeedback": {"blockReason": draw(st.sampled_from(["SAFETY", "OTHER"]))},
+                 "usageMetadata": draw(meta)}]
+    responses = []
+    for _ in range(draw(st.integers(1, 5))):
+        doc: dict[str, Any] = {**head, "candidates": [{"content": {"role": "model", "parts": draw(
+            st.lists(gemini_parts, max_size=3))}, "index": 0}]}
+        if draw(st.booleans()):
+            doc["usageMetadata"] = draw(meta)
+        responses.append(doc)
+    responses[-1]["candidates"][0]["finishReason"] = draw(st.sampled_from([*gemini.FINISH_REASONS, "SOMETHING_NEW"]))
+    return responses
+
+
+def gemini_sse(doc: dict[str, Any], crlf: bool = True) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + (b"\r\n\r\n" if crlf else b"\n\n")
+
+
+def gemini_comparable(events: list[Any], ids: bool) -> list[Any]:
+    """Stream events with each call's arguments parsed; without the call ids where Python makes random
+    ones (no response id) and the Lua filter names them after the request."""
+    for e in events:
+        for choice in e.get("choices") or () if isinstance(e, dict) else ():
+            for call in choice["delta"].get("tool_calls") or ():
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                if not ids:
+                    call.pop("id")
+    return events
+
+
+@settings(max_examples=200, deadline=None)
+@given(gemini_streams(), st.lists(st.integers(0, 4000), max_size=6),
+       st.sampled_from(["whole", "cut", "error", "after"]), st.booleans())
+def test_the_lua_gemini_stream_translation_is_the_python_adapters(lua: Any, responses: list[dict[str, Any]],
+                                                                 cuts: list[int], ending: str, crlf: bool) -> None:
+    if ending == "cut":  # the provider's stream ends before its finish
+        responses = [r for r in responses[:-1]] or [{"responseId": "r", "candidates": []}]
+    elif ending == "error":  # the provider reports an error mid-stream
+        responses = [*responses[:-1], {"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", "message": "busy"}}]
+    elif ending == "after":  # a response after the finished one
+        responses = [*responses, {"responseId": "r", "candidates": []}]
+    data = b"".join(gemini_sse(r, crlf) for r in responses)
+    chunks = split(data, cuts)
+    out, headers = lua_stream(lua, chunks, "gemini")
+    assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
+    ids = bool(responses[0].get("responseId"))
+    got = gemini_comparable(events_of(out), ids)
+    assert got == gemini_comparable(events_of(python_stream(chunks, gemini.GEMINI)), ids)
+    if ending == "whole":
+        assert got[-1] == "[DONE]" and "usage" in got[-2]
+    else:
+        assert got[-1] == {"interrupted": "stream_interrupted"}
+    if not ids:
+        named = [c["id"] for e in events_of(out) if isinstance(e, dict) for ch in e.get("choices") or ()
+                 for c in ch["delta"].get("tool_calls") or ()]
+        assert named == [f"call_{REQUEST_ID}_{n}" for n in range(len(named))]
+
+
+def test_a_gemini_stream_ends_with_its_usage_and_done_on_the_last_frame(lua: Any) -> None:
+    """Gemini's stream has no end event: the usage and [DONE] ride on the (empty) last frame."""
+    final = {"responseId": "r1", "modelVersion": "gemini-x", "candidates": [
+        {"content": {"parts": [{"text": "hi"}]}, "finishReason": "STOP"}],
+        "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1, "thoughtsTokenCount": 2}}
+    meta = {Key.ANSWER_SHAPE: "gemini", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
+    outs, _ = lua.globals().run_stream(_table(lua, meta), _table(lua, {":status": "200"}),
+                                       lua.table_from([gemini_sse(final), b""]))
+    first, last = events_of(outs[1]), events_of(outs[2])
+    assert [e["choices"][0]["delta"] for e in first] == [{"role": "assistant", "content": ""}, {"content": "hi"}, {}]
+    assert first[-1]["choices"][0]["finish_reason"] == "stop" and first[0]["model"] == "gemini-x"
+    assert last[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                "prompt_tokens_details": {"cached_tokens": 0},
+                                "completion_tokens_details": {"reasoning_tokens": 2}} and last[1] == "[DONE]"
+
+
+sse_ish = st.text(alphabet='{}[]":,0123456789.e-truefalsnl \\u\r\n', max_size=60).map(
+    lambda t: f"data: {t}\n\n".encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=80) | sse_ish, max_size=5), st.sampled_from(["anthropic", "gemini"]))
+def test_any_stream_bytes_end_finished_or_interrupted_and_never_a_script_error(lua: Any, chunks: list[bytes],
+                                                                                shape: str) -> None:
+    out, _ = lua_stream(lua, chunks, shape)  # a script error raises here
+    got = events_of(out)
+    assert got and got[-1] in ("[DONE]", {"interrupted": "stream_interrupted"}), got
+    assert all(isinstance(e, dict) and e["object"] == "chat.completion.chunk" for e in got[:-2]), got
 
 
 def test_a_chunk_that_completes_no_event_passes_as_a_comment(lua: Any) -> None:

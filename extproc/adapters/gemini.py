@@ -334,7 +334,8 @@ class GeminiStream(NativeStream):
         out: list[bytes] = []
         if not self.started:
             self.started = True
-            self.id, self.model = str(doc.get("responseId", "")), str(doc.get("modelVersion", ""))
+            # (no model version: the model the request named, as in the Lua filter)
+            self.id, self.model = str(doc.get("responseId", "")), str(doc.get("modelVersion") or self.model)
             out.append(self._chunk({"role": "assistant", "content": ""}))
         if doc.get("usageMetadata"):
             self.usage = _usage(doc["usageMetadata"])
@@ -350,7 +351,7 @@ class GeminiStream(NativeStream):
                     out.append(self._chunk({"tool_calls": [{"index": self.calls, "id": _call_id(self.id, self.calls),
                                                             "type": "function", "function": {
                                                                 "name": fn["name"],
-                                                                "arguments": json.dumps(fn.get("args") or {})}}]}))
+                                                                "arguments": tool_arguments(fn.get("args"))}}]}))
                     self.calls += 1
                 elif part.get("thought"):
                     out.append(self._chunk({"reasoning": part.get("text", "")}))

@@ -311,14 +311,92 @@ local function anthropic_event(st, doc, out)
   return true  -- ping, content_block_stop, and what the API adds later: nothing to carry
 end
 
+-- The end of an Anthropic stream: message_stop has said it all; before it, the stream broke.
+local function anthropic_end(st, out)
+  return st.stopped
+end
+
+-- One response of Gemini's stream (extproc/adapters/gemini.py `GeminiStream`): each holds the next
+-- parts of its first candidate, the usage so far, and at last a finish reason; nothing may follow that.
+-- A call arrives whole (its id named after the response id, or the request's, as in the JSON answer).
+local function gemini_event(st, doc, out)
+  if st.stopped or doc.error ~= nil then return false end
+  if not st.started then
+    local rid, named = text_of(doc.responseId, ""), text_of(doc.modelVersion, "")
+    if rid == nil or named == nil then return false end
+    st.started, st.id, st.head = true, rid, nil
+    st.calls_named = rid ~= "" and rid or st.request_id
+    if named ~= "" then st.model = named end
+    out[#out + 1] = chunk(st, '{"role":"assistant","content":""}')
+  end
+  local meta, candidates = object_of(doc.usageMetadata), list_of(doc.candidates)
+  if meta == nil or candidates == nil then return false end
+  if next(meta) ~= nil then
+    local prompt, cached, output, thoughts = count(meta.promptTokenCount), count(meta.cachedContentTokenCount),
+      count(meta.candidatesTokenCount), count(meta.thoughtsTokenCount)
+    if prompt == nil or cached == nil or output == nil or thoughts == nil then return false end
+    st.prompt, st.cached, st.output, st.reasoning = prompt, cached, output + thoughts, thoughts
+  end
+  if #candidates == 0 then
+    local feedback = object_of(doc.promptFeedback)
+    if feedback == nil then return false end
+    if not absent(feedback.blockReason) and feedback.blockReason ~= "" then  -- the prompt was blocked
+      st.stopped = true
+      out[#out + 1] = chunk(st, '{"refusal":"the provider blocked the prompt"}', "content_filter")
+    end
+    return true
+  end
+  local cand = candidates[1]
+  local content = is_object(cand) and object_of(cand.content)
+  local parts = content and list_of(content.parts)
+  if not parts then return false end
+  for _, part in ipairs(parts) do
+    if not is_object(part) then return false end
+    if part.functionCall ~= nil then
+      local fn = part.functionCall
+      if not is_object(fn) or type(fn.name) ~= "string" then return false end
+      local call = call_json("call_" .. st.calls_named .. "_" .. st.ncalls, fn.name, fn.args, st.data)
+      if call == nil then return false end
+      out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", st.ncalls), ",", sub(call, 2), "]}"}))
+      st.ncalls = st.ncalls + 1
+    elseif part.thought == true then
+      local t = text_of(part.text, "")
+      if t == nil then return false end
+      out[#out + 1] = chunk(st, '{"reasoning":"' .. t .. '"}')
+    elseif not absent(part.text) then
+      if type(part.text) ~= "string" then return false end
+      if part.text ~= "" then out[#out + 1] = chunk(st, '{"content":"' .. part.text .. '"}') end
+    end
+  end
+  local reason = cand.finishReason
+  if not absent(reason) and reason ~= "" then
+    local finish = type(reason) == "string" and GEMINI_FINISH[reason] or "stop"
+    if st.ncalls > 0 and finish == "stop" then finish = "tool_calls" end
+    st.stopped = true
+    out[#out + 1] = chunk(st, "{}", finish)
+  end
+  return true
+end
+
+-- The end of a Gemini stream, which has no event of its own: once a response finished, the usage and
+-- [DONE] ride on the stream's last (empty) frame; without a finish, the stream broke.
+local function gemini_end(st, out)
+  if not st.stopped then return false end
+  out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(st.prompt, st.cached, st.output, st.reasoning),
+                          "}\n\n", "data: [DONE]\n\n"})
+  return true
+end
+
 -- A 2xx stream of a shape translated here: every chunk's complete events translated as they come (the
 -- start of one still arriving is held back); at a break - an event that does not parse or breaks the
--- shape, one over the size bound, an end before the stream's own - what was translated, then the
--- contract's `stream_interrupted` event, and nothing after it. A chunk that completes no event passes
--- as an SSE comment: an empty chunk would read as the stream's end to the stream guard after this.
-local function translate_stream(h, model, event)
-  local st = {id = "", model = model, created = format("%d", time()), calls = {}, ncalls = 0,
-              prompt = 0, cached = 0, output = 0, stopped = false}
+-- shape, one over the size bound, an end the shape's own `finish` does not accept - what was
+-- translated, then the contract's `stream_interrupted` event, and nothing after it. A chunk that
+-- completes no event passes as an SSE comment: an empty chunk would read as the stream's end to the
+-- stream guard after this.
+local function translate_stream(h, model, request_id, shape)
+  local st = {id = "", model = model, request_id = request_id, created = format("%d", time()), calls = {},
+              ncalls = 0, prompt = 0, cached = 0, output = 0, reasoning = 0, stopped = false, started = false}
+  local event, finish = shape.event, shape.finish
   local pending, broken = "", false
   for piece in h:bodyChunks() do
     local n = piece:length()
@@ -334,13 +412,14 @@ local function translate_stream(h, model, event)
         pending = sub(pending, e + 1)
         if data ~= nil then
           local doc = decode_all(data)
+          st.data = data  -- (a call's arguments are a span of it)
           if not is_object(doc) or not event(st, doc, out) then
             broken = true
             break
           end
         end
       end
-      if not broken and (#pending > CONFIG.max_event_bytes or (n == 0 and not st.stopped)) then broken = true end
+      if not broken and (#pending > CONFIG.max_event_bytes or (n == 0 and not finish(st, out))) then broken = true end
       if broken then out[#out + 1] = CONFIG.interrupted end
       local text = concat(out)
       if text == "" and n > 0 then text = CONFIG.keepalive end
@@ -350,7 +429,8 @@ local function translate_stream(h, model, event)
   end
 end
 
-local TRANSLATE_STREAM = {anthropic = anthropic_event}
+local TRANSLATE_STREAM = {anthropic = {event = anthropic_event, finish = anthropic_end},
+                          gemini = {event = gemini_event, finish = gemini_end}}
 
 local TRANSLATE = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
 
@@ -368,11 +448,11 @@ function envoy_on_response(h)
   if headers:get(CONFIG.degraded_header) == "response" then return end
   if md[K.plan_stream] == "1" then
     -- A stream: an OpenAI-shaped one passes as it comes (the stream guard checks it).
-    local event = TRANSLATE_STREAM[shape]
-    if event == nil then return end
+    local stream = TRANSLATE_STREAM[shape]
+    if stream == nil then return end
     headers:remove("content-length")
     headers:replace("content-type", "text/event-stream")
-    translate_stream(h, md[K.answer_model] or "", event)
+    translate_stream(h, md[K.answer_model] or "", md[K.request_id] or "", stream)
     return
   end
   local body = h:body()
