@@ -6,7 +6,8 @@ request translated by the decision, its answer - JSON or stream - by Envoy's Lua
 extproc/direct.py) - and the Anthropic front door (`/v1/messages`) to the pool (the door
 filter translates the answer and the stream for the client). A second engine of the same profile
 speaks Bedrock's Converse (`chat-bedrock`: translated and SigV4 signed the same way, its AWS event
-stream read back by the attempt filter). All budgeted, same request.
+stream read back by the attempt filter), a third Gemini's generateContent (`chat-gemini`: its JSON and
+its SSE stream translated by the Lua filter). All budgeted, same request.
 
 - JSON at concurrency 1, wrk in alternating rounds: p50 and the CPU per request of ext_proc and of
   Envoy (the Lua filter's work is Envoy's).
@@ -126,6 +127,9 @@ def run_translated_bench(args: argparse.Namespace) -> int:
     bedrock_key = "AKIDBENCHMARK0000001:bench-secret"
     bedrock, bedrock_url = simulated_provider("bedrock", PROVIDER_MODEL, bedrock_key, work / "bedrock.log",
                                               args.time_scale)
+    gemini_key = "goog-bench-provider"
+    gemini, gemini_url = simulated_provider("gemini", PROVIDER_MODEL, gemini_key, work / "gemini.log",
+                                            args.time_scale)
     stack: Stack | None = None
     try:
         config, keys = demo_policy(Path(args.config).resolve(), work / "policy")
@@ -148,6 +152,8 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         add_provider_route(config, "bedrock-sim", "bedrock@1", "bedrock-converse@2023-09-30", PROVIDER_MODEL,
                            bedrock_url.removeprefix("http://"), bedrock_key, "chat-bedrock",
                            options={"region": "eu-central-1"})
+        add_provider_route(config, "gemini-sim", "gemini@1", "gemini-api@v1beta", PROVIDER_MODEL,
+                           gemini_url.removeprefix("http://"), gemini_key, "chat-gemini")
         snap = load_snapshot(config)
         opts = StackOptions.on_free_ports(config, work / "gw", snap, start_engines=False, envoy_concurrency=1,
                                           workers=1)
@@ -157,6 +163,7 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         chat_url, door_url = f"{stack.url}/v1/chat/completions", f"{stack.url}{MESSAGES_PATH}"
         routes = {"pool (OpenAI shape)": "chat-default", "anthropic (translated)": "chat-anthropic",
                   "bedrock (translated, signed; its own engine)": "chat-bedrock",
+                  "gemini (translated; its own engine)": "chat-gemini",
                   "Anthropic door -> pool": "chat-default"}
         urls = {name: door_url if "door" in name else chat_url for name in routes}
         scripts = {}
@@ -203,6 +210,7 @@ def run_translated_bench(args: argparse.Namespace) -> int:
             stack.stop()
         sim.stop()
         bedrock.stop()
+        gemini.stop()
     base = statistics.median(r.p50_ms for r in json_rows["pool (OpenAI shape)"])
     lines = ["| route | p50 ms (c=1) | p50 over the pool | ext_proc CPU us/request | Envoy CPU us/request "
              "| streamed chunks | ext_proc CPU us/chunk | Envoy CPU us/chunk |", "|---|---|---|---|---|---|---|---|"]
