@@ -8,7 +8,7 @@ import math
 from datetime import datetime
 from typing import Any
 
-from extproc.adapters.base import MAX_COUNT
+from extproc.adapters.base import is_count
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment, Prices
 from extproc.fallback import decode_plan
@@ -65,16 +65,13 @@ def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: in
     return None, "ambiguous"  # a JSON answer is generated before its headers: it may all have been
 
 
-
-
 def believable(usage: Usage) -> bool:
-    """Whether every count in an upstream's usage is one: a whole number from 0 to 2^53. A negative
-    count would refund a budget and a huge one drain it: such usage is not believed (unknown)."""
+    """Whether every count in an upstream's usage is one (adapters.base.is_count); usage that is not
+    is not believed (unknown)."""
     details = usage.get("prompt_tokens_details") or {}
     counts = [usage.get("prompt_tokens"), usage.get("completion_tokens"),
               details.get("cached_tokens") if isinstance(details, dict) else None]
-    return all(c is None or (isinstance(c, int | float) and not isinstance(c, bool) and 0 <= c <= MAX_COUNT
-                             and c == int(c)) for c in counts)
+    return all(c is None or is_count(c) for c in counts)
 
 
 def believed(usage: Usage | None, source: str) -> tuple[Usage | None, str]:

@@ -29,13 +29,20 @@ class UpstreamBroken(Exception):
 MAX_COUNT = 2**53  # no upstream counts more tokens than this for one request
 
 
+def is_count(value: Any) -> bool:
+    """Whether a value is a token count an upstream gives: a whole number from 0 to 2^53. A negative
+    one would refund a budget, a huge one drain it, and `2.5`, `"7"` or `true` read as one would
+    charge what the upstream never said."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+            and value == int(value))
+
+
 def token_count(value: Any) -> int:
-    """A usage count as an upstream reports it: absent (None) is 0, a number from 0 to 2^53 its whole
-    part. Anything else - negative, past 2^53, a string, a boolean - is no upstream's count, and the
-    answer that holds it is broken (llmgw/lua/answers.lua's `count` reads counts the same way)."""
+    """A usage count as an upstream reports it: absent (None) is 0; anything but a count (is_count)
+    breaks the answer that holds it (llmgw/lua/answers.lua's `count` reads counts the same way)."""
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_COUNT:
+    if not is_count(value):
         raise UpstreamBroken("a token count no upstream gives")
     return int(value)
 

@@ -38,13 +38,13 @@ local function is_object(v) local span = SPAN[v]; return span ~= nil and not spa
 local function is_array(v) local span = SPAN[v]; return span ~= nil and span[3] == true end
 local function absent(v) return v == nil or v == NULL end
 
--- A token count as the Python adapters read it (extproc/adapters/base.py `token_count`: absent is 0, a
--- number its whole part); nil for anything but a number, and for a negative one or one past 2^53 (no
--- provider counts so; settlement would charge it).
+-- A token count as the Python adapters read it (extproc/adapters/base.py `token_count`: absent is 0);
+-- nil for anything but a whole number from 0 to 2^53 (no provider counts otherwise; settlement would
+-- charge it).
 local function count(v)
   if absent(v) then return 0 end
-  if type(v) ~= "number" or not (v >= 0 and v <= 9007199254740992) then return nil end
-  return floor(v)
+  if type(v) ~= "number" or not (v >= 0 and v <= 9007199254740992) or v ~= floor(v) then return nil end
+  return v
 end
 
 -- A string field: its (still escaped) text, `default` when absent; nil when it is not a string.

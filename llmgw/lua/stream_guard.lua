@@ -101,13 +101,14 @@ local function content_chunk(choices)
     or has_value(choices, '"reasoning"', 34) or has_value(choices, '"reasoning_content"', 34)
 end
 
--- A usage count as the upstream wrote it: a whole number as a number, an absent or null one as 0,
--- anything else (a sign, a fraction, an exponent, a string, a boolean) as its text, which settlement
--- does not believe (a `-7` read as `7`, or as nothing, would charge what the engine never said).
+-- A usage count as the upstream wrote it, for settlement to judge (it believes only a whole number
+-- from 0 to 2^53): any JSON number as a number, an absent or null one as 0, anything else (a string,
+-- a boolean) as its text. (Reading digits alone took `-7` for 7 and `2.5` for 2.)
 local function usage_number(usage, name)
   local _, _, v = find(usage, '"' .. name .. '"%s*:%s*([^,}%]%s]*)')
   if v == nil or v == "null" then return 0 end
-  if #v <= 16 and find(v, "^%d+$") then return tonumber(v) end
+  local n = find(v, "^%-?%d") and tonumber(v)  -- (the event is checked JSON: this is a JSON number)
+  if n then return n end
   return sub(v, 1, 24)
 end
 
