@@ -11,7 +11,8 @@ the provider bills them.
 Faults (the server's queue or `x-enginesim-fault`, as for the OpenAI front end): `status=529` (or 429,
 500, ...) answers the provider's error for that status; `error_after=N` sends N text deltas, then an
 `error` event (overloaded_error) and ends; `malformed_after=N` sends N deltas, then an event that is
-not JSON; `refuse` answers `stop_reason: refusal` with nothing written; `disconnect_after`,
+not JSON; `refuse` answers `stop_reason: refusal` with nothing written; `usage=VALUE` reports that
+JSON value as the output token count (the answer's, the stream's `message_delta`); `disconnect_after`,
 `stall_after` and `delay_ms` as before.
 """
 
@@ -160,7 +161,7 @@ class MessagesFrontEnd:
         try:
             if body.get("stream"):
                 return await self._stream(request, seq, out, rid, fault)
-            return await self._complete(seq, out, rid)
+            return await self._complete(seq, out, rid, fault)
         finally:
             srv.engine.abort(seq)
             entry.update(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens, output_tokens=seq.output_len,
@@ -184,9 +185,14 @@ class MessagesFrontEnd:
         await resp.write_eof()
         return resp
 
-    def _usage(self, seq: Sequence) -> dict[str, int]:
+    def _usage(self, seq: Sequence, fault: Fault) -> dict[str, Any]:
         return {"input_tokens": len(seq.prompt) - seq.cached_tokens, "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": seq.cached_tokens, "output_tokens": seq.output_len}
+                "cache_read_input_tokens": seq.cached_tokens, "output_tokens": self._output(seq, fault)}
+
+    @staticmethod
+    def _output(seq: Sequence, fault: Fault) -> Any:
+        """The output count reported: the `usage` fault's value in place of the real one."""
+        return seq.output_len if fault.usage is None else json.loads(fault.usage)
 
     @staticmethod
     def _stop_reason(seq: Sequence, out: Output) -> str:
@@ -208,14 +214,14 @@ class MessagesFrontEnd:
             blocks.append({"type": "tool_use", "id": f"toolu_{call.id[-20:]}", "name": call.name, "input": tool_input})
         return blocks
 
-    async def _complete(self, seq: Sequence, out: Output, rid: str) -> web.Response:
+    async def _complete(self, seq: Sequence, out: Output, rid: str, fault: Fault) -> web.Response:
         produced = 0
         while await seq.out.get() is not None:
             produced += 1
         return web.json_response({
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
             "content": self._blocks(out, produced), "stop_reason": self._stop_reason(seq, out),
-            "stop_sequence": out.stop_reason, "usage": self._usage(seq)})
+            "stop_sequence": out.stop_reason, "usage": self._usage(seq, fault)})
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
                       fault: Fault) -> web.StreamResponse:
@@ -226,7 +232,7 @@ class MessagesFrontEnd:
         async def send(kind: str, doc: dict[str, Any]) -> None:
             await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **doc})}\n\n".encode())
 
-        usage = {**self._usage(seq), "output_tokens": 1}
+        usage = {**self._usage(seq, Fault()), "output_tokens": 1}
         await send("message_start", {"message": {
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
@@ -262,7 +268,7 @@ class MessagesFrontEnd:
             await send("content_block_stop", {"index": block})
         await send("message_delta", {"delta": {"stop_reason": self._stop_reason(seq, out),
                                                "stop_sequence": out.stop_reason},
-                                     "usage": {"output_tokens": seq.output_len}})
+                                     "usage": {"output_tokens": self._output(seq, fault)}})
         await send("message_stop", {})
         await resp.write_eof()
         return resp

@@ -18,8 +18,9 @@ forwards no such header anyway. SPEC is one or more of:
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
   end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
   end_delay_ms=500    (the pool's streams) wait after [DONE] before ending the answer
-  usage=-7            (the pool's answers) report this JSON value as the completion's token count: a
-                      broken engine's usage (-7, 1e300, 2.5, "7", true), which the gateway must not believe
+  usage=-7            (the pool's and the Anthropic front end's answers) report this JSON value as the
+                      completion's token count: a broken engine's usage (-7, 1e300, 2.5, "7", true),
+                      which the gateway must not believe
   refuse              (a hosted provider's front end) refuse as that provider does: its safety stop
                       (vLLM never refuses: an engine without such a front end rejects the fault)
   exit                end the whole process at once
@@ -87,7 +88,7 @@ class Fault:
     end_delay_ms: int = 0  # the pool's streams: the answer's end this long after [DONE]
     error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
     garbage: int | None = None  # a 200 whose body is random bytes from this seed (JSON or stream)
-    usage: str | None = None  # (the pool's answers) the JSON text reported as completion_tokens
+    usage: str | None = None  # (the pool's and Anthropic's answers) the JSON text reported as the output count
     refuse: bool = False  # (hosted front ends) the provider's safety stop instead of an answer
     exit: bool = False
 

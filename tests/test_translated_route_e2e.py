@@ -256,6 +256,24 @@ def test_a_provider_error_mid_stream_interrupts_the_clients_stream(gw: Stack, pr
     assert entry["termination"] != "complete"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_count_no_provider_gives_breaks_the_answer(gw: Stack, provider: str, stream: bool) -> None:
+    """The provider reports an output count that is no count: the Lua filter's translation cannot
+    carry it - a JSON answer is the contract's 502, a stream ends with `stream_interrupted` - and
+    nothing of it is charged as a count."""
+    for count in ("-7", "2.5", '"7"'):
+        request(f"{provider}/admin/faults", "POST", {"fault": f"usage={count}", "count": 1})
+        r = chat(gw, "chat-anthropic", stream=stream)
+        if stream:
+            events = [e for e in r.body.decode().split("\n\n") if e.startswith("data: ")]
+            assert json.loads(events[-1][6:])["error"]["code"] == "stream_interrupted", (count, events[-2:])
+            assert "[DONE]" not in r.body.decode()
+        else:
+            assert_contract_error(r, 502, "upstream_error")
+        entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+        assert entry["termination"] != "complete" and entry["usage_source"] != "reported", (count, entry)
+
+
 def test_a_provider_stream_that_ends_early_ends_with_the_contracts_interruption(gw: Stack, provider: str) -> None:
     """The provider ends its answer cleanly, but before `message_stop`: the Lua filter's interruption
     rides on the stream's last frame and still reaches the client, and nothing says it finished."""
