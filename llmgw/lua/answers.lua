@@ -145,9 +145,35 @@ local function anthropic(body, model)
                     usage_json(prompt, read, output, 0))
 end
 
+-- Gemini's usage (extproc/adapters/gemini.py `_usage`): prompt, cached input, output (thoughts
+-- included) and reasoning tokens; nil when a count is not one.
+local function gemini_usage(meta)
+  local prompt, cached, output, thoughts = count(meta.promptTokenCount), count(meta.cachedContentTokenCount),
+    count(meta.candidatesTokenCount), count(meta.thoughtsTokenCount)
+  if prompt == nil or cached == nil or output == nil or thoughts == nil then return nil end
+  return prompt, cached, output + thoughts, thoughts
+end
+
+-- The parts of a candidate's content; nil when the candidate is not one.
+local function gemini_parts(cand)
+  local content = is_object(cand) and object_of(cand.content)
+  return content and list_of(content.parts) or nil
+end
+
+-- A functionCall part as the tool call `id`, its arguments a span of `source`; nil when it is not one.
+local function gemini_call(fn, id, source)
+  if not is_object(fn) or type(fn.name) ~= "string" then return nil end
+  return call_json(id, fn.name, fn.args, source)
+end
+
+local GEMINI_FINISH = CONFIG.gemini_finish
+local function gemini_finish(reason, called)
+  local finish = type(reason) == "string" and GEMINI_FINISH[reason] or "stop"
+  return (called and finish == "stop") and "tool_calls" or finish
+end
+
 -- Gemini's generateContent answer (extproc/adapters/gemini.py `completion`). A call without a response
 -- id is named after the request's id.
-local GEMINI_FINISH = CONFIG.gemini_finish
 local function gemini(body, model, request_id)
   local doc = decode_all(body)
   if not is_object(doc) or (doc.candidates == nil and doc.promptFeedback == nil) then return nil end
@@ -162,15 +188,12 @@ local function gemini(body, model, request_id)
     refusal = "the provider blocked the prompt (" .. reason .. ")"
   else
     local cand = candidates[1]
-    local content = is_object(cand) and object_of(cand.content)
-    local parts = content and list_of(content.parts)
+    local parts = gemini_parts(cand)
     if not parts then return nil end
     for _, part in ipairs(parts) do
       if not is_object(part) then return nil end
       if part.functionCall ~= nil then
-        local fn = part.functionCall
-        if not is_object(fn) or type(fn.name) ~= "string" then return nil end
-        local call = call_json("call_" .. (rid ~= "" and rid or request_id) .. "_" .. #calls, fn.name, fn.args, body)
+        local call = gemini_call(part.functionCall, "call_" .. (rid ~= "" and rid or request_id) .. "_" .. #calls, body)
         if call == nil then return nil end
         calls[#calls + 1] = call
       elseif part.thought == true then
@@ -182,14 +205,12 @@ local function gemini(body, model, request_id)
         text[#text + 1] = part.text
       end
     end
-    finish = type(cand.finishReason) == "string" and GEMINI_FINISH[cand.finishReason] or "stop"
-    if #calls > 0 and finish == "stop" then finish = "tool_calls" end
+    finish = gemini_finish(cand.finishReason, #calls > 0)
   end
-  local prompt, cached, output, thoughts = count(meta.promptTokenCount), count(meta.cachedContentTokenCount),
-    count(meta.candidatesTokenCount), count(meta.thoughtsTokenCount)
-  if prompt == nil or cached == nil or output == nil or thoughts == nil then return nil end
+  local prompt, cached, output, reasoning_tokens = gemini_usage(meta)
+  if prompt == nil then return nil end
   return completion(rid, named ~= "" and named or model, text, reasoning, calls, finish,
-                    usage_json(prompt, cached, output + thoughts, thoughts), refusal)
+                    usage_json(prompt, cached, output, reasoning_tokens), refusal)
 end
 
 -- Bedrock's Converse answer (extproc/adapters/bedrock.py `completion`), named after the request's id.
@@ -332,10 +353,9 @@ local function gemini_event(st, doc, out)
   local meta, candidates = object_of(doc.usageMetadata), list_of(doc.candidates)
   if meta == nil or candidates == nil then return false end
   if next(meta) ~= nil then
-    local prompt, cached, output, thoughts = count(meta.promptTokenCount), count(meta.cachedContentTokenCount),
-      count(meta.candidatesTokenCount), count(meta.thoughtsTokenCount)
-    if prompt == nil or cached == nil or output == nil or thoughts == nil then return false end
-    st.prompt, st.cached, st.output, st.reasoning = prompt, cached, output + thoughts, thoughts
+    local prompt, cached, output, reasoning = gemini_usage(meta)
+    if prompt == nil then return false end
+    st.prompt, st.cached, st.output, st.reasoning = prompt, cached, output, reasoning
   end
   if #candidates == 0 then
     local feedback = object_of(doc.promptFeedback)
@@ -347,15 +367,12 @@ local function gemini_event(st, doc, out)
     return true
   end
   local cand = candidates[1]
-  local content = is_object(cand) and object_of(cand.content)
-  local parts = content and list_of(content.parts)
+  local parts = gemini_parts(cand)
   if not parts then return false end
   for _, part in ipairs(parts) do
     if not is_object(part) then return false end
     if part.functionCall ~= nil then
-      local fn = part.functionCall
-      if not is_object(fn) or type(fn.name) ~= "string" then return false end
-      local call = call_json("call_" .. st.calls_named .. "_" .. st.ncalls, fn.name, fn.args, st.data)
+      local call = gemini_call(part.functionCall, "call_" .. st.calls_named .. "_" .. st.ncalls, st.data)
       if call == nil then return false end
       out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", st.ncalls), ",", sub(call, 2), "]}"}))
       st.ncalls = st.ncalls + 1
@@ -370,10 +387,8 @@ local function gemini_event(st, doc, out)
   end
   local reason = cand.finishReason
   if not absent(reason) and reason ~= "" then
-    local finish = type(reason) == "string" and GEMINI_FINISH[reason] or "stop"
-    if st.ncalls > 0 and finish == "stop" then finish = "tool_calls" end
     st.stopped = true
-    out[#out + 1] = chunk(st, "{}", finish)
+    out[#out + 1] = chunk(st, "{}", gemini_finish(reason, st.ncalls > 0))
   end
   return true
 end
