@@ -8,9 +8,8 @@ itself: the native body in its own reply, the path and the shape's headers (its 
 metadata, which the Lua filter sets on the request after the header allow-list and then blanks. The
 same filter translates the answer back before json_to_metadata reads its usage, or a stream chunk by
 chunk before the Lua stream guard reads it. Such a request costs ext_proc no message more than one to
-the pool, and a stream none per chunk. Plans of several candidates, idempotent answers, front doors,
-shadowed requests and streams of shapes the Lua filter does not read (Bedrock's binary event stream)
-keep the attempt filter.
+the pool, and a stream none per chunk. Plans of several candidates, idempotent answers, front doors
+and shadowed requests keep the attempt filter.
 """
 
 from __future__ import annotations
@@ -25,20 +24,15 @@ from extproc.config.schema import Deployment
 from extproc.contract import ErrorCode, GatewayError
 from extproc.fallback import translated
 
-# The shapes whose JSON answers the Lua answer filter reads: Anthropic's Messages API, Gemini's
-# generateContent, Bedrock's Converse, and hosted OpenAI-shaped servers (OpenAI, Azure), whose answers
-# it only checks.
+# The shapes whose answers and streams the Lua answer filter reads: Anthropic's Messages API and its
+# SSE, Gemini's generateContent and its SSE, Bedrock's Converse and its AWS event stream, and hosted
+# OpenAI-shaped servers (OpenAI, Azure), whose answers it only checks and whose streams pass as they come.
 LUA_SHAPES = ("anthropic", "gemini", "bedrock", "openai")
-# ... and whose streams it reads: Anthropic's and Gemini's SSE, and OpenAI-shaped streams, which pass as
-# they come.
-LUA_STREAM_SHAPES = ("anthropic", "gemini", "openai")
 
 
-def decision_translates(dep: Deployment, stream: bool = False) -> bool:
-    """Whether a request planned to this deployment alone (a stream, with `stream`) may skip the
-    attempt filter."""
-    return translated(dep) and adapter_for(dep.fingerprint.adapter).name in (
-        LUA_STREAM_SHAPES if stream else LUA_SHAPES)
+def decision_translates(dep: Deployment) -> bool:
+    """Whether a request planned to this deployment alone may skip the attempt filter."""
+    return translated(dep) and adapter_for(dep.fingerprint.adapter).name in LUA_SHAPES
 
 
 def shape_headers(dep: Deployment) -> tuple[str, ...]:

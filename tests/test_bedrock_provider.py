@@ -11,6 +11,7 @@ import json
 import shutil
 import ssl
 import struct
+import time
 import urllib.request
 import zlib
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ from llmgw.tls import demo_certs, server_cert
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import request
 from tests.test_adapters import contract_requests
+from tests.test_translated_route_e2e import attempts_through_the_filter
 
 MODEL = "anthropic.claude-sim-v1:0"  # Bedrock's model ids hold a colon: the path encodes it, the signature twice
 KEY_ID, SECRET = "AKIDSIMULATED0000001", "c2ltdWxhdGVkLXNlY3JldC1rZXk"
@@ -422,6 +424,36 @@ def test_a_throttled_stream_is_interrupted_and_a_throttled_request_is_an_upstrea
         sdk(gw).chat.completions.create(model="chat-bedrock", max_tokens=4,
                                         messages=[{"role": "user", "content": "throttled json"}])
     assert e.value.status_code == 502 and e.value.code == "upstream_error"  # type: ignore[attr-defined]
+
+
+@pytest.mark.e2e
+def test_a_bedrock_stream_is_translated_in_envoy_and_metered(gw: Stack, provider: str) -> None:
+    """A lone Bedrock candidate's AWS event stream is read by Envoy's Lua filter (extproc/direct.py,
+    llmgw/lua/eventstream.lua), with no attempt-filter stream: whole, it ends with [DONE] and is
+    metered at the provider's usage; a message whose CRC does not match, or an end before the metadata
+    event, reaches the client as `stream_interrupted`."""
+    before = attempts_through_the_filter(gw, "bedrock-sim")
+
+    def stream(content: str) -> tuple[str, bytes]:
+        r = request(f"{gw.url}/v1/chat/completions", "POST", {
+            "model": "chat-bedrock", "max_tokens": 5, "stream": True,
+            "messages": [{"role": "user", "content": content}]},
+            {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30)
+        assert r.status == 200 and r.headers["content-type"] == "text/event-stream", r.body[:200]
+        return r.headers["x-request-id"], r.body
+
+    rid, body = stream("a raw bedrock stream")
+    assert body.rstrip().endswith(b"data: [DONE]") and b'"usage"' not in body
+    entry = ledger_of(gw, rid, "acme")
+    assert (entry["termination"], entry["settlement"], entry["usage"]["completion_tokens"]) == ("complete", "actual", 5)
+    for fault in ("malformed_after=2", "end_after=2"):
+        request(f"{provider}/admin/faults", "POST", {"fault": fault, "count": 1, "match": f"broken {fault}"})
+        rid, body = stream(f"broken {fault}")
+        events = [e for e in body.decode().split("\n\n") if e.startswith("data: ")]
+        assert json.loads(events[-1][6:])["error"]["code"] == "stream_interrupted" and b"[DONE]" not in body, fault
+        assert ledger_of(gw, rid, "acme")["termination"] == "stream_interrupted", fault
+    time.sleep(1)  # long enough for the metric to show an attempt, had there been one
+    assert attempts_through_the_filter(gw, "bedrock-sim") == before
 
 
 UNSUPPORTED = [f for f, rule in LOSS_TABLE.items() if rule is Support.UNSUPPORTED]

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lupa import luajit21
 
+from enginesim import eventstream
 from extproc.adapters import bedrock, gemini
 from extproc.adapters.anthropic import ANTHROPIC, STOP_REASONS
 from extproc.adapters.base import Adapter, UpstreamBroken
@@ -466,12 +467,82 @@ def test_a_gemini_stream_ends_with_its_usage_and_done_on_the_last_frame(lua: Any
                                 "completion_tokens_details": {"reasoning_tokens": 2}} and last[1] == "[DONE]"
 
 
+@st.composite
+def bedrock_streams(draw: st.DrawFn) -> list[tuple[str, dict[str, Any]]]:
+    """ConverseStream's events, as Bedrock sends them: text, reasoning and tool-use blocks (a tool's input
+    as pieces of its JSON), the stop reason, then the metadata event with the usage."""
+    events: list[tuple[str, dict[str, Any]]] = [("messageStart", {"role": "assistant"})]
+    for i, kind in enumerate(draw(st.lists(st.sampled_from(["text", "reasoning", "tool"]), max_size=4))):
+        if kind == "tool":
+            events.append(("contentBlockStart", {"contentBlockIndex": i, "start": {
+                "toolUse": {"toolUseId": draw(text), "name": draw(text)}}}))
+            args = json.dumps(draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
+            cuts = sorted(draw(st.lists(st.integers(0, len(args)), max_size=3)))
+            events += [("contentBlockDelta", {"contentBlockIndex": i, "delta": {"toolUse": {"input": args[a:b]}}})
+                       for a, b in zip([0, *cuts], [*cuts, len(args)], strict=True)]
+        else:
+            events += [("contentBlockDelta", {"contentBlockIndex": i, "delta": {"text": t} if kind == "text" else {
+                "reasoningContent": {"text": t}}}) for t in draw(st.lists(text, max_size=3))]
+        events.append(("contentBlockStop", {"contentBlockIndex": i}))
+    events.append(("messageStop", {"stopReason": draw(st.sampled_from([*bedrock.STOP_REASONS, "something_new"]))}))
+    usage = draw(st.fixed_dictionaries({"inputTokens": st.integers(0, 10**6), "outputTokens": st.integers(0, 10**6)},
+                                       optional={"cacheReadInputTokens": counts, "cacheWriteInputTokens": counts}))
+    events.append(("metadata", {"usage": usage, "metrics": {"latencyMs": 9}}))
+    return events
+
+
+def without_ids(events: list[Any]) -> list[Any]:
+    """Bedrock's chunks: Python names them at random, the Lua filter after the request."""
+    for e in events:
+        if isinstance(e, dict):
+            assert e.pop("id", None) is not None or "interrupted" in e
+    return events
+
+
+@settings(max_examples=200, deadline=None)
+@given(bedrock_streams(), st.lists(st.integers(0, 4000), max_size=6),
+       st.sampled_from(["whole", "cut", "throttled", "after", "crc", "half", "stray", "unstopped"]),
+       st.integers(1, 30))
+def test_the_lua_bedrock_stream_translation_is_the_python_adapters(lua: Any, events: list[tuple[str, dict[str, Any]]],
+                                                                  cuts: list[int], ending: str, at: int) -> None:
+    frames = [eventstream.event(kind, doc) for kind, doc in events]
+    if ending == "cut":  # the provider's stream ends before its metadata event
+        frames = frames[:-1]
+    elif ending == "throttled":  # an exception message mid-stream; what follows it never reaches the client
+        at = min(at, len(frames) - 1)
+        frames = [*frames[:at], eventstream.exception("throttlingException", "Too many tokens"), *frames[at:]]
+    elif ending == "unstopped":  # the metadata event without messageStop before it
+        frames = [*frames[:-2], frames[-1]]
+    elif ending == "stray":  # a tool input's piece for a block that never started
+        at = min(at, len(frames) - 2)
+        frames.insert(at, eventstream.event("contentBlockDelta", {"contentBlockIndex": 99, "delta": {
+            "toolUse": {"input": "{"}}}))
+    elif ending == "after":  # an event after the metadata
+        frames.append(eventstream.event("contentBlockStop", {"contentBlockIndex": 0}))
+    elif ending == "crc":  # a message whose CRC does not match
+        frames[-1] = frames[-1][:-1] + bytes([frames[-1][-1] ^ 1])
+    elif ending == "half":  # the stream ends inside a message
+        frames.append(frames[0][:9])
+    data = b"".join(frames)
+    chunks = split(data, cuts)
+    out, headers = lua_stream(lua, chunks, "bedrock")
+    assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
+    got = events_of(out)
+    assert all(e["id"] == f"chatcmpl-{REQUEST_ID}" for e in got if isinstance(e, dict) and "id" in e)
+    assert without_ids(got) == without_ids(events_of(python_stream(chunks, bedrock.BEDROCK)))
+    if ending == "whole":
+        assert got[-1] == "[DONE]" and "usage" in got[-2]
+    else:
+        assert got[-1] == {"interrupted": "stream_interrupted"}
+
+
 sse_ish = st.text(alphabet='{}[]":,0123456789.e-truefalsnl \\u\r\n', max_size=60).map(
     lambda t: f"data: {t}\n\n".encode())
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.binary(min_size=1, max_size=80) | sse_ish, max_size=5), st.sampled_from(["anthropic", "gemini"]))
+@given(st.lists(st.binary(min_size=1, max_size=80) | sse_ish, max_size=5),
+       st.sampled_from(["anthropic", "gemini", "bedrock"]))
 def test_any_stream_bytes_end_finished_or_interrupted_and_never_a_script_error(lua: Any, chunks: list[bytes],
                                                                                 shape: str) -> None:
     out, _ = lua_stream(lua, chunks, shape)  # a script error raises here
@@ -496,11 +567,19 @@ def test_an_event_after_the_stop_breaks_the_stream_as_in_the_adapter(lua: Any) -
     assert got[-2:] == ["[DONE]", {"interrupted": "stream_interrupted"}] and got == events_of(python_stream(chunks))
 
 
-@pytest.mark.parametrize("tokens", [b"-5", b"1e300", b"9007199254740993e3", b'"7"', b"true", b"{}"])
-def test_a_count_no_provider_would_give_is_a_broken_answer(lua: Any, tokens: bytes) -> None:
+COUNTED = {  # each shape's answer with its first count to be filled in
+    "anthropic": b'{"type":"message","content":[],"usage":{"input_tokens":%s,"output_tokens":1}}',
+    "gemini": b'{"candidates":[],"usageMetadata":{"promptTokenCount":%s}}',
+    "bedrock": b'{"output":{"message":{"content":[]}},"usage":{"inputTokens":%s,"outputTokens":1}}'}
+
+
+@pytest.mark.parametrize("shape", COUNTED)
+@pytest.mark.parametrize("tokens", [b"-5", b"2.5", b"1e300", b"9007199254740993e3", b'"7"', b"true", b"{}"])
+def test_a_count_no_provider_would_give_is_a_broken_answer(lua: Any, shape: str, tokens: bytes) -> None:
     """In Lua and in the Python adapter alike (the attempt filter's path, and the doors')."""
-    body = b'{"type":"message","content":[],"usage":{"input_tokens":' + tokens + b',"output_tokens":1}}'
-    out, headers = answer(lua, body)
+    body = COUNTED[shape] % tokens
+    out, headers = answer(lua, body, shape=shape)
     assert headers[":status"] == "502" and json.loads(out or b"")["error"]["code"] == "upstream_error"
     with pytest.raises(UpstreamBroken):
-        ANTHROPIC.response(200, body)
+        SHAPES[shape][1].response(200, body)
+    assert answer(lua, COUNTED[shape] % b"5", shape=shape)[1][":status"] == "200"  # a count is one

@@ -29,19 +29,24 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, dict[s
     tmp = tmp_path_factory.mktemp("fuzz")
     anthropic, a_url = simulated_provider("anthropic", "claude-sim-1", "sk-fuzz-a", tmp / "a.log")
     gemini, g_url = simulated_provider("gemini", "gemini-sim-1", "sk-fuzz-g", tmp / "g.log")
+    bedrock_key = "AKIDFUZZ000000000001:fuzz-secret"
+    bedrock, b_url = simulated_provider("bedrock", "bedrock-sim-1", bedrock_key, tmp / "b.log")
     policy = tmp / "policy"
     shutil.copytree(POLICY, policy)
     add_anthropic_route(policy, a_url.removeprefix("http://"), "sk-fuzz-a")
     add_provider_route(policy, "gemini-sim", "gemini@1", "gemini-api@v1beta", "gemini-sim-1",
                        g_url.removeprefix("http://"), "sk-fuzz-g", "chat-gemini")
+    add_provider_route(policy, "bedrock-sim", "bedrock@1", "bedrock-converse@2023-09-30", "bedrock-sim-1",
+                       b_url.removeprefix("http://"), bedrock_key, "chat-bedrock", options={"region": "eu-central-1"})
     s = start_stack(tmp / "state", policy)
-    yield s, {"chat-anthropic": a_url, "chat-gemini": g_url}
+    yield s, {"chat-anthropic": a_url, "chat-gemini": g_url, "chat-bedrock": b_url}
     s.stop()
     anthropic.stop()
     gemini.stop()
+    bedrock.stop()
 
 
-@pytest.mark.parametrize("route", ["chat-anthropic", "chat-gemini"])
+@pytest.mark.parametrize("route", ["chat-anthropic", "chat-gemini", "chat-bedrock"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_random_bytes_from_a_provider_never_look_like_an_answer(gw: tuple[Stack, dict[str, str]], route: str,
                                                                 stream: bool) -> None:
@@ -72,12 +77,12 @@ def test_random_bytes_from_a_provider_never_look_like_an_answer(gw: tuple[Stack,
 
 def test_the_fuzz_left_no_traceback(gw: tuple[Stack, dict[str, str]]) -> None:
     """Runs after the fuzz in this module: the ext_proc log holds no traceback, Envoy's no error of a
-    Lua filter's script (the answer filter read Anthropic's and Gemini's answers, and Anthropic's
-    streams), and both outcomes were reached (a translated stream can break before or after its first
-    byte)."""
+    Lua filter's script (the answer filter read every shape's answers and streams), and both outcomes
+    were reached (a translated stream can break before or after its first byte)."""
     stack, _ = gw
     logs = {f.name: f.read_text(errors="replace") for f in Path(stack.logs).glob("extproc-*.log")}
     assert not [name for name, text in logs.items() if "Traceback" in text], logs
     envoy = (Path(stack.logs) / "envoy.log").read_text(errors="replace")
     assert not [line for line in envoy.splitlines() if "[lua]" in line], envoy[-2000:]
-    assert OUTCOMES["502"] >= len(SEEDS) * 2 and sum(OUTCOMES.values()) == len(SEEDS) * 4, OUTCOMES
+    routes = 3  # each with JSON and streams
+    assert OUTCOMES["502"] >= len(SEEDS) * routes and sum(OUTCOMES.values()) == len(SEEDS) * routes * 2, OUTCOMES

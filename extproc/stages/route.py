@@ -267,7 +267,7 @@ class RouteSelection:
         # translates: translated here, its own cluster (extproc/direct.py). Several qualified (or one
         # that needs its credential or translation otherwise): the composite cluster of exactly these,
         # tried in the route's order, behind the attempt filter.
-        here = (len(ex.candidates) == 1 and decision_translates(dep, ex.stream) and not ex.door and not ex.shadow
+        here = (len(ex.candidates) == 1 and decision_translates(dep) and not ex.door and not ex.shadow
                 and ex.settled_by() in (Settle.ACCESS_LOG, Settle.STREAM))
         ex.cluster = (composite_name(serving.route_contract, qualified)
                       if uses_attempt_filter(ex.candidates) and not here else snap.pool_of(dep))

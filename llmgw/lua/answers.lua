@@ -213,6 +213,18 @@ local function gemini(body, model, request_id)
                     usage_json(prompt, cached, output, reasoning_tokens), refusal)
 end
 
+-- Bedrock's usage (extproc/adapters/bedrock.py `_usage`): prompt tokens (cache reads and writes
+-- included), cache reads, output; nil when its two counts are not there or a count is not one.
+local function bedrock_usage(usage)
+  if not is_object(usage) or type(usage.inputTokens) ~= "number" or type(usage.outputTokens) ~= "number" then
+    return nil
+  end
+  local input, read, written, output = count(usage.inputTokens), count(usage.cacheReadInputTokens),
+    count(usage.cacheWriteInputTokens), count(usage.outputTokens)
+  if input == nil or read == nil or written == nil or output == nil then return nil end
+  return input + read + written, read, output
+end
+
 -- Bedrock's Converse answer (extproc/adapters/bedrock.py `completion`), named after the request's id.
 local BEDROCK_STOP = CONFIG.bedrock_stop
 local function bedrock(body, model, request_id)
@@ -220,8 +232,7 @@ local function bedrock(body, model, request_id)
   if not is_object(doc) or doc.output == nil then return nil end
   local message = is_object(doc.output) and doc.output.message
   local content = is_object(message) and message.content
-  local usage = doc.usage
-  if not is_array(content) or not is_object(usage) then return nil end
+  if not is_array(content) then return nil end
   local text, reasoning, calls = {}, {}, {}
   for _, block in ipairs(content) do
     if not is_object(block) then return nil end
@@ -241,12 +252,10 @@ local function bedrock(body, model, request_id)
       reasoning[#reasoning + 1] = t
     end
   end
-  if type(usage.inputTokens) ~= "number" or type(usage.outputTokens) ~= "number" then return nil end
-  local input, read, written, output = count(usage.inputTokens), count(usage.cacheReadInputTokens),
-    count(usage.cacheWriteInputTokens), count(usage.outputTokens)
-  if read == nil or written == nil then return nil end
+  local prompt, read, output = bedrock_usage(doc.usage)
+  if prompt == nil then return nil end
   local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
-  return completion(request_id, model, text, reasoning, calls, stop, usage_json(input + read + written, read, output, 0))
+  return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0))
 end
 
 -- A hosted OpenAI-shaped server's answer is already the internal shape: checked, passed as it came.
@@ -402,6 +411,89 @@ local function gemini_end(st, out)
   return true
 end
 
+-- Bedrock's ConverseStream, one event at a time (extproc/adapters/bedrock.py `BedrockStream`): a tool
+-- call's input arrives as pieces of JSON and leaves as argument deltas of its call index; the usage
+-- and [DONE] come with the metadata event, after messageStop, and nothing may follow it. Its chunks
+-- are named after the request's id.
+local function bedrock_event(st, kind, doc, out)
+  if st.ended then return false end
+  st.id = st.request_id
+  if kind == "messageStart" then
+    out[#out + 1] = chunk(st, '{"role":"assistant","content":""}')
+  elseif kind == "contentBlockStart" then
+    local use = is_object(doc.start) and doc.start.toolUse
+    if not is_object(use) or type(use.toolUseId) ~= "string" or type(use.name) ~= "string"
+        or type(doc.contentBlockIndex) ~= "number" then
+      return false
+    end
+    local n = st.ncalls
+    st.calls[doc.contentBlockIndex], st.ncalls = n, n + 1
+    out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"id":"', use.toolUseId,
+                                     '","type":"function","function":{"name":"', use.name, '","arguments":""}}]}'}))
+  elseif kind == "contentBlockDelta" then
+    local delta = doc.delta
+    if not is_object(delta) then return false end
+    if delta.text ~= nil then
+      if type(delta.text) ~= "string" then return false end
+      out[#out + 1] = chunk(st, '{"content":"' .. delta.text .. '"}')
+    elseif delta.toolUse ~= nil then
+      local n = type(doc.contentBlockIndex) == "number" and st.calls[doc.contentBlockIndex]
+      local use = delta.toolUse
+      if not n or not is_object(use) or type(use.input) ~= "string" then return false end
+      out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"function":{"arguments":"',
+                                       use.input, '"}}]}'}))
+    elseif delta.reasoningContent ~= nil then
+      local said = is_object(delta.reasoningContent) and delta.reasoningContent
+      local t = said and text_of(said.text, "")
+      if not t then return false end
+      out[#out + 1] = chunk(st, '{"reasoning":"' .. t .. '"}')
+    end
+  elseif kind == "messageStop" then
+    st.stopped = true
+    out[#out + 1] = chunk(st, "{}", type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop")
+  elseif kind == "metadata" then
+    if not st.stopped then return false end
+    local prompt, read, output = bedrock_usage(doc.usage)
+    if prompt == nil then return false end
+    st.ended = true
+    out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(prompt, read, output, 0), "}\n\n",
+                            "data: [DONE]\n\n"})
+  end
+  return true  -- contentBlockStop, and what the API adds later: nothing to carry
+end
+
+-- The end of a Bedrock stream: the metadata event said it all, and no message was left half-sent.
+local function bedrock_end(st, out, pending)
+  return st.ended and pending == ""
+end
+
+-- Each stream shape's reader: handles the first whole event of `pending` (its chunks added to `out`)
+-- and returns what is left after it; nil while no event is whole; false when the event breaks the
+-- stream. SSE events (Anthropic's, Gemini's): an event without data is a comment, passed over.
+local function sse_reader(event)
+  return function(st, pending, out)
+    local e = event_end(pending)
+    if e == nil then return nil end
+    local data = event_data(sub(pending, 1, e))
+    if data ~= nil then
+      local doc = decode_all(data)
+      st.data = data  -- (a call's arguments are a span of it)
+      if not is_object(doc) or not event(st, doc, out) then return false end
+    end
+    return sub(pending, e + 1)
+  end
+end
+
+-- AWS event-stream messages (Bedrock's): an exception message (throttling, ...) breaks the stream.
+local function bedrock_reader(st, pending, out)
+  local headers, payload, length = eventstream_message(pending, CONFIG.max_event_bytes)
+  if not headers then return headers end
+  if headers[":message-type"] ~= "event" then return false end
+  local doc = decode_all(payload ~= "" and payload or "{}")
+  if not is_object(doc) or not bedrock_event(st, headers[":event-type"] or "", doc, out) then return false end
+  return sub(pending, length + 1)
+end
+
 -- A 2xx stream of a shape translated here: every chunk's complete events translated as they come (the
 -- start of one still arriving is held back); at a break - an event that does not parse or breaks the
 -- shape, one over the size bound, an end the shape's own `finish` does not accept - what was
@@ -410,8 +502,9 @@ end
 -- stream guard after this.
 local function translate_stream(h, model, request_id, shape)
   local st = {id = "", model = model, request_id = request_id, created = format("%d", time()), calls = {},
-              ncalls = 0, prompt = 0, cached = 0, output = 0, reasoning = 0, stopped = false, started = false}
-  local event, finish = shape.event, shape.finish
+              ncalls = 0, prompt = 0, cached = 0, output = 0, reasoning = 0, stopped = false, started = false,
+              ended = false}
+  local read, finish = shape.read, shape.finish
   local pending, broken = "", false
   for piece in h:bodyChunks() do
     local n = piece:length()
@@ -421,20 +514,17 @@ local function translate_stream(h, model, request_id, shape)
       local out = {}
       pending = pending .. (n > 0 and piece:getBytes(0, n) or "")
       while true do
-        local e = event_end(pending)
-        if e == nil then break end
-        local data = event_data(sub(pending, 1, e))
-        pending = sub(pending, e + 1)
-        if data ~= nil then
-          local doc = decode_all(data)
-          st.data = data  -- (a call's arguments are a span of it)
-          if not is_object(doc) or not event(st, doc, out) then
-            broken = true
-            break
-          end
+        local rest = read(st, pending, out)
+        if rest == nil then break end
+        if rest == false then
+          broken = true
+          break
         end
+        pending = rest
       end
-      if not broken and (#pending > CONFIG.max_event_bytes or (n == 0 and not finish(st, out))) then broken = true end
+      if not broken and (#pending > CONFIG.max_event_bytes or (n == 0 and not finish(st, out, pending))) then
+        broken = true
+      end
       if broken then out[#out + 1] = CONFIG.interrupted end
       local text = concat(out)
       if text == "" and n > 0 then text = CONFIG.keepalive end
@@ -444,8 +534,9 @@ local function translate_stream(h, model, request_id, shape)
   end
 end
 
-local TRANSLATE_STREAM = {anthropic = {event = anthropic_event, finish = anthropic_end},
-                          gemini = {event = gemini_event, finish = gemini_end}}
+local TRANSLATE_STREAM = {anthropic = {read = sse_reader(anthropic_event), finish = anthropic_end},
+                          gemini = {read = sse_reader(gemini_event), finish = gemini_end},
+                          bedrock = {read = bedrock_reader, finish = bedrock_end}}
 
 local TRANSLATE = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
 

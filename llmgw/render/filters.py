@@ -239,15 +239,15 @@ def _lua_table(values: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"[ {_lua_string(k)} ] = {_lua_string(v)}" for k, v in values.items()) + "}"
 
 
-def _lua_script(script: str, config: Mapping[str, str]) -> str:
+def _lua_script(script: str, config: Mapping[str, str], helpers: tuple[str, ...] = ()) -> str:
     """A Lua filter's source: its CONFIG (`config`'s Lua expressions, with the metadata namespace, the
     io.llmgw key names from extproc/names.py and the SSE event size bound), the JSON and SSE helpers
-    (llmgw/lua/json.lua, sse.lua), then the script."""
+    (llmgw/lua/json.lua, sse.lua) and any other `helpers`, then the script."""
     keys = ", ".join(f"{k.name.lower()} = {_lua_string(k.value)}" for k in Key)
     fields = "".join(f", {name} = {value}" for name, value in config.items())
     return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, max_event_bytes = {MAX_EVENT_BYTES}"
             f"{fields},\n  keys = {{{keys}}}}}\n"
-            + "".join((LUA_DIR / name).read_text() for name in ("json.lua", "sse.lua", script)))
+            + "".join((LUA_DIR / name).read_text() for name in ("json.lua", "sse.lua", *helpers, script)))
 
 
 def stream_guard_lua() -> str:
@@ -269,15 +269,17 @@ LUA_ANSWERS = "llmgw.lua_answers"
 
 
 def answers_lua() -> str:
-    """The Lua answer filter's source (llmgw/lua/answers.lua), with each shape's stop reasons from its
-    adapter and the contract's 502 for an answer that does not parse."""
+    """The Lua answer filter's source (llmgw/lua/answers.lua, with llmgw/lua/eventstream.lua for
+    Bedrock's streams), with each shape's stop reasons from its adapter and the contract's 502 for an
+    answer that does not parse."""
     broken = GatewayError(ErrorCode.UPSTREAM_ERROR, "the provider's answer is broken").body()
     return _lua_script("answers.lua", {
         "loss_header": _lua_string(TRANSLATION_LOSS_HEADER), "degraded_header": _lua_string(DEGRADED_HEADER),
         "broken": _lua_string(broken.decode()), "anthropic_stop": _lua_table(anthropic.STOP_REASONS),
         "interrupted": _lua_string(interrupted_event("the provider's stream broke").decode()),
         "keepalive": _lua_string(KEEPALIVE.decode()),
-        "gemini_finish": _lua_table(gemini.FINISH_REASONS), "bedrock_stop": _lua_table(bedrock.STOP_REASONS)})
+        "gemini_finish": _lua_table(gemini.FINISH_REASONS), "bedrock_stop": _lua_table(bedrock.STOP_REASONS)},
+        helpers=("eventstream.lua",))
 
 
 def lua_answers() -> lua_pb2.Lua:

@@ -50,11 +50,10 @@ def _no_lua_answers() -> dict[str, any_pb2.Any]:
     return {LUA_ANSWERS: pack(lua_pb2.LuaPerRoute(disabled=True))}
 
 
-def direct_clusters(snap: Snapshot, stream: bool = False) -> dict[str, tuple[str, ...]]:
-    """The clusters of deployments the decision may translate for (extproc/direct.py; their streams,
-    with `stream`), each with the headers its shape sets: their JSON (stream) route runs the Lua answer
-    filter."""
-    return {snap.pool_of(d): shape_headers(d) for d in snap.deployments.values() if decision_translates(d, stream)}
+def direct_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
+    """The clusters of deployments the decision may translate for (extproc/direct.py), each with the
+    headers its shape sets: their JSON and stream routes run the Lua answer filter."""
+    return {snap.pool_of(d): shape_headers(d) for d in snap.deployments.values() if decision_translates(d)}
 
 
 def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
@@ -90,7 +89,8 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
                                             value=string_value_matcher(value))
     shadowed = shadowed_clusters(snap, clusters)
-    translated_here = {Settle.ACCESS_LOG: direct_clusters(snap), Settle.STREAM: direct_clusters(snap, stream=True)}
+    lua_answered = direct_clusters(snap)
+    translated_here = {Settle.ACCESS_LOG: lua_answered, Settle.STREAM: lua_answered}
     for cluster in clusters:
         for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
             # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
