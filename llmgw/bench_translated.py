@@ -6,7 +6,7 @@ request translated by the decision, its answer - JSON or stream - by Envoy's Lua
 extproc/direct.py) - and the Anthropic front door (`/v1/messages`) to the pool (the door
 filter translates the answer and the stream for the client). A second engine of the same profile
 speaks Bedrock's Converse (`chat-bedrock`: translated and SigV4 signed the same way, its AWS event
-stream read back by the attempt filter), a third Gemini's generateContent (`chat-gemini`: its JSON and
+stream read back by the Lua filter too), a third Gemini's generateContent (`chat-gemini`: its JSON and
 its SSE stream translated by the Lua filter). All budgeted, same request.
 
 - JSON at concurrency 1, wrk in alternating rounds: p50 and the CPU per request of ext_proc and of
