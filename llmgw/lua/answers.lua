@@ -2,7 +2,7 @@
 -- candidate of another API shape (extproc/direct.py) passes here, with no round trip to ext_proc.
 -- The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names from
 -- extproc/names.py, each shape's stop reasons from its adapter, the contract's 502 body and
--- `stream_interrupted` event) and llmgw/lua/json.lua and sse.lua.
+-- `stream_interrupted` event) and llmgw/lua/json.lua, sse.lua and eventstream.lua.
 --
 -- - Request: the headers the provider's shape needs (`:path`, its key, its version header, Bedrock's
 --   authority and signature), which the decision left in the request's metadata, are set - after the
@@ -11,7 +11,8 @@
 -- - Answer: a 2xx answer is read whole and written as the internal chat completion (what the shape's
 --   adapter in extproc/adapters/ makes of it), before json_to_metadata reads its usage for settlement;
 --   one that does not parse or is not the shape's answer becomes the contract's 502 `upstream_error`.
---   A 2xx stream (Anthropic's) is translated chunk by chunk before the Lua stream guard reads it.
+--   A 2xx stream (Anthropic's and Gemini's SSE, Bedrock's AWS event stream: llmgw/lua/eventstream.lua)
+--   is translated chunk by chunk before the Lua stream guard reads it.
 --   Error statuses pass: custom_response has already put them in the contract's shape. What the
 --   translation lost is named in x-llmgw-translation-loss.
 
@@ -193,7 +194,8 @@ local function gemini(body, model, request_id)
     for _, part in ipairs(parts) do
       if not is_object(part) then return nil end
       if part.functionCall ~= nil then
-        local call = gemini_call(part.functionCall, "call_" .. (rid ~= "" and rid or request_id) .. "_" .. #calls, body)
+        local named_after = rid ~= "" and rid or request_id
+        local call = gemini_call(part.functionCall, "call_" .. named_after .. "_" .. #calls, body)
         if call == nil then return nil end
         calls[#calls + 1] = call
       elseif part.thought == true then
