@@ -405,6 +405,8 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                            answered=common.HasField("time_to_first_upstream_rx_byte"),
                                            prompt_bound=prompt_bound)
             source = "estimated" if usage else source
+            if attr(md, Key.ANSWER_BROKEN):  # a 2xx the gateway could not read: the work was done
+                failed = "ambiguous"
         usage, source = believed(usage, source)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}

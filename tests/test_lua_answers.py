@@ -223,6 +223,9 @@ def test_an_answer_that_is_not_a_message_is_the_contracts_502(lua: Any, body: by
     out, headers = answer(lua, body)
     assert headers[":status"] == "502" and headers["content-type"] == "application/json"
     assert json.loads(out or b"")["error"]["code"] == "upstream_error"
+    meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.REQUEST_ID: REQUEST_ID}
+    sets = lua.globals().run_response(_table(lua, meta), _table(lua, {":status": "200"}), body)[2]
+    assert dict(sets.items()) == {Key.ANSWER_BROKEN.encode(): b"1"}  # settlement: the provider did the work
     with pytest.raises(UpstreamBroken):
         ANTHROPIC.response(200, body)
 

@@ -60,6 +60,8 @@ def test_random_bytes_from_a_provider_never_look_like_an_answer(gw: tuple[Stack,
             assert r.status == 502 and r.json()["error"]["code"] == "upstream_error", (seed, r.body[:200])
             rid = r.headers["x-request-id"]
             OUTCOMES["502"] += 1
+            # The provider answered 200: what it was asked is charged in full, never released.
+            assert ledger_of(stack, rid, "acme")["settlement"] == "ambiguous", seed
         else:
             status, rid, raw = stream_raw(f"{stack.url}/v1/chat/completions", body, headers, timeout=10)
             if status == 502:  # broken before anything was translated: nothing reached the client

@@ -570,6 +570,7 @@ function envoy_on_response(h)
   if out == nil then
     headers:replace(":status", "502")
     out = CONFIG.broken
+    h:streamInfo():dynamicMetadata():set(NS, K.answer_broken, "1")  -- settlement: charged, never released
   end
   if body then body:setBytes(out) end
 end
