@@ -23,7 +23,6 @@ class Role(StrEnum):
     ATTEMPT = "attempt"  # upstream filter of a fallback route, once per attempt
     STREAMS = "streams"  # the stream guard: every chunk of a streamed answer
     METER = "meter"  # idempotent JSON answers: recorded for replay before the client has them
-    DOOR = "door"  # a front door's answers, streams and errors, in the caller's shape
 
 
 class ErrorCode(StrEnum):

@@ -60,8 +60,9 @@ class Key(StrEnum):
     USAGE_CACHED = "usage_cached"
     STREAM_CHUNKS = "stream_chunks"
     STREAM_END = "stream_end"  # a StreamEnd value; absent: Envoy cut the stream
-    # "1": the Lua answer filter found a provider's 2xx answer broken and answered the contract's 502
-    # instead - the provider did the work it was asked: settled as an ambiguous outcome, never released.
+    # "1": a Lua filter found a 2xx answer broken (the answer filter: a provider's; the door filter: one
+    # the door cannot carry) and answered 502 instead - the upstream did the work it was asked: settled
+    # as an ambiguous outcome, never released.
     ANSWER_BROKEN = "answer_broken"
 
 

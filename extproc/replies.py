@@ -105,7 +105,7 @@ def degraded_body(route: str, text: str, request_id: str, created: int, stream: 
 
 def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
     """The route's fixed degraded answer (degraded_body). A front door's caller gets it in its own shape
-    from the door filter, which translates every answer on the way out."""
+    from the Lua door filter, which translates every answer on the way out."""
     assert ex.route is not None
     options = ex.body.get("stream_options")
     body = degraded_body(ex.route.route_contract, text, ex.request_id, int(time.time()), ex.stream,

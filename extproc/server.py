@@ -42,7 +42,6 @@ from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
 from extproc.contract import MODELS_PATH, ROLE_KEY, ErrorCode, GatewayError, Role
 from extproc.decisions import DecisionRecorder
-from extproc.door_filter import DoorFilter
 from extproc.doors import door_for
 from extproc.envoy_msgs import ATTRIBUTES, header_text
 from extproc.exchange import Exchange
@@ -124,7 +123,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         # (GET /status reports them).
         self.messages: collections.Counter[str] = collections.Counter()
         # gRPC metadata `x-llmgw-role` -> handler; no role: the decision filter.
-        self._roles: dict[str, Handler] = {Role.ATTEMPT: self.attempts.handle, Role.DOOR: DoorFilter().handle}
+        self._roles: dict[str, Handler] = {Role.ATTEMPT: self.attempts.handle}
         if self.guard is not None and self.meter is not None:
             self._roles |= {Role.STREAMS: self.guard.guard, Role.METER: self.meter.meter}
 

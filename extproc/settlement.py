@@ -399,14 +399,14 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             # A stream is complete only when the Lua stream guard saw its normal end; a stream it did
             # not guard reaches here only when Envoy cut it after it started (or it failed before).
             termination = termination_of(status, ended if stream else True)
-        failed = "released"
-        if usage is None and not 200 <= status < 300:
+        # A 2xx a Lua filter could not read or carry, answered as the contract's 502: the work was done.
+        broken = bool(attr(md, Key.ANSWER_BROKEN))
+        failed = "ambiguous" if broken else "released"
+        if usage is None and not 200 <= status < 300 and not broken:
             usage, failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
                                            answered=common.HasField("time_to_first_upstream_rx_byte"),
                                            prompt_bound=prompt_bound)
             source = "estimated" if usage else source
-            if attr(md, Key.ANSWER_BROKEN):  # a 2xx the gateway could not read: the work was done
-                failed = "ambiguous"
         usage, source = believed(usage, source)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}

@@ -45,18 +45,18 @@ from llmgw.render.clusters import fallback_clusters, outlier_detection, pool_clu
 from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
 from llmgw.render.errors import local_reply_config
 from llmgw.render.filters import (
-    DOOR_FILTER,
     EXTPROC_CLUSTER,
     FORWARDED_HEADERS,
     LUA_ANSWERS,
+    LUA_DOORS,
     LUA_STREAM_GUARD,
     METER_FILTER,
     STREAM_FILTER,
     UPSTREAM_HEADERS_FILTER,
-    door_filter,
     ext_proc_filter,
     header_mutation_filter,
     lua_answers,
+    lua_doors,
     lua_stream_guard,
     meter_filter,
     meters,
@@ -138,9 +138,9 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
         access_log=[*([stdout_access_log()] if access_log else []), *([settlement_log()] if meters(snap) else [])],
         http_filters=[
             http_filter("envoy.filters.http.header_mutation", header_mutation_filter()),
-            # Front doors (Anthropic's Messages API): off unless the door's path turned it on. Before
-            # the decision filter, so its answers, refusals and Envoy's own replies all pass it last.
-            http_filter(DOOR_FILTER, door_filter(snap), disabled=True),
+            # Front doors (Anthropic's Messages API, Gemini's generateContent): off unless the door's
+            # path turned it on. Before the decision filter, so its answers and refusals pass it last.
+            http_filter(LUA_DOORS, lua_doors(), disabled=True),
             http_filter("envoy.filters.http.ext_proc", ext_proc_filter(snap)),
             http_filter("envoy.filters.http.buffer", buffer_pb2.Buffer(
                 max_request_bytes=wrappers_pb2.UInt32Value(value=env.max_request_bytes))),

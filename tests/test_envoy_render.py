@@ -65,10 +65,11 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
     # with header mode SKIP the router would otherwise route (and dispatch) before the decision.
     # The upstream-headers mutation runs after the buffer, when ext_proc's metadata is set. The meter
     # and the stream guard sit after the buffer: they read their per-route switches on the route the
-    # decision selected. The door filter comes before the decision filter: on the way out it runs
+    # decision selected. The Lua door filter comes before the decision filter: on the way out it runs
     # last, after everything that reads the internal shape, and sees ext_proc's own refusals too.
     assert list(filters(rendered)) == [
-        "envoy.filters.http.header_mutation", "llmgw.door", "envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
+        "envoy.filters.http.header_mutation", "llmgw.lua_doors", "envoy.filters.http.ext_proc",
+        "envoy.filters.http.buffer",
         "llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "envoy.filters.http.json_to_metadata",
         # The Lua answer filter after the allow-list (it sets a translated request's headers) and
         # nearer the router than json_to_metadata (it translates the answer before its usage is read).
@@ -79,14 +80,23 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
 def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: dict[str, Any]) -> None:
     chain = {f["name"]: f for f in hcm(rendered)["http_filters"]}
     assert chain["llmgw.meter"]["disabled"] is True and chain["llmgw.streams"]["disabled"] is True
-    assert chain["llmgw.door"]["disabled"] is True
+    assert chain["llmgw.lua_doors"]["disabled"] is True
+    assert "default_source_code" not in chain["llmgw.lua_doors"]["typed_config"]  # a door's routes name it
     routes = {r["name"]: r for r in hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]}
-    # The door filter is on only for a front door's path (and the response filters with it).
+    # The door filter is on only for a front door's path and its door's admitted routes (and the
+    # response filters with it), running the door script.
     for name in ("anthropic", "gemini"):
         door = routes[f"{name}_without_body"]
         assert door["match"] == {"safe_regex": {"regex": BY_NAME[name].path}}
-        assert not door["typed_per_filter_config"]["llmgw.door"].get("disabled", False)
-    assert "llmgw.door" not in routes["chat_without_body"]["typed_per_filter_config"]
+        admitted = [r for r in routes.values()
+                    if r["name"].startswith("admitted_") and r["name"].endswith(f"_{name}")]
+        assert admitted
+        for r in (door, *admitted):
+            on = r["typed_per_filter_config"]["llmgw.lua_doors"]
+            assert not on.get("disabled", False) and on["config"]["name"] == "doors", r["name"]
+    assert not [r["name"] for r in routes.values() if "llmgw.lua_doors" in r.get("typed_per_filter_config", {})
+                and not r["name"].endswith(("_anthropic", "_gemini"))
+                and r["name"] not in ("anthropic_without_body", "gemini_without_body")]
     on = routes["chat_without_body"]["typed_per_filter_config"]
     assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "llmgw.lua_answers"} <= set(on)
     assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams", "llmgw.lua_streams"))

@@ -22,53 +22,7 @@ from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.names import Key
 from extproc.replies import DEGRADED_HEADER
 from llmgw.render.filters import answers_lua
-from tests.lua_harness import BODY_CHUNKS
-
-# Envoy's handle as the script uses it: metadata get/set in one namespace, the headers, and the whole
-# body (which may be replaced). Headers taken before body() are out of scope after it, as in Envoy.
-HARNESS = BODY_CHUNKS + """
-local function handle(md, hdrs, body)
-  local sets, out, epoch = {}, {body = body}, 0
-  local dm = {get = function(self, ns) return md end,
-              set = function(self, ns, k, v) sets[k] = v; md[k] = v end}
-  local si = {dynamicMetadata = function(self) return dm end}
-  local buf = body and {length = function(self) return #body end,
-                        getBytes = function(self, at, n) return string.sub(body, at + 1, at + n) end,
-                        setBytes = function(self, s) out.body = s end}
-  local h = {
-    streamInfo = function(self) return si end,
-    headers = function(self)
-      local mine = epoch
-      local function live() if mine ~= epoch then error("object used outside of proper scope") end end
-      return {get = function(self, k) live(); return hdrs[k] end,
-              replace = function(self, k, v) live(); hdrs[k] = v end,
-              remove = function(self, k) live(); hdrs[k] = nil end}
-    end,
-    body = function(self) epoch = epoch + 1; return buf end,
-  }
-  return h, sets, out
-end
-
-function run_response(md, hdrs, body)
-  local h, sets, out = handle(md, hdrs, body)
-  envoy_on_response(h)
-  return out.body, hdrs, sets
-end
-
-function run_stream(md, hdrs, chunks)
-  local h, sets = handle(md, hdrs, nil)
-  local outs = {}
-  h.bodyChunks = function(self) return body_chunks(chunks, outs) end
-  envoy_on_response(h)
-  return outs, hdrs
-end
-
-function run_request(md, hdrs)
-  local h, sets = handle(md, hdrs, nil)
-  envoy_on_request(h)
-  return hdrs, sets
-end
-"""
+from tests.lua_harness import HARNESS, lua_table
 
 MODEL = "claude-sim-1"
 REQUEST_ID = "5f0c2a9e-request"
@@ -82,17 +36,13 @@ def lua() -> Any:
     return runtime
 
 
-def _table(lua: Any, d: dict[str, Any]) -> Any:
-    return lua.table_from({k.encode(): (_table(lua, v) if isinstance(v, dict) else v.encode()) for k, v in d.items()})
-
-
 def answer(lua: Any, body: bytes | None, *, status: str = "200", shape: str = "anthropic",
            md: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> tuple[
         bytes | None, dict[str, str]]:
     """What the client gets: the body and the response headers."""
     meta = {Key.ANSWER_SHAPE: shape, Key.ANSWER_MODEL: MODEL, Key.REQUEST_ID: REQUEST_ID, **(md or {})}
     hdrs = {":status": status, "content-type": "application/json; charset=utf-8", **(headers or {})}
-    out, got, _ = lua.globals().run_response(_table(lua, meta), _table(lua, hdrs), body)
+    out, got, _ = lua.globals().run_response(lua_table(lua, meta), lua_table(lua, hdrs), body)
     return out, {k.decode(): v.decode() for k, v in got.items()}
 
 
@@ -224,7 +174,7 @@ def test_an_answer_that_is_not_a_message_is_the_contracts_502(lua: Any, body: by
     assert headers[":status"] == "502" and headers["content-type"] == "application/json"
     assert json.loads(out or b"")["error"]["code"] == "upstream_error"
     meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.REQUEST_ID: REQUEST_ID}
-    sets = lua.globals().run_response(_table(lua, meta), _table(lua, {":status": "200"}), body)[2]
+    sets = lua.globals().run_response(lua_table(lua, meta), lua_table(lua, {":status": "200"}), body)[2]
     assert dict(sets.items()) == {Key.ANSWER_BROKEN.encode(): b"1"}  # settlement: the provider did the work
     with pytest.raises(UpstreamBroken):
         ANTHROPIC.response(200, body)
@@ -262,11 +212,11 @@ def test_error_statuses_and_the_degraded_answer_pass_untouched_and_the_loss_is_n
 
 def test_the_request_gets_the_shapes_headers_and_the_metadata_keeps_no_credential(lua: Any) -> None:
     native = {":path": "/v1/messages", "x-api-key": "sk-secret", "anthropic-version": "2023-06-01"}
-    hdrs, sets = lua.globals().run_request(_table(lua, {Key.UPSTREAM_HEADERS: native}),
-                                           _table(lua, {":path": "/v1/chat/completions", "x-api-key": "client"}))
+    hdrs, sets = lua.globals().run_request(lua_table(lua, {Key.UPSTREAM_HEADERS: native}),
+                                           lua_table(lua, {":path": "/v1/chat/completions", "x-api-key": "client"}))
     assert {k.decode(): v.decode() for k, v in hdrs.items()} == native
     assert {k.decode(): v for k, v in sets.items()} == {Key.UPSTREAM_HEADERS: b""}
-    untouched, sets = lua.globals().run_request(_table(lua, {}), _table(lua, {":path": "/v1/chat/completions"}))
+    untouched, sets = lua.globals().run_request(lua_table(lua, {}), lua_table(lua, {":path": "/v1/chat/completions"}))
     assert dict(untouched.items()) == {b":path": b"/v1/chat/completions"} and not dict(sets.items())
 
 
@@ -318,7 +268,7 @@ def lua_stream(lua: Any, chunks: list[bytes], shape: str = "anthropic") -> tuple
     the end of the stream)."""
     meta = {Key.ANSWER_SHAPE: shape, Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1", Key.REQUEST_ID: REQUEST_ID}
     hdrs = {":status": "200", "content-type": "text/event-stream; charset=utf-8", "content-length": "99"}
-    outs, got = lua.globals().run_stream(_table(lua, meta), _table(lua, hdrs), lua.table_from([*chunks, b""]))
+    outs, got = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, hdrs), lua.table_from([*chunks, b""]))
     body = b"".join(outs[i] for i in range(1, len(chunks) + 2))
     return body, {k.decode(): v.decode() for k, v in got.items()}
 
@@ -460,7 +410,7 @@ def test_a_gemini_stream_ends_with_its_usage_and_done_on_the_last_frame(lua: Any
         {"content": {"parts": [{"text": "hi"}]}, "finishReason": "STOP"}],
         "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1, "thoughtsTokenCount": 2}}
     meta = {Key.ANSWER_SHAPE: "gemini", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
-    outs, _ = lua.globals().run_stream(_table(lua, meta), _table(lua, {":status": "200"}),
+    outs, _ = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, {":status": "200"}),
                                        lua.table_from([gemini_sse(final), b""]))
     first, last = events_of(outs[1]), events_of(outs[2])
     assert [e["choices"][0]["delta"] for e in first] == [{"role": "assistant", "content": ""}, {"content": "hi"}, {}]
@@ -557,7 +507,7 @@ def test_any_stream_bytes_end_finished_or_interrupted_and_never_a_script_error(l
 def test_a_chunk_that_completes_no_event_passes_as_a_comment(lua: Any) -> None:
     start = sse_event({"type": "message_start", "message": {"id": "m", "model": "claude", "usage": {}}})
     meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
-    outs, _ = lua.globals().run_stream(_table(lua, meta), _table(lua, {":status": "200"}), lua.table_from(
+    outs, _ = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, {":status": "200"}), lua.table_from(
         [start[:10], start[10:], sse_event({"type": "ping"}), b""]))
     assert outs[1] == b":\n\n" and outs[2].startswith(b"data: ") and outs[3] == b":\n\n"
 

@@ -143,11 +143,13 @@ def request(raw: bytes) -> dict[str, Any]:
 
 # -- answers ----------------------------------------------------------------------------------------
 
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}  # else end_turn
+
+
 def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
     if finish == "stop" and isinstance(stop_reason, str):
         return "stop_sequence", stop_reason  # vLLM names the stop string that ended the text
-    return {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}.get(
-        finish or "", "end_turn"), None
+    return STOP_REASONS.get(finish or "", "end_turn"), None
 
 
 def _usage(usage: Any) -> dict[str, int]:

@@ -29,32 +29,6 @@ function envoy_on_request(h)
   dm:set(NS, K.upstream_headers, "")
 end
 
--- JSON text as the content of a JSON string (a tool call's arguments).
-local ESCAPES = {['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t"}
-local function as_string(text)
-  return (gsub(text, '[%c"\\]', function(c) return ESCAPES[c] or format("\\u%04x", c:byte()) end))
-end
-
-local function is_object(v) local span = SPAN[v]; return span ~= nil and not span[3] end
-local function is_array(v) local span = SPAN[v]; return span ~= nil and span[3] == true end
-local function absent(v) return v == nil or v == NULL end
-
--- A token count as the Python adapters read it (extproc/adapters/base.py `token_count`: absent is 0);
--- nil for anything but a whole number from 0 to 2^53 (no provider counts otherwise; settlement would
--- charge it).
-local function count(v)
-  if absent(v) then return 0 end
-  if type(v) ~= "number" or not (v >= 0 and v <= 9007199254740992) or v ~= floor(v) then return nil end
-  return v
-end
-
--- A string field: its (still escaped) text, `default` when absent; nil when it is not a string.
-local function text_of(v, default)
-  if absent(v) then return default end
-  if type(v) ~= "string" then return nil end
-  return v
-end
-
 -- The internal usage object's text (extproc/adapters/base.py `Usage.openai`).
 local function usage_json(prompt, cached, output, reasoning)
   return concat({'{"prompt_tokens":', format("%d", prompt), ',"completion_tokens":', format("%d", output),
@@ -91,18 +65,6 @@ local function call_json(id, name, input, body)
     return nil
   end
   return '{"id":"' .. id .. '","type":"function","function":{"name":"' .. name .. '","arguments":"' .. args .. '"}}'
-end
-
-local function list_of(v)  -- an array, {} when absent, nil when something else
-  if absent(v) then return {} end
-  if is_array(v) then return v end
-  return nil
-end
-
-local function object_of(v)  -- an object, {} when absent, nil when something else
-  if absent(v) then return {} end
-  if is_object(v) then return v end
-  return nil
 end
 
 -- Anthropic's prompt tokens (cache reads and writes included) and cache reads, from a usage object

@@ -31,7 +31,7 @@ OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start
 def _contract_json(code: ErrorCode, message: str, status: int = 0, door: Door | None = None) -> (
         substitution_format_string_pb2.SubstitutionFormatString):
     """The contract's error body as an Envoy JSON format string; for a front door's caller, in its
-    shape (Envoy's own replies and custom_response's never pass the door filter)."""
+    shape, written where the reply is made (the Lua door filter keeps a body already in its shape)."""
     doc = json.loads(GatewayError(code, message).body())
     if door is not None:
         doc = json.loads(door.error(status, json.dumps(doc).encode()))

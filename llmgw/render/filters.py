@@ -32,8 +32,9 @@ from extproc.attempts import (
 )
 from extproc.config import Snapshot
 from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, ErrorCode, GatewayError, Role
-from extproc.door_filter import DOOR_ATTRIBUTES, DOOR_MODE
 from extproc.doors import CREDENTIAL_QUERY
+from extproc.doors import anthropic as anthropic_door
+from extproc.doors import gemini as gemini_door
 from extproc.names import INTERRUPTED, Key, Settle
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.replies import DEGRADED_HEADER
@@ -235,8 +236,9 @@ def _lua_string(s: str) -> str:
     return f"[{eq}[{s}]{eq}]" if not s.startswith("\n") else f"[{eq}[\n{s}]{eq}]"
 
 
-def _lua_table(values: Mapping[str, str]) -> str:
-    return "{" + ", ".join(f"[ {_lua_string(k)} ] = {_lua_string(v)}" for k, v in values.items()) + "}"
+def _lua_table(values: Mapping[str, str] | Mapping[int, str]) -> str:
+    return "{" + ", ".join(f"[ {k if isinstance(k, int) else _lua_string(k)} ] = {_lua_string(v)}"
+                           for k, v in values.items()) + "}"
 
 
 def _lua_script(script: str, config: Mapping[str, str], helpers: tuple[str, ...] = ()) -> str:
@@ -279,7 +281,7 @@ def answers_lua() -> str:
         "interrupted": _lua_string(interrupted_event("the provider's stream broke").decode()),
         "keepalive": _lua_string(KEEPALIVE.decode()),
         "gemini_finish": _lua_table(gemini.FINISH_REASONS), "bedrock_stop": _lua_table(bedrock.STOP_REASONS)},
-        helpers=("eventstream.lua",))
+        helpers=("values.lua", "eventstream.lua"))
 
 
 def lua_answers() -> lua_pb2.Lua:
@@ -380,22 +382,27 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     )
 
 
-DOOR_FILTER = "llmgw.door"
+LUA_DOORS = "llmgw.lua_doors"
+DOORS_SCRIPT = "doors"  # its script's name: the routes that run it name it (LuaPerRoute.name)
 
 
-def door_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
-    """A front door's answers in its caller's shape (extproc/door_filter.py): the response headers,
-    then the body chunk by chunk. Before
-    the decision filter, so it sees every answer last, errors included. Fails closed: an answer the
-    caller could not read in its own shape is not sent."""
-    pm = processing_mode_pb2.ProcessingMode
-    return ext_proc_pb2.ExternalProcessor(
-        grpc_service=_extproc_service(Role.DOOR),
-        failure_mode_allow=False,
-        processing_mode=pm(**DOOR_MODE),
-        response_attributes=list(DOOR_ATTRIBUTES),
-        message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
-    )
+def doors_lua() -> str:
+    """The Lua door filter's source (llmgw/lua/doors.lua), with each door's status names and stop
+    reasons from its Python module (extproc/doors/) and the contract's codes."""
+    anthropic_cfg = (f"{{error_types = {_lua_table(anthropic_door.ERROR_TYPES)}, "
+                     f"stop_reasons = {_lua_table(anthropic_door.STOP_REASONS)}}}")
+    gemini_cfg = f"{{statuses = {_lua_table(gemini_door.STATUSES)}, finish = {_lua_table(gemini_door.FINISH)}}}"
+    return _lua_script("doors.lua", {
+        "anthropic": anthropic_cfg, "gemini": gemini_cfg,
+        "upstream_error": _lua_string(ErrorCode.UPSTREAM_ERROR.value),
+        "stream_interrupted": _lua_string(ErrorCode.STREAM_INTERRUPTED.value)}, helpers=("values.lua",))
+
+
+def lua_doors() -> lua_pb2.Lua:
+    """A front door's answers in its caller's shape, in LuaJIT in Envoy (llmgw/lua/doors.lua): before
+    the decision filter, so it sees every answer last, errors included. No script by default: a door's
+    routes name it, so it runs for those requests alone."""
+    return lua_pb2.Lua(source_codes={DOORS_SCRIPT: base_pb2.DataSource(inline_string=doors_lua())})
 
 
 def meters(snap: Snapshot) -> bool:

@@ -26,7 +26,15 @@ from extproc.settlement import ANSWERED_BY
 from extproc.shadow import GRANT_HEADER, SHADOW_CLUSTER
 from llmgw.render.common import duration_ms, pack, string_value_matcher
 from llmgw.render.errors import admitted_route_filters, direct
-from llmgw.render.filters import DOOR_FILTER, LUA_ANSWERS, LUA_STREAM_GUARD, METER_FILTER, STREAM_FILTER, meters
+from llmgw.render.filters import (
+    DOORS_SCRIPT,
+    LUA_ANSWERS,
+    LUA_DOORS,
+    LUA_STREAM_GUARD,
+    METER_FILTER,
+    STREAM_FILTER,
+    meters,
+)
 
 
 def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
@@ -213,15 +221,16 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
         # it too; this holds even where a mesh operator leaves that filter out).
         request_headers_to_remove=[h for h in ("authorization", *CREDENTIAL_HEADERS) if h not in shape_sets],
         response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
-        typed_per_filter_config={**admitted_route_filters(door), **per_route})
+        typed_per_filter_config={**admitted_route_filters(door), **per_route,
+                                 **(_door_on() if door is not None else {})})
 
 
 def _door_on() -> dict[str, any_pb2.Any]:
-    """The door filter, off by default, on for a front door's path (repeating a setting it has: Envoy
-    refuses an empty per-route config)."""
-    closed = ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides(
-        failure_mode_allow=wrappers_pb2.BoolValue(value=False)))
-    return {DOOR_FILTER: pack(route_components_pb2.FilterConfig(disabled=False, config=pack(closed)))}
+    """The Lua door filter, off by default, on for a front door's path - where it arrives, and the
+    admitted routes of its door, whichever route Envoy consults on the way out - running the door
+    script, which reads the door the decision named."""
+    return {LUA_DOORS: pack(route_components_pb2.FilterConfig(
+        disabled=False, config=pack(lua_pb2.LuaPerRoute(name=DOORS_SCRIPT))))}
 
 
 def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:
