@@ -17,7 +17,7 @@
 -- - Any other status: its body in the door's error shape (one already in it is kept: ext_proc's
 --   refusals, Envoy's own replies and custom_response's are written in it).
 
-local concat, format, time = table.concat, string.format, os.time
+local concat, format = table.concat, string.format
 local K, NS = CONFIG.keys, CONFIG.namespace
 local UPSTREAM_ERROR, STREAM_INTERRUPTED = CONFIG.upstream_error, CONFIG.stream_interrupted
 
