@@ -68,6 +68,15 @@ end
 """
 
 
+def lua_runtime(script: str) -> Any:
+    """LuaJIT (lupa's) running a rendered filter script with the handle above."""
+    from lupa import luajit21
+    runtime = luajit21.LuaRuntime(unpack_returned_tuples=True, encoding=None)
+    runtime.execute(script)
+    runtime.execute(HARNESS)
+    return runtime
+
+
 def lua_table(lua: Any, d: dict[str, Any]) -> Any:
     """A Lua table of byte strings (nested dicts as tables), as Envoy hands metadata and headers."""
     return lua.table_from({k.encode(): (lua_table(lua, v) if isinstance(v, dict) else v.encode())

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lupa import luajit21
 
 from enginesim import eventstream
 from extproc.adapters import bedrock, gemini
@@ -22,7 +21,7 @@ from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.names import Key
 from extproc.replies import DEGRADED_HEADER
 from llmgw.render.filters import answers_lua
-from tests.lua_harness import HARNESS, lua_table
+from tests.lua_harness import lua_runtime, lua_table
 
 MODEL = "claude-sim-1"
 REQUEST_ID = "5f0c2a9e-request"
@@ -30,10 +29,7 @@ REQUEST_ID = "5f0c2a9e-request"
 
 @pytest.fixture(scope="module")
 def lua() -> Any:
-    runtime = luajit21.LuaRuntime(unpack_returned_tuples=True, encoding=None)
-    runtime.execute(answers_lua())
-    runtime.execute(HARNESS)
-    return runtime
+    return lua_runtime(answers_lua())
 
 
 def answer(lua: Any, body: bytes | None, *, status: str = "200", shape: str = "anthropic",

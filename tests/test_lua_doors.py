@@ -12,23 +12,19 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lupa import luajit21
 
 from extproc.adapters.base import UpstreamBroken
 from extproc.doors import BY_NAME, Door
 from extproc.names import Key
 from llmgw.render.filters import doors_lua
-from tests.lua_harness import HARNESS, lua_table
+from tests.lua_harness import lua_runtime, lua_table
 
 DOORS = ("anthropic", "gemini")
 
 
 @pytest.fixture(scope="module")
 def lua() -> Any:
-    runtime = luajit21.LuaRuntime(unpack_returned_tuples=True, encoding=None)
-    runtime.execute(doors_lua())
-    runtime.execute(HARNESS)
-    return runtime
+    return lua_runtime(doors_lua())
 
 
 def lua_answer(lua: Any, door: str, status: int, body: bytes) -> tuple[int, bytes, dict[bytes, Any]]:

@@ -469,33 +469,26 @@ local function translate_stream(h, model, request_id, shape)
               ncalls = 0, prompt = 0, cached = 0, output = 0, reasoning = 0, stopped = false, started = false,
               ended = false}
   local read, finish = shape.read, shape.finish
-  local pending, broken = "", false
-  for piece in h:bodyChunks() do
-    local n = piece:length()
-    if broken then
-      if n > 0 then piece:setBytes("") end
-    else
-      local out = {}
-      pending = pending .. (n > 0 and piece:getBytes(0, n) or "")
-      while true do
-        local rest = read(st, pending, out)
-        if rest == nil then break end
-        if rest == false then
-          broken = true
-          break
-        end
-        pending = rest
-      end
-      if not broken and (#pending > CONFIG.max_event_bytes or (n == 0 and not finish(st, out, pending))) then
+  local pending = ""
+  rewrite_chunks(h, function(bytes, at_end)
+    local out, broken = {}, false
+    pending = pending .. bytes
+    while true do
+      local rest = read(st, pending, out)
+      if rest == nil then break end
+      if rest == false then
         broken = true
+        break
       end
-      if broken then out[#out + 1] = CONFIG.interrupted end
-      local text = concat(out)
-      if text == "" and n > 0 then text = CONFIG.keepalive end
-      if n > 0 or text ~= "" then piece:setBytes(text) end
+      pending = rest
     end
-    if n == 0 then break end
-  end
+    if not broken and (#pending > CONFIG.max_event_bytes or (at_end and not finish(st, out, pending))) then
+      broken = true
+    end
+    if broken then out[#out + 1] = CONFIG.interrupted end
+    local text = concat(out)
+    return (text == "" and not at_end) and CONFIG.keepalive or text, broken
+  end)
 end
 
 local TRANSLATE_STREAM = {anthropic = {read = sse_reader(anthropic_event), finish = anthropic_end},

@@ -57,6 +57,13 @@ local function arguments_object(arguments)
   return sub(text ~= "" and text or "{}", span[1], span[2])
 end
 
+-- A message's text: "" when absent; nil when it is not a string.
+local function message_text(msg)
+  if absent(msg.content) then return "" end
+  if type(msg.content) ~= "string" then return nil end
+  return msg.content
+end
+
 local function without_prefix(id)  -- an internal id without its `chatcmpl-`
   return (sub(id, 1, 9) == "chatcmpl-") and sub(id, 10) or id
 end
@@ -111,15 +118,10 @@ local function anthropic_answer(doc)
   if choices[1] ~= nil and not is_object(choice) then return nil end
   local msg = object_of(choice.message)
   if msg == nil then return nil end
+  local text, calls = message_text(msg), list_of(msg.tool_calls)
+  if text == nil or calls == nil then return nil end
   local content = {}
-  local text = msg.content
-  if type(text) == "string" and text ~= "" then
-    content[1] = '{"type":"text","text":' .. str(text) .. "}"
-  elseif not absent(text) and type(text) ~= "string" then
-    return nil
-  end
-  local calls = list_of(msg.tool_calls)
-  if calls == nil then return nil end
+  if text ~= "" then content[1] = '{"type":"text","text":' .. str(text) .. "}" end
   for _, call in ipairs(calls) do
     local fn = is_object(call) and object_of(call["function"])
     local call_id, name = fn and text_of(call.id, ""), fn and text_of(fn.name, "")
@@ -165,57 +167,40 @@ local function anthropic_open(st, out, key, block)
   out[#out + 1] = anthropic_event("content_block_start", format('"index":%d,"content_block":', st.index) .. block)
 end
 
--- One internal chunk as Anthropic's events (MessagesStream._chunk); false when it is not one.
-local function anthropic_chunk(st, obj, out)
-  if not st.started then
-    local id, model = text_of(obj.id, ""), text_of(obj.model, "")
-    if id == nil or model == nil then return false end
-    out[#out + 1] = anthropic_start(st, id, model)
+-- An internal chunk as Anthropic's events (MessagesStream._chunk), walked by walk_chunk below.
+local function anthropic_begin(st, obj, out)
+  if st.started then return true end
+  local id, model = text_of(obj.id, ""), text_of(obj.model, "")
+  if id == nil or model == nil then return false end
+  out[#out + 1] = anthropic_start(st, id, model)
+  return true
+end
+
+local function anthropic_text(st, text, out)
+  if st.open ~= "text" then anthropic_open(st, out, "text", '{"type":"text","text":""}') end
+  out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
+                                  .. '"delta":{"type":"text_delta","text":' .. str(text) .. "}")
+end
+
+local function anthropic_call(st, n, call, fn, out)
+  local key = "tool" .. format("%d", n)
+  if st.open ~= key then
+    local call_id, name = text_of(call.id, ""), text_of(fn.name, "")
+    if call_id == nil or name == nil then return false end
+    anthropic_open(st, out, key, concat({'{"type":"tool_use","id":', str(call_id), ',"name":', str(name),
+                                         ',"input":{}}'}))
   end
-  if is_object(obj.usage) then
-    st.usage = anthropic_usage(obj.usage)
-    if st.usage == nil then return "a token count no upstream gives" end
-  end
-  local choices = list_of(obj.choices)
-  if choices == nil then return false end
-  for _, choice in ipairs(choices) do
-    if is_object(choice) and (absent(choice.index) or choice.index == 0) then
-      local delta = object_of(choice.delta)
-      if delta == nil then return false end
-      local text = delta.content
-      if type(text) == "string" and text ~= "" then
-        if st.open ~= "text" then anthropic_open(st, out, "text", '{"type":"text","text":""}') end
-        out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
-                                        .. '"delta":{"type":"text_delta","text":' .. str(text) .. "}")
-      end
-      local calls = list_of(delta.tool_calls)
-      if calls == nil then return false end
-      for _, call in ipairs(calls) do
-        local fn = is_object(call) and object_of(call["function"])
-        if not fn then return false end
-        local n = absent(call.index) and 0 or call.index
-        if type(n) ~= "number" then return false end
-        local key = "tool" .. format("%d", n)
-        if st.open ~= key then
-          local call_id, name = text_of(call.id, ""), text_of(fn.name, "")
-          if call_id == nil or name == nil then return false end
-          anthropic_open(st, out, key, concat({'{"type":"tool_use","id":', str(call_id), ',"name":', str(name),
-                                               ',"input":{}}'}))
-        end
-        local arguments = fn.arguments
-        if type(arguments) == "string" and arguments ~= "" then
-          out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
-                                          .. '"delta":{"type":"input_json_delta","partial_json":' .. str(arguments) .. "}")
-        end
-      end
-      local finish = choice.finish_reason
-      if type(finish) == "string" and finish ~= "" then
-        anthropic_close(st, out)
-        st.reason, st.sequence = anthropic_stop(finish, choice.stop_reason)
-      end
-    end
+  local arguments = fn.arguments
+  if type(arguments) == "string" and arguments ~= "" then
+    out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
+                                    .. '"delta":{"type":"input_json_delta","partial_json":' .. str(arguments) .. "}")
   end
   return true
+end
+
+local function anthropic_finish(st, finish, choice, out)
+  anthropic_close(st, out)
+  st.reason, st.sequence = anthropic_stop(finish, choice.stop_reason)
 end
 
 local function anthropic_done(st, out)
@@ -279,15 +264,10 @@ local function gemini_answer(doc)
   local candidates = {}
   for _, choice in ipairs(choices) do
     local msg = is_object(choice) and object_of(choice.message)
-    local calls = msg and list_of(msg.tool_calls)
-    if not calls then return nil end
+    local text, calls = msg and message_text(msg), msg and list_of(msg.tool_calls)
+    if not (text and calls) then return nil end
     local parts = {}
-    local text = msg.content
-    if type(text) == "string" and text ~= "" then
-      parts[1] = '{"text":' .. str(text) .. "}"
-    elseif not absent(text) and type(text) ~= "string" then
-      return nil
-    end
+    if text ~= "" then parts[1] = '{"text":' .. str(text) .. "}" end
     for _, call in ipairs(calls) do
       local fn = is_object(call) and object_of(call["function"])
       local name = fn and text_of(fn.name, "")
@@ -322,47 +302,35 @@ local function gemini_error_event(message)
   return gemini_frame(gemini_error_body(500, message, STREAM_INTERRUPTED))
 end
 
--- One internal chunk as Gemini's stream (GenerateContentStream._chunk): text leaves at once, tool calls
--- whole with the last response; false when it is not one.
-local function gemini_chunk(st, obj, out)
+-- An internal chunk as Gemini's stream (GenerateContentStream._chunk), walked by walk_chunk below: text
+-- leaves at once, tool calls whole with the last response.
+local function gemini_begin(st, obj, out)
   local id, model = text_of(obj.id, ""), text_of(obj.model, "")
   if id == nil or model == nil then return false end
   if st.id == "" then st.id = without_prefix(id) end
   if st.model == "" then st.model = model end
-  if is_object(obj.usage) then
-    st.usage = gemini_usage(obj.usage)
-    if st.usage == nil then return "a token count no upstream gives" end
-  end
-  local choices = list_of(obj.choices)
-  if choices == nil then return false end
-  for _, choice in ipairs(choices) do
-    if is_object(choice) and (absent(choice.index) or choice.index == 0) then
-      local delta = object_of(choice.delta)
-      local calls = delta and list_of(delta.tool_calls)
-      if not calls then return false end
-      local text = delta.content
-      if type(text) == "string" and text ~= "" then
-        out[#out + 1] = gemini_response(st, '{"text":' .. str(text) .. "}")
-      end
-      for _, call in ipairs(calls) do
-        local fn = is_object(call) and object_of(call["function"])
-        local n = absent(call.index) and 0 or call.index
-        if not fn or type(n) ~= "number" then return false end
-        local c = st.calls[n]
-        if c == nil then
-          c = {name = {}, arguments = {}}
-          st.calls[n] = c
-          st.order[#st.order + 1] = n
-        end
-        local name, arguments = text_of(fn.name, ""), text_of(fn.arguments, "")
-        if name == nil or arguments == nil then return false end
-        c.name[#c.name + 1], c.arguments[#c.arguments + 1] = name, arguments
-      end
-      local finish = choice.finish_reason
-      if type(finish) == "string" and finish ~= "" then st.finish = gemini_finish(finish) end
-    end
-  end
   return true
+end
+
+local function gemini_text(st, text, out)
+  out[#out + 1] = gemini_response(st, '{"text":' .. str(text) .. "}")
+end
+
+local function gemini_call_delta(st, n, call, fn, out)
+  local name, arguments = text_of(fn.name, ""), text_of(fn.arguments, "")
+  if name == nil or arguments == nil then return false end
+  local c = st.calls[n]
+  if c == nil then
+    c = {name = {}, arguments = {}}
+    st.calls[n] = c
+    st.order[#st.order + 1] = n
+  end
+  c.name[#c.name + 1], c.arguments[#c.arguments + 1] = name, arguments
+  return true
+end
+
+local function gemini_finish_choice(st, finish, choice, out)
+  st.finish = gemini_finish(finish)
 end
 
 local function gemini_done(st, out)
@@ -384,11 +352,45 @@ end
 
 local DOORS = {
   anthropic = {answer = anthropic_answer, error = anthropic_error, error_body = anthropic_error_body,
-               stream = anthropic_stream, chunk = anthropic_chunk, done = anthropic_done,
+               stream = anthropic_stream, begin = anthropic_begin, usage = anthropic_usage, text = anthropic_text,
+               call = anthropic_call, finish = anthropic_finish, done = anthropic_done,
                error_event = anthropic_error_event},
   gemini = {answer = gemini_answer, error = gemini_error, error_body = gemini_error_body,
-            stream = gemini_stream, chunk = gemini_chunk, done = gemini_done, error_event = gemini_error_event},
+            stream = gemini_stream, begin = gemini_begin, usage = gemini_usage, text = gemini_text,
+            call = gemini_call_delta, finish = gemini_finish_choice, done = gemini_done,
+            error_event = gemini_error_event},
 }
+
+-- An internal chunk walked for a door (the Python doors' `_chunk`): the door begins (its stream's
+-- start), keeps the usage in its own shape, and gets the first choice's text, each tool call delta
+-- and the finish. True; false when the chunk is not one; a message when its usage holds a count that
+-- is not one.
+local function walk_chunk(door, st, obj, out)
+  if not door.begin(st, obj, out) then return false end
+  if is_object(obj.usage) then
+    st.usage = door.usage(obj.usage)
+    if st.usage == nil then return "a token count no upstream gives" end
+  end
+  local choices = list_of(obj.choices)
+  if choices == nil then return false end
+  for _, choice in ipairs(choices) do
+    if is_object(choice) and (absent(choice.index) or choice.index == 0) then
+      local delta = object_of(choice.delta)
+      local calls = delta and list_of(delta.tool_calls)
+      if not calls then return false end
+      local text = delta.content
+      if type(text) == "string" and text ~= "" then door.text(st, text, out) end
+      for _, call in ipairs(calls) do
+        local fn = is_object(call) and object_of(call["function"])
+        local n = fn and (absent(call.index) and 0 or call.index)
+        if type(n) ~= "number" or not door.call(st, n, call, fn, out) then return false end
+      end
+      local finish = choice.finish_reason
+      if type(finish) == "string" and finish ~= "" then door.finish(st, finish, choice, out) end
+    end
+  end
+  return true
+end
 
 -- One internal event's data: its events added to `out`; true once the stream has ended.
 local function door_event(door, st, data, out)
@@ -406,7 +408,7 @@ local function door_event(door, st, data, out)
     out[#out + 1] = door.error_event(message or "the stream was interrupted")
     return true
   end
-  local ok = door.chunk(st, doc, out)
+  local ok = walk_chunk(door, st, doc, out)
   if ok ~= true then
     out[#out + 1] = door.error_event(ok or "the stream is malformed")
     return true
@@ -415,34 +417,27 @@ local function door_event(door, st, data, out)
 end
 
 local function translate_stream(h, door)
-  local st, pending, ended = door.stream(), "", false
-  for piece in h:bodyChunks() do
-    local n = piece:length()
-    if ended then
-      if n > 0 then piece:setBytes("") end
-    else
-      local out = {}
-      pending = pending .. (n > 0 and piece:getBytes(0, n) or "")
-      while not ended do
-        local e = event_end(pending)
-        if e == nil then break end
-        local data = event_data(sub(pending, 1, e))
-        pending = sub(pending, e + 1)
-        if data ~= nil then ended = door_event(door, st, data, out) end  -- (no data: a comment)
-      end
-      if not ended and #pending > CONFIG.max_event_bytes then
-        ended = true
-        out[#out + 1] = door.error_event("an event of the stream exceeds 1 MiB")
-      end
-      if not ended and n == 0 then
-        ended = true
-        out[#out + 1] = door.error_event("the stream ended before its end")
-      end
-      local text = concat(out)
-      if n > 0 or text ~= "" then piece:setBytes(text) end
+  local st, pending = door.stream(), ""
+  rewrite_chunks(h, function(bytes, at_end)
+    local out, ended = {}, false
+    pending = pending .. bytes
+    while not ended do
+      local e = event_end(pending)
+      if e == nil then break end
+      local data = event_data(sub(pending, 1, e))
+      pending = sub(pending, e + 1)
+      if data ~= nil then ended = door_event(door, st, data, out) end  -- (no data: a comment)
     end
-    if n == 0 then break end
-  end
+    if not ended and #pending > CONFIG.max_event_bytes then
+      ended = true
+      out[#out + 1] = door.error_event("an event of the stream exceeds 1 MiB")
+    end
+    if not ended and at_end then
+      ended = true
+      out[#out + 1] = door.error_event("the stream ended before its end")
+    end
+    return concat(out), ended
+  end)
 end
 
 function envoy_on_response(h)

@@ -34,3 +34,20 @@ local function event_end(buf)
   return j
 end
 
+-- A body rewritten chunk by chunk as it streams: `step(bytes, at_end)` gives each chunk's new text and
+-- whether the stream has ended, after which every chunk is emptied. An HTTP/1 upstream's end arrives
+-- as an empty last chunk, which may carry what `step` gives at the end.
+local function rewrite_chunks(h, step)
+  local ended = false
+  for piece in h:bodyChunks() do
+    local n = piece:length()
+    if ended then
+      if n > 0 then piece:setBytes("") end
+    else
+      local text
+      text, ended = step(n > 0 and piece:getBytes(0, n) or "", n == 0)
+      if n > 0 or text ~= "" then piece:setBytes(text) end
+    end
+    if n == 0 then break end
+  end
+end
