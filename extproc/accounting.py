@@ -85,11 +85,11 @@ def believed(usage: Usage | None, source: str) -> tuple[Usage | None, str]:
 
 def charge_for(usage: Usage | None, source: str, termination: str, status: int, dep: Deployment | None,
                failed: str = "released") -> tuple[int, int, str]:
-    """(micros, tokens, settlement kind): actual usage when reported (or estimated); -1 (the whole
-    reservation) when the engine may have worked but its usage is unknown - or not believable; else
-    the kind a failure without usage settles as (failure_charge's): the whole reservation when
-    `ambiguous`, else nothing."""
-    usage, source = believed(usage, source)
+    """(micros, tokens, settlement kind) of usage already believed (`believed`, which settlement
+    calls once for the charge and the record): actual usage when reported (or estimated); -1 (the
+    whole reservation) when the engine may have worked but its usage is unknown - or was not
+    believable; else the kind a failure without usage settles as (failure_charge's): the whole
+    reservation when `ambiguous`, else nothing."""
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
         return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"

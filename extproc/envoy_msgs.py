@@ -42,8 +42,10 @@ def count_attr(attrs: Any, key: str) -> Any:
     as an int, None when absent or null, anything else as itself - a fraction, inf, a string, a
     boolean - for accounting.believable() to refuse rather than round into a count."""
     v = attrs.fields.get(key) if attrs is not None else None
-    kind = v.WhichOneof("kind") if v is not None else None
-    if v is None or kind is None or kind == "null_value":
+    if v is None:
+        return None
+    kind = v.WhichOneof("kind")
+    if kind is None or kind == "null_value":
         return None
     if kind == "number_value":
         n = v.number_value

@@ -3,7 +3,7 @@ both APIs on one core (`enginesim --api anthropic`: OpenAI's chat completions an
 Messages), one gateway in front of it with two routes to it - `chat-default` through the pool (the
 OpenAI shape, no translation) and `chat-anthropic` through an Anthropic-shaped deployment (the
 request translated by the decision, its answer - JSON or stream - by Envoy's Lua answer filter:
-extproc/direct.py) - and the Anthropic front door (`/v1/messages`) to the pool (the door
+extproc/direct.py) - and the Anthropic front door (`/v1/messages`) to the pool (the Lua door
 filter translates the answer and the stream for the client). A second engine of the same profile
 speaks Bedrock's Converse (`chat-bedrock`: translated and SigV4 signed the same way, its AWS event
 stream read back by the Lua filter too), a third Gemini's generateContent (`chat-gemini`: its JSON and

@@ -73,9 +73,10 @@ def test_a_charge_without_usage(status: int, failed: str, charge: tuple[int, int
     {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": -1}},
 ])
 def test_usage_no_upstream_would_count_is_charged_as_unknown(usage: dict[str, object]) -> None:
-    assert charge_for(usage, "reported", "complete", 200, DEP) == (-1, -1, "ambiguous")
-    assert charge_for(usage, "reported", "upstream_error", 502, DEP) == (0, 0, "released")
-    assert charge_for({"prompt_tokens": 5.0, "completion_tokens": 3}, "reported", "complete", 200, DEP)[2] == "actual"
+    assert charge_for(*believed(usage, "reported"), "complete", 200, DEP) == (-1, -1, "ambiguous")
+    assert charge_for(*believed(usage, "reported"), "upstream_error", 502, DEP) == (0, 0, "released")
+    assert charge_for(*believed({"prompt_tokens": 5.0, "completion_tokens": 3}, "reported"), "complete", 200,
+                      DEP)[2] == "actual"
 
 
 def test_a_metadata_number_without_a_whole_value_reads_as_absent() -> None:

@@ -2,7 +2,7 @@
 -- candidate of another API shape (extproc/direct.py) passes here, with no round trip to ext_proc.
 -- The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names from
 -- extproc/names.py, each shape's stop reasons from its adapter, the contract's 502 body and
--- `stream_interrupted` event) and llmgw/lua/json.lua, sse.lua and eventstream.lua.
+-- `stream_interrupted` event) and llmgw/lua/json.lua, sse.lua, values.lua and eventstream.lua.
 --
 -- - Request: the headers the provider's shape needs (`:path`, its key, its version header, Bedrock's
 --   authority and signature), which the decision left in the request's metadata, are set - after the
@@ -16,7 +16,7 @@
 --   Error statuses pass: custom_response has already put them in the contract's shape. What the
 --   translation lost is named in x-llmgw-translation-loss.
 
-local concat, gsub, format, floor, time = table.concat, string.gsub, string.format, math.floor, os.time
+local concat, format, time = table.concat, string.format, os.time
 local K, NS = CONFIG.keys, CONFIG.namespace
 
 function envoy_on_request(h)
