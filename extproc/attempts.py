@@ -50,7 +50,7 @@ from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.settlement import ANSWERED_BY
 from extproc.store import Store, StoreUnavailable
-from extproc.streams import interrupted_event
+from extproc.streams import KEEPALIVE, interrupted_event
 
 log = logging.getLogger("llmgw.attempts")
 _errors = RateLimitedLog(log)
@@ -61,7 +61,6 @@ PLAN_STREAM = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN_STRE
 TRACE = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.TRACE}']"  # the request's trace
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, PLAN_STREAM, TRACE, "request.id")
 TRANSLATION_LOSS_HEADER = "x-llmgw-translation-loss"
-KEEPALIVE = b":\n\n"  # an SSE comment
 _PM = processing_mode_pb2.ProcessingMode
 # The mode an attempt switches to when its body needs no rewrite (the renderer allows exactly this one).
 ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,

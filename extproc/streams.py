@@ -42,6 +42,12 @@ from extproc.sse import MAX_EVENT_BYTES, StreamUsage, event_data, take_events
 CUT_BACKSTOP_S = 2.0  # after a cut, how long the access log has to settle before the guard does
 
 
+# What a stream filter passes for a chunk that completes no event: an SSE comment, which every client
+# ignores. Never an empty chunk: a Lua filter after it (the stream guard, a front door) reads an empty
+# chunk as the stream's end.
+KEEPALIVE = b":\n\n"
+
+
 def interrupted_event(message: str) -> bytes:
     return b"data: " + error_body(ErrorCode.STREAM_INTERRUPTED, message) + b"\n\n"
 
@@ -122,8 +128,9 @@ class StreamGuard:
                     # Recorded before the client has the end of the stream (and so before it can repeat).
                     settled = True
                     await self.meter.settle_stream(tenant, rid, hint, attrs, status, True, usage, first_at, bytes(sent))
+                passed = bytes(out) or (KEEPALIVE if not msg.response_body.end_of_stream and not usage.error else b"")
                 reply = ep.ProcessingResponse(response_body=ep.BodyResponse(
-                    response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=bytes(out)))))
+                    response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=passed))))
                 if usage.content_chunks != counted:
                     # What was generated so far, in the request's metadata: if Envoy cuts the stream,
                     # the access log settles it with this count and Envoy's reason (client gone or not).

@@ -293,8 +293,9 @@ def test_the_attempt_filter_never_sends_an_empty_chunk_before_the_end() -> None:
     completes no event (a ping, half an event) goes on as an SSE comment instead."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-    from extproc.attempts import KEEPALIVE, _Attempt
+    from extproc.attempts import _Attempt
     from extproc.config import load_snapshot
+    from extproc.streams import KEEPALIVE
     from tests.conftest import POLICY
 
     state = _Attempt(load_snapshot(POLICY), adapter=ANTHROPIC, stream=ANTHROPIC.stream())

@@ -158,6 +158,54 @@ def test_a_usage_count_no_engine_gives_is_the_doors_error(stack: Stack, stream: 
     assert not [f.name for f in stack.logs.glob("extproc-*.log") if "Traceback" in f.read_text(errors="replace")]
 
 
+DOOR_CALLS = {  # door -> (path of a JSON answer, of a stream; the body, with the text to ask; the key header)
+    "anthropic": ("/v1/messages", "/v1/messages",
+                  lambda text, stream: {"model": "chat-default", "max_tokens": 8, "stream": stream,
+                                        "messages": ask(text)}, "x-api-key"),
+    "gemini": ("/v1beta/models/chat-default:generateContent",
+               "/v1beta/models/chat-default:streamGenerateContent?alt=sse",
+               lambda text, stream: {"contents": [{"role": "user", "parts": [{"text": text}]}]}, "x-goog-api-key"),
+}
+
+
+@pytest.mark.parametrize("door", DOOR_CALLS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("idempotent", [False, True], ids=["lua-guard", "extproc-guard"])
+def test_random_bytes_from_the_pool_reach_a_door_as_its_error(stack: Stack, door: str, stream: bool,
+                                                              idempotent: bool) -> None:
+    """The pool answers 200 with random bytes (the simulator's `garbage` fault), through the real
+    Envoy, to each front door, behind either stream guard (an Idempotency-Key: ext_proc's): a JSON
+    answer is the door's 502 (status and body, in its shape, charged in full: the engine answered), a
+    stream ends with the door's error event - a guard that passed a chunk completing no event empty
+    made the door read it as the end and let the rest through untranslated; never a Lua script error
+    in Envoy's log, never a traceback in ext_proc's."""
+    json_path, stream_path, body, header = DOOR_CALLS[door]
+    for seed in range(6):
+        marker = inject_fault(stack.engine_urls(), f"garbage={seed}")
+        r = request(f"{stack.url}{stream_path if stream else json_path}", "POST", body(marker, stream),
+                    {header: KEY, **({"idempotency-key": f"k-{marker}"} if idempotent else {})})
+        if not stream:
+            doc = r.json()
+            assert r.status == 502, (seed, r.body[:200])
+            assert (doc["error"]["code"] if door == "anthropic" else doc["error"]["details"][0]["reason"]) == \
+                "upstream_error", (seed, doc)
+            assert doc.get("type") == "error" if door == "anthropic" else doc["error"]["status"] == "UNAVAILABLE"
+            entry = ledger_of(stack, r.headers["x-request-id"], "acme")
+            assert entry["settlement"] == "ambiguous" and entry["charged_micros"] == entry["reserved_micros"], entry
+        else:
+            assert r.status == 200, (seed, r.body[:200])
+            text = r.body.decode()
+            last = [e for e in text.split("\r\n\r\n" if door == "gemini" else "\n\n") if e][-1]
+            if door == "anthropic":
+                assert last.startswith("event: error") and "message_stop" not in text, (seed, last)
+            else:
+                assert json.loads(last.removeprefix("data: "))["error"]["details"][0]["reason"] == \
+                    "stream_interrupted", (seed, last)
+    envoy = (stack.logs / "envoy.log").read_text(errors="replace")
+    assert not [line for line in envoy.splitlines() if "[lua]" in line or "script log" in line], envoy[-2000:]
+    assert not [f.name for f in stack.logs.glob("extproc-*.log") if "Traceback" in f.read_text(errors="replace")]
+
+
 def test_credentials_where_each_sdk_puts_them(stack: Stack) -> None:
     body = {"model": "chat-default", "max_tokens": 2, "messages": ask("who am i")}
     for headers in ({"x-api-key": KEY}, {"authorization": f"Bearer {KEY}"},

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lupa import luajit21
 
 from extproc.names import INTERRUPTED, Key, StreamEnd
-from extproc.streams import interrupted_event
+from extproc.streams import KEEPALIVE, interrupted_event
 from llmgw.envoy_render import stream_guard_lua
 from tests.lua_harness import BODY_CHUNKS
 
@@ -97,10 +97,21 @@ def test_events_split_anywhere_reach_the_client_whole(lua: Any) -> None:
     for cut in range(1, len(STREAM)):
         chunks = [STREAM[:cut], STREAM[cut:], b""]
         out, sets = guard(lua, chunks)
-        assert out == STREAM and sets[Key.STREAM_END] == StreamEnd.DONE
+        # (a first chunk that completes no event passes as an SSE comment, never empty: see below)
+        assert out in (STREAM, KEEPALIVE + STREAM) and sets[Key.STREAM_END] == StreamEnd.DONE
         # Nothing reaches the client before its event is complete.
         first, _ = guard(lua, chunks[:1])
-        assert STREAM.startswith(first) and (first == b"" or first.endswith(b"\n\n"))
+        assert first == KEEPALIVE or (STREAM.startswith(first) and first.endswith(b"\n\n"))
+
+
+def test_a_chunk_that_completes_no_event_never_passes_empty(lua: Any) -> None:
+    """A front door's Lua filter after the guard reads an empty chunk as the stream's end (and stops
+    translating what follows): half an event, or the withheld usage chunk alone, passes as a comment."""
+    half = len(ROLE) // 2
+    chunks = [ROLE[:half], ROLE[half:] + token("a"), USAGE, DONE, b""]
+    md = lua.table_from({Key.SETTLE.encode(): b"stream", Key.WITHHOLD_USAGE.encode(): b"1"})
+    outs, _, _ = lua.globals().run_guard(lua.table_from(chunks), md, b"200", 0, b"text/event-stream")
+    assert [outs[i] for i in range(1, 6)] == [KEEPALIVE, ROLE + token("a"), KEEPALIVE, DONE, b""]
 
 
 def test_crlf_events_comments_and_multi_line_data(lua: Any) -> None:

@@ -181,7 +181,10 @@ function envoy_on_response(h)
       if ended ~= nil then out[#out + 1] = EVENT[ended] end
     end
     -- Most chunks are one whole event, passed as they came; after the end, nothing reaches the client.
+    -- One that completes no event (half of one, a withheld usage chunk) passes as an SSE comment: an
+    -- empty chunk would read as the stream's end to a front door's Lua filter after this.
     local text = #out == 1 and out[1] or concat(out)
+    if text == "" and not at_end and ended == nil and not done then text = CONFIG.keepalive end
     if text ~= came then chunk:setBytes(text) end
     if chunks ~= counted then
       counted = chunks

@@ -27,7 +27,6 @@ from extproc.attempts import (
     ATTEMPT_TRANSLATED,
     ATTEMPT_TRANSLATED_STREAM,
     ATTEMPT_WITHOUT_BODY,
-    KEEPALIVE,
     TRANSLATION_LOSS_HEADER,
 )
 from extproc.config import Snapshot
@@ -41,7 +40,7 @@ from extproc.replies import DEGRADED_HEADER
 from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
 from extproc.shadow import GRANT_HEADER
 from extproc.sse import MAX_EVENT_BYTES
-from extproc.streams import interrupted_event
+from extproc.streams import KEEPALIVE, interrupted_event
 from llmgw.render.common import duration_ms, pack
 
 EXTPROC_CLUSTER = "llmgw_extproc"
@@ -257,7 +256,7 @@ def stream_guard_lua() -> str:
     events = {end.value: interrupted_event(message).decode() for end, message in INTERRUPTED.items()}
     return _lua_script("stream_guard.lua", {
         "settle_stream": _lua_string(Settle.STREAM), "degraded_header": _lua_string(DEGRADED_HEADER),
-        "events": _lua_table(events)})
+        "events": _lua_table(events), "keepalive": _lua_string(KEEPALIVE.decode())})
 
 
 def lua_stream_guard() -> lua_pb2.Lua:
