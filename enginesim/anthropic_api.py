@@ -225,8 +225,7 @@ class MessagesFrontEnd:
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
                       fault: Fault) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "Cache-Control": "no-cache"})
+        resp = fault.stream_response({"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(kind: str, doc: dict[str, Any]) -> None:

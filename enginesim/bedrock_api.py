@@ -246,8 +246,8 @@ class ConverseFrontEnd:
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, fault: Fault,
                       body: dict[str, Any], started: float) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "application/vnd.amazon.eventstream",
-                                           "x-amzn-RequestId": str(uuid.uuid4())})
+        resp = fault.stream_response({"Content-Type": "application/vnd.amazon.eventstream",
+                                      "x-amzn-RequestId": str(uuid.uuid4())})
         await resp.prepare(request)
         pad = os.urandom(8).hex()  # Bedrock pads its events (`p`) so their sizes say nothing
 

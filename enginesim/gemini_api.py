@@ -223,7 +223,7 @@ class GeminiFrontEnd:
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
                       fault: Fault) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = fault.stream_response({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(doc: dict[str, Any]) -> None:

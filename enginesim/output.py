@@ -53,6 +53,15 @@ class Output:
     def text(self, produced: int) -> str:
         return "".join(self.pieces[:produced])
 
+    def bloat(self, extra: int) -> None:
+        """The simulator's `bloat` fault: about `extra` more bytes of text, spread over the tokens (each
+        one's text padded with a word repeated; their number unchanged). Tool calls' arguments stay as
+        they are: padding would break their JSON."""
+        if self.tool_calls or not self.pieces:
+            return
+        each = -(-extra // len(self.pieces))  # ceil
+        self.pieces = [p + (" " + "lorem" * (each // 5 + 1))[:each] for p in self.pieces]
+
     def mangle_tool_calls(self) -> None:
         """The simulator's corrupted-provider mode: each call's arguments open with `[` for `{`, so
         they no longer parse (a conformance run must notice)."""

@@ -18,6 +18,10 @@ forwards no such header anyway. SPEC is one or more of:
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
   end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
   end_delay_ms=500    (the pool's streams) wait after [DONE] before ending the answer
+  bloat=1048576       the answer's text grows by about that many bytes (each token's text padded, the
+                      token count unchanged), and a stream's events all go out in one write at its end
+                      (as a proxy that buffers the provider's answer sends them): a large answer the
+                      gateway must carry, translate or refuse without falling over
   usage=-7            (the pool's and the Anthropic front end's answers) report this JSON value as the
                       completion's token count: a broken engine's usage (-7, 1e300, 2.5, "7", true),
                       which the gateway must not believe
@@ -90,7 +94,18 @@ class Fault:
     garbage: int | None = None  # a 200 whose body is random bytes from this seed (JSON or stream)
     usage: str | None = None  # (the pool's and Anthropic's answers) the JSON text reported as the output count
     refuse: bool = False  # (hosted front ends) the provider's safety stop instead of an answer
+    bloat: int = 0  # bytes of text added to the answer; a stream then goes out in one write
     exit: bool = False
+
+    def stream_response(self, headers: dict[str, str]) -> web.StreamResponse:
+        """A stream's response: held whole and written at once when the answer is bloated."""
+        return HeldStream(headers=headers) if self.bloat else web.StreamResponse(headers=headers)
+
+    def shape(self, out: Output) -> Output:
+        """The output as this fault leaves it: its text padded by `bloat` bytes."""
+        if self.bloat:
+            out.bloat(self.bloat)
+        return out
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
@@ -103,11 +118,27 @@ class Fault:
                 json.loads(value)  # a JSON value, or the fault is refused
                 f.usage = value
             elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "end_after",
-                         "end_delay_ms", "error_after", "garbage"):
+                         "end_delay_ms", "error_after", "garbage", "bloat"):
                 setattr(f, key, int(value))
             else:
                 raise ValueError(f"unknown fault {key!r}")
         return f
+
+
+class HeldStream(web.StreamResponse):
+    """A stream whose writes are held and sent in one write at its end."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self._held: list[bytes] = []
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._held.append(bytes(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write(b"".join(self._held) + data)
+        self._held.clear()
+        await super().write_eof()
 
 
 async def garbage(request: web.Request, seed: int, stream: bool) -> web.StreamResponse:
@@ -362,8 +393,8 @@ class EngineServer:
         # `n` completions of one prompt, as vLLM runs them: one sequence each (sharing the prompt's
         # cached blocks), each sampled on its own; what each writes is decided by enginesim/output.py.
         # vLLM's `ignore_eos` sampling parameter: text generated until max_tokens.
-        outputs = [plan(body, seed + i, max_tokens if body.get("ignore_eos") is True
-                        else TextSampler(seed + i).natural_length, rid) for i in range(n)]
+        outputs = [fault.shape(plan(body, seed + i, max_tokens if body.get("ignore_eos") is True
+                                    else TextSampler(seed + i).natural_length, rid)) for i in range(n)]
         if "tool_calls" in self.corrupt:
             for o in outputs:
                 o.mangle_tool_calls()
@@ -395,7 +426,7 @@ class EngineServer:
                              fault: Fault) -> tuple[Output, Sequence]:
         """One answer of a provider-shaped front end: its output plan (corrupted when the server is),
         its sequence, the fault's delay, then the engine."""
-        out = plan(wants, seed, TextSampler(seed).natural_length, rid)
+        out = fault.shape(plan(wants, seed, TextSampler(seed).natural_length, rid))
         if "tool_calls" in self.corrupt:
             out.mangle_tool_calls()
         seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
@@ -482,8 +513,7 @@ class EngineServer:
 
     async def _stream(self, request: web.Request, seqs: list[Sequence], outputs: list[Output], rid: str,
                       include_usage: bool, fault: Fault, logprobs: int | None) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "Cache-Control": "no-cache"})
+        resp = fault.stream_response({"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         base = self._base(rid, "chat.completion.chunk")
 

@@ -12,10 +12,14 @@ attempt (extproc/fallback.py). Envoy's router owns the retries; this only addres
 - Response headers: `x-llmgw-deployment` names the candidate that answered; `x-llmgw-translation-loss`
   what its adapter changed or lost of the request.
 - A candidate of another API shape (extproc/adapters/): the path, headers (its authority too) and body
-  of its shape on the way up - signed with the body when its shape signs (Bedrock's SigV4) - and its
-  answer, JSON or stream, as a chat completion of the internal content type on the way back, before
-  the meter and the settlement read it (its error statuses are left to Envoy's custom_response, which
-  answers in the contract's shape). A broken answer is a 502 `upstream_error`.
+  of its shape on the way up - signed with the body when its shape signs (Bedrock's SigV4). Its 2xx
+  answer's headers name the shape and the served model (`x-llmgw-answer-shape`, `-model`), and Envoy's
+  Lua answer filter (llmgw/lua/answers.lua) translates the answer, JSON or stream, downstream of the
+  router, before the meter and the settlement read it - as it does for a lone candidate. No answer
+  body ever passes this filter: Envoy 1.40 crashes when an upstream ext_proc filter's side stream
+  crosses its buffer watermark while the upstream request ends (docs/ARCHITECTURE.md, "No answer body
+  through the attempt filter"). Error statuses are left to Envoy's custom_response, which answers in
+  the contract's shape.
 - Each attempt is recorded in the store with its reservation, once: with its status when its response
   headers come, with status 0 when it ends without them; so the one ledger entry settlement writes
   lists every attempt, whichever ext_proc worker saw it.
@@ -31,13 +35,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
 from extproc.adapters import adapter_for
-from extproc.adapters.base import Adapter, NativeStream, StreamTranslator, Target, UpstreamBroken
+from extproc.adapters.base import Adapter, Target
 from extproc.config import Snapshot
 from extproc.config.reload import Live
 from extproc.config.schema import Deployment
@@ -50,7 +53,6 @@ from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.settlement import ANSWERED_BY
 from extproc.store import Store, StoreUnavailable
-from extproc.streams import KEEPALIVE, interrupted_event
 
 log = logging.getLogger("llmgw.attempts")
 _errors = RateLimitedLog(log)
@@ -61,15 +63,17 @@ PLAN_STREAM = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN_STRE
 TRACE = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.TRACE}']"  # the request's trace
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, PLAN_STREAM, TRACE, "request.id")
 TRANSLATION_LOSS_HEADER = "x-llmgw-translation-loss"
+# Set on a translated candidate's 2xx answer for the Lua answer filter, which reads and removes them.
+ANSWER_SHAPE_HEADER = "x-llmgw-answer-shape"
+ANSWER_MODEL_HEADER = "x-llmgw-answer-model"
 _PM = processing_mode_pb2.ProcessingMode
 # The mode an attempt switches to when its body needs no rewrite (the renderer allows exactly this one).
 ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,
                         "response_header_mode": _PM.SEND, "response_body_mode": _PM.NONE,
                         "request_trailer_mode": _PM.SKIP, "response_trailer_mode": _PM.SKIP}
-# The modes of an attempt to a candidate of another API shape: its answer comes back through ext_proc,
-# whole (JSON) or chunk by chunk (a stream).
-ATTEMPT_TRANSLATED = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": _PM.BUFFERED, "response_body_mode": _PM.BUFFERED}
-ATTEMPT_TRANSLATED_STREAM = {**ATTEMPT_TRANSLATED, "response_body_mode": _PM.STREAMED}
+# The filter's own mode (llmgw/render/filters.py), for an attempt whose body is rewritten (another
+# served model, another API shape): the request body comes through ext_proc; an answer body never does.
+ATTEMPT_WITH_BODY = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": _PM.BUFFERED}
 
 
 # Headers a candidate's adapter sets on its request (keys, protocol versions, SigV4's): removed from
@@ -184,18 +188,12 @@ class _Attempt:
     target: Target | None = None
     losses: str = ""  # what the candidate's adapter changes or loses of the request (its header)
     status: int = 0
-    streaming: bool = False  # the plan's answer is a stream
-    stream: StreamTranslator | None = None  # a streamed answer's translator, once its headers came
-    broken: bool = False  # the translated stream broke: nothing more goes to the client
 
-    def done(self, req: ep.ProcessingRequest) -> bool:
-        """Whether this attempt's filter has nothing more to do after answering req."""
-        kind = req.WhichOneof("request")
-        if kind == "response_headers":
-            return self.adapter is None
-        if kind == "response_body":
-            return self.stream is None or req.response_body.end_of_stream
-        return False
+    @staticmethod
+    def done(req: ep.ProcessingRequest) -> bool:
+        """Whether this attempt's filter has nothing more to do after answering req: the response
+        headers are its last message."""
+        return req.WhichOneof("request") == "response_headers"
 
     def answer(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse | None:
         kind = req.WhichOneof("request")
@@ -224,49 +222,13 @@ class _Attempt:
             if self.losses:
                 mutation.set_headers.append(overwrite_header(TRANSLATION_LOSS_HEADER, self.losses))
             if self.adapter is not None and 200 <= self.status < 300:
-                mutation.remove_headers.append("content-length")  # the translated answer has its own
-                # ... and its own type (a provider's stream may not be SSE: Bedrock's event stream).
-                mutation.set_headers.append(overwrite_header(
-                    "content-type", "text/event-stream" if self.streaming else "application/json"))
-                if self.streaming:
-                    self.stream = self.adapter.stream(include_usage=True)  # the gateway meters from it
-                    if isinstance(self.stream, NativeStream) and not self.stream.model:
-                        self.stream.model = self.dep.served_model  # a shape whose stream names none (Bedrock)
+                # The Lua answer filter translates it (llmgw/lua/answers.lua), after the router.
+                mutation.set_headers.extend((overwrite_header(ANSWER_SHAPE_HEADER, self.adapter.name),
+                                             overwrite_header(ANSWER_MODEL_HEADER, self.dep.served_model)))
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
                 header_mutation=mutation)))
-        if kind == "response_body" and self.adapter is not None and self.stream is not None:
-            return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
-                body_mutation=ep.BodyMutation(body=self._translate_chunk(req.response_body)))))
-        if kind == "response_body" and self.adapter is not None:
-            common = ep.CommonResponse()
-            if 200 <= self.status < 300:
-                try:
-                    answer = self.adapter.response(self.status, req.response_body.body)
-                except UpstreamBroken as e:
-                    raise GatewayError(ErrorCode.UPSTREAM_ERROR, f"the provider's answer is broken: {e}") from None
-                if not answer.get("model") and self.dep is not None:  # Converse names no model
-                    answer["model"] = self.dep.served_model
-                common.body_mutation.body = orjson.dumps(answer)
-            return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
         _errors.warning("attempt filter: unexpected message %s", kind)
         return None
-
-    def _translate_chunk(self, body: ep.HttpBody) -> bytes:
-        """One chunk of the provider's stream as internal SSE. A broken stream ends with the contract's
-        `stream_interrupted` event, and nothing after it reaches the client."""
-        if self.broken or self.stream is None:
-            return b""
-        try:
-            out = self.stream.feed(body.body)
-            if body.end_of_stream:
-                out += self.stream.finish()
-        except UpstreamBroken as e:
-            self.broken = True
-            return b"".join(e.partial) + interrupted_event(f"the provider's stream broke: {e}")
-        # A chunk that completed no event (a ping, a block's end, half an event) must not reach the
-        # client's side empty: Envoy's Lua stream guard reads an empty chunk as the stream's end. An SSE
-        # comment is an event every client ignores.
-        return b"".join(out) or (b"" if body.end_of_stream else KEEPALIVE)
 
     def _request_headers(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse:
         snap = self.snap
@@ -295,8 +257,8 @@ class _Attempt:
             token = self.credentials[dep.deployment]
         if translated(dep):
             self.adapter = adapter_for(dep.fingerprint.adapter)
-            self.streaming = attr(attrs, PLAN_STREAM) == "1"
-            self.target = Target(dep.served_model, token, dep.fingerprint.adapter_options, self.streaming)
+            self.target = Target(dep.served_model, token, dep.fingerprint.adapter_options,
+                                 attr(attrs, PLAN_STREAM) == "1")
             path, headers = self.adapter.endpoint(self.target)
             mutation.remove_headers.append("authorization")
             mutation.set_headers.extend(overwrite_header(k, v) for k, v in (*headers.items(), (":path", path)))
@@ -313,8 +275,7 @@ class _Attempt:
         mutation.remove_headers.extend(h for h in SHAPE_HEADERS if h not in headers)
         reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=mutation)))
-        if self.adapter is not None:
-            reply.mode_override.CopyFrom(_PM(**(ATTEMPT_TRANSLATED_STREAM if self.streaming else ATTEMPT_TRANSLATED)))
+        if self.adapter is not None:  # the filter's own mode: the request body comes to be translated
             return reply
         first_candidate = snap.deployments.get(plan[0])
         if first_candidate is not None and first_candidate.served_model == dep.served_model:

@@ -4,6 +4,7 @@ boundary may fall anywhere, even inside a UTF-8 sequence or a `\\r\\n`), it yiel
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,40 +16,61 @@ class MalformedStream(Exception):
     pass
 
 
-def take_events(buf: bytearray) -> list[bytes]:
-    """The complete events at the front of buf (each with its blank-line end), removed from it; what
-    remains is the start of an event still arriving."""
-    out: list[bytes] = []
-    while True:
-        cut, sep = -1, 0
-        for s in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-            i = buf.find(s)
-            if i != -1 and (cut == -1 or i < cut):
-                cut, sep = i, len(s)
-        if cut == -1:
-            return out
-        out.append(bytes(buf[: cut + sep]))
-        del buf[: cut + sep]
+# An event ends at its first blank line, whichever line ending the stream uses.
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE_END = re.compile(rb"\r\n|\r|\n")  # SSE's three line endings
+
+
+class EventSplitter:
+    """Complete events out of a stream's chunks (each with its blank-line end), in work linear in the
+    bytes received: one left-to-right search that resumes where the last one stopped (a separator
+    split between chunks is found through the 3 bytes kept before the new ones), each event copied
+    once, and what was taken removed once per chunk. `work` counts the bytes searched and copied."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._scan = 0  # no event ends before here
+        self.work = 0
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += chunk
+        out: list[bytes] = []
+        start = 0
+        while (m := _EVENT_END.search(buf, self._scan)) is not None:
+            end = m.end()
+            out.append(bytes(buf[start:end]))
+            self.work += (end - self._scan) + (end - start)
+            start = self._scan = end
+        self.work += len(buf) - self._scan
+        if start:
+            del buf[:start]
+            self.work += len(buf)
+        self._scan = max(0, len(buf) - 3)  # a separator is at most 4 bytes
+        return out
+
+    @property
+    def pending(self) -> int:
+        """The bytes of an event still arriving."""
+        return len(self._buf)
 
 
 def event_data(event: bytes) -> str | None:
     """An event's data (its `data:` lines joined), or None for an event without any."""
-    lines = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n")
-             if ln.startswith(b"data:")]
+    lines = [ln[5:].removeprefix(b" ") for ln in _LINE_END.split(event) if ln.startswith(b"data:")]
     return b"\n".join(lines).decode("utf-8", "replace") if lines else None
 
 
 @dataclass
 class SseReader:
-    _buf: bytearray = field(default_factory=bytearray)
+    _events: EventSplitter = field(default_factory=EventSplitter)
 
     def feed(self, chunk: bytes) -> Iterator[str]:
-        self._buf += chunk
-        for event in take_events(self._buf):
+        for event in self._events.feed(chunk):
             data = event_data(event)
             if data is not None:
                 yield data
-        if len(self._buf) > MAX_EVENT_BYTES:
+        if self._events.pending > MAX_EVENT_BYTES:
             raise MalformedStream("an SSE event exceeds 1 MiB")
 
 

@@ -37,7 +37,7 @@ from extproc.contract import METADATA_NAMESPACE, ErrorCode, error_body
 from extproc.envoy_msgs import ATTRIBUTES, attr, md_attr, with_first
 from extproc.names import INTERRUPTED, Key, StreamEnd
 from extproc.settlement import Meter
-from extproc.sse import MAX_EVENT_BYTES, StreamUsage, event_data, take_events
+from extproc.sse import MAX_EVENT_BYTES, EventSplitter, StreamUsage, event_data
 
 CUT_BACKSTOP_S = 2.0  # after a cut, how long the access log has to settle before the guard does
 
@@ -64,7 +64,7 @@ class StreamGuard:
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
         first_at = time.time()  # the first message is the stream's first chunk (headers are skipped)
-        usage, buf = StreamUsage(), bytearray()
+        usage, events = StreamUsage(), EventSplitter()
         broken, over, complete = "", "", False
         counted = 0
         ends_at_ms = md_attr(attrs, Key.STREAM_ENDS_AT_MS)
@@ -95,8 +95,7 @@ class StreamGuard:
                 if not broken and ends_at is not None and time.time() > ends_at:
                     broken = over = INTERRUPTED[StreamEnd.OVER]
                 if not broken:
-                    buf += msg.response_body.body
-                    for event in take_events(buf):
+                    for event in events.feed(msg.response_body.body):
                         data = event_data(event)
                         if data is None:
                             out += event
@@ -113,7 +112,7 @@ class StreamGuard:
                         if withhold and isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
                             continue  # the usage chunk the client did not ask for
                         out += event
-                    if not broken and len(buf) > MAX_EVENT_BYTES:
+                    if not broken and events.pending > MAX_EVENT_BYTES:
                         broken = INTERRUPTED[StreamEnd.OVERSIZED]
                 if msg.response_body.end_of_stream:
                     complete = True

@@ -68,7 +68,7 @@ from llmgw.render.filters import (
     upstream_headers_filter,
     usage_to_metadata,
 )
-from llmgw.render.routes import direct_clusters, route_config
+from llmgw.render.routes import answers_translated, route_config
 from llmgw.render.stats import stats_listener
 from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, loopback_tls, upstream_tls
 
@@ -154,10 +154,11 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
                http_filter("envoy.filters.http.json_to_metadata", usage_to_metadata())] if meters(snap) else []),
             http_filter(UPSTREAM_HEADERS_FILTER, upstream_headers_filter()),
             # A lone candidate the decision translated for (extproc/direct.py): its headers after the
-            # allow-list above, and its answer translated before json_to_metadata (or the Lua stream
-            # guard) reads it. Off unless a chat completion's first route turns it on; its script runs
-            # only on those candidates' JSON and stream routes.
-            *([http_filter(LUA_ANSWERS, lua_answers(), disabled=True)] if direct_clusters(snap) else []),
+            # allow-list above; and its answer, or that of a plan's candidate of another shape (named
+            # by the attempt filter), translated before json_to_metadata, the meter or a stream guard
+            # reads it. Off unless a chat completion's first route turns it on; its script runs only
+            # on the routes of those candidates and of their plans' composite clusters.
+            *([http_filter(LUA_ANSWERS, lua_answers(), disabled=True)] if answers_translated(snap) else []),
             http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
             http_filter("envoy.filters.http.router", router_pb2.Router()),
         ],

@@ -288,27 +288,6 @@ def test_what_came_before_a_break_in_the_same_chunk_is_kept() -> None:
     assert text == "Checking now."
 
 
-def test_the_attempt_filter_never_sends_an_empty_chunk_before_the_end() -> None:
-    """Envoy's Lua stream guard reads an empty chunk as the end of the stream: a provider chunk that
-    completes no event (a ping, half an event) goes on as an SSE comment instead."""
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-
-    from extproc.attempts import _Attempt
-    from extproc.config import load_snapshot
-    from extproc.streams import KEEPALIVE
-    from tests.conftest import POLICY
-
-    state = _Attempt(load_snapshot(POLICY), adapter=ANTHROPIC, stream=ANTHROPIC.stream())
-    start = STREAM[: STREAM.index(b"event: content_block_start")]
-    assert state._translate_chunk(ep.HttpBody(body=start)).startswith(b"data: ")
-    assert state._translate_chunk(ep.HttpBody(body=events({"type": "ping"}))) == KEEPALIVE
-    half = STREAM[STREAM.index(b"event: content_block_start"):][:30]
-    assert state._translate_chunk(ep.HttpBody(body=half)) == KEEPALIVE
-    rest = STREAM[STREAM.index(b"event: content_block_start") + 30:]
-    assert state._translate_chunk(ep.HttpBody(body=rest)).rstrip().endswith(b"data: [DONE]")
-    assert state._translate_chunk(ep.HttpBody(body=b"", end_of_stream=True)) == b""
-
-
 @pytest.mark.parametrize(("adapter", "options", "problem"), [
     ("openai-compat@1", {"kind": "bogus"}, "kind must be one of"),
     ("openai-compat@1", {"region": "eu"}, "takes no option region"),

@@ -105,6 +105,7 @@ def test_errors_are_anthropics_with_the_contracts_code(stack: Stack) -> None:
     assert r.status == 400 and r.json()["error"]["param"] == "max_tokens" and r.json()["type"] == "error"
     r = request(f"{stack.url}/v1/messages", "POST", None, {"x-api-key": KEY})  # Envoy's own reply, no body
     assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["type"] == "error"  # Anthropic's shape, not the chat completion's (issue 27)
 
 
 def test_upstream_failures_and_envoys_own_replies_are_anthropic_errors(stack: Stack) -> None:

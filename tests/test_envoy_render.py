@@ -15,7 +15,7 @@ from extproc.config.schema import MAX_RETRIES
 from extproc.doors import BY_NAME, DOORS
 from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
 from llmgw.procs import envoy_binary, free_port, wait_until
-from llmgw.render.routes import direct_clusters
+from llmgw.render.routes import direct_clusters, translating_composites
 from tests.conftest import POLICY
 from tests.helpers import request
 
@@ -128,19 +128,23 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
     streamed_here = translated_here  # each shape's stream is read in Lua too
     routes = hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]
     to_clusters = [r for r in routes if "route" in r]
+    composites_translating = translating_composites(load_snapshot(POLICY), {r["route"]["cluster"] for r in to_clusters})
+    assert composites_translating and all(c.startswith("fallback_") for c in composites_translating)
     assert to_clusters, "no route reaches an upstream"
     for r in to_clusters:
         md = r["match"]["dynamic_metadata"][0]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
-        # The Lua answer filter runs only on the JSON route of a deployment the decision translates for,
+        # The Lua answer filter runs on the JSON route of a deployment the decision translates for,
         # and on its stream route where the filter reads that shape's streams (extproc/direct.py);
-        # there the router keeps what the filter sets (its key among them).
+        # there the router keeps what the filter sets (its key among them). It also runs on every
+        # route to a composite cluster of a route with a candidate of another shape: the attempt
+        # filter names such a candidate's answer, which no ext_proc filter reads (issue 27).
         answers = "llmgw.lua_answers" not in r.get("typed_per_filter_config", {})
         cluster = r["route"]["cluster"]
         shape = (translated_here if r["name"] == f"admitted_{cluster}" else
                  streamed_here if r["name"] == f"admitted_{cluster}_stream" else {}).get(cluster)
-        assert answers == (shape is not None), r["name"]
+        assert answers == (shape is not None or cluster in composites_translating), r["name"]
         assert r["request_headers_to_remove"] == [h for h in ("authorization", "x-api-key", "x-goog-api-key")
                                                   if h not in (shape or ())]
         # Streams: the Lua stream guard. Idempotent streams: ext_proc's stream guard. Idempotent JSON:
@@ -172,11 +176,19 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         assert off == guards - {on[kind]}, (kind, off)
     assert {r["name"].removeprefix("admitted_pool_engine-pool") for r in to_clusters} >= {
         "", "_stream", "_kept_stream", "_metered", "_anthropic", "_stream_anthropic", "_gemini", "_stream_gemini"}
-    # Everything else is answered by Envoy itself in the contract's JSON.
+    # Everything else is answered by Envoy itself in the contract's JSON; a front door's request
+    # without a body in its door's shape (issue 27), with the same code inside.
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:
             body = yaml.safe_load(r["direct_response"]["body"]["inline_string"])
-            assert set(body["error"]) == {"message", "type", "code", "param"}
+            door = next((d for d in DOORS if r["name"] == f"{d.name}_without_body"), None)
+            if door is None:
+                assert set(body["error"]) == {"message", "type", "code", "param"}
+                continue
+            contract = json.dumps({"error": {"message": "a JSON request body is required",
+                                             "type": "invalid_request_error", "code": "invalid_request",
+                                             "param": None}}).encode()
+            assert body == json.loads(door.error(r["direct_response"]["status"], contract)), r["name"]
 
 
 def test_admin_on_loopback_and_extproc_breakers_raised(rendered: dict[str, Any]) -> None:
@@ -203,17 +215,19 @@ def test_every_local_reply_is_contract_json(rendered: dict[str, Any]) -> None:
     assert any("ext_proc" in m["filter"]["extension_filter"]["typed_config"]["expression"] for m in mappers)
     plain = [m for m in mappers if "x-envoy-original-path" not in m["filter"]["extension_filter"]["typed_config"][
         "expression"]]
+
+    def body(m: dict[str, Any]) -> Any:  # text, not json_format: Google's integer code stays one
+        return json.loads(m["body_format_override"]["text_format_source"]["inline_string"].replace("%%", "%"))
     for m in plain:
-        err = m["body_format_override"]["json_format"]["error"]
-        assert set(err) == {"message", "type", "code", "param"}
+        assert set(body(m)["error"]) == {"message", "type", "code", "param"}
     assert mappers[-len(plain):] == plain  # the doors' mappers come first: the first match wins
     for door in DOORS:
         mine = [m for m in mappers if door.path in m["filter"]["extension_filter"]["typed_config"]["expression"]]
         assert len(mine) == len(plain)
         for m, p in zip(mine, plain, strict=True):
-            contract = json.dumps(p["body_format_override"]["json_format"]).encode()
-            # the door's shape of the same error
-            assert m["body_format_override"]["json_format"] == json.loads(door.error(m["status_code"], contract))
+            # the door's shape of the same error, chosen by the decision's door once there is one
+            assert f"['door'] == '{door.name}'" in m["filter"]["extension_filter"]["typed_config"]["expression"]
+            assert body(m) == json.loads(door.error(m["status_code"], json.dumps(body(p)).encode()))
 
 
 def test_render_cli_writes_file(tmp_path: Path) -> None:

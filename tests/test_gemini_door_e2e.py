@@ -107,6 +107,10 @@ def test_envoys_own_replies_are_googles_too(stack: Stack) -> None:
                 {"contents": [{"parts": [{"text": marker}]}]}, {"x-goog-api-key": KEY, "x-llmgw-deadline-ms": "300"})
     assert r.status == 504 and r.json()["error"]["status"] == "DEADLINE_EXCEEDED"
     assert r.json()["error"]["details"][0]["reason"] == "deadline_exceeded"
+    assert r.json()["error"]["code"] == 504  # Google's integer (Envoy wrote "504.0": issue 27)
+    empty = request(f"{stack.url}/v1beta/models/chat-default:generateContent", "POST", None, {"x-goog-api-key": KEY})
+    assert empty.status == 400 and empty.json()["error"]["code"] == 400
+    assert empty.json()["error"]["status"] == "INVALID_ARGUMENT"
     chat = request(f"{stack.url}/v1/chat/completions", "POST", {"model": "chat-default", "messages": [
         {"role": "user", "content": marker}]}, {"authorization": f"Bearer {KEY}", "x-llmgw-deadline-ms": "300"})
     assert chat.status == 504 and chat.json()["error"]["code"] == "deadline_exceeded"  # the contract's own shape

@@ -207,6 +207,18 @@ def test_the_providers_overload_is_the_contracts_error(gw: Stack, provider: str)
     assert_contract_error(r, 502, "upstream_error")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_envoys_own_reply_reaches_a_chat_caller_in_the_contracts_shape(gw: Stack, provider: str,
+                                                                      stream: bool) -> None:
+    """The Lua answer filter sets the provider's path (/v1/messages) on a chat completion; Envoy's own
+    reply (here its timeout) must still be the contract's error, not the Anthropic door's (issue 27:
+    the renderer chose the door's shape by that rewritten path)."""
+    request(f"{provider}/admin/faults", "POST", {"fault": "delay_ms=2000", "count": 1})
+    r = request(f"{gw.url}/v1/chat/completions", "POST", chat_body("chat-anthropic", max_tokens=6, stream=stream),
+                headers={"authorization": f"Bearer {KEY}", "x-llmgw-deadline-ms": "300"}, timeout=30)
+    assert_contract_error(r, 504, "deadline_exceeded")  # {"error": {...}} alone: no Anthropic envelope
+
+
 def test_a_stream_from_the_provider_reaches_the_sdk_as_chat_chunks_and_is_metered(gw: Stack, provider: str) -> None:
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
     raw = client.chat.completions.with_raw_response.create(

@@ -9,27 +9,26 @@ import json
 from typing import Any
 
 from extproc.adapters.base import UpstreamBroken
-from extproc.sse import MAX_EVENT_BYTES, event_data, take_events
+from extproc.sse import MAX_EVENT_BYTES, EventSplitter, event_data
 
 
 class InternalStream:
     def __init__(self) -> None:
-        self.buf = bytearray()
+        self.events = EventSplitter()
         self.ended = False
 
     def feed(self, chunk: bytes) -> bytes:
         if self.ended:
             return b""
-        self.buf += chunk
         out: list[bytes] = []
-        for event in take_events(self.buf):
+        for event in self.events.feed(chunk):
             data = event_data(event)
             if data is None:
                 continue  # a comment (keep-alive): the caller's events are its API's own
             out += self._one(data)
             if self.ended:
                 break
-        if len(self.buf) > MAX_EVENT_BYTES and not self.ended:
+        if self.events.pending > MAX_EVENT_BYTES and not self.ended:
             out += self._failed("an event of the stream exceeds 1 MiB")
         return b"".join(out)
 

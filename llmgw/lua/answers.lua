@@ -1,5 +1,7 @@
 -- The answer filter, in Envoy (LuaJIT): a request that ext_proc's decision translated for a lone
--- candidate of another API shape (extproc/direct.py) passes here, with no round trip to ext_proc.
+-- candidate of another API shape (extproc/direct.py) passes here, with no round trip to ext_proc, and
+-- so does every answer of a plan's candidate of another shape, which the attempt filter
+-- (extproc/attempts.py) names in headers of its own.
 -- The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names from
 -- extproc/names.py, each shape's stop reasons from its adapter, the contract's 502 body and
 -- `stream_interrupted` event) and llmgw/lua/json.lua, sse.lua, values.lua and eventstream.lua.
@@ -427,35 +429,52 @@ local function bedrock_event(st, kind, doc, out)
 end
 
 -- The end of a Bedrock stream: the metadata event said it all, and no message was left half-sent.
-local function bedrock_end(st, out, pending)
-  return st.ended and pending == ""
+local function bedrock_end(st, out, held)
+  return st.ended and held == 0
 end
 
--- Each stream shape's reader: handles the first whole event of `pending` (its chunks added to `out`)
--- and returns what is left after it; nil while no event is whole; false when the event breaks the
--- stream. SSE events (Anthropic's, Gemini's): an event without data is a comment, passed over.
+-- Each stream shape's reader, made once per stream: `read(st, bytes, out)` handles the chunk's whole
+-- events (their chunks added to `out`) and returns true and how many bytes of an event still arriving
+-- it holds, or false when an event breaks the stream. The work is linear in the bytes received (an
+-- answer of a million events in one write is read once). SSE events (Anthropic's, Gemini's): an event
+-- without data is a comment, passed over.
 local function sse_reader(event)
-  return function(st, pending, out)
-    local e = event_end(pending)
-    if e == nil then return nil end
-    local data = event_data(sub(pending, 1, e))
-    if data ~= nil then
-      local doc = decode_all(data)
-      st.data = data  -- (a call's arguments are a span of it)
-      if not is_object(doc) or not event(st, doc, out) then return false end
+  return function()
+    local split = event_splitter()
+    return function(st, bytes, out)
+      local events = {}
+      local held = split(bytes, events)
+      for _, whole in ipairs(events) do
+        local data = event_data(whole)
+        if data ~= nil then
+          local doc = decode_all(data)
+          st.data = data  -- (a call's arguments are a span of it)
+          if not is_object(doc) or not event(st, doc, out) then return false end
+        end
+      end
+      return true, held
     end
-    return sub(pending, e + 1)
   end
 end
 
--- AWS event-stream messages (Bedrock's): an exception message (throttling, ...) breaks the stream.
-local function bedrock_reader(st, pending, out)
-  local headers, payload, length = eventstream_message(pending, CONFIG.max_event_bytes)
-  if not headers then return headers end
-  if headers[":message-type"] ~= "event" then return false end
-  local doc = decode_all(payload ~= "" and payload or "{}")
-  if not is_object(doc) or not bedrock_event(st, headers[":event-type"] or "", doc, out) then return false end
-  return sub(pending, length + 1)
+-- AWS event-stream messages (Bedrock's), read at an offset and what was read dropped once per chunk:
+-- an exception message (throttling, ...) breaks the stream.
+local function bedrock_reader()
+  local pending = ""
+  return function(st, bytes, out)
+    pending = pending .. bytes
+    local at = 1
+    while true do
+      local headers, payload, length = eventstream_message(pending, CONFIG.max_event_bytes, at)
+      if headers == nil then break end
+      if not headers or headers[":message-type"] ~= "event" then return false end
+      local doc = decode_all(payload ~= "" and payload or "{}")
+      if not is_object(doc) or not bedrock_event(st, headers[":event-type"] or "", doc, out) then return false end
+      at = at + length
+    end
+    if at > 1 then pending = sub(pending, at) end
+    return true, #pending
+  end
 end
 
 -- A 2xx stream of a shape translated here: every chunk's complete events translated as they come (the
@@ -468,43 +487,46 @@ local function translate_stream(h, model, request_id, shape)
   local st = {id = "", model = model, request_id = request_id, created = format("%d", time()), calls = {},
               ncalls = 0, prompt = 0, cached = 0, output = 0, reasoning = 0, stopped = false, started = false,
               ended = false}
-  local read, finish = shape.read, shape.finish
-  local pending = ""
+  local read, finish = shape.reader(), shape.finish
   rewrite_chunks(h, function(bytes, at_end)
-    local out, broken = {}, false
-    pending = pending .. bytes
-    while true do
-      local rest = read(st, pending, out)
-      if rest == nil then break end
-      if rest == false then
-        broken = true
-        break
-      end
-      pending = rest
-    end
-    if not broken and (#pending > CONFIG.max_event_bytes or (at_end and not finish(st, out, pending))) then
-      broken = true
-    end
+    local out = {}
+    local ok, held = read(st, bytes, out)
+    local broken = not ok or held > CONFIG.max_event_bytes or (at_end and not finish(st, out, held))
     if broken then out[#out + 1] = CONFIG.interrupted end
     local text = concat(out)
     return (text == "" and not at_end) and CONFIG.keepalive or text, broken
   end)
 end
 
-local TRANSLATE_STREAM = {anthropic = {read = sse_reader(anthropic_event), finish = anthropic_end},
-                          gemini = {read = sse_reader(gemini_event), finish = gemini_end},
-                          bedrock = {read = bedrock_reader, finish = bedrock_end}}
+local TRANSLATE_STREAM = {anthropic = {reader = sse_reader(anthropic_event), finish = anthropic_end},
+                          gemini = {reader = sse_reader(gemini_event), finish = gemini_end},
+                          bedrock = {reader = bedrock_reader, finish = bedrock_end}}
 
 local TRANSLATE = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
 
-function envoy_on_response(h)
-  local md = h:streamInfo():dynamicMetadata():get(NS)
-  local shape = md and md[K.answer_shape]
-  local translate = shape and TRANSLATE[shape]
-  if translate == nil then return end
-  local headers = h:headers()
+-- Which shape to read the answer as, and the model it names when the shape names none: the decision's
+-- (a lone candidate it translated for, in the metadata), or the attempt filter's (a plan's candidate
+-- of another shape answered: the headers it set, which never reach the client).
+local function answer_of(headers, md)
+  local shape, model = headers:get(CONFIG.shape_header), headers:get(CONFIG.model_header)
+  if shape ~= nil then
+    headers:remove(CONFIG.shape_header)
+    headers:remove(CONFIG.model_header)
+    return shape, model
+  end
+  if md == nil then return nil end
   local lost = md[K.translation_loss]
   if lost ~= nil and lost ~= "" then headers:replace(CONFIG.loss_header, lost) end
+  return md[K.answer_shape], md[K.answer_model]
+end
+
+function envoy_on_response(h)
+  local md = h:streamInfo():dynamicMetadata():get(NS) or {}
+  local headers = h:headers()
+  local shape, model = answer_of(headers, md)
+  local translate = shape and TRANSLATE[shape]
+  if translate == nil then return end
+  model = model or ""
   local status = tonumber(headers:get(":status")) or 0
   if status < 200 or status >= 300 then return end
   -- Envoy's own degraded answer (every upstream was down): the gateway wrote it, in the internal shape.
@@ -515,11 +537,11 @@ function envoy_on_response(h)
     if stream == nil then return end
     headers:remove("content-length")
     headers:replace("content-type", "text/event-stream")
-    translate_stream(h, md[K.answer_model] or "", md[K.request_id] or "", stream)
+    translate_stream(h, model, md[K.request_id] or "", stream)
     return
   end
   local body = h:body()
-  local out = body and translate(body:getBytes(0, body:length()), md[K.answer_model] or "", md[K.request_id] or "")
+  local out = body and translate(body:getBytes(0, body:length()), model, md[K.request_id] or "")
   headers = h:headers()  -- the handle taken before the body was read is out of scope now
   headers:replace("content-type", "application/json")
   if out == nil then

@@ -417,18 +417,16 @@ local function door_event(door, st, data, out)
 end
 
 local function translate_stream(h, door)
-  local st, pending = door.stream(), ""
+  local st, split = door.stream(), event_splitter()
   rewrite_chunks(h, function(bytes, at_end)
-    local out, ended = {}, false
-    pending = pending .. bytes
-    while not ended do
-      local e = event_end(pending)
-      if e == nil then break end
-      local data = event_data(sub(pending, 1, e))
-      pending = sub(pending, e + 1)
+    local out, ended, events = {}, false, {}
+    local held = split(bytes, events)
+    for _, event in ipairs(events) do
+      local data = event_data(event)
       if data ~= nil then ended = door_event(door, st, data, out) end  -- (no data: a comment)
+      if ended then break end
     end
-    if not ended and #pending > CONFIG.max_event_bytes then
+    if not ended and held > CONFIG.max_event_bytes then
       ended = true
       out[#out + 1] = door.error_event("an event of the stream exceeds 1 MiB")
     end

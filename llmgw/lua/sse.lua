@@ -2,7 +2,6 @@
 -- after llmgw/lua/json.lua and before each script that reads a stream, so its locals are theirs.
 
 local find, gmatch, concat = string.find, string.gmatch, table.concat
-local CR_SEPARATORS = {"\r\n\r\n", "\r\r"}
 
 -- An event's data: its `data:` lines joined (nil for an event without any). The common event is one
 -- `data: ` line.
@@ -23,15 +22,50 @@ local function event_data(event)
   return parts and concat(parts, "\n")
 end
 
--- The end of the first complete event in buf (its blank line included), or nil.
-local function event_end(buf)
-  local _, j = find(buf, "\n\n", 1, true)
-  if find(buf, "\r", 1, true) == nil then return j end
-  for _, sep in ipairs(CR_SEPARATORS) do
-    local _, k = find(buf, sep, 1, true)
-    if k and (j == nil or k < j) then j = k end
+-- Complete events out of a stream's chunks, in work linear in the bytes received: each byte is searched
+-- once (a separator split between two chunks is found through the last 3 bytes kept before the new
+-- ones; each separator's next place is searched for only once the events have passed it) and copied
+-- once into its event. `split(chunk, events)` appends the chunk's complete events (each with its blank
+-- line) to `events` and returns how many bytes of an event still arriving it holds.
+local SEPARATORS = {"\n\n", "\r\n\r\n", "\r\r"}
+
+local function event_splitter()
+  local parts, held, tail = {}, 0, ""
+  return function(chunk, events)
+    local s = tail .. chunk
+    local base, from = #tail, 1
+    local starts, ends = {}, {}
+    while true do
+      local first, stop = nil, nil
+      for i = 1, 3 do
+        local a = starts[i]
+        if a == nil or (a and a < from) then
+          local b
+          a, b = find(s, SEPARATORS[i], from, true)
+          starts[i], ends[i] = a or false, b
+        end
+        if a and (first == nil or a < first) then first, stop = a, ends[i] end
+      end
+      if first == nil then break end
+      if held > 0 then  -- the first event of the chunk ends what was held
+        parts[#parts + 1] = sub(s, base + 1, stop)
+        events[#events + 1] = concat(parts)
+        parts, held = {}, 0
+      else
+        events[#events + 1] = sub(s, from, stop)
+      end
+      from = stop + 1
+    end
+    if from <= #s then
+      local rest = sub(s, math.max(from, base + 1))
+      if rest ~= "" then
+        parts[#parts + 1] = rest
+        held = held + #rest
+      end
+    end
+    tail = held > 0 and sub(s, math.max(from, #s - 2)) or ""
+    return held
   end
-  return j
 end
 
 -- A body rewritten chunk by chunk as it streams: `step(bytes, at_end)` gives each chunk's new text and

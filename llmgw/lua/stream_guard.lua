@@ -132,7 +132,7 @@ function envoy_on_response(h)
   if not sse then headers:replace("content-type", "text/event-stream") end
   local withhold = md[K.withhold_usage] == "1"
   local ends_at = tonumber(md[K.stream_ends_at_ms] or "")
-  local pending, chunks, counted, ended, done, done_marked = "", 0, 0, nil, false, false
+  local split, held, chunks, counted, ended, done, done_marked = event_splitter(), 0, 0, 0, nil, false, false
 
   for chunk in h:bodyChunks() do
     local n = chunk:length()
@@ -146,12 +146,9 @@ function envoy_on_response(h)
       out[1] = EVENT.over
     elseif ended == nil then
       came = n > 0 and chunk:getBytes(0, n) or ""
-      pending = pending == "" and came or pending .. came
-      while ended == nil do
-        local e = event_end(pending)
-        if e == nil then break end
-        local event = sub(pending, 1, e)
-        pending = sub(pending, e + 1)
+      local events = {}
+      held = split(came, events)
+      for _, event in ipairs(events) do
         local data = event_data(event)
         local keep = true
         if data == "[DONE]" or (data ~= nil and byte(data, skip(data, 1)) == 91 and find(data, "^%s*%[DONE%]%s*$")) then
@@ -176,7 +173,7 @@ function envoy_on_response(h)
         if ended ~= nil then break end
         if keep then out[#out + 1] = event end
       end
-      if ended == nil and #pending > MAX_EVENT then ended = "oversized" end
+      if ended == nil and held > MAX_EVENT then ended = "oversized" end
       if ended == nil and at_end and not done then ended = "unfinished" end
       if ended ~= nil then out[#out + 1] = EVENT[ended] end
     end

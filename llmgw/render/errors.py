@@ -14,7 +14,7 @@ from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
 from envoy.type.matcher.v3 import status_code_input_pb2
-from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
+from google.protobuf import any_pb2, wrappers_pb2
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
@@ -32,20 +32,30 @@ def _contract_json(code: ErrorCode, message: str, status: int = 0, door: Door | 
         substitution_format_string_pb2.SubstitutionFormatString):
     """The contract's error body as an Envoy JSON format string; for a front door's caller, in its
     shape, written where the reply is made (the Lua door filter keeps a body already in its shape)."""
-    doc = json.loads(GatewayError(code, message).body())
+    body = GatewayError(code, message).body()
     if door is not None:
-        doc = json.loads(door.error(status, json.dumps(doc).encode()))
-    body = struct_pb2.Struct()
-    body.update(doc)
+        body = door.error(status, body)
+    # As text, not `json_format`: a Struct holds numbers as doubles, and Envoy wrote Google's integer
+    # `code` as "502.0". The body has no command operators, so each % is escaped.
+    text = json.dumps(json.loads(body), separators=(",", ":"), ensure_ascii=False)
     return substitution_format_string_pb2.SubstitutionFormatString(
-        json_format=body, content_type="application/json")
+        text_format_source=base_pb2.DataSource(inline_string=text.replace("%", "%%")),
+        content_type="application/json")
+
+
+MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 
 
 def door_expr(door: Door) -> str:
-    """CEL: this request came through `door` (its path as the client sent it: an admitted request's
-    was rewritten for the upstream, and Envoy keeps the original in x-envoy-original-path)."""
+    """CEL: this request came through `door`. Once decided, the decision's `door` metadata says so: the
+    path no longer can, since a translated candidate's path is the provider's (the Lua answer filter
+    set /v1/messages on a chat completion for an Anthropic-shaped one). Undecided (ext_proc failed, the
+    body was too large), the path as the client sent it (Envoy keeps it in x-envoy-original-path when
+    a route rewrote it)."""
+    decided = f"'{METADATA_NAMESPACE}' in metadata.filter_metadata && '{Key.REQUEST_ID}' in {MD}"
+    named = f"'{Key.DOOR}' in {MD} && {MD}['{Key.DOOR}'] == '{door.name}'"
     path = "('x-envoy-original-path' in request.headers ? request.headers['x-envoy-original-path'] : request.path)"
-    return f"{path}.matches('^{door.path}([?].*)?$')"
+    return f"(({decided}) ? ({named}) : {path}.matches('^{door.path}([?].*)?$'))"
 
 
 def _cel_filter(expr: str) -> accesslog_pb2.AccessLogFilter:
@@ -79,7 +89,6 @@ LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
 )
 
 
-MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 # Every upstream of the plan was down: none had a healthy host, or none took the connection.
 ALL_DOWN = "(response.code_details == 'no_healthy_upstream' || response.code_details.contains('connection_failure'))"
 _RID, _CREATED = "@@llmgw-request-id@@", 1  # placeholders in the rendered body, replaced by formatters
@@ -175,7 +184,11 @@ def admitted_route_filters(door: Door | None = None) -> dict[str, any_pb2.Any]:
     return {"envoy.filters.http.custom_response": pack(_custom_response_filter(door))}
 
 
-def direct(status: int, code: ErrorCode, message: str) -> route_components_pb2.DirectResponseAction:
+def direct(status: int, code: ErrorCode, message: str,
+           door: Door | None = None) -> route_components_pb2.DirectResponseAction:
+    """A contract error Envoy answers itself; on a front door's path, in its caller's shape."""
     body = json.dumps({"error": {"message": message, "type": code.error_type, "code": code.value,
                                  "param": None}})
+    if door is not None:
+        body = door.error(status, body.encode()).decode()
     return route_components_pb2.DirectResponseAction(status=status, body=base_pb2.DataSource(inline_string=body))

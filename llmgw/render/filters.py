@@ -23,9 +23,10 @@ from google.protobuf import struct_pb2, wrappers_pb2
 
 from extproc.adapters import anthropic, bedrock, gemini
 from extproc.attempts import (
+    ANSWER_MODEL_HEADER,
+    ANSWER_SHAPE_HEADER,
     ATTEMPT_ATTRIBUTES,
-    ATTEMPT_TRANSLATED,
-    ATTEMPT_TRANSLATED_STREAM,
+    ATTEMPT_WITH_BODY,
     ATTEMPT_WITHOUT_BODY,
     TRANSLATION_LOSS_HEADER,
 )
@@ -276,6 +277,7 @@ def answers_lua() -> str:
     broken = GatewayError(ErrorCode.UPSTREAM_ERROR, "the provider's answer is broken").body()
     return _lua_script("answers.lua", {
         "loss_header": _lua_string(TRANSLATION_LOSS_HEADER), "degraded_header": _lua_string(DEGRADED_HEADER),
+        "shape_header": _lua_string(ANSWER_SHAPE_HEADER), "model_header": _lua_string(ANSWER_MODEL_HEADER),
         "broken": _lua_string(broken.decode()), "anthropic_stop": _lua_table(anthropic.STOP_REASONS),
         "interrupted": _lua_string(interrupted_event("the provider's stream broke").decode()),
         "keepalive": _lua_string(KEEPALIVE.decode()),
@@ -364,15 +366,14 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     return ext_proc_pb2.ExternalProcessor(
         grpc_service=_extproc_service(Role.ATTEMPT),
         failure_mode_allow=False,
-        processing_mode=pm(request_header_mode=pm.SEND, request_body_mode=pm.BUFFERED,
-                           response_header_mode=pm.SEND, response_body_mode=pm.NONE,
-                           request_trailer_mode=pm.SKIP, response_trailer_mode=pm.SKIP),
+        # Never an answer's body (response_body_mode NONE): an upstream ext_proc filter whose side
+        # stream crosses its buffer watermark while the upstream request ends crashes Envoy 1.40. A
+        # translated answer is read by the Lua answer filter downstream instead.
+        processing_mode=pm(**ATTEMPT_WITH_BODY),
         # An attempt whose body needs no rewrite (its candidate serves the first's model) skips the
         # body message: the headers reply overrides the mode to this one.
         allow_mode_override=True,
-        # One to another API shape has its answer translated: the response body comes through too.
-        allowed_override_modes=[processing_mode_pb2.ProcessingMode(**mode) for mode in (
-            ATTEMPT_WITHOUT_BODY, ATTEMPT_TRANSLATED, ATTEMPT_TRANSLATED_STREAM)],
+        allowed_override_modes=[pm(**ATTEMPT_WITHOUT_BODY)],
         request_attributes=list(ATTEMPT_ATTRIBUTES),
         message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
         # The attempt addresses its candidate: a provider whose signature covers the host (Bedrock's

@@ -20,7 +20,7 @@ from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
 from extproc.direct import decision_translates, shape_headers
 from extproc.doors import CREDENTIAL_HEADERS, DOORS, Door
-from extproc.fallback import composite_name
+from extproc.fallback import composite_name, translated
 from extproc.names import Key, Settle
 from extproc.settlement import ANSWERED_BY
 from extproc.shadow import GRANT_HEADER, SHADOW_CLUSTER
@@ -64,6 +64,20 @@ def direct_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
     return {snap.pool_of(d): shape_headers(d) for d in snap.deployments.values() if decision_translates(d)}
 
 
+def answers_translated(snap: Snapshot) -> bool:
+    """Whether any deployment's answers are translated (by the Lua answer filter, which is then
+    rendered)."""
+    return any(translated(d) for d in snap.deployments.values())
+
+
+def translating_composites(snap: Snapshot, clusters: Iterable[str]) -> set[str]:
+    """The composite clusters of routes with a candidate of another shape: the attempt filter names such
+    a candidate's answer, and the Lua answer filter on their admitted routes translates it."""
+    prefixes = tuple(composite_name(r.route_contract, ()) for r in snap.routes.values()
+                     if any(translated(d) for c in r.candidates if (d := snap.deployments.get(c.deployment_name))))
+    return {c for c in clusters if prefixes and c.startswith(prefixes)}
+
+
 def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConfiguration:
     stream_idle_ms = snap.gateway.envoy.stream_idle_timeout_ms
     # Envoy's own answers name the revision it was rendered from (ext_proc's name the one it decided
@@ -97,6 +111,7 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                                             path=[metadata_pb2.MetadataMatcher.PathSegment(key=key)],
                                             value=string_value_matcher(value))
     shadowed = shadowed_clusters(snap, clusters)
+    composites_translating = translating_composites(snap, clusters)
     lua_answered = direct_clusters(snap)
     translated_here = {Settle.ACCESS_LOG: lua_answered, Settle.STREAM: lua_answered}
     for cluster in clusters:
@@ -109,6 +124,8 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                                          **_no_lua_answers()},
                          Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
                          Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
+            if cluster in composites_translating:  # every answer of such a plan passes the Lua answer filter
+                per_route = {k: v for k, v in per_route.items() if k != LUA_ANSWERS}
             streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
             name = f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}")
             metadata = [md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]
@@ -143,7 +160,7 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
         *(route_components_pb2.Route(
             name=f"{door.name}_without_body",
             match=route_components_pb2.RouteMatch(safe_regex=regex_pb2.RegexMatcher(regex=door.path)),
-            direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
+            direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required", door),
             response_headers_to_add=own, typed_per_filter_config={**_response_filters_on(snap), **_door_on()})
           for door in DOORS),
         # Everything else, /v1/* included: no such endpoint, answered without asking ext_proc.
@@ -239,7 +256,7 @@ def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:
     # The Lua filters join the chain here, their scripts off on this route: each runs on the route
     # ext_proc's decision then selects where its script is not switched off (_no_lua_guard).
     lua_on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(lua_pb2.LuaPerRoute(disabled=True))))
-    filters = {LUA_ANSWERS: lua_on} if direct_clusters(snap) else {}
+    filters = {LUA_ANSWERS: lua_on} if answers_translated(snap) else {}
     if meters(snap):
         on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(ext_proc_pb2.ExtProcPerRoute(
             overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))))))
