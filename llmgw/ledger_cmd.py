@@ -100,13 +100,14 @@ def _sid(entry_id: str) -> tuple[int, int]:
 
 def exported(path: str, focus: bool) -> dict[str, tuple[int, int]]:
     """The last entry id of each stream already in the output file (the export's commit point): JSON
-    lines carry `stream` and `stream_id`, FOCUS rows `x_export_batch` (stream and its batch's last id)."""
+    lines carry `export_stream` and `export_id` (the record's own `stream` says whether the request
+    streamed), FOCUS rows `x_export_batch` (stream and its batch's last id)."""
     last: dict[str, tuple[int, int]] = {}
     if path == "-" or not Path(path).exists():
         return last
     with open(path, newline="") as f:
         marks = ((r.get("x_export_batch") or "").rpartition(" ")[::2] for r in csv.DictReader(f)) if focus else (
-            (d.get("stream", ""), d.get("stream_id", "")) for line in f if line.strip()
+            (d.get("export_stream", ""), d.get("export_id", "")) for line in f if line.strip()
             for d in [json.loads(line)])
         for stream, eid in marks:
             if stream and eid:
@@ -143,7 +144,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             writer.writerows({**record(r, args.period), "x_export_batch": batch} for r in rows)
         else:
             for eid, fields in entries:
-                out.write(json.dumps({**decode(fields), "stream": key, "stream_id": eid}) + "\n")
+                out.write(json.dumps({**decode(fields), "export_stream": key, "export_id": eid}) + "\n")
         out.flush()
         if out is not sys.stdout:
             os.fsync(out.fileno())

@@ -51,7 +51,7 @@ def test_an_export_killed_between_write_and_ack_exports_nothing_twice(tmp_path: 
     for i in range(5):
         client.xadd(ledger_key(tenant), {
             "record": packed({"request_id": f"r{i}", "tenant": tenant, "route": "chat-default", "time": time.time(),
-                              "price_version": "2026-11"}).decode(),
+                              "price_version": "2026-11", "stream": i % 2 == 1}).decode(),
             "outcome": packed({"attempts": [{"deployment": "pool-llama-8b"}], "usage": {
                 "prompt_tokens": 10, "completion_tokens": 5}}).decode(),
             "reserved_micros": 100, "reserved_tokens": 20, "charged_micros": 40, "charged_tokens": 15})
@@ -64,8 +64,11 @@ def test_an_export_killed_between_write_and_ack_exports_nothing_twice(tmp_path: 
     export(out, tenant, fmt, monkeypatch)  # and again: nothing new
     assert client.xpending(ledger_key(tenant), ledger_cmd.GROUP)["pending"] == 0
     if fmt == "jsonl":
-        ids = [json.loads(line)["request_id"] for line in out.read_text().splitlines()]
-        assert ids == [f"r{i}" for i in range(5)]
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [d["request_id"] for d in lines] == [f"r{i}" for i in range(5)]
+        # The record's own `stream` (did the request stream?) survives the export's position fields.
+        assert [d["stream"] for d in lines] == [i % 2 == 1 for i in range(5)]
+        assert {d["export_stream"] for d in lines} == {ledger_key(tenant)} and all(d["export_id"] for d in lines)
     else:
         rows = list(csv.DictReader(out.open()))
         assert sum(int(r["x_ledger_entries"]) for r in rows) == 5  # each entry counted once, on one row
