@@ -55,10 +55,22 @@ def estimated(prompt: int, completion: int) -> Usage:
     return {"prompt_tokens": prompt, "completion_tokens": completion}
 
 
-def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: int) -> tuple[Usage | None, str]:
+def upstream_succeeded(recorded: str, answered: bool) -> bool:
+    """Whether the upstream's own answer was a 2xx: the status the Lua filter nearest the router
+    recorded when the answer's headers came (`upstream_status`), believed only when an upstream did
+    send headers (`answered`) - without them the status is one Envoy made up itself (its timeout, its
+    degraded answer), which the same filter also sees."""
+    return answered and recorded.isdigit() and 200 <= int(recorded) < 300
+
+
+def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: int,
+                   succeeded: bool = False) -> tuple[Usage | None, str]:
     """(usage to charge, settlement kind) for an answer that produced no usage: see the module's
-    docstring. `sent`: the upstream got the request; `answered`: it sent response headers."""
-    if not sent or answered:  # never reached an upstream, or the upstream refused with an error status
+    docstring. `sent`: the upstream got the request; `answered`: it sent response headers;
+    `succeeded`: those headers were a 2xx (upstream_succeeded) - whatever Envoy then did to the
+    answer (a body too large to read, a body that stalled past the deadline), the upstream did the
+    work it was asked."""
+    if not sent or (answered and not succeeded):  # never reached an upstream, or it refused with an error
         return None, "released"
     if stream:  # a stream's first byte is its first token: nothing was generated before it
         return estimated(prompt_bound, 0), "partial"

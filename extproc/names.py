@@ -64,6 +64,10 @@ class Key(StrEnum):
     # the door cannot carry) and answered 502 instead - the upstream did the work it was asked: settled
     # as an ambiguous outcome, never released.
     ANSWER_BROKEN = "answer_broken"
+    # The status of the answer's headers as the upstream sent them (the last attempt's), set by the
+    # Lua filter nearest the router before anything else in Envoy sees or replaces them: settlement
+    # charges a 2xx as the work it was, whatever Envoy did to the answer afterwards.
+    UPSTREAM_STATUS = "upstream_status"
 
 
 class Settle(StrEnum):

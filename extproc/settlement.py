@@ -14,9 +14,10 @@
   log at once, whoever else would have settled it; for a stream or an idempotent answer that ended
   normally, the access log settles only as a backstop, if its filter never did (a worker died).
 - What a failure is charged (`failure_charge`): nothing when the upstream never got the request or
-  answered with an error status; for a request it got but never answered, the prompt's bound when
-  it was a stream (nothing was generated before the first byte) and the whole reservation, marked
-  `ambiguous`, for a JSON answer (the engine may have generated it all). Either way settled at once,
+  answered with an error status; for a request it got but never answered - or answered 2xx before
+  Envoy failed the answer (too large to read, a body that stalled: `upstream_status`) - the prompt's
+  bound when it was a stream (nothing was generated before the first byte) and the whole
+  reservation, marked `ambiguous`, for a JSON answer (the engine may have generated it all). Either way settled at once,
   and the idempotency key is released so a retry can run.
 - Release: a request refused after it reserved (a later stage failed) is released, charge 0.
 - The sweeper: a reservation whose lease expired (the gateway lost track: crash, lost access log)
@@ -51,6 +52,7 @@ from extproc.accounting import (
     first_byte_ms,
     outcome_of,
     termination_of,
+    upstream_succeeded,
 )
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
@@ -403,9 +405,10 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         broken = bool(attr(md, Key.ANSWER_BROKEN))
         failed = "ambiguous" if broken else "released"
         if usage is None and not 200 <= status < 300 and not broken:
+            answered = common.HasField("time_to_first_upstream_rx_byte")
             usage, failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
-                                           answered=common.HasField("time_to_first_upstream_rx_byte"),
-                                           prompt_bound=prompt_bound)
+                                           answered=answered, prompt_bound=prompt_bound,
+                                           succeeded=upstream_succeeded(attr(md, Key.UPSTREAM_STATUS), answered))
             source = "estimated" if usage else source
         usage, source = believed(usage, source)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)

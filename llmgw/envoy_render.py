@@ -53,6 +53,7 @@ from llmgw.render.filters import (
     METER_FILTER,
     STREAM_FILTER,
     UPSTREAM_HEADERS_FILTER,
+    UPSTREAM_STATUS_FILTER,
     ext_proc_filter,
     header_mutation_filter,
     lua_answers,
@@ -66,6 +67,7 @@ from llmgw.render.filters import (
     stream_filter,
     stream_guard_lua,
     upstream_headers_filter,
+    upstream_status,
     usage_to_metadata,
 )
 from llmgw.render.routes import answers_translated, route_config
@@ -160,6 +162,8 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             # on the routes of those candidates and of their plans' composite clusters.
             *([http_filter(LUA_ANSWERS, lua_answers(), disabled=True)] if answers_translated(snap) else []),
             http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
+            # The upstream's own status, before any filter above changes or replaces the answer.
+            *([http_filter(UPSTREAM_STATUS_FILTER, upstream_status())] if meters(snap) else []),
             http_filter("envoy.filters.http.router", router_pb2.Router()),
         ],
     )

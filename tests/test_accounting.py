@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 from google.protobuf import struct_pb2
 
-from extproc.accounting import believed, charge_for, charge_of, estimated, failure_charge, termination_of
+from extproc.accounting import (
+    believed,
+    charge_for,
+    charge_of,
+    estimated,
+    failure_charge,
+    termination_of,
+    upstream_succeeded,
+)
 from extproc.config import load_snapshot
 from extproc.envoy_msgs import attr, count_attr
 from tests.conftest import POLICY
@@ -113,6 +121,31 @@ def test_failures_are_charged_for_what_they_may_have_cost(stream: bool, sent: bo
                                                           charge: tuple[int, int, str]) -> None:
     usage, failed = failure_charge(stream=stream, sent=sent, answered=answered, prompt_bound=100)
     assert charge_for(usage, "estimated", "upstream_error", status, DEP, failed) == charge
+
+
+@pytest.mark.parametrize(("recorded", "answered", "status", "charge"), [
+    ("200", True, 502, (-1, -1, "ambiguous")),  # 200, then a body too large for Envoy to read
+    ("200", True, 504, (-1, -1, "ambiguous")),  # 200, then a body that stalled past the deadline
+    ("201", True, 502, (-1, -1, "ambiguous")),
+    ("503", True, 502, (0, 0, "released")),  # the upstream refused: nothing was done
+    ("429", True, 502, (0, 0, "released")),
+    ("", True, 502, (0, 0, "released")),  # no status recorded: as before, an answer is a refusal
+    ("504", False, 504, (-1, -1, "ambiguous")),  # Envoy's own timeout, no upstream headers: JSON may be whole
+    ("200", False, 502, (-1, -1, "ambiguous")),  # a 200 no upstream sent (Envoy's own) is not believed
+])
+def test_an_upstreams_2xx_is_charged_as_the_work_it_was_whatever_envoy_did_after(
+        recorded: str, answered: bool, status: int, charge: tuple[int, int, str]) -> None:
+    """Issue 27, item 3: the engine answered 200 and generated 4,096 tokens, Envoy could not carry the
+    body (response_payload_too_large) and the client got 502 - which settled as released (0)."""
+    usage, failed = failure_charge(stream=False, sent=True, answered=answered, prompt_bound=100,
+                                   succeeded=upstream_succeeded(recorded, answered))
+    assert charge_for(usage, "estimated", "upstream_error", status, DEP, failed) == charge
+
+
+def test_a_stream_whose_upstream_said_200_pays_its_prompt_at_least() -> None:
+    usage, kind = failure_charge(stream=True, sent=True, answered=True, prompt_bound=1000,
+                                 succeeded=upstream_succeeded("200", True))
+    assert usage == {"prompt_tokens": 1000, "completion_tokens": 0} and kind == "partial"
 
 
 def test_a_stream_sent_but_never_answered_pays_its_prompt_only() -> None:

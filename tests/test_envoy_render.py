@@ -74,7 +74,8 @@ def test_filter_order(rendered: dict[str, Any]) -> None:
         # The Lua answer filter after the allow-list (it sets a translated request's headers) and
         # nearer the router than json_to_metadata (it translates the answer before its usage is read).
         "llmgw.upstream_headers", "llmgw.lua_answers", "envoy.filters.http.custom_response",
-        "envoy.filters.http.router"]
+        # Nearest the router: the upstream's own status, before anything above replaces the answer.
+        "llmgw.upstream_status", "envoy.filters.http.router"]
 
 
 def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: dict[str, Any]) -> None:

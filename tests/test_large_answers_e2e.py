@@ -19,12 +19,13 @@ import yaml
 
 from llmgw.bench_translated import add_anthropic_route, add_route_of, simulated_provider
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import inject_fault, request, unique_marker
 
 pytestmark = pytest.mark.e2e
 KEY = DEMO_KEYS["acme"]
 MIB = 1 << 20
+ERRORS: list[tuple[str, int]] = []  # the JSON answers too large to carry, for the check below
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ PATHS = {
 
 
 def _send(stack: Stack, path: str, shape: str, route: str, content: str, stream: bool,
-          headers: dict[str, str]) -> tuple[int, bytes]:
+          headers: dict[str, str]) -> tuple[int, bytes, str]:
     messages = [{"role": "user", "content": content}]
     if shape == "gemini":
         body: dict[str, Any] = {"contents": [{"role": "user", "parts": [{"text": content}]}],
@@ -71,7 +72,7 @@ def _send(stack: Stack, path: str, shape: str, route: str, content: str, stream:
         body = {"model": route, "max_tokens": 1024, "messages": messages, "stream": stream}
         auth = {"authorization": f"Bearer {KEY}"}
     r = request(f"{stack.url}{path}", "POST", body, {**auth, **headers}, timeout=120)
-    return r.status, r.body
+    return r.status, r.body, r.headers["x-request-id"]
 
 
 def _complete_or_clean_error(shape: str, stream: bool, status: int, body: bytes, size: int) -> str:
@@ -118,12 +119,35 @@ def test_a_large_answer_never_takes_envoy_down(gw: tuple[Stack, str], way: str, 
     upstream = stack.engine_urls() if route == "chat-default" else [provider]
     inject_fault(upstream, f"bloat={size}", count=1, marker=marker)
     headers = {k: v + marker for k, v in headers.items()}
-    status, body = _send(stack, path, shape, route, marker, stream, headers)
+    status, body, rid = _send(stack, path, shape, route, marker, stream, headers)
     outcome = _complete_or_clean_error(shape, stream, status, body, size)
     # 1 MiB fits every path whole; above the answer buffer a JSON answer that must be read (translated,
     # metered) is a clean 502, and a stream still flows.
     if size == MIB:
         assert outcome == "complete", (way, stream, status, body[-300:])
+    if outcome == "error" and not stream:
+        # The upstream answered 200 and did the work: charged in full, never released (item 3).
+        assert ledger_of(stack, rid, "acme")["settlement"] == "ambiguous", (way, size)
+        ERRORS.append((way, size))
     assert stack.envoy.proc.poll() is None, "Envoy died"
     log = (Path(stack.logs) / "envoy.log").read_text(errors="replace")
     assert "Caught Segmentation fault" not in log and "[lua]" not in log, log[-3000:]
+
+
+def test_json_answers_over_the_answer_buffer_were_met(gw: tuple[Stack, str]) -> None:
+    """Runs after the table above: the paths that read a JSON answer whole (translation, the meter)
+    met answers too large for them, so the charge of such an answer was checked."""
+    assert {way for way, size in ERRORS if size == 16 * MIB} >= {"translated", "plan", "idempotent"}, ERRORS
+
+
+def test_a_pool_answer_too_large_for_envoy_is_charged_as_the_work_it_was(gw: tuple[Stack, str]) -> None:
+    """The probe's case (issue 27, item 3): fields the README allows - ignore_eos, logprobs with 20
+    alternatives - make an engine's JSON answer larger than Envoy's answer buffer; the engine answered
+    200 after generating it all, so the 502 the client gets is charged in full, not released."""
+    stack, _ = gw
+    body = {"model": "chat-default", "max_tokens": 4096, "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
+            "messages": [{"role": "user", "content": unique_marker("logprobs")}]}
+    r = request(f"{stack.url}/v1/chat/completions", "POST", body, {"authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status == 502 and r.json()["error"]["code"] == "upstream_error", (r.status, r.body[:300])
+    entry = ledger_of(stack, r.headers["x-request-id"], "acme")
+    assert entry["settlement"] == "ambiguous" and entry["charged_micros"] == entry["reserved_micros"] > 0, entry

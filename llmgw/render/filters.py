@@ -382,6 +382,27 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     )
 
 
+UPSTREAM_STATUS_FILTER = "llmgw.upstream_status"
+
+
+def upstream_status_lua() -> str:
+    """The status of the answer's headers as the upstream sent them, into the request's metadata:
+    nearest the router, so no other filter (custom_response, a Lua translation, a buffer that
+    overflows) has changed or replaced them yet; settlement reads it (extproc/accounting.py). Only
+    the first status is kept: Envoy's own reply after them (a body too large to read) passes here
+    too."""
+    return (f"local NS, KEY = {_lua_string(METADATA_NAMESPACE)}, {_lua_string(Key.UPSTREAM_STATUS)}\n"
+            "function envoy_on_response(h)\n"
+            "  local dm = h:streamInfo():dynamicMetadata()\n"
+            "  local md = dm:get(NS)\n"
+            "  if md == nil or md[KEY] == nil then dm:set(NS, KEY, h:headers():get(\":status\") or \"\") end\n"
+            "end\n")
+
+
+def upstream_status() -> lua_pb2.Lua:
+    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=upstream_status_lua()))
+
+
 LUA_DOORS = "llmgw.lua_doors"
 DOORS_SCRIPT = "doors"  # its script's name: the routes that run it name it (LuaPerRoute.name)
 
