@@ -51,6 +51,9 @@ class Exchange:
     path: str = ""
     headers: dict[str, str] = field(default_factory=dict)  # the request headers ext_proc was sent
     arrived_at: float = field(default_factory=time.time)  # wall clock at Envoy (request.time), when sent
+    # When this worker took the message (monotonic): Envoy waits for the decision only
+    # `envoy.extproc_message_timeout_ms`, then answers 503 itself and the request goes nowhere.
+    received_at: float = field(default_factory=time.monotonic)
     remaining_ms: int = 0  # of the effective deadline, when ext_proc admitted the request
     raw_body: bytes = b""
     door: str = ""  # the front door the client used (extproc/doors/), "" for chat completions

@@ -329,6 +329,13 @@ def _observe(s: SettledRequest) -> None:
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
 
 
+# How Envoy's response code details begin when it answered a request itself because its ext_proc
+# decision failed (a gRPC error, the message timeout): no decision reached Envoy, no upstream saw it.
+EXTPROC_FAILED = "ext_proc"
+NOT_PROCESSED = {"termination": "not_processed", "status": 503, "settlement": "released", "usage": None,
+                 "attempts": []}
+
+
 class SettlementLog(als_grpc.AccessLogServiceServicer):
     """Envoy's gRPC access log: one long-lived stream, entries in batches, each carrying the io.llmgw
     metadata (usage included, by json_to_metadata) and the exchange's fate. Every admitted request
@@ -338,6 +345,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         self.settler = settler
         self.snapshot = snapshot
         self.entries = 0  # received, for GET /status
+        self._pending: set[asyncio.Task[None]] = set()
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         async for msg in request_iterator:
@@ -352,6 +360,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
     def settle_entry(self, entry: Any) -> None:
         common = entry.common_properties
         md = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
+        if (md is None or not attr(md, Key.SETTLE)) and entry.response.response_code_details.startswith(EXTPROC_FAILED):
+            self._later(self._release_unprocessed(entry.request.request_id))
+            return
         if md is None:
             return
         tenant, hint, rid = attr(md, Key.TENANT), attr(md, Key.HOLD), entry.request.request_id
@@ -368,6 +379,28 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             asyncio.get_running_loop().call_later(BACKSTOP_S, self._settle, entry, md, tenant, hint, rid, True)
             return
         self._settle(entry, md, tenant, hint, rid, False)
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _release_unprocessed(self, rid: str) -> None:
+        """Envoy answered 503 itself: its decision never arrived (the worker was too slow, or died after
+        it reserved). No upstream saw the request, so what a worker reserved for it is released now,
+        not charged in full when its lease expires; the ledger entry says `not_processed`. The access
+        log knows only the request's id: its tenant is found by the reservation it holds. A worker
+        still deciding it reserves nothing once Envoy has stopped waiting (stages/budget.py)."""
+        if not rid:
+            return
+        try:
+            held = await self.settler.store.holder_of(rid, list(self.snapshot().gateway.tenants))
+        except StoreUnavailable:
+            _store_down.error("request %s: not released (store unavailable); its lease will expire", rid)
+            return
+        if held is not None:
+            tenant, hint = held
+            self.settler.submit((tenant, rid, hint, dict(NOT_PROCESSED), 0, 0, "", "", 0))
 
     def _settle(self, entry: Any, md: Any, tenant: str, hint: str, rid: str, backstop: bool) -> None:
         common = entry.common_properties

@@ -114,8 +114,12 @@ def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: di
 
 def test_every_admitted_request_reaches_the_settlement_log(rendered: dict[str, Any]) -> None:
     (als,) = [a for a in hcm(rendered)["access_log"] if a["name"] == "envoy.access_loggers.http_grpc"]
-    matcher = als["filter"]["metadata_filter"]["matcher"]
+    holds, unprocessed = als["filter"]["or_filter"]["filters"]
+    matcher = holds["metadata_filter"]["matcher"]
     assert matcher["path"] == [{"key": "settle"}] and matcher["value"] == {"present_match": True}
+    # ... and every request Envoy answered because no decision reached it (issue 27, item 4).
+    assert unprocessed["extension_filter"]["typed_config"]["expression"] == \
+        "response.code_details.startsWith('ext_proc')"
     rules = filters(rendered)["envoy.filters.http.json_to_metadata"]["response_rules"]["rules"]
     assert [[s["key"] for s in r["selectors"]] for r in rules] == [
         ["usage", "prompt_tokens"], ["usage", "completion_tokens"], ["usage", "prompt_tokens_details", "cached_tokens"]]

@@ -305,3 +305,33 @@ def test_demo_keys_are_made_per_state_dir_and_never_shipped(tmp_path: Path) -> N
     assert all(hashlib.sha256(k.encode()).hexdigest() not in snap.keys_by_hash for k in keys.values())
     assert snap.demo_keys_exposed_on("127.0.0.1") == [] and snap.demo_keys_exposed_on("0.0.0.0") == [
         "acme-demo", "globex-demo"]
+
+
+class RecordingStore(Store):
+    """A store that records whether a reservation was asked for (and never answers one)."""
+
+    def __init__(self) -> None:
+        super().__init__(valkey_url())
+        self.reserved = 0
+
+    async def reserve(self, r: Any) -> Any:
+        self.reserved += 1
+        raise AssertionError("reserved")
+
+
+@pytest.mark.parametrize(("waited_s", "reserves"), [
+    (0.0, True), (SNAP.gateway.envoy.extproc_message_timeout_ms / 1000, False)])
+def test_a_decision_envoy_stopped_waiting_for_reserves_nothing(waited_s: float, reserves: bool) -> None:
+    """Issue 27, item 4: Envoy answers 503 itself once its message timeout passes; a reservation made
+    after that would be held for a request no upstream sees, until its lease expired and charged it."""
+    import time
+
+    store = RecordingStore()
+    ex = exchange({"model": "chat-default", "messages": [{"role": "user", "content": "hi"}]})
+    ex.received_at = time.monotonic() - waited_s
+    stages = build_stages(store=store)[1:]
+    with pytest.raises((AssertionError, GatewayError)) as e:
+        run(run_stages(stages, ex))
+    assert store.reserved == (1 if reserves else 0)
+    if not reserves:
+        assert isinstance(e.value, GatewayError) and e.value.code is ErrorCode.POLICY_UNAVAILABLE

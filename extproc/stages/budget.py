@@ -38,6 +38,10 @@ from extproc.store import (
     rate_key,
 )
 
+# The share of Envoy's wait for a decision after which a worker no longer reserves for it: what is left
+# covers the reservation's own round trip and the reply.
+LATE_SHARE = 0.75
+
 
 class Replay(Exception):
     """A completed request with the same Idempotency-Key and body: answer with its recorded outcome."""
@@ -146,6 +150,12 @@ class BudgetReservation:
             idem_key=idem_key(ident.tenant, hashlib.sha256(idem.encode()).hexdigest()) if idem else None,
             idem_body_hash=hashlib.sha256(ex.raw_body).hexdigest() if idem else "",
             idem_ttl_ms=gw.store.idempotency_ttl_s * 1000, prompt_bound=prompt)
+        late_after = gw.envoy.extproc_message_timeout_ms / 1000 * LATE_SHARE
+        if time.monotonic() - ex.received_at > late_after:
+            # Envoy stops waiting for this decision soon (or did) and answers 503 itself: a reservation
+            # made now would be held for a request no upstream will see, until its lease expired and it
+            # was charged in full. Refused instead, reserving nothing.
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the decision took longer than Envoy waits for it")
         try:
             result = await self.store.reserve(reservation)
         except StoreUnavailable as e:

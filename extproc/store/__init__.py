@@ -220,6 +220,16 @@ class Store:
         observe_store("reserve", time.perf_counter() - started)
         return ReserveResult(out[0], tuple(str(x) for x in out[1:]))
 
+    async def holder_of(self, rid: str, tenants: Sequence[str]) -> tuple[str, str] | None:
+        """The tenant holding an open reservation for request `rid`, and its hint, looked for among
+        `tenants` in one pipelined round trip: for a request whose decision never reached Envoy, the
+        access log knows the request's id and nothing else."""
+        pipe = self.client.pipeline(transaction=False)
+        for t in tenants:
+            pipe.hget(res_key(t, rid), "hint")
+        hints = await self._call(pipe.execute())
+        return next(((t, h) for t, h in zip(tenants, hints, strict=True) if h is not None), None)
+
     async def reservation(self, tenant: str, rid: str) -> dict[str, str]:
         held: dict[str, str] = await self._call(self.client.hgetall(res_key(tenant, rid)))
         return held

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import address_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.type.matcher.v3 import string_pb2, value_pb2
 from google.protobuf import any_pb2, duration_pb2
@@ -46,3 +48,10 @@ def http_filter(name: str, msg: object, disabled: bool = False) -> hcm_pb2.HttpF
 
 def string_value_matcher(s: str) -> value_pb2.ValueMatcher:
     return value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(exact=s))
+
+
+def cel_filter(expr: str) -> accesslog_pb2.AccessLogFilter:
+    """An access-log (or local-reply mapper) filter on a CEL expression."""
+    return accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel",
+        typed_config=pack(cel_pb2.ExpressionFilter(expression=expr))))

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
 from envoy.config.route.v3 import route_components_pb2
-from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
@@ -22,7 +20,8 @@ from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, Gat
 from extproc.doors import DOORS, Door
 from extproc.names import Key, Settle
 from extproc.replies import DEGRADED_HEADER, degraded_body
-from llmgw.render.common import pack
+from extproc.settlement import EXTPROC_FAILED
+from llmgw.render.common import cel_filter, pack
 from llmgw.render.filters import upstream_answer_headers
 
 OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
@@ -58,12 +57,6 @@ def door_expr(door: Door) -> str:
     return f"(({decided}) ? ({named}) : {path}.matches('^{door.path}([?].*)?$'))"
 
 
-def _cel_filter(expr: str) -> accesslog_pb2.AccessLogFilter:
-    return accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
-        name="envoy.access_loggers.extension_filters.cel",
-        typed_config=pack(cel_pb2.ExpressionFilter(expression=expr))))
-
-
 # Envoy's own local replies -> contract errors. ext_proc's ImmediateResponses (details `llmgw*`) and
 # direct responses (already contract JSON) pass untouched.
 # custom_response's replies carry empty details.
@@ -74,7 +67,7 @@ _NOT_OURS = (f"!response.code_details.startsWith('{OWN_REPLY_PREFIX}') && "
 # Envoy's answer when no ext_proc worker took the request: nothing about it was decided or recorded.
 NOT_PROCESSED = "the gateway's policy service is unavailable; the request was not processed"
 LOCAL_REPLY_RULES: tuple[tuple[str, int, ErrorCode, str], ...] = (
-    ("response.code_details.startsWith('ext_proc')", 503, ErrorCode.POLICY_UNAVAILABLE, NOT_PROCESSED),
+    (f"response.code_details.startsWith('{EXTPROC_FAILED}')", 503, ErrorCode.POLICY_UNAVAILABLE, NOT_PROCESSED),
     (f"{_NOT_OURS} && response.code == 413", 413, ErrorCode.INVALID_REQUEST,
      "request body exceeds the gateway's size limit"),
     (f"{_NOT_OURS} && response.code == 408", 408, ErrorCode.INVALID_REQUEST,
@@ -110,7 +103,7 @@ def _degraded_mappers(degraded: Mapping[str, str], revision_header: base_pb2.Hea
             body = (body.replace("%", "%%").replace(_RID, "%REQ(x-request-id)%")
                     .replace(f'"created":{_CREATED}', '"created":%START_TIME(%s)%'))
             out.append(hcm_pb2.ResponseMapper(
-                filter=_cel_filter(f"{_NOT_OURS} && response.code >= 500 && {ALL_DOWN} && "
+                filter=cel_filter(f"{_NOT_OURS} && response.code >= 500 && {ALL_DOWN} && "
                                    f"{MD}['{Key.ROUTE}'] == {json.dumps(route)} && !('{Key.DOOR}' in {MD}) && {which}"),
                 status_code=wrappers_pb2.UInt32Value(value=200),
                 body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
@@ -132,7 +125,7 @@ def local_reply_config(revision: str, degraded: Mapping[str, str] | None = None)
     return hcm_pb2.LocalReplyConfig(mappers=[
         *_degraded_mappers(degraded or {}, revision_header),
         *(hcm_pb2.ResponseMapper(
-            filter=_cel_filter(f"{door_expr(door)} && {expr}" if door is not None else expr),
+            filter=cel_filter(f"{door_expr(door)} && {expr}" if door is not None else expr),
             status_code=wrappers_pb2.UInt32Value(value=status),
             body_format_override=_contract_json(code, message, status, door),
             headers_to_add=[revision_header],

@@ -38,11 +38,11 @@ from extproc.doors import gemini as gemini_door
 from extproc.names import INTERRUPTED, Key, Settle
 from extproc.picker import LB_KEY, LB_NAMESPACE
 from extproc.replies import DEGRADED_HEADER
-from extproc.settlement import ANSWERED_BY, METER_ATTRIBUTES
+from extproc.settlement import ANSWERED_BY, EXTPROC_FAILED, METER_ATTRIBUTES
 from extproc.shadow import GRANT_HEADER
 from extproc.sse import MAX_EVENT_BYTES
 from extproc.streams import KEEPALIVE, interrupted_event
-from llmgw.render.common import duration_ms, pack
+from llmgw.render.common import cel_filter, duration_ms, pack
 
 EXTPROC_CLUSTER = "llmgw_extproc"
 
@@ -317,11 +317,18 @@ def settlement_log() -> accesslog_pb2.AccessLog:
     admitted request is sent: JSON answers settle here; a stream or idempotent answer that failed or
     was cut settles here at once; one that ended normally is settled by its own filter, and here only
     as a backstop (extproc/settlement.py). The first settlement wins."""
-    # Every request that holds a reservation (its metadata says how it settles).
-    which = accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(
+    # Every request that holds a reservation (its metadata says how it settles), and every request Envoy
+    # answered itself because no decision reached it (ext_proc failed or was too slow): a worker may
+    # have reserved for it before the decision was lost, and nothing else would release that.
+    holds = accesslog_pb2.AccessLogFilter(metadata_filter=accesslog_pb2.MetadataFilter(
         matcher=metadata_pb2.MetadataMatcher(filter=METADATA_NAMESPACE,
                                              path=[metadata_pb2.MetadataMatcher.PathSegment(key=Key.SETTLE)],
-                                             value=value_pb2.ValueMatcher(present_match=True))))
+                                             value=value_pb2.ValueMatcher(present_match=True)),
+        # Envoy logs an entry whose metadata lacks the key unless told not to: every health check, model
+        # list and refusal went to settlement, which had nothing to do with them.
+        match_if_key_not_found=wrappers_pb2.BoolValue(value=False)))
+    which = accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=[
+        holds, cel_filter(f"response.code_details.startsWith('{EXTPROC_FAILED}')")]))
     config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
         grpc_service=_extproc_service(),
