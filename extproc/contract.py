@@ -12,6 +12,8 @@ from enum import StrEnum
 METADATA_NAMESPACE = "io.llmgw"
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"  # and /v1/models/{route}
+# Each worker's status server answers it from the loop that decides requests (Envoy's health check).
+WORKER_HEALTH_PATH = "/healthz"
 REVISION_HEADER = "x-llmgw-route-revision"  # on every answer, Envoy's own included
 DECISION_ID_HEADER = "x-llmgw-decision-id"  # on a refusal made after the authorization decision
 ROLE_KEY = "x-llmgw-role"  # gRPC metadata on each ext_proc filter's stream: which handler takes it

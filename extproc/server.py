@@ -40,7 +40,7 @@ from extproc import occupancy, tracing
 from extproc.attempts import AttemptFilter
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
-from extproc.contract import MODELS_PATH, ROLE_KEY, ErrorCode, GatewayError, Role
+from extproc.contract import MODELS_PATH, ROLE_KEY, WORKER_HEALTH_PATH, ErrorCode, GatewayError, Role
 from extproc.decisions import DecisionRecorder
 from extproc.doors import door_for
 from extproc.envoy_msgs import ATTRIBUTES, header_text
@@ -312,7 +312,13 @@ async def status_app(reloader: Reloader, listen: str, processor: Processor | Non
                                           reloader.live.snapshot)
         return web.Response(body=text + held, headers={"Content-Type": content_type})
 
+    async def healthz(_: web.Request) -> web.Response:
+        # Answered by the event loop that decides requests: a loop too busy to answer this in time is
+        # too busy to decide (Envoy's health check and the supervisor take the worker out, then restart it).
+        return web.Response(text="ok")
+
     app = web.Application()
+    app.router.add_get(WORKER_HEALTH_PATH, healthz)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reload", reload)

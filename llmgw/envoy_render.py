@@ -41,7 +41,13 @@ from google.protobuf import json_format, struct_pb2, wrappers_pb2
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment, TlsSettings
 from extproc.shadow import SHADOW_CLUSTER
-from llmgw.render.clusters import fallback_clusters, outlier_detection, pool_cluster, static_cluster
+from llmgw.render.clusters import (
+    fallback_clusters,
+    outlier_detection,
+    pool_cluster,
+    static_cluster,
+    worker_health_checks,
+)
 from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
 from llmgw.render.errors import local_reply_config
 from llmgw.render.filters import (
@@ -94,6 +100,8 @@ class RenderOptions:
     providers: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     # Where Envoy's /stats/prometheus (only) is served for a scraper on another host (render/stats.py).
     stats_listen: tuple[str, int] | None = None
+    # Each ext_proc worker's status port, in `extproc`'s order: Envoy health-checks the workers there.
+    extproc_status: tuple[int, ...] = ()
 
     @classmethod
     def for_compose(cls, snap: Snapshot) -> RenderOptions:
@@ -175,6 +183,8 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
     # A worker that is down (restarting) leaves rotation at its first refused connection, so the
     # others take the decisions; at most half are ever ejected.
     clusters[0].outlier_detection.CopyFrom(outlier_detection(1, 1000, 50))
+    if opts.extproc_status:  # ... and one alive but not answering leaves at its second missed check
+        worker_health_checks(clusters[0], opts.extproc_status)
     if opts.tls.extproc is not None:
         clusters[0].transport_socket.CopyFrom(extproc_mtls(opts.tls.extproc))
     for cluster_name, pool in pool_clusters.items():

@@ -76,11 +76,15 @@ def valkey_binary() -> Path:
 class Child:
     """One supervised child process with its output in a log file."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+                 probe: Callable[[], bool] | None = None):
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
         self.env = env
+        # Whether the running child still answers (its health endpoint): one that is alive but does not
+        # is restarted by the supervisor.
+        self.probe = probe
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Child:
@@ -132,9 +136,17 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, child: Chil
     raise TimeoutError(f"{what}: not ready after {timeout:.0f}s\n{child.tail() if child else ''}")
 
 
-def http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=1) as r:
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
         return 200 <= int(r.status) < 300
+
+
+def answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether `url` answers 2xx within `timeout` (no exception: a probe)."""
+    try:
+        return http_ok(url, timeout)
+    except OSError:
+        return False
 
 
 def json_at(url: str) -> Any:

@@ -12,12 +12,13 @@ import secrets
 import shutil
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.schema import Deployment
+from extproc.contract import WORKER_HEALTH_PATH
 from extproc.secrets import resolve
 from llmgw import vllm_env
 from llmgw.demo_keys import ensure_demo_keys, refuse_exposed
@@ -25,6 +26,7 @@ from llmgw.envoy_render import RenderOptions, render_yaml, simulated_providers
 from llmgw.procs import (
     Child,
     PortInUse,
+    answers,
     envoy_binary,
     free_port,
     http_ok,
@@ -157,6 +159,8 @@ class Stack:
             overrides["tls"] = demo_certs(o.state_dir / "tls", o.require_client_certificate)
         self.render = RenderOptions.from_snapshot(self.snapshot, **overrides)
         self.status_ports = o.status_ports or tuple(free_port() for _ in self.render.extproc)
+        # Envoy's health check of each worker goes to its status server (render/clusters.py).
+        self.render = replace(self.render, extproc_status=self.status_ports)
 
     # -- addresses ---------------------------------------------------------------------------------
 
@@ -358,6 +362,7 @@ class Stack:
         tls_args = ["--tls-cert", mtls.server_cert_file, "--tls-key", mtls.server_key_file,
                     "--tls-client-ca", mtls.ca_file] if mtls else []
         for (host, port), status in zip(self.render.extproc, self.status_ports, strict=True):
+            probe = partial(answers, f"http://127.0.0.1:{status}{WORKER_HEALTH_PATH}")
             self.extprocs.append(Child(f"extproc-{port}", python_module(
                 "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}", *pools,
                 "--status-listen", f"127.0.0.1:{status}", *tls_args, *self._store_args(),
@@ -365,7 +370,7 @@ class Stack:
                 "--picker-dir", str(self.opts.state_dir / "picker"),
                 *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else []),
                 *(["--region", self.opts.region] if self.opts.region else [])),
-                self.logs / f"extproc-{port}.log", env=env).start())
+                self.logs / f"extproc-{port}.log", env=env, probe=probe).start())
         # Ready when its own status endpoint names this revision: the status server starts after the
         # gRPC port is bound, and an open port alone could be another process's.
         for (host, port), child, url in zip(self.render.extproc, self.extprocs, self.status_urls, strict=True):

@@ -2,11 +2,14 @@
 
 A child that exits (an ext_proc worker, an engine, the store, Envoy) is started again on the same
 ports after a backoff - 0.5 s, doubling with each exit in the window, at most 8 s - and the reason
-and its log are printed. Envoy keeps answering while an ext_proc worker is down (503
-policy_unavailable, or another worker takes the decisions); the store keeps its data (append-only
-file); settlements that failed while it was down are sent again when it is back. One child exiting
-more than `max_restarts` times within `window_s` is a crash loop: supervision gives up, and `llmgw up`
-stops everything with an error naming it.
+and its log are printed. One that is alive but misses its health probe (an ext_proc worker whose
+event loop is stuck: Envoy's own health check has already taken it out of rotation)
+`probe_failures` times in a row, `probe_every_s` apart, is killed, and so started again the same
+way (a process just started has `start_grace_s` to answer its first probe). Envoy keeps answering
+while an ext_proc worker is down (503 policy_unavailable, or another worker takes the decisions);
+the store keeps its data (append-only file); settlements that failed while it was down are sent
+again when it is back. One child exiting more than `max_restarts` times within `window_s` is a
+crash loop: supervision gives up, and `llmgw up` stops everything with an error naming it.
 """
 
 from __future__ import annotations
@@ -41,12 +44,18 @@ def exit_reason(code: int | None) -> str:
 class _Watch:
     exits: deque[float] = field(default_factory=deque)
     restart_at: float | None = None  # when the exited child is started again
+    probed_at: float = 0.0  # when its health probe last ran
+    missed: int = 0  # health probes missed in a row
+    pid: int | None = None  # the process probed; a new one is given time to start
+    since: float = 0.0  # when that process was first seen
+    answered: bool = False  # whether that process has answered a probe yet
 
 
 class Supervisor:
     def __init__(self, children: Callable[[], Iterable[Child]], out: TextIO = sys.stderr,
                  max_restarts: int = 5, window_s: float = 60.0, first_backoff_s: float = 0.5,
-                 max_backoff_s: float = 8.0, clock: Callable[[], float] = time.monotonic):
+                 max_backoff_s: float = 8.0, clock: Callable[[], float] = time.monotonic,
+                 probe_every_s: float = 1.0, probe_failures: int = 3, start_grace_s: float = 30.0):
         self.children = children
         self.out = out
         self.max_restarts = max_restarts
@@ -54,6 +63,9 @@ class Supervisor:
         self.first_backoff_s = first_backoff_s
         self.max_backoff_s = max_backoff_s
         self.clock = clock
+        self.probe_every_s = probe_every_s
+        self.probe_failures = probe_failures
+        self.start_grace_s = start_grace_s
         self.restarts = 0  # in all, for status and tests
         self._watch: dict[str, _Watch] = {}
 
@@ -61,9 +73,10 @@ class Supervisor:
         """Notice exits, start what is due again; raise CrashLoop when a child loops."""
         now = self.clock()
         for child in self.children():
-            if child.alive:
-                continue
             w = self._watch.setdefault(child.name, _Watch())
+            if child.alive:
+                self._probe(child, w, now)
+                continue
             if w.restart_at is None:
                 self._noticed(child, w, now)
             elif now >= w.restart_at:
@@ -71,6 +84,29 @@ class Supervisor:
                 child.start()
                 self.restarts += 1
                 self._say(f"{child.name} started again (pid {child.proc.pid if child.proc else '?'})")
+
+    def _probe(self, child: Child, w: _Watch, now: float) -> None:
+        """A running child's health probe, every probe_every_s: after probe_failures misses in a row it
+        is killed (SIGKILL: it may not be able to take a gentler signal), and its exit restarts it."""
+        if child.probe is None or now - w.probed_at < self.probe_every_s:
+            return
+        pid = child.proc.pid if child.proc is not None else None
+        if pid != w.pid:  # started (again): misses count once it answered, or its start took too long
+            w.pid, w.since, w.answered, w.missed = pid, now, False, 0
+        w.probed_at = now
+        if child.probe():
+            w.missed, w.answered = 0, True
+            return
+        if not w.answered and now - w.since < self.start_grace_s:
+            return
+        w.missed += 1
+        if w.missed >= self.probe_failures:
+            w.missed = 0
+            self._say(f"{child.name} did not answer its health probe {self.probe_failures} times in a row; "
+                      "killing it")
+            child.signal(signal.SIGKILL)
+            if child.proc is not None:
+                child.proc.wait(5)
 
     def _noticed(self, child: Child, w: _Watch, now: float) -> None:
         w.exits.append(now)

@@ -211,3 +211,72 @@ def test_exits_outside_the_window_are_forgiven(tmp_path: Path) -> None:
         now[0] += 20
         sup.poll()
     assert sup.restarts == 6
+
+
+def test_a_worker_alive_but_not_answering_leaves_rotation_and_is_restarted(tmp_path: Path) -> None:
+    """Issue 27, item 2: a worker whose event loop is stuck (here SIGSTOP) kept getting decisions from
+    Envoy - each one a 503 after the message timeout - and was never restarted. Envoy's health check
+    now takes it out of rotation within two missed checks, and the supervisor kills and restarts it."""
+    from tests.conftest import DEMO_KEYS, start_stack
+
+    stack = start_stack(tmp_path / "state", workers=2)
+    try:
+        stuck = stack.extprocs[0]
+        assert stuck.proc is not None
+        old_pid = stuck.proc.pid
+        out = io.StringIO()
+        sup = Supervisor(stack.children, out=out, probe_every_s=0.2, probe_failures=3)
+        sup.poll()  # it answers: from now on, misses count
+        stuck.signal(signal.SIGSTOP)
+        time.sleep(5)  # two missed checks, each waiting 1 s, 1 s apart (with jitter)
+        statuses = [request(f"{stack.url}/v1/chat/completions", "POST", {
+            "model": "chat-default", "max_tokens": 2, "messages": [{"role": "user", "content": f"hi {i}"}]},
+            {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=10).status for i in range(12)]
+        assert statuses == [200] * 12  # the stuck worker got none of them
+
+        def restarted() -> bool:
+            try:
+                return stuck.proc is not None and stuck.proc.pid != old_pid and stack._serves_revision(
+                    stack.status_urls[0])
+            except OSError:
+                return False
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not restarted():
+            sup.poll()
+            time.sleep(0.2)
+        assert restarted() and "did not answer its health probe" in out.getvalue(), out.getvalue()
+    finally:
+        stack.stop()
+
+
+class _Probed:
+    """A running child whose probe answers as told."""
+
+    def __init__(self) -> None:
+        self.name, self.log_path, self.alive, self.answers, self.signals = "w", Path("w.log"), True, True, []
+        self.proc = None
+        self.probe = lambda: self.answers
+
+    def signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+def test_the_supervisor_kills_a_child_after_its_probe_fails_in_a_row() -> None:
+    child = _Probed()
+    now = [0.0]
+    sup = Supervisor(lambda: [child], out=io.StringIO(), clock=lambda: now[0],  # type: ignore[arg-type, list-item]
+                     probe_every_s=1.0, probe_failures=3, start_grace_s=5.0)
+    for _ in range(4):  # just started: time to answer a first probe
+        child.answers = False
+        sup.poll()
+        now[0] += 1.0
+    assert child.signals == []
+    for answers in (True, False, False, True, False, False):  # an answer in between resets the count
+        child.answers = answers
+        sup.poll()
+        now[0] += 1.0
+    assert child.signals == []
+    sup.poll()  # the third miss in a row
+    assert child.signals == [signal.SIGKILL]
+    sup.poll()  # probed at most once a second
+    assert child.signals == [signal.SIGKILL]

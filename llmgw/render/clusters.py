@@ -3,7 +3,7 @@ the composite clusters of fallback plans with their per-attempt filter, and the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import extension_pb2, health_check_pb2, protocol_pb2
@@ -14,12 +14,13 @@ from envoy.extensions.load_balancing_policies.least_request.v3 import least_requ
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.metadata.v3 import metadata_pb2 as metadata_key_pb2
+from envoy.type.v3 import http_pb2 as http_types_pb2
 from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
 from google.protobuf.message import Message
 
 from extproc.config import Snapshot
 from extproc.config.schema import Pool
-from extproc.contract import METADATA_NAMESPACE
+from extproc.contract import METADATA_NAMESPACE, WORKER_HEALTH_PATH
 from extproc.fallback import (
     canary_orderings,
     candidate_subsets,
@@ -173,6 +174,21 @@ def _override_host_policy() -> cluster_pb2.LoadBalancingPolicy:
     return cluster_pb2.LoadBalancingPolicy(policies=[cluster_pb2.LoadBalancingPolicy.Policy(
         typed_extension_config=extension_pb2.TypedExtensionConfig(
             name="envoy.load_balancing_policies.override_host", typed_config=pack(policy)))])
+
+
+def worker_health_checks(cluster: cluster_pb2.Cluster, status_ports: Sequence[int]) -> None:
+    """The ext_proc cluster's active health check: each worker's status server (`GET /healthz`, on the
+    port beside its gRPC one, HTTP/1.1) answers from the same event loop that decides requests, so a
+    worker that is alive but cannot answer - its loop busy for seconds, stopped - misses it and leaves
+    rotation within two intervals, where the outlier detection only sees refused connections."""
+    for lb, port in zip(cluster.load_assignment.endpoints[0].lb_endpoints, status_ports, strict=True):
+        lb.endpoint.health_check_config.port_value = port
+    cluster.health_checks.append(health_check_pb2.HealthCheck(
+        timeout=duration_ms(1000), interval=duration_ms(1000), no_traffic_interval=duration_ms(1000),
+        unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),
+        healthy_threshold=wrappers_pb2.UInt32Value(value=1),
+        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(
+            path=WORKER_HEALTH_PATH, codec_client_type=http_types_pb2.HTTP1)))
 
 
 def pool_cluster(name: str, pool: str, settings: Pool, hosts: Iterable[tuple[str, int]],
