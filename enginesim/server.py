@@ -13,7 +13,8 @@ runs with `--fault-header` (the simulator's own tests): `llmgw up` never sets it
 forwards no such header anyway. SPEC is one or more of:
   status=503          answer that status (vLLM's error body) before any header
   delay_ms=300        wait before answering
-  stall_after=3       send 3 chunks, then go silent (until the client goes away)
+  stall_after=3       send 3 chunks, then go silent (until the client goes away); the pool's JSON
+                      answer: its status, headers and first 3 bytes, then silence
   disconnect_after=3  send 3 chunks, then drop the connection
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
   end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
@@ -152,6 +153,18 @@ async def garbage(request: web.Request, seed: int, stream: bool) -> web.StreamRe
         chunk = rng.randbytes(rng.randint(1, 300))
         await resp.write(rng.choice([chunk, b"data: " + chunk + b"\n\n"]))
     await resp.write_eof()
+    return resp
+
+
+async def stalled(request: web.Request, answer: web.Response, sent: int) -> web.StreamResponse:
+    """A whole JSON answer's status and headers and its first `sent` bytes, then silence (until the
+    client or the gateway gives up): a provider whose body stalls after a 200."""
+    body = answer.body if isinstance(answer.body, bytes) else b""
+    resp = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type,
+                                                             "Content-Length": str(len(body))})
+    await resp.prepare(request)
+    await resp.write(body[:sent])
+    await asyncio.sleep(3600)
     return resp
 
 
@@ -411,7 +424,10 @@ class EngineServer:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, seqs, outputs, rid, include_usage, fault, logprobs)
-            return await self._complete(seqs, outputs, rid, logprobs, fault)
+            answer = await self._complete(seqs, outputs, rid, logprobs, fault)
+            if fault.stall_after is not None:  # a JSON answer: its headers and first bytes, then silence
+                return await stalled(request, answer, fault.stall_after)
+            return answer
         finally:
             for seq in seqs:
                 self.engine.abort(seq)  # a no-op when it finished; frees the engine when the client left

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import hmac
 import logging
 import os
 import signal
@@ -290,11 +291,48 @@ def _peer_gone(record: logging.LogRecord) -> bool:
     return True
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, without its port or an IPv6 literal's brackets."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def status_guards(listen_host: str, token: str | None) -> Any:
+    """The status server's two guards (issue 27): on a loopback address it answers only requests that
+    name a loopback Host (a page in a local browser, its name pointed at 127.0.0.1, cannot use it);
+    beyond loopback (docker-compose, where Prometheus scrapes it by service name) every Host is
+    served. Either way a request that changes something (POST /reload) carries the token from the
+    state directory as its bearer credential; without a token configured, the endpoint is off
+    (SIGHUP and the policy directory's watcher still reload)."""
+    loopback_only = host_name(listen_host) in LOOPBACK_HOSTS
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        if loopback_only and host_name(request.host or "") not in LOOPBACK_HOSTS:
+            return web.json_response({"error": "this server answers only requests to a loopback host"}, status=403)
+        if request.method != "GET":
+            if token is None:
+                return web.json_response({"error": "POST /reload is off: start ext_proc with --admin-token-file "
+                                                   "(SIGHUP reloads too)"}, status=403)
+            sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(sent.encode(), token.encode()):
+                return web.json_response({"error": "a valid admin token is required"}, status=401,
+                                         headers={"www-authenticate": "Bearer"})
+        return await handler(request)
+    return guard
+
+
 async def status_app(reloader: Reloader, listen: str, processor: Processor | None = None,
-                     access_log: SettlementLog | None = None, picker: Picker | None = None) -> web.AppRunner:
+                     access_log: SettlementLog | None = None, picker: Picker | None = None,
+                     admin_token: str | None = None) -> web.AppRunner:
     """GET /status: the serving revision, the last reload's outcome (errors name file and field),
     and what this worker has received (ext_proc messages, access-log entries) and scraped. GET
-    /metrics: Prometheus text for every worker of this host (extproc/metrics.py)."""
+    /metrics: Prometheus text for every worker of this host (extproc/metrics.py). POST /reload, with
+    the admin token (status_guards)."""
     async def status(_: web.Request) -> web.Response:
         counts = {"extproc_messages": dict(processor.messages) if processor is not None else {},
                   "access_log_entries": access_log.entries if access_log is not None else 0,
@@ -317,15 +355,15 @@ async def status_app(reloader: Reloader, listen: str, processor: Processor | Non
         # too busy to decide (Envoy's health check and the supervisor take the worker out, then restart it).
         return web.Response(text="ok")
 
-    app = web.Application()
+    host, _, port = listen.rpartition(":")
+    app = web.Application(middlewares=[status_guards(host, admin_token)])
     app.router.add_get(WORKER_HEALTH_PATH, healthz)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reload", reload)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    host, _, port = listen.rpartition(":")
-    await web.TCPSite(runner, host, int(port)).start()
+    await web.TCPSite(runner, host.strip("[]"), int(port)).start()
     return runner
 
 
@@ -352,7 +390,8 @@ def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[s
 
 async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] | None = None,
                 status_listen: str | None = None, credentials: grpc.ServerCredentials | None = None,
-                store_url: str | None = None, picker_dir: Path | None = None) -> None:
+                store_url: str | None = None, picker_dir: Path | None = None,
+                admin_token: str | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -382,7 +421,8 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if bound == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
-    runner = await status_app(reloader, status_listen, processor, settlement_log, picker) if status_listen else None
+    runner = (await status_app(reloader, status_listen, processor, settlement_log, picker, admin_token)
+              if status_listen else None)
     log.info("ext_proc listening on %s%s, revision %s", listen, " (mTLS)" if credentials else "",
              reloader.live.snapshot.revision)
     stop = asyncio.Event()
@@ -418,6 +458,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="a directory the workers on this host share, so one of them scrapes the engines for all "
                         "(default $LLMGW_PICKER_DIR; none: each worker scrapes)")
     p.add_argument("--status-listen", metavar="HOST:PORT", help="serve GET /status (revision, last reload)")
+    p.add_argument("--admin-token-file", type=Path,
+                   help="the status server's POST /reload needs this file's token as its bearer credential "
+                        "(without it, the endpoint is off: SIGHUP reloads)")
     p.add_argument("--store-url", help="redis:// URL of the budget store (default: gateway.yaml store.url)")
     p.add_argument("--reload-runs-policy-tests", action="store_true",
                    help="refuse a new revision whose Rego test_* rules fail")
@@ -458,5 +501,6 @@ def main(argv: list[str] | None = None) -> None:
     reloader = Reloader(snapshot.directory, functools.partial(live_for, region=args.region), live,
                         run_tests=args.reload_runs_policy_tests)
     pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
+    token = args.admin_token_file.read_text().strip() if args.admin_token_file else None
     asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials, args.store_url,
-                      args.picker_dir))
+                      args.picker_dir, token or None))

@@ -29,7 +29,7 @@ from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import Canary
 from llmgw.cli_common import store_client
 from llmgw.ledger_cmd import ledger_entries, store_url
-from llmgw.revisions_cmd import apply, reload_workers, status_urls
+from llmgw.revisions_cmd import admin_token, apply, reload_workers, status_urls
 from llmgw.stats import percentile
 
 WHO = "canary-watch"
@@ -77,7 +77,8 @@ def without_canary(directory: Path, route: str, work: Path) -> Path:
     return stage
 
 
-def watch_once(client: Any, directory: Path, status_urls: list[str], now: float | None = None) -> list[str]:
+def watch_once(client: Any, directory: Path, status_urls: list[str], now: float | None = None,
+               token: str = "") -> list[str]:
     """Check every canary once; roll back the ones that regressed. Returns what was rolled back, why."""
     snap = load_snapshot(directory)
     now = now or time.time()
@@ -102,7 +103,7 @@ def watch_once(client: Any, directory: Path, status_urls: list[str], now: float 
         if not entry.accepted:
             print(f"  the rollback was refused: {'; '.join(entry.why)}", file=sys.stderr)
             continue
-        failed = reload_workers(status_urls, entry.revision) if status_urls else []
+        failed = reload_workers(status_urls, entry.revision, token) if status_urls else []
         for line in failed:
             print(f"  a worker did not take revision {entry.revision}: {line}", file=sys.stderr)
         rolled.append(f"{name}: {why}")
@@ -120,10 +121,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
         print("error: no store: give --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
         return 2
     client = store_client(url)
-    urls = status_urls(args)
+    urls, token = status_urls(args), admin_token(args)
     while True:
         try:
-            rolled = watch_once(client, directory, urls)
+            rolled = watch_once(client, directory, urls, token=token)
         except (ConfigError, redis.RedisError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             rolled = []
@@ -140,6 +141,7 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--store-url")
     w.add_argument("--state-dir", default=".llmgw")
     w.add_argument("--reload-url", action="append", help="a worker's status URL (default: up.json's)")
+    w.add_argument("--admin-token-file", help="the workers' admin token (default: up.json's)")
     w.add_argument("--interval", type=float, default=15.0)
     w.add_argument("--once", action="store_true", help="check once; exit 1 when something was rolled back")
     w.set_defaults(func=cmd_watch)

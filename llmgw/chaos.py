@@ -251,7 +251,8 @@ class Harness:
         wait_until(partial(self.stack._serves_revision, self.stack.status_urls[i]), 30, "ext_proc", child)
 
     def reload(self) -> list[dict[str, Any]]:
-        return [_post(url.replace("/status", "/reload"), {}) for url in self.stack.status_urls]
+        token = self.stack.admin_token_file.read_text().strip()
+        return [_post(url.replace("/status", "/reload"), {}, token) for url in self.stack.status_urls]
 
     # -- what was recorded ------------------------------------------------------------------------------
 
@@ -294,9 +295,9 @@ class Harness:
         return found[0]
 
 
-def _post(url: str, doc: dict[str, Any]) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
+def _post(url: str, doc: dict[str, Any], token: str = "") -> Any:
+    req = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST", headers={
+        "content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read() or b"{}")
 

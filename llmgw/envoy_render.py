@@ -77,7 +77,7 @@ from llmgw.render.filters import (
     usage_to_metadata,
 )
 from llmgw.render.routes import answers_translated, route_config
-from llmgw.render.stats import stats_listener
+from llmgw.render.stats import admin_cluster, admin_guard, pipe_address, stats_listener
 from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, loopback_tls, upstream_tls
 
 __all__ = ["EXTPROC_CLUSTER", "FORWARDED_HEADERS", "RenderOptions", "duration_ms", "fallback_clusters",
@@ -102,12 +102,16 @@ class RenderOptions:
     stats_listen: tuple[str, int] | None = None
     # Each ext_proc worker's status port, in `extproc`'s order: Envoy health-checks the workers there.
     extproc_status: tuple[int, ...] = ()
+    # Where Envoy's admin interface listens instead (a Unix socket); `admin` is then a listener in
+    # front of it that answers only requests naming a loopback Host (render/stats.py).
+    admin_socket: str | None = None
 
     @classmethod
     def for_compose(cls, snap: Snapshot) -> RenderOptions:
         """docker-compose.yml's topology: services reach each other by name on one network (a hosted
         deployment on loopback is simulated there by the service of its name)."""
-        return cls(listen=("0.0.0.0", 8080), admin=("127.0.0.1", 9901), extproc=(("extproc", 50051),),
+        return cls(listen=("0.0.0.0", 8080), admin=("127.0.0.1", 9901), admin_socket="/tmp/envoy-admin.sock",
+                   extproc=(("extproc", 50051),),
                    pools={name: tuple((f"{name}-{i + 1}", 8000) for i in range(len(pool.endpoints)))
                           for name, pool in snap.gateway.pools.items()},
                    providers={d.deployment: ((d.deployment, 8000),) for d in simulated_providers(snap)},
@@ -220,9 +224,11 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         listener.filter_chains[0].transport_socket.CopyFrom(listener_tls(opts.tls.listener))
     listeners = [listener]
     if opts.stats_listen is not None:
-        stats, admin_cluster = stats_listener(opts.stats_listen, opts.admin)
-        listeners.append(stats)
-        clusters.append(admin_cluster)
+        listeners.append(stats_listener(opts.stats_listen))
+    if opts.admin_socket is not None:  # the admin interface on its socket, behind a loopback-only listener
+        listeners.append(admin_guard(opts.admin))
+    if opts.stats_listen is not None or opts.admin_socket is not None:
+        clusters.append(admin_cluster(opts.admin, opts.admin_socket))
     # A bounded number of client connections: each can make ext_proc buffer a body before its verdict.
     overload = overload_pb2.OverloadManager(resource_monitors=[overload_pb2.ResourceMonitor(
         name="envoy.resource_monitors.global_downstream_max_connections",
@@ -238,7 +244,8 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
             bootstrap_pb2.RuntimeLayer(name="static", static_layer=runtime),
             bootstrap_pb2.RuntimeLayer(name="admin", admin_layer=bootstrap_pb2.RuntimeLayer.AdminLayer())]),
         overload_manager=overload,
-        admin=bootstrap_pb2.Admin(address=socket_address(*opts.admin)),
+        admin=bootstrap_pb2.Admin(address=pipe_address(opts.admin_socket) if opts.admin_socket is not None
+                                  else socket_address(*opts.admin)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=listeners, clusters=clusters),
     )
 

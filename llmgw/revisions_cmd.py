@@ -138,8 +138,9 @@ def sync(control: Any, local: Any, directory: Path, who: str, today: date | None
     return entry
 
 
-def reload_workers(urls: list[str], revision: str, timeout_s: float = 10.0) -> list[str]:
-    """POST /reload to each worker's status server; what did not end up serving `revision`."""
+def reload_workers(urls: list[str], revision: str, token: str, timeout_s: float = 10.0) -> list[str]:
+    """POST /reload to each worker's status server, with the admin token; what did not end up serving
+    `revision`."""
     failed = []
     for status in urls:
         base = status.rsplit("/status", 1)[0]
@@ -147,7 +148,8 @@ def reload_workers(urls: list[str], revision: str, timeout_s: float = 10.0) -> l
         serving = ""
         while time.monotonic() < deadline:
             try:
-                req = urllib.request.Request(f"{base}/reload", data=b"", method="POST")
+                req = urllib.request.Request(f"{base}/reload", data=b"", method="POST",
+                                             headers={"authorization": f"Bearer {token}"})
                 with urllib.request.urlopen(req, timeout=5) as r:
                     serving = str(json.loads(r.read()).get("revision"))
             except OSError as e:
@@ -158,6 +160,16 @@ def reload_workers(urls: list[str], revision: str, timeout_s: float = 10.0) -> l
         if serving != revision:
             failed.append(f"{base}: serves {serving}")
     return failed
+
+
+def admin_token(args: argparse.Namespace) -> str:
+    """The workers' admin token: --admin-token-file, else the one `llmgw up`'s up.json names ("" when
+    neither: the workers then refuse the reload, and say so)."""
+    path = args.admin_token_file
+    if path is None:
+        up = Path(args.state_dir) / "up.json"
+        path = json.loads(up.read_text()).get("admin_token_file") if up.exists() else None
+    return Path(path).read_text().strip() if path and Path(path).exists() else ""
 
 
 def status_urls(args: argparse.Namespace) -> list[str]:
@@ -195,7 +207,7 @@ def _report(entry: Entry, args: argparse.Namespace) -> int:
         print(f"  {c}")
     if args.no_reload:
         return 0
-    failed = reload_workers(status_urls(args), entry.revision)
+    failed = reload_workers(status_urls(args), entry.revision, admin_token(args))
     for line in failed:
         print(f"error: a worker did not take revision {entry.revision}: {line}", file=sys.stderr)
     return 1 if failed else 0
@@ -280,6 +292,7 @@ def add_parsers(sub: Any) -> None:
         common(p)
         p.add_argument("--who", help=f"the operator (default: ${OPERATOR_ENV}, else the login name)")
         p.add_argument("--reload-url", action="append", help="a worker's status URL (default: up.json's)")
+        p.add_argument("--admin-token-file", help="the workers' admin token (default: up.json's)")
         p.add_argument("--no-reload", action="store_true", help="record only; the workers reload on their own")
 
     a = sub.add_parser("apply", help="make the policy directory's revision current, through the checks, audited")

@@ -6,10 +6,12 @@ ports, so what the tests prove is what a user starts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
 import shutil
+import tempfile
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -37,7 +39,7 @@ from llmgw.procs import (
     valkey_binary,
     wait_until,
 )
-from llmgw.render.common import hp
+from llmgw.render.common import UNIX, hp
 from llmgw.tls import demo_certs
 
 
@@ -147,6 +149,15 @@ class Stack:
         elif o.workers > 1:
             base = int(env.extproc[0].rsplit(":", 1)[1])
             overrides["extproc"] = tuple(("127.0.0.1", base + i) for i in range(o.workers))
+        if not o.tls:
+            # Envoy reaches its workers on Unix sockets in an owner-only directory: no other local user
+            # or process of another user can send them decisions' questions or settlement records. (With
+            # TLS the workers listen on TCP and admit only Envoy's client certificate.) Each keeps its
+            # number to name it.
+            tcp = overrides.get("extproc") or tuple(hp(e) for e in env.extproc)
+            assert isinstance(tcp, tuple)
+            overrides["extproc"] = tuple((f"{UNIX}{socket_path(o.state_dir, f'extproc-{port}.sock')}", port)
+                                         for _, port in tcp)
         if o.engine_ports:
             overrides["pools"] = {p: tuple(("127.0.0.1", port) for port in ports)
                                   for p, ports in o.engine_ports.items()}
@@ -155,6 +166,7 @@ class Stack:
                 (o.provider_ports or {}).get(d.deployment) or [hp(e)[1] for e in d.endpoints]))
                 for d in simulated_providers(self.snapshot)}
         overrides["pool_lb"] = o.pool_lb
+        overrides["admin_socket"] = str(socket_path(o.state_dir, "envoy-admin.sock"))
         if o.tls:
             overrides["tls"] = demo_certs(o.state_dir / "tls", o.require_client_certificate)
         self.render = RenderOptions.from_snapshot(self.snapshot, **overrides)
@@ -214,7 +226,7 @@ class Stack:
         """(host, port, what sets it) of every port this stack's processes will listen on."""
         ports = [(*self.render.listen, "--port (or gateway.yaml envoy.listen)"),
                  (*self.render.admin, "--admin-port (or gateway.yaml envoy.admin)")]
-        ports += [(h, p, "gateway.yaml envoy.extproc") for h, p in self.render.extproc]
+        ports += [(h, p, "gateway.yaml envoy.extproc") for h, p in self.render.extproc if not h.startswith(UNIX)]
         if self.own_store:
             ports.append(("127.0.0.1", self.opts.valkey_port or 6379, "--valkey-port"))
         if self.opts.start_engines:
@@ -335,6 +347,11 @@ class Stack:
         return env
 
     @property
+    def admin_token_file(self) -> Path:
+        """The token the workers' status servers want for POST /reload."""
+        return self.opts.state_dir / "admin.token"
+
+    @property
     def store_url(self) -> str | None:
         """gateway.yaml's store, else the Valkey this stack starts (None: neither)."""
         return self.snapshot.gateway.store.url or (
@@ -361,11 +378,19 @@ class Stack:
         mtls = self.render.tls.extproc
         tls_args = ["--tls-cert", mtls.server_cert_file, "--tls-key", mtls.server_key_file,
                     "--tls-client-ca", mtls.ca_file] if mtls else []
+        token = self.admin_token_file
+        if not token.exists():  # the status servers' POST /reload takes it (one per state directory, 0600)
+            token.touch(mode=0o600)
+            token.write_text(secrets.token_urlsafe(32))
         for (host, port), status in zip(self.render.extproc, self.status_ports, strict=True):
             probe = partial(answers, f"http://127.0.0.1:{status}{WORKER_HEALTH_PATH}")
+            if host.startswith(UNIX):  # one a worker left behind would refuse the bind
+                Path(host.removeprefix(UNIX)).unlink(missing_ok=True)
+            listen = host if host.startswith(UNIX) else f"{host}:{port}"
             self.extprocs.append(Child(f"extproc-{port}", python_module(
-                "extproc", "--config", str(self.snapshot.directory), "--listen", f"{host}:{port}", *pools,
-                "--status-listen", f"127.0.0.1:{status}", *tls_args, *self._store_args(),
+                "extproc", "--config", str(self.snapshot.directory), "--listen", listen, *pools,
+                "--status-listen", f"127.0.0.1:{status}", "--admin-token-file", str(token),
+                *tls_args, *self._store_args(),
                 # One worker scrapes the engines for all of this gateway's workers.
                 "--picker-dir", str(self.opts.state_dir / "picker"),
                 *self.opts.extproc_args, *(["--no-picker"] if self.opts.pool_lb != "picker" else []),
@@ -380,6 +405,8 @@ class Stack:
         return bool(json_at(status_url).get("revision") == self.snapshot.revision)
 
     def _start_envoy(self, timeout: float) -> None:
+        if self.render.admin_socket:  # a socket left by an Envoy that did not stop cleanly
+            Path(self.render.admin_socket).unlink(missing_ok=True)
         path = self.opts.state_dir / "envoy.yaml"
         path.write_text(render_yaml(self.snapshot, self.render))
         argv = [str(envoy_binary()), "-c", str(path), "--log-level", "warn", "--disable-hot-restart",
@@ -407,12 +434,25 @@ class Stack:
             "url": self.url, "admin_url": self.admin_url, "revision": self.snapshot.revision,
             "tenants": {t: {"api_key": k} for t, k in self.demo_keys().items()},
             "engines": self.engine_urls(), "logs": str(self.logs), "extproc_status": self.status_urls,
+            "admin_token_file": str(self.admin_token_file),
             "providers": {name: [f"http://{h}:{p}" for h, p in hosts] for name, hosts in self.render.providers.items()},
             "store_url": self.store_url, "metrics_url": self.metrics_url,
             **({"traces_file": str(self.traces_file)} if self.opts.traces else {}),
             **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")
         return path
+
+
+def socket_path(state_dir: Path, name: str) -> Path:
+    """A Unix socket of this stack's, in `sockets/` of the state directory (owner-only, 0700), or - when
+    that path is longer than a socket's name may be - in an owner-only directory in the temporary
+    directory, named after the state directory."""
+    folder = state_dir / "sockets"
+    if len(str(folder / name)) >= 100:
+        folder = Path(tempfile.gettempdir()) / f"llmgw-{hashlib.sha256(str(state_dir).encode()).hexdigest()[:12]}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    return folder / name
 
 
 def gateway_processes(stack: Stack) -> dict[str, list[Child]]:

@@ -103,7 +103,8 @@ def test_the_canary_takes_its_share_and_is_rolled_back_on_a_regression(gw: Stack
     for e in logged:
         assert e["path"] == "/v1/chat/completions" and not e["api_key_present"]
         assert "anthropic-version" not in e["headers"]
-    reload = [arg for url in gw.status_urls for arg in ("--reload-url", url)]
+    reload = [*(arg for url in gw.status_urls for arg in ("--reload-url", url)),
+              "--admin-token-file", str(gw.admin_token_file)]
     watch = llmgw("canary", "watch", "--once", "--config", str(gw.snapshot.directory),
                   "--store-url", str(gw.store_url), *reload)
     assert watch.returncode == 1, watch.stdout + watch.stderr

@@ -151,3 +151,18 @@ def test_a_pool_answer_too_large_for_envoy_is_charged_as_the_work_it_was(gw: tup
     assert r.status == 502 and r.json()["error"]["code"] == "upstream_error", (r.status, r.body[:300])
     entry = ledger_of(stack, r.headers["x-request-id"], "acme")
     assert entry["settlement"] == "ambiguous" and entry["charged_micros"] == entry["reserved_micros"] > 0, entry
+
+
+def test_a_pool_answer_whose_body_stalls_after_its_200_is_charged_as_the_work_it_was(
+        gw: tuple[Stack, str]) -> None:
+    """Item 3's other case: the engine answered 200 (its JSON answer generated before its headers),
+    then its body stalled; Envoy's deadline ends it with 504. Charged in full, not released."""
+    stack, _ = gw
+    marker = unique_marker("stalled")
+    inject_fault(stack.engine_urls(), "stall_after=20", count=1, marker=marker)
+    r = request(f"{stack.url}/v1/chat/completions", "POST", {
+        "model": "chat-default", "max_tokens": 16, "messages": [{"role": "user", "content": marker}]},
+        {"authorization": f"Bearer {KEY}", "x-llmgw-deadline-ms": "1500"}, timeout=30)
+    assert r.status == 504 and r.json()["error"]["code"] == "deadline_exceeded", (r.status, r.body[:300])
+    entry = ledger_of(stack, r.headers["x-request-id"], "acme")
+    assert entry["settlement"] == "ambiguous" and entry["charged_micros"] == entry["reserved_micros"] > 0, entry

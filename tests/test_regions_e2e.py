@@ -98,7 +98,8 @@ def test_a_region_syncs_from_the_control_plane_and_keeps_its_last_good_revision_
     s, control, cp, store = region
     directory = s.snapshot.directory
     sync = ["sync", "--config", str(directory), "--control-store", cp, "--store-url", str(s.store_url),
-            "--who", "region-us", *[a for u in s.status_urls for a in ("--reload-url", u)]]
+            "--who", "region-us", *[a for u in s.status_urls for a in ("--reload-url", u)],
+            "--admin-token-file", str(s.admin_token_file)]
     first = llmgw(*sync)
     assert first.returncode == 0 and "in sync" in first.stdout, first.stdout + first.stderr
     # The platform team changes a route on the control plane; the region takes it through its checks.

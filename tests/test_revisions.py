@@ -133,7 +133,8 @@ def test_the_running_workers_take_an_apply_and_a_rollback(tmp_path: Path, policy
     stack = start_stack(tmp_path / "state", policy, workers=2)
     try:
         base = ["--config", str(policy), "--store-url", str(stack.store_url)]
-        reload = [arg for url in stack.status_urls for arg in ("--reload-url", url)]
+        reload = [*(arg for url in stack.status_urls for arg in ("--reload-url", url)),
+                  "--admin-token-file", str(stack.admin_token_file)]
         first = llmgw("apply", *base, *reload, "--who", "alice")
         assert first.returncode == 0, first.stderr
         original = load_snapshot(policy).revision

@@ -29,7 +29,7 @@ from extproc.fallback import (
     sub_clusters,
 )
 from extproc.picker import LB_KEY, LB_NAMESPACE
-from llmgw.render.common import duration_ms, is_ip, pack, socket_address
+from llmgw.render.common import UNIX, duration_ms, is_ip, pack, socket_address
 from llmgw.render.filters import attempt_filter
 
 PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -148,7 +148,8 @@ def static_cluster(name: str, hosts: Iterable[tuple[str, int]], http2: bool, con
         endpoints.append(lb)
     hosts = list(hosts)
     # Compose and Kubernetes address services by name; loopback deployments by IP.
-    kind = cluster_pb2.Cluster.STATIC if all(is_ip(h) for h, _ in hosts) else cluster_pb2.Cluster.STRICT_DNS
+    kind = (cluster_pb2.Cluster.STATIC if all(is_ip(h) or h.startswith(UNIX) for h, _ in hosts)
+            else cluster_pb2.Cluster.STRICT_DNS)
     return cluster_pb2.Cluster(
         name=name, type=kind, connect_timeout=duration_ms(connect_ms),
         lb_policy=cluster_pb2.Cluster.LEAST_REQUEST,
@@ -182,13 +183,17 @@ def worker_health_checks(cluster: cluster_pb2.Cluster, status_ports: Sequence[in
     worker that is alive but cannot answer - its loop busy for seconds, stopped - misses it and leaves
     rotation within two intervals, where the outlier detection only sees refused connections."""
     for lb, port in zip(cluster.load_assignment.endpoints[0].lb_endpoints, status_ports, strict=True):
-        lb.endpoint.health_check_config.port_value = port
+        if lb.endpoint.address.HasField("pipe"):  # a worker on a Unix socket: its status server is on loopback
+            lb.endpoint.health_check_config.address.CopyFrom(socket_address("127.0.0.1", port))
+        else:
+            lb.endpoint.health_check_config.port_value = port
     cluster.health_checks.append(health_check_pb2.HealthCheck(
         timeout=duration_ms(1000), interval=duration_ms(1000), no_traffic_interval=duration_ms(1000),
         unhealthy_threshold=wrappers_pb2.UInt32Value(value=2),
         healthy_threshold=wrappers_pb2.UInt32Value(value=1),
+        # (Host: the status server answers only a loopback one.)
         http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(
-            path=WORKER_HEALTH_PATH, codec_client_type=http_types_pb2.HTTP1)))
+            host="127.0.0.1", path=WORKER_HEALTH_PATH, codec_client_type=http_types_pb2.HTTP1)))
 
 
 def pool_cluster(name: str, pool: str, settings: Pool, hosts: Iterable[tuple[str, int]],

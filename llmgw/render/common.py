@@ -25,7 +25,12 @@ def duration_ms(ms: int) -> duration_pb2.Duration:
     return d
 
 
+UNIX = "unix:"  # a host of this form is a Unix socket's path (the port then only names it)
+
+
 def socket_address(host: str, port: int) -> address_pb2.Address:
+    if host.startswith(UNIX):
+        return address_pb2.Address(pipe=address_pb2.Pipe(path=host.removeprefix(UNIX)))
     return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
 
 
