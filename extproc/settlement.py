@@ -17,8 +17,10 @@
   answered with an error status; for a request it got but never answered - or answered 2xx before
   Envoy failed the answer (too large to read, a body that stalled: `upstream_status`) - the prompt's
   bound when it was a stream (nothing was generated before the first byte) and the whole
-  reservation, marked `ambiguous`, for a JSON answer (the engine may have generated it all). Either way settled at once,
-  and the idempotency key is released so a retry can run.
+  reservation, marked `ambiguous`, for a JSON answer (the engine may have generated it all). Either
+  way settled at once, and the idempotency key is released so a retry can run.
+- Not processed: Envoy's own 503 when no decision reached it (`_release_unprocessed`) releases what
+  a worker reserved for the request at once.
 - Release: a request refused after it reserved (a later stage failed) is released, charge 0.
 - The sweeper: a reservation whose lease expired (the gateway lost track: crash, lost access log)
   is charged in full and marked `ambiguous`, so a crashed gateway never frees money it may have spent.
@@ -360,7 +362,8 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
     def settle_entry(self, entry: Any) -> None:
         common = entry.common_properties
         md = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
-        if (md is None or not attr(md, Key.SETTLE)) and entry.response.response_code_details.startswith(EXTPROC_FAILED):
+        undecided = md is None or not attr(md, Key.SETTLE)
+        if undecided and entry.response.response_code_details.startswith(EXTPROC_FAILED):
             self._later(self._release_unprocessed(entry.request.request_id))
             return
         if md is None:

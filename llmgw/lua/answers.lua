@@ -514,7 +514,6 @@ local function answer_of(headers, md)
     headers:remove(CONFIG.model_header)
     return shape, model
   end
-  if md == nil then return nil end
   local lost = md[K.translation_loss]
   if lost ~= nil and lost ~= "" then headers:replace(CONFIG.loss_header, lost) end
   return md[K.answer_shape], md[K.answer_model]
