@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install up test test-vllm lint typecheck unit e2e bench clean
+.PHONY: install up test test-vllm lint typecheck unit e2e bench clean system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,22 @@ $(MESH_SCHEMAS): deploy/mesh/package-lock.json
 	npm ci --prefix deploy/mesh --no-audit --no-fund --silent
 	touch $@
 
-test: lint typecheck $(FOCUS_VENV)/.installed-stamp $(MESH_SCHEMAS)
+# Debian packages the suite runs for real: a Prometheus scrapes the gateway's metrics
+# (tests/test_metrics_e2e.py), headless Chromium renders `llmgw report`'s page (tests/test_report_e2e.py).
+# As root they are installed when missing; otherwise one line says what to run.
+SYSTEM_PACKAGES := prometheus chromium
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else \
+	  echo "make test needs Debian packages:$$missing - run: sudo apt-get install -y --no-install-recommends$$missing"; \
+	  exit 1; \
+	fi
+
+test: system-deps lint typecheck $(FOCUS_VENV)/.installed-stamp $(MESH_SCHEMAS)
 	$(BIN)/python -m pytest -m "not vllm"
 
 # Real vLLM (CPU build, installed into .venv-vllm on first use) serving a generated tiny model.
