@@ -225,6 +225,8 @@ class _Attempt:
                 # The Lua answer filter translates it (llmgw/lua/answers.lua), after the router.
                 mutation.set_headers.extend((overwrite_header(ANSWER_SHAPE_HEADER, self.adapter.name),
                                              overwrite_header(ANSWER_MODEL_HEADER, self.dep.served_model)))
+            else:  # an upstream's own headers of those names must not choose a translation
+                mutation.remove_headers.extend((ANSWER_SHAPE_HEADER, ANSWER_MODEL_HEADER))
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
                 header_mutation=mutation)))
         _errors.warning("attempt filter: unexpected message %s", kind)

@@ -138,3 +138,28 @@ def test_fallback_off_plans_the_first_qualified_candidate_only(tmp_path: Path) -
     # Off, and without the credential: the candidate's own cluster, no attempt filter at all.
     yaml_edit(policy / "deployments/pool-llama-8b.yaml", lambda doc: doc.pop("credential_ref"))
     assert _plan(policy, "internal") == ([FIRST], "pool_engine-pool")
+
+
+@pytest.mark.parametrize(("deployment", "names_shape"), [("pool-llama-8b", False), ("demo-anthropic", True)])
+def test_only_the_attempt_filter_names_an_answers_shape(deployment: str, names_shape: bool) -> None:
+    """A translated candidate's 2xx is named for the Lua answer filter; any other answer has those
+    names removed, so an upstream's own headers of those names cannot choose a translation."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from extproc.adapters import adapter_for
+    from extproc.attempts import ANSWER_SHAPE_HEADER, _Attempt
+    from extproc.fallback import translated
+    from tests.conftest import POLICY
+
+    snap = load_snapshot(POLICY)
+    dep = snap.deployments[deployment]
+    state = _Attempt(snap, dep=dep, adapter=adapter_for(dep.fingerprint.adapter) if translated(dep) else None)
+    req = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
+    reply = state.answer(req)
+    assert reply is not None
+    mutation = reply.response_headers.response.header_mutation
+    named = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert (named.get(ANSWER_SHAPE_HEADER) == "anthropic") == names_shape
+    assert (ANSWER_SHAPE_HEADER in mutation.remove_headers) == (not names_shape)

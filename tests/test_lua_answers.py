@@ -17,7 +17,7 @@ from enginesim import eventstream
 from extproc.adapters import bedrock, gemini
 from extproc.adapters.anthropic import ANTHROPIC, STOP_REASONS
 from extproc.adapters.base import Adapter, UpstreamBroken
-from extproc.attempts import TRANSLATION_LOSS_HEADER
+from extproc.attempts import ANSWER_MODEL_HEADER, ANSWER_SHAPE_HEADER, TRANSLATION_LOSS_HEADER
 from extproc.names import Key
 from extproc.replies import DEGRADED_HEADER
 from llmgw.render.filters import answers_lua
@@ -191,6 +191,22 @@ def test_a_hosted_openai_answer_is_checked_and_passed_as_it_came(lua: Any) -> No
     assert answer(lua, body, shape="openai") == (body, {":status": "200", "content-type": "application/json"})
     out, headers = answer(lua, b'{"id":"x","choices":{}}', shape="openai")
     assert headers[":status"] == "502" and json.loads(out or b"")["error"]["code"] == "upstream_error"
+
+
+def test_the_attempt_filters_headers_choose_the_shape_only_without_the_decisions(lua: Any) -> None:
+    """A plan's candidate of another shape is named by the attempt filter's headers (issue 27); a lone
+    candidate by the decision's metadata, which an upstream's own headers of those names never override.
+    Either way they never reach the client."""
+    openai_body = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"content":"hi"}}]}'
+    named = {ANSWER_SHAPE_HEADER: "openai", ANSWER_MODEL_HEADER: "m"}
+    hdrs = {":status": "200", "content-type": "application/json", **named}
+    out, got, _ = lua.globals().run_response(lua_table(lua, {Key.REQUEST_ID: REQUEST_ID}), lua_table(lua, hdrs),
+                                             openai_body)
+    assert out == openai_body and got[b":status"] == b"200"  # read as the header said: checked, passed
+    assert not {k.decode() for k in got} & set(named)
+    # The decision translated for an Anthropic-shaped candidate: a header saying otherwise is ignored.
+    out, headers = answer(lua, openai_body, headers=named)
+    assert headers[":status"] == "502" and not set(headers) & set(named)  # read as Anthropic's: not one
 
 
 def test_error_statuses_and_the_degraded_answer_pass_untouched_and_the_loss_is_named(lua: Any) -> None:

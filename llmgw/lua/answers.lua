@@ -505,18 +505,19 @@ local TRANSLATE_STREAM = {anthropic = {reader = sse_reader(anthropic_event), fin
 local TRANSLATE = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
 
 -- Which shape to read the answer as, and the model it names when the shape names none: the decision's
--- (a lone candidate it translated for, in the metadata), or the attempt filter's (a plan's candidate
--- of another shape answered: the headers it set, which never reach the client).
+-- (a lone candidate it translated for, in the metadata), else the attempt filter's (a plan's candidate
+-- of another shape answered: the headers it set, which never reach the client - nor do an upstream's
+-- own of those names: the attempt filter removes them, and so does this).
 local function answer_of(headers, md)
   local shape, model = headers:get(CONFIG.shape_header), headers:get(CONFIG.model_header)
-  if shape ~= nil then
-    headers:remove(CONFIG.shape_header)
-    headers:remove(CONFIG.model_header)
-    return shape, model
+  headers:remove(CONFIG.shape_header)
+  headers:remove(CONFIG.model_header)
+  if md[K.answer_shape] ~= nil then
+    local lost = md[K.translation_loss]
+    if lost ~= nil and lost ~= "" then headers:replace(CONFIG.loss_header, lost) end
+    return md[K.answer_shape], md[K.answer_model]
   end
-  local lost = md[K.translation_loss]
-  if lost ~= nil and lost ~= "" then headers:replace(CONFIG.loss_header, lost) end
-  return md[K.answer_shape], md[K.answer_model]
+  return shape, model
 end
 
 function envoy_on_response(h)
