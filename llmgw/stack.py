@@ -144,20 +144,19 @@ class Stack:
             overrides["listen"] = (listen_host, o.listen_port)
         if o.admin_port:
             overrides["admin"] = ("127.0.0.1", o.admin_port)
+        extproc = tuple(hp(e) for e in env.extproc)
         if o.extproc_ports:
-            overrides["extproc"] = tuple(("127.0.0.1", p) for p in o.extproc_ports)
+            extproc = tuple(("127.0.0.1", p) for p in o.extproc_ports)
         elif o.workers > 1:
-            base = int(env.extproc[0].rsplit(":", 1)[1])
-            overrides["extproc"] = tuple(("127.0.0.1", base + i) for i in range(o.workers))
+            base = extproc[0][1]
+            extproc = tuple(("127.0.0.1", base + i) for i in range(o.workers))
         if not o.tls:
             # Envoy reaches its workers on Unix sockets in an owner-only directory: no other local user
             # or process of another user can send them decisions' questions or settlement records. (With
             # TLS the workers listen on TCP and admit only Envoy's client certificate.) Each keeps its
             # number to name it.
-            tcp = overrides.get("extproc") or tuple(hp(e) for e in env.extproc)
-            assert isinstance(tcp, tuple)
-            overrides["extproc"] = tuple((f"{UNIX}{socket_path(o.state_dir, f'extproc-{port}.sock')}", port)
-                                         for _, port in tcp)
+            extproc = tuple((f"{UNIX}{socket_path(o.state_dir, f'extproc-{port}.sock')}", port) for _, port in extproc)
+        overrides["extproc"] = extproc
         if o.engine_ports:
             overrides["pools"] = {p: tuple(("127.0.0.1", port) for port in ports)
                                   for p, ports in o.engine_ports.items()}
