@@ -75,6 +75,9 @@ def start_up(tmp: Path, policy: Path, *extra: str) -> tuple[subprocess.Popen[str
     return proc, json.loads((state / "up.json").read_text())
 
 
+ENOUGH_ANSWERS = 50
+
+
 @pytest.mark.e2e
 def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger(tmp_path: Path) -> None:
     proc, info = start_up(tmp_path, up_policy(tmp_path))
@@ -113,6 +116,9 @@ def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger
             recovered[name] = round(time.monotonic() - t0, 1)
         print("serving again after (s):", recovered)
         assert all(s < 10 for s in recovered.values()), recovered
+        t0 = time.monotonic()  # enough answers to mean something, however slow the machine is today
+        while len(answered) < ENOUGH_ANSWERS and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
     finally:
         stop.set()
         for c in clients:
@@ -126,7 +132,7 @@ def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger
         ids = [ledger_entry(f).get("request_id") for _, f in store.xrange(ledger_key("acme"))]
         assert len(ids) == len(set(ids)), "a request was settled twice"
         missing = set(answered) - set(ids)
-        assert len(answered) > 40 and not missing, f"{len(missing)} of {len(answered)} answers not in the ledger"
+        assert len(answered) >= ENOUGH_ANSWERS and not missing, f"{len(missing)} of {len(answered)} answers not in the ledger"
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
