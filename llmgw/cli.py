@@ -25,8 +25,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         snap = load_snapshot(args.dir)
     except ConfigError as e:
-        for issue in e.issues:
-            print(f"error: {issue}", file=sys.stderr)
+        for issue in e.issues:  # `path:line:col: error: ...`, the form editors and CI annotators jump from
+            print(f"{issue.where}: error: {issue.what}", file=sys.stderr)
         return 1
     for w in snap.warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -185,6 +186,7 @@ def assert_contract_body(status: int, headers: dict[str, str], body: bytes) -> d
     return dict(doc["error"])
 
 
-def llmgw(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def llmgw(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """The `llmgw` command, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -28,9 +30,10 @@ def edit(path: Path, fn) -> None:  # type: ignore[no-untyped-def]
 
 
 def issues_of(directory: Path) -> list[str]:
+    """Each issue as printed, its path relative to the policy directory."""
     with pytest.raises(ConfigError) as exc:
         load_snapshot(directory)
-    return [str(i) for i in exc.value.issues]
+    return [str(replace(i, directory="")) for i in exc.value.issues]
 
 
 def test_example_policy_loads() -> None:
@@ -58,29 +61,30 @@ def test_revision_is_stable_and_tracks_content(policy: Path) -> None:
 
 
 @pytest.mark.parametrize(("file", "mutate", "expected"), [
-    ("gateway.yaml", lambda d: d.update(surprise=1), "gateway.yaml: surprise: Extra inputs are not permitted"),
+    ("gateway.yaml", lambda d: d.update(surprise=1), "surprise: Extra inputs are not permitted"),
     ("gateway.yaml", lambda d: d["tenants"]["acme"].update(default_data_class="secret"),
-     "gateway.yaml: tenants.acme"),
+     "tenants.acme"),
     ("gateway.yaml", lambda d: d["tenants"]["acme"].update(api_keys=[{"id": "k1", "sha256": "short"}]),
-     "gateway.yaml: tenants.acme.api_keys.0.sha256"),
-    ("routes/chat-default.yaml", lambda d: d.update(deadline_ms=-5), "routes/chat-default.yaml: deadline_ms"),
+     "tenants.acme.api_keys.0.sha256"),
+    ("routes/chat-default.yaml", lambda d: d.update(deadline_ms=-5), "deadline_ms"),
     ("routes/chat-default.yaml", lambda d: d["candidates"][0].update(deployment_ref="pool-llama-8b"),
-     "routes/chat-default.yaml: candidates.0.deployment_ref"),
+     "candidates.0.deployment_ref"),
     ("routes/chat-default.yaml", lambda d: d["candidates"][0].update(
         deployment_ref="pool-llama-8b@sha256:" + "0" * 64), "fingerprint does not match"),
     ("routes/chat-default.yaml", lambda d: d["candidates"][0].update(data_classes=["restricted"]),
      "does not serve 'restricted'"),
     ("routes/chat-default.yaml", lambda d: d["candidates"][0].update(regions=["us"]), "not in region 'us'"),
     ("routes/chat-default.yaml", lambda d: d.update(credential_ref="sk-plaintext-secret"),
-     "routes/chat-default.yaml: credential_ref"),
+     "credential_ref"),
     ("deployments/pool-llama-8b.yaml", lambda d: d.update(pool="nowhere"), "no pool named 'nowhere'"),
     ("deployments/pool-llama-8b.yaml", lambda d: d["fingerprint"].pop("engine"),
-     "deployments/pool-llama-8b.yaml: fingerprint.engine"),
+     "fingerprint.engine"),
 ])
 def test_errors_name_file_and_field(policy: Path, file: str, mutate, expected: str) -> None:  # type: ignore[no-untyped-def]
     edit(policy / file, mutate)
     found = issues_of(policy)
-    assert any(expected in i for i in found), found
+    placed = re.compile(rf"{re.escape(file)}:[1-9][0-9]*:[1-9][0-9]*: ")  # path:line:col: for editors
+    assert any(placed.match(i) and expected in i for i in found), found
 
 
 def test_fingerprint_change_invalidates_route_ref(policy: Path) -> None:
@@ -92,7 +96,8 @@ def test_fingerprint_change_invalidates_route_ref(policy: Path) -> None:
 
 def test_broken_yaml_is_reported(policy: Path) -> None:
     (policy / "routes/broken.yaml").write_text("route_contract: [unclosed\n")
-    assert any(i.startswith("routes/broken.yaml: cannot read YAML") for i in issues_of(policy))
+    assert issues_of(policy) == ["routes/broken.yaml:2:1: cannot read YAML: while parsing a flow sequence: "
+                                 "expected ',' or ']', but got '<stream end>'"]  # and nothing more of that file
 
 
 def test_duplicate_route_names(policy: Path) -> None:
@@ -126,4 +131,36 @@ def test_check_cli_lists_every_error(policy: Path) -> None:
     edit(policy / "routes/chat-default.yaml", lambda d: d.update(deadline_ms=0))
     r = llmgw("check", str(policy))
     assert r.returncode == 1
-    assert "gateway.yaml: surprise" in r.stderr and "routes/chat-default.yaml: deadline_ms" in r.stderr
+    assert re.search(rf"^{re.escape(str(policy))}/gateway.yaml:\d+:1: error: surprise: ", r.stderr, re.M), r.stderr
+    assert re.search(rf"^{re.escape(str(policy))}/routes/chat-default.yaml:\d+:1: error: deadline_ms: ",
+                     r.stderr, re.M), r.stderr
+
+
+def line_of(text: str, needle: str) -> int:
+    return next(n for n, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_positions_point_at_the_field_the_issue_names(policy: Path, tmp_path: Path) -> None:
+    """The line and column are the field's own (a schema error and a cross-check alike), and the path is
+    the policy directory as the user named it: relative to where `llmgw check` runs."""
+    route = policy / "routes/chat-default.yaml"
+    text = route.read_text()
+    route.write_text(text.replace("deadline_ms: 30000", "deadline_ms: -5"))
+    r = llmgw("check", "policy", cwd=tmp_path)
+    assert r.returncode == 1
+    at = line_of(text, "deadline_ms:")
+    assert f"policy/routes/chat-default.yaml:{at}:1: error: deadline_ms: Input should be greater than 0" \
+        in r.stderr, r.stderr
+    route.write_text(text.replace("[public, internal, confidential]", "[public, martian]")
+                     .replace("@sha256:1", "@sha256:0"))
+    found = issues_of(policy)
+    for field in ("candidates.0.data_classes", "candidates.0.deployment_ref"):  # cross-checks, each on its line
+        at = line_of(text, field.rsplit(".", 1)[1])
+        assert any(i.startswith(f"routes/chat-default.yaml:{at}:5: {field}: ") for i in found), (field, found)
+
+
+def test_a_rego_syntax_error_prints_path_line_col(policy: Path, tmp_path: Path) -> None:
+    (policy / "authz.rego").write_text("package llmgw.authz\nimport rego.v1\n\nallow if {\n\tinput.a == == 1\n}\n")
+    r = llmgw("check", "policy", cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.startswith("policy/authz.rego:5:13: error: policy does not compile: "), r.stderr

@@ -132,7 +132,8 @@ def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger
         ids = [ledger_entry(f).get("request_id") for _, f in store.xrange(ledger_key("acme"))]
         assert len(ids) == len(set(ids)), "a request was settled twice"
         missing = set(answered) - set(ids)
-        assert len(answered) >= ENOUGH_ANSWERS and not missing, f"{len(missing)} of {len(answered)} answers not in the ledger"
+        assert len(answered) >= ENOUGH_ANSWERS and not missing, \
+            f"{len(missing)} of {len(answered)} answers not in the ledger"
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)

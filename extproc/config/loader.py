@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from types import MappingProxyType
@@ -17,8 +18,10 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from yaml.nodes import Node
 
 from extproc.adapters import check_options
+from extproc.config import positions
 from extproc.config.evidence import sift
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
 from extproc.config.schema import (
@@ -38,13 +41,31 @@ M = TypeVar("M", bound=BaseModel)
 
 @dataclass(frozen=True)
 class ConfigIssue:
+    """One problem: its file relative to the policy directory, the field (a dotted path) and, where
+    known, the line and column (1-based). Printed `path:line:col: field: message`, the form editors
+    and CI annotators jump from, with the path under the directory as the user named it."""
+
     file: str
     field: str
     message: str
+    line: int = 0
+    column: int = 0
+    directory: str = ""  # the policy directory as the user gave it
+
+    @property
+    def path(self) -> str:
+        return os.path.normpath(os.path.join(self.directory, self.file)) if self.directory else self.file
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}:{self.column}" if self.line else self.path
+
+    @property
+    def what(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
 
     def __str__(self) -> str:
-        where = f"{self.file}: {self.field}" if self.field else self.file
-        return f"{where}: {self.message}"
+        return f"{self.where}: {self.what}"
 
 
 class ConfigError(Exception):
@@ -103,16 +124,36 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _read_yaml(path: Path, root: Path, issues: list[ConfigIssue]) -> Any:
+Trees = dict[str, Node | None]  # each file's YAML node tree, by path relative to the policy directory
+UNREADABLE = object()  # a file whose problem is already reported: nothing more to say of its content
+
+
+def _read_yaml(path: Path, root: Path, issues: list[ConfigIssue], trees: Trees) -> Any:
     rel = str(path.relative_to(root))
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        data, trees[rel] = positions.read(path.read_text(encoding="utf-8"))
+        return data
+    except yaml.YAMLError as e:
+        message, line, column = positions.syntax_error(e)
+        issues.append(ConfigIssue(rel, "", f"cannot read YAML: {message}", line, column))
+    except (OSError, UnicodeDecodeError) as e:
         issues.append(ConfigIssue(rel, "", f"cannot read YAML: {e}"))
-        return None
+    return UNREADABLE
+
+
+def _placed(issues: list[ConfigIssue], trees: Trees, directory: str) -> list[ConfigIssue]:
+    """Each issue with the line and column of its field (where it has none yet) and the directory it
+    is printed under."""
+    out = []
+    for i in issues:
+        line, column = (i.line, i.column) if i.line else positions.locate(trees.get(i.file), i.field)
+        out.append(replace(i, line=line, column=column, directory=directory))
+    return out
 
 
 def _parse(model: type[M], data: Any, rel: str, issues: list[ConfigIssue]) -> M | None:
+    if data is UNREADABLE:
+        return None
     if not isinstance(data, dict):
         issues.append(ConfigIssue(rel, "", "expected a mapping at the top level"))
         return None
@@ -239,12 +280,12 @@ def _check_degraded_route(rel: str, route: Route, routes: dict[str, tuple[str, R
 
 
 def _load_named(root: Path, folder: str, model: type[M], name_field: str,
-                issues: list[ConfigIssue]) -> dict[str, tuple[str, M]]:
+                issues: list[ConfigIssue], trees: Trees) -> dict[str, tuple[str, M]]:
     """Every `folder/*.yaml` as `model`, keyed by its name field; a name used twice is an issue."""
     found: dict[str, tuple[str, M]] = {}
     for path in sorted((root / folder).glob("*.yaml")):
         rel = str(path.relative_to(root))
-        doc = _parse(model, _read_yaml(path, root, issues), rel, issues)
+        doc = _parse(model, _read_yaml(path, root, issues, trees), rel, issues)
         if doc is None:
             continue
         name = getattr(doc, name_field)
@@ -263,8 +304,8 @@ def _compile(modules: dict[str, str], data: dict[str, Any], revision: str, prefi
         return CompiledPolicy(modules, data, revision)
     except PolicyCompileError as e:
         if e.issues:
-            raise ConfigError([ConfigIssue(prefix + i.file, f"{i.line}:{i.column}", f"policy does not compile: "
-                                           f"{i.message}") for i in e.issues]) from None
+            raise ConfigError([ConfigIssue(prefix + i.file, "", f"policy does not compile: {i.message}",
+                                           i.line, i.column) for i in e.issues]) from None
         raise ConfigError([ConfigIssue(f"{prefix}*.rego", "", f"policy does not compile: {e}")]) from None
 
 
@@ -272,19 +313,20 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     """Load and cross-check a policy directory. Raises ConfigError listing every problem."""
     root = Path(directory).resolve()
     issues: list[ConfigIssue] = []
+    trees: Trees = {}
     warnings: list[str] = []
     if not (root / "gateway.yaml").is_file():
-        raise ConfigError([ConfigIssue(str(root), "", "gateway.yaml not found")])
+        raise ConfigError([ConfigIssue(str(directory), "", "gateway.yaml not found")])
 
-    gateway = _parse(GatewayConfig, _read_yaml(root / "gateway.yaml", root, issues), "gateway.yaml", issues)
+    gateway = _parse(GatewayConfig, _read_yaml(root / "gateway.yaml", root, issues, trees), "gateway.yaml", issues)
 
-    deployments = _load_named(root, "deployments", Deployment, "deployment", issues)
-    routes = _load_named(root, "routes", Route, "route_contract", issues)
+    deployments = _load_named(root, "deployments", Deployment, "deployment", issues, trees)
+    routes = _load_named(root, "routes", Route, "route_contract", issues, trees)
 
     evidence: dict[str, list[Evidence]] = {}
     for path in sorted((root / "evidence").glob("*.yaml")):
         rel = str(path.relative_to(root))
-        record = _parse(Evidence, _read_yaml(path, root, issues), rel, issues)
+        record = _parse(Evidence, _read_yaml(path, root, issues, trees), rel, issues)
         if record is not None:
             evidence.setdefault(record.deployment_ref, []).append(record)
     current_refs = {d.ref for _, d in deployments.values()}
@@ -292,7 +334,7 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
         warnings.append(f"evidence for {ref} matches no current fingerprint; it qualifies nothing")
     voids: list[EvidenceVoid] = []
     for path in sorted((root / "evidence" / "voids").glob("*.yaml")):
-        void = _parse(EvidenceVoid, _read_yaml(path, root, issues), str(path.relative_to(root)), issues)
+        void = _parse(EvidenceVoid, _read_yaml(path, root, issues, trees), str(path.relative_to(root)), issues)
         if void is not None:
             voids.append(void)
 
@@ -311,7 +353,7 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     managed: tuple[ApiKey, ...] = ()
     managed_owner: dict[str, str] = {}
     if (root / "keys.yaml").is_file():
-        keys_file = _parse(KeysFile, _read_yaml(root / "keys.yaml", root, issues) or {"keys": []},
+        keys_file = _parse(KeysFile, _read_yaml(root / "keys.yaml", root, issues, trees) or {"keys": []},
                            "keys.yaml", issues)
         if keys_file is not None:
             managed = keys_file.keys
@@ -324,7 +366,7 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
                 issues.append(ConfigIssue("keys.yaml", f"keys.{i}.tenant",
                                           f"unknown tenant {managed_owner[k.sha256]!r}"))
     if issues or gateway is None:
-        raise ConfigError(issues)
+        raise ConfigError(_placed(issues, trees, str(directory)))
 
     plain_routes = {k: v for k, (_, v) in routes.items()}
     plain_deps = {k: v for k, (_, v) in deployments.items()}
@@ -337,8 +379,11 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     for ref, why in sorted(voided.items()):
         warnings.append(f"evidence for {ref} voided: {'; '.join(why)}")
     data = policy_data(gateway)
-    policy = _compile(rego, data, revision, "")
-    dry_run = _compile(candidate, data, f"{revision}+dry-run", f"{dry.directory}/") if dry is not None else None
+    try:
+        policy = _compile(rego, data, revision, "")
+        dry_run = _compile(candidate, data, f"{revision}+dry-run", f"{dry.directory}/") if dry is not None else None
+    except ConfigError as e:
+        raise ConfigError(_placed(e.issues, trees, str(directory))) from None
     return Snapshot(
         evidence=MappingProxyType(counted),
         voided=MappingProxyType(voided),
