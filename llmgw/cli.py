@@ -17,6 +17,8 @@ from extproc.config.schema import REQUIRED_EVIDENCE
 from llmgw import deprecations
 from llmgw.cli_common import snapshot_or_report, store_client
 
+DEFAULT_VALKEY_PORT = 6390  # the store `llmgw up` starts; 6379 is left to a Valkey or Redis of the user's
+
 if TYPE_CHECKING:
     from llmgw.stack import Stack
 
@@ -94,14 +96,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     from llmgw.stack import Stack, StackOptions
     from llmgw.supervisor import CrashLoop, Supervisor
 
-    opts = StackOptions(config_dir=Path(args.config), state_dir=Path(args.state_dir), listen_port=args.port,
-                        admin_port=args.admin_port, workers=args.workers, time_scale=args.time_scale,
-                        engine_profile=args.engine_profile, valkey_port=args.valkey_port, engine=args.engine,
-                        start_engines=args.engine != "none", engine_timeout=180.0 if args.engine == "vllm" else 60.0,
-                        tls=args.tls or args.require_client_cert, require_client_certificate=args.require_client_cert,
-                        demo_keys=True, simulate_providers=not args.no_simulated_providers, traces=True,
-                        region=args.region)
+    chosen = dict(workers=args.workers, time_scale=args.time_scale, engine_profile=args.engine_profile,
+                  engine=args.engine, start_engines=args.engine != "none",
+                  engine_timeout=180.0 if args.engine == "vllm" else 60.0, tls=args.tls or args.require_client_cert,
+                  require_client_certificate=args.require_client_cert, demo_keys=True,
+                  simulate_providers=not args.no_simulated_providers, traces=True, region=args.region)
+    config_dir, state_dir = Path(args.config), Path(args.state_dir)
     try:
+        if args.free_ports:  # beside another gateway on the defaults: every listener on a port chosen free
+            opts = StackOptions.on_free_ports(config_dir, state_dir, load_snapshot(config_dir), **chosen)
+            if args.engine == "none":  # the pools' endpoints are served by someone else: keep them
+                opts.engine_ports = None
+        else:
+            opts = StackOptions(config_dir=config_dir, state_dir=state_dir, valkey_port=DEFAULT_VALKEY_PORT,
+                                **chosen)
+        opts.listen_port = args.port or opts.listen_port
+        opts.admin_port = args.admin_port or opts.admin_port
+        opts.valkey_port = args.valkey_port or opts.valkey_port
         stack = Stack(opts)
     except ConfigError as e:
         print(f"error: invalid configuration\n{e}", file=sys.stderr)
@@ -215,7 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--state-dir", default=".llmgw")
     u.add_argument("--port", type=int, help="gateway port (default: gateway.yaml envoy.listen)")
     u.add_argument("--admin-port", type=int)
-    u.add_argument("--valkey-port", type=int, default=6390)
+    u.add_argument("--valkey-port", type=int, help=f"the store's port (default {DEFAULT_VALKEY_PORT})")
+    u.add_argument("--free-ports", action="store_true",
+                   help="every listener (gateway, admin, store, engines, simulated providers, workers) on a port "
+                        "chosen free, beside a gateway on the defaults; up.json says which")
     u.add_argument("--workers", type=int, default=1, help="ext_proc worker processes")
     u.add_argument("--engine", choices=["sim", "vllm", "none"], default="sim",
                    help="simulated engines; real vLLM (CPU build, installed into .venv-vllm on first use); "

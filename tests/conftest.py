@@ -42,6 +42,41 @@ POLICY, DEMO_KEYS = _session_policy()
 TIME_SCALE = 0.05
 
 
+def make_up_defaults() -> list[tuple[str, int]]:
+    """Every TCP port a `make up` on the example policy listens on (its TLS workers' too)."""
+    import tempfile
+
+    from extproc.config.schema import GatewayConfig
+    from llmgw.cli import DEFAULT_VALKEY_PORT
+    from llmgw.render.common import hp
+
+    with tempfile.TemporaryDirectory(prefix="llmgw-defaults-") as state:
+        up = Stack(StackOptions(config_dir=POLICY, state_dir=Path(state), valkey_port=DEFAULT_VALKEY_PORT,
+                                simulate_providers=True))
+        gateway: GatewayConfig = up.snapshot.gateway
+        return sorted({(h, p) for h, p, _ in up.ports_to_bind()} | {hp(e) for e in gateway.envoy.extproc})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def make_up_serving() -> Iterator[list[tuple[str, int]]]:
+    """The suite runs as if a developer's `make up` served beside it: each of its default ports is held
+    for the whole session (bound, never listening, so a stray connection is refused at once). A test
+    process that listens on one of them instead of a port it chose free fails here, on every run."""
+    import socket
+
+    held = []
+    for host, port in make_up_defaults():
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # no SO_REUSEADDR: nothing else may bind it
+        try:
+            s.bind((host, port))
+            held.append(s)
+        except OSError:  # held already: by a `make up` that does serve
+            s.close()
+    yield make_up_defaults()
+    for s in held:
+        s.close()
+
+
 _VALKEY: list[tuple[Child, str]] = []
 
 

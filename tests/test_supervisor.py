@@ -51,8 +51,6 @@ def up_policy(tmp: Path) -> Path:
     policy = tmp / "policy"
     shutil.copytree(POLICY, policy)
     doc = yaml.safe_load((policy / "gateway.yaml").read_text())
-    doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    doc["envoy"]["extproc"] = [f"127.0.0.1:{free_port()}"]
     doc["store"]["lease_grace_ms"] = 500
     (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
     route = yaml.safe_load((policy / "routes/chat-default.yaml").read_text())
@@ -64,8 +62,7 @@ def up_policy(tmp: Path) -> Path:
 def start_up(tmp: Path, policy: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     state = tmp / "state"
     proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--config", str(policy), "--state-dir", str(state),
-                             "--port", str(free_port()), "--admin-port", str(free_port()),
-                             "--valkey-port", str(free_port()), "--time-scale", "0.05", *extra],
+                             "--free-ports", "--time-scale", "0.05", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
     while not (state / "up.json").exists():

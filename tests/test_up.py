@@ -13,7 +13,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
 from llmgw.procs import free_port
 from tests.conftest import POLICY
@@ -55,20 +54,10 @@ def log_tails(logs: Path, n: int = 15) -> str:
 def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -> None:
     policy = tmp_path / "policy"
     shutil.copytree(POLICY, policy)
-    doc = yaml.safe_load((policy / "gateway.yaml").read_text())
-    doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    for name in ("demo-anthropic", "demo-gemini"):  # the hosted deployments' simulated providers too
-        path = policy / f"deployments/{name}.yaml"
-        dep = yaml.safe_load(path.read_text())
-        dep["endpoints"] = [f"127.0.0.1:{free_port()}"]
-        path.write_text(yaml.safe_dump(dep))
-    doc["envoy"]["extproc"] = [f"127.0.0.1:{free_port()}"]
-    (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
     state = tmp_path / "state"
-    port = free_port()
+    port = free_port()  # a port named on the command line wins over --free-ports
     proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--config", str(policy), "--state-dir",
-                             str(state), "--port", str(port), "--admin-port", str(free_port()),
-                             "--valkey-port", str(free_port()), "--time-scale", "0.05"],
+                             str(state), "--free-ports", "--port", str(port), "--time-scale", "0.05"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         t0 = time.monotonic()
@@ -115,3 +104,13 @@ def test_up_refuses_invalid_config(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "llmgw", "up", "--config", str(policy), "--state-dir",
                         str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "invalid configuration" in r.stderr
+
+
+def test_make_up_defaults_are_held_while_the_suite_runs(make_up_serving: list[tuple[str, int]]) -> None:
+    """Every default port of `make up` (gateway, admin, store, engines, simulated providers, workers)
+    is taken during the whole session, so a test that listens on one fails (tests/conftest.py)."""
+    from llmgw.procs import port_free
+
+    assert len(make_up_serving) >= 9, make_up_serving
+    assert ("127.0.0.1", 8080) in make_up_serving and ("127.0.0.1", 6390) in make_up_serving
+    assert not [hp for hp in make_up_serving if port_free(*hp)], "a default port is free during the suite"

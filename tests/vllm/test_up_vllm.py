@@ -13,7 +13,6 @@ from pathlib import Path
 import openai
 import yaml
 
-from llmgw.procs import free_port
 from tests.conftest import POLICY
 
 
@@ -21,14 +20,12 @@ def test_up_with_real_vllm_streams(tmp_path: Path) -> None:
     policy = tmp_path / "policy"
     shutil.copytree(POLICY, policy)
     doc = yaml.safe_load((policy / "gateway.yaml").read_text())
-    doc["pools"]["engine-pool"]["endpoints"] = [f"127.0.0.1:{free_port()}"]  # one engine: 2 cores here
-    doc["envoy"]["extproc"] = [f"127.0.0.1:{free_port()}"]
+    doc["pools"]["engine-pool"]["endpoints"] = doc["pools"]["engine-pool"]["endpoints"][:1]  # one engine: 2 cores
     (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
     state = tmp_path / "state"
     proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--engine", "vllm", "--config", str(policy),
-                             "--state-dir", str(state), "--port", str(free_port()), "--admin-port", str(free_port()),
-                             "--valkey-port", str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "--state-dir", str(state), "--free-ports"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         t0 = time.monotonic()
         while not (state / "up.json").exists():
