@@ -43,9 +43,10 @@ $(MESH_SCHEMAS): deploy/mesh/package-lock.json
 	touch $@
 
 # Debian packages the suite runs for real: a Prometheus scrapes the gateway's metrics
-# (tests/test_metrics_e2e.py), headless Chromium renders `llmgw report`'s page (tests/test_report_e2e.py).
+# (tests/test_metrics_e2e.py), headless Chromium renders `llmgw report`'s page (tests/test_report_e2e.py),
+# libfaketime runs `llmgw up` two years ahead (tests/test_clock_ahead_e2e.py).
 # As root they are installed when missing; otherwise one line says what to run.
-SYSTEM_PACKAGES := prometheus chromium
+SYSTEM_PACKAGES := prometheus chromium faketime
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \

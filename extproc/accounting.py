@@ -5,7 +5,6 @@ filter) and calls these; tests/test_accounting.py tables them."""
 from __future__ import annotations
 
 import math
-from datetime import datetime
 from typing import Any
 
 from extproc.adapters.base import is_count
@@ -24,12 +23,9 @@ def answered_by(snap: Snapshot, first: str, plan: str, answered: str) -> Deploym
     return snap.deployments.get(first)
 
 
-def first_byte_ms(request_time: str, first_at: float) -> float | None:
-    """From the request's arrival at Envoy (`request.time`) to its answer's first byte."""
-    try:
-        return round((first_at - datetime.fromisoformat(request_time).timestamp()) * 1000, 1)
-    except ValueError:
-        return None
+def first_byte_ms(arrived_at: float | None, first_at: float) -> float | None:
+    """From the request's arrival at Envoy (`request.time`, extproc/clocks.py) to its answer's first byte."""
+    return None if arrived_at is None else round((first_at - arrived_at) * 1000, 1)
 
 
 def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:

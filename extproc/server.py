@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import functools
 import hmac
 import logging
@@ -23,7 +22,6 @@ import signal
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from google.protobuf import struct_pb2
 
 from extproc import occupancy, tracing
 from extproc.attempts import AttemptFilter
+from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
 from extproc.contract import MODELS_PATH, ROLE_KEY, WORKER_HEALTH_PATH, ErrorCode, GatewayError, Role
@@ -88,9 +87,10 @@ def apply_attributes(ex: Exchange, attrs: struct_pb2.Struct) -> None:
         elif key == "request.method":
             ex.method = s
         elif key == "request.time":
-            # Unparsable: keep ext_proc's own clock, and the deadline counts from a little later.
-            with contextlib.suppress(ValueError):
-                ex.arrived_at = datetime.fromisoformat(s).timestamp()
+            # Unparsable or off ext_proc's clock: keep its own, and the deadline counts from a little later.
+            at = envoy_stamp(s, time.time())
+            if at is not None:
+                ex.arrived_at = at
 
 
 def apply_headers(ex: Exchange, headers: base_pb2.HeaderMap) -> None:

@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import orjson
@@ -56,6 +55,7 @@ from extproc.accounting import (
     termination_of,
     upstream_succeeded,
 )
+from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE
@@ -268,14 +268,11 @@ class Meter:
             kept = self.sealer().seal(held["i"], Answer(status, "text/event-stream" if sse else "application/json",
                                                         body), store.idempotency_max_body_bytes)
             idem_status = str(status)
-        try:
-            started: float | None = datetime.fromisoformat(attr(attrs, "request.time")).timestamp()
-        except ValueError:
-            started = None
+        started = envoy_stamp(attr(attrs, "request.time"), time.time())
         duration, first = (None, None) if started is None else (time.time() - started, first_at - started)
         outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
                              {"upstream": attr(attrs, "upstream.address"),
-                              "first_byte_ms": first_byte_ms(attr(attrs, "request.time"), first_at)},
+                              "first_byte_ms": first_byte_ms(started, first_at)},
                              duration, first, {k.value: md_attr(attrs, k) for k in LEDGER_MARKS})
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),

@@ -92,6 +92,24 @@ def _render_manifests(snap: Snapshot, args: argparse.Namespace) -> str:
     return header + manifests_yaml(render_manifests(snap, args.target, target))
 
 
+def cmd_demo_evidence(args: argparse.Namespace) -> int:
+    from llmgw import demo_evidence
+
+    snap = snapshot_or_report(args.config)
+    if snap is None:
+        return 1
+    try:
+        written = demo_evidence.ensure(Path(args.config), demo_evidence.simulated_by_up(snap, "sim", True))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print(f"every simulated candidate's evidence is valid for {demo_evidence.RENEW_DAYS} days more")
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from llmgw.stack import Stack, StackOptions
     from llmgw.supervisor import CrashLoop, Supervisor
@@ -103,6 +121,13 @@ def cmd_up(args: argparse.Namespace) -> int:
                   simulate_providers=not args.no_simulated_providers, traces=True, region=args.region)
     config_dir, state_dir = Path(args.config), Path(args.state_dir)
     try:
+        if not args.no_demo_evidence:
+            from llmgw import demo_evidence
+
+            simulated = demo_evidence.simulated_by_up(load_snapshot(config_dir), args.engine,
+                                                      not args.no_simulated_providers)
+            for path in demo_evidence.ensure(config_dir, simulated):
+                print(f"llmgw: wrote {path}")
         if args.free_ports:  # beside another gateway on the defaults: every listener on a port chosen free
             opts = StackOptions.on_free_ports(config_dir, state_dir, load_snapshot(config_dir), **chosen)
             if args.engine == "none":  # the pools' endpoints are served by someone else: keep them
@@ -116,6 +141,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack = Stack(opts)
     except ConfigError as e:
         print(f"error: invalid configuration\n{e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # the demo's evidence could not be earned
+        print(f"error: the gateway did not start: {e}", file=sys.stderr)
         return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -227,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, help="gateway port (default: gateway.yaml envoy.listen)")
     u.add_argument("--admin-port", type=int)
     u.add_argument("--valkey-port", type=int, help=f"the store's port (default {DEFAULT_VALKEY_PORT})")
+    u.add_argument("--no-demo-evidence", action="store_true",
+                   help="do not earn conformance evidence (nor write the simulator's quality-gate attestation) "
+                        "for candidates this command simulates and that lack it (llmgw/demo_evidence.py)")
     u.add_argument("--free-ports", action="store_true",
                    help="every listener (gateway, admin, store, engines, simulated providers, workers) on a port "
                         "chosen free, beside a gateway on the defaults; up.json says which")
@@ -245,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--no-simulated-providers", action="store_true",
                    help="do not serve hosted deployments on loopback with simulated providers (enginesim --api ...)")
     u.set_defaults(func=cmd_up)
+
+    de = sub.add_parser("demo-evidence", help="earn the evidence `llmgw up` earns for the candidates it simulates "
+                        "(without starting the gateway)")
+    de.add_argument("--config", default="policy")
+    de.set_defaults(func=cmd_demo_evidence)
 
     en = sub.add_parser("engines", help="real engines")
     ensub = en.add_subparsers(dest="engines_command", required=True)

@@ -12,16 +12,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from extproc.config.evidence import basis_for
 from llmgw.cli_common import snapshot_or_report
 from llmgw.conformance.corpus import CORPUS, load_corpus
+from llmgw.conformance.record import write_record
 from llmgw.conformance.runner import run
-
-HEADER = ("# Written by `llmgw conformance` (llmgw/conformance/): the corpus run against this exact\n"
-          "# fingerprint through a gateway. Re-run it, do not edit it: a change to the fingerprint, the\n"
-          "# adapter or the corpus is a new record.\n")
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
@@ -59,12 +53,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         print("  " + ", ".join(f"{v} {k}" for k, v in counts.items()) + lost)
         failed |= not result.passed
         if not args.dry_run:
-            path = Path(args.config) / "evidence" / f"{name}-conformance.yaml"
-            record = result.evidence(today, args.valid_days)
-            # What it was earned under: a later price, quota or data-class policy change voids it.
-            record["basis"] = basis_for(snap.gateway, snap.deployments[name]).model_dump(mode="json")
-            path.write_text(HEADER + yaml.safe_dump(record, sort_keys=False))
-            print(f"  wrote {path}")
+            print(f"  wrote {write_record(Path(args.config), snap, name, result, today, args.valid_days)}")
     return 1 if failed else 0
 
 

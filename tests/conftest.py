@@ -14,12 +14,15 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
+from llmgw import demo_evidence
+from llmgw.demo_evidence import simulated_by_up
 from llmgw.demo_keys import ensure_demo_keys
 from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import Stack, StackOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_POLICY = ROOT / "policy"  # as committed: its tenants have no keys until `llmgw up` makes demo ones
+EARNED = ("*-conformance.yaml", "*-quality-gate.yaml")  # what `llmgw up` may have written into policy/evidence
 
 
 def _session_policy() -> tuple[Path, dict[str, str]]:
@@ -32,8 +35,12 @@ def _session_policy() -> tuple[Path, dict[str, str]]:
     root = Path(tempfile.mkdtemp(prefix="llmgw-test-policy-"))
     atexit.register(shutil.rmtree, root, True)
     policy = root / "policy"
-    shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml"))
+    shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml", *EARNED))
     keys, _ = ensure_demo_keys(policy, root / "state")
+    # Its evidence earned as `llmgw up` earns it (every candidate is simulated here), today's: under a
+    # clock years ahead too. Records kept in .llmgw/test-evidence spare a later session the runs.
+    snap = load_snapshot(policy)
+    demo_evidence.ensure(policy, simulated_by_up(snap, "sim", True), cache=ROOT / ".llmgw" / "test-evidence")
     return policy, keys
 
 

@@ -10,7 +10,7 @@ import yaml
 
 from extproc.config import load_snapshot
 from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
-from tests.conftest import EXAMPLE_POLICY, POLICY, ROOT
+from tests.conftest import EARNED, EXAMPLE_POLICY, POLICY, ROOT
 
 
 def committed_policy() -> Path:
@@ -18,7 +18,7 @@ def committed_policy() -> Path:
     import tempfile
 
     dst = Path(tempfile.mkdtemp(prefix="llmgw-committed-")) / "policy"
-    shutil.copytree(EXAMPLE_POLICY, dst, ignore=shutil.ignore_patterns("keys.yaml"))
+    shutil.copytree(EXAMPLE_POLICY, dst, ignore=shutil.ignore_patterns("keys.yaml", *EARNED))
     return dst
 
 
@@ -33,7 +33,7 @@ def envoy_cfg() -> dict[str, Any]:
 
 
 def test_committed_envoy_config_is_freshly_rendered() -> None:
-    # From the policy as committed: no keys.yaml (`llmgw up` writes one with demo keys).
+    # From the policy as committed: no keys.yaml, no evidence (`llmgw up` writes them).
     snap = load_snapshot(committed_policy())
     assert (ROOT / "envoy/envoy.compose.yaml").read_text() == render_yaml(snap, RenderOptions.for_compose(snap)), \
         "run: llmgw envoy render --compose -o envoy/envoy.compose.yaml"

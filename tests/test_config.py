@@ -106,6 +106,8 @@ def test_duplicate_route_names(policy: Path) -> None:
 
 
 def test_retirement_warnings(policy: Path) -> None:
+    edit(policy / "deployments/demo-anthropic.yaml", lambda d: d.update(
+        retire_at="2027-12-31", retire_owner="platform-inference", retire_replacement="chat-default"))
     snap = load_snapshot(policy, today=date(2027, 12, 15))
     assert any("retires on 2027-12-31" in w for w in snap.warnings)
     snap = load_snapshot(policy, today=date(2028, 1, 2))

@@ -3,7 +3,9 @@ configuration and the measurements given, and "not measured" where there are non
 
 from __future__ import annotations
 
+import shutil
 from datetime import date
+from pathlib import Path
 
 from extproc.config import load_snapshot
 from extproc.config.schema import ModelGeometry
@@ -21,8 +23,13 @@ def test_the_seed_s_kv_illustration() -> None:
     assert kv_bytes_per_token(ModelGeometry(layers=32, kv_heads=8, head_dim=128)) == 128 * 1024  # Llama 3.1 8B
 
 
-def test_every_question_is_answered_on_the_demo_policy() -> None:
-    text = review(load_snapshot(POLICY), Measured(p95_context_tokens=8000, context_source="given",
+def test_every_question_is_answered_on_the_demo_policy(tmp_path: Path) -> None:
+    policy = tmp_path / "policy"  # the demo with a retirement scheduled (the example sets no date)
+    shutil.copytree(POLICY, policy)
+    path = policy / "deployments/demo-anthropic.yaml"
+    path.write_text(path.read_text() + "retire_at: 2027-12-31\nretire_owner: platform-inference\n"
+                    "retire_replacement: chat-default\n")
+    text = review(load_snapshot(policy), Measured(p95_context_tokens=8000, context_source="given",
                                                    usage_sources={"reported": 9, "estimated": 1}), TODAY)
     assert "320 KiB per token holds 2.6 GB for one 8,000-token sequence" in text
     assert "- pool-llama-8b (h100-sxm-80g): 128 KiB per token; 1.05 GB at the p95 context" in text
