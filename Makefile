@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install up test test-vllm lint typecheck unit e2e bench clean system-deps
+.PHONY: install up test check test-vllm lint typecheck unit e2e slow bench clean system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,15 +36,15 @@ $(FOCUS_VENV)/.installed-stamp:
 	touch $@
 
 # The Istio and Envoy Gateway CRDs' schemas, compiled by kubernetes-models (npm): the mesh manifests
-# are validated against them (tests/test_mesh_manifests.py). Node.js and npm come with the machine.
+# are validated against them (tests/e2e/config/test_mesh_manifests.py). Node.js and npm come with the machine.
 MESH_SCHEMAS := deploy/mesh/node_modules/.installed-stamp
 $(MESH_SCHEMAS): deploy/mesh/package-lock.json
 	npm ci --prefix deploy/mesh --no-audit --no-fund --silent
 	touch $@
 
 # Debian packages the suite runs for real: a Prometheus scrapes the gateway's metrics
-# (tests/test_metrics_e2e.py), headless Chromium renders `llmgw report`'s page (tests/test_report_e2e.py),
-# libfaketime runs `llmgw up` two years ahead (tests/test_clock_ahead_e2e.py).
+# (tests/e2e/operations/test_metrics_e2e.py), headless Chromium renders `llmgw report`'s page (tests/e2e/operations/test_report_e2e.py),
+# libfaketime runs `llmgw up` two years ahead (tests/e2e/operations/test_clock_ahead_e2e.py).
 # As root they are installed when missing; otherwise one line says what to run.
 SYSTEM_PACKAGES := prometheus chromium faketime
 system-deps:
@@ -58,8 +58,20 @@ system-deps:
 	  exit 1; \
 	fi
 
+# The suite in tiers (tests/README.md): unit and lua run in-process or against one Valkey; e2e/<area>
+# starts real Envoy, ext_proc, Valkey and simulated upstreams on free ports; slow is chaos, fuzz and
+# sweeps. Most of an e2e test's time is waiting on its processes, so the suite runs on TEST_WORKERS
+# pytest-xdist workers (disjoint port slices each; tests/conftest.py), a file per worker (a module's
+# stack boots once); then the tests marked `serial` (bursts, latencies) run one at a time.
+TEST_WORKERS ?= 3
+
 test: system-deps lint typecheck $(FOCUS_VENV)/.installed-stamp $(MESH_SCHEMAS)
-	$(BIN)/python -m pytest -m "not vllm"
+	$(BIN)/python -m pytest -m "not vllm and not serial" -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -m "serial and not vllm"
+
+# The inner loop: lint, types, the unit and Lua tiers (well under 90 s).
+check: lint typecheck
+	$(BIN)/python -m pytest -q tests/unit tests/lua -n 2
 
 # Real vLLM (CPU build, installed into .venv-vllm on first use) serving a generated tiny model.
 test-vllm: $(STAMP)
@@ -67,10 +79,14 @@ test-vllm: $(STAMP)
 	$(BIN)/python -m pytest -m vllm tests/vllm --timeout 900
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -m "not e2e and not vllm"
+	$(BIN)/python -m pytest tests/unit tests/lua
 
 e2e: $(STAMP)
-	$(BIN)/python -m pytest -m e2e
+	$(BIN)/python -m pytest tests/e2e -m "not serial" -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests/e2e -m serial
+
+slow: $(STAMP)
+	$(BIN)/python -m pytest tests/slow
 
 # Needs a load generator: `apt-get install wrk`.
 bench: $(STAMP)

@@ -1,6 +1,6 @@
 """Accounting as pure functions (no I/O, no Envoy types): what a settlement charges and how the
 ledger names the ending. extproc/settlement.py gathers the facts (from the access log or a response
-filter) and calls these; tests/test_accounting.py tables them."""
+filter) and calls these; tests/unit/test_accounting.py tables them."""
 
 from __future__ import annotations
 

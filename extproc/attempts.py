@@ -77,7 +77,7 @@ ATTEMPT_WITH_BODY = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": _PM.BUFFERED}
 
 
 # Headers a candidate's adapter sets on its request (keys, protocol versions, SigV4's): removed from
-# every attempt whose candidate did not set them (tests/test_adapters.py keeps this list whole).
+# every attempt whose candidate did not set them (tests/unit/test_adapters.py keeps this list whole).
 SHAPE_HEADERS = ("x-api-key", "anthropic-version", "x-goog-api-key", "api-key", "x-amz-date",
                  "x-amz-security-token", "x-amz-content-sha256")
 

@@ -36,7 +36,7 @@ from google.protobuf import json_format
 from extproc.config import load_snapshot
 from llmgw.demo_keys import ensure_demo_keys
 from llmgw.envoy_render import duration_ms, pack, socket_address, static_cluster
-from llmgw.procs import Child, cpu_seconds, envoy_binary, free_port, http_ok, wait_until, wakeups
+from llmgw.procs import Child, cpu_seconds, envoy_binary, envoy_env, free_port, http_ok, wait_until, wakeups
 from llmgw.stack import Stack, StackOptions, gateway_processes
 
 COMPLETION = json.dumps({
@@ -124,7 +124,7 @@ def _start_envoy(name: str, boot: bootstrap_pb2.Bootstrap, workdir: Path, admin:
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True))))
     child = Child(name, [str(envoy_binary()), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
-                         "--log-level", "error"], workdir / f"{name}.log").start()
+                         "--log-level", "error"], workdir / f"{name}.log", env=envoy_env()).start()
     wait_until(lambda: http_ok(f"http://127.0.0.1:{admin}/ready"), 30, name, child)
     return child
 
@@ -177,10 +177,20 @@ def measured_wrk(url: str, script: Path, connections: int, duration: float,
 POOL_ROUTE = "chat-default"
 
 
-def demo_policy(src: Path, dst: Path) -> tuple[Path, dict[str, str]]:
-    """A copy of the policy to benchmark, with a demo key for each tenant that has none (llmgw up's)."""
+EVIDENCE_CACHE = Path(".llmgw") / "evidence-cache"  # earned records the sandboxes reuse (llmgw/demo_evidence.py)
+
+
+def demo_policy(src: Path, dst: Path, evidence: bool = True) -> tuple[Path, dict[str, str]]:
+    """A copy of the policy to run a sandboxed gateway on (benchmarks, chaos, comparisons), with a demo
+    key for each tenant that has none and, unless `evidence` is False, the evidence `llmgw up` earns
+    for the candidates it simulates (they are all simulated here)."""
     shutil.copytree(src, dst)
     keys, _ = ensure_demo_keys(dst, dst.parent / f"{dst.name}-keys")
+    if evidence:
+        from llmgw import demo_evidence  # it runs the conformance sandbox, which builds on this function
+
+        simulated = demo_evidence.simulated_by_up(load_snapshot(dst), "sim", True)
+        demo_evidence.ensure(dst, simulated, cache=EVIDENCE_CACHE, out=sys.stderr)
     return dst, keys
 
 

@@ -2,7 +2,7 @@
 recorded: the ledger (one entry per request, its attempts and settlement), the engines' and
 providers' request logs (every arrival, with the gateway's request id and the time it came), the
 store's leases and budgets, and what the client saw. Pure functions of those records, so each check
-is tested on hand-made records that break it (tests/test_chaos_checks.py).
+is tested on hand-made records that break it (tests/unit/test_chaos_checks.py).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ cache of records so that a second run of the suite does not earn them again.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import shutil
 import sys
@@ -80,7 +81,16 @@ def ensure(config: Path, simulated: Iterable[str], today: date | None = None, ca
     """Earn or write what `wanted` finds for the policy at `config`; returns the records written. A
     conformance run that does not pass writes its failing record and raises RuntimeError: the demo
     must not start on a candidate the corpus failed."""
-    today = today or today_utc()
+    if cache is not None:  # processes side by side (the suite's workers, sandboxes): one earns, the others reuse
+        cache.mkdir(parents=True, exist_ok=True)
+        with (cache / ".lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _ensure(config, simulated, today or today_utc(), cache, out, time_scale, runner)
+    return _ensure(config, simulated, today or today_utc(), cache, out, time_scale, runner)
+
+
+def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | None, out: TextIO,
+            time_scale: float, runner: Callable[..., Run]) -> list[Path]:
     snap = load_snapshot(config)
     need = wanted(snap, simulated, today)
     horizon = today + timedelta(days=RENEW_DAYS)

@@ -26,16 +26,28 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 _handed_out: set[int] = set()
+# Processes that choose ports side by side (the test suite's parallel workers, and what they start)
+# take disjoint slices of them, `k/n`: the ports p with (p // 2) % n == k (Linux hands bind() even ports
+# by preference, so p % 2 would starve a slice). Otherwise one process could hand out a port another
+# has handed out and its child not bound yet.
+PORT_SLICE_ENV = "LLMGW_FREE_PORT_SLICE"
+
+
+def _slice() -> tuple[int, int]:
+    k, _, n = os.environ.get(PORT_SLICE_ENV, "0/1").partition("/")
+    return int(k), max(1, int(n or 1))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, never the same one twice from this process: the kernel may
-    hand a just-closed port out again, and two children told the same port would race for it."""
+    """A port nothing listens on now, never the same one twice from this process (the kernel may
+    hand a just-closed port out again, and two children told the same port would race for it), in
+    this process's slice (PORT_SLICE_ENV)."""
+    k, n = _slice()
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = int(s.getsockname()[1])
-        if port not in _handed_out:
+        if (port // 2) % n == k and port not in _handed_out:
             _handed_out.add(port)
             return port
 
@@ -53,6 +65,16 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def envoy_env() -> dict[str, str]:
+    """The environment Envoy starts with: this process's, except that Envoy keeps the real clock.
+    libfaketime (how the suite runs a gateway years ahead: the Python side's calendar) hangs Envoy 1.40
+    before main, and Envoy decides nothing by the date."""
+    env = dict(os.environ)
+    if "faketime" in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(p for p in env["LD_PRELOAD"].split(":") if "faketime" not in p)
+    return env
 
 
 def envoy_binary() -> Path:

@@ -30,6 +30,7 @@ from llmgw.procs import (
     PortInUse,
     answers,
     envoy_binary,
+    envoy_env,
     free_port,
     http_ok,
     json_at,
@@ -66,6 +67,8 @@ class DemoKeysExposed(OSError):
 
 # (served model name, host, port) -> (argv, extra environment) of one engine process
 EngineLauncher = Callable[[str, str, int], tuple[list[str], dict[str, str]]]
+# A launched child's readiness: the check, what it is, the child, and the least seconds to allow it
+Ready = tuple[Callable[[], bool], str, Child, float]
 
 
 
@@ -116,7 +119,7 @@ class StackOptions:
 
 # Valkey's append-only file, fsynced every second (its default). `always` (every acknowledged write
 # on disk before its reply) closes the last gap - a Valkey crash can lose the second of reservations
-# and ledger entries before it (seen once in tests/test_supervisor.py) - but puts the disk's fsync
+# and ledger entries before it (seen once in tests/e2e/operations/test_supervisor.py) - but puts the disk's fsync
 # latency on every request's reservation: right after a large install it stalled Valkey past the
 # store timeout and requests failed closed (503) in the real-vLLM lane. See README: Operations.
 VALKEY_DURABILITY = ("--appendonly", "yes", "--appendfsync", "everysec")
@@ -244,26 +247,33 @@ class Stack:
             if not port_free(host, port):
                 raise PortInUse(f"port {port} on {host} is in use; choose another with {option}")
         try:
+            # Every child is launched first and waited for after: they boot side by side (ext_proc's
+            # imports, the engines', Valkey's), while this process renders Envoy's configuration.
+            # ext_proc reaches its store and engines when a request needs them, not at start.
+            ready: list[Ready] = []
             if self.own_store:
-                self._start_valkey(timeout)
+                ready += self._start_valkey()
             if self.opts.start_engines:
-                self._start_engines(timeout)
-            self._start_providers(timeout)
-            self._start_extprocs(timeout)
-            self._start_envoy(timeout)
+                ready += self._start_engines()
+            ready += self._start_providers()
+            ready += self._start_extprocs()
+            config = render_yaml(self.snapshot, self.render)
+            for check, what, child, wait in ready:
+                wait_until(check, max(timeout, wait), what, child)
+            self._start_envoy(config, timeout)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_valkey(self, timeout: float) -> None:
+    def _start_valkey(self) -> list[Ready]:
         port = self.opts.valkey_port or 6379
         data = self.opts.state_dir / "valkey"
         data.mkdir(parents=True, exist_ok=True)
         self.valkey = Child("valkey", [str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1",
                                        "--dir", str(data), *VALKEY_DURABILITY, "--save", "",
                                        "--protected-mode", "yes"], self.logs / "valkey.log").start()
-        wait_until(lambda: tcp_open("127.0.0.1", port), timeout, "valkey", self.valkey)
+        return [(partial(tcp_open, "127.0.0.1", port), "valkey", self.valkey, 0.0)]
 
     def _pool_deployment(self, pool: str) -> Deployment | None:
         return next((d for d in self.snapshot.deployments.values() if d.pool == pool), None)
@@ -272,18 +282,17 @@ class Stack:
         dep = self._pool_deployment(pool)
         return dep.served_model if dep else "unused"
 
-    def _start_engines(self, timeout: float) -> None:
+    def _start_engines(self) -> list[Ready]:
         launch = self._vllm_launcher() if self.opts.engine == "vllm" else self._sim_launcher()
         for pool, hosts in self.render.pools.items():
             for host, port in hosts:
                 argv, env = launch(self._served_model(pool), host, port)
                 self.engines[f"{host}:{port}"] = Child(f"engine-{port}", argv, self.logs / f"engine-{port}.log",
                                                        env=env).start()
-        wait = max(timeout, self.opts.engine_timeout)
-        for addr, child in self.engines.items():
-            wait_until(partial(http_ok, f"http://{addr}/health"), wait, f"engine {addr}", child)
+        return [(partial(http_ok, f"http://{addr}/health"), f"engine {addr}", child, self.opts.engine_timeout)
+                for addr, child in self.engines.items()]
 
-    def _start_providers(self, timeout: float) -> None:
+    def _start_providers(self) -> list[Ready]:
         """A simulated provider of each hosted deployment's API shape, on the address it is rendered
         with, taking the key its credential reference resolves to (made here when unset)."""
         env = self._extproc_env()
@@ -300,10 +309,8 @@ class Stack:
                 self.engines[f"{host}:{port}"] = Child(f"provider-{name}-{port}", argv,
                                                        self.logs / f"provider-{name}-{port}.log",
                                                        env={"ENGINESIM_API_KEY": key} if key else {}).start()
-        for name, hosts in self.render.providers.items():
-            for host, port in hosts:
-                child = self.engines[f"{host}:{port}"]
-                wait_until(partial(http_ok, f"http://{host}:{port}/health"), timeout, f"provider {name}", child)
+        return [(partial(http_ok, f"http://{host}:{port}/health"), f"provider {name}", self.engines[f"{host}:{port}"],
+                 0.0) for name, hosts in self.render.providers.items() for host, port in hosts]
 
     def _sim_launcher(self) -> EngineLauncher:
         windows = {d.served_model: d.context_window for d in self.snapshot.deployments.values()}
@@ -361,7 +368,7 @@ class Stack:
         url = self.store_url
         return ["--store-url", url] if url and not self.snapshot.gateway.store.url else []
 
-    def _start_extprocs(self, timeout: float) -> None:
+    def _start_extprocs(self) -> list[Ready]:
         env = self._extproc_env()
         # The workers' metrics, one directory for the host (prometheus-client's multiprocess mode):
         # emptied first, so a new start counts from zero.
@@ -397,25 +404,22 @@ class Stack:
                 self.logs / f"extproc-{port}.log", env=env, probe=probe).start())
         # Ready when its own status endpoint names this revision: the status server starts after the
         # gRPC port is bound, and an open port alone could be another process's.
-        for (host, port), child, url in zip(self.render.extproc, self.extprocs, self.status_urls, strict=True):
-            wait_until(partial(self._serves_revision, url), timeout, f"ext_proc {host}:{port}", child)
+        return [(partial(self._serves_revision, url), f"ext_proc {host}:{port}", child, 0.0)
+                for (host, port), child, url in zip(self.render.extproc, self.extprocs, self.status_urls, strict=True)]
 
     def _serves_revision(self, status_url: str) -> bool:
         return bool(json_at(status_url).get("revision") == self.snapshot.revision)
 
-    def _start_envoy(self, timeout: float) -> None:
+    def _start_envoy(self, config: str, timeout: float) -> None:
         if self.render.admin_socket:  # a socket left by an Envoy that did not stop cleanly
             Path(self.render.admin_socket).unlink(missing_ok=True)
         path = self.opts.state_dir / "envoy.yaml"
-        path.write_text(render_yaml(self.snapshot, self.render))
+        path.write_text(config)
         argv = [str(envoy_binary()), "-c", str(path), "--log-level", "warn", "--disable-hot-restart",
                 "--file-flush-interval-msec", "250"]  # access log lines reach envoy.log within 250 ms
         if self.opts.envoy_concurrency:
             argv += ["--concurrency", str(self.opts.envoy_concurrency)]
-        # Envoy keeps the real clock: libfaketime (the suite runs a gateway years ahead with it) hangs
-        # Envoy 1.40 before main, and Envoy decides nothing by the date (the Python side does).
-        real_clock = {"LD_PRELOAD": ""} if "faketime" in os.environ.get("LD_PRELOAD", "") else None
-        self.envoy = Child("envoy", argv, self.logs / "envoy.log", env=real_clock).start()
+        self.envoy = Child("envoy", argv, self.logs / "envoy.log", env=envoy_env()).start()
         wait_until(lambda: http_ok(f"{self.admin_url}/ready"), timeout, "envoy", self.envoy)
         wait_until(self._pool_healthy, timeout, "engine pool health checks", self.envoy)
 

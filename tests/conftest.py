@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -17,10 +18,15 @@ from extproc.store import ledger_entry, ledger_key
 from llmgw import demo_evidence
 from llmgw.demo_evidence import simulated_by_up
 from llmgw.demo_keys import ensure_demo_keys
-from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
+from llmgw.procs import PORT_SLICE_ENV, Child, free_port, tcp_open, valkey_binary, wait_until
 from llmgw.stack import Stack, StackOptions
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Parallel workers (pytest-xdist) choose ports from disjoint slices, and so do the processes they start.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ[PORT_SLICE_ENV] = (f"{int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw'))}/"
+                                  f"{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
 EXAMPLE_POLICY = ROOT / "policy"  # as committed: its tenants have no keys until `llmgw up` makes demo ones
 EARNED = ("*-conformance.yaml", "*-quality-gate.yaml")  # what `llmgw up` may have written into policy/evidence
 
@@ -64,24 +70,35 @@ def make_up_defaults() -> list[tuple[str, int]]:
         return sorted({(h, p) for h, p, _ in up.ports_to_bind()} | {hp(e) for e in gateway.envoy.extproc})
 
 
-@pytest.fixture(scope="session", autouse=True)
-def make_up_serving() -> Iterator[list[tuple[str, int]]]:
+_HELD: list[Any] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
     """The suite runs as if a developer's `make up` served beside it: each of its default ports is held
-    for the whole session (bound, never listening, so a stray connection is refused at once). A test
-    process that listens on one of them instead of a port it chose free fails here, on every run."""
+    for the whole session (bound, never listening, so a stray connection is refused at once), by the
+    one process that outlives every test (pytest's, or xdist's controller). A test process that listens
+    on one of them instead of a port it chose free fails, on every run."""
     import socket
 
-    held = []
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller holds them
+        return
     for host, port in make_up_defaults():
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # no SO_REUSEADDR: nothing else may bind it
         try:
             s.bind((host, port))
-            held.append(s)
+            _HELD.append(s)
         except OSError:  # held already: by a `make up` that does serve
             s.close()
-    yield make_up_defaults()
-    for s in held:
-        s.close()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _HELD:
+        _HELD.pop().close()
+
+
+@pytest.fixture(scope="session")
+def make_up_serving() -> list[tuple[str, int]]:
+    return make_up_defaults()
 
 
 _VALKEY: list[tuple[Child, str]] = []

@@ -86,7 +86,7 @@ def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path,
     corpus, and two do not fit a small machine)."""
     snap = load_snapshot(config)
     dep = snap.deployments[deployment]
-    policy, keys = demo_policy(config, work / "policy")
+    policy, keys = demo_policy(config, work / "policy", evidence=False)  # its own provisional record below
     route = {
         "route_contract": ROUTE, "request_class": "read_only_chat", "translation_loss": "report",
         "candidates": [{"deployment_ref": dep.ref, "adapter_ref": dep.fingerprint.adapter,

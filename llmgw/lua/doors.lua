@@ -5,7 +5,7 @@
 -- (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names, each door's
 -- status names and stop reasons from its Python module, the contract's codes) and llmgw/lua/json.lua,
 -- sse.lua and values.lua. Each translation is the Python door's (held to it by
--- tests/test_lua_doors.py); the Python door still reads the caller's request at intake.
+-- tests/lua/test_lua_doors.py); the Python door still reads the caller's request at intake.
 --
 -- - A 2xx JSON answer (a chat completion) is read whole and written in the door's shape; one that
 --   cannot be (not a chat completion, a count that is not one) is the door's 502 `upstream_error` -

@@ -1,0 +1,67 @@
+"""No date bomb: a fresh clone's `llmgw up`, with the clock two years ahead (libfaketime), earns the
+demo's evidence under that clock and serves every demo route (llmgw/demo_evidence.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import date, timedelta
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.conftest import EARNED, EXAMPLE_POLICY
+from tests.e2e.operations.test_up import log_tails
+
+pytestmark = pytest.mark.e2e
+
+AHEAD_DAYS = 730
+
+
+def test_up_two_years_ahead_earns_its_evidence_and_serves_every_route(tmp_path: Path) -> None:
+    # libfaketime preloaded into `llmgw up` itself (the faketime wrapper would not pass on its SIGTERM);
+    # its Python children inherit it; Envoy keeps the real clock (llmgw/stack.py says why).
+    lib = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))), None)
+    assert lib, "Debian's faketime is missing: make test installs it (make system-deps)"
+    ahead = date.today() + timedelta(days=AHEAD_DAYS)  # from wherever this process's clock stands
+    env = {**os.environ, "LD_PRELOAD": str(lib), "FAKETIME": f"@{ahead.isoformat()} 12:00:00"}
+    policy = tmp_path / "policy"  # as a fresh clone has it: no keys, no evidence
+    shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml", *EARNED))
+    state = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--config", str(policy), "--state-dir", str(state),
+                             "--free-ports", "--time-scale", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        t0 = time.monotonic()
+        while not (state / "up.json").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() - t0 < 180, "not up within 180 s"
+            time.sleep(0.2)
+        info = json.loads((state / "up.json").read_text())
+        for record in sorted((policy / "evidence").glob("*.yaml")):
+            doc = yaml.safe_load(record.read_text())
+            assert (doc["result"], str(doc["recorded_at"])) == ("pass", ahead.isoformat()), record.name
+        assert len(list((policy / "evidence").glob("*.yaml"))) == 8  # both kinds for each of four candidates
+        client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key=info["tenants"]["acme"]["api_key"],
+                               max_retries=0)
+        served = {}
+        for route in ("chat-default", "chat-anthropic", "chat-gemini", "chat-bedrock", "chat-fallback"):
+            try:
+                answer = client.chat.completions.create(model=route, max_tokens=5,
+                                                        messages=[{"role": "user", "content": "hi"}])
+            except openai.OpenAIError as err:
+                raise AssertionError(f"{route}: {err}\n{log_tails(Path(info['logs']))}") from err
+            served[route] = answer.choices[0].message.content
+        assert all(served.values()), served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "llmgw: earning conformance evidence for demo-anthropic, demo-bedrock, demo-gemini, pool-llama-8b" in out

@@ -1,0 +1,550 @@
+"""The Lua answer filter (llmgw/lua/answers.lua, as the renderer renders it, with llmgw/lua/json.lua),
+run under LuaJIT (lupa's build) with a stand-in for Envoy's stream handle. Its translation of each
+shape's answer (Anthropic, Gemini, Bedrock) must be the Python adapter's (extproc/adapters/), which
+the attempt filter uses: the two are compared on generated answers. Through real Envoy it is tested
+by tests/e2e/doors/test_translated_route_e2e.py, tests/slow/test_provider_fuzz_e2e.py and the providers' e2e tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from enginesim import eventstream
+from extproc.adapters import bedrock, gemini
+from extproc.adapters.anthropic import ANTHROPIC, STOP_REASONS
+from extproc.adapters.base import Adapter, UpstreamBroken
+from extproc.attempts import ANSWER_MODEL_HEADER, ANSWER_SHAPE_HEADER, TRANSLATION_LOSS_HEADER
+from extproc.names import Key
+from extproc.replies import DEGRADED_HEADER
+from llmgw.render.filters import answers_lua
+from tests.lua_harness import lua_runtime, lua_table
+
+MODEL = "claude-sim-1"
+REQUEST_ID = "5f0c2a9e-request"
+
+
+@pytest.fixture(scope="module")
+def lua() -> Any:
+    return lua_runtime(answers_lua())
+
+
+def answer(lua: Any, body: bytes | None, *, status: str = "200", shape: str = "anthropic",
+           md: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> tuple[
+        bytes | None, dict[str, str]]:
+    """What the client gets: the body and the response headers."""
+    meta = {Key.ANSWER_SHAPE: shape, Key.ANSWER_MODEL: MODEL, Key.REQUEST_ID: REQUEST_ID, **(md or {})}
+    hdrs = {":status": status, "content-type": "application/json; charset=utf-8", **(headers or {})}
+    out, got, _ = lua.globals().run_response(lua_table(lua, meta), lua_table(lua, hdrs), body)
+    return out, {k.decode(): v.decode() for k, v in got.items()}
+
+
+def python_answer(body: bytes, adapter: Adapter = ANTHROPIC) -> dict[str, Any]:
+    """What the attempt filter makes of the same answer."""
+    out = adapter.response(200, body)
+    if not out.get("model"):
+        out["model"] = MODEL
+    return out
+
+
+def comparable(doc: dict[str, Any], ids: bool = True) -> dict[str, Any]:
+    """A completion without its creation time, each tool call's arguments parsed; without the ids
+    (`ids` False) where the Python adapter makes random ones and the Lua filter names them after the
+    request."""
+    doc = {k: v for k, v in doc.items() if k != "created" and (ids or k != "id")}
+    for call in doc["choices"][0]["message"].get("tool_calls") or ():
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        if not ids:
+            del call["id"]
+    return doc
+
+
+text = st.text(max_size=20)
+scalars = (st.none() | st.booleans() | st.integers(-10**9, 10**9) | st.floats(allow_nan=False, allow_infinity=False)
+           | text)
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=6), inner, max_size=3), max_leaves=10)
+blocks = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": text, "signature": text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": text}, optional={
+        "input": st.none() | st.dictionaries(st.text(max_size=6), json_values, max_size=4)}),
+    st.fixed_dictionaries({"type": st.just("redacted_thinking"), "data": text}),
+)
+counts = st.none() | st.integers(0, 10**9)
+usages = st.fixed_dictionaries({}, optional={k: counts for k in (
+    "input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")})
+messages = st.fixed_dictionaries({"type": st.just("message"), "role": st.just("assistant")}, optional={
+    "id": text, "model": text, "content": st.none() | st.lists(blocks, max_size=5),
+    "stop_reason": st.none() | st.sampled_from([*STOP_REASONS, "something_new"]),
+    "stop_sequence": st.none() | text, "usage": st.none() | usages})
+
+
+tool_inputs = st.none() | st.dictionaries(st.text(max_size=6), json_values, max_size=4)
+gemini_parts = st.one_of(
+    st.fixed_dictionaries({"text": text}),
+    st.fixed_dictionaries({"text": text, "thought": st.just(True)}),
+    st.fixed_dictionaries({"functionCall": st.fixed_dictionaries({"name": text}, optional={"args": tool_inputs})}),
+)
+gemini_answers = st.fixed_dictionaries({"candidates": st.lists(st.fixed_dictionaries({}, optional={
+    "content": st.fixed_dictionaries({}, optional={"role": st.just("model"),
+                                                   "parts": st.lists(gemini_parts, max_size=5)}),
+    "finishReason": st.sampled_from([*gemini.FINISH_REASONS, "SOMETHING_NEW"])}), max_size=2)}, optional={
+    "responseId": text, "modelVersion": text, "promptFeedback": st.fixed_dictionaries({}, optional={
+        "blockReason": st.sampled_from(["SAFETY", "OTHER"])}),
+    "usageMetadata": st.none() | st.fixed_dictionaries({}, optional={k: counts for k in (
+        "promptTokenCount", "candidatesTokenCount", "cachedContentTokenCount", "thoughtsTokenCount")})})
+bedrock_blocks = st.one_of(
+    st.fixed_dictionaries({"text": text}),
+    st.fixed_dictionaries({"toolUse": st.fixed_dictionaries({"toolUseId": text, "name": text},
+                                                            optional={"input": tool_inputs})}),
+    st.fixed_dictionaries({"reasoningContent": st.fixed_dictionaries({}, optional={
+        "reasoningText": st.fixed_dictionaries({}, optional={"text": text, "signature": text})})}),
+)
+bedrock_answers = st.fixed_dictionaries({
+    "output": st.fixed_dictionaries({"message": st.fixed_dictionaries({
+        "role": st.just("assistant"), "content": st.lists(bedrock_blocks, max_size=5)})}),
+    "usage": st.fixed_dictionaries({"inputTokens": st.integers(0, 10**9), "outputTokens": st.integers(0, 10**9)},
+                                   optional={"cacheReadInputTokens": counts, "cacheWriteInputTokens": counts})},
+    optional={"stopReason": st.sampled_from([*bedrock.STOP_REASONS, "something_new"])})
+SHAPES = {"anthropic": (messages, ANTHROPIC), "gemini": (gemini_answers, gemini.GEMINI),
+          "bedrock": (bedrock_answers, bedrock.BEDROCK)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_lua_translation_is_the_python_adapters(lua: Any, shape: str) -> None:
+    answers, adapter = SHAPES[shape]
+
+    @settings(max_examples=300, deadline=None)
+    @given(answers, st.booleans(), st.sampled_from([None, 0, 2]))
+    def translates_alike(doc: dict[str, Any], ascii_only: bool, indent: int | None) -> None:
+        body = json.dumps(doc, ensure_ascii=ascii_only, indent=indent).encode()
+        out, headers = answer(lua, body, shape=shape)
+        assert out is not None and headers[":status"] == "200" and headers["content-type"] == "application/json"
+        # Gemini names its calls after its response id, and Bedrock has none: Python makes random ids.
+        ids = shape == "anthropic" or (shape == "gemini" and bool(doc.get("responseId")))
+        assert comparable(json.loads(out), ids) == comparable(python_answer(body, adapter), ids)
+        if not ids:
+            lua_doc = json.loads(out)
+            named = [c["id"] for c in lua_doc["choices"][0]["message"].get("tool_calls") or ()]
+            if shape == "bedrock":
+                assert lua_doc["id"] == f"chatcmpl-{REQUEST_ID}"
+            else:
+                assert named == [f"call_{REQUEST_ID}_{n}" for n in range(len(named))]
+
+    translates_alike()
+
+
+def test_tool_calls_keep_their_arguments_exactly_as_the_provider_wrote_them(lua: Any) -> None:
+    body = (b'{"type":"message","id":"m1","model":"claude","content":[{"type":"text","text":"caf\\u00e9 \\"q\\""},'
+            b'{"type":"tool_use","id":"t1","name":"lookup","input":{"q": "a\\nb", "n": [1, 2.5e3]}}],'
+            b'"stop_reason":"tool_use","usage":{"input_tokens":3,"cache_read_input_tokens":4,'
+            b'"cache_creation_input_tokens":5,"output_tokens":6}}')
+    out, _ = answer(lua, body)
+    doc = json.loads(out or b"")
+    message = doc["choices"][0]["message"]
+    assert message["content"] == 'caf\u00e9 "q"' and doc["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = message["tool_calls"]
+    assert call["function"]["arguments"] == '{"q": "a\\nb", "n": [1, 2.5e3]}'
+    assert doc["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
+                            "prompt_tokens_details": {"cached_tokens": 4}}
+    assert comparable(doc) == comparable(python_answer(body))
+
+
+BROKEN = [b"", b"not json", b"[1,2]", b'{"type":"error","error":{"type":"api_error"}}',
+          b'{"type":"message","content":{"type":"text"}}', b'{"type":"message","content":["text"]}',
+          b'{"type":"message","content":[{"type":"tool_use","name":"f","input":{}}]}',
+          b'{"type":"message","content":[{"type":"tool_use","id":"t","name":"f","input":[1]}]}',
+          b'{"type":"message","content":[{"type":"text","text":"a"}]} trailing',
+          b'{"type":"message","usage":{"input_tokens":"many"}}', b'{"type":"message","usage":[1]}',
+          b'{"type":"message","content":[{"type":"text","text":"a"',
+          b'{"type":"message","content":' + b"[" * 100 + b"]" * 100 + b"}"]  # deeper than the decoder goes
+
+
+@pytest.mark.parametrize("body", BROKEN)
+def test_an_answer_that_is_not_a_message_is_the_contracts_502(lua: Any, body: bytes) -> None:
+    out, headers = answer(lua, body)
+    assert headers[":status"] == "502" and headers["content-type"] == "application/json"
+    assert json.loads(out or b"")["error"]["code"] == "upstream_error"
+    meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.REQUEST_ID: REQUEST_ID}
+    sets = lua.globals().run_response(lua_table(lua, meta), lua_table(lua, {":status": "200"}), body)[2]
+    assert dict(sets.items()) == {Key.ANSWER_BROKEN.encode(): b"1"}  # settlement: the provider did the work
+    with pytest.raises(UpstreamBroken):
+        ANTHROPIC.response(200, body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | st.text(alphabet='{}[]":,0123456789.e-truefalsnl \\u', max_size=80).map(str.encode))
+def test_any_bytes_are_a_completion_or_the_contracts_502_and_never_a_script_error(lua: Any, body: bytes) -> None:
+    for shape in (*SHAPES, "openai"):
+        out, headers = answer(lua, body, shape=shape)
+        doc = json.loads(out or b"")
+        refused = "error" in doc and doc.get("error", {}).get("code") == "upstream_error"
+        assert (headers[":status"] == "502") == refused
+
+
+def test_a_hosted_openai_answer_is_checked_and_passed_as_it_came(lua: Any) -> None:
+    body = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"content":"hi"}}]}'
+    assert answer(lua, body, shape="openai") == (body, {":status": "200", "content-type": "application/json"})
+    out, headers = answer(lua, b'{"id":"x","choices":{}}', shape="openai")
+    assert headers[":status"] == "502" and json.loads(out or b"")["error"]["code"] == "upstream_error"
+
+
+def test_the_attempt_filters_headers_choose_the_shape_only_without_the_decisions(lua: Any) -> None:
+    """A plan's candidate of another shape is named by the attempt filter's headers (issue 27); a lone
+    candidate by the decision's metadata, which an upstream's own headers of those names never override.
+    Either way they never reach the client."""
+    openai_body = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"content":"hi"}}]}'
+    named = {ANSWER_SHAPE_HEADER: "openai", ANSWER_MODEL_HEADER: "m"}
+    hdrs = {":status": "200", "content-type": "application/json", **named}
+    out, got, _ = lua.globals().run_response(lua_table(lua, {Key.REQUEST_ID: REQUEST_ID}), lua_table(lua, hdrs),
+                                             openai_body)
+    assert out == openai_body and got[b":status"] == b"200"  # read as the header said: checked, passed
+    assert not {k.decode() for k in got} & set(named)
+    # The decision translated for an Anthropic-shaped candidate: a header saying otherwise is ignored.
+    out, headers = answer(lua, openai_body, headers=named)
+    assert headers[":status"] == "502" and not set(headers) & set(named)  # read as Anthropic's: not one
+
+
+def test_error_statuses_and_the_degraded_answer_pass_untouched_and_the_loss_is_named(lua: Any) -> None:
+    loss = {Key.TRANSLATION_LOSS: "seed (unsupported)"}
+    error = b'{"error": {"code": "upstream_error"}}'
+    out, headers = answer(lua, error, status="502", md=loss)
+    assert out == error and headers[TRANSLATION_LOSS_HEADER] == "seed (unsupported)"
+    assert headers["content-type"] == "application/json; charset=utf-8"
+    degraded = b'{"choices": []}'
+    assert answer(lua, degraded, headers={DEGRADED_HEADER: "response"})[0] == degraded
+    # A request the decision did not translate: nothing happens.
+    out, headers = answer(lua, b"not json", shape="")
+    assert out == b"not json" and headers[":status"] == "200" and TRANSLATION_LOSS_HEADER not in headers
+
+
+def test_the_request_gets_the_shapes_headers_and_the_metadata_keeps_no_credential(lua: Any) -> None:
+    native = {":path": "/v1/messages", "x-api-key": "sk-secret", "anthropic-version": "2023-06-01"}
+    hdrs, sets = lua.globals().run_request(lua_table(lua, {Key.UPSTREAM_HEADERS: native}),
+                                           lua_table(lua, {":path": "/v1/chat/completions", "x-api-key": "client"}))
+    assert {k.decode(): v.decode() for k, v in hdrs.items()} == native
+    assert {k.decode(): v for k, v in sets.items()} == {Key.UPSTREAM_HEADERS: b""}
+    untouched, sets = lua.globals().run_request(lua_table(lua, {}), lua_table(lua, {":path": "/v1/chat/completions"}))
+    assert dict(untouched.items()) == {b":path": b"/v1/chat/completions"} and not dict(sets.items())
+
+
+# -- streams ----------------------------------------------------------------------------------------
+
+def sse_event(doc: dict[str, Any]) -> bytes:
+    return f"event: {doc['type']}\ndata: {json.dumps(doc)}\n\n".encode()
+
+
+@st.composite
+def anthropic_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A Messages stream's events, as the API sends them: text, thinking and tool-use blocks, their
+    deltas (a tool's input as pieces of its JSON), pings anywhere, the stop reason and usage."""
+    usage = draw(st.fixed_dictionaries({"input_tokens": st.integers(0, 10**6), "output_tokens": st.integers(0, 9)},
+                                        optional={"cache_read_input_tokens": counts,
+                                                  "cache_creation_input_tokens": counts}))
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": {
+        "id": draw(text), "type": "message", "role": "assistant", "model": draw(st.text(min_size=1, max_size=10)),
+        "content": [], "stop_reason": None, "usage": usage}}]
+    for i, kind in enumerate(draw(st.lists(st.sampled_from(["text", "thinking", "tool_use"]), max_size=4))):
+        if kind == "tool_use":
+            events.append({"type": "content_block_start", "index": i, "content_block": {
+                "type": "tool_use", "id": draw(text), "name": draw(text), "input": {}}})
+            args = json.dumps(draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
+            cuts = sorted(draw(st.lists(st.integers(0, len(args)), max_size=3)))
+            pieces = [args[a:b] for a, b in zip([0, *cuts], [*cuts, len(args)], strict=True)]
+            events += [{"type": "content_block_delta", "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": piece}} for piece in pieces]
+        else:
+            events.append({"type": "content_block_start", "index": i, "content_block": {"type": kind, kind: ""}})
+            events += [{"type": "content_block_delta", "index": i, "delta": {"type": f"{kind}_delta", kind: t}}
+                       for t in draw(st.lists(text, max_size=3))]
+        events.append({"type": "content_block_stop", "index": i})
+        if draw(st.booleans()):
+            events.append({"type": "ping"})
+    events.append({"type": "message_delta", "delta": {"stop_reason": draw(st.sampled_from([*STOP_REASONS, "new"]))},
+                   "usage": {"output_tokens": draw(st.integers(0, 10**6))}})
+    events.append({"type": "message_stop"})
+    return events
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(max(c, 0), len(data)) for c in cuts})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if b > a]
+
+
+def lua_stream(lua: Any, chunks: list[bytes], shape: str = "anthropic") -> tuple[bytes, dict[str, str]]:
+    """What the stream guard after the Lua filter gets: the chunks as translated (the last, empty, is
+    the end of the stream)."""
+    meta = {Key.ANSWER_SHAPE: shape, Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1", Key.REQUEST_ID: REQUEST_ID}
+    hdrs = {":status": "200", "content-type": "text/event-stream; charset=utf-8", "content-length": "99"}
+    outs, got = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, hdrs), lua.table_from([*chunks, b""]))
+    body = b"".join(outs[i] for i in range(1, len(chunks) + 2))
+    return body, {k.decode(): v.decode() for k, v in got.items()}
+
+
+def python_stream(chunks: list[bytes], adapter: Adapter = ANTHROPIC) -> bytes:
+    """What the attempt filter makes of the same chunks (extproc/attempts.py `_translate_chunk`)."""
+    translator = adapter.stream(include_usage=True)
+    translator.model = MODEL
+    out: list[bytes] = []
+    try:
+        for c in chunks:
+            out += translator.feed(c)
+        out += translator.finish()
+    except UpstreamBroken as e:
+        out += e.partial
+        out.append(b"data: " + json.dumps({"error": {"code": "stream_interrupted"}}).encode() + b"\n\n")
+    return b"".join(out)
+
+
+def events_of(body: bytes) -> list[Any]:
+    """The data events (SSE comments dropped), parsed; `created` left out, an interruption as its code."""
+    out: list[Any] = []
+    for event in body.decode().split("\n\n"):
+        if not event.startswith("data: "):
+            continue
+        data = event.removeprefix("data: ")
+        doc = data if data == "[DONE]" else json.loads(data)
+        if isinstance(doc, dict):
+            doc.pop("created", None)
+            if "error" in doc:
+                doc = {"interrupted": doc["error"]["code"]}
+        out.append(doc)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(anthropic_streams(), st.lists(st.integers(0, 4000), max_size=6), st.sampled_from(["whole", "cut", "error"]))
+def test_the_lua_stream_translation_is_the_python_adapters(lua: Any, events: list[dict[str, Any]], cuts: list[int],
+                                                          ending: str) -> None:
+    if ending == "cut":  # the provider's stream ends before message_stop
+        events = events[:-1]
+    elif ending == "error":  # the provider reports an error mid-stream
+        events = [*events[:-2], {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}]
+    data = b"".join(sse_event(e) for e in events)
+    chunks = split(data, cuts)
+    out, headers = lua_stream(lua, chunks)
+    assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
+    assert events_of(out) == events_of(python_stream(chunks))
+    got = events_of(out)
+    if ending == "whole":
+        assert got[-1] == "[DONE]" and "usage" in got[-2]
+    else:
+        assert got[-1] == {"interrupted": "stream_interrupted"}
+    # Every chunk that completed no event passed as a comment, never empty (the guard's end).
+    assert b"".join(c for c in chunks) == data
+
+
+@pytest.mark.parametrize("bad", [b"data: not json\n\n", b"data: [1]\n\n",
+                                 b'data: {"type":"content_block_delta","index":5,"delta":{"type":"input_json_delta",'
+                                 b'"partial_json":"{"}}\n\n', b"data: " + b"x" * (1 << 20) + b"x"])
+def test_a_broken_provider_stream_ends_with_the_contracts_interruption_and_nothing_after(lua: Any, bad: bytes) -> None:
+    start = sse_event({"type": "message_start", "message": {"id": "m", "model": "claude", "usage": {}}})
+    after = sse_event({"type": "message_stop"})
+    out, _ = lua_stream(lua, [start, bad, after])
+    got = events_of(out)
+    assert got[-1] == {"interrupted": "stream_interrupted"} and got[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len(got) == 2  # the role chunk, the interruption: nothing of the stop after it
+
+
+@st.composite
+def gemini_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Gemini's stream, as the API sends it: responses each holding the next parts of the first
+    candidate (text, thoughts, whole function calls) and the usage so far; the last a finish reason -
+    or a prompt blocked before any candidate."""
+    head = {"responseId": draw(text), "modelVersion": draw(st.text(min_size=1, max_size=10))}
+    meta = st.fixed_dictionaries({}, optional={k: counts for k in (
+        "promptTokenCount", "candidatesTokenCount", "cachedContentTokenCount", "thoughtsTokenCount")})
+    if draw(st.integers(0, 9)) == 0:
+        return [{**head, "promptFeedback": {"blockReason": draw(st.sampled_from(["SAFETY", "OTHER"]))},
+                 "usageMetadata": draw(meta)}]
+    responses = []
+    for _ in range(draw(st.integers(1, 5))):
+        doc: dict[str, Any] = {**head, "candidates": [{"content": {"role": "model", "parts": draw(
+            st.lists(gemini_parts, max_size=3))}, "index": 0}]}
+        if draw(st.booleans()):
+            doc["usageMetadata"] = draw(meta)
+        responses.append(doc)
+    responses[-1]["candidates"][0]["finishReason"] = draw(st.sampled_from([*gemini.FINISH_REASONS, "SOMETHING_NEW"]))
+    return responses
+
+
+def gemini_sse(doc: dict[str, Any], crlf: bool = True) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + (b"\r\n\r\n" if crlf else b"\n\n")
+
+
+def gemini_comparable(events: list[Any], ids: bool) -> list[Any]:
+    """Stream events with each call's arguments parsed; without the call ids where Python makes random
+    ones (no response id) and the Lua filter names them after the request."""
+    for e in events:
+        for choice in e.get("choices") or () if isinstance(e, dict) else ():
+            for call in choice["delta"].get("tool_calls") or ():
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                if not ids:
+                    call.pop("id")
+    return events
+
+
+@settings(max_examples=200, deadline=None)
+@given(gemini_streams(), st.lists(st.integers(0, 4000), max_size=6),
+       st.sampled_from(["whole", "cut", "error", "after"]), st.booleans())
+def test_the_lua_gemini_stream_translation_is_the_python_adapters(lua: Any, responses: list[dict[str, Any]],
+                                                                 cuts: list[int], ending: str, crlf: bool) -> None:
+    if ending == "cut":  # the provider's stream ends before its finish
+        responses = [r for r in responses[:-1]] or [{"responseId": "r", "candidates": []}]
+    elif ending == "error":  # the provider reports an error mid-stream
+        responses = [*responses[:-1], {"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", "message": "busy"}}]
+    elif ending == "after":  # a response after the finished one
+        responses = [*responses, {"responseId": "r", "candidates": []}]
+    data = b"".join(gemini_sse(r, crlf) for r in responses)
+    chunks = split(data, cuts)
+    out, headers = lua_stream(lua, chunks, "gemini")
+    assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
+    ids = bool(responses[0].get("responseId"))
+    got = gemini_comparable(events_of(out), ids)
+    assert got == gemini_comparable(events_of(python_stream(chunks, gemini.GEMINI)), ids)
+    if ending == "whole":
+        assert got[-1] == "[DONE]" and "usage" in got[-2]
+    else:
+        assert got[-1] == {"interrupted": "stream_interrupted"}
+    if not ids:
+        named = [c["id"] for e in events_of(out) if isinstance(e, dict) for ch in e.get("choices") or ()
+                 for c in ch["delta"].get("tool_calls") or ()]
+        assert named == [f"call_{REQUEST_ID}_{n}" for n in range(len(named))]
+
+
+def test_a_gemini_stream_ends_with_its_usage_and_done_on_the_last_frame(lua: Any) -> None:
+    """Gemini's stream has no end event: the usage and [DONE] ride on the (empty) last frame."""
+    final = {"responseId": "r1", "modelVersion": "gemini-x", "candidates": [
+        {"content": {"parts": [{"text": "hi"}]}, "finishReason": "STOP"}],
+        "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1, "thoughtsTokenCount": 2}}
+    meta = {Key.ANSWER_SHAPE: "gemini", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
+    outs, _ = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, {":status": "200"}),
+                                       lua.table_from([gemini_sse(final), b""]))
+    first, last = events_of(outs[1]), events_of(outs[2])
+    assert [e["choices"][0]["delta"] for e in first] == [{"role": "assistant", "content": ""}, {"content": "hi"}, {}]
+    assert first[-1]["choices"][0]["finish_reason"] == "stop" and first[0]["model"] == "gemini-x"
+    assert last[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                "prompt_tokens_details": {"cached_tokens": 0},
+                                "completion_tokens_details": {"reasoning_tokens": 2}} and last[1] == "[DONE]"
+
+
+@st.composite
+def bedrock_streams(draw: st.DrawFn) -> list[tuple[str, dict[str, Any]]]:
+    """ConverseStream's events, as Bedrock sends them: text, reasoning and tool-use blocks (a tool's input
+    as pieces of its JSON), the stop reason, then the metadata event with the usage."""
+    events: list[tuple[str, dict[str, Any]]] = [("messageStart", {"role": "assistant"})]
+    for i, kind in enumerate(draw(st.lists(st.sampled_from(["text", "reasoning", "tool"]), max_size=4))):
+        if kind == "tool":
+            events.append(("contentBlockStart", {"contentBlockIndex": i, "start": {
+                "toolUse": {"toolUseId": draw(text), "name": draw(text)}}}))
+            args = json.dumps(draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
+            cuts = sorted(draw(st.lists(st.integers(0, len(args)), max_size=3)))
+            events += [("contentBlockDelta", {"contentBlockIndex": i, "delta": {"toolUse": {"input": args[a:b]}}})
+                       for a, b in zip([0, *cuts], [*cuts, len(args)], strict=True)]
+        else:
+            events += [("contentBlockDelta", {"contentBlockIndex": i, "delta": {"text": t} if kind == "text" else {
+                "reasoningContent": {"text": t}}}) for t in draw(st.lists(text, max_size=3))]
+        events.append(("contentBlockStop", {"contentBlockIndex": i}))
+    events.append(("messageStop", {"stopReason": draw(st.sampled_from([*bedrock.STOP_REASONS, "something_new"]))}))
+    usage = draw(st.fixed_dictionaries({"inputTokens": st.integers(0, 10**6), "outputTokens": st.integers(0, 10**6)},
+                                       optional={"cacheReadInputTokens": counts, "cacheWriteInputTokens": counts}))
+    events.append(("metadata", {"usage": usage, "metrics": {"latencyMs": 9}}))
+    return events
+
+
+def without_ids(events: list[Any]) -> list[Any]:
+    """Bedrock's chunks: Python names them at random, the Lua filter after the request."""
+    for e in events:
+        if isinstance(e, dict):
+            assert e.pop("id", None) is not None or "interrupted" in e
+    return events
+
+
+@settings(max_examples=200, deadline=None)
+@given(bedrock_streams(), st.lists(st.integers(0, 4000), max_size=6),
+       st.sampled_from(["whole", "cut", "throttled", "after", "crc", "half", "stray", "unstopped"]),
+       st.integers(1, 30))
+def test_the_lua_bedrock_stream_translation_is_the_python_adapters(lua: Any, events: list[tuple[str, dict[str, Any]]],
+                                                                  cuts: list[int], ending: str, at: int) -> None:
+    frames = [eventstream.event(kind, doc) for kind, doc in events]
+    if ending == "cut":  # the provider's stream ends before its metadata event
+        frames = frames[:-1]
+    elif ending == "throttled":  # an exception message mid-stream; what follows it never reaches the client
+        at = min(at, len(frames) - 1)
+        frames = [*frames[:at], eventstream.exception("throttlingException", "Too many tokens"), *frames[at:]]
+    elif ending == "unstopped":  # the metadata event without messageStop before it
+        frames = [*frames[:-2], frames[-1]]
+    elif ending == "stray":  # a tool input's piece for a block that never started
+        at = min(at, len(frames) - 2)
+        frames.insert(at, eventstream.event("contentBlockDelta", {"contentBlockIndex": 99, "delta": {
+            "toolUse": {"input": "{"}}}))
+    elif ending == "after":  # an event after the metadata
+        frames.append(eventstream.event("contentBlockStop", {"contentBlockIndex": 0}))
+    elif ending == "crc":  # a message whose CRC does not match
+        frames[-1] = frames[-1][:-1] + bytes([frames[-1][-1] ^ 1])
+    elif ending == "half":  # the stream ends inside a message
+        frames.append(frames[0][:9])
+    data = b"".join(frames)
+    chunks = split(data, cuts)
+    out, headers = lua_stream(lua, chunks, "bedrock")
+    assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
+    got = events_of(out)
+    assert all(e["id"] == f"chatcmpl-{REQUEST_ID}" for e in got if isinstance(e, dict) and "id" in e)
+    assert without_ids(got) == without_ids(events_of(python_stream(chunks, bedrock.BEDROCK)))
+    if ending == "whole":
+        assert got[-1] == "[DONE]" and "usage" in got[-2]
+    else:
+        assert got[-1] == {"interrupted": "stream_interrupted"}
+
+
+sse_ish = st.text(alphabet='{}[]":,0123456789.e-truefalsnl \\u\r\n', max_size=60).map(
+    lambda t: f"data: {t}\n\n".encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=80) | sse_ish, max_size=5),
+       st.sampled_from(["anthropic", "gemini", "bedrock"]))
+def test_any_stream_bytes_end_finished_or_interrupted_and_never_a_script_error(lua: Any, chunks: list[bytes],
+                                                                                shape: str) -> None:
+    out, _ = lua_stream(lua, chunks, shape)  # a script error raises here
+    got = events_of(out)
+    assert got and got[-1] in ("[DONE]", {"interrupted": "stream_interrupted"}), got
+    assert all(isinstance(e, dict) and e["object"] == "chat.completion.chunk" for e in got[:-2]), got
+
+
+def test_a_chunk_that_completes_no_event_passes_as_a_comment(lua: Any) -> None:
+    start = sse_event({"type": "message_start", "message": {"id": "m", "model": "claude", "usage": {}}})
+    meta = {Key.ANSWER_SHAPE: "anthropic", Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1"}
+    outs, _ = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, {":status": "200"}), lua.table_from(
+        [start[:10], start[10:], sse_event({"type": "ping"}), b""]))
+    assert outs[1] == b":\n\n" and outs[2].startswith(b"data: ") and outs[3] == b":\n\n"
+
+
+def test_an_event_after_the_stop_breaks_the_stream_as_in_the_adapter(lua: Any) -> None:
+    events = [{"type": "message_start", "message": {"id": "m", "model": "claude", "usage": {}}},
+              {"type": "message_stop"}, {"type": "ping"}]
+    chunks = [b"".join(sse_event(e) for e in events)]
+    got = events_of(lua_stream(lua, chunks)[0])
+    assert got[-2:] == ["[DONE]", {"interrupted": "stream_interrupted"}] and got == events_of(python_stream(chunks))
+
+
+COUNTED = {  # each shape's answer with its first count to be filled in
+    "anthropic": b'{"type":"message","content":[],"usage":{"input_tokens":%s,"output_tokens":1}}',
+    "gemini": b'{"candidates":[],"usageMetadata":{"promptTokenCount":%s}}',
+    "bedrock": b'{"output":{"message":{"content":[]}},"usage":{"inputTokens":%s,"outputTokens":1}}'}
+
+
+@pytest.mark.parametrize("shape", COUNTED)
+@pytest.mark.parametrize("tokens", [b"-5", b"2.5", b"1e300", b"9007199254740993e3", b'"7"', b"true", b"{}"])
+def test_a_count_no_provider_would_give_is_a_broken_answer(lua: Any, shape: str, tokens: bytes) -> None:
+    """In Lua and in the Python adapter alike (the attempt filter's path, and the doors')."""
+    body = COUNTED[shape] % tokens
+    out, headers = answer(lua, body, shape=shape)
+    assert headers[":status"] == "502" and json.loads(out or b"")["error"]["code"] == "upstream_error"
+    with pytest.raises(UpstreamBroken):
+        SHAPES[shape][1].response(200, body)
+    assert answer(lua, COUNTED[shape] % b"5", shape=shape)[1][":status"] == "200"  # a count is one

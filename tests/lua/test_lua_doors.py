@@ -1,0 +1,240 @@
+"""The Lua door filter (llmgw/lua/doors.lua, as the renderer renders it) under LuaJIT (lupa's build),
+held to the Python doors (extproc/doors/: the reference its translations were first built and tested
+on with the real SDKs): generated chat completions, errors and internal streams split at random points
+come out of both the same. Through real Envoy it is tested by tests/e2e/doors/test_anthropic_door_e2e.py and
+tests/e2e/doors/test_gemini_door_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.adapters.base import UpstreamBroken
+from extproc.doors import BY_NAME, Door
+from extproc.names import Key
+from llmgw.render.filters import doors_lua
+from tests.lua_harness import lua_runtime, lua_table
+
+DOORS = ("anthropic", "gemini")
+
+
+@pytest.fixture(scope="module")
+def lua() -> Any:
+    return lua_runtime(doors_lua())
+
+
+def lua_answer(lua: Any, door: str, status: int, body: bytes) -> tuple[int, bytes, dict[bytes, Any]]:
+    """(status, body, metadata set) of what the caller gets."""
+    hdrs = {":status": str(status), "content-type": "application/json", "content-length": str(len(body))}
+    out, got, sets = lua.globals().run_response(lua_table(lua, {Key.DOOR: door}), lua_table(lua, hdrs), body)
+    headers = {k.decode(): v.decode() for k, v in got.items()}
+    assert "content-length" not in headers
+    return int(headers[":status"]), out, dict(sets.items())
+
+
+def python_answer(door: Door, status: int, body: bytes) -> tuple[int, bytes]:
+    """What the door filter in ext_proc made of the same (extproc/door_filter.py before the Lua filter)."""
+    if not 200 <= status < 300:
+        return status, door.error(status, body)
+    try:
+        return status, json.dumps(door.answer(json.loads(body))).encode()
+    except (ValueError, AttributeError, TypeError, KeyError, IndexError, UpstreamBroken):
+        return 502, door.error(502, json.dumps({"error": {"message": "the upstream's answer could not be read",
+                                                           "code": "upstream_error"}}).encode())
+
+
+def parsed(body: bytes) -> Any:
+    """A body parsed, tool inputs and call arguments parsed too (the Lua filter keeps the JSON text as
+    written, Python writes it again)."""
+    return json.loads(body)
+
+
+text = st.text(max_size=12)
+args_objects = st.dictionaries(st.text(max_size=5), st.integers() | text | st.booleans(), max_size=3)
+arguments = args_objects.map(json.dumps) | st.sampled_from(["", "{", "[1]", "7", "not json"])
+counts = st.none() | st.integers(0, 10**9)
+usages = st.fixed_dictionaries({"prompt_tokens": st.integers(0, 10**6), "completion_tokens": st.integers(0, 10**6)},
+                               optional={"prompt_tokens_details": st.none() | st.fixed_dictionaries(
+                                   {}, optional={"cached_tokens": counts}),
+                                   "completion_tokens_details": st.none() | st.fixed_dictionaries(
+                                       {}, optional={"reasoning_tokens": counts})})
+calls = st.fixed_dictionaries({"id": text, "type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": text, "arguments": arguments})})
+messages = st.fixed_dictionaries({"role": st.just("assistant")}, optional={
+    "content": st.none() | text, "tool_calls": st.lists(calls, max_size=3)})
+finishes = st.sampled_from(["stop", "length", "tool_calls", "content_filter", "something_new"])
+choices = st.fixed_dictionaries({"message": messages, "finish_reason": finishes},
+                                optional={"stop_reason": st.none() | text})
+completions = st.fixed_dictionaries({"id": text.map(lambda t: "chatcmpl-" + t), "object": st.just("chat.completion"),
+                                     "created": st.just(1), "model": text,
+                                     "choices": st.lists(choices, min_size=1, max_size=2).map(
+                                         lambda cs: [{**c, "index": i} for i, c in enumerate(cs)])},
+                                    optional={"usage": usages})
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_chat_completion_reaches_the_caller_as_the_python_door_wrote_it(lua: Any, door: str) -> None:
+    @settings(max_examples=300, deadline=None)
+    @given(completions, st.booleans())
+    def translates_alike(doc: dict[str, Any], ascii_only: bool) -> None:
+        body = json.dumps(doc, ensure_ascii=ascii_only).encode()
+        status, out, sets = lua_answer(lua, door, 200, body)
+        want_status, want = python_answer(BY_NAME[door], 200, body)
+        assert (status, parsed(out)) == (want_status, parsed(want))
+        assert sets == {}
+
+    translates_alike()
+
+
+error_bodies = st.one_of(
+    st.fixed_dictionaries({"error": st.fixed_dictionaries(
+        {"message": text, "type": st.just("invalid_request_error"), "code": st.sampled_from(
+            ["invalid_request", "budget_exhausted", "upstream_error"])},
+        optional={"param": st.none() | text})}).map(json.dumps),
+    st.just(json.dumps({"type": "error", "error": {"type": "api_error", "message": "kept", "code": "x"}})),
+    st.just(json.dumps({"error": {"code": 429, "message": "kept", "status": "RESOURCE_EXHAUSTED"}})),
+    st.sampled_from(["", "not json", "[]", '{"error": "text"}']),
+)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_an_error_reaches_the_caller_in_its_shape_as_the_python_door_wrote_it(lua: Any, door: str) -> None:
+    @settings(max_examples=200, deadline=None)
+    @given(st.sampled_from([400, 401, 403, 404, 413, 429, 500, 502, 503, 504, 529]), error_bodies)
+    def errors_alike(status: int, body: str) -> None:
+        got_status, out, _ = lua_answer(lua, door, status, body.encode())
+        want_status, want = python_answer(BY_NAME[door], status, body.encode())
+        assert (got_status, parsed(out)) == (want_status, parsed(want))
+
+    errors_alike()
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("count", ["-7", "2.5", '"7"', "true"])
+def test_an_answer_the_door_cannot_carry_is_its_502_and_charged(lua: Any, door: str, count: str) -> None:
+    """The status too: the Lua filter holds the headers until it has read the body (the ext_proc door
+    filter could only put the error under the 200 already sent). Settlement charges the whole
+    reservation: the upstream did the work."""
+    body = ('{"id":"chatcmpl-1","model":"m","choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop"}],'
+            '"usage":{"prompt_tokens":3,"completion_tokens":' + count + "}}").encode()
+    status, out, sets = lua_answer(lua, door, 200, body)
+    assert status == 502 and "upstream_error" in out.decode() and sets == {Key.ANSWER_BROKEN.encode(): b"1"}
+    assert python_answer(BY_NAME[door], 200, body)[0] == 502
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | st.text(alphabet='{}[]":,0123456789.e-truefalsnl \\u', max_size=80).map(str.encode),
+       st.sampled_from(DOORS), st.sampled_from([200, 400, 502]))
+def test_any_body_is_an_answer_or_an_error_and_never_a_script_error(lua: Any, body: bytes, door: str,
+                                                                    status: int) -> None:
+    got_status, out, _ = lua_answer(lua, door, status, body)
+    assert isinstance(json.loads(out), dict) and got_status in (200, status, 502)
+
+
+# -- streams ----------------------------------------------------------------------------------------
+
+def chunk(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+@st.composite
+def internal_streams(draw: st.DrawFn) -> list[bytes]:
+    """The internal stream as the stream guard passes it to the door: the role chunk, text deltas,
+    tool calls (the first delta names the call, the next carry pieces of its arguments), the finish,
+    the usage chunk, [DONE]; keep-alive comments anywhere."""
+    head = {"id": "chatcmpl-" + draw(text), "object": "chat.completion.chunk", "created": 1, "model": draw(text)}
+
+    def delta(d: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        return chunk({**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish,
+                                            **extra}]})
+
+    out = [delta({"role": "assistant", "content": ""})]
+    for n, kind in enumerate(draw(st.lists(st.sampled_from(["text", "tool"]), max_size=4))):
+        if kind == "text":
+            out += [delta({"content": t}) for t in draw(st.lists(text, max_size=3))]
+        else:
+            args = draw(arguments)
+            cuts = sorted(draw(st.lists(st.integers(0, len(args)), max_size=2)))
+            pieces = [args[a:b] for a, b in zip([0, *cuts], [*cuts, len(args)], strict=True)]
+            out.append(delta({"tool_calls": [{"index": n, "id": draw(text), "type": "function",
+                                              "function": {"name": draw(text), "arguments": ""}}]}))
+            out += [delta({"tool_calls": [{"index": n, "function": {"arguments": p}}]}) for p in pieces]
+        if draw(st.booleans()):
+            out.append(b":\n\n")
+    finish = draw(finishes)
+    out.append(delta({}, finish, **({"stop_reason": draw(text)} if draw(st.booleans()) else {})))
+    if draw(st.booleans()):
+        out.append(chunk({**head, "choices": [], "usage": draw(usages)}))
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(max(c, 0), len(data)) for c in cuts})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if b > a]
+
+
+def lua_stream(lua: Any, door: str, chunks: list[bytes]) -> bytes:
+    hdrs = {":status": "200", "content-type": "text/event-stream"}
+    outs, _ = lua.globals().run_stream(lua_table(lua, {Key.DOOR: door}), lua_table(lua, hdrs),
+                                       lua.table_from([*chunks, b""]))
+    return b"".join(outs[i] for i in range(1, len(chunks) + 2))
+
+
+def python_stream(door: str, chunks: list[bytes]) -> bytes:
+    stream = BY_NAME[door].stream()
+    return b"".join(stream.feed(c) for c in chunks) + stream.finish()
+
+
+def events(door: str, body: bytes) -> list[Any]:
+    """The caller's events, parsed: Anthropic's (name, data), Gemini's data; tool inputs parsed."""
+    sep = "\r\n\r\n" if door == "gemini" else "\n\n"
+    out: list[Any] = []
+    for e in body.decode().split(sep):
+        if not e:
+            continue
+        if door == "anthropic":
+            name, data = e.split("\n", 1)
+            out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+        else:
+            out.append(json.loads(e.removeprefix("data: ")))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(DOORS), internal_streams(), st.lists(st.integers(0, 3000), max_size=6),
+       st.sampled_from(["done", "interrupted", "cut", "malformed"]))
+def test_a_stream_reaches_the_caller_as_the_python_door_wrote_it(lua: Any, door: str, stream: list[bytes],
+                                                                cuts: list[int], ending: str) -> None:
+    if ending == "interrupted":  # the stream guard's (or an upstream's) interruption
+        stream = [*stream[:-2], b'data: {"error": {"code": "stream_interrupted", "message": "cut \\"short\\""}}\n\n']
+    elif ending == "cut":  # an end before [DONE]
+        stream = stream[:-1]
+    elif ending == "malformed":
+        stream = [*stream[:-2], b"data: {not json\n\n", stream[-1]]
+    chunks = split(b"".join(stream), cuts)
+    got = events(door, lua_stream(lua, door, chunks))
+    assert got == events(door, python_stream(door, chunks))
+    last = got[-1]
+    if ending == "done":
+        assert last[0] == "message_stop" if door == "anthropic" else "finishReason" in last["candidates"][0]
+    else:
+        assert (last[0] == "error" and last[1]["error"]["code"] == "stream_interrupted" if door == "anthropic"
+                else last["error"]["details"][0]["reason"] == "stream_interrupted")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=80) | st.text(
+    alphabet='{}[]":,0123456789.e-truefalsnl \\u\r\n', max_size=60).map(lambda t: f"data: {t}\n\n".encode()),
+    max_size=5), st.sampled_from(DOORS))
+def test_any_stream_ends_finished_or_with_the_doors_error_and_never_a_script_error(lua: Any, chunks: list[bytes],
+                                                                                   door: str) -> None:
+    last = events(door, lua_stream(lua, door, chunks))[-1]  # a script error raises here
+    if door == "anthropic":
+        assert last[0] in ("message_stop", "error")
+    else:
+        assert "error" in last or "finishReason" in last["candidates"][0]

@@ -1,0 +1,241 @@
+"""The Lua stream guard's logic (llmgw/lua/stream_guard.lua, as the renderer renders it), run under
+LuaJIT (lupa's build) with a stand-in for Envoy's stream handle: chunks in, chunks and metadata out.
+Through real Envoy it is tested by tests/e2e/routing/test_streams_e2e.py and
+tests/e2e/routing/test_stream_limits_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lupa import luajit21
+
+from extproc.names import INTERRUPTED, Key, StreamEnd
+from extproc.streams import KEEPALIVE, interrupted_event
+from llmgw.envoy_render import stream_guard_lua
+from tests.lua_harness import BODY_CHUNKS
+
+# Envoy's handle as the script uses it: metadata get/set in one namespace, the response status, a
+# clock, and the body as chunks (each one's bytes may be replaced; an empty one ends the stream).
+HARNESS = BODY_CHUNKS + """
+function run_guard(chunks, md, status, now, content_type)
+  local sets, outs = {}, {}
+  local hdrs = {[":status"] = status, ["content-type"] = content_type, ["content-length"] = "123"}
+  local dm = {get = function(self, ns) return md end,
+              set = function(self, ns, k, v) sets[k] = v; md[k] = v end}
+  local si = {dynamicMetadata = function(self) return dm end}
+  local h = {
+    streamInfo = function(self) return si end,
+    headers = function(self)
+      return {get = function(self, k) return hdrs[k] end, remove = function(self, k) hdrs[k] = nil end,
+              replace = function(self, k, v) hdrs[k] = v end}
+    end,
+    timestamp = function(self) return now end,
+    bodyChunks = function(self) return body_chunks(chunks, outs) end,
+  }
+  envoy_on_response(h)
+  return outs, sets, hdrs
+end
+"""
+
+
+@pytest.fixture(scope="module")
+def lua() -> Any:
+    runtime = luajit21.LuaRuntime(unpack_returned_tuples=True, encoding=None)  # Lua strings as bytes
+    runtime.execute(stream_guard_lua())
+    runtime.execute(HARNESS)
+    return runtime
+
+
+def guard(lua: Any, chunks: list[bytes], *, withhold: bool = False, status: str = "200", now: int = 0,
+          ends_at: int | None = None, settle: str = "stream", content_type: str = "text/event-stream",
+          headers: dict[str, str] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """What the client receives and the metadata the guard set; `headers` gets the response headers
+    as the guard left them."""
+    md = {Key.SETTLE: settle, **({Key.WITHHOLD_USAGE: "1"} if withhold else {}),
+          **({Key.STREAM_ENDS_AT_MS: str(ends_at)} if ends_at is not None else {})}
+    outs, sets, hdrs = lua.globals().run_guard(lua.table_from(chunks), lua.table_from(
+        {k.encode(): v.encode() for k, v in md.items()}), status.encode(), now, content_type.encode())
+    if headers is not None:
+        headers.update({k.decode(): v.decode() for k, v in hdrs.items()})
+    # A chunk the script never took (it returned at once) passes as it came.
+    out = b"".join(chunks[i - 1] if outs[i] is None else outs[i] for i in range(1, len(chunks) + 1))
+    return out, {k.decode(): v.decode() if isinstance(v, bytes) else v for k, v in sets.items()}
+
+
+def event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def token(text: str) -> bytes:
+    return event({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                  "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]})
+
+
+ROLE = event({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+USAGE = event({"id": "c", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                                   "prompt_tokens_details": {"cached_tokens": 2}}})
+DONE = b"data: [DONE]\n\n"
+STREAM = ROLE + token("a") + token(" b") + token(" c") + USAGE + DONE
+
+
+def interrupted(end: StreamEnd) -> bytes:
+    return interrupted_event(INTERRUPTED[end])
+
+
+@pytest.mark.parametrize("withhold", [False, True])
+def test_a_whole_stream_passes_with_its_usage_in_the_metadata(lua: Any, withhold: bool) -> None:
+    out, sets = guard(lua, [STREAM, b""], withhold=withhold)
+    assert out == (STREAM.replace(USAGE, b"") if withhold else STREAM)
+    assert sets == {Key.USAGE_PROMPT: 7, Key.USAGE_COMPLETION: 3, Key.USAGE_CACHED: 2, Key.STREAM_CHUNKS: 3,
+                    Key.STREAM_END: StreamEnd.DONE}
+
+
+def test_events_split_anywhere_reach_the_client_whole(lua: Any) -> None:
+    for cut in range(1, len(STREAM)):
+        chunks = [STREAM[:cut], STREAM[cut:], b""]
+        out, sets = guard(lua, chunks)
+        # (a first chunk that completes no event passes as an SSE comment, never empty: see below)
+        assert out in (STREAM, KEEPALIVE + STREAM) and sets[Key.STREAM_END] == StreamEnd.DONE
+        # Nothing reaches the client before its event is complete.
+        first, _ = guard(lua, chunks[:1])
+        assert first == KEEPALIVE or (STREAM.startswith(first) and first.endswith(b"\n\n"))
+
+
+def test_a_chunk_that_completes_no_event_never_passes_empty(lua: Any) -> None:
+    """A front door's Lua filter after the guard reads an empty chunk as the stream's end (and stops
+    translating what follows): half an event, or the withheld usage chunk alone, passes as a comment."""
+    half = len(ROLE) // 2
+    chunks = [ROLE[:half], ROLE[half:] + token("a"), USAGE, DONE, b""]
+    md = lua.table_from({Key.SETTLE.encode(): b"stream", Key.WITHHOLD_USAGE.encode(): b"1"})
+    outs, _, _ = lua.globals().run_guard(lua.table_from(chunks), md, b"200", 0, b"text/event-stream")
+    assert [outs[i] for i in range(1, 6)] == [KEEPALIVE, ROLE + token("a"), KEEPALIVE, DONE, b""]
+
+
+def test_crlf_events_comments_and_multi_line_data(lua: Any) -> None:
+    stream = b": keep-alive\r\n\r\n" + token("x").replace(b"\n\n", b"\r\n\r\n") + \
+        b'data: {"choices":\ndata: [{"delta":{"content":"y"}}]}\n\n' + DONE
+    out, sets = guard(lua, [stream, b""])
+    assert out == stream and sets[Key.STREAM_CHUNKS] == 2 and sets[Key.STREAM_END] == StreamEnd.DONE
+
+
+@pytest.mark.parametrize(("bad", "end"), [
+    (b'data: {"id": "broken", "choices": [\n\n', StreamEnd.MALFORMED),
+    (b"data: not json\n\n", StreamEnd.MALFORMED),
+    (b"data: [1, 2]\n\n", StreamEnd.MALFORMED),
+    (event({"error": {"message": "engine died", "code": 500}}), StreamEnd.ERROR),
+])
+def test_a_broken_event_ends_the_stream_with_the_contract_event(lua: Any, bad: bytes, end: StreamEnd) -> None:
+    head = ROLE + token("a")
+    out, sets = guard(lua, [head, bad + token("never"), DONE, b""])
+    assert out == head + interrupted(end)  # nothing after it, [DONE] included
+    assert sets[Key.STREAM_END] == end and sets[Key.STREAM_CHUNKS] == 1
+
+
+def test_an_end_without_done_is_unfinished(lua: Any) -> None:
+    out, sets = guard(lua, [ROLE + token("a"), b""])
+    assert out == ROLE + token("a") + interrupted(StreamEnd.UNFINISHED)
+    assert sets[Key.STREAM_END] == StreamEnd.UNFINISHED
+
+
+def test_an_oversized_event_ends_the_stream(lua: Any) -> None:
+    huge = b"data: {" + b" " * (1 << 20)
+    out, sets = guard(lua, [ROLE, huge, b"}\n\n", b""])
+    assert out == ROLE + interrupted(StreamEnd.OVERSIZED) and sets[Key.STREAM_END] == StreamEnd.OVERSIZED
+
+
+def test_past_its_end_time_the_next_chunk_is_the_interrupted_event(lua: Any) -> None:
+    out, sets = guard(lua, [ROLE, token("a"), DONE, b""], now=5_000, ends_at=4_000)
+    assert out == interrupted(StreamEnd.OVER) and sets[Key.STREAM_END] == StreamEnd.OVER
+    out, _ = guard(lua, [STREAM, b""], now=3_999, ends_at=4_000)
+    assert out == STREAM
+
+
+@pytest.mark.parametrize(("status", "settle"), [("502", "stream"), ("200", "als"), ("200", "kept_stream")])
+def test_error_statuses_and_other_routes_pass_untouched(lua: Any, status: str, settle: str) -> None:
+    body = b'{"error": {"code": "upstream_error"}}'
+    out, sets = guard(lua, [body, b""], status=status, settle=settle)
+    assert out == body and sets == {}
+
+
+def test_what_counts_as_generated_content(lua: Any) -> None:
+    chunks = [
+        event({"choices": [{"delta": {"content": ""}}]}),  # empty: not counted
+        event({"choices": [{"delta": {"content": " "}}]}),
+        event({"choices": [{"delta": {"tool_calls": []}}]}),  # empty: not counted
+        event({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]}),
+        event({"choices": [{"delta": {"reasoning_content": "hm"}}]}),
+        event({"choices": [{"delta": {"reasoning": "hm"}}]}),
+        event({"choices": [{"delta": {}, "logprobs": {"content": [{"token": "x"}]}}]}),  # not content
+    ]
+    _, sets = guard(lua, [b"".join(chunks) + DONE, b""])
+    assert sets[Key.STREAM_CHUNKS] == 4
+
+
+def strict_object(text: str) -> bool:
+    """What the guard must accept: a JSON object, as a strict parser reads it (no NaN, no Infinity)."""
+    def no_constants(name: str) -> Any:
+        raise ValueError(name)
+    try:
+        return isinstance(json.loads(text, parse_constant=no_constants), dict)
+    except ValueError:
+        return False
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), json_values, max_size=5),
+       st.sampled_from([(",", ":"), (", ", ": "), (" ,\t", "\t: ")]), st.data())
+def test_the_json_check_agrees_with_a_strict_parser(lua: Any, doc: dict[str, Any], separators: tuple[str, str],
+                                                    data: st.DataObject) -> None:
+    """Generated objects, and the same text broken at one place (a byte dropped, replaced or added):
+    the guard passes an event exactly when a strict JSON parser reads an object from it."""
+    text = json.dumps(doc, separators=separators, ensure_ascii=data.draw(st.booleans()))
+    if data.draw(st.booleans()):
+        at = data.draw(st.integers(0, len(text)))
+        junk = data.draw(st.sampled_from(['"', "{", "}", "[", "]", ",", ":", "\\", "0", "-", ".", "e", "\x01", "n",
+                                          "t", " ", "", "\\u12"]))
+        text = text[:at] + junk + text[at + data.draw(st.integers(0, 1)):]
+    _, sets = guard(lua, [f"data: {text}\n\n".encode() + DONE, b""])
+    # An object whose top level holds `error` is the contract's error event, whatever its value.
+    error_event = strict_object(text) and "error" in json.loads(text)
+    assert (sets[Key.STREAM_END] == StreamEnd.DONE) == (strict_object(text) and not error_event), text
+    assert (sets[Key.STREAM_END] == StreamEnd.ERROR) == error_event, text
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": 01}', '{"a": -01}', '{"a": 1.}', '{"a": .5}', '{"a": 1e}', '{"a": +1}', '{"a": NaN}', '{"a": Infinity}',
+    '{"a": tru}', '{"a": nul}', '{"a": "\\x"}', '{"a": "\\u12"}', '{"a": 1,}', '{,}', '{"a"}', '{"a":}', '{} {}',
+    '{"a": "\x01"}', '{"a": [1 2]}', "{'a': 1}", '{"a": 1', '{"a": -}',
+    '{}', '{"a": -0}', '{"a": 0.5e+3}', '{"a": 1E-2}', '{"a": "\\u00e9\\n\\"\\\\\\/"}', ' { "a" : [ ] , "b" : { } } ',
+    '{"a": [true, false, null, -1.5, "x"]}',
+])
+def test_the_json_check_on_edge_cases(lua: Any, text: str) -> None:
+    _, sets = guard(lua, [f"data: {text}\n\n".encode() + DONE, b""])
+    assert (sets[Key.STREAM_END] == StreamEnd.DONE) == strict_object(text), text
+
+
+def test_nesting_deeper_than_64_is_refused(lua: Any) -> None:
+    """A bound the guard keeps where Python has none: an engine never nests this deep."""
+    for depth, ok in ((63, True), (70, False)):
+        _, sets = guard(lua, [b'data: {"a":' + b"[" * depth + b"]" * depth + b"}\n\n" + DONE, b""])
+        assert (sets[Key.STREAM_END] == StreamEnd.DONE) is ok
+
+
+def test_an_answer_that_is_not_a_stream_ends_as_one(lua: Any) -> None:
+    """An upstream that answers a stream request with JSON: the client, which asked for a stream,
+    gets one ending with the contract's event; the body's length is Envoy's to frame."""
+    headers: dict[str, str] = {}
+    out, sets = guard(lua, [b'{"id": "c", "choices": []}'], content_type="application/json", headers=headers)
+    assert out == interrupted(StreamEnd.MALFORMED) and sets[Key.STREAM_END] == StreamEnd.MALFORMED
+    assert headers == {":status": "200", "content-type": "text/event-stream"}
+    _, sets = guard(lua, [STREAM, b""], content_type="text/event-stream; charset=utf-8", headers=headers)
+    assert sets[Key.STREAM_END] == StreamEnd.DONE

@@ -1,0 +1,280 @@
+"""The front doors' translations on their own (extproc/doors/): the request into the internal
+contract, answers, errors and streams back into Anthropic's and Gemini's shapes. The same requests
+through Envoy with the real SDKs: tests/e2e/doors/test_anthropic_door_e2e.py,
+tests/e2e/doors/test_gemini_door_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.contract import ErrorCode, GatewayError
+from extproc.doors import GEMINI as GEMINI_DOOR
+from extproc.doors import door_for
+from extproc.doors.anthropic import MessagesStream, answer, error, request
+from extproc.doors.gemini import GenerateContentStream
+from extproc.doors.gemini import answer as gemini_answer
+from extproc.doors.gemini import error as gemini_error
+from extproc.doors.gemini import request as gemini_request
+
+
+def native(**kw: Any) -> bytes:
+    return json.dumps({"model": "chat-default", "max_tokens": 16,
+                       "messages": [{"role": "user", "content": "hi"}], **kw}).encode()
+
+
+def test_the_door_is_chosen_by_path() -> None:
+    assert door_for("/v1/messages") is not None and door_for("/v1/messages?beta=true") is not None
+    assert door_for("/v1/chat/completions") is None
+
+
+def test_a_request_becomes_the_internal_contract() -> None:
+    body = request(native(
+        system=[{"type": "text", "text": "Be brief."}], stop_sequences=["END"], temperature=0.5, top_k=5,
+        metadata={"user_id": "u-1"}, stream=True,
+        tools=[{"name": "search_docs", "input_schema": {"type": "object"}}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "find it"},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "search_docs",
+                                                     "input": {"q": "x"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"},
+                                               {"type": "text", "text": "thanks"}]}]))
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert body["messages"][2]["tool_calls"][0]["function"] == {"name": "search_docs", "arguments": '{"q": "x"}'}
+    assert body["messages"][3] == {"role": "tool", "tool_call_id": "t1", "content": "ok"}
+    assert body["messages"][4] == {"role": "user", "content": "thanks"}
+    assert body["stop"] == ["END"] and body["user"] == "u-1" and body["top_k"] == 5
+    assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
+    assert body["stream_options"] == {"include_usage": True}  # Anthropic's events carry usage
+
+
+@pytest.mark.parametrize("raw, code, param", [
+    (native(thinking={"type": "enabled", "budget_tokens": 1024}), ErrorCode.UNSUPPORTED_FIELD, "thinking"),
+    (native(service_tier="auto"), ErrorCode.UNSUPPORTED_FIELD, "service_tier"),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode(), ErrorCode.INVALID_REQUEST,
+     "max_tokens"),
+    (native(max_tokens=0), ErrorCode.INVALID_REQUEST, "max_tokens"),
+    (native(messages=[]), ErrorCode.INVALID_REQUEST, "messages"),
+    (native(messages=[{"role": "system", "content": "x"}]), ErrorCode.INVALID_REQUEST, "messages.0.role"),
+    (native(temperature=1.5), ErrorCode.INVALID_REQUEST, "temperature"),
+    (native(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), ErrorCode.INVALID_REQUEST,
+     "messages.0.content"),
+    (b"{not json", ErrorCode.INVALID_REQUEST, None),
+])
+def test_bad_requests_are_refused_naming_the_field(raw: bytes, code: ErrorCode, param: str | None) -> None:
+    with pytest.raises(GatewayError) as e:
+        request(raw)
+    assert e.value.code is code
+    if param is not None:
+        assert (e.value.param or "").startswith(param)
+
+
+def completion(message: dict[str, Any], finish: str, stop_reason: Any = None) -> dict[str, Any]:
+    return {"id": "chatcmpl-abc", "model": "m", "choices": [
+        {"index": 0, "message": message, "finish_reason": finish, "stop_reason": stop_reason}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+                  "prompt_tokens_details": {"cached_tokens": 6}}}
+
+
+def test_an_answer_becomes_a_message() -> None:
+    m = answer(completion({"role": "assistant", "content": "hello"}, "stop", "END"))
+    assert m["id"] == "msg_abc" and m["content"] == [{"type": "text", "text": "hello"}]
+    assert (m["stop_reason"], m["stop_sequence"]) == ("stop_sequence", "END")
+    assert m["usage"] == {"input_tokens": 4, "cache_read_input_tokens": 6, "cache_creation_input_tokens": 0,
+                          "output_tokens": 4}
+    m = answer(completion({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}, "tool_calls"))
+    assert m["content"] == [{"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}}]
+    assert m["stop_reason"] == "tool_use"
+    assert answer(completion({"content": "x"}, "length"))["stop_reason"] == "max_tokens"
+
+
+def test_errors_keep_status_and_code() -> None:
+    body = json.loads(error(429, GatewayError(ErrorCode.BUDGET_EXHAUSTED, "no budget").body()))
+    assert body == {"type": "error", "error": {"type": "rate_limit_error", "message": "no budget",
+                                               "code": "budget_exhausted"}}
+    kept = b'{"type": "error", "error": {"type": "api_error", "message": "x"}}'
+    assert error(500, kept) == kept  # already Anthropic's
+    assert json.loads(error(502, b"<html>"))["error"]["code"] == "upstream_error"
+
+
+STREAM = b"".join(b"data: " + json.dumps(d).encode() + b"\n\n" for d in [
+    {"id": "chatcmpl-s", "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"id": "chatcmpl-s", "model": "m", "choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+    {"id": "chatcmpl-s", "model": "m", "choices": [{"index": 0, "delta": {"content": "lo"}}]},
+    {"id": "chatcmpl-s", "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}]}}]},
+    {"id": "chatcmpl-s", "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "tool_calls"}]},
+    {"id": "chatcmpl-s", "model": "m", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3,
+                                                                "total_tokens": 8}},
+]) + b"data: [DONE]\n\n"
+
+
+def events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for e in raw.decode().split("\n\n"):
+        if e:
+            kind, data = e.split("\n", 1)
+            out.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+def test_a_stream_becomes_anthropics_events() -> None:
+    t = MessagesStream()
+    got = events(t.feed(STREAM) + t.finish())
+    assert [k for k, _ in got] == ["message_start", "content_block_start", "content_block_delta",
+                                   "content_block_delta", "content_block_stop", "content_block_start",
+                                   "content_block_delta", "content_block_delta", "content_block_stop",
+                                   "message_delta", "message_stop"]
+    assert got[5][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
+    assert "".join(d["delta"]["partial_json"] for k, d in got if d.get("delta", {}).get("type") == "input_json_delta") \
+        == '{"a": 1}'
+    assert got[-2][1]["delta"]["stop_reason"] == "tool_use" and got[-2][1]["usage"]["output_tokens"] == 3
+
+
+@given(st.lists(st.integers(0, len(STREAM)), max_size=12))
+def test_any_split_of_the_stream_gives_the_same_events(cuts: list[int]) -> None:
+    t, out, prev = MessagesStream(), b"", 0
+    for c in sorted(cuts):
+        out += t.feed(STREAM[prev:c])
+        prev = c
+    out += t.feed(STREAM[prev:]) + t.finish()
+    whole = MessagesStream()
+    assert out == whole.feed(STREAM) + whole.finish()
+
+
+def test_a_broken_stream_ends_with_an_error_event() -> None:
+    interrupted = b'data: {"error": {"code": "stream_interrupted", "message": "cut"}}\n\n'
+    for tail in (interrupted, b"data: {not json\n\n", b""):  # the contract's event, garbage, no [DONE]
+        t = MessagesStream()
+        got = events(t.feed(STREAM.split(b"data: [DONE]")[0][:200] + tail) + t.finish())
+        assert got[-1][0] == "error" and got[-1][1]["error"]["code"] == "stream_interrupted"
+        assert "message_stop" not in [k for k, _ in got]
+        assert t.feed(b"data: [DONE]\n\n") == b""  # nothing after it
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=2000))
+def test_random_bytes_never_raise(data: bytes) -> None:
+    t = MessagesStream()
+    out = t.feed(data) + t.finish()
+    kinds = [k for k, _ in events(out)] if out else []
+    assert kinds.count("message_stop") + kinds.count("error") <= 1  # one end at most
+
+
+@settings(max_examples=200)
+@given(st.lists(st.fixed_dictionaries({}, optional={
+    "choices": st.lists(st.fixed_dictionaries({}, optional={
+        "index": st.integers(0, 2), "finish_reason": st.sampled_from([None, "stop", "length", "tool_calls"]),
+        "delta": st.fixed_dictionaries({}, optional={
+            "content": st.one_of(st.none(), st.text(max_size=5)),
+            "tool_calls": st.lists(st.fixed_dictionaries({"index": st.integers(0, 2)}, optional={
+                "id": st.text(max_size=3), "function": st.fixed_dictionaries({}, optional={
+                    "name": st.text(max_size=3), "arguments": st.text(max_size=5)})}), max_size=2)})}), max_size=2),
+    "usage": st.fixed_dictionaries({"prompt_tokens": st.integers(0, 9), "completion_tokens": st.integers(0, 9)})}),
+    max_size=8))
+def test_valid_looking_chunks_give_well_formed_events(chunks: list[dict[str, Any]]) -> None:
+    t = MessagesStream()
+    raw = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    got = events(t.feed(raw) + t.finish())
+    kinds = [k for k, _ in got]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop")  # every block closed
+
+
+# -- the Gemini door ---------------------------------------------------------------------------------
+
+GPATH = "/v1beta/models/chat-default:generateContent"
+
+
+def gnative(**kw: Any) -> bytes:
+    return json.dumps({"contents": [{"role": "user", "parts": [{"text": "hi"}]}], **kw}).encode()
+
+
+def test_the_gemini_door_takes_the_route_from_the_path_and_both_spellings() -> None:
+    assert door_for("/v1beta/models/chat-default:streamGenerateContent?alt=sse") is GEMINI_DOOR
+    assert door_for("/v1beta/models/a/b:generateContent") is None
+    body = gemini_request(gnative(system_instruction={"parts": [{"text": "brief"}]},
+                                  generation_config={"max_output_tokens": 9, "stop_sequences": ["END"]},
+                                  tools=[{"function_declarations": [{"name": "f", "parameters_json_schema": {}}]}],
+                                  tool_config={"function_calling_config": {"mode": "ANY"}}), GPATH)
+    assert body["model"] == "chat-default" and body["max_tokens"] == 9 and body["stop"] == ["END"]
+    assert body["messages"][0] == {"role": "system", "content": "brief"} and body["tool_choice"] == "required"
+    camel = gemini_request(gnative(systemInstruction={"parts": [{"text": "brief"}]},
+                                   generationConfig={"maxOutputTokens": 9, "stopSequences": ["END"]},
+                                   tools=[{"functionDeclarations": [{"name": "f", "parametersJsonSchema": {}}]}],
+                                   toolConfig={"functionCallingConfig": {"mode": "ANY"}}), GPATH)
+    assert camel == body
+    streamed = gemini_request(gnative(), "/v1beta/models/r:streamGenerateContent?alt=sse")
+    assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("raw, path, code, param", [
+    (gnative(safetySettings=[]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "safetySettings"),
+    (gnative(cachedContent="c/1"), GPATH, ErrorCode.UNSUPPORTED_FIELD, "cachedContent"),
+    (gnative(tools=[{"googleSearch": {}}]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "tools.0.googleSearch"),
+    (gnative(generationConfig={"responseSchema": {}}), GPATH, ErrorCode.UNSUPPORTED_FIELD,
+     "generationConfig.responseSchema"),
+    (json.dumps({"contents": []}).encode(), GPATH, ErrorCode.INVALID_REQUEST, "contents"),
+    (gnative(contents=[{"role": "tool", "parts": [{"text": "x"}]}]), GPATH, ErrorCode.INVALID_REQUEST,
+     "contents.0.role"),
+    (gnative(contents=[{"parts": [{"text": "x", "inlineData": {"mimeType": "a", "data": "b"}}]}]), GPATH,
+     ErrorCode.INVALID_REQUEST, "contents.0.parts.0"),
+    (gnative(), "/v1beta/models/r:streamGenerateContent", ErrorCode.INVALID_REQUEST, "alt"),
+])
+def test_the_gemini_door_refuses_what_it_cannot_carry(raw: bytes, path: str, code: ErrorCode, param: str) -> None:
+    with pytest.raises(GatewayError) as e:
+        gemini_request(raw, path)
+    assert e.value.code is code and (e.value.param or "").startswith(param)
+
+
+def test_a_gemini_answer_and_error() -> None:
+    doc = gemini_answer(completion({"role": "assistant", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}, "tool_calls"))
+    (cand,) = doc["candidates"]
+    assert cand["content"]["parts"] == [{"text": "hi"}, {"functionCall": {"name": "f", "args": {"a": 1}}}]
+    assert cand["finishReason"] == "STOP" and doc["responseId"] == "abc"
+    assert doc["usageMetadata"] == {"promptTokenCount": 10, "candidatesTokenCount": 4, "totalTokenCount": 14,
+                                    "cachedContentTokenCount": 6}
+    err = json.loads(gemini_error(429, GatewayError(ErrorCode.BUDGET_EXHAUSTED, "no budget").body()))["error"]
+    assert (err["code"], err["status"], err["details"][0]["reason"]) == (429, "RESOURCE_EXHAUSTED", "budget_exhausted")
+
+
+def gframes(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\r\n\r\n") if e]
+
+
+def test_a_stream_becomes_geminis_responses() -> None:
+    t = GenerateContentStream()
+    frames = gframes(t.feed(STREAM) + t.finish())
+    texts = [p["text"] for f in frames[:-1] for p in f["candidates"][0]["content"]["parts"]]
+    assert texts == ["Hel", "lo"]
+    last = frames[-1]
+    assert last["candidates"][0]["finishReason"] == "STOP"  # a function call ends the turn: STOP
+    assert last["candidates"][0]["content"]["parts"] == [{"functionCall": {"name": "f", "args": {"a": 1}}}]
+    assert last["usageMetadata"]["candidatesTokenCount"] == 3
+
+
+@given(st.lists(st.integers(0, len(STREAM)), max_size=12))
+def test_any_split_gives_the_same_gemini_stream(cuts: list[int]) -> None:
+    t, out, prev = GenerateContentStream(), b"", 0
+    for c in sorted(cuts):
+        out += t.feed(STREAM[prev:c])
+        prev = c
+    out += t.feed(STREAM[prev:]) + t.finish()
+    whole = GenerateContentStream()
+    assert out == whole.feed(STREAM) + whole.finish()
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=2000))
+def test_random_bytes_never_break_the_gemini_stream(data: bytes) -> None:
+    t = GenerateContentStream()
+    frames = gframes(t.feed(data) + t.finish())
+    assert frames and ("error" in frames[-1] or "finishReason" in frames[-1]["candidates"][0])
+    assert sum("error" in f for f in frames) <= 1
