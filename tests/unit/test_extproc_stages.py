@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from extproc.stages.identity import CallerIdentity, bearer_token
 from extproc.stages.intake import Intake
 from extproc.stages.route import RouteSelection, tenant_salts
 from extproc.store import Store
-from tests.conftest import DEMO_KEYS, EXAMPLE_POLICY, POLICY, valkey_url
+from tests.conftest import DEMO_KEYS, EARNED, EXAMPLE_POLICY, POLICY, ROOT, valkey_url
 
 SNAP = load_snapshot(POLICY)
 SALTS = tenant_salts("test-secret", SNAP.gateway.tenants)
@@ -286,10 +287,12 @@ def test_demo_keys_are_made_per_state_dir_and_never_shipped(tmp_path: Path) -> N
     and keeps the key in the state dir (0600) for the next start; a new state dir gets new keys."""
     from llmgw.demo_keys import ensure_demo_keys
 
-    assert not (EXAMPLE_POLICY / "keys.yaml").exists() or "demo" not in (EXAMPLE_POLICY / "keys.yaml").read_text()
-    assert all(not t.api_keys for t in load_snapshot(EXAMPLE_POLICY).gateway.tenants.values())
+    # What git holds, not the working tree: a `make up` in this checkout writes keys.yaml (ignored by git).
+    tracked = subprocess.run(["git", "ls-files", "policy"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "policy/keys.yaml" not in tracked.stdout.split()
     policy = tmp_path / "policy"
-    shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml"))
+    shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml", *EARNED))
+    assert all(not t.api_keys for t in load_snapshot(policy).gateway.tenants.values())
     keys, made = ensure_demo_keys(policy, tmp_path / "state")
     assert set(made) == set(keys) == {"acme", "globex"}
     assert oct((tmp_path / "state" / "demo-keys.json").stat().st_mode & 0o777) == "0o600"
