@@ -121,15 +121,15 @@ def cmd_up(args: argparse.Namespace) -> int:
                   simulate_providers=not args.no_simulated_providers, traces=True, region=args.region)
     config_dir, state_dir = Path(args.config), Path(args.state_dir)
     try:
+        snap = load_snapshot(config_dir)  # its deployments and pools: earned evidence changes neither
         if not args.no_demo_evidence:
             from llmgw import demo_evidence
 
-            simulated = demo_evidence.simulated_by_up(load_snapshot(config_dir), args.engine,
-                                                      not args.no_simulated_providers)
+            simulated = demo_evidence.simulated_by_up(snap, args.engine, not args.no_simulated_providers)
             for path in demo_evidence.ensure(config_dir, simulated):
                 print(f"llmgw: wrote {path}")
         if args.free_ports:  # beside another gateway on the defaults: every listener on a port chosen free
-            opts = StackOptions.on_free_ports(config_dir, state_dir, load_snapshot(config_dir), **chosen)
+            opts = StackOptions.on_free_ports(config_dir, state_dir, snap, **chosen)
             if args.engine == "none":  # the pools' endpoints are served by someone else: keep them
                 opts.engine_ports = None
         else:

@@ -124,8 +124,7 @@ def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | N
             written.append(path)
             if not result.passed:
                 failed.append(name)
-            elif cache is not None:
-                cache.mkdir(parents=True, exist_ok=True)
+            elif cache is not None:  # made by ensure, under its lock
                 shutil.copy(path, cache / path.name)
         if failed:
             raise RuntimeError(f"conformance failed for {', '.join(failed)} (see evidence/*-conformance.yaml)")

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 import yaml
 
 from tests.conftest import POLICY
+from tests.e2e.operations.test_up import wait_up
 
 
 def test_up_with_real_vllm_streams(tmp_path: Path) -> None:
@@ -27,12 +26,7 @@ def test_up_with_real_vllm_streams(tmp_path: Path) -> None:
                              "--state-dir", str(state), "--free-ports"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        t0 = time.monotonic()
-        while not (state / "up.json").exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() - t0 < 300, "not up within 300 s"
-            time.sleep(0.5)
-        info = json.loads((state / "up.json").read_text())
+        info = wait_up(proc, state, within_s=300)
         client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key=info["tenants"]["acme"]["api_key"],
                                max_retries=0, timeout=120)
         chunks = list(client.chat.completions.create(

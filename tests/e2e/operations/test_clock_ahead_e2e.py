@@ -3,13 +3,11 @@ demo's evidence under that clock and serves every demo route (llmgw/demo_evidenc
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from datetime import date, timedelta
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import EARNED, EXAMPLE_POLICY
-from tests.e2e.operations.test_up import log_tails
+from tests.e2e.operations.test_up import log_tails, wait_up
 
 pytestmark = pytest.mark.e2e
 
@@ -39,12 +37,7 @@ def test_up_two_years_ahead_earns_its_evidence_and_serves_every_route(tmp_path: 
                              "--free-ports", "--time-scale", "0.05"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        t0 = time.monotonic()
-        while not (state / "up.json").exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() - t0 < 180, "not up within 180 s"
-            time.sleep(0.2)
-        info = json.loads((state / "up.json").read_text())
+        info = wait_up(proc, state, within_s=180)
         for record in sorted((policy / "evidence").glob("*.yaml")):
             doc = yaml.safe_load(record.read_text())
             assert (doc["result"], str(doc["recorded_at"])) == ("pass", ahead.isoformat()), record.name

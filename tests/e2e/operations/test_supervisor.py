@@ -5,7 +5,6 @@ or a demo key on an open listener is a one-line refusal."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import signal
@@ -25,7 +24,7 @@ from extproc.store import leases_key, ledger_entry, ledger_key
 from llmgw.procs import Child, free_port
 from llmgw.supervisor import CrashLoop, Supervisor
 from tests.conftest import POLICY
-from tests.e2e.operations.test_up import children_of, log_tails
+from tests.e2e.operations.test_up import children_of, log_tails, wait_up
 from tests.helpers import request
 
 VICTIMS = {  # what a child's command line holds
@@ -64,12 +63,7 @@ def start_up(tmp: Path, policy: Path, *extra: str) -> tuple[subprocess.Popen[str
     proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--config", str(policy), "--state-dir", str(state),
                              "--free-ports", "--time-scale", "0.05", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    t0 = time.monotonic()
-    while not (state / "up.json").exists():
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        assert time.monotonic() - t0 < 60, "not up within 60 s"
-        time.sleep(0.1)
-    return proc, json.loads((state / "up.json").read_text())
+    return proc, wait_up(proc, state)
 
 
 ENOUGH_ANSWERS = 50

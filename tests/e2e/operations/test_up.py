@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -44,6 +45,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_up(proc: subprocess.Popen[str], state: Path, within_s: float = 60) -> dict[str, Any]:
+    """`llmgw up`'s up.json once it is written; fails with the command's output if it exits first."""
+    t0 = time.monotonic()
+    while not (state / "up.json").exists():
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() - t0 < within_s, f"not up within {within_s:.0f} s"
+        time.sleep(0.1)
+    info: dict[str, Any] = json.loads((state / "up.json").read_text())
+    return info
+
+
 def log_tails(logs: Path, n: int = 15) -> str:
     """The last lines of every child's log: what a failure here needs to be understood."""
     return "\n".join(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-n:])
@@ -60,13 +72,7 @@ def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -
                              str(state), "--free-ports", "--port", str(port), "--time-scale", "0.05"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        t0 = time.monotonic()
-        up_json = state / "up.json"
-        while not up_json.exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() - t0 < 60, "not up within 60 s"
-            time.sleep(0.1)
-        info = json.loads(up_json.read_text())
+        info = wait_up(proc, state)
         assert info["url"] == f"http://127.0.0.1:{port}"
         assert info["admin_url"].startswith("http://127.0.0.1:")
         key = info["tenants"]["acme"]["api_key"]
