@@ -12,7 +12,7 @@ Shape of the data path (design.md section 7, reference/envoy-notes.md):
                    on the response: idempotent answers recorded for replay (ext_proc), streams
                    guarded chunk by chunk (Lua in Envoy; ext_proc for idempotent ones), usage into
                    metadata for the settlement log
-  custom_response  rewrites upstream error statuses into the contract's JSON
+  custom_response  rewrites upstream error statuses into the caller's JSON (admitted requests only)
   router           routes match on dynamic metadata only ext_proc can set, so a request that
                    ext_proc never admitted (no body, service down) can never reach an upstream
 
@@ -32,7 +32,6 @@ from envoy.config.core.v3 import base_pb2, protocol_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.overload.v3 import overload_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
-from envoy.extensions.filters.http.custom_response.v3 import custom_response_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.resource_monitors.downstream_connections.v3 import downstream_connections_pb2
@@ -49,7 +48,7 @@ from llmgw.render.clusters import (
     worker_health_checks,
 )
 from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
-from llmgw.render.errors import local_reply_config
+from llmgw.render.errors import local_reply_config, upstream_errors_filter
 from llmgw.render.filters import (
     EXTPROC_CLUSTER,
     FORWARDED_HEADERS,
@@ -173,7 +172,7 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             # reads it. Off unless a chat completion's first route turns it on; its script runs only
             # on the routes of those candidates and of their plans' composite clusters.
             *([http_filter(LUA_ANSWERS, lua_answers(), disabled=True)] if answers_translated(snap) else []),
-            http_filter("envoy.filters.http.custom_response", custom_response_pb2.CustomResponse()),
+            http_filter("envoy.filters.http.custom_response", upstream_errors_filter()),
             # The upstream's own status, before any filter above changes or replaces the answer.
             *([http_filter(UPSTREAM_STATUS_FILTER, upstream_status())] if meters(snap) else []),
             http_filter("envoy.filters.http.router", router_pb2.Router()),

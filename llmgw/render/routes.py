@@ -25,7 +25,7 @@ from extproc.names import Key, Settle
 from extproc.settlement import ANSWERED_BY
 from extproc.shadow import GRANT_HEADER, SHADOW_CLUSTER
 from llmgw.render.common import duration_ms, pack, string_value_matcher
-from llmgw.render.errors import admitted_route_filters, direct
+from llmgw.render.errors import direct
 from llmgw.render.filters import (
     DOORS_SCRIPT,
     LUA_ANSWERS,
@@ -238,7 +238,7 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
         # it too; this holds even where a mesh operator leaves that filter out).
         request_headers_to_remove=[h for h in ("authorization", *CREDENTIAL_HEADERS) if h not in shape_sets],
         response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
-        typed_per_filter_config={**admitted_route_filters(door), **per_route,
+        typed_per_filter_config={**per_route,
                                  **(_door_on() if door is not None else {})})
 
 
