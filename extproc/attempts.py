@@ -124,6 +124,10 @@ class AttemptFilter:
                 "gen_ai.request.model": dep.served_model, "llmgw.deployment": dep.deployment,
                 "llmgw.attempt.n": state.n, "llmgw.attempt.kind": state.record.get("kind"),
                 "http.response.status_code": state.status or None, "llmgw.ledger.request_id": state.rid})
+        self._store(state)
+
+    def _store(self, state: _Attempt) -> None:
+        """Queue the attempt's record as it stands on the store's one pipelined connection."""
         if self.store is not None and state.tenant and state.rid and state.record:
             task = asyncio.ensure_future(self._record(self.store, state.tenant, state.rid, state.n,
                                                       dict(state.record)))
@@ -154,7 +158,13 @@ class AttemptFilter:
                     yield refuse_attempt(GatewayError(ErrorCode.POLICY_UNAVAILABLE,
                                                 "the gateway could not address this attempt"))
                     return
-                if req.WhichOneof("request") == "response_headers":
+                kind = req.WhichOneof("request")
+                if kind == "request_headers":
+                    # Recorded as it starts (status 0 until its answer's headers): an attempt that
+                    # times out is then in the store before the next one starts, not only when Envoy
+                    # closes its stream, which on a loaded machine came after the settlement.
+                    self._store(state)
+                elif kind == "response_headers":
                     self._record_later(state)  # before the answer goes on, hence before any settlement
                 if reply is None:
                     return

@@ -163,3 +163,54 @@ def test_only_the_attempt_filter_names_an_answers_shape(deployment: str, names_s
     named = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
     assert (named.get(ANSWER_SHAPE_HEADER) == "anthropic") == names_shape
     assert (ANSWER_SHAPE_HEADER in mutation.remove_headers) == (not names_shape)
+
+
+def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
+    """An attempt that times out is recorded (status 0) while its stream is still open: Envoy closes an
+    abandoned attempt's stream when it gets to it, on a loaded machine after the next attempt has
+    answered and the request was settled, and the ledger lost the attempt."""
+    import asyncio
+
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from google.protobuf import struct_pb2
+
+    from extproc.attempts import HOST_CLUSTER, PLAN, AttemptFilter
+    from extproc.envoy_msgs import ATTRIBUTES
+
+    class Store:
+        def __init__(self) -> None:
+            self.records: list[tuple[str, str, int, dict[str, Any]]] = []
+
+        async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
+            self.records.append((tenant, rid, n, record))
+
+    attrs = struct_pb2.Struct()
+    attrs.update({PLAN: encode_plan("acme", [FIRST, BACKUP]), HOST_CLUSTER: "pool_engine-pool", "request.id": "r-1"})
+    first = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key="x-envoy-attempt-count", raw_value=b"1")])),
+        attributes={ATTRIBUTES: attrs})
+
+    async def open_stream() -> Any:  # the attempt's stream: nothing after its headers, never closed
+        await asyncio.Event().wait()
+        yield ep.ProcessingRequest()
+
+    async def scenario() -> list[tuple[str, str, int, dict[str, Any]]]:
+        store = Store()
+
+        class Live:
+            snapshot = snap
+            credentials = dict.fromkeys(snap.deployments, "key")
+            credential_errors: dict[str, str] = {}
+
+        replies = AttemptFilter(store, lambda: Live).handle(first, open_stream())  # type: ignore[arg-type]
+        await anext(replies)  # the request headers answered: the attempt is on its way upstream
+        await asyncio.sleep(0)  # the queued write runs
+        recorded = list(store.records)  # while the attempt's stream is still open
+        await replies.aclose()
+        return recorded
+
+    records = asyncio.run(scenario())
+    assert records and records[0][:3] == ("acme", "r-1", 1)
+    assert {k: records[0][3][k] for k in ("n", "deployment", "status")} == {"n": 1, "deployment": FIRST, "status": 0}
