@@ -95,6 +95,9 @@ def valkey_binary() -> Path:
     return Path(get_binary_path())
 
 
+KILLED_WITHIN_S = 60.0  # how long stop() waits for a process it killed to be gone
+
+
 class Child:
     """One supervised child process with its output in a log file."""
 
@@ -135,7 +138,9 @@ class Child:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(timeout)
+                # A killed process in the middle of a write to disk (Valkey's fsync on a busy disk) is
+                # gone only when the write returns: seconds, on a loaded machine.
+                self.proc.wait(KILLED_WITHIN_S)
 
     def tail(self, n: int = 30) -> str:
         try:
