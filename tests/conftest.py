@@ -96,6 +96,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _HELD.pop().close()
 
 
+# Long files first: pytest-xdist hands files to its workers in collection order, so the e2e tiers' and
+# the slow tier's long files start early and the unit and Lua tiers' short ones fill the last minutes
+# (in folder order the fuzz and comparison files started late and ended the run alone on one worker).
+# The slow tier after the e2e tiers: its load generators (fuzz, comparison, sweeps) started together
+# starve each other's gateways.
+TIER_ORDER = {"e2e": 0, "slow": 1, "lua": 2, "unit": 3}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = ROOT / "tests"
+    items.sort(key=lambda item: TIER_ORDER.get(item.path.relative_to(tests).parts[0], len(TIER_ORDER))
+               if item.path.is_relative_to(tests) else len(TIER_ORDER))
+
+
 @pytest.fixture(scope="session")
 def make_up_serving() -> list[tuple[str, int]]:
     return make_up_defaults()

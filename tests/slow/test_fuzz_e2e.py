@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +21,14 @@ from hypothesis import strategies as st
 
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, start_stack
-from tests.helpers import assert_contract_body, raw_exchange
+from tests.helpers import RawResponse, assert_contract_body, raw_exchange
 
 pytestmark = pytest.mark.e2e
 EXAMPLES = int(os.environ.get("LLMGW_FUZZ_EXAMPLES", "2500"))
 SEED = int(os.environ.get("LLMGW_FUZZ_SEED", "20261201"))
 KEY = DEMO_KEYS["acme"].encode()
 SEEN: Counter[int] = Counter()
+SHED: Counter[bytes] = Counter()  # fail-closed answers the same request did not get again
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +92,22 @@ def _request(m: str, p: str, hdrs: list[tuple[bytes, bytes]], data: bytes) -> by
     return b"\r\n".join(lines) + b"\r\n\r\n" + data
 
 
+def _exchange(gw: Stack, m: str, p: str, hdrs: list[tuple[bytes, bytes]], data: bytes) -> RawResponse | None:
+    """The answer to one request. The gateway fails closed (503 policy_unavailable) when its store or
+    its decision does not answer in time, which a machine running three test workers on two cores
+    can make it do; such an answer that the same request does not get again was the machine's (and
+    is counted), one that comes back is the input's (and fails)."""
+    for _ in range(2):
+        resp = raw_exchange(gw.url, _request(m, p, hdrs, data), timeout=20, head=m == "HEAD")
+        if resp is None or resp.status != 503 or b'"policy_unavailable"' not in resp.body:
+            return resp
+        SHED[resp.body[:120]] += 1
+        time.sleep(0.5)
+    return raw_exchange(gw.url, _request(m, p, hdrs, data), timeout=20, head=m == "HEAD")
+
+
 def _check(gw: Stack, m: str, p: str, hdrs: list[tuple[bytes, bytes]], data: bytes) -> None:
-    resp = raw_exchange(gw.url, _request(m, p, hdrs, data), timeout=20, head=m == "HEAD")
+    resp = _exchange(gw, m, p, hdrs, data)
     assert resp is not None, "the connection closed without an answer"
     assert resp.complete, (resp.status, resp.headers, resp.body[:200])
     SEEN[resp.status] += 1
@@ -135,6 +151,7 @@ def test_the_fuzz_left_no_traceback_and_reached_the_engines(gw: Stack) -> None:
     requests were not all refused at the door (some were served, some refused for each reason)."""
     logs = {f.name: f.read_text(errors="replace") for f in Path(gw.logs).glob("extproc-*.log")}
     assert not [name for name, text in logs.items() if "Traceback" in text], logs
-    print("answers by status:", dict(sorted(SEEN.items())))
+    print("answers by status:", dict(sorted(SEEN.items())), "fail-closed under load:", dict(SHED))
     assert sum(SEEN.values()) >= EXAMPLES + EXAMPLES // 5
+    assert sum(SHED.values()) <= sum(SEEN.values()) // 100, SHED  # rare, or the gateway is too slow
     assert SEEN[200] > 50 and SEEN[400] > 100 and SEEN[401] > 50 and SEEN[404] > 50, SEEN
