@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -223,7 +224,36 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
     return run_overhead(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands whose modules register them, imported only when one of their commands runs (or for help):
+# each pulls in what its command needs (a benchmark its load generators, a report its plots), and
+# importing them all made every `llmgw check` start in 1.2 s. tests/unit/test_layout.py checks the names.
+COMMAND_MODULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("llmgw.ledger_cmd", "add_parser", ("ledger",)),
+    ("llmgw.keys_cmd", "add_parsers", ("keys",)),
+    ("llmgw.policy_cmd", "add_parsers", ("policy",)),
+    ("llmgw.adapters_cmd", "add_parser", ("adapters",)),
+    ("llmgw.conformance_cmd", "add_parser", ("conformance",)),
+    ("llmgw.report_cmd", "add_parser", ("report",)),
+    ("llmgw.plan_cmd", "add_parser", ("plan",)),
+    ("llmgw.review_cmd", "add_parser", ("review",)),
+    ("llmgw.chaos", "add_parser", ("chaos",)),
+    ("llmgw.revisions_cmd", "add_parsers", ("apply", "rollback", "sync", "revisions")),
+    ("llmgw.reevaluate", "add_parser", ("evidence",)),
+    ("llmgw.canary", "add_parser", ("canary",)),
+)
+# `llmgw bench ...` beyond `overhead`, registered by their modules likewise.
+BENCH_MODULES: tuple[tuple[str, str], ...] = (
+    ("llmgw.bench_picker", "add_parser"), ("llmgw.bench_policy", "add_parser"),
+    ("llmgw.bench_stream", "add_parser"), ("llmgw.bench_idle", "add_parser"),
+    ("llmgw.bench_telemetry", "add_parser"), ("llmgw.bench_translated", "add_parser"),
+    ("llmgw.bench_run", "add_parsers"), ("llmgw.sweep", "add_parser"), ("llmgw.compare", "add_parser"),
+)
+BUILT_IN = ("check", "envoy", "up", "demo-evidence", "engines", "bench")
+KNOWN_COMMANDS = frozenset(BUILT_IN).union(*(names for _, _, names in COMMAND_MODULES))
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or (`command` given) of the built-in ones and that command's."""
     p = argparse.ArgumentParser(prog="llmgw", description="LLM gateway: Envoy + ext_proc")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -306,72 +336,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-token-streams", dest="token_streams", action="store_false",
                    help="leave out the one-event-per-token stream table (llmgw bench stream)")
     o.set_defaults(func=cmd_bench_overhead)
-    from llmgw.bench_picker import add_parser as add_picker_bench
-
-    add_picker_bench(bsub)
-    from llmgw.bench_policy import add_parser as add_policy_bench
-
-    add_policy_bench(bsub)
-    from llmgw.bench_stream import add_parser as add_stream_bench
-
-    add_stream_bench(bsub)
-    from llmgw.bench_idle import add_parser as add_idle_bench
-
-    add_idle_bench(bsub)
-    from llmgw.bench_telemetry import add_parser as add_telemetry_bench
-
-    add_telemetry_bench(bsub)
-    from llmgw.bench_translated import add_parser as add_translated_bench
-
-    add_translated_bench(bsub)
-    from llmgw.bench_run import add_parsers as add_run_bench
-
-    add_run_bench(bsub)
-    from llmgw.sweep import add_parser as add_sweep
-
-    add_sweep(bsub)
-    from llmgw.compare import add_parser as add_compare
-
-    add_compare(bsub)
-    from llmgw.ledger_cmd import add_parser as add_ledger
-
-    add_ledger(sub)
-    from llmgw.keys_cmd import add_parsers as add_key_commands
-
-    add_key_commands(sub)
-    from llmgw.policy_cmd import add_parsers as add_policy_commands
-
-    add_policy_commands(sub)
-    from llmgw.adapters_cmd import add_parser as add_adapters
-
-    add_adapters(sub)
-    from llmgw.conformance_cmd import add_parser as add_conformance
-
-    add_conformance(sub)
-    from llmgw.report_cmd import add_parser as add_report
-
-    add_report(sub)
-    from llmgw.plan_cmd import add_parser as add_plan
-
-    add_plan(sub)
-    from llmgw.review_cmd import add_parser as add_review
-
-    add_review(sub)
-    from llmgw.chaos import add_parser as add_chaos
-
-    add_chaos(sub)
-    from llmgw.revisions_cmd import add_parsers as add_revision_commands
-
-    add_revision_commands(sub)
-    from llmgw.reevaluate import add_parser as add_evidence
-
-    add_evidence(sub)
-    from llmgw.canary import add_parser as add_canary
-
-    add_canary(sub)
+    if command in (None, "bench"):
+        for module, registrar in BENCH_MODULES:
+            getattr(importlib.import_module(module), registrar)(bsub)
+    for module, registrar, names in COMMAND_MODULES:
+        if command is None or command in names:
+            getattr(importlib.import_module(module), registrar)(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in KNOWN_COMMANDS else None  # None: every command (help, a typo)
+    args = build_parser(command).parse_args(argv)
     sys.exit(args.func(args))

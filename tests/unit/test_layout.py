@@ -36,3 +36,23 @@ def test_layout_exists() -> None:
     for p in ("extproc", "llmgw", "enginesim", "envoy", "protos", "policy", "tests", "docker-compose.yml",
               "README.md", "Makefile", ".ci/run", "pyproject.toml"):
         assert Path(ROOT / p).exists(), p
+
+
+def test_each_command_module_registers_the_commands_the_cli_imports_it_for() -> None:
+    """`llmgw X` imports only X's module (llmgw/cli.py COMMAND_MODULES): a command its module adds but
+    the table does not name would be missing from the command line."""
+    import argparse
+    import importlib
+
+    from llmgw.cli import BUILT_IN, COMMAND_MODULES, KNOWN_COMMANDS, build_parser
+
+    for module, registrar, names in COMMAND_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        getattr(importlib.import_module(module), registrar)(sub)
+        assert tuple(sub.choices) == names, module
+    every = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(every) == KNOWN_COMMANDS
+    for command in KNOWN_COMMANDS:  # each command's parser: the built-in ones and its module's
+        own = next((set(names) for _, _, names in COMMAND_MODULES if command in names), set())
+        assert set(build_parser(command)._subparsers._group_actions[0].choices) == (  # type: ignore[union-attr]
+            set(BUILT_IN) | own)
