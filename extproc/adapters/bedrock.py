@@ -39,10 +39,6 @@ from typing import Any
 from urllib.parse import quote
 
 import orjson
-from botocore.auth import SigV4Auth
-from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
-from botocore.eventstream import EventStreamBuffer, ParserError
 
 from extproc.adapters.base import (
     Failure,
@@ -267,6 +263,12 @@ def sign(path: str, headers: Mapping[str, str], body: bytes, target: Target) -> 
     """The SigV4 headers of this request (authorization, x-amz-date and, with a session token,
     x-amz-security-token). The signed headers are the ones given here and the host; what Envoy adds
     on the way (x-request-id, x-envoy-*) is not signed, as AWS allows."""
+    # botocore is imported where a Bedrock request is signed or its stream read, not wherever the
+    # configuration loads (every worker, every CLI command): 0.1 s of each one's start.
+    from botocore.auth import SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
     key_id, _, rest = target.credential.partition(":")
     secret, _, token = rest.partition(":")
     request = AWSRequest("POST", f"https://{host_of(target)}{path}", data=body, headers=dict(headers))
@@ -311,6 +313,8 @@ class BedrockStream(NativeStream):
     of JSON and leaves as argument deltas of the same call index."""
 
     def __init__(self, include_usage: bool = True):
+        from botocore.eventstream import EventStreamBuffer  # see sign()
+
         super().__init__(include_usage)
         self.id = uuid.uuid4().hex[:24]
         self.frames = EventStreamBuffer()
@@ -320,6 +324,8 @@ class BedrockStream(NativeStream):
         self.ended = False  # metadata came: nothing may follow
 
     def _documents(self, chunk: bytes) -> Iterator[dict[str, Any]]:
+        from botocore.eventstream import ParserError  # see sign()
+
         self.pending += len(chunk)
         if self.pending > MAX_EVENT_BYTES:
             raise UpstreamBroken(f"an event-stream message is larger than {MAX_EVENT_BYTES} bytes")
