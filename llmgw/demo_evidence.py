@@ -33,6 +33,7 @@ import yaml
 
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.evidence import basis_for
+from extproc.config.loader import RECORD_DATE_GRACE
 from extproc.config.schema import REQUIRED_EVIDENCE, Evidence
 from llmgw.conformance.corpus import CORPUS, load_corpus
 from llmgw.conformance.record import write_record
@@ -56,15 +57,16 @@ def wanted(snap: Snapshot, simulated: Iterable[str], today: date) -> dict[str, s
     candidates = {c.deployment_name for r in snap.routes.values() for c in r.candidates} & set(simulated)
     out = {}
     for name in sorted(candidates):
-        missing = set(REQUIRED_EVIDENCE) - snap.passing_evidence(snap.deployments[name].ref, horizon)
+        missing = set(REQUIRED_EVIDENCE) - snap.passing_evidence(snap.deployments[name].ref, today, until=horizon)
         if missing:
             out[name] = missing
     return out
 
 
-def _reusable(cached: Path, snap: Snapshot, name: str, corpus_version: str, horizon: date) -> bool:
+def _reusable(cached: Path, snap: Snapshot, name: str, corpus_version: str, today: date, horizon: date) -> bool:
     """Whether a cached conformance record is the one a run now would write: same fingerprint, adapter,
-    corpus and basis, passing, valid past the horizon."""
+    corpus and basis, passing, not dated after today (a cache filled under a clock that ran ahead is
+    earned again) and valid past the horizon."""
     try:
         record = Evidence.model_validate(yaml.safe_load(cached.read_text()))
     except (OSError, ValueError, yaml.YAMLError):
@@ -72,6 +74,7 @@ def _reusable(cached: Path, snap: Snapshot, name: str, corpus_version: str, hori
     dep = snap.deployments[name]
     return (record.deployment_ref == dep.ref and record.result == "pass" and record.adapter == dep.fingerprint.adapter
             and record.corpus_version == corpus_version and record.basis == basis_for(snap.gateway, dep)
+            and record.recorded_at <= today + RECORD_DATE_GRACE
             and record.expires_at is not None and record.expires_at > horizon)
 
 
@@ -99,7 +102,7 @@ def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | N
     to_run = []
     for name in sorted(n for n, kinds in need.items() if "conformance" in kinds):
         cached = cache / f"{name}-conformance.yaml" if cache else None
-        if cached is not None and _reusable(cached, snap, name, corpus.version, horizon):
+        if cached is not None and _reusable(cached, snap, name, corpus.version, today, horizon):
             (config / "evidence").mkdir(exist_ok=True)
             written.append(Path(shutil.copy(cached, config / "evidence" / cached.name)))
         else:

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -37,6 +37,7 @@ from extproc.config.schema import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+RECORD_DATE_GRACE = timedelta(days=1)  # how far past `today` an evidence record may be dated
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,14 @@ class Snapshot:
     dry_run_policy: CompiledPolicy | None = None  # gateway.yaml policy_dry_run's candidate, never enforced
     policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
 
-    def passing_evidence(self, deployment_ref: str, today: date) -> set[str]:
-        """Kinds of evidence that pass, unexpired, for exactly this fingerprint."""
+    def passing_evidence(self, deployment_ref: str, today: date, until: date | None = None) -> set[str]:
+        """Kinds of evidence that pass for exactly this fingerprint, unexpired at `until` (default
+        `today`). A record dated after `today` (a day's grace: records are dated in UTC, `today` may be
+        a local date) was made under a clock that ran ahead, or by hand: it proves nothing yet, and as
+        its kind's latest record it hides the earlier ones, so the kind does not pass (fail closed)."""
+        latest, end = today + RECORD_DATE_GRACE, until or today
         return {e.kind for e in self.evidence.get(deployment_ref, ())
-                if e.result == "pass" and (e.expires_at is None or e.expires_at > today)}
+                if e.result == "pass" and e.recorded_at <= latest and (e.expires_at is None or e.expires_at > end)}
 
     def demo_keys_exposed_on(self, host: str) -> list[str]:
         """Ids of the demo keys (made by `llmgw up`) a gateway reachable at `host` would accept from

@@ -128,3 +128,20 @@ def test_a_failing_run_writes_its_record_and_stops_the_start(bare: Path, tmp_pat
     assert record["result"] == "fail"
     assert not (cache / "demo-bedrock-conformance.yaml").exists()  # a failure is never reused
     assert "demo-bedrock" not in qualified(bare, TODAY)
+
+
+def test_a_record_dated_in_the_future_qualifies_nothing_and_is_not_reused(bare: Path, tmp_path: Path) -> None:
+    """Records made under a clock that ran ahead (a cache filled two years ahead, then the clock put
+    right) prove nothing yet: the candidate is not qualified, and the cache's records are earned again."""
+    cache = tmp_path / "cache"
+    ahead = TODAY + timedelta(days=730)
+    demo_evidence.ensure(bare, EVERY, today=ahead, cache=cache, runner=FakeRunner())
+    assert qualified(bare, ahead) == EVERY
+    assert qualified(bare, TODAY) == set()  # dated two years from now: fail closed
+    assert qualified(bare, ahead - timedelta(days=1)) == EVERY  # a day's grace: UTC dates, local today
+    again = tmp_path / "again"
+    shutil.copytree(EXAMPLE_POLICY, again, ignore=shutil.ignore_patterns("keys.yaml", *EARNED))
+    runner = FakeRunner()
+    demo_evidence.ensure(again, EVERY, today=TODAY, cache=cache, runner=runner)
+    assert sorted(runner.ran) == sorted(EVERY)  # none of the future-dated records reused
+    assert qualified(again, TODAY) == EVERY

@@ -4,7 +4,7 @@ configuration and the measurements given, and "not measured" where there are non
 from __future__ import annotations
 
 import shutil
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 
 from extproc.config import load_snapshot
@@ -13,7 +13,10 @@ from llmgw.review import SEED_70B, Measured, kv_bytes_per_token, review
 from tests.conftest import POLICY
 from tests.helpers import llmgw
 
-TODAY = date(2026, 12, 1)
+# Today's: the session's evidence is earned today, and a record dated after the day it is read counts
+# for nothing (extproc/config/loader.py passing_evidence).
+TODAY = date.today()
+RETIRES = TODAY + timedelta(days=395)
 
 
 def test_the_seed_s_kv_illustration() -> None:
@@ -27,7 +30,7 @@ def test_every_question_is_answered_on_the_demo_policy(tmp_path: Path) -> None:
     policy = tmp_path / "policy"  # the demo with a retirement scheduled (the example sets no date)
     shutil.copytree(POLICY, policy)
     path = policy / "deployments/demo-anthropic.yaml"
-    path.write_text(path.read_text() + "retire_at: 2027-12-31\nretire_owner: platform-inference\n"
+    path.write_text(path.read_text() + f"retire_at: {RETIRES}\nretire_owner: platform-inference\n"
                     "retire_replacement: chat-default\n")
     text = review(load_snapshot(policy), Measured(p95_context_tokens=8000, context_source="given",
                                                    usage_sources={"reported": 9, "estimated": 1}), TODAY)
@@ -40,7 +43,7 @@ def test_every_question_is_answered_on_the_demo_policy(tmp_path: Path) -> None:
     assert "- restricted: no route" in text  # no candidate serves restricted data
     assert "chat-fallback [pool-llama-8b passes; demo-anthropic passes; the same corpus 2026-12-01.2]" in text
     assert "Ledger entries by usage source: estimated: 1 (10%), reported: 9 (90%)." in text
-    assert "- demo-anthropic: retires 2027-12-31 (in 395 days); owner platform-inference, replacement " \
+    assert f"- demo-anthropic: retires {RETIRES} (in 395 days); owner platform-inference, replacement " \
            "chat-default (qualified); on its routes: chat-anthropic -> NO qualified replacement; " \
            "chat-fallback -> pool-llama-8b" in text
 
