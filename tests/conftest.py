@@ -180,6 +180,20 @@ def module_stack(name: str, make_policy: Callable[[Path], Path], **kw: object) -
     return fixture
 
 
+def module_provider(api: str, model: str, key: str, *extra: str) -> Any:
+    """A module's own simulated provider of `api`'s shape (enginesim --api) accepting only `key`, its
+    URL yielded: use as `provider = module_provider(...)`."""
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+        from llmgw.bench_translated import simulated_provider
+
+        child, url = simulated_provider(api, model, key, tmp_path_factory.mktemp(f"{api}-provider") / "log", 0.02,
+                                        *extra)
+        yield url
+        child.stop()
+    return fixture
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("stack"))

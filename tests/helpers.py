@@ -190,3 +190,17 @@ def llmgw(*args: str, timeout: float = 120, cwd: Path | None = None) -> subproce
     """The `llmgw` command, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd)
+
+
+def feed_hostile(stream: Any, pieces: list[bytes]) -> None:
+    """Feed a provider stream translator (extproc/adapters) arbitrary pieces and finish it: a broken
+    stream must end with UpstreamBroken, the contract's way to end it; any other exception escapes and
+    fails the caller."""
+    from extproc.adapters.base import UpstreamBroken
+
+    try:
+        for piece in pieces:
+            stream.feed(piece)
+        stream.finish()
+    except UpstreamBroken:
+        pass

@@ -6,7 +6,6 @@ translated back - JSON, streams, the provider's errors and faults."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -16,19 +15,14 @@ from extproc.adapters.anthropic import ANTHROPIC
 from extproc.adapters.base import Target, UpstreamBroken
 from extproc.chat import validate
 from extproc.contract import ErrorCode
-from llmgw.bench_translated import simulated_provider
+from tests.conftest import module_provider
 from tests.helpers import request
 
 MODEL = "claude-sim-1"
 KEY = "sk-ant-test-0123456789"
 
 
-@pytest.fixture(scope="module")
-def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    child, url = simulated_provider("anthropic", MODEL, KEY, tmp_path_factory.mktemp("provider") / "log", 0.02,
-                                    "--max-model-len", "4096", "--fault-header")
-    yield url
-    child.stop()
+provider = module_provider("anthropic", MODEL, KEY, "--max-model-len", "4096", "--fault-header")
 
 
 def client(url: str, key: str = KEY, **headers: str) -> anthropic.Anthropic:

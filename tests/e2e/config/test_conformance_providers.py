@@ -4,13 +4,13 @@ and a provider that drops usage or mangles tool calls fails."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from llmgw.bench_translated import add_anthropic_route, add_provider_route, simulated_provider
 from llmgw.conformance import runner
+from tests.conftest import module_provider
 from tests.e2e.config.test_conformance import CORPUS, REFUSALS, conformance, record
 from tests.e2e.doors.test_translated_route_e2e import AZURE_KEY, AZURE_MODEL, add_azure_route
 
@@ -18,16 +18,12 @@ from tests.e2e.doors.test_translated_route_e2e import AZURE_KEY, AZURE_MODEL, ad
 ANTHROPIC_LOST = {"seeded-repeat", "json-object", "logprobs", "n-choices"}
 
 
-@pytest.fixture(scope="module")
-def anthropic_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    child, url = simulated_provider("anthropic", "claude-sim-1", "sk-conformance", tmp_path_factory.mktemp("a") / "log")
-    yield url.removeprefix("http://")
-    child.stop()
+anthropic_sim = module_provider("anthropic", "claude-sim-1", "sk-conformance")
 
 
 @pytest.mark.e2e
 def test_an_anthropic_shaped_provider_passes_and_its_losses_are_recorded(policy: Path, anthropic_sim: str) -> None:
-    add_anthropic_route(policy, anthropic_sim, "sk-conformance")
+    add_anthropic_route(policy, anthropic_sim.removeprefix("http://"), "sk-conformance")
     (policy / "evidence/claude-sim-conformance.yaml").unlink()  # the helper's hand-written one
     r = conformance(policy, "--deployment", "claude-sim")
     assert r.returncode == 0, r.stdout + r.stderr

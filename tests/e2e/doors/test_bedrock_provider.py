@@ -34,14 +34,14 @@ from extproc.adapters.base import Target, UpstreamBroken
 from extproc.adapters.bedrock import BEDROCK, LOSS_TABLE, internal_body, native_body
 from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
-from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route, add_route_of, simulated_provider
+from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route, add_route_of
 from llmgw.procs import Child, free_port, python_module, wait_until
 from llmgw.stack import Stack
 from llmgw.tls import demo_certs, server_cert
-from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_provider, start_stack
 from tests.e2e.doors.test_translated_route_e2e import attempts_through_the_filter
-from tests.helpers import request
-from tests.unit.test_adapters import contract_requests
+from tests.helpers import feed_hostile, request
+from tests.unit.test_adapters import chunks_of, contract_requests
 
 MODEL = "anthropic.claude-sim-v1:0"  # Bedrock's model ids hold a colon: the path encodes it, the signature twice
 KEY_ID, SECRET = "AKIDSIMULATED0000001", "c2ltdWxhdGVkLXNlY3JldC1rZXk"
@@ -53,11 +53,6 @@ SEARCH = {"type": "function", "function": {"name": "search_docs", "description":
 
 def target(stream: bool = False, credential: str = KEY) -> Target:
     return Target(MODEL, credential, OPTIONS, stream)
-
-
-def chunks_of(out: list[bytes]) -> list[Any]:
-    text = b"".join(out).decode()
-    return [json.loads(e[6:]) if e[6:] != "[DONE]" else "[DONE]" for e in text.split("\n\n") if e]
 
 
 # -- translations --------------------------------------------------------------------------------
@@ -232,13 +227,7 @@ event_docs = st.tuples(
 @given(st.lists(st.binary(max_size=64) | event_docs.map(lambda e: eventstream.event(*e))
                 | st.just(eventstream.exception("modelStreamErrorException", "x")), max_size=10))
 def test_nothing_but_upstream_broken_escapes_the_stream_translator(pieces: list[bytes]) -> None:
-    t = BEDROCK.stream()
-    try:
-        for p in pieces:
-            t.feed(p)
-        t.finish()
-    except UpstreamBroken:
-        pass
+    feed_hostile(BEDROCK.stream(), pieces)
 
 
 @pytest.mark.parametrize(("status", "body", "code", "retry"), [
@@ -301,12 +290,7 @@ def test_the_signature_verifies_and_covers_path_body_and_time() -> None:
 
 # -- the simulated provider and the gateway in front of it -----------------------------------------
 
-@pytest.fixture(scope="module")
-def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    child, url = simulated_provider("bedrock", MODEL, KEY, tmp_path_factory.mktemp("bedrock") / "log", 0.02,
-                                    "--max-model-len", "8192")
-    yield url
-    child.stop()
+provider = module_provider("bedrock", MODEL, KEY, "--max-model-len", "8192")
 
 
 def converse(provider: str, body: dict[str, Any], stream: bool = False, signed: bool = True,

@@ -21,12 +21,12 @@ from extproc.adapters.base import Target, UpstreamBroken
 from extproc.adapters.gemini import GEMINI, LOSS_TABLE, internal_body, native_body
 from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
-from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route, simulated_provider
+from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, ledger_of, start_stack
+from tests.conftest import DEMO_KEYS, ledger_of, module_provider, start_stack
 from tests.e2e.doors.test_translated_route_e2e import attempts_through_the_filter
-from tests.helpers import request
-from tests.unit.test_adapters import contract_requests
+from tests.helpers import feed_hostile, request
+from tests.unit.test_adapters import chunks_of, contract_requests
 
 MODEL = "gemini-sim-1"
 KEY = "goog-sim-3f1a77"
@@ -36,11 +36,6 @@ SEARCH = {"type": "function", "function": {"name": "search_docs", "description":
 
 def sse_docs(*docs: dict[str, Any]) -> bytes:
     return b"".join(b"data: " + json.dumps(d).encode() + b"\r\n\r\n" for d in docs)
-
-
-def chunks_of(out: list[bytes]) -> list[Any]:
-    text = b"".join(out).decode()
-    return [json.loads(e[6:]) if e[6:] != "[DONE]" else "[DONE]" for e in text.split("\n\n") if e]
 
 
 # -- translations --------------------------------------------------------------------------------
@@ -166,13 +161,7 @@ response_docs = st.fixed_dictionaries({}, optional={
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.binary(max_size=64) | response_docs.map(lambda d: sse_docs(d)), max_size=10))
 def test_nothing_but_upstream_broken_escapes_the_stream_translator(pieces: list[bytes]) -> None:
-    t = GEMINI.stream()
-    try:
-        for p in pieces:
-            t.feed(p)
-        t.finish()
-    except UpstreamBroken:
-        pass
+    feed_hostile(GEMINI.stream(), pieces)
 
 
 @pytest.mark.parametrize(("status", "body", "code", "retry"), [
@@ -199,12 +188,7 @@ def test_the_path_says_whether_it_streams_and_the_key_is_googles() -> None:
 
 # -- the simulated provider and the gateway in front of it -----------------------------------------
 
-@pytest.fixture(scope="module")
-def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    child, url = simulated_provider("gemini", MODEL, KEY, tmp_path_factory.mktemp("gemini") / "log", 0.02,
-                                    "--max-model-len", "8192")
-    yield url
-    child.stop()
+provider = module_provider("gemini", MODEL, KEY, "--max-model-len", "8192")
 
 
 def generate(provider: str, body: dict[str, Any], headers: dict[str, str] | None = None, stream: bool = False,

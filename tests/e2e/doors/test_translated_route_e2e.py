@@ -22,10 +22,9 @@ from llmgw.bench_translated import (
     PROVIDER_PRICES,
     add_anthropic_route,
     add_route_of,
-    simulated_provider,
 )
 from llmgw.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_provider, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 from tests.promtext import scrape, value
 
@@ -37,24 +36,14 @@ PRICES = PROVIDER_PRICES
 KEY = DEMO_KEYS["acme"]
 
 
-@pytest.fixture(scope="module")
-def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    child, url = simulated_provider("anthropic", MODEL, PROVIDER_KEY, tmp_path_factory.mktemp("provider") / "log",
-                                    0.02, "--max-model-len", "8192")
-    yield url
-    child.stop()
+provider = module_provider("anthropic", MODEL, PROVIDER_KEY, "--max-model-len", "8192")
 
 
 AZURE_KEY = "azure-key-5b1d0c77"
 AZURE_MODEL = "gpt-sim-1"
 
 
-@pytest.fixture(scope="module")
-def azure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    child, url = simulated_provider("azure", AZURE_MODEL, AZURE_KEY, tmp_path_factory.mktemp("azure") / "log",
-                                    0.02, "--max-model-len", "8192")
-    yield url
-    child.stop()
+azure = module_provider("azure", AZURE_MODEL, AZURE_KEY, "--max-model-len", "8192")
 
 
 def add_azure_route(policy: Path, endpoint: str) -> None:
