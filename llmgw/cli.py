@@ -112,6 +112,7 @@ def cmd_demo_evidence(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from llmgw.procs import claim_ports
     from llmgw.stack import Stack, StackOptions
     from llmgw.supervisor import CrashLoop, Supervisor
 
@@ -130,6 +131,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for path in demo_evidence.ensure(config_dir, simulated):
                 print(f"llmgw: wrote {path}")
         if args.free_ports:  # beside another gateway on the defaults: every listener on a port chosen free
+            claim_ports(args.port, args.admin_port, args.valkey_port)  # named ports win: none chosen twice
             opts = StackOptions.on_free_ports(config_dir, state_dir, snap, **chosen)
             if args.engine == "none":  # the pools' endpoints are served by someone else: keep them
                 opts.engine_ports = None

@@ -52,6 +52,12 @@ def free_port(host: str = "127.0.0.1") -> int:
             return port
 
 
+def claim_ports(*ports: int | None) -> None:
+    """Never hand out these ports: the ones a command line named, which this process's children will
+    bind (the parent that chose them free shares this slice but not this process's memory of it)."""
+    _handed_out.update(p for p in ports if p)
+
+
 class PortInUse(OSError):
     """A port the gateway must listen on is taken; the message names it and the option that moves it."""
 
