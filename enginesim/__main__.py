@@ -1,3 +1,3 @@
-from enginesim.server import main
+from enginesim.cli import main
 
 main()

@@ -35,7 +35,6 @@ A request whose client goes away before its answer ended is marked `cancelled` i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -598,88 +597,6 @@ class EngineServer:
         return {"tool_calls": [call]}
 
 
-class AzureFrontEnd:
-    """Azure OpenAI's deployment path on the same server: `POST /openai/deployments/{name}/chat/completions
-    ?api-version=...` with the key in `api-key` (401 in Azure's shape otherwise; 404 without an
-    api-version), answered as the OpenAI endpoint answers."""
-
-    def __init__(self, server: EngineServer, api_key: str | None):
-        self.server = server
-        self.api_key = api_key
-        server.app.router.add_post("/openai/deployments/{deployment}/chat/completions", self.chat)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        if self.api_key is not None and request.headers.get("api-key") != self.api_key:
-            return web.json_response({"error": {"code": "401", "message": "Access denied due to invalid subscription "
-                                                "key or wrong API endpoint."}}, status=401)
-        if not request.query.get("api-version"):
-            return web.json_response({"error": {"code": "404", "message": "Resource not found"}}, status=404)
-        return await self.server.chat(request)
-
-
 def build_engine(profile_name: str, time_scale: float, prefix_caching: bool = True, **overrides: Any) -> Engine:
     prof: EngineProfile = profile(profile_name, **{k: v for k, v in overrides.items() if v is not None})
     return Engine(prof, time_scale=time_scale, prefix_caching=prefix_caching)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m enginesim", description="simulated vLLM engine")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default="meta-llama/Llama-3.1-8B-Instruct")
-    p.add_argument("--profile", default="llama-3-8b@h100", help="model@accelerator[xTP]")
-    p.add_argument("--time-scale", type=float, default=1.0, help="real seconds per simulated second")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--num-gpu-blocks", type=int, dest="num_blocks_override")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="vLLM's flag (on by default): --no-enable-prefix-caching computes every prompt in full")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api", choices=["openai", "anthropic", "azure", "gemini", "bedrock"], default="openai",
-                   help="anthropic: also serve POST /v1/messages, as the Messages API (enginesim/anthropic_api.py); "
-                        "azure: also serve Azure OpenAI's deployment path, with its api-key header; "
-                        "gemini: also serve generateContent (enginesim/gemini_api.py); "
-                        "bedrock: also serve Converse (enginesim/bedrock_api.py)")
-    p.add_argument("--api-key", help="(--api anthropic|azure|gemini|bedrock) the key the provider accepts "
-                                     "(bedrock: ACCESS_KEY_ID:SECRET_ACCESS_KEY, checked as SigV4); unset: any")
-    p.add_argument("--corrupt", action="append", choices=["usage", "tool_calls"], default=[],
-                   help="a corrupted provider (conformance tests): never send usage; send tool calls that do not parse")
-    p.add_argument("--tls-cert", help="serve HTTPS with this certificate (and --tls-key), as a hosted provider does")
-    p.add_argument("--tls-key")
-    p.add_argument("--fault-header", action="store_true",
-                   help=f"honour the {FAULT_HEADER} request header (the simulator's own tests; never behind a gateway)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    import uvloop
-
-    uvloop.install()
-    engine = build_engine(args.profile, args.time_scale, args.enable_prefix_caching, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          num_blocks_override=args.num_blocks_override)
-    server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header,
-                          corrupt=frozenset(args.corrupt))
-    key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
-    if args.api == "anthropic":
-        from enginesim.anthropic_api import MessagesFrontEnd
-
-        MessagesFrontEnd(server, key)
-    elif args.api == "azure":
-        AzureFrontEnd(server, key)
-    elif args.api == "gemini":
-        from enginesim.gemini_api import GeminiFrontEnd
-
-        GeminiFrontEnd(server, key)
-    elif args.api == "bedrock":
-        from enginesim.bedrock_api import ConverseFrontEnd
-
-        ConverseFrontEnd(server, key)
-    # Like vLLM, a client that goes away aborts its request in the engine.
-    tls = None
-    if args.tls_cert:
-        import ssl
-
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(args.tls_cert, args.tls_key)
-    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True,
-                ssl_context=tls)

@@ -9,15 +9,13 @@ context-window checks and the limit the engine is told all use these functions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
-
-if TYPE_CHECKING:
-    from extproc.stages.budget import Held
+from extproc.reservation import Held
 
 
 def requested_max_tokens(body: dict[str, Any], route_cap: int | None, default: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -19,12 +19,9 @@ from extproc.fallback import encode_plan, uses_attempt_filter
 from extproc.names import Key, Settle
 from extproc.redact import log_safe
 from extproc.replay import Sealer
+from extproc.reservation import Held
 from extproc.shadow import Grant
 from extproc.tracing import context_value
-
-if TYPE_CHECKING:
-    from extproc.stages.budget import Held
-
 
 MAX_LOGGED_REASONS = 8
 STREAM_END_GRACE_MS = 250  # after a stream's end time, Envoy resets what the stream guard has ended

@@ -17,7 +17,6 @@ import functools
 import hashlib
 import math
 import time
-from dataclasses import dataclass
 from datetime import UTC, date, datetime
 
 from extproc.bounds import candidate_deployments
@@ -25,6 +24,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.metrics import count_admitted
 from extproc.replay import Answer
+from extproc.reservation import Held
 from extproc.stages.deadline import effective_deadline_ms
 from extproc.store import (
     PERIOD_MS,
@@ -49,20 +49,6 @@ class Replay(Exception):
     def __init__(self, answer: Answer):
         super().__init__(answer.status)
         self.answer = answer
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """What the Exchange knows of its reservation (the store holds the rest)."""
-
-    micros: int
-    tokens: int
-    prompt_bound: int
-    max_tokens: int  # of each completion
-    n: int  # completions
-    price_version: str
-    hint: str  # the keys settlement touches (extproc.store.Reservation.hint), for the meter
-    idempotent: bool
 
 
 def window_id(window: str, now: datetime) -> tuple[str, int]:

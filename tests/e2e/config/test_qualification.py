@@ -19,7 +19,7 @@ from extproc.chat import prompt_bytes
 from extproc.config import load_snapshot
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
-from extproc.stages.budget import Held
+from extproc.reservation import Held
 from extproc.stages.route import RouteSelection, tenant_salts
 from llmgw.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, repin, start_stack
