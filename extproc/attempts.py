@@ -14,7 +14,7 @@ attempt (extproc/fallback.py). Envoy's router owns the retries; this only addres
 - A candidate of another API shape (extproc/adapters/): the path, headers (its authority too) and body
   of its shape on the way up - signed with the body when its shape signs (Bedrock's SigV4). Its 2xx
   answer's headers name the shape and the served model (`x-llmgw-answer-shape`, `-model`), and Envoy's
-  Lua answer filter (llmgw/lua/answers.lua) translates the answer, JSON or stream, downstream of the
+  Lua answer filter (extproc/lua/answers.lua) translates the answer, JSON or stream, downstream of the
   router, before the meter and the settlement read it - as it does for a lone candidate. No answer
   body ever passes this filter: Envoy 1.40 crashes when an upstream ext_proc filter's side stream
   crosses its buffer watermark while the upstream request ends (docs/ARCHITECTURE.md, "No answer body
@@ -232,7 +232,7 @@ class _Attempt:
             if self.losses:
                 mutation.set_headers.append(overwrite_header(TRANSLATION_LOSS_HEADER, self.losses))
             if self.adapter is not None and 200 <= self.status < 300:
-                # The Lua answer filter translates it (llmgw/lua/answers.lua), after the router.
+                # The Lua answer filter translates it (extproc/lua/answers.lua), after the router.
                 mutation.set_headers.extend((overwrite_header(ANSWER_SHAPE_HEADER, self.adapter.name),
                                              overwrite_header(ANSWER_MODEL_HEADER, self.dep.served_model)))
             else:  # an upstream's own headers of those names must not choose a translation

@@ -2,7 +2,7 @@
 
 The attempt filter (extproc/attempts.py) costs four ext_proc messages per translated attempt: request
 headers and body, response headers and body. When a request's plan is one candidate whose shape
-Envoy's Lua answer filter can read (llmgw/lua/answers.lua), and its answer is JSON that settles
+Envoy's Lua answer filter can read (extproc/lua/answers.lua), and its answer is JSON that settles
 through the access log or a stream the Lua stream guard settles, the decision translates the request
 itself: the native body in its own reply, the path and the shape's headers (its key among them) as
 metadata, which the Lua filter sets on the request after the header allow-list and then blanks. The

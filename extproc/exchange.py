@@ -175,7 +175,7 @@ class Exchange:
         if self.cluster:
             md[Key.CLUSTER] = self.cluster
         if self.upstream_headers is not None and self.deployment is not None:
-            # Read by Envoy's Lua answer filter (llmgw/lua/answers.lua), which blanks the headers once set.
+            # Read by Envoy's Lua answer filter (extproc/lua/answers.lua), which blanks the headers once set.
             md[Key.UPSTREAM_HEADERS] = self.upstream_headers
             md[Key.ANSWER_SHAPE], md[Key.ANSWER_MODEL] = self.answer_shape, self.deployment.served_model
             if self.stream:

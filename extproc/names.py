@@ -1,6 +1,6 @@
 """Names on the wire between ext_proc, Envoy and its native filters: the keys of the io.llmgw dynamic
-metadata and their fixed values. The data plane, the renderer (llmgw/envoy_render.py) and the Lua
-stream guard (llmgw/lua/stream_guard.lua, which gets them rendered in) all take them from here, so a
+metadata and their fixed values. The data plane, the renderer (llmgw/render/bootstrap.py) and the Lua
+stream guard (extproc/lua/stream_guard.lua, which gets them rendered in) all take them from here, so a
 misspelt key is an AttributeError, not a value that silently reads as empty."""
 
 from __future__ import annotations

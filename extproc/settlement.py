@@ -4,7 +4,7 @@
 - JSON answers: Envoy's gRPC access log (SettlementLog), usage copied into metadata by
   json_to_metadata.
 - Streams: the access log too, usage (and how the stream ended, and the chunks generated so far)
-  written into the metadata by the Lua stream guard in Envoy (llmgw/lua/stream_guard.lua).
+  written into the metadata by the Lua stream guard in Envoy (extproc/lua/stream_guard.lua).
 - Idempotent streams: ext_proc's stream guard (extproc/streams.py) settles through the Meter's
   settle_stream, after recording what the client received for replay.
 - Idempotent JSON answers: the meter, a blocking ext_proc filter on the response body that records

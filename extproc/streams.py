@@ -1,7 +1,7 @@
 """ext_proc's stream guard, for streams with an Idempotency-Key: every chunk passes through here
 before the client sees it, because what the client received is recorded for replay before its last
 chunk reaches it (a store write). Every other stream is guarded in Envoy by the Lua stream guard
-(llmgw/lua/stream_guard.lua), which does the same per chunk without a round trip and leaves
+(extproc/lua/stream_guard.lua), which does the same per chunk without a round trip and leaves
 settlement to the access log.
 
 - Whole events only: a chunk boundary inside an event holds that part back until the rest arrives.

@@ -15,11 +15,11 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
-from llmgw import demo_evidence
-from llmgw.demo_evidence import simulated_by_up
-from llmgw.demo_keys import ensure_demo_keys
-from llmgw.procs import PORT_SLICE_ENV, Child, free_port, tcp_open, valkey_binary, wait_until
-from llmgw.stack import Stack, StackOptions
+from llmgw.conformance import demo_evidence
+from llmgw.conformance.demo_evidence import simulated_by_up
+from llmgw.local.demo_keys import ensure_demo_keys
+from llmgw.local.procs import PORT_SLICE_ENV, Child, free_port, tcp_open, valkey_binary, wait_until
+from llmgw.local.stack import Stack, StackOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -185,7 +185,7 @@ def module_provider(api: str, model: str, key: str, *extra: str) -> Any:
     URL yielded: use as `provider = module_provider(...)`."""
     @pytest.fixture(scope="module")
     def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-        from llmgw.bench_translated import simulated_provider
+        from llmgw.bench.translated import simulated_provider
 
         child, url = simulated_provider(api, model, key, tmp_path_factory.mktemp(f"{api}-provider") / "log", 0.02,
                                         *extra)

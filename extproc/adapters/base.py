@@ -39,7 +39,7 @@ def is_count(value: Any) -> bool:
 
 def token_count(value: Any) -> int:
     """A usage count as an upstream reports it: absent (None) is 0; anything but a count (is_count)
-    breaks the answer that holds it (llmgw/lua/answers.lua's `count` reads counts the same way)."""
+    breaks the answer that holds it (extproc/lua/answers.lua's `count` reads counts the same way)."""
     if value is None:
         return 0
     if not is_count(value):

@@ -3,7 +3,7 @@
 A door turns its request into the internal contract (extproc/chat.py's chat completion request) at
 intake, so identity, authorization, budgets, redaction, routing, fallback and metering run once, on
 one shape; its answers, streams and errors are turned back into the caller's shape at the edge, by
-the Lua door filter (llmgw/lua/doors.lua), after metering has read the internal shape. Adapters
+the Lua door filter (extproc/lua/doors.lua), after metering has read the internal shape. Adapters
 (extproc/adapters/) are the same translation in the other direction, towards upstreams. Plain values
 in and out, no Envoy types.
 """

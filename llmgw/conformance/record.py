@@ -1,5 +1,5 @@
 """A conformance run's evidence record, `evidence/<deployment>-conformance.yaml` in the policy directory:
-what `llmgw conformance` and the demo's own evidence (llmgw/demo_evidence.py) write."""
+what `llmgw conformance` and the demo's own evidence (llmgw/conformance/demo_evidence.py) write."""
 
 from __future__ import annotations
 

@@ -31,11 +31,11 @@ import yaml
 from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
-from llmgw.bench import demo_policy
-from llmgw.cli_common import store_client
 from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
+from llmgw.local.sandbox import sandbox_policy
+from llmgw.local.stack import Stack, StackOptions
+from llmgw.ops.store import store_client
 from llmgw.render.common import hp
-from llmgw.stack import Stack, StackOptions
 
 ROUTE = "conformance"
 SOURCE = "llmgw conformance"
@@ -86,7 +86,7 @@ def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path,
     corpus, and two do not fit a small machine)."""
     snap = load_snapshot(config)
     dep = snap.deployments[deployment]
-    policy, keys = demo_policy(config, work / "policy", evidence=False)  # its own provisional record below
+    policy, keys = sandbox_policy(config, work / "policy")  # its own provisional record below
     route = {
         "route_contract": ROUTE, "request_class": "read_only_chat", "translation_loss": "report",
         "candidates": [{"deployment_ref": dep.ref, "adapter_ref": dep.fingerprint.adapter,

@@ -1,2 +1,2 @@
-"""Rendering a config Snapshot into Envoy's bootstrap, by reason to change; llmgw/envoy_render.py
+"""Rendering a config Snapshot into Envoy's bootstrap, by reason to change; llmgw/render/bootstrap.py
 assembles it."""

@@ -21,6 +21,7 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
+import extproc
 from extproc.adapters import anthropic, bedrock, gemini
 from extproc.attempts import (
     ANSWER_MODEL_HEADER,
@@ -224,7 +225,7 @@ def stream_filter() -> ext_proc_pb2.ExternalProcessor:
 LUA_STREAM_GUARD = "llmgw.lua_streams"
 
 
-LUA_DIR = Path(__file__).parent.parent / "lua"
+LUA_DIR = Path(extproc.__file__).with_name("lua")  # the data plane's: Envoy runs it on every request
 
 
 def _lua_string(s: str) -> str:
@@ -244,7 +245,7 @@ def _lua_table(values: Mapping[str, str] | Mapping[int, str]) -> str:
 def _lua_script(script: str, config: Mapping[str, str], helpers: tuple[str, ...] = ()) -> str:
     """A Lua filter's source: its CONFIG (`config`'s Lua expressions, with the metadata namespace, the
     io.llmgw key names from extproc/names.py and the SSE event size bound), the JSON and SSE helpers
-    (llmgw/lua/json.lua, sse.lua) and any other `helpers`, then the script."""
+    (extproc/lua/json.lua, sse.lua) and any other `helpers`, then the script."""
     keys = ", ".join(f"{k.name.lower()} = {_lua_string(k.value)}" for k in Key)
     fields = "".join(f", {name} = {value}" for name, value in config.items())
     return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, max_event_bytes = {MAX_EVENT_BYTES}"
@@ -253,7 +254,7 @@ def _lua_script(script: str, config: Mapping[str, str], helpers: tuple[str, ...]
 
 
 def stream_guard_lua() -> str:
-    """The Lua stream guard's source (llmgw/lua/stream_guard.lua), with the contract's events."""
+    """The Lua stream guard's source (extproc/lua/stream_guard.lua), with the contract's events."""
     events = {end.value: interrupted_event(message).decode() for end, message in INTERRUPTED.items()}
     return _lua_script("stream_guard.lua", {
         "settle_stream": _lua_string(Settle.STREAM), "degraded_header": _lua_string(DEGRADED_HEADER),
@@ -263,7 +264,7 @@ def stream_guard_lua() -> str:
 def lua_stream_guard() -> lua_pb2.Lua:
     """Streams (their own admitted route): every chunk passes through LuaJIT in Envoy, never a round
     trip to ext_proc; the script does what extproc/streams.py does for idempotent streams, and leaves
-    settlement to the access log (llmgw/lua/stream_guard.lua)."""
+    settlement to the access log (extproc/lua/stream_guard.lua)."""
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=stream_guard_lua()))
 
 
@@ -271,7 +272,7 @@ LUA_ANSWERS = "llmgw.lua_answers"
 
 
 def answers_lua() -> str:
-    """The Lua answer filter's source (llmgw/lua/answers.lua, with llmgw/lua/eventstream.lua for
+    """The Lua answer filter's source (extproc/lua/answers.lua, with extproc/lua/eventstream.lua for
     Bedrock's streams), with each shape's stop reasons from its adapter and the contract's 502 for an
     answer that does not parse."""
     broken = GatewayError(ErrorCode.UPSTREAM_ERROR, "the provider's answer is broken").body()
@@ -288,7 +289,7 @@ def answers_lua() -> str:
 def lua_answers() -> lua_pb2.Lua:
     """A lone candidate of another shape translated by the decision (extproc/direct.py): its headers
     set on the request, its answer (JSON or stream) translated back, in LuaJIT in Envoy
-    (llmgw/lua/answers.lua).
+    (extproc/lua/answers.lua).
     The provider's path must not send the request to another route: the route cache is kept."""
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=answers_lua()),
                        clear_route_cache=wrappers_pb2.BoolValue(value=False))
@@ -415,7 +416,7 @@ DOORS_SCRIPT = "doors"  # its script's name: the routes that run it name it (Lua
 
 
 def doors_lua() -> str:
-    """The Lua door filter's source (llmgw/lua/doors.lua), with each door's status names and stop
+    """The Lua door filter's source (extproc/lua/doors.lua), with each door's status names and stop
     reasons from its Python module (extproc/doors/) and the contract's codes."""
     anthropic_cfg = (f"{{error_types = {_lua_table(anthropic_door.ERROR_TYPES)}, "
                      f"stop_reasons = {_lua_table(anthropic_door.STOP_REASONS)}}}")
@@ -427,7 +428,7 @@ def doors_lua() -> str:
 
 
 def lua_doors() -> lua_pb2.Lua:
-    """A front door's answers in its caller's shape, in LuaJIT in Envoy (llmgw/lua/doors.lua): before
+    """A front door's answers in its caller's shape, in LuaJIT in Envoy (extproc/lua/doors.lua): before
     the decision filter, so it sees every answer last, errors included. No script by default: a door's
     routes name it, so it runs for those requests alone."""
     return lua_pb2.Lua(source_codes={DOORS_SCRIPT: base_pb2.DataSource(inline_string=doors_lua())})

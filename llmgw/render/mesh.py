@@ -1,5 +1,5 @@
 """Manifests for mesh operators: the gateway's Envoy pieces for an Envoy that Istio or Envoy Gateway
-manages, rendered from the same messages as the standalone bootstrap (llmgw/envoy_render.py).
+manages, rendered from the same messages as the standalone bootstrap (llmgw/render/bootstrap.py).
 
 What the gateway needs of Envoy cannot be said in either's high-level API: one ext_proc message per
 request (request headers SKIP, a buffer filter holding the headers until the decision), routes matched on
@@ -71,7 +71,7 @@ class Pieces:
 
 
 def pieces(snap: Snapshot, target: MeshTarget) -> Pieces:
-    from llmgw.envoy_render import RenderOptions, render_bootstrap
+    from llmgw.render.bootstrap import RenderOptions, render_bootstrap
 
     opts = RenderOptions(
         listen=("0.0.0.0", target.listen_port), admin=("127.0.0.1", 9901),

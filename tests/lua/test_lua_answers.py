@@ -1,4 +1,4 @@
-"""The Lua answer filter (llmgw/lua/answers.lua, as the renderer renders it, with llmgw/lua/json.lua),
+"""The Lua answer filter (extproc/lua/answers.lua, as the renderer renders it, with extproc/lua/json.lua),
 run under LuaJIT (lupa's build) with a stand-in for Envoy's stream handle. Its translation of each
 shape's answer (Anthropic, Gemini, Bedrock) must be the Python adapter's (extproc/adapters/), which
 the attempt filter uses: the two are compared on generated answers. Through real Envoy it is tested

@@ -1,4 +1,4 @@
-"""The Lua door filter (llmgw/lua/doors.lua, as the renderer renders it) under LuaJIT (lupa's build),
+"""The Lua door filter (extproc/lua/doors.lua, as the renderer renders it) under LuaJIT (lupa's build),
 held to the Python doors (extproc/doors/: the reference its translations were first built and tested
 on with the real SDKs): generated chat completions, errors and internal streams split at random points
 come out of both the same. Through real Envoy it is tested by tests/e2e/doors/test_anthropic_door_e2e.py and

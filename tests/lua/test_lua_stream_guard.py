@@ -1,4 +1,4 @@
-"""The Lua stream guard's logic (llmgw/lua/stream_guard.lua, as the renderer renders it), run under
+"""The Lua stream guard's logic (extproc/lua/stream_guard.lua, as the renderer renders it), run under
 LuaJIT (lupa's build) with a stand-in for Envoy's stream handle: chunks in, chunks and metadata out.
 Through real Envoy it is tested by tests/e2e/routing/test_streams_e2e.py and
 tests/e2e/routing/test_stream_limits_e2e.py."""
@@ -15,7 +15,7 @@ from lupa import luajit21
 
 from extproc.names import INTERRUPTED, Key, StreamEnd
 from extproc.streams import KEEPALIVE, interrupted_event
-from llmgw.envoy_render import stream_guard_lua
+from llmgw.render.bootstrap import stream_guard_lua
 from tests.lua_harness import BODY_CHUNKS
 
 # Envoy's handle as the script uses it: metadata get/set in one namespace, the response status, a

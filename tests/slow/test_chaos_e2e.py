@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.chaos import FAULTS
-from llmgw.chaos_checks import INVARIANTS
+from llmgw.chaos.checks import INVARIANTS
+from llmgw.chaos.inject import FAULTS
 from tests.helpers import llmgw
 
 pytestmark = pytest.mark.e2e

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.compare import Row, compare, parse_spec, render
-from llmgw.workload import TraceRecord, write
+from llmgw.bench.compare import Row, compare, parse_spec, render
+from llmgw.bench.workload import TraceRecord, write
 from tests.conftest import POLICY
 from tests.helpers import llmgw
 

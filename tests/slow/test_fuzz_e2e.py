@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, start_stack
 from tests.helpers import RawResponse, assert_contract_body, raw_exchange
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw.bench_policy import add_candidate
-from llmgw.stack import Stack
+from llmgw.bench.policy import add_candidate
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, module_stack
 from tests.helpers import chat_body, request
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.openloop import replay
-from llmgw.stack import Stack
-from llmgw.workload import TraceRecord, write
+from llmgw.bench.openloop import replay
+from llmgw.bench.workload import TraceRecord, write
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, start_stack
 from tests.helpers import clear_faults, llmgw, request
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.bench_translated import add_anthropic_route, add_provider_route, simulated_provider
-from llmgw.stack import Stack
+from llmgw.bench.translated import add_anthropic_route, add_provider_route, simulated_provider
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import chat_body, inject_fault, request, stream_raw
 

@@ -268,7 +268,7 @@ def test_adapters_are_named_with_their_version_and_azure_has_its_path() -> None:
 def test_the_readme_shows_the_loss_table_as_the_adapters_declare_it() -> None:
     from pathlib import Path
 
-    from llmgw.adapters_cmd import loss_table
+    from llmgw.cli.adapters import loss_table
 
     assert loss_table() in (Path(__file__).parents[2] / "README.md").read_text(), \
         "run: llmgw adapters loss-table, and paste it into the README"

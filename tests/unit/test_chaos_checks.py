@@ -1,4 +1,4 @@
-"""The chaos table's invariant checks (llmgw/chaos_checks.py) on hand-made records: a record set that
+"""The chaos table's invariant checks (llmgw/chaos/checks.py) on hand-made records: a record set that
 holds every invariant, and for each invariant the ways of breaking it that the check must report."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from extproc.config import load_snapshot
-from llmgw.chaos_checks import INVARIANTS, Arrival, Evidence, Sent, check_all
+from llmgw.chaos.checks import INVARIANTS, Arrival, Evidence, Sent, check_all
 from llmgw.render.errors import NOT_PROCESSED
 from tests.conftest import POLICY
 

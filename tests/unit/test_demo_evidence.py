@@ -1,4 +1,4 @@
-"""The demo's evidence is earned when needed, never committed with a date (llmgw/demo_evidence.py): only
+"""The demo's evidence is earned when needed, never committed with a date (llmgw/conformance/demo_evidence.py): only
 for candidates `llmgw up` simulates, renewed before it expires, reused from a cache when it is the very
 record a run would write, and valid under a clock years ahead."""
 
@@ -15,7 +15,7 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE
-from llmgw import demo_evidence
+from llmgw.conformance import demo_evidence
 from llmgw.conformance.runner import CaseResult, Run
 from tests.conftest import EARNED, EXAMPLE_POLICY, ROOT
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from enginesim.server import DEV_MODE_ENV
-from llmgw.bench_run import reset_prefix_caches
-from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
+from llmgw.bench.run import reset_prefix_caches
+from llmgw.local.procs import Child, free_port, http_ok, python_module, wait_until
 from tests.helpers import chat_body, request
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginesim.output import from_schema, plan
-from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
+from llmgw.local.procs import Child, free_port, http_ok, python_module, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

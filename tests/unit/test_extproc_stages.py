@@ -285,7 +285,7 @@ def test_loop_turns_internal_errors_into_policy_unavailable(monkeypatch: pytest.
 def test_demo_keys_are_made_per_state_dir_and_never_shipped(tmp_path: Path) -> None:
     """The committed policy holds no key; llmgw up makes one per tenant, stores its hash (marked demo)
     and keeps the key in the state dir (0600) for the next start; a new state dir gets new keys."""
-    from llmgw.demo_keys import ensure_demo_keys
+    from llmgw.local.demo_keys import ensure_demo_keys
 
     # What git holds, not the working tree: a `make up` in this checkout writes keys.yaml (ignored by git).
     tracked = subprocess.run(["git", "ls-files", "policy"], cwd=ROOT, capture_output=True, text=True, check=True)

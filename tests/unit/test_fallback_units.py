@@ -16,8 +16,8 @@ from extproc.attempts import body_for, choose_candidate
 from extproc.config import Snapshot, load_snapshot
 from extproc.contract import GatewayError
 from extproc.fallback import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
-from llmgw.envoy_render import RenderOptions, fallback_clusters, render_yaml
-from llmgw.procs import envoy_binary, envoy_env
+from llmgw.local.procs import envoy_binary, envoy_env
+from llmgw.render.bootstrap import RenderOptions, fallback_clusters, render_yaml
 from tests.e2e.config.test_qualification import route, yaml_edit
 from tests.e2e.routing.test_fallback_e2e import BACKUP, BACKUP_MODEL, fallback_policy
 from tests.helpers import chat_body

@@ -24,7 +24,7 @@ from extproc.redact import log_safe
 from extproc.replay import Answer, NotReplayable, Sealer
 from extproc.stages.redact import Redaction
 from extproc.wire import lenient_parser
-from llmgw.envoy_render import FORWARDED_HEADERS, names_outside
+from llmgw.render.bootstrap import FORWARDED_HEADERS, names_outside
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)

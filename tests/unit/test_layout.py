@@ -1,5 +1,7 @@
 """The layout is the architecture: the data plane (extproc/) imports neither the control plane
-(llmgw/) nor the simulator (enginesim/), and the simulator knows nothing of the gateway."""
+(llmgw/) nor the simulator (enginesim/), the simulator knows nothing of the gateway, no module
+reaches itself through its imports, and no room (a folder's own modules) holds more than a third of
+the house."""
 
 from __future__ import annotations
 
@@ -21,6 +23,126 @@ def imported_packages(package: str) -> dict[str, set[str]]:
     return out
 
 
+PACKAGES = ("extproc", "llmgw", "enginesim", "tests")
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the house (and its tests) by dotted name; a package by its own name."""
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which modules each module imports, anywhere in it (inside functions and TYPE_CHECKING blocks
+    too: a circle that is broken only at run time is still a circle to whoever reads the code).
+    `from package import name` is an edge to the submodule when `name` is one, else to the package."""
+    files = module_files()
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                for a in node.names:
+                    targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base))
+        graph[module] = {t for t in targets if t and t != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_anywhere() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_the_command_line_is_a_room_nothing_else_imports() -> None:
+    """`llmgw/cli/` holds the commands, thin, each with `register(sub)`; what they run lives in the
+    other rooms (ops, local, bench, chaos, conformance, render), which never reach back into it."""
+    from llmgw.cli import BENCH_MODULES, COMMAND_MODULES
+
+    graph = import_graph()
+    reaching_back = {m: sorted(t for t in targets if t == "llmgw.cli" or t.startswith("llmgw.cli."))
+                     for m, targets in graph.items()
+                     if m.startswith("llmgw.") and not m.startswith("llmgw.cli") and m != "llmgw.__main__"}
+    assert {m: t for m, t in reaching_back.items() if t} == {}
+    assert [m for m, _ in COMMAND_MODULES if not m.startswith("llmgw.cli.")] == []
+    assert [m for m in BENCH_MODULES if not m.startswith("llmgw.bench.")] == []
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": {"e"}, "f": set()}
+    assert sorted(circles(graph)) == [["a", "b", "c"], ["e", "e2"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_room_holds_more_than_a_third_of_the_house() -> None:
+    """A room is a folder's own modules (Python and the Lua Envoy runs); the house is all of them."""
+    rooms: dict[str, int] = {}
+    for package in ("extproc", "llmgw", "enginesim"):
+        for path in (ROOT / package).rglob("*"):
+            if path.suffix in (".py", ".lua"):
+                room = str(path.parent.relative_to(ROOT))
+                rooms[room] = rooms.get(room, 0) + len(path.read_text().splitlines())
+    house = sum(rooms.values())
+    assert {room: lines for room, lines in rooms.items() if lines > house / 3} == {}
+
+
 @pytest.mark.parametrize(("package", "forbidden"), [
     ("extproc", {"llmgw", "enginesim"}),
     ("enginesim", {"llmgw", "extproc"}),
@@ -39,20 +161,20 @@ def test_layout_exists() -> None:
 
 
 def test_each_command_module_registers_the_commands_the_cli_imports_it_for() -> None:
-    """`llmgw X` imports only X's module (llmgw/cli.py COMMAND_MODULES): a command its module adds but
+    """`llmgw X` imports only X's module (llmgw/cli/__init__.py COMMAND_MODULES): a command its module adds but
     the table does not name would be missing from the command line."""
     import argparse
     import importlib
 
     from llmgw.cli import BUILT_IN, COMMAND_MODULES, KNOWN_COMMANDS, build_parser
 
-    for module, registrar, names in COMMAND_MODULES:
+    for module, names in COMMAND_MODULES:
         sub = argparse.ArgumentParser().add_subparsers()
-        getattr(importlib.import_module(module), registrar)(sub)
+        importlib.import_module(module).register(sub)
         assert tuple(sub.choices) == names, module
     every = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert set(every) == KNOWN_COMMANDS
     for command in KNOWN_COMMANDS:  # each command's parser: the built-in ones and its module's
-        own = next((set(names) for _, _, names in COMMAND_MODULES if command in names), set())
+        own = next((set(names) for _, names in COMMAND_MODULES if command in names), set())
         assert set(build_parser(command)._subparsers._group_actions[0].choices) == (  # type: ignore[union-attr]
             set(BUILT_IN) | own)

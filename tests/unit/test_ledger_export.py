@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from extproc.store import ledger_key, packed
-from llmgw import ledger_cmd
+from llmgw.cli import ledger as ledger_cmd
 from tests.conftest import POLICY, valkey_url
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw import procs
+from llmgw.local import procs
 
 
 class _Kernel:

@@ -1,4 +1,4 @@
-"""`llmgw report`'s arithmetic (llmgw/report.py): what it reads from a ledger entry, its percentiles,
+"""`llmgw report`'s arithmetic (llmgw/ops/report.py): what it reads from a ledger entry, its percentiles,
 budget windows, and a page with no data saying so."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from extproc.config import load_snapshot
-from llmgw.report import reading, render
-from llmgw.stats import percentile
+from llmgw.bench.stats import percentile
+from llmgw.ops.report import reading, render
 from tests.conftest import POLICY
 
 NOW = datetime(2026, 12, 15, 12, 0, tzinfo=UTC)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from extproc.config import load_snapshot
 from extproc.config.schema import ModelGeometry
-from llmgw.review import SEED_70B, Measured, kv_bytes_per_token, review
+from llmgw.ops.review import SEED_70B, Measured, kv_bytes_per_token, review
 from tests.conftest import POLICY
 from tests.helpers import llmgw
 

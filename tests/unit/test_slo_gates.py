@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.slo import Candidate, Gate, Sample, best, evaluate
+from llmgw.bench.slo import Candidate, Gate, Sample, best, evaluate
 
 GATE = Gate("read_only_chat", ttft_s=0.5, tpot_s=0.05, e2e_s=4.0, alpha=0.75)
 

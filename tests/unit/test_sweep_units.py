@@ -1,12 +1,12 @@
-"""The sweep's arithmetic (llmgw/sweep.py) on hand-made outcomes: offered and completed rates, the
+"""The sweep's arithmetic (llmgw/bench/sweep.py) on hand-made outcomes: offered and completed rates, the
 gate per level, and the knee - the highest load below the first level where the gate fails."""
 
 from __future__ import annotations
 
-from llmgw.openloop import Outcome
-from llmgw.slo import Gate
-from llmgw.sweep import Level, knee, measure
-from llmgw.workload import TraceRecord
+from llmgw.bench.openloop import Outcome
+from llmgw.bench.slo import Gate
+from llmgw.bench.sweep import Level, knee, measure
+from llmgw.bench.workload import TraceRecord
 
 GATE = Gate("chat", ttft_s=0.5, tpot_s=0.05, e2e_s=2.0, alpha=0.9)
 

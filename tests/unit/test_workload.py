@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.workload import ClassShape, TraceShape, generate, read, write
+from llmgw.bench.workload import ClassShape, TraceShape, generate, read, write
 
 MIX = TraceShape(rate_rps=20, duration_s=300, classes=(ClassShape("chat", 0.7), ClassShape(
     "agent", 0.3, input_median=3000, output_median=400, tools_share=1.0)), tenants={"acme": 0.75, "globex": 0.25})

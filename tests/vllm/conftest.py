@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
-from llmgw.procs import Child, free_port, http_ok, python_module, wait_until
-from llmgw.stack import Stack, StackOptions
+from llmgw.local.procs import Child, free_port, http_ok, python_module, wait_until
+from llmgw.local.stack import Stack, StackOptions
 from tests.conftest import POLICY
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the name the pool serves; the weights are the tiny model

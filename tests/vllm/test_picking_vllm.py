@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS
 from tests.helpers import chat_body, request, request_quietly
 from tests.promtext import scrape, value

@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS
 from tests.helpers import assert_contract_error, chat_body, request, unique_marker
 from tests.promtext import scrape, value

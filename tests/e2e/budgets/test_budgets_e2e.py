@@ -22,9 +22,9 @@ import yaml
 
 from extproc.chat import prompt_bytes
 from extproc.store import budget_key, ledger_entry, ledger_key
-from llmgw.cli_common import store_client
-from llmgw.procs import Child, free_port, tcp_open, valkey_binary, wait_until
-from llmgw.stack import Stack
+from llmgw.local.procs import Child, free_port, tcp_open, valkey_binary, wait_until
+from llmgw.local.stack import Stack
+from llmgw.ops.store import store_client
 from tests.conftest import DEMO_KEYS, POLICY, module_stack, start_stack
 from tests.e2e.routing.test_e2e_served_path import clear_engine_logs, engine_log
 from tests.helpers import assert_contract_error, chat_body, inject_fault, request

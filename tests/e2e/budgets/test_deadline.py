@@ -21,7 +21,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import STREAM_END_GRACE_MS, Exchange
 from extproc.stages.deadline import Deadline
 from extproc.stages.retry import Retries
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import assert_contract_error, chat_body, inject_fault, request, unique_marker
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from extproc.config import ConfigError, load_snapshot
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, repin
 from tests.helpers import assert_contract_error, request, unique_marker
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
-from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
+from llmgw.render.bootstrap import EXTPROC_CLUSTER, RenderOptions, render_yaml
 from tests.conftest import EARNED, EXAMPLE_POLICY, POLICY, ROOT
 
 

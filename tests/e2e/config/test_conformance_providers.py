@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.bench_translated import add_anthropic_route, add_provider_route, simulated_provider
+from llmgw.bench.translated import add_anthropic_route, add_provider_route, simulated_provider
 from llmgw.conformance import runner
 from tests.conftest import module_provider
 from tests.e2e.config.test_conformance import CORPUS, REFUSALS, conformance, record

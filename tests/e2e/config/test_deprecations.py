@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from extproc.config import ConfigError, load_snapshot
-from llmgw.deprecations import findings
+from llmgw.ops.deprecations import findings
 from tests.conftest import POLICY
 from tests.helpers import llmgw
 

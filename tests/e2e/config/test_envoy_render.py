@@ -13,8 +13,8 @@ import yaml
 from extproc.config import load_snapshot
 from extproc.config.schema import MAX_RETRIES
 from extproc.doors import BY_NAME, DOORS
-from llmgw.envoy_render import EXTPROC_CLUSTER, RenderOptions, render_yaml
-from llmgw.procs import envoy_binary, envoy_env, free_port, wait_until
+from llmgw.local.procs import envoy_binary, envoy_env, free_port, wait_until
+from llmgw.render.bootstrap import EXTPROC_CLUSTER, RenderOptions, render_yaml
 from llmgw.render.routes import direct_clusters, translating_composites
 from tests.conftest import POLICY
 from tests.helpers import request

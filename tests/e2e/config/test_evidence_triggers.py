@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from extproc.config import load_snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE
 from extproc.occupancy import _Fixed, families
-from llmgw.reevaluate import Bounds, evaluate, void_files
+from llmgw.ops.reevaluate import Bounds, evaluate, void_files
 from tests.conftest import POLICY
 from tests.helpers import llmgw
 
@@ -118,7 +118,7 @@ def test_run_time_triggers_fire_beyond_their_bounds_and_not_before() -> None:
 
 def test_a_void_record_takes_the_candidate_out_and_the_metrics_say_so(policy: Path) -> None:
     snap = load_snapshot(policy)
-    from llmgw.reevaluate import Finding
+    from llmgw.ops.reevaluate import Finding
 
     void_files([Finding("demo-bedrock", "provider_drift", "12.0% of 80 answers failed or broke (bound 5%)")],
                dict(snap.deployments), policy, TODAY.isoformat())

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
-from llmgw.procs import envoy_binary, envoy_env
+from llmgw.local.procs import envoy_binary, envoy_env
 from llmgw.render.mesh import HCM, HCM_TYPE, ROUTER, MeshTarget, manifests_yaml, render_manifests
 from tests.conftest import POLICY
 

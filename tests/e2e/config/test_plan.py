@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.plan import (
+from llmgw.ops.plan import (
     CAPACITY_BLOCK_USD,
     Hosted,
     Reserves,

@@ -13,7 +13,7 @@ import yaml
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.policy_tests import run_policy_tests
 from extproc.decisions import differences, erase, sampled
-from llmgw.policy_cmd import decide_request, exit_code, input_schema, render_report
+from llmgw.cli.policy import decide_request, exit_code, input_schema, render_report
 from tests.conftest import DEMO_KEYS, POLICY
 from tests.helpers import chat_body, llmgw
 

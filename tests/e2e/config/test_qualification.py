@@ -21,7 +21,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
 from extproc.reservation import Held
 from extproc.stages.route import RouteSelection, tenant_salts
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, repin, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 

@@ -17,9 +17,8 @@ import redis
 import yaml
 
 from extproc.config import load_snapshot
-from llmgw.procs import json_at
-from llmgw.revisions import HISTORY_KEY, changes, history, policy_files
-from llmgw.revisions_cmd import apply, rollback
+from llmgw.local.procs import json_at
+from llmgw.ops.revisions import HISTORY_KEY, apply, changes, history, policy_files, rollback
 from tests.conftest import POLICY, repin, start_stack, valkey_url
 from tests.helpers import llmgw
 

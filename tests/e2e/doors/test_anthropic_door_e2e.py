@@ -11,7 +11,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of
 from tests.e2e.doors.test_translated_route_e2e import azure, gw, provider, received  # noqa: F401 - fixtures
 from tests.helpers import inject_fault, request, unique_marker

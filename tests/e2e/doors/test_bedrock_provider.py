@@ -34,10 +34,10 @@ from extproc.adapters.base import Target, UpstreamBroken
 from extproc.adapters.bedrock import BEDROCK, LOSS_TABLE, internal_body, native_body
 from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
-from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route, add_route_of
-from llmgw.procs import Child, free_port, python_module, wait_until
-from llmgw.stack import Stack
-from llmgw.tls import demo_certs, server_cert
+from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route, add_route_of
+from llmgw.local.procs import Child, free_port, python_module, wait_until
+from llmgw.local.stack import Stack
+from llmgw.local.tls import demo_certs, server_cert
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_provider, start_stack
 from tests.e2e.doors.test_translated_route_e2e import attempts_through_the_filter
 from tests.helpers import feed_hostile, request
@@ -413,7 +413,7 @@ def test_a_throttled_stream_is_interrupted_and_a_throttled_request_is_an_upstrea
 @pytest.mark.e2e
 def test_a_bedrock_stream_is_translated_in_envoy_and_metered(gw: Stack, provider: str) -> None:
     """A lone Bedrock candidate's AWS event stream is read by Envoy's Lua filter (extproc/direct.py,
-    llmgw/lua/eventstream.lua), with no attempt-filter stream: whole, it ends with [DONE] and is
+    extproc/lua/eventstream.lua), with no attempt-filter stream: whole, it ends with [DONE] and is
     metered at the provider's usage; a message whose CRC does not match, or an end before the metadata
     event, reaches the client as `stream_interrupted`."""
     before = attempts_through_the_filter(gw, "bedrock-sim")

@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import inject_fault, request
 

@@ -12,7 +12,7 @@ import pytest
 from google import genai
 from google.genai import errors, types
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of
 from tests.helpers import inject_fault, request, unique_marker
 

@@ -21,8 +21,8 @@ from extproc.adapters.base import Target, UpstreamBroken
 from extproc.adapters.gemini import GEMINI, LOSS_TABLE, internal_body, native_body
 from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
-from llmgw.bench_translated import PROVIDER_PRICES, add_provider_route
-from llmgw.stack import Stack
+from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, module_provider, start_stack
 from tests.e2e.doors.test_translated_route_e2e import attempts_through_the_filter
 from tests.helpers import feed_hostile, request

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw.bench_translated import add_anthropic_route, add_route_of, simulated_provider
-from llmgw.stack import Stack
+from llmgw.bench.translated import add_anthropic_route, add_route_of, simulated_provider
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import inject_fault, request, unique_marker
 

@@ -17,13 +17,13 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
-from llmgw.bench_translated import (
+from llmgw.bench.translated import (
     PROVIDER_MODEL,
     PROVIDER_PRICES,
     add_anthropic_route,
     add_route_of,
 )
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_provider, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
 from tests.promtext import scrape, value

@@ -1,5 +1,5 @@
 """No date bomb: a fresh clone's `llmgw up`, with the clock two years ahead (libfaketime), earns the
-demo's evidence under that clock and serves every demo route (llmgw/demo_evidence.py)."""
+demo's evidence under that clock and serves every demo route (llmgw/conformance/demo_evidence.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ AHEAD_DAYS = 730
 
 def test_up_two_years_ahead_earns_its_evidence_and_serves_every_route(tmp_path: Path) -> None:
     # libfaketime preloaded into `llmgw up` itself (the faketime wrapper would not pass on its SIGTERM);
-    # its Python children inherit it; Envoy keeps the real clock (llmgw/stack.py says why).
+    # its Python children inherit it; Envoy keeps the real clock (llmgw/local/stack.py says why).
     lib = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))), None)
     assert lib, "Debian's faketime is missing: make test installs it (make system-deps)"
     ahead = date.today() + timedelta(days=AHEAD_DAYS)  # from wherever this process's clock stands

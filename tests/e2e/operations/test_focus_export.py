@@ -18,8 +18,8 @@ import redis
 
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
-from llmgw.focus import FOCUS_VERSION, aggregate, record
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
+from llmgw.ops.focus import FOCUS_VERSION, aggregate, record
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import request
 

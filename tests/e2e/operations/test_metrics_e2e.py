@@ -18,8 +18,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.store import ledger_entry, ledger_key
-from llmgw.procs import free_port
-from llmgw.stack import Stack
+from llmgw.local.procs import free_port
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, start_stack
 from tests.helpers import request
 

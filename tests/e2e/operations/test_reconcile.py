@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.reconcile import DayTotals, reconcile
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
+from llmgw.ops.reconcile import DayTotals, reconcile
 from tests.conftest import DEMO_KEYS, ledger_of, start_stack
 from tests.helpers import request
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from matplotlib import image
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, start_stack
 from tests.helpers import chat_body, clear_faults, inject_fault, llmgw, request, unique_marker
 

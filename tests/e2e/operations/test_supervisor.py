@@ -21,8 +21,8 @@ import redis
 import yaml
 
 from extproc.store import leases_key, ledger_entry, ledger_key
-from llmgw.procs import Child, free_port
-from llmgw.supervisor import CrashLoop, Supervisor
+from llmgw.local.procs import Child, free_port
+from llmgw.local.supervisor import CrashLoop, Supervisor
 from tests.conftest import POLICY
 from tests.e2e.operations.test_up import children_of, log_tails, wait_up
 from tests.helpers import request

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from llmgw.procs import free_port
-from llmgw.stack import Stack
+from llmgw.local.procs import free_port
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import inject_fault, request, stream_raw
 

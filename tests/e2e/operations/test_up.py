@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from llmgw.procs import free_port
+from llmgw.local.procs import free_port
 from tests.conftest import POLICY
 
 pytestmark = pytest.mark.e2e
@@ -115,7 +115,7 @@ def test_up_refuses_invalid_config(tmp_path: Path) -> None:
 def test_make_up_defaults_are_held_while_the_suite_runs(make_up_serving: list[tuple[str, int]]) -> None:
     """Every default port of `make up` (gateway, admin, store, engines, simulated providers, workers)
     is taken during the whole session, so a test that listens on one fails (tests/conftest.py)."""
-    from llmgw.procs import port_free
+    from llmgw.local.procs import port_free
 
     assert len(make_up_serving) >= 9, make_up_serving
     assert ("127.0.0.1", 8080) in make_up_serving and ("127.0.0.1", 6390) in make_up_serving

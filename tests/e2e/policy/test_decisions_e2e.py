@@ -16,8 +16,8 @@ import redis
 import yaml
 
 from extproc.store import decisions_key
-from llmgw.ledger_cmd import decision_entry
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
+from llmgw.ops.ledger import decision_entry
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack
 from tests.e2e.routing.test_fallback_e2e import access_log_line
 from tests.helpers import assert_contract_error, chat_body, llmgw, request

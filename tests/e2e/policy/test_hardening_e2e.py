@@ -21,7 +21,7 @@ import redis
 import yaml
 
 from extproc.chat import prompt_bytes
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, start_stack
 from tests.helpers import (
     assert_contract_body,

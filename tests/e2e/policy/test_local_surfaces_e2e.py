@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.helpers import request
 
 pytestmark = pytest.mark.e2e

@@ -17,7 +17,7 @@ import openai
 import pytest
 import yaml
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.e2e.routing.test_e2e_served_path import clear_engine_logs, engine_log
 from tests.helpers import assert_contract_error, chat_body, request

@@ -17,7 +17,7 @@ import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import Response, assert_contract_error, chat_body, inject_fault, request
 

@@ -16,10 +16,10 @@ import yaml
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import Canary
 from extproc.stages.route import canary_bucket
-from llmgw.canary import Side, side, verdict
-from llmgw.envoy_render import RenderOptions, render_yaml
-from llmgw.procs import json_at
-from llmgw.stack import Stack
+from llmgw.local.procs import json_at
+from llmgw.local.stack import Stack
+from llmgw.ops.canary import Side, side, verdict
+from llmgw.render.bootstrap import RenderOptions, render_yaml
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack
 from tests.helpers import chat_body, llmgw, request
 

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.helpers import assert_contract_error, chat_body, inject_fault, request
 
 pytestmark = pytest.mark.e2e

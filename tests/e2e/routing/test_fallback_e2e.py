@@ -28,9 +28,9 @@ import pytest
 import yaml
 
 from extproc.picker import parse_load
-from llmgw.bench_policy import add_candidate
-from llmgw.procs import wait_until
-from llmgw.stack import Stack
+from llmgw.bench.policy import add_candidate
+from llmgw.local.procs import wait_until
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, module_stack, start_stack
 from tests.conftest import ledger_of as conftest_ledger_of
 from tests.helpers import assert_contract_error, chat_body, request, request_quietly

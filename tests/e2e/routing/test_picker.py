@@ -15,8 +15,8 @@ import pytest
 
 from extproc.picker import EngineLoad, Picker, parse_load
 from extproc.stages.route import PickEndpoint
-from llmgw.procs import free_port
-from llmgw.stack import Stack
+from llmgw.local.procs import free_port
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, start_stack
 from tests.helpers import chat_body, request, request_quietly
 

@@ -20,8 +20,8 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
 from extproc.stages.authorize import Authorization
 from extproc.stages.intake import Intake
-from llmgw.procs import Child, free_port, json_at, tcp_open, valkey_binary, wait_until
-from llmgw.stack import Stack
+from llmgw.local.procs import Child, free_port, json_at, tcp_open, valkey_binary, wait_until
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import assert_contract_error, chat_body, llmgw, request
 

@@ -17,9 +17,9 @@ import yaml
 from extproc.config import ConfigError, load_snapshot
 from extproc.shadow import GRANT_HEADER, Grant, InvalidGrant, grant_key, issue, shadow_bucket, verify
 from extproc.store import budget_key, ledger_entry, ledger_key
-from llmgw.cli_common import store_client
-from llmgw.envoy_render import RenderOptions, render_yaml
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
+from llmgw.ops.store import store_client
+from llmgw.render.bootstrap import RenderOptions, render_yaml
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack
 from tests.helpers import assert_contract_error, chat_body, request, unique_marker
 

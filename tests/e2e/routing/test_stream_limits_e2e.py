@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.e2e.routing.test_fallback_e2e import ledger_of
 from tests.e2e.routing.test_streams_e2e import events

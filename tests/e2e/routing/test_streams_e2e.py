@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from llmgw.stack import Stack
+from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS
 from tests.conftest import ledger_of as conftest_ledger_of
 from tests.e2e.routing.test_e2e_served_path import engine_log

@@ -1,0 +1,120 @@
+"""`llmgw evidence reevaluate`: the run-time re-evaluation triggers, from the ledger (issue 16, part 5).
+
+Over the last `window` of ledger entries, per deployment that answered them:
+- provider drift: the share of its answers that failed upstream or broke mid-stream (a 5xx, an
+  interrupted stream, a malformed answer) beyond a bound;
+- SLO regression: its time to first byte p95 (streams) or end-to-end p95 (JSON) beyond a bound;
+- workload shift: the request-class mix moved (total variation distance between this window and the
+  one before it) or the prompt lengths' p95 grew beyond a ratio - the evidence was earned for another
+  workload.
+Each finding is written as a void record (evidence/voids/), which the loader applies to every
+evidence record of that fingerprint recorded on or before its date: the candidate leaves routing
+until evidence is earned again (extproc/config/evidence.py). Too few requests decide nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.config.schema import Deployment
+from llmgw.bench.stats import percentile
+
+BROKEN = {"stream_interrupted", "upstream_error"}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    max_failure_share: float = 0.05
+    ttft_p95_ms: float | None = None
+    e2e_p95_ms: float | None = None
+    max_mix_shift: float = 0.2
+    max_length_ratio: float = 1.5
+    min_requests: int = 50
+
+
+@dataclass(frozen=True)
+class Finding:
+    deployment: str
+    trigger: str  # provider_drift | slo_regression | workload_shift
+    reason: str
+
+
+def _answered_by(entry: dict[str, Any]) -> str:
+    attempts = entry.get("attempts") or []
+    return str(attempts[-1].get("deployment") or "") if attempts else ""
+
+
+def _failed(entry: dict[str, Any]) -> bool:
+    attempts = entry.get("attempts") or [{}]
+    return entry.get("termination") in BROKEN or int(attempts[-1].get("status") or 0) >= 500
+
+
+def _prompt(entry: dict[str, Any]) -> float:
+    usage = entry.get("usage") or {}
+    return float(usage.get("prompt_tokens") or entry.get("prompt_bound") or 0)
+
+
+def _mix(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
+    counts = Counter(str(e.get("request_class") or "") for e in entries)
+    return {k: v / len(entries) for k, v in counts.items()} if entries else {}
+
+
+def evaluate(window: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]], bounds: Bounds) -> list[Finding]:
+    """What fired, per deployment, over `window` (with `before` as the workload's baseline)."""
+    out: list[Finding] = []
+    served: dict[str, list[dict[str, Any]]] = {}
+    for e in window:
+        if dep := _answered_by(e):
+            served.setdefault(dep, []).append(e)
+    baseline: dict[str, list[dict[str, Any]]] = {}
+    for e in before:
+        if dep := _answered_by(e):
+            baseline.setdefault(dep, []).append(e)
+    for dep, entries in sorted(served.items()):
+        n = len(entries)
+        if n < bounds.min_requests:
+            continue
+        failed = sum(_failed(e) for e in entries) / n
+        if failed > bounds.max_failure_share:
+            out.append(Finding(dep, "provider_drift", f"{failed:.1%} of {n} answers failed or broke "
+                                                      f"(bound {bounds.max_failure_share:.0%})"))
+        ttft = [float(e["first_byte_ms"]) for e in entries if e.get("stream") and e.get("first_byte_ms") is not None]
+        e2e = [float(e["duration_ms"]) for e in entries if not e.get("stream") and e.get("duration_ms") is not None]
+        for name, values, bound in (("TTFT", ttft, bounds.ttft_p95_ms), ("E2E", e2e, bounds.e2e_p95_ms)):
+            if bound is not None and len(values) >= bounds.min_requests and (p := percentile(values, 95)) > bound:
+                out.append(Finding(dep, "slo_regression", f"{name} p95 {p:.0f} ms over {len(values)} answers "
+                                                          f"(bound {bound:.0f} ms)"))
+        old = baseline.get(dep, [])
+        if len(old) < bounds.min_requests:
+            continue
+        now_mix, old_mix = _mix(entries), _mix(old)
+        shift = sum(abs(now_mix.get(k, 0.0) - old_mix.get(k, 0.0)) for k in set(now_mix) | set(old_mix)) / 2
+        if shift > bounds.max_mix_shift:
+            out.append(Finding(dep, "workload_shift", f"request-class mix moved by {shift:.2f} (total variation; "
+                                                      f"bound {bounds.max_mix_shift})"))
+        p_now, p_old = percentile([_prompt(e) for e in entries], 95), percentile([_prompt(e) for e in old], 95)
+        if p_old > 0 and p_now / p_old > bounds.max_length_ratio:
+            out.append(Finding(dep, "workload_shift", f"prompt p95 {p_now:.0f} tokens against {p_old:.0f} before "
+                                                      f"(ratio bound {bounds.max_length_ratio})"))
+    return out
+
+
+def void_files(findings: Iterable[Finding], deployments: dict[str, Deployment], directory: Path,
+               today: str) -> list[Path]:
+    written = []
+    (directory / "evidence" / "voids").mkdir(parents=True, exist_ok=True)
+    for f in findings:
+        dep = deployments.get(f.deployment)
+        if dep is None:
+            continue
+        path = directory / "evidence" / "voids" / f"{f.deployment}-{f.trigger}-{today}.yaml"
+        path.write_text(yaml.safe_dump({"deployment_ref": dep.ref, "trigger": f.trigger, "reason": f.reason,
+                                        "recorded_at": today}, sort_keys=False))
+        written.append(path)
+    return written
