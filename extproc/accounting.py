@@ -1,16 +1,19 @@
 """Accounting as pure functions (no I/O, no Envoy types): what a settlement charges and how the
-ledger names the ending. extproc/settlement.py gathers the facts (from the access log or a response
-filter) and calls these; tests/unit/test_accounting.py tables them."""
+ledger names the ending. extproc/settlement.py first decodes an access-log entry into a Logged value
+(the facts), then charge_logged decides the charge from that value alone; the meter's own path (an
+idempotent answer read by a response filter) calls the smaller pieces. tests/unit/test_accounting.py
+tables them."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from extproc.adapters.base import is_count
 from extproc.config import Snapshot
+from extproc.config.plans import decode_plan
 from extproc.config.schema import Deployment, Prices
-from extproc.fallback import decode_plan
 
 Usage = dict[str, Any]
 
@@ -104,6 +107,73 @@ def charge_for(usage: Usage | None, source: str, termination: str, status: int, 
     if 200 <= status < 300 or failed == "ambiguous":
         return -1, -1, "ambiguous"
     return 0, 0, failed
+
+
+@dataclass(frozen=True)
+class Logged:
+    """What Envoy's access-log entry says of one admitted exchange, decoded before anything is decided
+    (extproc/settlement.py `logged`): the facts a charge is decided from, and nothing else."""
+
+    status: int  # the status the client got
+    stream: bool
+    prompt_bound: int  # the reservation's bound on the prompt's tokens
+    usage: Usage | None = None  # the answer's usage, as json_to_metadata or the Lua stream guard read it
+    chunks: int = 0  # the stream guard's count of what was generated
+    stream_done: bool = False  # the stream guard passed the stream's normal end on
+    client_closed: bool = False  # the client's connection ended (Envoy's DC flag)
+    upstream_timeout: bool = False  # Envoy's per-request timeout (its UT flag)
+    backstop: bool = False  # its own filter should have settled it and did not: what the client got is unknown
+    broken: bool = False  # a Lua filter found a 2xx it could not read or carry and answered 502
+    sent: bool = False  # an upstream got the request
+    answered: bool = False  # an upstream sent response headers
+    upstream_status: str = ""  # the upstream's own status, as the Lua filter nearest the router recorded it
+    degraded_response: bool = False  # Envoy's degraded answer for a route whose upstreams were all down
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What a settlement charges and records, decided from a Logged exchange (charge_logged)."""
+
+    termination: str
+    usage: Usage | None
+    source: str  # reported, estimated, unbelievable or none
+    micros: int  # -1: the whole reservation
+    tokens: int
+    kind: str  # actual, partial, ambiguous or released
+    degraded: bool = False  # served by Envoy's degraded answer: the ledger marks it
+
+
+def charge_logged(x: Logged, dep: Deployment | None) -> Charge:
+    """The charge for an exchange as its access-log entry tells it: reported usage when a filter read
+    one (the backstop believes none), else the stream guard's chunk count for a 2xx stream, else what a
+    failure may have cost (failure_charge); the termination from how it ended."""
+    usage = None if x.backstop else x.usage
+    source = "reported" if usage else "none"
+    if usage is None and x.stream and x.chunks and 200 <= x.status < 300 and not x.backstop:
+        usage, source = estimated(x.prompt_bound, x.chunks), "estimated"
+    if x.client_closed and not (x.stream and x.stream_done):
+        # (A client that closes right after the last chunk got the whole stream: not a cancel.)
+        termination = "client_cancel"
+    elif (x.upstream_timeout or x.status == 504) and not x.stream:
+        termination = "deadline"
+    elif x.backstop:
+        termination = "unknown"
+    else:
+        # A stream is complete only when the Lua stream guard saw its normal end; a stream it did not
+        # guard reaches here only when Envoy cut it after it started (or it failed before).
+        termination = termination_of(x.status, x.stream_done if x.stream else True)
+    failed = "ambiguous" if x.broken else "released"  # a broken 2xx: the work was done
+    if usage is None and not 200 <= x.status < 300 and not x.broken:
+        usage, failed = failure_charge(stream=x.stream, sent=x.sent, answered=x.answered,
+                                       prompt_bound=x.prompt_bound,
+                                       succeeded=upstream_succeeded(x.upstream_status, x.answered))
+        source = "estimated" if usage else source
+    usage, source = believed(usage, source)
+    micros, tokens, kind = charge_for(usage, source, termination, x.status, dep, failed)
+    if x.degraded_response and not x.answered:
+        # Envoy's degraded answer (llmgw/render/errors.py): no upstream answered, nothing was generated.
+        return Charge("degraded", None, "none", 0, 0, "released", degraded=True)
+    return Charge(termination, usage, source, micros, tokens, kind)
 
 
 def _ms(seconds: float | None) -> float | None:

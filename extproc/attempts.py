@@ -1,5 +1,5 @@
 """The attempt filter: ext_proc as an upstream filter of a plan's composite cluster, one stream per
-attempt (extproc/fallback.py). Envoy's router owns the retries; this only addresses each one.
+attempt (extproc/config/plans.py). Envoy's router owns the retries; this only addresses each one.
 
 - Request headers: which candidate this attempt goes to - the plan ext_proc decided (the request's
   `plan` metadata: the tenant and the qualified candidates in order), the attempt number
@@ -39,47 +39,23 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
-from extproc.adapters import adapter_for
 from extproc.adapters.base import Adapter, Target
 from extproc.config import Snapshot
+from extproc.config.plans import attempt_kind, decode_plan, translated
 from extproc.config.reload import Live
 from extproc.config.schema import Deployment
-from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, ErrorCode, GatewayError
-from extproc.envoy_msgs import ATTRIBUTES, attr, header, with_first
-from extproc.fallback import attempt_kind, decode_plan, translated
+from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
+from extproc.envoy_msgs import attr, header, md_attr, with_first
 from extproc.metrics import count_attempt
-from extproc.names import Key
+from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, Filter, Header, Key
 from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
-from extproc.settlement import ANSWERED_BY
+from extproc.shapes import REQUEST_HEADERS, adapter_for
 from extproc.store import Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.attempts")
 _errors = RateLimitedLog(log)
-HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE}']['cluster']"
-PLAN = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN}']"  # the request's, set by the decision
-LOSSES = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.LOSSES}']"  # the same, per candidate
-PLAN_STREAM = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.PLAN_STREAM}']"
-TRACE = f"metadata.filter_metadata['{METADATA_NAMESPACE}']['{Key.TRACE}']"  # the request's trace
-ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, PLAN, LOSSES, PLAN_STREAM, TRACE, "request.id")
-TRANSLATION_LOSS_HEADER = "x-llmgw-translation-loss"
-# Set on a translated candidate's 2xx answer for the Lua answer filter, which reads and removes them.
-ANSWER_SHAPE_HEADER = "x-llmgw-answer-shape"
-ANSWER_MODEL_HEADER = "x-llmgw-answer-model"
 _PM = processing_mode_pb2.ProcessingMode
-# The mode an attempt switches to when its body needs no rewrite (the renderer allows exactly this one).
-ATTEMPT_WITHOUT_BODY = {"request_header_mode": _PM.SEND, "request_body_mode": _PM.NONE,
-                        "response_header_mode": _PM.SEND, "response_body_mode": _PM.NONE,
-                        "request_trailer_mode": _PM.SKIP, "response_trailer_mode": _PM.SKIP}
-# The filter's own mode (llmgw/render/filters.py), for an attempt whose body is rewritten (another
-# served model, another API shape): the request body comes through ext_proc; an answer body never does.
-ATTEMPT_WITH_BODY = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": _PM.BUFFERED}
-
-
-# Headers a candidate's adapter sets on its request (keys, protocol versions, SigV4's): removed from
-# every attempt whose candidate did not set them (tests/unit/test_adapters.py keeps this list whole).
-SHAPE_HEADERS = ("x-api-key", "anthropic-version", "x-goog-api-key", "api-key", "x-amz-date",
-                 "x-amz-security-token", "x-amz-content-sha256")
 
 
 def choose_candidate(snap: Snapshot, plan: list[str], attempt: int, host_cluster: str) -> int:
@@ -228,15 +204,15 @@ class _Attempt:
             status = header(req.response_headers.headers, ":status", "0")
             self.status = int(status) if status.isdigit() else 0
             self.record.update(status=self.status, first_byte_ms=round((time.monotonic() - self.started) * 1000, 1))
-            mutation = ep.HeaderMutation(set_headers=[overwrite_header(ANSWERED_BY, self.dep.deployment)])
+            mutation = ep.HeaderMutation(set_headers=[overwrite_header(Header.DEPLOYMENT, self.dep.deployment)])
             if self.losses:
-                mutation.set_headers.append(overwrite_header(TRANSLATION_LOSS_HEADER, self.losses))
+                mutation.set_headers.append(overwrite_header(Header.TRANSLATION_LOSS, self.losses))
             if self.adapter is not None and 200 <= self.status < 300:
                 # The Lua answer filter translates it (extproc/lua/answers.lua), after the router.
-                mutation.set_headers.extend((overwrite_header(ANSWER_SHAPE_HEADER, self.adapter.name),
-                                             overwrite_header(ANSWER_MODEL_HEADER, self.dep.served_model)))
+                mutation.set_headers.extend((overwrite_header(Header.ANSWER_SHAPE, self.adapter.name),
+                                             overwrite_header(Header.ANSWER_MODEL, self.dep.served_model)))
             else:  # an upstream's own headers of those names must not choose a translation
-                mutation.remove_headers.extend((ANSWER_SHAPE_HEADER, ANSWER_MODEL_HEADER))
+                mutation.remove_headers.extend((Header.ANSWER_SHAPE, Header.ANSWER_MODEL))
             return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
                 header_mutation=mutation)))
         _errors.warning("attempt filter: unexpected message %s", kind)
@@ -244,10 +220,10 @@ class _Attempt:
 
     def _request_headers(self, req: ep.ProcessingRequest) -> ep.ProcessingResponse:
         snap = self.snap
-        attrs = req.attributes.get(ATTRIBUTES) if req.attributes else None
-        self.tenant, plan = decode_plan(attr(attrs, PLAN))
+        attrs = req.attributes.get(Filter.EXT_PROC) if req.attributes else None
+        self.tenant, plan = decode_plan(md_attr(attrs, Key.PLAN))
         self.rid = attr(attrs, "request.id")
-        self.trace = attr(attrs, TRACE)
+        self.trace = md_attr(attrs, Key.TRACE)
         count = header(req.request_headers.headers, "x-envoy-attempt-count", "1")
         self.n = n = int(count) if count.isdigit() else 1
         dep = self.dep = snap.deployments[plan[choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))]]
@@ -255,7 +231,7 @@ class _Attempt:
         previous = snap.deployments.get(plan[min(n - 1, len(plan)) - 1]) if n > 1 else None
         self.record = {"n": n, "deployment": dep.deployment, "adapter": dep.fingerprint.adapter,
                        "kind": attempt_kind(previous, dep), "status": 0}
-        self.losses = str(json.loads(attr(attrs, LOSSES) or "{}").get(dep.deployment, ""))
+        self.losses = str(json.loads(md_attr(attrs, Key.LOSSES) or "{}").get(dep.deployment, ""))
         if self.losses:  # the ledger lists, per attempt, what its candidate's adapter changed or lost
             self.record["translation_loss"] = self.losses.split(", ")
         # Retries reuse the request's headers: what an earlier attempt set for its candidate (a
@@ -270,7 +246,7 @@ class _Attempt:
         if translated(dep):
             self.adapter = adapter_for(dep.fingerprint.adapter)
             self.target = Target(dep.served_model, token, dep.fingerprint.adapter_options,
-                                 attr(attrs, PLAN_STREAM) == "1")
+                                 md_attr(attrs, Key.PLAN_STREAM) == "1")
             path, headers = self.adapter.endpoint(self.target)
             mutation.remove_headers.append("authorization")
             mutation.set_headers.extend(overwrite_header(k, v) for k, v in (*headers.items(), (":path", path)))
@@ -284,7 +260,7 @@ class _Attempt:
                 mutation.remove_headers.append("authorization")
         # An earlier attempt's candidate of another shape set its own key and protocol headers, and
         # Envoy reuses them for this one: none of them may reach a candidate they were not for.
-        mutation.remove_headers.extend(h for h in SHAPE_HEADERS if h not in headers)
+        mutation.remove_headers.extend(h for h in REQUEST_HEADERS if h not in headers)
         reply = ep.ProcessingResponse(request_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=mutation)))
         if self.adapter is not None:  # the filter's own mode: the request body comes to be translated

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 
+import orjson
+
 METADATA_NAMESPACE = "io.llmgw"
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"  # and /v1/models/{route}
@@ -111,3 +113,26 @@ def error_body(code: ErrorCode, message: str, param: str | None = None, decision
         message = f"{message} (decision_id {decision_id})"
     return json.dumps({"error": {"message": message, "type": code.error_type, "code": code.value,
                                  "param": param}}).encode()
+
+
+def degraded_body(route: str, text: str, request_id: str, created: int, stream: bool, usage_chunk: bool) -> bytes:
+    """A route's fixed degraded answer as a completed chat completion (SSE when `stream`), with no
+    usage: nothing upstream ran. Also what Envoy answers when every upstream was down
+    (llmgw/render/errors.py renders it with Envoy's request id)."""
+    base = {"id": f"chatcmpl-degraded-{request_id}", "created": created, "model": route}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    if not stream:
+        return orjson.dumps({**base, "object": "chat.completion", "usage": usage, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
+    chunk = {**base, "object": "chat.completion.chunk"}
+    events = [{**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                                     "finish_reason": None}]},
+              {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    if usage_chunk:
+        events.append({**chunk, "choices": [], "usage": usage})
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def interrupted_event(message: str) -> bytes:
+    """A stream's `stream_interrupted` event, as the contract writes it (ext_proc and the Lua filters)."""
+    return b"data: " + error_body(ErrorCode.STREAM_INTERRUPTED, message) + b"\n\n"

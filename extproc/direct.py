@@ -17,31 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.adapters import adapter_for
 from extproc.adapters.base import Target
-from extproc.adapters.bedrock import BEDROCK, SIGNED_HEADERS
 from extproc.config.schema import Deployment
 from extproc.contract import ErrorCode, GatewayError
-from extproc.fallback import translated
-
-# The shapes whose answers and streams the Lua answer filter reads: Anthropic's Messages API and its
-# SSE, Gemini's generateContent and its SSE, Bedrock's Converse and its AWS event stream, and hosted
-# OpenAI-shaped servers (OpenAI, Azure), whose answers it only checks and whose streams pass as they come.
-LUA_SHAPES = ("anthropic", "gemini", "bedrock", "openai")
-
-
-def decision_translates(dep: Deployment) -> bool:
-    """Whether a request planned to this deployment alone may skip the attempt filter."""
-    return translated(dep) and adapter_for(dep.fingerprint.adapter).name in LUA_SHAPES
-
-
-def shape_headers(dep: Deployment) -> tuple[str, ...]:
-    """The names of the headers this deployment's adapter sets on each request, its signature's
-    included. The renderer keeps them off the route's removal list: the router applies it when it
-    forwards, after the Lua filter has set them."""
-    adapter = adapter_for(dep.fingerprint.adapter)
-    _path, headers = adapter.endpoint(Target(dep.served_model, "credential", dep.fingerprint.adapter_options))
-    return tuple(sorted({h.lower() for h in headers} | set(SIGNED_HEADERS if adapter is BEDROCK else ())))
+from extproc.shapes import adapter_for
 
 
 def native_request(dep: Deployment, body: Mapping[str, Any], credentials: Mapping[str, str],

@@ -9,10 +9,7 @@ from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc.contract import METADATA_NAMESPACE
-
-ATTRIBUTES = "envoy.filters.http.ext_proc"  # where a message's CEL attributes are keyed
-MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"  # a CEL path into the io.llmgw metadata
+from extproc.names import metadata_path
 
 
 async def with_first(first: ep.ProcessingRequest,
@@ -57,7 +54,7 @@ def count_attr(attrs: Any, key: str) -> Any:
 
 def md_attr(attrs: Any, key: str) -> str:
     """An io.llmgw metadata value Envoy sent as a CEL attribute (`{MD}['key']`)."""
-    return attr(attrs, f"{MD}['{key}']")
+    return attr(attrs, metadata_path(key))
 
 
 def header_text(h: Any) -> str:

@@ -13,9 +13,9 @@ import orjson
 from extproc.adapters.loss import Loss
 from extproc.bounds import Bound
 from extproc.config import Snapshot
+from extproc.config.plans import encode_plan, uses_attempt_filter
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
-from extproc.fallback import encode_plan, uses_attempt_filter
 from extproc.names import Key, Settle
 from extproc.redact import log_safe
 from extproc.replay import Sealer

@@ -7,10 +7,9 @@ from __future__ import annotations
 import re
 
 from extproc.contract import ErrorCode, GatewayError
+from extproc.names import Header
 
 AUTHORIZATION = "authorization"
-DATA_CLASS = "x-llmgw-data-class"
-DEADLINE = "x-llmgw-deadline-ms"
 IDEMPOTENCY_KEY = "idempotency-key"
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -31,8 +30,8 @@ def deadline_ms(value: str | None) -> int | None:
     if value is None:
         return None
     if _DIGITS.fullmatch(value) is None or not 0 < int(value) <= MAX_DEADLINE_MS:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{DEADLINE} must be a positive integer of milliseconds "
-                           f"(at most {MAX_DEADLINE_MS})", DEADLINE)
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{Header.DEADLINE_MS} must be a positive integer of "
+                           f"milliseconds (at most {MAX_DEADLINE_MS})", Header.DEADLINE_MS)
     return int(value)
 
 

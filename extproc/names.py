@@ -1,11 +1,86 @@
 """Names on the wire between ext_proc, Envoy and its native filters: the keys of the io.llmgw dynamic
-metadata and their fixed values. The data plane, the renderer (llmgw/render/bootstrap.py) and the Lua
-stream guard (extproc/lua/stream_guard.lua, which gets them rendered in) all take them from here, so a
-misspelt key is an AttributeError, not a value that silently reads as empty."""
+metadata and their fixed values, the headers the gateway names, the filters' and clusters' names, the
+CEL paths ext_proc asks Envoy for, and the few wire values both sides must agree on. The data plane,
+the renderer (llmgw/render/) and the Lua filters (extproc/lua/, which get them rendered in) all take
+them from here, so a misspelt name is an AttributeError, not a value that silently reads as empty.
+The external contract's own (the error codes, the headers on every answer) are in contract.py;
+tests/unit/test_layout.py keeps `x-llmgw-` header names from being spelled anywhere else."""
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from extproc.contract import METADATA_NAMESPACE
+
+
+class Header(StrEnum):
+    """Headers the gateway names (besides contract.py's on every answer and refusal)."""
+
+    DATA_CLASS = "x-llmgw-data-class"  # request: the data class the caller declares
+    DEADLINE_MS = "x-llmgw-deadline-ms"  # request: the caller's remaining deadline
+    DEPLOYMENT = "x-llmgw-deployment"  # answer: the deployment that answered
+    ATTEMPTS = "x-llmgw-attempts"  # answer: how many attempts Envoy made
+    DEGRADED = "x-llmgw-degraded"  # answer: the route's degraded answer gave it (`response`, `route:NAME`)
+    TRANSLATION_LOSS = "x-llmgw-translation-loss"  # answer: what translating to the candidate's shape lost
+    IDEMPOTENT_REPLAY = "x-llmgw-idempotent-replay"  # answer: replayed for a repeated Idempotency-Key
+    SHADOW_GRANT = "x-llmgw-shadow-grant"  # a shadow copy's grant, added by Envoy's mirror
+    # Set on a translated candidate's 2xx answer for the Lua answer filter, which reads and removes them.
+    ANSWER_SHAPE = "x-llmgw-answer-shape"
+    ANSWER_MODEL = "x-llmgw-answer-model"
+
+
+class Filter(StrEnum):
+    """HTTP filters by the names the rendered bootstrap gives them: the gateway's own, and Envoy's."""
+
+    UPSTREAM_HEADERS = "llmgw.upstream_headers"  # header_mutation: the request's header allow-list
+    METER = "llmgw.meter"  # ext_proc: an idempotent JSON answer recorded before the client has it
+    STREAMS = "llmgw.streams"  # ext_proc: an idempotent stream's guard
+    LUA_STREAM_GUARD = "llmgw.lua_streams"
+    LUA_ANSWERS = "llmgw.lua_answers"
+    LUA_DOORS = "llmgw.lua_doors"
+    UPSTREAM_STATUS = "llmgw.upstream_status"
+    ATTEMPT = "llmgw.attempt"  # ext_proc on the composite clusters' upstream filter chain
+    EXT_PROC = "envoy.filters.http.ext_proc"  # the decision; also where a message's CEL attributes are keyed
+    HEADER_MUTATION = "envoy.filters.http.header_mutation"
+    BUFFER = "envoy.filters.http.buffer"
+    JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
+    CUSTOM_RESPONSE = "envoy.filters.http.custom_response"
+    ROUTER = "envoy.filters.http.router"
+    UPSTREAM_CODEC = "envoy.filters.http.upstream_codec"
+    HTTP_CONNECTION_MANAGER = "envoy.filters.network.http_connection_manager"
+
+
+EXTPROC_CLUSTER = "llmgw_extproc"  # the ext_proc workers
+SHADOW_CLUSTER = "llmgw_shadow"  # Envoy's cluster back to its own listener, for shadow copies
+# How Envoy's response code details begin when it answered a request itself because its ext_proc
+# decision failed (a gRPC error, the message timeout): no decision reached Envoy, no upstream saw it.
+EXTPROC_FAILED = "ext_proc"
+# The endpoint picker's choice, as the Gateway API Inference Extension names it: a header, and the
+# metadata namespace the pool's original-destination load balancer reads it from.
+LB_NAMESPACE = "envoy.lb"
+LB_KEY = "x-gateway-destination-endpoint"
+
+# CEL paths ext_proc asks Envoy for (request_attributes / response_attributes).
+MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"  # the request's io.llmgw metadata
+HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE}']['cluster']"  # the host's
+
+
+REQUEST_HEADER = "request.headers['"  # the CEL path of a request header: this, its name, "']"
+
+
+def metadata_path(key: str) -> str:
+    """The CEL path of one key of the request's io.llmgw metadata."""
+    return f"{MD}['{key}']"
+
+
+def request_attributes(credential_headers: tuple[str, ...]) -> tuple[str, ...]:
+    """What the decision asks Envoy for on the body message (the whole header map is not
+    serializable): the request's own attributes and the headers ext_proc reads, the front doors'
+    credential headers among them."""
+    headers = ("authorization", *credential_headers, Header.DATA_CLASS, "idempotency-key", Header.DEADLINE_MS,
+               "traceparent", "tracestate", Header.SHADOW_GRANT)
+    return ("request.id", "request.path", "request.method", "request.time",
+            *(f"{REQUEST_HEADER}{h}']" for h in headers))
 
 
 class Key(StrEnum):
@@ -89,6 +164,33 @@ class StreamEnd(StrEnum):
     UNFINISHED = "unfinished"
     OVER = "over"  # past its end time (max_stream_ms)
 
+
+# What the attempt filter asks for: the host's cluster, the decision's plan, losses and trace.
+ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.LOSSES),
+                      metadata_path(Key.PLAN_STREAM), metadata_path(Key.TRACE), "request.id")
+# The ledger's marks of how a request was served (the route's degraded answer, a canary's side of the
+# answer, the shadow candidate the request was copied to).
+LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW)
+# What the meter asks for at the answer's end.
+METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
+                    f"response.headers['{Header.DEPLOYMENT}']",
+                    *(metadata_path(k) for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
+                                                 Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
+                                                 *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS)))
+# The attempt filter's processing modes (Envoy's enum names): its own, for an attempt whose body is
+# rewritten (another served model, another API shape: the request body comes through ext_proc, an
+# answer body never does), and the one an attempt switches to when its body needs no rewrite (the
+# renderer allows exactly this override).
+ATTEMPT_WITHOUT_BODY = {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                        "response_header_mode": "SEND", "response_body_mode": "NONE",
+                        "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+ATTEMPT_WITH_BODY = {**ATTEMPT_WITHOUT_BODY, "request_body_mode": "BUFFERED"}
+
+# Wire values both sides keep: the largest event a stream may carry (else the stream is malformed), and
+# the keep-alive comment that stands for an event withheld (a Lua filter reads an empty chunk as the
+# stream's end, so never an empty one).
+MAX_EVENT_BYTES = 1 << 20
+KEEPALIVE = b":\n\n"
 
 # Why a stream ended early, as its `stream_interrupted` event says it.
 INTERRUPTED: dict[StreamEnd, str] = {

@@ -40,8 +40,6 @@ from extproc.metrics import count_pick
 
 log = logging.getLogger("llmgw.picker")
 
-LB_NAMESPACE = "envoy.lb"
-LB_KEY = "x-gateway-destination-endpoint"
 WEIGHTS = {"queue": 2.0, "kv": 2.0, "prefix": 3.0, "running": 1.0}
 AFFINITY_BLOCK_CHARS = 256  # prompt characters per affinity block
 AFFINITY_ENTRIES = 100_000

@@ -5,16 +5,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from extproc.contract import DECISION_ID_HEADER, METADATA_NAMESPACE, REVISION_HEADER, GatewayError
-from extproc.doors import BY_NAME
+from extproc.contract import DECISION_ID_HEADER, METADATA_NAMESPACE, REVISION_HEADER, GatewayError, degraded_body
 from extproc.exchange import Exchange
-from extproc.picker import LB_KEY, LB_NAMESPACE
+from extproc.names import LB_KEY, LB_NAMESPACE, Header
+from extproc.shapes import DOORS_BY_NAME
 
 _JSON = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
 
@@ -71,7 +70,7 @@ def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     headers = {**err.headers, DECISION_ID_HEADER: ex.decision_id} if ex.decision_id else err.headers
     body = err.body(ex.decision_id)
     if ex.door:  # in the caller's shape, the contract's code inside
-        body = BY_NAME[ex.door].error(err.status, body)
+        body = DOORS_BY_NAME[ex.door].error(err.status, body)
     return immediate(ex, err.status, body, f"llmgw_{err.code.value}", headers)
 
 
@@ -82,27 +81,6 @@ def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:
         err.status, err.body(), f"llmgw_{err.code.value}", [_JSON]))
 
 
-DEGRADED_HEADER = "x-llmgw-degraded"  # on an answer the route's degraded answer gave: `response` or `route:NAME`
-
-
-def degraded_body(route: str, text: str, request_id: str, created: int, stream: bool, usage_chunk: bool) -> bytes:
-    """A route's fixed degraded answer as a completed chat completion (SSE when `stream`), with no
-    usage: nothing upstream ran. Also what Envoy answers when every upstream was down
-    (llmgw/render/errors.py renders it with Envoy's request id)."""
-    base = {"id": f"chatcmpl-degraded-{request_id}", "created": created, "model": route}
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    if not stream:
-        return orjson.dumps({**base, "object": "chat.completion", "usage": usage, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
-    chunk = {**base, "object": "chat.completion.chunk"}
-    events = [{**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
-                                     "finish_reason": None}]},
-              {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
-    if usage_chunk:
-        events.append({**chunk, "choices": [], "usage": usage})
-    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-
-
 def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
     """The route's fixed degraded answer (degraded_body). A front door's caller gets it in its own shape
     from the Lua door filter, which translates every answer on the way out."""
@@ -110,5 +88,5 @@ def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
     options = ex.body.get("stream_options")
     body = degraded_body(ex.route.route_contract, text, ex.request_id, int(time.time()), ex.stream,
                          bool(ex.door) or (isinstance(options, dict) and options.get("include_usage") is True))
-    return immediate(ex, 200, body, "llmgw_degraded", {DEGRADED_HEADER: "response"},
+    return immediate(ex, 200, body, "llmgw_degraded", {Header.DEGRADED: "response"},
                      content_type="text/event-stream" if ex.stream else "application/json")

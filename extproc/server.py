@@ -42,11 +42,11 @@ from extproc.config import Snapshot, load_snapshot
 from extproc.config.reload import Live, Reloader
 from extproc.contract import MODELS_PATH, ROLE_KEY, WORKER_HEALTH_PATH, ErrorCode, GatewayError, Role
 from extproc.decisions import DecisionRecorder
-from extproc.doors import door_for
-from extproc.envoy_msgs import ATTRIBUTES, header_text
+from extproc.envoy_msgs import header_text
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
 from extproc.metrics import count_refusal, exposition
+from extproc.names import REQUEST_HEADER, Filter, Header
 from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.ratelimit import RateLimitedLog
@@ -55,6 +55,7 @@ from extproc.replies import admit, degraded_answer, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
 from extproc.shadow import grant_key
+from extproc.shapes import door_for
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import Degraded, tenant_salts
@@ -68,7 +69,6 @@ Handler = Callable[[ep.ProcessingRequest, AsyncIterator[ep.ProcessingRequest]], 
 # The one place an unexpected exception in a decision is reported: a client must not be able to fill
 # the log with tracebacks, so at most one per interval, with a count of the rest.
 _internal_errors = RateLimitedLog(log, every_s=10.0)
-_HEADER_ATTR = "request.headers['"
 DECISION = "decision"  # the decision filter's streams carry no role
 
 
@@ -78,8 +78,8 @@ def apply_attributes(ex: Exchange, attrs: struct_pb2.Struct) -> None:
         if value.WhichOneof("kind") != "string_value":
             continue
         s = value.string_value
-        if key.startswith(_HEADER_ATTR):
-            ex.headers[key[len(_HEADER_ATTR):-2]] = s
+        if key.startswith(REQUEST_HEADER):
+            ex.headers[key[len(REQUEST_HEADER):-2]] = s
         elif key == "request.id":
             ex.request_id = s
         elif key == "request.path":
@@ -172,7 +172,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         ex = Exchange(snapshot=live.snapshot, cache_salts=live.cache_salts, sealer=live.sealer,
                       shadow_key=live.shadow_key, region=live.region, credentials=live.credentials,
                       credential_errors=live.credential_errors)
-        attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
+        attrs = first.attributes.get(Filter.EXT_PROC) if first.attributes else None
         if attrs is not None:
             apply_attributes(ex, attrs)
         kind = first.WhichOneof("request")
@@ -195,7 +195,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             answer = replay.answer
             self._later(record_refusal(self.store, ex, "idempotent_replay", answer.status, ""))
             yield immediate(ex, answer.status, answer.body, "llmgw_idempotent_replay",
-                            {"x-llmgw-idempotent-replay": "true"}, content_type=answer.content_type)
+                            {Header.IDEMPOTENT_REPLAY: "true"}, content_type=answer.content_type)
         except Degraded as degraded:  # no candidate qualified: the route's fixed answer, nothing spent
             ex.degraded = "response"
             self._later(release(self.store, ex, "degraded", 200, {"degraded": "response"}) if ex.held is not None

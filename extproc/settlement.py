@@ -44,28 +44,27 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
 from extproc.accounting import (
+    Logged,
     Usage,
     answered_by,
     believed,
     charge_for,
+    charge_logged,
     estimated,
-    failure_charge,
     first_byte_ms,
     outcome_of,
     termination_of,
-    upstream_succeeded,
 )
 from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import METADATA_NAMESPACE
-from extproc.envoy_msgs import ATTRIBUTES, MD, attr, count_attr, md_attr, with_first
+from extproc.envoy_msgs import attr, count_attr, md_attr, with_first
 from extproc.exchange import Exchange
 from extproc.metrics import observe_settlement, observe_tenant
-from extproc.names import Key, Settle, StreamEnd
+from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, Filter, Header, Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Answer, Sealer
-from extproc.replies import DEGRADED_HEADER
 from extproc.sse import StreamUsage
 from extproc.store import Settlement, Store, StoreUnavailable
 
@@ -75,16 +74,6 @@ MAX_JSON_BODY = 8 << 20
 BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
 RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, sent again
-# Decisions the route stage made that the ledger entry records as they are (canary side, degraded
-# answer, the shadow candidate the request was copied to).
-LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW)
-ANSWERED_BY = "x-llmgw-deployment"  # set by the attempt filter on a fallback route (extproc/attempts.py)
-# What the meter filter asks Envoy for with the first response message (render uses this list).
-METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
-                    f"response.headers['{ANSWERED_BY}']",
-                    *(f"{MD}['{k}']" for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
-                                               Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
-                                               *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS)))
 
 
 async def release(store: Store | None, ex: Exchange, termination: str, status: int,
@@ -208,7 +197,7 @@ class Meter:
         the key can then only come after the answer is replayable. If the store is down the answer
         still goes out (the lease settles it later)."""
         first_at = time.time()  # the first message is the answer's first chunk (headers are skipped)
-        attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
+        attrs = first.attributes.get(Filter.EXT_PROC) if first.attributes else None
         tenant, rid, hint = md_attr(attrs, Key.TENANT), attr(attrs, "request.id"), md_attr(attrs, Key.HOLD)
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
@@ -244,7 +233,7 @@ class Meter:
                 stream_usage: StreamUsage, body: bytes, first_at: float) -> asyncio.Future[bool]:
         snap = self.snapshot()
         dep = answered_by(snap, md_attr(attrs, Key.DEPLOYMENT), md_attr(attrs, Key.PLAN),
-                          attr(attrs, f"response.headers['{ANSWERED_BY}']"))
+                          attr(attrs, f"response.headers['{Header.DEPLOYMENT}']"))
         held = orjson.loads(hint)
         usage: Usage | None = None
         source = "none"
@@ -328,9 +317,6 @@ def _observe(s: SettledRequest) -> None:
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
 
 
-# How Envoy's response code details begin when it answered a request itself because its ext_proc
-# decision failed (a gRPC error, the message timeout): no decision reached Envoy, no upstream saw it.
-EXTPROC_FAILED = "ext_proc"
 NOT_PROCESSED = {"termination": "not_processed", "status": 503, "settlement": "released", "usage": None,
                  "attempts": []}
 
@@ -406,58 +392,18 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         common = entry.common_properties
         snap = self.snapshot()
         dep = answered_by(snap, attr(md, Key.DEPLOYMENT), attr(md, Key.PLAN),
-                          entry.response.response_headers.get(ANSWERED_BY, ""))
-        status = entry.response.response_code.value
-        flags = common.response_flags
-        stream = attr(md, Key.STREAM) == "1"
-        prompt_bound = int(orjson.loads(hint).get("p", 0))
-        # Present only when json_to_metadata (a JSON answer) or the Lua stream guard found a usage object.
-        prompt = count_attr(md, Key.USAGE_PROMPT)
-        usage: Usage | None = None
-        if prompt is not None and not backstop:
-            completion, cached = count_attr(md, Key.USAGE_COMPLETION), count_attr(md, Key.USAGE_CACHED)
-            usage = {"prompt_tokens": prompt, "completion_tokens": 0 if completion is None else completion,
-                     "prompt_tokens_details": {"cached_tokens": 0 if cached is None else cached}}
-        chunks = attr(md, Key.STREAM_CHUNKS)  # the stream guard's count of what was generated so far
-        source = "reported" if usage else "none"
-        if usage is None and stream and chunks and 200 <= status < 300 and not backstop:
-            usage, source = estimated(prompt_bound, int(chunks)), "estimated"
-        ended = passed_done(md)
-        if flags.downstream_connection_termination and not (stream and ended):
-            # (A client that closes right after the last chunk got the whole stream: not a cancel.)
-            termination = "client_cancel"
-        elif (flags.upstream_request_timeout or status == 504) and not stream:
-            termination = "deadline"
-        elif backstop:
-            termination = "unknown"  # its filter never settled it: what the client got is not known
-        else:
-            # A stream is complete only when the Lua stream guard saw its normal end; a stream it did
-            # not guard reaches here only when Envoy cut it after it started (or it failed before).
-            termination = termination_of(status, ended if stream else True)
-        # A 2xx a Lua filter could not read or carry, answered as the contract's 502: the work was done.
-        broken = bool(attr(md, Key.ANSWER_BROKEN))
-        failed = "ambiguous" if broken else "released"
-        if usage is None and not 200 <= status < 300 and not broken:
-            answered = common.HasField("time_to_first_upstream_rx_byte")
-            usage, failed = failure_charge(stream=stream, sent=common.HasField("time_to_first_upstream_tx_byte"),
-                                           answered=answered, prompt_bound=prompt_bound,
-                                           succeeded=upstream_succeeded(attr(md, Key.UPSTREAM_STATUS), answered))
-            source = "estimated" if usage else source
-        usage, source = believed(usage, source)
-        micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
+                          entry.response.response_headers.get(Header.DEPLOYMENT, ""))
+        c = charge_logged(logged(entry, md, hint, backstop), dep)
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}
-        if entry.response.response_headers.get(DEGRADED_HEADER) == "response" and not common.HasField(
-                "time_to_first_upstream_rx_byte"):
-            # Envoy's degraded answer for a route whose upstreams were all down (llmgw/render/errors.py):
-            # no upstream answered, so nothing was generated.
-            termination, usage, source, (micros, tokens, kind) = "degraded", None, "none", (0, 0, "released")
+        if c.degraded:
             marks[Key.DEGRADED.value] = "response"
+        status, stream = entry.response.response_code.value, attr(md, Key.STREAM) == "1"
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
         def seconds(name: str) -> float | None:
             return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
         duration, first = seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte")
-        outcome = outcome_of(termination, status, kind, usage, source, dep,
+        outcome = outcome_of(c.termination, status, c.kind, c.usage, c.source, dep,
                              attr(md, Key.REDACTIONS), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
                                  "count": common.upstream_request_attempt_count,
@@ -471,7 +417,28 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
             start, duration, first, tenant if snap.gateway.metrics.tenant_label else ""))
-        self.settler.submit((tenant, rid, hint, outcome, micros, tokens, "", "", 0), observe)
+        self.settler.submit((tenant, rid, hint, outcome, c.micros, c.tokens, "", "", 0), observe)
+
+
+def logged(entry: Any, md: Any, hint: str, backstop: bool) -> Logged:
+    """An access-log entry decoded: the facts settlement decides the charge from (accounting.Logged)."""
+    common = entry.common_properties
+    flags = common.response_flags
+    prompt = count_attr(md, Key.USAGE_PROMPT)  # present only when a filter found a usage object
+    usage: Usage | None = None
+    if prompt is not None:
+        completion, cached = count_attr(md, Key.USAGE_COMPLETION), count_attr(md, Key.USAGE_CACHED)
+        usage = {"prompt_tokens": prompt, "completion_tokens": 0 if completion is None else completion,
+                 "prompt_tokens_details": {"cached_tokens": 0 if cached is None else cached}}
+    chunks = attr(md, Key.STREAM_CHUNKS)
+    return Logged(
+        status=entry.response.response_code.value, stream=attr(md, Key.STREAM) == "1",
+        prompt_bound=int(orjson.loads(hint).get("p", 0)), usage=usage, chunks=int(chunks) if chunks else 0,
+        stream_done=passed_done(md), client_closed=flags.downstream_connection_termination,
+        upstream_timeout=flags.upstream_request_timeout, backstop=backstop,
+        broken=bool(attr(md, Key.ANSWER_BROKEN)), sent=common.HasField("time_to_first_upstream_tx_byte"),
+        answered=common.HasField("time_to_first_upstream_rx_byte"), upstream_status=attr(md, Key.UPSTREAM_STATUS),
+        degraded_response=entry.response.response_headers.get(Header.DEGRADED) == "response")
 
 
 def passed_done(md: Any) -> bool:

@@ -24,8 +24,6 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
-GRANT_HEADER = "x-llmgw-shadow-grant"
-SHADOW_CLUSTER = "llmgw_shadow"  # Envoy's cluster back to its own listener
 _KEY_LABEL = b"llmgw shadow grant v1"
 
 

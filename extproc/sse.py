@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_EVENT_BYTES = 1 << 20  # an event larger than this is malformed; the stream is reported as such
+from extproc.names import MAX_EVENT_BYTES
 
 
 class MalformedStream(Exception):

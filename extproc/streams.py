@@ -33,23 +33,13 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
-from extproc.contract import METADATA_NAMESPACE, ErrorCode, error_body
-from extproc.envoy_msgs import ATTRIBUTES, attr, md_attr, with_first
-from extproc.names import INTERRUPTED, Key, StreamEnd
+from extproc.contract import METADATA_NAMESPACE, interrupted_event
+from extproc.envoy_msgs import attr, md_attr, with_first
+from extproc.names import INTERRUPTED, KEEPALIVE, MAX_EVENT_BYTES, Filter, Key, StreamEnd
 from extproc.settlement import Meter
-from extproc.sse import MAX_EVENT_BYTES, EventSplitter, StreamUsage, event_data
+from extproc.sse import EventSplitter, StreamUsage, event_data
 
 CUT_BACKSTOP_S = 2.0  # after a cut, how long the access log has to settle before the guard does
-
-
-# What a stream filter passes for a chunk that completes no event: an SSE comment, which every client
-# ignores. Never an empty chunk: a Lua filter after it (the stream guard, a front door) reads an empty
-# chunk as the stream's end.
-KEEPALIVE = b":\n\n"
-
-
-def interrupted_event(message: str) -> bytes:
-    return b"data: " + error_body(ErrorCode.STREAM_INTERRUPTED, message) + b"\n\n"
 
 
 class StreamGuard:
@@ -58,7 +48,7 @@ class StreamGuard:
 
     async def guard(self, first: ep.ProcessingRequest,
                     rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
-        attrs = first.attributes.get(ATTRIBUTES) if first.attributes else None
+        attrs = first.attributes.get(Filter.EXT_PROC) if first.attributes else None
         tenant, rid, hint = md_attr(attrs, Key.TENANT), attr(attrs, "request.id"), md_attr(attrs, Key.HOLD)
         withhold = md_attr(attrs, Key.WITHHOLD_USAGE) == "1"
         code = attr(attrs, "response.code")

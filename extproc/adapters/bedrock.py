@@ -57,7 +57,7 @@ from extproc.adapters.base import (
 from extproc.adapters.loss import Conditional, LossTable, Support, losses
 from extproc.adapters.openai import failure_for_status
 from extproc.contract import ErrorCode
-from extproc.sse import MAX_EVENT_BYTES
+from extproc.names import MAX_EVENT_BYTES
 
 SERVICE = "bedrock"
 S = Support

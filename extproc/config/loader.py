@@ -20,7 +20,6 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from yaml.nodes import Node
 
-from extproc.adapters import check_options
 from extproc.config import positions
 from extproc.config.evidence import sift
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
@@ -35,6 +34,7 @@ from extproc.config.schema import (
     Prices,
     Route,
 )
+from extproc.shapes import check_options
 
 M = TypeVar("M", bound=BaseModel)
 RECORD_DATE_GRACE = timedelta(days=1)  # how far past `today` an evidence record may be dated

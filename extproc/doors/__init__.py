@@ -5,7 +5,8 @@ intake, so identity, authorization, budgets, redaction, routing, fallback and me
 one shape; its answers, streams and errors are turned back into the caller's shape at the edge, by
 the Lua door filter (extproc/lua/doors.lua), after metering has read the internal shape. Adapters
 (extproc/adapters/) are the same translation in the other direction, towards upstreams. Plain values
-in and out, no Envoy types.
+in and out, no Envoy types. The doors, and the credential headers they take, are listed by the shapes
+registry (extproc/shapes.py).
 """
 
 from __future__ import annotations
@@ -44,12 +45,3 @@ ANTHROPIC = Door(anthropic.NAME, re.escape(anthropic.MESSAGES_PATH), lambda raw,
                  anthropic.answer, anthropic.error, anthropic.MessagesStream, ("x-api-key",))
 GEMINI = Door(gemini.NAME, gemini.PATH_REGEX, gemini.request, gemini.answer, gemini.error,
               gemini.GenerateContentStream, ("x-goog-api-key",), "key")
-DOORS: tuple[Door, ...] = (ANTHROPIC, GEMINI)
-BY_NAME: dict[str, Door] = {d.name: d for d in DOORS}
-CREDENTIAL_HEADERS = tuple(h for d in DOORS for h in d.credential_headers)  # never forwarded
-CREDENTIAL_QUERY = tuple(d.credential_query for d in DOORS if d.credential_query)  # never forwarded or logged
-
-
-def door_for(path: str) -> Door | None:
-    """The door a request path opens (the query string aside); None: the chat completions API."""
-    return next((d for d in DOORS if d.matches(path)), None)

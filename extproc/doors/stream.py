@@ -9,7 +9,8 @@ import json
 from typing import Any
 
 from extproc.adapters.base import UpstreamBroken
-from extproc.sse import MAX_EVENT_BYTES, EventSplitter, event_data
+from extproc.names import MAX_EVENT_BYTES
+from extproc.sse import EventSplitter, event_data
 
 
 class InternalStream:

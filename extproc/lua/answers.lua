@@ -498,11 +498,20 @@ local function translate_stream(h, model, request_id, shape)
   end)
 end
 
-local TRANSLATE_STREAM = {anthropic = {reader = sse_reader(anthropic_event), finish = anthropic_end},
-                          gemini = {reader = sse_reader(gemini_event), finish = gemini_end},
-                          bedrock = {reader = bedrock_reader, finish = bedrock_end}}
-
-local TRANSLATE = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
+-- The dispatch: the shapes the registry (extproc/shapes.py) says this filter translates, each to its
+-- translator here. A shape registered without one stops the filter from loading, so Envoy refuses the
+-- bootstrap instead of passing that shape's answers untranslated.
+local ANSWERS = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}
+local STREAMS = {anthropic = {reader = sse_reader(anthropic_event), finish = anthropic_end},
+                 gemini = {reader = sse_reader(gemini_event), finish = gemini_end},
+                 bedrock = {reader = bedrock_reader, finish = bedrock_end}}
+local TRANSLATE, TRANSLATE_STREAM = {}, {}
+for _, shape in ipairs(CONFIG.answer_shapes) do
+  TRANSLATE[shape] = ANSWERS[shape] or error("the answer filter has no translator for the shape " .. shape)
+end
+for _, shape in ipairs(CONFIG.stream_shapes) do
+  TRANSLATE_STREAM[shape] = STREAMS[shape] or error("the answer filter has no stream translator for " .. shape)
+end
 
 -- Which shape to read the answer as, and the model it names when the shape names none: the decision's
 -- (a lone candidate it translated for, in the metadata), else the attempt filter's (a plan's candidate

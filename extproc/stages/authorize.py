@@ -16,7 +16,7 @@ from extproc.config.schema import Route
 from extproc.contract import ErrorCode, GatewayError
 from extproc.decisions import DecisionRecorder, differences, log_entry, new_decision_id, result_of, sampled
 from extproc.exchange import Exchange
-from extproc.headers import DATA_CLASS
+from extproc.names import Header
 
 
 def requested_tools(ex: Exchange) -> list[dict[str, Any]]:
@@ -83,9 +83,9 @@ class Authorization:
             # The request would be processed here, outside the tenant's residency, before any upstream.
             raise GatewayError(ErrorCode.FORBIDDEN, f"this gateway runs in region {ex.region!r}, outside the tenant's "
                                f"residency ({', '.join(residency)}): use the gateway of one of those regions")
-        data_class = ex.headers.get(DATA_CLASS) or snap.gateway.tenants[ex.identity.tenant].default_data_class
+        data_class = ex.headers.get(Header.DATA_CLASS) or snap.gateway.tenants[ex.identity.tenant].default_data_class
         if data_class not in snap.gateway.data_classes:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, "unknown data class", DATA_CLASS)
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "unknown data class", Header.DATA_CLASS)
         ex.data_class = data_class
         if snap.policy is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorization policy is loaded")

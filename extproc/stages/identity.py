@@ -17,12 +17,13 @@ import jwt
 
 from extproc.config.schema import JwtIssuer
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
-from extproc.doors import BY_NAME, Door
+from extproc.doors import Door
 from extproc.exchange import Exchange, Identity
-from extproc.headers import DATA_CLASS
 from extproc.jwks import JwksCache, JwksUnavailable
+from extproc.names import Header
 from extproc.ratelimit import RateLimitedLog
-from extproc.shadow import GRANT_HEADER, InvalidGrant, verify
+from extproc.shadow import InvalidGrant, verify
+from extproc.shapes import DOORS_BY_NAME
 
 log = logging.getLogger("llmgw.identity")
 # Anyone can send a bad credential: one line a second at most, with the count of the rest.
@@ -111,7 +112,7 @@ def shadow_identity(ex: Exchange, token: str) -> Identity:
     if grant.tenant not in ex.snapshot.gateway.tenants:
         raise Unauthenticated("shadow grant names no configured tenant")
     ex.shadow_of = grant
-    ex.headers[DATA_CLASS] = grant.data_class
+    ex.headers[Header.DATA_CLASS] = grant.data_class
     return Identity(tenant=grant.tenant, subject=grant.subject, kind="shadow")
 
 
@@ -123,10 +124,10 @@ class CallerIdentity:
 
     async def run(self, ex: Exchange) -> None:
         try:
-            if GRANT_HEADER in ex.headers:
-                ex.identity = shadow_identity(ex, ex.headers[GRANT_HEADER])
+            if Header.SHADOW_GRANT in ex.headers:
+                ex.identity = shadow_identity(ex, ex.headers[Header.SHADOW_GRANT])
                 return
-            token = credential(ex.headers, ex.path, BY_NAME.get(ex.door))
+            token = credential(ex.headers, ex.path, DOORS_BY_NAME.get(ex.door))
             ex.identity = await self._jwt(ex, token) if looks_like_jwt(token) else api_key_identity(ex, token)
         except Unauthenticated as e:
             _refusals.info("request %s unauthenticated: %s", ex.request_id, e.why)

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from extproc import chat, headers, tracing
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
-from extproc.doors import BY_NAME
 from extproc.exchange import Exchange
+from extproc.names import Header
+from extproc.shapes import DOORS_BY_NAME
 
 
 class Intake:
     name = "intake"
 
     async def run(self, ex: Exchange) -> None:
-        door = BY_NAME.get(ex.door)  # set from the path when the request arrived
+        door = DOORS_BY_NAME.get(ex.door)  # set from the path when the request arrived
         path = ex.path.split("?", 1)[0] if door is not None else CHAT_PATH
         if door is None and ex.path.split("?", 1)[0] != CHAT_PATH:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
@@ -29,7 +30,7 @@ class Intake:
         ex.body = chat.validate(doc, limits.max_messages, limits.max_n)
         ex.stream = ex.body.get("stream") is True
         ex.n = ex.body.get("n") or 1
-        ex.deadline_ms = headers.deadline_ms(ex.headers.get(headers.DEADLINE))
+        ex.deadline_ms = headers.deadline_ms(ex.headers.get(Header.DEADLINE_MS))
         ex.idempotency_key = headers.idempotency_key(ex.headers.get(headers.IDEMPOTENCY_KEY))
         ex.traceparent, ex.tracestate = headers.trace_context(ex.headers.get(headers.TRACEPARENT),
                                                               ex.headers.get(headers.TRACESTATE))

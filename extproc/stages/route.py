@@ -1,6 +1,6 @@
 """Routing: the `model` names a route contract; its qualified candidates, in the route's order, are the
 request's attempt plan (one: its own cluster; several: the composite cluster of exactly those, see
-extproc/fallback.py). The body names the first candidate's served model (the upstream filter rewrites
+extproc/config/plans.py). The body names the first candidate's served model (the upstream filter rewrites
 it for a fallback) and carries the tenant's prefix-cache salt.
 
 Eligibility (invariant 2): the candidate and its deployment serve the request's data class and a
@@ -25,19 +25,19 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters import loss_table
 from extproc.adapters.loss import Loss, Support, losses
 from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
+from extproc.config.plans import composite_name, decision_translates, uses_attempt_filter
 from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
-from extproc.direct import decision_translates, native_request
+from extproc.direct import native_request
 from extproc.exchange import Exchange
-from extproc.fallback import composite_name, uses_attempt_filter
 from extproc.names import Settle
 from extproc.picker import Picker
 from extproc.shadow import Grant, issue, shadow_bucket
+from extproc.shapes import loss_table
 from extproc.stages.authorize import authorized_on
 
 

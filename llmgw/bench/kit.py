@@ -22,6 +22,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.protobuf import json_format
 
 from extproc.config import load_snapshot
+from extproc.names import Filter
 from llmgw.conformance import demo_evidence
 from llmgw.local.procs import Child, cpu_seconds, envoy_binary, envoy_env, free_port, http_ok, wait_until
 from llmgw.local.sandbox import sandbox_policy
@@ -64,8 +65,8 @@ def _hcm(routes: list[route_components_pb2.Route], lua: str = "") -> listener_co
         route_config=route_pb2.RouteConfiguration(virtual_hosts=[route_components_pb2.VirtualHost(
             name="all", domains=["*"], routes=routes)]),
         http_filters=[*first,
-                      hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router()))])
-    return listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))
+                      hcm_pb2.HttpFilter(name=Filter.ROUTER, typed_config=pack(router_pb2.Router()))])
+    return listener_components_pb2.Filter(name=Filter.HTTP_CONNECTION_MANAGER, typed_config=pack(hcm))
 
 
 def _direct(body: str, content_type: str) -> route_components_pb2.Route:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from extproc.names import Header
 from llmgw.bench.stats import percentile
 from llmgw.bench.workload import TraceRecord
 
@@ -99,7 +100,7 @@ def body(r: TraceRecord, index: int, exact_lengths: bool = True) -> dict[str, ob
 async def _one(session: aiohttp.ClientSession, url: str, keys: Mapping[str, str], r: TraceRecord, index: int,
                scheduled: float, exact_lengths: bool) -> Outcome:
     late = max(0.0, time.monotonic() - scheduled)
-    headers = {"authorization": f"Bearer {keys[r.tenant]}", "x-llmgw-data-class": r.data_class}
+    headers = {"authorization": f"Bearer {keys[r.tenant]}", Header.DATA_CLASS: r.data_class}
     if r.idempotency_key:
         headers["idempotency-key"] = r.idempotency_key
     start = time.monotonic()
@@ -109,7 +110,7 @@ async def _one(session: aiohttp.ClientSession, url: str, keys: Mapping[str, str]
     try:
         async with asyncio.timeout(r.cancel_after_s), session.post(url, json=doc, headers=headers) as resp:
             status, rid = resp.status, resp.headers.get("x-request-id", "")
-            attempts = int(resp.headers.get("x-llmgw-attempts", "1") or 1)
+            attempts = int(resp.headers.get(Header.ATTEMPTS, "1") or 1)
             if status >= 300:
                 answer = await resp.json(content_type=None)
                 code = str((answer.get("error") or {}).get("code", "")) if isinstance(answer, dict) else ""

@@ -37,6 +37,7 @@ import aiohttp
 import redis
 import yaml
 
+from extproc.names import Header
 from extproc.store import leases_key
 from llmgw.bench.kit import demo_policy
 from llmgw.chaos.checks import INVARIANTS, Arrival, Evidence, Sent, by_trace, check_all
@@ -119,7 +120,7 @@ class Harness:
         headers = {"authorization": f"Bearer {self.keys[key or tenant]}",
                    "traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"}
         if deadline_ms:
-            headers["x-llmgw-deadline-ms"] = str(deadline_ms)
+            headers[Header.DEADLINE_MS] = str(deadline_ms)
         if idempotency_key:
             headers["idempotency-key"] = idempotency_key
         body: dict[str, Any] = {"model": route, "max_tokens": max_tokens, "stream": stream,
@@ -134,7 +135,7 @@ class Harness:
         try:
             async with self.session.post(f"{self.stack.url}/v1/chat/completions", json=body, headers=headers) as r:
                 s.status, s.request_id = r.status, r.headers.get("x-request-id", "")
-                s.deployment = r.headers.get("x-llmgw-deployment", "")
+                s.deployment = r.headers.get(Header.DEPLOYMENT, "")
                 if r.status >= 300:
                     doc = await r.json(content_type=None)
                     error = (doc.get("error") or {}) if isinstance(doc, dict) else {}

@@ -6,15 +6,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from extproc.adapters.anthropic import LOSS_TABLE as ANTHROPIC
-from extproc.adapters.bedrock import LOSS_TABLE as BEDROCK
-from extproc.adapters.gemini import LOSS_TABLE as GEMINI
 from extproc.adapters.loss import Support, describe
-from extproc.adapters.openai import TABLES as OPENAI
 from extproc.chat import CONTRACT_FIELDS
+from extproc.shapes import SHAPES
 
-COLUMNS = {"openai (vLLM pool)": OPENAI["vllm"], "openai (OpenAI, Azure)": OPENAI["openai"],
-           "anthropic": ANTHROPIC, "gemini": GEMINI, "bedrock": BEDROCK}
+COLUMNS = {heading: table for shape in SHAPES for heading, table in shape.loss_columns.items()}
 
 
 def loss_table() -> str:

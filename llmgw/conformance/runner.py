@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.attempts import TRANSLATION_LOSS_HEADER
 from extproc.config import load_snapshot
+from extproc.names import Header
 from extproc.store import ledger_entry, ledger_key
 from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
 from llmgw.local.sandbox import sandbox_policy
@@ -233,7 +233,7 @@ def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str],
         return Outcome(0, error=f"transport: {e}")
     finally:
         conn.close()
-    losses = [part.strip() for part in (resp.getheader(TRANSLATION_LOSS_HEADER) or "").split(",") if part.strip()]
+    losses = [part.strip() for part in (resp.getheader(Header.TRANSLATION_LOSS) or "").split(",") if part.strip()]
     if body.get("stream"):
         out = Outcome.from_stream(resp.status, data, losses, reset)
         if cancelled:

@@ -22,6 +22,7 @@ from extproc.config import Snapshot, load_snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import WORKER_HEALTH_PATH
 from extproc.secrets import resolve
+from extproc.shapes import shape_of
 from llmgw.local import vllm_env
 from llmgw.local.demo_keys import ensure_demo_keys, refuse_exposed
 from llmgw.local.procs import (
@@ -45,12 +46,9 @@ from llmgw.render.common import UNIX, hp
 
 
 def provider_api(dep: Deployment) -> str:
-    """The simulator's `--api` for a hosted deployment: its adapter's shape (Azure's path for an
-    OpenAI-shaped deployment of kind azure)."""
-    shape = dep.fingerprint.adapter.partition("@")[0]
-    if shape in ("openai", "openai-compat"):
-        return "azure" if dep.fingerprint.adapter_options.get("kind") == "azure" else "openai"
-    return shape
+    """The simulator's `--api` for a hosted deployment: its shape's front end (Azure's path for an
+    OpenAI-shaped deployment of kind azure), from the shapes registry."""
+    return shape_of(dep.fingerprint.adapter).simulator_api(dep.fingerprint.adapter_options)
 
 
 def new_key(api: str = "") -> str:

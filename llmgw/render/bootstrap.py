@@ -39,7 +39,7 @@ from google.protobuf import json_format, struct_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment, TlsSettings
-from extproc.shadow import SHADOW_CLUSTER
+from extproc.names import EXTPROC_CLUSTER, SHADOW_CLUSTER, Filter
 from llmgw.render.clusters import (
     fallback_clusters,
     outlier_detection,
@@ -50,15 +50,7 @@ from llmgw.render.clusters import (
 from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
 from llmgw.render.errors import local_reply_config, upstream_errors_filter
 from llmgw.render.filters import (
-    EXTPROC_CLUSTER,
     FORWARDED_HEADERS,
-    LUA_ANSWERS,
-    LUA_DOORS,
-    LUA_STREAM_GUARD,
-    METER_FILTER,
-    STREAM_FILTER,
-    UPSTREAM_HEADERS_FILTER,
-    UPSTREAM_STATUS_FILTER,
     ext_proc_filter,
     header_mutation_filter,
     lua_answers,
@@ -79,7 +71,7 @@ from llmgw.render.routes import answers_translated, route_config
 from llmgw.render.stats import admin_cluster, admin_guard, pipe_address, stats_listener
 from llmgw.render.tls import absolute_tls, extproc_mtls, listener_tls, loopback_tls, upstream_tls
 
-__all__ = ["EXTPROC_CLUSTER", "FORWARDED_HEADERS", "RenderOptions", "duration_ms", "fallback_clusters",
+__all__ = ["FORWARDED_HEADERS", "RenderOptions", "duration_ms", "fallback_clusters",
            "names_outside", "pack", "render_bootstrap", "render_yaml", "socket_address", "static_cluster",
            "stream_guard_lua"]
 
@@ -150,32 +142,32 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             if r.degraded is not None and r.degraded.response is not None}),
         access_log=[*([stdout_access_log()] if access_log else []), *([settlement_log()] if meters(snap) else [])],
         http_filters=[
-            http_filter("envoy.filters.http.header_mutation", header_mutation_filter()),
+            http_filter(Filter.HEADER_MUTATION, header_mutation_filter()),
             # Front doors (Anthropic's Messages API, Gemini's generateContent): off unless the door's
             # path turned it on. Before the decision filter, so its answers and refusals pass it last.
-            http_filter(LUA_DOORS, lua_doors(), disabled=True),
-            http_filter("envoy.filters.http.ext_proc", ext_proc_filter(snap)),
-            http_filter("envoy.filters.http.buffer", buffer_pb2.Buffer(
+            http_filter(Filter.LUA_DOORS, lua_doors(), disabled=True),
+            http_filter(Filter.EXT_PROC, ext_proc_filter(snap)),
+            http_filter(Filter.BUFFER, buffer_pb2.Buffer(
                 max_request_bytes=wrappers_pb2.UInt32Value(value=env.max_request_bytes))),
             # Only a gateway whose routes reserve budgets has anything to settle. After the buffer, so
             # the meter reads its per-route switch on the route ext_proc's decision selected. Off
             # unless the route a request matched first turns them on (chat completions): so Envoy's
             # own replies (a malformed request, a header too large) never wait for them.
-            *([http_filter(METER_FILTER, meter_filter(snap), disabled=True),
-               http_filter(STREAM_FILTER, stream_filter(), disabled=True),
-               http_filter(LUA_STREAM_GUARD, lua_stream_guard(), disabled=True),
-               http_filter("envoy.filters.http.json_to_metadata", usage_to_metadata())] if meters(snap) else []),
-            http_filter(UPSTREAM_HEADERS_FILTER, upstream_headers_filter()),
+            *([http_filter(Filter.METER, meter_filter(snap), disabled=True),
+               http_filter(Filter.STREAMS, stream_filter(), disabled=True),
+               http_filter(Filter.LUA_STREAM_GUARD, lua_stream_guard(), disabled=True),
+               http_filter(Filter.JSON_TO_METADATA, usage_to_metadata())] if meters(snap) else []),
+            http_filter(Filter.UPSTREAM_HEADERS, upstream_headers_filter()),
             # A lone candidate the decision translated for (extproc/direct.py): its headers after the
             # allow-list above; and its answer, or that of a plan's candidate of another shape (named
             # by the attempt filter), translated before json_to_metadata, the meter or a stream guard
             # reads it. Off unless a chat completion's first route turns it on; its script runs only
             # on the routes of those candidates and of their plans' composite clusters.
-            *([http_filter(LUA_ANSWERS, lua_answers(), disabled=True)] if answers_translated(snap) else []),
-            http_filter("envoy.filters.http.custom_response", upstream_errors_filter()),
+            *([http_filter(Filter.LUA_ANSWERS, lua_answers(), disabled=True)] if answers_translated(snap) else []),
+            http_filter(Filter.CUSTOM_RESPONSE, upstream_errors_filter()),
             # The upstream's own status, before any filter above changes or replaces the answer.
-            *([http_filter(UPSTREAM_STATUS_FILTER, upstream_status())] if meters(snap) else []),
-            http_filter("envoy.filters.http.router", router_pb2.Router()),
+            *([http_filter(Filter.UPSTREAM_STATUS, upstream_status())] if meters(snap) else []),
+            http_filter(Filter.ROUTER, router_pb2.Router()),
         ],
     )
 
@@ -218,7 +210,7 @@ def render_bootstrap(snap: Snapshot, opts: RenderOptions) -> bootstrap_pb2.Boots
         name="llmgw", address=socket_address(*opts.listen),
         per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=snap.gateway.envoy.max_request_bytes),
         filter_chains=[listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
-            name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))])])
+            name=Filter.HTTP_CONNECTION_MANAGER, typed_config=pack(hcm))])])
     if opts.tls.listener is not None:
         listener.filter_chains[0].transport_socket.CopyFrom(listener_tls(opts.tls.listener))
     listeners = [listener]

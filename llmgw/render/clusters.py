@@ -19,16 +19,16 @@ from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_fa
 from google.protobuf.message import Message
 
 from extproc.config import Snapshot
-from extproc.config.schema import Pool
-from extproc.contract import METADATA_NAMESPACE, WORKER_HEALTH_PATH
-from extproc.fallback import (
+from extproc.config.plans import (
     canary_orderings,
     candidate_subsets,
     composite_name,
     needs_attempt_filter,
     sub_clusters,
 )
-from extproc.picker import LB_KEY, LB_NAMESPACE
+from extproc.config.schema import Pool
+from extproc.contract import METADATA_NAMESPACE, WORKER_HEALTH_PATH
+from extproc.names import LB_KEY, LB_NAMESPACE, Filter
 from llmgw.render.common import UNIX, duration_ms, is_ip, pack, socket_address
 from llmgw.render.filters import attempt_filter
 
@@ -49,8 +49,8 @@ def _attempt_filters(snap: Snapshot) -> dict[str, any_pb2.Any]:
     opts = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http_protocol_options=protocol_pb2.Http1ProtocolOptions()),
-        http_filters=[hcm_pb2.HttpFilter(name="llmgw.attempt", typed_config=pack(attempt_filter(snap))),
-                      hcm_pb2.HttpFilter(name="envoy.filters.http.upstream_codec",
+        http_filters=[hcm_pb2.HttpFilter(name=Filter.ATTEMPT, typed_config=pack(attempt_filter(snap))),
+                      hcm_pb2.HttpFilter(name=Filter.UPSTREAM_CODEC,
                                          typed_config=pack(upstream_codec_pb2.UpstreamCodec()))])
     return {PROTOCOL_OPTIONS: pack(opts)}
 

@@ -19,11 +19,9 @@ from google.protobuf import wrappers_pb2
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
-from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError
-from extproc.doors import DOORS, Door
-from extproc.names import Key, Settle
-from extproc.replies import DEGRADED_HEADER, degraded_body
-from extproc.settlement import EXTPROC_FAILED
+from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError, degraded_body
+from extproc.names import EXTPROC_FAILED, Header, Key, Settle
+from extproc.shapes import DOORS, Door
 from llmgw.render.common import cel_filter, pack
 from llmgw.render.filters import upstream_answer_headers
 
@@ -112,7 +110,7 @@ def _degraded_mappers(degraded: Mapping[str, str], revision_header: base_pb2.Hea
                 body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
                     text_format_source=base_pb2.DataSource(inline_string=body), content_type=content_type),
                 headers_to_add=[revision_header, base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key=DEGRADED_HEADER, value="response"),
+                    header=base_pb2.HeaderValue(key=Header.DEGRADED, value="response"),
                     append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)]))
     return out
 

@@ -22,39 +22,43 @@ from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 import extproc
-from extproc.adapters import anthropic, bedrock, gemini
-from extproc.attempts import (
-    ANSWER_MODEL_HEADER,
-    ANSWER_SHAPE_HEADER,
+from extproc.config import Snapshot
+from extproc.contract import (
+    METADATA_NAMESPACE,
+    REVISION_HEADER,
+    ROLE_KEY,
+    ErrorCode,
+    GatewayError,
+    Role,
+    interrupted_event,
+)
+from extproc.names import (
     ATTEMPT_ATTRIBUTES,
     ATTEMPT_WITH_BODY,
     ATTEMPT_WITHOUT_BODY,
-    TRANSLATION_LOSS_HEADER,
+    EXTPROC_CLUSTER,
+    EXTPROC_FAILED,
+    INTERRUPTED,
+    KEEPALIVE,
+    LB_KEY,
+    LB_NAMESPACE,
+    MAX_EVENT_BYTES,
+    METER_ATTRIBUTES,
+    Header,
+    Key,
+    Settle,
+    request_attributes,
 )
-from extproc.config import Snapshot
-from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ROLE_KEY, ErrorCode, GatewayError, Role
-from extproc.doors import CREDENTIAL_QUERY
-from extproc.doors import anthropic as anthropic_door
-from extproc.doors import gemini as gemini_door
-from extproc.names import INTERRUPTED, Key, Settle
-from extproc.picker import LB_KEY, LB_NAMESPACE
-from extproc.replies import DEGRADED_HEADER
-from extproc.settlement import ANSWERED_BY, EXTPROC_FAILED, METER_ATTRIBUTES
-from extproc.shadow import GRANT_HEADER
-from extproc.sse import MAX_EVENT_BYTES
-from extproc.streams import KEEPALIVE, interrupted_event
+from extproc.shapes import CREDENTIAL_HEADERS, CREDENTIAL_QUERY, SHAPES
 from llmgw.render.common import cel_filter, duration_ms, pack
-
-EXTPROC_CLUSTER = "llmgw_extproc"
-
 
 # The contract's response headers, from the metadata ext_proc returned with its decision.
 ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
     (REVISION_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.REVISION})%"),
-    ("x-llmgw-deployment", f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEPLOYMENT})%"),
-    ("x-llmgw-attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
+    (Header.DEPLOYMENT, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEPLOYMENT})%"),
+    (Header.ATTEMPTS, "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
     # Only on an answer the route's degraded route gave (empty, so left out, otherwise).
-    (DEGRADED_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEGRADED})%"),
+    (Header.DEGRADED, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEGRADED})%"),
 )
 
 
@@ -65,11 +69,10 @@ def upstream_answer_headers(errors: bool = False) -> list[base_pb2.HeaderValueOp
     x-llmgw-degraded: the ledger says it, and the copies would grow Envoy's config by a tenth."""
     hvo = base_pb2.HeaderValueOption
     return [hvo(header=base_pb2.HeaderValue(key=k, value=v),
-                append_action=hvo.ADD_IF_ABSENT if k == ANSWERED_BY else hvo.OVERWRITE_IF_EXISTS_OR_ADD)
-            for k, v in ANSWER_HEADERS if not (errors and k == DEGRADED_HEADER)]
+                append_action=hvo.ADD_IF_ABSENT if k == Header.DEPLOYMENT else hvo.OVERWRITE_IF_EXISTS_OR_ADD)
+            for k, v in ANSWER_HEADERS if not (errors and k == Header.DEGRADED)]
 
 
-UPSTREAM_HEADERS_FILTER = "llmgw.upstream_headers"
 
 
 # What a client sent reaches an upstream only by these names; the rest (cookies, API keys meant for
@@ -136,15 +139,6 @@ def header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
         mutation_rules_pb2.HeaderMutation(append=h) for h in upstream_answer_headers()]))
 
 
-# Headers ext_proc reads as CEL attributes on the body message (the whole map is not serializable).
-REQUEST_ATTRIBUTES = (
-    "request.id", "request.path", "request.method", "request.time",
-    "request.headers['authorization']", "request.headers['x-api-key']", "request.headers['x-goog-api-key']",
-    "request.headers['x-llmgw-data-class']",
-    "request.headers['idempotency-key']", "request.headers['x-llmgw-deadline-ms']",
-    "request.headers['traceparent']", "request.headers['tracestate']",
-    f"request.headers['{GRANT_HEADER}']",
-)
 
 
 def _extproc_service(role: Role | None = None) -> grpc_service_pb2.GrpcService:
@@ -167,7 +161,7 @@ def ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
         # until the body (and so ext_proc's decision) is through, so the router never routes early.
         processing_mode=pm(request_header_mode=pm.SKIP, request_body_mode=pm.BUFFERED,
                            response_header_mode=pm.SKIP, response_body_mode=pm.NONE),
-        request_attributes=list(REQUEST_ATTRIBUTES),
+        request_attributes=list(request_attributes(CREDENTIAL_HEADERS)),
         message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
         mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_envoy=wrappers_pb2.BoolValue(value=True)),
         metadata_options=ext_proc_pb2.MetadataOptions(
@@ -176,7 +170,6 @@ def ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     )
 
 
-METER_FILTER = "llmgw.meter"
 
 
 def meter_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
@@ -198,7 +191,6 @@ def meter_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     )
 
 
-STREAM_FILTER = "llmgw.streams"
 
 
 def stream_filter() -> ext_proc_pb2.ExternalProcessor:
@@ -222,7 +214,6 @@ def stream_filter() -> ext_proc_pb2.ExternalProcessor:
     )
 
 
-LUA_STREAM_GUARD = "llmgw.lua_streams"
 
 
 LUA_DIR = Path(extproc.__file__).with_name("lua")  # the data plane's: Envoy runs it on every request
@@ -257,7 +248,7 @@ def stream_guard_lua() -> str:
     """The Lua stream guard's source (extproc/lua/stream_guard.lua), with the contract's events."""
     events = {end.value: interrupted_event(message).decode() for end, message in INTERRUPTED.items()}
     return _lua_script("stream_guard.lua", {
-        "settle_stream": _lua_string(Settle.STREAM), "degraded_header": _lua_string(DEGRADED_HEADER),
+        "settle_stream": _lua_string(Settle.STREAM), "degraded_header": _lua_string(Header.DEGRADED),
         "events": _lua_table(events), "keepalive": _lua_string(KEEPALIVE.decode())})
 
 
@@ -268,21 +259,26 @@ def lua_stream_guard() -> lua_pb2.Lua:
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=stream_guard_lua()))
 
 
-LUA_ANSWERS = "llmgw.lua_answers"
+
+
+def _lua_names(names: Iterable[str]) -> str:
+    return "{" + ", ".join(_lua_string(n) for n in names) + "}"
 
 
 def answers_lua() -> str:
     """The Lua answer filter's source (extproc/lua/answers.lua, with extproc/lua/eventstream.lua for
-    Bedrock's streams), with each shape's stop reasons from its adapter and the contract's 502 for an
-    answer that does not parse."""
+    Bedrock's streams), with the shapes it translates and their tables (stop reasons) from the shapes
+    registry, and the contract's 502 for an answer that does not parse."""
     broken = GatewayError(ErrorCode.UPSTREAM_ERROR, "the provider's answer is broken").body()
+    tables = {name: _lua_table(table) for shape in SHAPES for name, table in shape.answer_tables.items()}
     return _lua_script("answers.lua", {
-        "loss_header": _lua_string(TRANSLATION_LOSS_HEADER), "degraded_header": _lua_string(DEGRADED_HEADER),
-        "shape_header": _lua_string(ANSWER_SHAPE_HEADER), "model_header": _lua_string(ANSWER_MODEL_HEADER),
-        "broken": _lua_string(broken.decode()), "anthropic_stop": _lua_table(anthropic.STOP_REASONS),
+        "loss_header": _lua_string(Header.TRANSLATION_LOSS), "degraded_header": _lua_string(Header.DEGRADED),
+        "shape_header": _lua_string(Header.ANSWER_SHAPE), "model_header": _lua_string(Header.ANSWER_MODEL),
+        "broken": _lua_string(broken.decode()), **tables,
         "interrupted": _lua_string(interrupted_event("the provider's stream broke").decode()),
         "keepalive": _lua_string(KEEPALIVE.decode()),
-        "gemini_finish": _lua_table(gemini.FINISH_REASONS), "bedrock_stop": _lua_table(bedrock.STOP_REASONS)},
+        "answer_shapes": _lua_names(s.name for s in SHAPES if s.lua_answers),
+        "stream_shapes": _lua_names(s.name for s in SHAPES if s.lua_streams)},
         helpers=("values.lua", "eventstream.lua"))
 
 
@@ -334,7 +330,7 @@ def settlement_log() -> accesslog_pb2.AccessLog:
         log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
         grpc_service=_extproc_service(),
         buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)),
-        additional_response_headers_to_log=[ANSWERED_BY, DEGRADED_HEADER])
+        additional_response_headers_to_log=[Header.DEPLOYMENT, Header.DEGRADED])
     return accesslog_pb2.AccessLog(
         name="envoy.access_loggers.http_grpc",
         filter=which,
@@ -352,7 +348,7 @@ def stdout_access_log() -> accesslog_pb2.AccessLog:
         "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
         "tenant": f"%DYNAMIC_METADATA({ns}:{Key.TENANT})%", "route": f"%DYNAMIC_METADATA({ns}:{Key.ROUTE})%",
         "deployment": f"%DYNAMIC_METADATA({ns}:{Key.DEPLOYMENT})%",  # the first candidate of the plan
-        "answered_by": f"%RESP({ANSWERED_BY})%",  # the candidate that answered (fallback: maybe another)
+        "answered_by": f"%RESP({Header.DEPLOYMENT})%",  # the candidate that answered (fallback: maybe another)
         "revision": f"%DYNAMIC_METADATA({ns}:{Key.REVISION})%",
         "subject": f"%DYNAMIC_METADATA({ns}:{Key.SUBJECT})%",
         "decision": f"%DYNAMIC_METADATA({ns}:{Key.DECISION})%",
@@ -390,7 +386,6 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     )
 
 
-UPSTREAM_STATUS_FILTER = "llmgw.upstream_status"
 
 
 def upstream_status_lua() -> str:
@@ -411,18 +406,16 @@ def upstream_status() -> lua_pb2.Lua:
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=upstream_status_lua()))
 
 
-LUA_DOORS = "llmgw.lua_doors"
 DOORS_SCRIPT = "doors"  # its script's name: the routes that run it name it (LuaPerRoute.name)
 
 
 def doors_lua() -> str:
     """The Lua door filter's source (extproc/lua/doors.lua), with each door's status names and stop
     reasons from its Python module (extproc/doors/) and the contract's codes."""
-    anthropic_cfg = (f"{{error_types = {_lua_table(anthropic_door.ERROR_TYPES)}, "
-                     f"stop_reasons = {_lua_table(anthropic_door.STOP_REASONS)}}}")
-    gemini_cfg = f"{{statuses = {_lua_table(gemini_door.STATUSES)}, finish = {_lua_table(gemini_door.FINISH)}}}"
+    doors = {shape.door.name: "{" + ", ".join(f"{k} = {_lua_table(v)}" for k, v in shape.door_tables.items()) + "}"
+             for shape in SHAPES if shape.door is not None}
     return _lua_script("doors.lua", {
-        "anthropic": anthropic_cfg, "gemini": gemini_cfg,
+        **doors,
         "upstream_error": _lua_string(ErrorCode.UPSTREAM_ERROR.value),
         "stream_interrupted": _lua_string(ErrorCode.STREAM_INTERRUPTED.value)}, helpers=("values.lua",))
 

@@ -27,10 +27,11 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from extproc.config import Snapshot
+from extproc.names import Filter
 
-HCM = "envoy.filters.network.http_connection_manager"
+HCM = str(Filter.HTTP_CONNECTION_MANAGER)  # plain text: the manifests are YAML
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-ROUTER = "envoy.filters.http.router"
+ROUTER = str(Filter.ROUTER)
 EXTPROC_PORT, ENGINE_PORT = 50051, 8000
 # HCM settings the gateway needs beside its filters and routes (timeouts against slow clients, its
 # contract errors for Envoy's own replies, its access logs, request ids in answers).

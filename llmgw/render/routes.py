@@ -16,46 +16,35 @@ from envoy.type.matcher.v3 import value_pb2 as matcher_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
+from extproc.config.plans import composite_name, decision_translates, shape_headers, translated
 from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
-from extproc.direct import decision_translates, shape_headers
-from extproc.doors import CREDENTIAL_HEADERS, DOORS, Door
-from extproc.fallback import composite_name, translated
-from extproc.names import Key, Settle
-from extproc.settlement import ANSWERED_BY
-from extproc.shadow import GRANT_HEADER, SHADOW_CLUSTER
+from extproc.names import SHADOW_CLUSTER, Filter, Header, Key, Settle
+from extproc.shapes import CREDENTIAL_HEADERS, DOORS, Door
 from llmgw.render.common import duration_ms, pack, string_value_matcher
 from llmgw.render.errors import direct
-from llmgw.render.filters import (
-    DOORS_SCRIPT,
-    LUA_ANSWERS,
-    LUA_DOORS,
-    LUA_STREAM_GUARD,
-    METER_FILTER,
-    STREAM_FILTER,
-    meters,
-)
+from llmgw.render.filters import DOORS_SCRIPT, meters
 
 
 def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
-    return {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_meter()}
+    return {Filter.EXT_PROC: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_meter()}
 
 
 def _no_meter() -> dict[str, any_pb2.Any]:
     """Only admitted routes carry a reservation to settle. (Harmless where no meter is rendered.)"""
-    return {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_stream_guard()}
+    return {Filter.METER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_stream_guard()}
 
 
 def _no_stream_guard() -> dict[str, any_pb2.Any]:
-    return {STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_lua_guard()}
+    return {Filter.STREAMS: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_lua_guard()}
 
 
 def _no_lua_guard() -> dict[str, any_pb2.Any]:
-    return {LUA_STREAM_GUARD: pack(lua_pb2.LuaPerRoute(disabled=True)), **_no_lua_answers()}
+    return {Filter.LUA_STREAM_GUARD: pack(lua_pb2.LuaPerRoute(disabled=True)), **_no_lua_answers()}
 
 
 def _no_lua_answers() -> dict[str, any_pb2.Any]:
-    return {LUA_ANSWERS: pack(lua_pb2.LuaPerRoute(disabled=True))}
+    return {Filter.LUA_ANSWERS: pack(lua_pb2.LuaPerRoute(disabled=True))}
 
 
 def direct_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
@@ -84,7 +73,7 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
     # under, which a hot reload may have moved on).
     own = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", value="application/json")),
            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=REVISION_HEADER, value=snap.revision))]
-    ext_proc_by_headers = {"envoy.filters.http.ext_proc": pack(ext_proc_pb2.ExtProcPerRoute(
+    ext_proc_by_headers = {Filter.EXT_PROC: pack(ext_proc_pb2.ExtProcPerRoute(
         overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=processing_mode_pb2.ProcessingMode(
             request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
             request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
@@ -119,13 +108,14 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
             # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
             # stream guard only (it reads `settle` itself). Other JSON: none of them. On a deployment the
             # decision translates for, JSON and streams also run the Lua answer filter.
-            no_meter = {METER_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
-            per_route = {Settle.STREAM: {**no_meter, STREAM_FILTER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)),
-                                         **_no_lua_answers()},
-                         Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
-                         Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
+            no_meter: dict[str, any_pb2.Any] = {Filter.METER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+            off = pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))
+            per_route: dict[str, any_pb2.Any] = {
+                Settle.STREAM: {**no_meter, Filter.STREAMS: off, **_no_lua_answers()},
+                Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
+                Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
             if cluster in composites_translating:  # every answer of such a plan passes the Lua answer filter
-                per_route = {k: v for k, v in per_route.items() if k != LUA_ANSWERS}
+                per_route = {k: v for k, v in per_route.items() if k != Filter.LUA_ANSWERS}
             streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
             name = f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}")
             metadata = [md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]
@@ -143,7 +133,7 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                     *metadata, present]), cluster, streamed, stream_idle_ms, per_route, mirror=True))
             shape_sets: tuple[str, ...] = ()
             if cluster in translated_here.get(kind, {}):
-                per_route = {k: v for k, v in per_route.items() if k != LUA_ANSWERS}
+                per_route = {k: v for k, v in per_route.items() if k != Filter.LUA_ANSWERS}
                 shape_sets = translated_here[kind][cluster]
             routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
                                          cluster, streamed, stream_idle_ms, per_route, shape_sets=shape_sets))
@@ -198,7 +188,7 @@ def mirror_policy() -> route_components_pb2.RouteAction.RequestMirrorPolicy:
         cluster=SHADOW_CLUSTER, disable_shadow_host_suffix_append=True,
         request_headers_mutations=[mutation_rules_pb2.HeaderMutation(append=hvo(
             header=base_pb2.HeaderValue(key=k, value=v), append_action=hvo.OVERWRITE_IF_EXISTS_OR_ADD)) for k, v in (
-                (GRANT_HEADER, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.SHADOW_GRANT})%"),
+                (Header.SHADOW_GRANT, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.SHADOW_GRANT})%"),
                 ("x-request-id", "%REQ(x-request-id)%-shadow"))])
 
 
@@ -237,7 +227,7 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
         # The caller's gateway credential never travels upstream (the header allow-list drops
         # it too; this holds even where a mesh operator leaves that filter out).
         request_headers_to_remove=[h for h in ("authorization", *CREDENTIAL_HEADERS) if h not in shape_sets],
-        response_headers_to_remove=[] if cluster.startswith("fallback_") else [ANSWERED_BY],
+        response_headers_to_remove=[] if cluster.startswith("fallback_") else [Header.DEPLOYMENT],
         typed_per_filter_config={**per_route,
                                  **(_door_on() if door is not None else {})})
 
@@ -246,7 +236,7 @@ def _door_on() -> dict[str, any_pb2.Any]:
     """The Lua door filter, off by default, on for a front door's path - where it arrives, and the
     admitted routes of its door, whichever route Envoy consults on the way out - running the door
     script, which reads the door the decision named."""
-    return {LUA_DOORS: pack(route_components_pb2.FilterConfig(
+    return {Filter.LUA_DOORS: pack(route_components_pb2.FilterConfig(
         disabled=False, config=pack(lua_pb2.LuaPerRoute(name=DOORS_SCRIPT))))}
 
 
@@ -256,9 +246,9 @@ def _response_filters_on(snap: Snapshot) -> dict[str, any_pb2.Any]:
     # The Lua filters join the chain here, their scripts off on this route: each runs on the route
     # ext_proc's decision then selects where its script is not switched off (_no_lua_guard).
     lua_on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(lua_pb2.LuaPerRoute(disabled=True))))
-    filters = {LUA_ANSWERS: lua_on} if answers_translated(snap) else {}
+    filters: dict[str, any_pb2.Any] = {Filter.LUA_ANSWERS: lua_on} if answers_translated(snap) else {}
     if meters(snap):
         on = pack(route_components_pb2.FilterConfig(disabled=False, config=pack(ext_proc_pb2.ExtProcPerRoute(
             overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))))))
-        filters |= {METER_FILTER: on, STREAM_FILTER: on, LUA_STREAM_GUARD: lua_on}
+        filters |= {Filter.METER: on, Filter.STREAMS: on, Filter.LUA_STREAM_GUARD: lua_on}
     return filters

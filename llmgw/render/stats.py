@@ -19,6 +19,7 @@ from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 
+from extproc.names import Filter
 from llmgw.render.clusters import static_cluster
 from llmgw.render.common import duration_ms, http_filter, pack, socket_address
 
@@ -32,10 +33,10 @@ LOOPBACK_DOMAINS = ("127.0.0.1", "localhost", "[::1]", "::1")
 def _listener(name: str, listen: tuple[str, int], routes: route_pb2.RouteConfiguration,
               strip_port: bool = False) -> listener_pb2.Listener:
     hcm = hcm_pb2.HttpConnectionManager(stat_prefix=name, route_config=routes, strip_any_host_port=strip_port,
-                                        http_filters=[http_filter("envoy.filters.http.router", router_pb2.Router())])
+                                        http_filters=[http_filter(Filter.ROUTER, router_pb2.Router())])
     return listener_pb2.Listener(name=name, address=socket_address(*listen), filter_chains=[
         listener_components_pb2.FilterChain(filters=[listener_components_pb2.Filter(
-            name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm))])])
+            name=Filter.HTTP_CONNECTION_MANAGER, typed_config=pack(hcm))])])
 
 
 def stats_listener(listen: tuple[str, int]) -> listener_pb2.Listener:

@@ -17,9 +17,7 @@ from enginesim import eventstream
 from extproc.adapters import bedrock, gemini
 from extproc.adapters.anthropic import ANTHROPIC, STOP_REASONS
 from extproc.adapters.base import Adapter, UpstreamBroken
-from extproc.attempts import ANSWER_MODEL_HEADER, ANSWER_SHAPE_HEADER, TRANSLATION_LOSS_HEADER
-from extproc.names import Key
-from extproc.replies import DEGRADED_HEADER
+from extproc.names import Header, Key
 from llmgw.render.filters import answers_lua
 from tests.lua_harness import lua_runtime, lua_table
 
@@ -198,7 +196,7 @@ def test_the_attempt_filters_headers_choose_the_shape_only_without_the_decisions
     candidate by the decision's metadata, which an upstream's own headers of those names never override.
     Either way they never reach the client."""
     openai_body = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"content":"hi"}}]}'
-    named = {ANSWER_SHAPE_HEADER: "openai", ANSWER_MODEL_HEADER: "m"}
+    named = {Header.ANSWER_SHAPE: "openai", Header.ANSWER_MODEL: "m"}
     hdrs = {":status": "200", "content-type": "application/json", **named}
     out, got, _ = lua.globals().run_response(lua_table(lua, {Key.REQUEST_ID: REQUEST_ID}), lua_table(lua, hdrs),
                                              openai_body)
@@ -213,13 +211,13 @@ def test_error_statuses_and_the_degraded_answer_pass_untouched_and_the_loss_is_n
     loss = {Key.TRANSLATION_LOSS: "seed (unsupported)"}
     error = b'{"error": {"code": "upstream_error"}}'
     out, headers = answer(lua, error, status="502", md=loss)
-    assert out == error and headers[TRANSLATION_LOSS_HEADER] == "seed (unsupported)"
+    assert out == error and headers[Header.TRANSLATION_LOSS] == "seed (unsupported)"
     assert headers["content-type"] == "application/json; charset=utf-8"
     degraded = b'{"choices": []}'
-    assert answer(lua, degraded, headers={DEGRADED_HEADER: "response"})[0] == degraded
+    assert answer(lua, degraded, headers={Header.DEGRADED: "response"})[0] == degraded
     # A request the decision did not translate: nothing happens.
     out, headers = answer(lua, b"not json", shape="")
-    assert out == b"not json" and headers[":status"] == "200" and TRANSLATION_LOSS_HEADER not in headers
+    assert out == b"not json" and headers[":status"] == "200" and Header.TRANSLATION_LOSS not in headers
 
 
 def test_the_request_gets_the_shapes_headers_and_the_metadata_keeps_no_credential(lua: Any) -> None:

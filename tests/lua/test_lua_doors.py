@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.base import UpstreamBroken
-from extproc.doors import BY_NAME, Door
+from extproc.doors import Door
 from extproc.names import Key
+from extproc.shapes import DOORS_BY_NAME
 from llmgw.render.filters import doors_lua
 from tests.lua_harness import lua_runtime, lua_table
 
@@ -83,7 +84,7 @@ def test_a_chat_completion_reaches_the_caller_as_the_python_door_wrote_it(lua: A
     def translates_alike(doc: dict[str, Any], ascii_only: bool) -> None:
         body = json.dumps(doc, ensure_ascii=ascii_only).encode()
         status, out, sets = lua_answer(lua, door, 200, body)
-        want_status, want = python_answer(BY_NAME[door], 200, body)
+        want_status, want = python_answer(DOORS_BY_NAME[door], 200, body)
         assert (status, parsed(out)) == (want_status, parsed(want))
         assert sets == {}
 
@@ -107,7 +108,7 @@ def test_an_error_reaches_the_caller_in_its_shape_as_the_python_door_wrote_it(lu
     @given(st.sampled_from([400, 401, 403, 404, 413, 429, 500, 502, 503, 504, 529]), error_bodies)
     def errors_alike(status: int, body: str) -> None:
         got_status, out, _ = lua_answer(lua, door, status, body.encode())
-        want_status, want = python_answer(BY_NAME[door], status, body.encode())
+        want_status, want = python_answer(DOORS_BY_NAME[door], status, body.encode())
         assert (got_status, parsed(out)) == (want_status, parsed(want))
 
     errors_alike()
@@ -123,7 +124,7 @@ def test_an_answer_the_door_cannot_carry_is_its_502_and_charged(lua: Any, door: 
             '"usage":{"prompt_tokens":3,"completion_tokens":' + count + "}}").encode()
     status, out, sets = lua_answer(lua, door, 200, body)
     assert status == 502 and "upstream_error" in out.decode() and sets == {Key.ANSWER_BROKEN.encode(): b"1"}
-    assert python_answer(BY_NAME[door], 200, body)[0] == 502
+    assert python_answer(DOORS_BY_NAME[door], 200, body)[0] == 502
 
 
 @settings(max_examples=300, deadline=None)
@@ -186,7 +187,7 @@ def lua_stream(lua: Any, door: str, chunks: list[bytes]) -> bytes:
 
 
 def python_stream(door: str, chunks: list[bytes]) -> bytes:
-    stream = BY_NAME[door].stream()
+    stream = DOORS_BY_NAME[door].stream()
     return b"".join(stream.feed(c) for c in chunks) + stream.finish()
 
 

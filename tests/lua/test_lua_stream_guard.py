@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lupa import luajit21
 
-from extproc.names import INTERRUPTED, Key, StreamEnd
-from extproc.streams import KEEPALIVE, interrupted_event
+from extproc.contract import interrupted_event
+from extproc.names import INTERRUPTED, KEEPALIVE, Key, StreamEnd
 from llmgw.render.bootstrap import stream_guard_lua
 from tests.lua_harness import BODY_CHUNKS
 

@@ -3,12 +3,16 @@ the ledger names the ending."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from google.protobuf import struct_pb2
 
 from extproc.accounting import (
+    Logged,
     believed,
     charge_for,
+    charge_logged,
     charge_of,
     estimated,
     failure_charge,
@@ -153,3 +157,50 @@ def test_a_stream_sent_but_never_answered_pays_its_prompt_only() -> None:
     assert usage == {"prompt_tokens": 1000, "completion_tokens": 0} and kind == "partial"
     micros, tokens, kind = charge_for(usage, "estimated", "stream_interrupted", 504, DEP, kind)
     assert (tokens, kind) == (1000, "partial") and micros == -(-1000 * DEP.prices.input_per_mtok // 10**6)
+
+
+# An access-log entry, decoded (extproc/settlement.py `logged`), decides its charge alone
+# (accounting.charge_logged): each row is one way an exchange ends.
+USAGE = {"prompt_tokens": 100, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 0}}
+JSON_200 = Logged(status=200, stream=False, prompt_bound=150, usage=USAGE, sent=True, answered=True,
+                  upstream_status="200")
+STREAM_200 = Logged(status=200, stream=True, prompt_bound=150, usage=USAGE, chunks=20, stream_done=True, sent=True,
+                    answered=True, upstream_status="200")
+
+
+@pytest.mark.parametrize(("logged", "termination", "kind", "source", "tokens"), [
+    (JSON_200, "complete", "actual", "reported", 120),
+    (STREAM_200, "complete", "actual", "reported", 120),
+    # A stream without usage (the client did not ask): its prompt bound and the guard's chunks.
+    (replace(STREAM_200, usage=None), "complete", "partial", "estimated", 170),
+    # The guard saw no normal end: interrupted, charged for what was generated.
+    (replace(STREAM_200, usage=None, stream_done=False), "stream_interrupted", "partial", "estimated", 170),
+    # The client left mid-stream: a cancel; right after the last chunk: complete.
+    (replace(STREAM_200, usage=None, stream_done=False, client_closed=True), "client_cancel", "partial",
+     "estimated", 170),
+    (replace(STREAM_200, client_closed=True), "complete", "actual", "reported", 120),
+    # A JSON answer past Envoy's timeout: the deadline, and it may have been generated in full.
+    (replace(JSON_200, status=504, usage=None, answered=False, upstream_timeout=True, upstream_status=""),
+     "deadline", "ambiguous", "none", -1),
+    # Never reached an upstream / refused by it: nothing was done.
+    (replace(JSON_200, status=503, usage=None, sent=False, answered=False, upstream_status=""), "upstream_error",
+     "released", "none", 0),
+    (replace(JSON_200, status=502, usage=None, upstream_status="429"), "upstream_error", "released", "none", 0),
+    # The upstream said 200 and Envoy could not carry the body: the work was done.
+    (replace(JSON_200, status=502, usage=None), "upstream_error", "ambiguous", "none", -1),
+    # A 2xx a Lua filter found broken and answered as 502: ambiguous, never released.
+    (replace(JSON_200, status=502, usage=None, broken=True), "upstream_error", "ambiguous", "none", -1),
+    # Its own filter never settled it (the backstop): no usage believed, the whole reservation.
+    (replace(JSON_200, backstop=True), "unknown", "ambiguous", "none", -1),
+    # A count no upstream gives: not believed.
+    (replace(JSON_200, usage={"prompt_tokens": 3, "completion_tokens": -7}), "complete", "ambiguous",
+     "unbelievable", -1),
+    # Envoy's degraded answer, no upstream answered: nothing generated, nothing charged.
+    (Logged(status=200, stream=False, prompt_bound=150, degraded_response=True), "degraded", "released", "none", 0),
+])
+def test_a_logged_exchange_decides_its_charge(logged: Logged, termination: str, kind: str, source: str,
+                                              tokens: int) -> None:
+    c = charge_logged(logged, DEP)
+    assert (c.termination, c.kind, c.source, c.tokens) == (termination, kind, source, tokens)
+    assert c.micros == (-1 if tokens == -1 else charge_of(c.usage, DEP.prices)[0] if c.usage else 0)
+    assert c.degraded == (termination == "degraded")

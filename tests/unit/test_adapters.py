@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.adapters import adapter_for
 from extproc.adapters.anthropic import ANTHROPIC, LOSS_TABLE, internal_body, native_body
 from extproc.adapters.base import Target, UpstreamBroken
 from extproc.adapters.loss import Support, losses
 from extproc.adapters.openai import OPENAI, VLLM_ONLY
 from extproc.chat import CONTRACT_FIELDS, validate
 from extproc.contract import ErrorCode
+from extproc.shapes import adapter_for
 from tests.helpers import feed_hostile
 
 
@@ -327,14 +327,13 @@ def test_every_header_an_adapter_sets_is_scrubbed_from_other_candidates_attempts
                                                                                  options: dict[str, str]) -> None:
     """Envoy reuses an attempt's headers for the next: each header a candidate's adapter sets (its key,
     protocol version, signature) is in the attempt filter's list of what other candidates' attempts
-    remove (extproc/attempts.py SHAPE_HEADERS); authorization is handled on its own."""
-    from extproc.adapters import adapter_for
+    remove (the shapes registry's REQUEST_HEADERS); authorization is handled on its own."""
     from extproc.adapters.base import Target
-    from extproc.attempts import SHAPE_HEADERS
+    from extproc.shapes import REQUEST_HEADERS, adapter_for
 
     credential = "AKIAEXAMPLE:secret" if adapter.startswith("bedrock") else "secret"
     for stream in (False, True):
         native = adapter_for(adapter).request({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                                               Target("m", credential, options, stream))
         names = {k.lower() for k in (*native.headers, *native.signed_headers)}
-        assert names - {"content-type", "authorization", ":authority"} <= set(SHAPE_HEADERS), names
+        assert names - {"content-type", "authorization", ":authority"} <= set(REQUEST_HEADERS), names

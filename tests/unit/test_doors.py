@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 
 from extproc.contract import ErrorCode, GatewayError
 from extproc.doors import GEMINI as GEMINI_DOOR
-from extproc.doors import DoorStream, door_for
+from extproc.doors import DoorStream
 from extproc.doors.anthropic import MessagesStream, answer, error, request
 from extproc.doors.gemini import GenerateContentStream
 from extproc.doors.gemini import answer as gemini_answer
 from extproc.doors.gemini import error as gemini_error
 from extproc.doors.gemini import request as gemini_request
+from extproc.shapes import door_for
 
 
 def native(**kw: Any) -> bytes:

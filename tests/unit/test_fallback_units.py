@@ -14,8 +14,8 @@ import yaml
 from extproc.accounting import answered_by
 from extproc.attempts import body_for, choose_candidate
 from extproc.config import Snapshot, load_snapshot
+from extproc.config.plans import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
 from extproc.contract import GatewayError
-from extproc.fallback import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
 from llmgw.local.procs import envoy_binary, envoy_env
 from llmgw.render.bootstrap import RenderOptions, fallback_clusters, render_yaml
 from tests.e2e.config.test_qualification import route, yaml_edit
@@ -147,9 +147,10 @@ def test_only_the_attempt_filter_names_an_answers_shape(deployment: str, names_s
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-    from extproc.adapters import adapter_for
-    from extproc.attempts import ANSWER_SHAPE_HEADER, _Attempt
-    from extproc.fallback import translated
+    from extproc.attempts import _Attempt
+    from extproc.config.plans import translated
+    from extproc.names import Header
+    from extproc.shapes import adapter_for
     from tests.conftest import POLICY
 
     snap = load_snapshot(POLICY)
@@ -161,8 +162,8 @@ def test_only_the_attempt_filter_names_an_answers_shape(deployment: str, names_s
     assert reply is not None
     mutation = reply.response_headers.response.header_mutation
     named = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
-    assert (named.get(ANSWER_SHAPE_HEADER) == "anthropic") == names_shape
-    assert (ANSWER_SHAPE_HEADER in mutation.remove_headers) == (not names_shape)
+    assert (named.get(Header.ANSWER_SHAPE) == "anthropic") == names_shape
+    assert (Header.ANSWER_SHAPE in mutation.remove_headers) == (not names_shape)
 
 
 def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
@@ -175,8 +176,8 @@ def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from google.protobuf import struct_pb2
 
-    from extproc.attempts import HOST_CLUSTER, PLAN, AttemptFilter
-    from extproc.envoy_msgs import ATTRIBUTES
+    from extproc.attempts import AttemptFilter
+    from extproc.names import HOST_CLUSTER, Filter, Key, metadata_path
 
     class Store:
         def __init__(self) -> None:
@@ -186,11 +187,12 @@ def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
             self.records.append((tenant, rid, n, record))
 
     attrs = struct_pb2.Struct()
-    attrs.update({PLAN: encode_plan("acme", [FIRST, BACKUP]), HOST_CLUSTER: "pool_engine-pool", "request.id": "r-1"})
+    attrs.update({metadata_path(Key.PLAN): encode_plan("acme", [FIRST, BACKUP]), HOST_CLUSTER: "pool_engine-pool",
+                  "request.id": "r-1"})
     first = ep.ProcessingRequest(
         request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
             base_pb2.HeaderValue(key="x-envoy-attempt-count", raw_value=b"1")])),
-        attributes={ATTRIBUTES: attrs})
+        attributes={Filter.EXT_PROC: attrs})
 
     async def open_stream() -> Any:  # the attempt's stream: nothing after its headers, never closed
         await asyncio.Event().wait()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.names import EXTPROC_CLUSTER, SHADOW_CLUSTER, Filter
 from tests.conftest import ROOT
 
 
@@ -61,6 +62,12 @@ def import_graph() -> dict[str, set[str]]:
                     base = ".".join([*up, *([node.module] if node.module else [])])
                 for a in node.names:
                     targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base))
+        # Importing a.b.c runs a/__init__.py and a/b/__init__.py first: an edge to each package above
+        # the target that does not also hold this module.
+        for target in [t for t in targets if t]:
+            parts = target.split(".")
+            targets |= {p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                        if p in files and not module.startswith(p + ".")}
         graph[module] = {t for t in targets if t and t != module}
     return graph
 
@@ -111,6 +118,20 @@ def test_no_import_circle_anywhere() -> None:
     assert circles(import_graph()) == []
 
 
+# What the renderer may read of the data plane: the wire names, the contract, the configuration and the
+# shapes registry (and the package itself, for the Lua files' place). The rest of the data plane is
+# request handling, which the bootstrap must not depend on.
+RENDER_READS = {"extproc", "extproc.names", "extproc.contract", "extproc.config", "extproc.shapes"}
+
+
+def test_the_renderer_reads_only_names_contract_config_and_shapes() -> None:
+    graph = import_graph()
+    reads = {m: sorted(t for t in targets if t.startswith("extproc") and t not in RENDER_READS
+                       and not t.startswith("extproc.config."))
+             for m, targets in graph.items() if m.startswith("llmgw.render")}
+    assert {m: t for m, t in reads.items() if t} == {}
+
+
 def test_the_command_line_is_a_room_nothing_else_imports() -> None:
     """`llmgw/cli/` holds the commands, thin, each with `register(sub)`; what they run lives in the
     other rooms (ops, local, bench, chaos, conformance, render), which never reach back into it."""
@@ -123,6 +144,27 @@ def test_the_command_line_is_a_room_nothing_else_imports() -> None:
     assert {m: t for m, t in reaching_back.items() if t} == {}
     assert [m for m, _ in COMMAND_MODULES if not m.startswith("llmgw.cli.")] == []
     assert [m for m in BENCH_MODULES if not m.startswith("llmgw.bench.")] == []
+
+
+WIRE_NAME_HOMES = {"extproc/names.py", "extproc/contract.py"}
+OWN_NAMES = {*Filter, EXTPROC_CLUSTER, SHADOW_CLUSTER}
+
+
+def spelled_wire_names(path: Path) -> list[str]:
+    """String literals in code (not docstrings) that spell a header or filter name of the gateway's."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+            and ("x-llmgw-" in n.value or n.value in OWN_NAMES)]
+
+
+def test_wire_names_are_spelled_once() -> None:
+    """Every header, filter and cluster name of the gateway's is in extproc/names.py or contract.py;
+    the data plane and the control plane name them from there (tests, the clients' view, may spell them)."""
+    spelled = [hit for package in ("extproc", "llmgw") for path in sorted((ROOT / package).rglob("*.py"))
+               if str(path.relative_to(ROOT)) not in WIRE_NAME_HOMES for hit in spelled_wire_names(path)]
+    assert spelled == []
 
 
 def test_the_circle_finder_finds_circles() -> None:

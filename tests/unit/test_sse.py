@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.sse import MAX_EVENT_BYTES, EventSplitter, MalformedStream, SseReader, event_data
+from extproc.names import MAX_EVENT_BYTES
+from extproc.sse import EventSplitter, MalformedStream, SseReader, event_data
 
 STREAM = ('data: {"choices":[{"delta":{"content":"héllo"}}]}\n\n'
           'data: {"choices":[{"delta":{"content":" wörld"}}]}\r\n\r\n'

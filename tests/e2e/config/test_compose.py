@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from extproc.config import load_snapshot
-from llmgw.render.bootstrap import EXTPROC_CLUSTER, RenderOptions, render_yaml
+from extproc.names import EXTPROC_CLUSTER
+from llmgw.render.bootstrap import RenderOptions, render_yaml
 from tests.conftest import EARNED, EXAMPLE_POLICY, POLICY, ROOT
 
 

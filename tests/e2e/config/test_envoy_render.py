@@ -12,9 +12,10 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.config.schema import MAX_RETRIES
-from extproc.doors import BY_NAME, DOORS
+from extproc.names import EXTPROC_CLUSTER
+from extproc.shapes import DOORS, DOORS_BY_NAME
 from llmgw.local.procs import envoy_binary, envoy_env, free_port, wait_until
-from llmgw.render.bootstrap import EXTPROC_CLUSTER, RenderOptions, render_yaml
+from llmgw.render.bootstrap import RenderOptions, render_yaml
 from llmgw.render.routes import direct_clusters, translating_composites
 from tests.conftest import POLICY
 from tests.helpers import request
@@ -89,7 +90,7 @@ def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: di
     # response filters with it), running the door script.
     for name in ("anthropic", "gemini"):
         door = routes[f"{name}_without_body"]
-        assert door["match"] == {"safe_regex": {"regex": BY_NAME[name].path}}
+        assert door["match"] == {"safe_regex": {"regex": DOORS_BY_NAME[name].path}}
         admitted = [r for r in routes.values()
                     if r["name"].startswith("admitted_") and r["name"].endswith(f"_{name}")]
         assert admitted

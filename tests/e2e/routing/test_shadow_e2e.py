@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from extproc.config import ConfigError, load_snapshot
-from extproc.shadow import GRANT_HEADER, Grant, InvalidGrant, grant_key, issue, shadow_bucket, verify
+from extproc.names import Header
+from extproc.shadow import Grant, InvalidGrant, grant_key, issue, shadow_bucket, verify
 from extproc.store import budget_key, ledger_entry, ledger_key
 from llmgw.local.stack import Stack
 from llmgw.ops.store import store_client
@@ -126,7 +127,7 @@ def test_the_copy_never_answers_the_caller_and_is_charged_to_the_shadow_budget(g
     assert settled_micros(gw, "acme", "acme-shadow", "total") - before == copy["charged_micros"]
     seen = [e for e in provider_log(gw) if marker in str(e["messages"])]
     assert len(seen) == 1 and seen[0]["api_key_present"]  # with the provider's own key, and never the grant
-    assert seen[0]["request_id"] == copy["request_id"] and GRANT_HEADER not in seen[0]["headers"]
+    assert seen[0]["request_id"] == copy["request_id"] and Header.SHADOW_GRANT not in seen[0]["headers"]
 
 
 @pytest.mark.e2e
@@ -148,7 +149,8 @@ def test_a_client_cannot_bring_its_own_grant(gw: Stack) -> None:
     g = Grant(of="x", tenant="acme", subject="acme-demo", route=ROUTE, data_class="internal",
               deployment="demo-anthropic", expires=time.time() + 30)
     for token in (issue(grant_key("not this gateway's secret"), g), "garbage", "x" * 9000, "\u00e9t\u00e9.\u00ff"):
-        r = request(f"{gw.url}/v1/chat/completions", "POST", chat_body(ROUTE, max_tokens=4), {GRANT_HEADER: token})
+        r = request(f"{gw.url}/v1/chat/completions", "POST", chat_body(ROUTE, max_tokens=4),
+                    {Header.SHADOW_GRANT: token})
         assert_contract_error(r, 401, "unauthenticated")
 
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Sequence
 from itertools import combinations
 
+from extproc.adapters import bedrock
+from extproc.adapters.base import Target
 from extproc.config.schema import MAX_RETRIES, Deployment
+from extproc.shapes import adapter_for, shape_of
 
 MAX_ATTEMPTS = MAX_RETRIES + 1  # at least MAX_CANDIDATES: every candidate can be tried
 
@@ -90,3 +93,19 @@ def attempt_kind(previous: Deployment | None, current: Deployment) -> str:
     if previous.fingerprint.model_digest == current.fingerprint.model_digest:
         return "provider_failover"
     return "model_fallback"
+
+
+def decision_translates(dep: Deployment) -> bool:
+    """Whether a request planned to this deployment alone may skip the attempt filter: its shape's
+    answers are translated in Envoy's Lua answer filter (extproc/direct.py)."""
+    return translated(dep) and shape_of(dep.fingerprint.adapter).lua_answers
+
+
+def shape_headers(dep: Deployment) -> tuple[str, ...]:
+    """The names of the headers this deployment's adapter sets on each request, its signature's
+    included. The renderer keeps them off the route's removal list: the router applies it when it
+    forwards, after the Lua filter has set them."""
+    adapter = adapter_for(dep.fingerprint.adapter)
+    _path, headers = adapter.endpoint(Target(dep.served_model, "credential", dep.fingerprint.adapter_options))
+    signed = bedrock.SIGNED_HEADERS if adapter is bedrock.BEDROCK else ()
+    return tuple(sorted({h.lower() for h in headers} | set(signed)))

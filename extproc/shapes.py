@@ -1,0 +1,115 @@
+"""The shapes registry: every provider API shape the gateway speaks, and what it has of each.
+
+A shape's adapter translates towards its upstreams (extproc/adapters/), its door - where it has one -
+translates for clients who speak it (extproc/doors/), Envoy's Lua filters translate its answers on
+the paths that keep ext_proc out of the answer (extproc/lua/answers.lua, doors.lua: their tables are
+rendered in from here), and the simulator stands in for its providers (`enginesim --api`). Every list
+of shapes the gateway keeps derives from SHAPES: the adapters by name, the doors and their credential
+headers, the headers an attempt removes, the Lua dispatch, the loss table's columns, the simulator's
+front end for a hosted deployment (tests/unit/test_shapes.py checks the simulator's own table against
+it: the simulator imports nothing of the gateway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from extproc.adapters import anthropic, bedrock, gemini, openai
+from extproc.adapters.base import Adapter
+from extproc.adapters.loss import LossTable
+from extproc.doors import ANTHROPIC as ANTHROPIC_DOOR
+from extproc.doors import GEMINI as GEMINI_DOOR
+from extproc.doors import Door
+from extproc.doors import anthropic as anthropic_door
+from extproc.doors import gemini as gemini_door
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str  # as a deployment's fingerprint names its adapter (`anthropic@1`)
+    adapter: Adapter
+    loss_columns: Mapping[str, LossTable]  # its columns in `llmgw adapters loss-table`, by heading
+    # Headers its adapter may set on a request (keys, protocol versions, signatures): an attempt to a
+    # candidate that did not set them removes them (Envoy reuses an earlier attempt's headers).
+    request_headers: tuple[str, ...]
+    options: frozenset[str] = frozenset()  # the adapter options a deployment may set
+    door: Door | None = None  # its front door, where clients may speak it to the gateway
+    # Envoy's Lua answer filter translates its JSON answers, and its streams (openai's pass as they come).
+    lua_answers: bool = False
+    lua_streams: bool = False
+    answer_tables: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # the answer filter's CONFIG entries
+    door_tables: Mapping[str, Mapping[Any, Any]] = field(default_factory=dict)  # the door filter's CONFIG.<name>
+    # The simulator's front end for a hosted deployment of this shape, by its adapter option `kind`.
+    simulator_apis: Mapping[str, str] = field(default_factory=dict)
+
+    def simulator_api(self, options: Mapping[str, str]) -> str:
+        return self.simulator_apis.get(options.get("kind", ""), self.name)
+
+
+SHAPES: tuple[Shape, ...] = (
+    Shape("openai", openai.OPENAI, {"openai (vLLM pool)": openai.TABLES["vllm"],
+                                    "openai (OpenAI, Azure)": openai.TABLES["openai"]},
+          ("api-key",), frozenset({"kind", "deployment", "api_version"}), lua_answers=True,
+          simulator_apis={"azure": "azure"}),
+    Shape("anthropic", anthropic.ANTHROPIC, {"anthropic": anthropic.LOSS_TABLE}, ("x-api-key", "anthropic-version"),
+          door=ANTHROPIC_DOOR, lua_answers=True, lua_streams=True,
+          answer_tables={"anthropic_stop": anthropic.STOP_REASONS},
+          door_tables={"error_types": anthropic_door.ERROR_TYPES, "stop_reasons": anthropic_door.STOP_REASONS}),
+    Shape("gemini", gemini.GEMINI, {"gemini": gemini.LOSS_TABLE}, ("x-goog-api-key",),
+          door=GEMINI_DOOR, lua_answers=True, lua_streams=True,
+          answer_tables={"gemini_finish": gemini.FINISH_REASONS},
+          door_tables={"statuses": gemini_door.STATUSES, "finish": gemini_door.FINISH}),
+    Shape("bedrock", bedrock.BEDROCK, {"bedrock": bedrock.LOSS_TABLE},
+          ("x-amz-date", "x-amz-security-token", "x-amz-content-sha256"),
+          frozenset({"region", "host"}), lua_answers=True, lua_streams=True,
+          answer_tables={"bedrock_stop": bedrock.STOP_REASONS}),
+)
+BY_NAME: Mapping[str, Shape] = MappingProxyType({s.name: s for s in SHAPES})
+ALIASES = MappingProxyType({"openai-compat": "openai"})  # the name deployments used before adapters had modules
+ADAPTERS: Mapping[str, Adapter] = MappingProxyType({s.name: s.adapter for s in SHAPES})
+DOORS: tuple[Door, ...] = tuple(s.door for s in SHAPES if s.door is not None)
+DOORS_BY_NAME: Mapping[str, Door] = MappingProxyType({d.name: d for d in DOORS})
+CREDENTIAL_HEADERS = tuple(h for d in DOORS for h in d.credential_headers)  # never forwarded
+CREDENTIAL_QUERY = tuple(d.credential_query for d in DOORS if d.credential_query)  # never forwarded or logged
+REQUEST_HEADERS = tuple(h for s in SHAPES for h in s.request_headers)
+
+
+def shape_of(ref: str) -> Shape:
+    """The shape a fingerprint's adapter reference names (`anthropic@1`); KeyError for one this
+    gateway does not have, or for another version of it."""
+    name, _, version = ref.partition("@")
+    shape = BY_NAME[ALIASES.get(name, name)]
+    if version and version != str(shape.adapter.version):
+        raise KeyError(f"{ref}: this gateway's {shape.name} adapter is version {shape.adapter.version}")
+    return shape
+
+
+def adapter_for(ref: str) -> Adapter:
+    return shape_of(ref).adapter
+
+
+def loss_table(ref: str, options: Mapping[str, str]) -> LossTable:
+    """What the adapter `ref`, with a deployment's adapter options, does with each field."""
+    adapter = adapter_for(ref)
+    return openai.TABLES[options.get("kind", "vllm")] if adapter is openai.OPENAI else adapter.loss_table
+
+
+def check_options(ref: str, options: Mapping[str, str]) -> str:
+    """What is wrong with a deployment's adapter options ("" when nothing)."""
+    shape = shape_of(ref)
+    unknown = sorted(set(options) - shape.options)
+    if unknown:
+        return f"the {shape.name} adapter takes no option {', '.join(unknown)}"
+    if shape.adapter is openai.OPENAI and options.get("kind", "vllm") not in openai.TABLES:
+        return f"kind must be one of {', '.join(openai.TABLES)}"
+    if shape.adapter is bedrock.BEDROCK and not options.get("region"):
+        return "the bedrock adapter needs the option region (the SigV4 signature names it)"
+    return ""
+
+
+def door_for(path: str) -> Door | None:
+    """The door a request path opens (the query string aside); None: the chat completions API."""
+    return next((d for d in DOORS if d.matches(path)), None)
