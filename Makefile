@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install up test check test-vllm lint typecheck unit e2e slow bench clean system-deps
+.PHONY: install up test check test-vllm lint typecheck unit e2e slow bench clean system-deps protos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ install: $(STAMP)
 
 up: $(STAMP)
 	$(BIN)/llmgw up
+
+# The project's own .proto files (protos/), compiled by grpcio-tools next to the module that uses each
+# (protos/llmgw/render/x.proto -> llmgw/render/x_pb2.py and .pyi). The output is committed, so an
+# install needs no compiler; tests/unit/test_protos.py fails when it is not what protos/ compiles to.
+PROTOS := $(shell find protos -name '*.proto')
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. $(PROTOS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check extproc llmgw enginesim tests

@@ -1,4 +1,5 @@
-"""The external contract's fixed names: error codes, headers, metadata keys (design.md section 4).
+"""The external contract's fixed names: error codes, headers, metadata keys (README,
+docs/ARCHITECTURE.md).
 
 One error tree: every refusal the gateway produces is a `GatewayError` carrying one `ErrorCode`, whose
 value is the contract's `code` and doubles as the metric label.

@@ -112,7 +112,7 @@ class Exchange:
         return context_value(self.trace_id, self.span_id, self.traceparent[36:52])
 
     def ledger_facts(self) -> dict[str, Any]:
-        """What the ledger records about the request itself (design.md invariant 8); never content."""
+        """What the ledger records about the request itself (invariant 8, docs/INVARIANTS.md); never content."""
         facts: dict[str, Any] = {
             "request_id": self.request_id, "trace_id": self.trace_id, "span_id": self.span_id,
             "parent_span_id": self.traceparent[36:52],

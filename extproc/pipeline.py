@@ -22,7 +22,7 @@ from extproc.stages.size import RequestSize
 from extproc.store import Store
 
 
-# design.md section 1, in order, all on the one message Envoy sends: the buffered body with the
+# the decision's steps, in order, all on the one message Envoy sends: the buffered body with the
 # headers as attributes. Identity comes first: an unauthenticated caller learns nothing else.
 def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None,
                  store: Store | None = None, recorder: DecisionRecorder | None = None) -> tuple[Stage, ...]:

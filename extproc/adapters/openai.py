@@ -94,7 +94,7 @@ def failure_for_status(status: int, message: str) -> Failure:
     why = message or f"the upstream answered {status}"
     if status == 429:
         # The provider's limit, not the gateway's: 429 `rate_limited` is the gateway's own quota
-        # refusal (design.md's table); a provider's refusal of every attempt is `upstream_error`.
+        # refusal (the contract's table); a provider's refusal of every attempt is `upstream_error`.
         return Failure(ErrorCode.UPSTREAM_ERROR, 502, why, "rate_limited")
     if status == 529:
         return Failure(ErrorCode.UPSTREAM_ERROR, 502, why, "overloaded")

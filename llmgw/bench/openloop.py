@@ -6,8 +6,8 @@ load (a closed-loop client would: it measures the system it slows down). Every s
 task; how late each left against its schedule is recorded, so a replay that could not keep up says
 so instead of passing a lower load off as the trace.
 
-Per request: admitted or refused (the contract's code), TTFT and TPOT for streams (design.md
-section 8: time to the first content token; time per later token), end to end, tokens, attempts.
+Per request: admitted or refused (the contract's code), TTFT and TPOT for streams (time to the
+first content token; time per later token), end to end, tokens, attempts.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ An upstream that streams like vLLM, one SSE event per token at a fixed inter-tok
 engine's own timing is the same in both conditions), answers both a bare Envoy proxy and the
 gateway (`llmgw envoy render` of the policy, ext_proc, Valkey: the whole pipeline). Streams go to
 the two in alternating rounds. Per condition: time to first token and time per output token as the
-client sees them (design.md section 8: TTFT to the first content event; TPOT over the rest), and the
+client sees them (docs/BENCHMARKS.md: TTFT to the first content event; TPOT over the rest), and the
 CPU time (user + system, from /proc) each process spent per token received.
 """
 

@@ -1,4 +1,4 @@
-"""Invariants 3 to 8 of design.md, checked after a fault from what the gateway and the engines
+"""Invariants 3 to 8 (docs/INVARIANTS.md), checked after a fault from what the gateway and the engines
 recorded: the ledger (one entry per request, its attempts and settlement), the engines' and
 providers' request logs (every arrival, with the gateway's request id and the time it came), the
 store's leases and budgets, and what the client saw. Pure functions of those records, so each check

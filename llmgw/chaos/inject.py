@@ -1,9 +1,9 @@
-"""`llmgw chaos`: failure injection (seed 000, "Operate the decision", step 5). Starts its own gateway
+"""`llmgw chaos`: failure injection (README: Operations, "Operating a change"). Starts its own gateway
 on free ports - Envoy, two ext_proc workers, Valkey, two simulated engines and a simulated hosted
 provider - from a copy of the policy, injects each fault of the table in turn, sends requests through
-it, and after each checks invariants 3 to 8 of design.md from the ledger, the engines' request logs,
-the store and what the client saw (llmgw/chaos/checks.py). Prints fault -> outcome -> invariants and
-exits 1 when an invariant or a fault's expected outcome does not hold.
+it, and after each checks invariants 3 to 8 (docs/INVARIANTS.md) from the ledger, the engines'
+request logs, the store and what the client saw (llmgw/chaos/checks.py). Prints fault -> outcome ->
+invariants and exits 1 when an invariant or a fault's expected outcome does not hold.
 
 The policy must have the demo's shape: a route served by the engine pool (`--pool-route`) and a route
 whose first candidate is the pool and second another deployment (`--fallback-route`). The copy gets

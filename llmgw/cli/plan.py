@@ -54,7 +54,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     price = args.price_per_accelerator_hour
     if price is None:
         price = CAPACITY_BLOCK_USD[args.instance]
-        source = f"{args.instance} Capacity Block rate effective {PRICES_AS_OF} (seed 003's table)"
+        source = f"{args.instance} Capacity Block rate effective {PRICES_AS_OF} (the built-in price table)"
     else:
         source = "given"
     try:
@@ -126,7 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="accelerators and cost for low/base/high demand (the planning bound)")
     p.add_argument("--instance", choices=sorted(CAPACITY_BLOCK_USD), default="P5",
-                   help=f"price from seed 003's Capacity Block table (effective {PRICES_AS_OF})")
+                   help=f"price from the built-in Capacity Block table (effective {PRICES_AS_OF})")
     p.add_argument("--price-per-accelerator-hour", type=float, help="USD; overrides --instance")
     p.add_argument("--tokens-per-second", type=float, default=1500.0, help="per accelerator at full load")
     p.add_argument("--utilization", type=float, default=1.0, help="for the cost-per-million-tokens figure")

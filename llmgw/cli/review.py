@@ -1,4 +1,5 @@
-"""`llmgw review [--config DIR]`: seed 003's review questions answered as markdown (llmgw/ops/review.py)."""
+"""`llmgw review [--config DIR]`: a capacity and policy review's questions answered as markdown
+(llmgw/ops/review.py)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def cmd_review(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    r = sub.add_parser("review", help="seed 003's review questions, answered from the configuration and measurements")
+    r = sub.add_parser("review", help="a capacity and policy review's questions, answered from the configuration "
+                       "and measurements")
     r.add_argument("--config", default="policy")
     r.add_argument("--state-dir", default=".llmgw")
     r.add_argument("--store-url", help="the ledger's store (default: llmgw up's, from STATE_DIR/up.json)")

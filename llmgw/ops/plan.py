@@ -11,8 +11,8 @@ the ledger and the engines' metrics); rho_max < 1 is the planning cap on utilisa
 not promise p95 or p99 latency: only a sweep through saturation shows where the SLO breaks, so a plan
 without one says its attainment is not measured.
 
-Default prices: AWS Capacity Block rates per accelerator-hour effective 2026-10-07, as seed 003
-lists them (dynamic prices: pass your own with --price-per-accelerator-hour).
+Default prices: AWS Capacity Block rates per accelerator-hour effective 2026-10-07, as AWS
+listed them (dynamic prices: pass your own with --price-per-accelerator-hour).
 """
 
 from __future__ import annotations

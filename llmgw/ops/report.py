@@ -1,7 +1,7 @@
 """`llmgw report`: one self-contained HTML page from the ledger and the metrics.
 
 The ledger is the source of every figure about requests (it is unsampled: one entry per
-authenticated request, design.md invariant 8): latencies per route and request class over time
+authenticated request, invariant 8, docs/INVARIANTS.md): latencies per route and request class over time
 beside the admitted, refused and timed-out fractions, spend by tenant, route and deployment,
 attempts by kind, and each budget's burn-down in its current window. The metrics (the host's
 Prometheus text) add what the ledger does not hold: the gateway's counters as its workers counted

@@ -1,4 +1,4 @@
-"""`llmgw review`: seed 003's review questions answered from the configuration and the last
+"""`llmgw review`: a capacity and policy review's questions answered from the configuration and the last
 measurements, as markdown.
 
 1. KV memory per sequence at the p95 context length (each self-hosted deployment's model geometry:
@@ -25,9 +25,9 @@ from extproc.config import Snapshot
 from extproc.config.schema import REQUIRED_EVIDENCE, Deployment, ModelGeometry
 from llmgw.ops.deprecations import replacement_problems
 
-# The seed's illustration: a 70B-class model (80 layers, 8 KV heads of dimension 128, 16-bit KV).
-SEED_70B = ModelGeometry(layers=80, kv_heads=8, head_dim=128, kv_bytes_per_element=2)
-SEED_CONTEXT = 8_000
+# The default example: a 70B-class model (80 layers, 8 KV heads of dimension 128, 16-bit KV).
+EXAMPLE_70B = ModelGeometry(layers=80, kv_heads=8, head_dim=128, kv_bytes_per_element=2)
+EXAMPLE_CONTEXT = 8_000
 
 
 def kv_bytes_per_token(g: ModelGeometry) -> int:
@@ -45,10 +45,10 @@ class Measured:
 
 
 def _kv(snap: Snapshot, m: Measured) -> list[str]:
-    per = kv_bytes_per_token(SEED_70B)
+    per = kv_bytes_per_token(EXAMPLE_70B)
     out = ["## KV memory per sequence at the p95 context length", "",
-           f"Seed illustration: a 70B-class model at {per / 1024:.0f} KiB per token holds "
-           f"{per * SEED_CONTEXT / 1e9:.1f} GB for one {SEED_CONTEXT:,}-token sequence.", ""]
+           f"For scale: a 70B-class model at {per / 1024:.0f} KiB per token holds "
+           f"{per * EXAMPLE_CONTEXT / 1e9:.1f} GB for one {EXAMPLE_CONTEXT:,}-token sequence.", ""]
     if m.p95_context_tokens is None:
         out.append("p95 context length: not measured (no ledger entries; pass --p95-context-tokens or run traffic).")
     else:

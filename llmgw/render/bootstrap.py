@@ -1,6 +1,6 @@
 """Render a config Snapshot into an Envoy bootstrap, built from Envoy's own typed protobuf messages.
 
-Shape of the data path (design.md section 7, reference/envoy-notes.md):
+Shape of the data path (docs/ARCHITECTURE.md, "The data path"):
   header_mutation  adds x-llmgw-* response headers from the metadata ext_proc returned
   ext_proc         request body BUFFERED with the headers it needs as attributes: one message per
                    request; response phases off until a stage needs them

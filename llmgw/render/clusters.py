@@ -15,8 +15,7 @@ from envoy.extensions.load_balancing_policies.override_host.v3 import override_h
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.metadata.v3 import metadata_pb2 as metadata_key_pb2
 from envoy.type.v3 import http_pb2 as http_types_pb2
-from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
-from google.protobuf.message import Message
+from google.protobuf import any_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
 from extproc.config.plans import (
@@ -30,6 +29,7 @@ from extproc.config.schema import Pool
 from extproc.contract import METADATA_NAMESPACE, WORKER_HEALTH_PATH
 from extproc.names import LB_KEY, LB_NAMESPACE, Filter
 from llmgw.render.common import UNIX, duration_ms, is_ip, pack, socket_address
+from llmgw.render.composite_cluster_pb2 import ClusterConfig
 from llmgw.render.filters import attempt_filter
 
 PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -55,32 +55,9 @@ def _attempt_filters(snap: Snapshot) -> dict[str, any_pb2.Any]:
     return {PROTOCOL_OPTIONS: pack(opts)}
 
 
-def _composite_config_class() -> type[Message]:
-    """envoy.extensions.clusters.composite.v3.ClusterConfig, which xds-protos does not ship yet:
-    declared here (two fields) so the bootstrap stays built from typed messages."""
-    name = "envoy.extensions.clusters.composite.v3.ClusterConfig"
-    pool = descriptor_pool.Default()
-    try:
-        return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
-    except KeyError:
-        pass
-    fdp = descriptor_pb2.FileDescriptorProto(name="llmgw/composite_cluster.proto",
-                                             package="envoy.extensions.clusters.composite.v3", syntax="proto3")
-    cfg = fdp.message_type.add(name="ClusterConfig")
-    entry = cfg.nested_type.add(name="ClusterEntry")
-    fd = descriptor_pb2.FieldDescriptorProto
-    entry.field.add(name="name", number=1, type=fd.TYPE_STRING, label=fd.LABEL_OPTIONAL, json_name="name")
-    cfg.field.add(name="clusters", number=1, type=fd.TYPE_MESSAGE, label=fd.LABEL_REPEATED,
-                  type_name=".envoy.extensions.clusters.composite.v3.ClusterConfig.ClusterEntry",
-                  json_name="clusters")
-    pool.Add(fdp)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
-
-
 def _composite_cluster(snap: Snapshot, name: str, sub_clusters: Iterable[str]) -> cluster_pb2.Cluster:
     """Attempt N goes to sub-cluster N (Envoy's composite cluster)."""
-    config_class = _composite_config_class()
-    config = config_class(clusters=[config_class.ClusterEntry(name=c) for c in sub_clusters])
+    config = ClusterConfig(clusters=[ClusterConfig.ClusterEntry(name=c) for c in sub_clusters])
     return cluster_pb2.Cluster(
         name=name, connect_timeout=duration_ms(1000), lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
         cluster_type=cluster_pb2.Cluster.CustomClusterType(name="envoy.clusters.composite", typed_config=pack(config)),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from extproc.config import load_snapshot
 from extproc.config.schema import ModelGeometry
-from llmgw.ops.review import SEED_70B, Measured, kv_bytes_per_token, review
+from llmgw.ops.review import EXAMPLE_70B, Measured, kv_bytes_per_token, review
 from tests.conftest import POLICY
 from tests.helpers import llmgw
 
@@ -19,8 +19,8 @@ TODAY = date.today()
 RETIRES = TODAY + timedelta(days=395)
 
 
-def test_the_seed_s_kv_illustration() -> None:
-    per = kv_bytes_per_token(SEED_70B)
+def test_the_kv_example_a_70b_class_model() -> None:
+    per = kv_bytes_per_token(EXAMPLE_70B)
     assert per == 320 * 1024  # 320 KiB per token
     assert round(per * 8000 / 1e9, 1) == 2.6  # GB for one 8,000-token sequence
     assert kv_bytes_per_token(ModelGeometry(layers=32, kv_heads=8, head_dim=128)) == 128 * 1024  # Llama 3.1 8B

@@ -1,4 +1,4 @@
-"""`llmgw plan` (issue 15, part 6): the seed's cost-per-token figures from its price table, and the
+"""`llmgw plan` (issue 15, part 6): the cost-per-token figures from the built-in price table, and the
 planning bound's arithmetic - g_min, reserves, the allocation unit, stability - on a hand example."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests.helpers import llmgw
 
 def test_the_seed_s_p5_figures_come_from_its_price_table() -> None:
     assert CAPACITY_BLOCK_USD["P5"] == 5.970
-    # The seed's "about 1.11 at full utilisation and 3.68 at 30%": 1.1056 and 3.6852.
+    # "About 1.11 at full utilisation and 3.68 at 30%": 1.1056 and 3.6852.
     assert round(cost_per_million_tokens(5.970, 1500, 1.0), 3) == 1.106
     assert round(cost_per_million_tokens(5.970, 1500, 0.3), 3) == 3.685
     out = llmgw("plan", "--price-per-accelerator-hour", "5.970", "--tokens-per-second", "1500", "--utilization", "0.3")
