@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.adapters.base import is_count
 from extproc.config import Snapshot
 from extproc.config.plans import decode_plan
 from extproc.config.schema import Deployment, Prices
+from extproc.shapes.base import is_count
 
 Usage = dict[str, Any]
 

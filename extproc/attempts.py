@@ -11,7 +11,7 @@ attempt (extproc/config/plans.py). Envoy's router owns the retries; this only ad
   the candidate serves that same model, the headers reply switches the body message off).
 - Response headers: `x-llmgw-deployment` names the candidate that answered; `x-llmgw-translation-loss`
   what its adapter changed or lost of the request.
-- A candidate of another API shape (extproc/adapters/): the path, headers (its authority too) and body
+- A candidate of another API shape (extproc/shapes/): the path, headers (its authority too) and body
   of its shape on the way up - signed with the body when its shape signs (Bedrock's SigV4). Its 2xx
   answer's headers name the shape and the served model (`x-llmgw-answer-shape`, `-model`), and Envoy's
   Lua answer filter (extproc/lua/answers.lua) translates the answer, JSON or stream, downstream of the
@@ -39,7 +39,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
-from extproc.adapters.base import Adapter, Target
 from extproc.config import Snapshot
 from extproc.config.plans import attempt_kind, decode_plan, translated
 from extproc.config.reload import Live
@@ -50,7 +49,8 @@ from extproc.metrics import count_attempt
 from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, Filter, Header, Key
 from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
-from extproc.shapes import REQUEST_HEADERS, adapter_for
+from extproc.shapes.base import Adapter, Target
+from extproc.shapes.registry import REQUEST_HEADERS, adapter_for
 from extproc.store import Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.attempts")

@@ -303,7 +303,7 @@ def _message(m: Any, i: int) -> None:
 
 
 # Every top-level field of the request contract besides `messages` (`n` is checked against the
-# gateway's limit in `validate`); adapters declare what they do with each (extproc/adapters/).
+# gateway's limit in `validate`); adapters declare what they do with each (extproc/shapes/).
 CONTRACT_FIELDS = (*TOP_LEVEL, "n")
 
 

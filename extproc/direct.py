@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.adapters.base import Target
 from extproc.config.schema import Deployment
 from extproc.contract import ErrorCode, GatewayError
-from extproc.shapes import adapter_for
+from extproc.shapes.base import Target
+from extproc.shapes.registry import adapter_for
 
 
 def native_request(dep: Deployment, body: Mapping[str, Any], credentials: Mapping[str, str],

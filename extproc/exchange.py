@@ -10,7 +10,6 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters.loss import Loss
 from extproc.bounds import Bound
 from extproc.config import Snapshot
 from extproc.config.plans import encode_plan, uses_attempt_filter
@@ -21,6 +20,7 @@ from extproc.redact import log_safe
 from extproc.replay import Sealer
 from extproc.reservation import Held
 from extproc.shadow import Grant
+from extproc.shapes.loss import Loss
 from extproc.tracing import context_value
 
 MAX_LOGGED_REASONS = 8
@@ -53,7 +53,7 @@ class Exchange:
     received_at: float = field(default_factory=time.monotonic)
     remaining_ms: int = 0  # of the effective deadline, when ext_proc admitted the request
     raw_body: bytes = b""
-    door: str = ""  # the front door the client used (extproc/doors/), "" for chat completions
+    door: str = ""  # the front door the client used (extproc/shapes/*/door.py), "" for chat completions
     body: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     n: int = 1  # completions asked for: each may run to the completion bound (invariant 3)
@@ -82,7 +82,7 @@ class Exchange:
     route: Route | None = None
     deployment: Deployment | None = None  # the first candidate
     candidates: tuple[Deployment, ...] = ()  # every qualified candidate, in the route's order
-    # deployment -> what its adapter changes or loses of this request (extproc/adapters/loss.py)
+    # deployment -> what its adapter changes or loses of this request (extproc/shapes/loss.py)
     translation_losses: dict[str, tuple[Loss, ...]] = field(default_factory=dict)
     cluster: str = ""
     cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route

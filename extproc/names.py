@@ -102,7 +102,7 @@ class Key(StrEnum):
     STREAM_ENDS_AT_MS = "stream_ends_at_ms"  # epoch ms: the stream guard ends the stream there
     WITHHOLD_USAGE = "withhold_usage"  # "1": the usage chunk was asked for on the client's behalf
     ROUTE = "route"
-    DOOR = "door"  # the front door the client used (extproc/doors/), for the door filter
+    DOOR = "door"  # the front door the client used (extproc/shapes/*/door.py), for the door filter
     DEPLOYMENT = "deployment"
     CLUSTER = "cluster"  # the cluster the request was admitted to (routes match on it)
     PLAN = "plan"  # a fallback route's candidates, for the attempt filter

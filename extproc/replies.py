@@ -13,7 +13,7 @@ from google.protobuf import struct_pb2
 from extproc.contract import DECISION_ID_HEADER, METADATA_NAMESPACE, REVISION_HEADER, GatewayError, degraded_body
 from extproc.exchange import Exchange
 from extproc.names import LB_KEY, LB_NAMESPACE, Header
-from extproc.shapes import DOORS_BY_NAME
+from extproc.shapes.registry import DOORS_BY_NAME
 
 _JSON = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
 

@@ -55,7 +55,7 @@ from extproc.replies import admit, degraded_answer, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
 from extproc.shadow import grant_key
-from extproc.shapes import door_for
+from extproc.shapes.registry import door_for
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import Degraded, tenant_salts

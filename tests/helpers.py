@@ -193,10 +193,10 @@ def llmgw(*args: str, timeout: float = 120, cwd: Path | None = None) -> subproce
 
 
 def feed_hostile(stream: Any, pieces: list[bytes]) -> None:
-    """Feed a provider stream translator (extproc/adapters) arbitrary pieces and finish it: a broken
+    """Feed a provider stream translator (extproc/shapes/) arbitrary pieces and finish it: a broken
     stream must end with UpstreamBroken, the contract's way to end it; any other exception escapes and
     fails the caller."""
-    from extproc.adapters.base import UpstreamBroken
+    from extproc.shapes.base import UpstreamBroken
 
     try:
         for piece in pieces:

@@ -34,7 +34,7 @@ from extproc.config.schema import (
     Prices,
     Route,
 )
-from extproc.shapes import check_options
+from extproc.shapes.registry import check_options
 
 M = TypeVar("M", bound=BaseModel)
 RECORD_DATE_GRACE = timedelta(days=1)  # how far past `today` an evidence record may be dated

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Sequence
 from itertools import combinations
 
-from extproc.adapters import bedrock
-from extproc.adapters.base import Target
 from extproc.config.schema import MAX_RETRIES, Deployment
-from extproc.shapes import adapter_for, shape_of
+from extproc.shapes.base import Target
+from extproc.shapes.bedrock import adapter as bedrock
+from extproc.shapes.registry import adapter_for, shape_of
 
 MAX_ATTEMPTS = MAX_RETRIES + 1  # at least MAX_CANDIDATES: every candidate can be tried
 

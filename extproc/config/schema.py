@@ -627,7 +627,7 @@ class Route(Strict):
     max_stream_ms: int = Field(default=600_000, gt=0)  # a stream's whole length, from its arrival
     max_tokens_cap: int | None = Field(default=None, gt=0)
     budget_reservation: Literal["required", "optional", "off"] = "required"
-    # A field a candidate's adapter cannot carry (extproc/adapters/): refuse the request (400
+    # A field a candidate's adapter cannot carry (extproc/shapes/): refuse the request (400
     # unsupported_field naming it) or serve it and report the field (x-llmgw-translation-loss, ledger).
     translation_loss: Literal["reject", "report"] = "reject"
     retry: RetryPolicy = RetryPolicy()

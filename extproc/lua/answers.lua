@@ -11,7 +11,7 @@
 --   header allow-list, which would drop them - and the metadata's copy is blanked, so the credential
 --   reaches no access log.
 -- - Answer: a 2xx answer is read whole and written as the internal chat completion (what the shape's
---   adapter in extproc/adapters/ makes of it), before json_to_metadata reads its usage for settlement;
+--   adapter in extproc/shapes/ makes of it), before json_to_metadata reads its usage for settlement;
 --   one that does not parse or is not the shape's answer becomes the contract's 502 `upstream_error`.
 --   A 2xx stream (Anthropic's and Gemini's SSE, Bedrock's AWS event stream: extproc/lua/eventstream.lua)
 --   is translated chunk by chunk before the Lua stream guard reads it.
@@ -31,7 +31,7 @@ function envoy_on_request(h)
   dm:set(NS, K.upstream_headers, "")
 end
 
--- The internal usage object's text (extproc/adapters/base.py `Usage.openai`).
+-- The internal usage object's text (extproc/shapes/base.py `Usage.openai`).
 local function usage_json(prompt, cached, output, reasoning)
   return concat({'{"prompt_tokens":', format("%d", prompt), ',"completion_tokens":', format("%d", output),
                  ',"total_tokens":', format("%d", prompt + output), ',"prompt_tokens_details":{"cached_tokens":',
@@ -70,7 +70,7 @@ local function call_json(id, name, input, body)
 end
 
 -- Anthropic's prompt tokens (cache reads and writes included) and cache reads, from a usage object
--- (extproc/adapters/anthropic.py `_usage`); nil when a count is not one.
+-- (extproc/shapes/anthropic/adapter.py `_usage`); nil when a count is not one.
 local function anthropic_prompt(usage)
   local input, read, written = count(usage.input_tokens), count(usage.cache_read_input_tokens),
     count(usage.cache_creation_input_tokens)
@@ -78,7 +78,7 @@ local function anthropic_prompt(usage)
   return input + read + written, read
 end
 
--- Anthropic's Messages answer (extproc/adapters/anthropic.py `completion`).
+-- Anthropic's Messages answer (extproc/shapes/anthropic/adapter.py `completion`).
 local ANTHROPIC_STOP = CONFIG.anthropic_stop
 local function anthropic(body, model)
   local doc = decode_all(body)
@@ -110,7 +110,7 @@ local function anthropic(body, model)
                     usage_json(prompt, read, output, 0))
 end
 
--- Gemini's usage (extproc/adapters/gemini.py `_usage`): prompt, cached input, output (thoughts
+-- Gemini's usage (extproc/shapes/gemini/adapter.py `_usage`): prompt, cached input, output (thoughts
 -- included) and reasoning tokens; nil when a count is not one.
 local function gemini_usage(meta)
   local prompt, cached, output, thoughts = count(meta.promptTokenCount), count(meta.cachedContentTokenCount),
@@ -137,7 +137,7 @@ local function gemini_finish(reason, called)
   return (called and finish == "stop") and "tool_calls" or finish
 end
 
--- Gemini's generateContent answer (extproc/adapters/gemini.py `completion`). A call without a response
+-- Gemini's generateContent answer (extproc/shapes/gemini/adapter.py `completion`). A call without a response
 -- id is named after the request's id.
 local function gemini(body, model, request_id)
   local doc = decode_all(body)
@@ -179,7 +179,7 @@ local function gemini(body, model, request_id)
                     usage_json(prompt, cached, output, reasoning_tokens), refusal)
 end
 
--- Bedrock's usage (extproc/adapters/bedrock.py `_usage`): prompt tokens (cache reads and writes
+-- Bedrock's usage (extproc/shapes/bedrock/adapter.py `_usage`): prompt tokens (cache reads and writes
 -- included), cache reads, output; nil when its two counts are not there or a count is not one.
 local function bedrock_usage(usage)
   if not is_object(usage) or type(usage.inputTokens) ~= "number" or type(usage.outputTokens) ~= "number" then
@@ -191,7 +191,7 @@ local function bedrock_usage(usage)
   return input + read + written, read, output
 end
 
--- Bedrock's Converse answer (extproc/adapters/bedrock.py `completion`), named after the request's id.
+-- Bedrock's Converse answer (extproc/shapes/bedrock/adapter.py `completion`), named after the request's id.
 local BEDROCK_STOP = CONFIG.bedrock_stop
 local function bedrock(body, model, request_id)
   local doc = decode_all(body)
@@ -231,7 +231,7 @@ local function openai(body)
   return body
 end
 
--- Anthropic's Messages stream, one event at a time (extproc/adapters/anthropic.py `AnthropicStream`):
+-- Anthropic's Messages stream, one event at a time (extproc/shapes/anthropic/adapter.py `AnthropicStream`):
 -- each event's chunks are added to `out`; false when the event breaks the stream.
 -- Every chunk's text up to its choices: made once per stream (again if message_start renames it).
 local function chunk_head(st)
@@ -312,7 +312,7 @@ local function anthropic_end(st, out)
   return st.stopped
 end
 
--- One response of Gemini's stream (extproc/adapters/gemini.py `GeminiStream`): each holds the next
+-- One response of Gemini's stream (extproc/shapes/gemini/adapter.py `GeminiStream`): each holds the next
 -- parts of its first candidate, the usage so far, and at last a finish reason; nothing may follow that.
 -- A call arrives whole (its id named after the response id, or the request's, as in the JSON answer).
 local function gemini_event(st, doc, out)
@@ -377,7 +377,7 @@ local function gemini_end(st, out)
   return true
 end
 
--- Bedrock's ConverseStream, one event at a time (extproc/adapters/bedrock.py `BedrockStream`): a tool
+-- Bedrock's ConverseStream, one event at a time (extproc/shapes/bedrock/adapter.py `BedrockStream`): a tool
 -- call's input arrives as pieces of JSON and leaves as argument deltas of its call index; the usage
 -- and [DONE] come with the metadata event, after messageStop, and nothing may follow it. Its chunks
 -- are named after the request's id.
@@ -498,7 +498,7 @@ local function translate_stream(h, model, request_id, shape)
   end)
 end
 
--- The dispatch: the shapes the registry (extproc/shapes.py) says this filter translates, each to its
+-- The dispatch: the shapes the registry (extproc/shapes/registry.py) says this filter translates, each to its
 -- translator here. A shape registered without one stops the filter from loading, so Envoy refuses the
 -- bootstrap instead of passing that shape's answers untranslated.
 local ANSWERS = {anthropic = anthropic, gemini = gemini, bedrock = bedrock, openai = openai}

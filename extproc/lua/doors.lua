@@ -1,5 +1,5 @@
 -- The front doors' answers, in Envoy (LuaJIT): what a door's caller receives, in its own API's shape
--- (extproc/doors/: Anthropic's Messages, Gemini's generateContent). First in the chain after the
+-- (each shape's door.py in extproc/shapes/: Anthropic's Messages, Gemini's generateContent). First in the chain after the
 -- header mutation, so on the way out it runs last: json_to_metadata, the stream guards, the meter and
 -- the attempt filter have read the internal shape, and settlement is untouched. The renderer
 -- (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names, each door's
@@ -34,7 +34,7 @@ local function as_text(v, default)
   return default
 end
 
--- The internal usage's counts (extproc/adapters/openai.py `usage`): input, cached input, output; nil
+-- The internal usage's counts (extproc/shapes/openai/adapter.py `usage`): input, cached input, output; nil
 -- when a count is not one (the door cannot carry it).
 local function internal_usage(usage)
   if not is_object(usage) then usage = {} end  -- (no usage object: no counts)
@@ -70,7 +70,7 @@ end
 
 local DONE = "^%s*%[DONE%]%s*$"
 
--- ---- Anthropic's Messages API (extproc/doors/anthropic.py) ---------------------------------------
+-- ---- Anthropic's Messages API (extproc/shapes/anthropic/door.py) ---------------------------------------
 
 local A = CONFIG.anthropic
 
@@ -216,7 +216,7 @@ local function anthropic_stream()
   return {started = false, index = -1, open = nil, reason = "end_turn", sequence = nil, usage = nil}
 end
 
--- ---- Gemini's generateContent (extproc/doors/gemini.py) ------------------------------------------
+-- ---- Gemini's generateContent (extproc/shapes/gemini/door.py) ------------------------------------------
 
 local G = CONFIG.gemini
 

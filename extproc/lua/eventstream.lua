@@ -2,7 +2,7 @@
 -- AWS's event-stream framing (Bedrock's ConverseStream), for the Lua answer filter: binary messages,
 -- each a prelude (total length, headers length, both big-endian 32-bit, then the CRC-32 of those 8
 -- bytes), headers (name length, name, value type, value), the payload and the CRC-32 of everything
--- before it. botocore's parser (extproc/adapters/bedrock.py) reads it the same way; the renderer puts
+-- before it. botocore's parser (extproc/shapes/bedrock/adapter.py) reads it the same way; the renderer puts
 -- this after extproc/lua/json.lua and sse.lua.
 
 local bit = require("bit")

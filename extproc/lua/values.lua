@@ -54,7 +54,7 @@ local function is_object(v) local span = SPAN[v]; return span ~= nil and not spa
 local function is_array(v) local span = SPAN[v]; return span ~= nil and span[3] == true end
 local function absent(v) return v == nil or v == NULL end
 
--- A token count as the Python adapters read it (extproc/adapters/base.py `token_count`: absent is 0);
+-- A token count as the Python adapters read it (extproc/shapes/base.py `token_count`: absent is 0);
 -- nil for anything but a whole number from 0 to 2^53 (no provider counts otherwise; settlement would
 -- charge it).
 local function count(v)

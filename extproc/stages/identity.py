@@ -17,13 +17,13 @@ import jwt
 
 from extproc.config.schema import JwtIssuer
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
-from extproc.doors import Door
 from extproc.exchange import Exchange, Identity
 from extproc.jwks import JwksCache, JwksUnavailable
 from extproc.names import Header
 from extproc.ratelimit import RateLimitedLog
 from extproc.shadow import InvalidGrant, verify
-from extproc.shapes import DOORS_BY_NAME
+from extproc.shapes.door import Door
+from extproc.shapes.registry import DOORS_BY_NAME
 
 log = logging.getLogger("llmgw.identity")
 # Anyone can send a bad credential: one line a second at most, with the count of the rest.

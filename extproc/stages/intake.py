@@ -8,7 +8,7 @@ from extproc import chat, headers, tracing
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.names import Header
-from extproc.shapes import DOORS_BY_NAME
+from extproc.shapes.registry import DOORS_BY_NAME
 
 
 class Intake:

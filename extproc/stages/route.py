@@ -25,7 +25,6 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters.loss import Loss, Support, losses
 from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
@@ -37,7 +36,8 @@ from extproc.exchange import Exchange
 from extproc.names import Settle
 from extproc.picker import Picker
 from extproc.shadow import Grant, issue, shadow_bucket
-from extproc.shapes import loss_table
+from extproc.shapes.loss import Loss, Support, losses
+from extproc.shapes.registry import loss_table
 from extproc.stages.authorize import authorized_on
 
 

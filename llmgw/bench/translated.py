@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from extproc.config import load_snapshot
-from extproc.doors.anthropic import MESSAGES_PATH
+from extproc.shapes.anthropic.door import MESSAGES_PATH
 from llmgw.bench.kit import WRK_LUA, Result, demo_policy, measured_wrk, report, run_wrk
 from llmgw.local.procs import Child, cpu_seconds, free_port, http_ok, python_module, wait_until
 from llmgw.local.stack import Stack, StackOptions, gateway_processes

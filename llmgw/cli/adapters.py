@@ -1,14 +1,14 @@
 """`llmgw adapters loss-table`: what each adapter does with each field of the request contract, as
-the markdown table the README shows (extproc/adapters/; the tables are data there)."""
+the markdown table the README shows (extproc/shapes/; the tables are data there)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from extproc.adapters.loss import Support, describe
 from extproc.chat import CONTRACT_FIELDS
-from extproc.shapes import SHAPES
+from extproc.shapes.loss import Support, describe
+from extproc.shapes.registry import SHAPES
 
 COLUMNS = {heading: table for shape in SHAPES for heading, table in shape.loss_columns.items()}
 

@@ -22,7 +22,7 @@ from extproc.config import Snapshot, load_snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import WORKER_HEALTH_PATH
 from extproc.secrets import resolve
-from extproc.shapes import shape_of
+from extproc.shapes.registry import shape_of
 from llmgw.local import vllm_env
 from llmgw.local.demo_keys import ensure_demo_keys, refuse_exposed
 from llmgw.local.procs import (

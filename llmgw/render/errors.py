@@ -21,7 +21,7 @@ from xds.type.matcher.v3 import matcher_pb2
 
 from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError, degraded_body
 from extproc.names import EXTPROC_FAILED, Header, Key, Settle
-from extproc.shapes import DOORS, Door
+from extproc.shapes.registry import DOORS, Door
 from llmgw.render.common import cel_filter, pack
 from llmgw.render.filters import upstream_answer_headers
 

@@ -49,7 +49,7 @@ from extproc.names import (
     Settle,
     request_attributes,
 )
-from extproc.shapes import CREDENTIAL_HEADERS, CREDENTIAL_QUERY, SHAPES
+from extproc.shapes.registry import CREDENTIAL_HEADERS, CREDENTIAL_QUERY, SHAPES
 from llmgw.render.common import cel_filter, duration_ms, pack
 
 # The contract's response headers, from the metadata ext_proc returned with its decision.
@@ -411,7 +411,7 @@ DOORS_SCRIPT = "doors"  # its script's name: the routes that run it name it (Lua
 
 def doors_lua() -> str:
     """The Lua door filter's source (extproc/lua/doors.lua), with each door's status names and stop
-    reasons from its Python module (extproc/doors/) and the contract's codes."""
+    reasons from its Python module (extproc/shapes/*/door.py) and the contract's codes."""
     doors = {shape.door.name: "{" + ", ".join(f"{k} = {_lua_table(v)}" for k, v in shape.door_tables.items()) + "}"
              for shape in SHAPES if shape.door is not None}
     return _lua_script("doors.lua", {

@@ -20,7 +20,7 @@ from extproc.config.plans import composite_name, decision_translates, shape_head
 from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
 from extproc.names import SHADOW_CLUSTER, Filter, Header, Key, Settle
-from extproc.shapes import CREDENTIAL_HEADERS, DOORS, Door
+from extproc.shapes.registry import CREDENTIAL_HEADERS, DOORS, Door
 from llmgw.render.common import duration_ms, pack, string_value_matcher
 from llmgw.render.errors import direct
 from llmgw.render.filters import DOORS_SCRIPT, meters

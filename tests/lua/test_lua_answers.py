@@ -1,6 +1,6 @@
 """The Lua answer filter (extproc/lua/answers.lua, as the renderer renders it, with extproc/lua/json.lua),
 run under LuaJIT (lupa's build) with a stand-in for Envoy's stream handle. Its translation of each
-shape's answer (Anthropic, Gemini, Bedrock) must be the Python adapter's (extproc/adapters/), which
+shape's answer (Anthropic, Gemini, Bedrock) must be the Python adapter's (extproc/shapes/), which
 the attempt filter uses: the two are compared on generated answers. Through real Envoy it is tested
 by tests/e2e/doors/test_translated_route_e2e.py, tests/slow/test_provider_fuzz_e2e.py and the providers' e2e tests."""
 
@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginesim import eventstream
-from extproc.adapters import bedrock, gemini
-from extproc.adapters.anthropic import ANTHROPIC, STOP_REASONS
-from extproc.adapters.base import Adapter, UpstreamBroken
 from extproc.names import Header, Key
+from extproc.shapes.anthropic.adapter import ANTHROPIC, STOP_REASONS
+from extproc.shapes.base import Adapter, UpstreamBroken
+from extproc.shapes.bedrock import adapter as bedrock
+from extproc.shapes.gemini import adapter as gemini
 from llmgw.render.filters import answers_lua
 from tests.lua_harness import lua_runtime, lua_table
 

@@ -1,8 +1,8 @@
 """The Lua door filter (extproc/lua/doors.lua, as the renderer renders it) under LuaJIT (lupa's build),
-held to the Python doors (extproc/doors/: the reference its translations were first built and tested
-on with the real SDKs): generated chat completions, errors and internal streams split at random points
-come out of both the same. Through real Envoy it is tested by tests/e2e/doors/test_anthropic_door_e2e.py and
-tests/e2e/doors/test_gemini_door_e2e.py."""
+held to the Python doors (each shape's door.py in extproc/shapes/: the reference its translations
+were first built and tested on with the real SDKs): generated chat completions, errors and internal
+streams split at random points come out of both the same. Through real Envoy it is tested by
+tests/e2e/doors/test_anthropic_door_e2e.py and tests/e2e/doors/test_gemini_door_e2e.py."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.adapters.base import UpstreamBroken
-from extproc.doors import Door
 from extproc.names import Key
-from extproc.shapes import DOORS_BY_NAME
+from extproc.shapes.base import UpstreamBroken
+from extproc.shapes.door import Door
+from extproc.shapes.registry import DOORS_BY_NAME
 from llmgw.render.filters import doors_lua
 from tests.lua_harness import lua_runtime, lua_table
 

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.adapters.anthropic import ANTHROPIC, LOSS_TABLE, internal_body, native_body
-from extproc.adapters.base import Target, UpstreamBroken
-from extproc.adapters.loss import Support, losses
-from extproc.adapters.openai import OPENAI, VLLM_ONLY
 from extproc.chat import CONTRACT_FIELDS, validate
 from extproc.contract import ErrorCode
-from extproc.shapes import adapter_for
+from extproc.shapes.anthropic.adapter import ANTHROPIC, LOSS_TABLE, internal_body, native_body
+from extproc.shapes.base import Target, UpstreamBroken
+from extproc.shapes.loss import Support, losses
+from extproc.shapes.openai.adapter import OPENAI, VLLM_ONLY
+from extproc.shapes.registry import adapter_for
 from tests.helpers import feed_hostile
 
 
@@ -328,8 +328,8 @@ def test_every_header_an_adapter_sets_is_scrubbed_from_other_candidates_attempts
     """Envoy reuses an attempt's headers for the next: each header a candidate's adapter sets (its key,
     protocol version, signature) is in the attempt filter's list of what other candidates' attempts
     remove (the shapes registry's REQUEST_HEADERS); authorization is handled on its own."""
-    from extproc.adapters.base import Target
-    from extproc.shapes import REQUEST_HEADERS, adapter_for
+    from extproc.shapes.base import Target
+    from extproc.shapes.registry import REQUEST_HEADERS, adapter_for
 
     credential = "AKIAEXAMPLE:secret" if adapter.startswith("bedrock") else "secret"
     for stream in (False, True):

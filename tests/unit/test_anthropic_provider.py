@@ -11,10 +11,10 @@ from typing import Any
 import anthropic
 import pytest
 
-from extproc.adapters.anthropic import ANTHROPIC
-from extproc.adapters.base import Target, UpstreamBroken
 from extproc.chat import validate
 from extproc.contract import ErrorCode
+from extproc.shapes.anthropic.adapter import ANTHROPIC
+from extproc.shapes.base import Target, UpstreamBroken
 from tests.conftest import module_provider
 from tests.helpers import request
 

@@ -1,4 +1,4 @@
-"""The front doors' translations on their own (extproc/doors/): the request into the internal
+"""The front doors' translations on their own (extproc/shapes/*/door.py): the request into the internal
 contract, answers, errors and streams back into Anthropic's and Gemini's shapes. The same requests
 through Envoy with the real SDKs: tests/e2e/doors/test_anthropic_door_e2e.py,
 tests/e2e/doors/test_gemini_door_e2e.py."""
@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.contract import ErrorCode, GatewayError
-from extproc.doors import GEMINI as GEMINI_DOOR
-from extproc.doors import DoorStream
-from extproc.doors.anthropic import MessagesStream, answer, error, request
-from extproc.doors.gemini import GenerateContentStream
-from extproc.doors.gemini import answer as gemini_answer
-from extproc.doors.gemini import error as gemini_error
-from extproc.doors.gemini import request as gemini_request
-from extproc.shapes import door_for
+from extproc.shapes.anthropic.door import MessagesStream, answer, error, request
+from extproc.shapes.door import DoorStream
+from extproc.shapes.gemini.door import DOOR as GEMINI_DOOR
+from extproc.shapes.gemini.door import GenerateContentStream
+from extproc.shapes.gemini.door import answer as gemini_answer
+from extproc.shapes.gemini.door import error as gemini_error
+from extproc.shapes.gemini.door import request as gemini_request
+from extproc.shapes.registry import door_for
 
 
 def native(**kw: Any) -> bytes:

@@ -150,7 +150,7 @@ def test_only_the_attempt_filter_names_an_answers_shape(deployment: str, names_s
     from extproc.attempts import _Attempt
     from extproc.config.plans import translated
     from extproc.names import Header
-    from extproc.shapes import adapter_for
+    from extproc.shapes.registry import adapter_for
     from tests.conftest import POLICY
 
     snap = load_snapshot(POLICY)

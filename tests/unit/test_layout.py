@@ -121,7 +121,8 @@ def test_no_import_circle_anywhere() -> None:
 # What the renderer may read of the data plane: the wire names, the contract, the configuration and the
 # shapes registry (and the package itself, for the Lua files' place). The rest of the data plane is
 # request handling, which the bootstrap must not depend on.
-RENDER_READS = {"extproc", "extproc.names", "extproc.contract", "extproc.config", "extproc.shapes"}
+RENDER_READS = {"extproc", "extproc.names", "extproc.contract", "extproc.config", "extproc.shapes",
+                "extproc.shapes.registry"}
 
 
 def test_the_renderer_reads_only_names_contract_config_and_shapes() -> None:
@@ -188,8 +189,8 @@ def test_no_room_holds_more_than_a_third_of_the_house() -> None:
 @pytest.mark.parametrize(("package", "forbidden"), [
     ("extproc", {"llmgw", "enginesim"}),
     ("enginesim", {"llmgw", "extproc"}),
-    # Adapters translate plain values: no Envoy, gRPC or protobuf types (issue 13's shape).
-    ("extproc/adapters", {"llmgw", "enginesim", "envoy", "grpc", "google", "xds", "udpa"}),
+    # The shapes translate plain values: no Envoy, gRPC or protobuf types.
+    ("extproc/shapes", {"llmgw", "enginesim", "envoy", "grpc", "google", "xds", "udpa"}),
 ])
 def test_no_forbidden_imports(package: str, forbidden: set[str]) -> None:
     bad = {f: sorted(pkgs & forbidden) for f, pkgs in imported_packages(package).items() if pkgs & forbidden}

@@ -1,4 +1,4 @@
-"""The shapes registry (extproc/shapes.py) is the one list of provider API shapes: what derives from it
+"""The shapes registry (extproc/shapes/registry.py) is the one list of provider API shapes: what derives from it
 stays in step, and what cannot import it (the simulator, the Lua) is checked against it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from enginesim.cli import FRONT_ENDS
-from extproc.shapes import ADAPTERS, CREDENTIAL_HEADERS, DOORS, SHAPES, shape_of
+from extproc.shapes.registry import ADAPTERS, CREDENTIAL_HEADERS, DOORS, SHAPES, shape_of
 from llmgw.cli.adapters import COLUMNS
 from tests.lua_harness import lua_runtime
 

@@ -13,7 +13,7 @@ import yaml
 from extproc.config import load_snapshot
 from extproc.config.schema import MAX_RETRIES
 from extproc.names import EXTPROC_CLUSTER
-from extproc.shapes import DOORS, DOORS_BY_NAME
+from extproc.shapes.registry import DOORS, DOORS_BY_NAME
 from llmgw.local.procs import envoy_binary, envoy_env, free_port, wait_until
 from llmgw.render.bootstrap import RenderOptions, render_yaml
 from llmgw.render.routes import direct_clusters, translating_composites

@@ -29,11 +29,11 @@ from multidict import CIMultiDict
 
 from enginesim import eventstream
 from enginesim.sigv4 import SignatureError, verify
-from extproc.adapters.base import Target, UpstreamBroken
-from extproc.adapters.bedrock import BEDROCK, LOSS_TABLE, internal_body, native_body
-from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
-from extproc.shapes import adapter_for, check_options
+from extproc.shapes.base import Target, UpstreamBroken
+from extproc.shapes.bedrock.adapter import BEDROCK, LOSS_TABLE, internal_body, native_body
+from extproc.shapes.loss import Support
+from extproc.shapes.registry import adapter_for, check_options
 from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route, add_route_of
 from llmgw.local.procs import Child, free_port, python_module, wait_until
 from llmgw.local.stack import Stack

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.adapters.base import Target, UpstreamBroken
-from extproc.adapters.gemini import GEMINI, LOSS_TABLE, internal_body, native_body
-from extproc.adapters.loss import Support
 from extproc.contract import ErrorCode
-from extproc.shapes import adapter_for
+from extproc.shapes.base import Target, UpstreamBroken
+from extproc.shapes.gemini.adapter import GEMINI, LOSS_TABLE, internal_body, native_body
+from extproc.shapes.loss import Support
+from extproc.shapes.registry import adapter_for
 from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, module_provider, start_stack

@@ -4,9 +4,9 @@ A door turns its request into the internal contract (extproc/chat.py's chat comp
 intake, so identity, authorization, budgets, redaction, routing, fallback and metering run once, on
 one shape; its answers, streams and errors are turned back into the caller's shape at the edge, by
 the Lua door filter (extproc/lua/doors.lua), after metering has read the internal shape. Adapters
-(extproc/adapters/) are the same translation in the other direction, towards upstreams. Plain values
+(extproc/shapes/) are the same translation in the other direction, towards upstreams. Plain values
 in and out, no Envoy types. The doors, and the credential headers they take, are listed by the shapes
-registry (extproc/shapes.py).
+registry (extproc/shapes/registry.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
-
-from extproc.doors import anthropic, gemini
 
 
 class DoorStream(Protocol):
@@ -39,9 +37,3 @@ class Door:
 
     def matches(self, path: str) -> bool:
         return re.fullmatch(self.path, urlsplit(path).path) is not None
-
-
-ANTHROPIC = Door(anthropic.NAME, re.escape(anthropic.MESSAGES_PATH), lambda raw, _path: anthropic.request(raw),
-                 anthropic.answer, anthropic.error, anthropic.MessagesStream, ("x-api-key",))
-GEMINI = Door(gemini.NAME, gemini.PATH_REGEX, gemini.request, gemini.answer, gemini.error,
-              gemini.GenerateContentStream, ("x-goog-api-key",), "key")

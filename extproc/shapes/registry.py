@@ -1,7 +1,7 @@
 """The shapes registry: every provider API shape the gateway speaks, and what it has of each.
 
-A shape's adapter translates towards its upstreams (extproc/adapters/), its door - where it has one -
-translates for clients who speak it (extproc/doors/), Envoy's Lua filters translate its answers on
+A shape's adapter translates towards its upstreams (extproc/shapes/), its door - where it has one -
+translates for clients who speak it (extproc/shapes/*/door.py), Envoy's Lua filters translate its answers on
 the paths that keep ext_proc out of the answer (extproc/lua/answers.lua, doors.lua: their tables are
 rendered in from here), and the simulator stands in for its providers (`enginesim --api`). Every list
 of shapes the gateway keeps derives from SHAPES: the adapters by name, the doors and their credential
@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from extproc.adapters import anthropic, bedrock, gemini, openai
-from extproc.adapters.base import Adapter
-from extproc.adapters.loss import LossTable
-from extproc.doors import ANTHROPIC as ANTHROPIC_DOOR
-from extproc.doors import GEMINI as GEMINI_DOOR
-from extproc.doors import Door
-from extproc.doors import anthropic as anthropic_door
-from extproc.doors import gemini as gemini_door
+from extproc.shapes.anthropic import adapter as anthropic
+from extproc.shapes.anthropic import door as anthropic_door
+from extproc.shapes.base import Adapter
+from extproc.shapes.bedrock import adapter as bedrock
+from extproc.shapes.door import Door
+from extproc.shapes.gemini import adapter as gemini
+from extproc.shapes.gemini import door as gemini_door
+from extproc.shapes.loss import LossTable
+from extproc.shapes.openai import adapter as openai
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,11 @@ SHAPES: tuple[Shape, ...] = (
           ("api-key",), frozenset({"kind", "deployment", "api_version"}), lua_answers=True,
           simulator_apis={"azure": "azure"}),
     Shape("anthropic", anthropic.ANTHROPIC, {"anthropic": anthropic.LOSS_TABLE}, ("x-api-key", "anthropic-version"),
-          door=ANTHROPIC_DOOR, lua_answers=True, lua_streams=True,
+          door=anthropic_door.DOOR, lua_answers=True, lua_streams=True,
           answer_tables={"anthropic_stop": anthropic.STOP_REASONS},
           door_tables={"error_types": anthropic_door.ERROR_TYPES, "stop_reasons": anthropic_door.STOP_REASONS}),
     Shape("gemini", gemini.GEMINI, {"gemini": gemini.LOSS_TABLE}, ("x-goog-api-key",),
-          door=GEMINI_DOOR, lua_answers=True, lua_streams=True,
+          door=gemini_door.DOOR, lua_answers=True, lua_streams=True,
           answer_tables={"gemini_finish": gemini.FINISH_REASONS},
           door_tables={"statuses": gemini_door.STATUSES, "finish": gemini_door.FINISH}),
     Shape("bedrock", bedrock.BEDROCK, {"bedrock": bedrock.LOSS_TABLE},

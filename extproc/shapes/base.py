@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from extproc.adapters.loss import Loss, LossTable
 from extproc.contract import ErrorCode
+from extproc.shapes.loss import Loss, LossTable
 from extproc.sse import MalformedStream, SseReader
 
 

@@ -4,7 +4,7 @@
 Request: the route is the path's model; the body is checked against generateContent's shape
 (pydantic, strict: `safetySettings`, `cachedContent`, tools other than function declarations and the
 OpenAPI `responseSchema` are 400 `unsupported_field` naming them) and turned into the internal chat
-completion (extproc/adapters/gemini.internal_body). A stream must ask for SSE (`alt=sse`).
+completion (extproc/shapes/gemini/adapter.py internal_body). A stream must ask for SSE (`alt=sse`).
 
 Answer: the internal chat completion -> `candidates` (text and whole `functionCall` parts, one per
 choice), `finishReason` (STOP, MAX_TOKENS, SAFETY), `usageMetadata` (cached tokens as
@@ -25,10 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 from extproc import chat
-from extproc.adapters.gemini import internal_body
-from extproc.adapters.openai import OPENAI
 from extproc.contract import ErrorCode, GatewayError
-from extproc.doors.stream import InternalStream
+from extproc.shapes.door import Door
+from extproc.shapes.door_stream import InternalStream
+from extproc.shapes.gemini.adapter import internal_body
+from extproc.shapes.openai.adapter import OPENAI
 
 NAME = "gemini"
 PATH = re.compile(r"/v1beta/models/([^/:]+):(generateContent|streamGenerateContent)")
@@ -282,3 +283,6 @@ class GenerateContentStream(InternalStream):
             if choice.get("finish_reason"):
                 self.finish_reason = FINISH.get(choice["finish_reason"], "OTHER")
         return out
+
+
+DOOR = Door(NAME, PATH_REGEX, request, answer, error, GenerateContentStream, ("x-goog-api-key",), "key")

@@ -31,7 +31,8 @@ from urllib.parse import quote
 
 import orjson
 
-from extproc.adapters.base import (
+from extproc.contract import ErrorCode
+from extproc.shapes.base import (
     Failure,
     NativeRequest,
     NativeStream,
@@ -45,9 +46,8 @@ from extproc.adapters.base import (
     token_count,
     tool_arguments,
 )
-from extproc.adapters.loss import Conditional, LossTable, Support, losses
-from extproc.adapters.openai import failure_for_status
-from extproc.contract import ErrorCode
+from extproc.shapes.loss import Conditional, LossTable, Support, losses
+from extproc.shapes.openai.adapter import failure_for_status
 
 S = Support
 

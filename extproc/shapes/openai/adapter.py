@@ -16,10 +16,10 @@ from urllib.parse import quote
 
 import orjson
 
-from extproc.adapters.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, token_count
-from extproc.adapters.loss import LossTable, Support, losses
 from extproc.chat import CONTRACT_FIELDS
 from extproc.contract import ErrorCode
+from extproc.shapes.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, token_count
+from extproc.shapes.loss import LossTable, Support, losses
 
 S = Support
 VLLM_ONLY = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",

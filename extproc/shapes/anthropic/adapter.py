@@ -24,7 +24,8 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters.base import (
+from extproc.contract import ErrorCode
+from extproc.shapes.base import (
     Failure,
     NativeRequest,
     NativeStream,
@@ -37,9 +38,8 @@ from extproc.adapters.base import (
     token_count,
     tool_arguments,
 )
-from extproc.adapters.loss import Conditional, LossTable, Support, losses
-from extproc.adapters.openai import failure_for_status
-from extproc.contract import ErrorCode
+from extproc.shapes.loss import Conditional, LossTable, Support, losses
+from extproc.shapes.openai.adapter import failure_for_status
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096

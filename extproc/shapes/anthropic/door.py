@@ -3,7 +3,7 @@ with its base URL at the gateway works unchanged.
 
 Request: checked against the Messages API's shape (pydantic, strict about what it does not know:
 a field the gateway cannot carry is 400 `unsupported_field` naming it, never dropped) and turned into
-the internal contract (extproc/adapters/anthropic.internal_body: system hoisted into a message,
+the internal contract (extproc/shapes/anthropic/adapter.py internal_body: system hoisted into a message,
 content blocks, tool_use/tool_result, stop_sequences, tool_choice); from there every stage runs as for
 a chat completion. A stream always asks for usage: Anthropic's events carry it.
 
@@ -19,15 +19,17 @@ contract's code inside (`error.code`), the status unchanged.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from extproc import chat
-from extproc.adapters.anthropic import internal_body
-from extproc.adapters.openai import OPENAI
 from extproc.contract import ErrorCode, GatewayError
-from extproc.doors.stream import InternalStream
+from extproc.shapes.anthropic.adapter import internal_body
+from extproc.shapes.door import Door
+from extproc.shapes.door_stream import InternalStream
+from extproc.shapes.openai.adapter import OPENAI
 
 MESSAGES_PATH = "/v1/messages"
 NAME = "anthropic"
@@ -288,3 +290,7 @@ class MessagesStream(InternalStream):
                 out += self._close()
                 self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
         return out
+
+
+DOOR = Door(NAME, re.escape(MESSAGES_PATH), lambda raw, _path: request(raw), answer, error, MessagesStream,
+            ("x-api-key",))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from extproc.adapters.base import UpstreamBroken
 from extproc.names import MAX_EVENT_BYTES
+from extproc.shapes.base import UpstreamBroken
 from extproc.sse import EventSplitter, event_data
 
 
