@@ -217,6 +217,7 @@ def stream_filter() -> ext_proc_pb2.ExternalProcessor:
 
 
 LUA_DIR = Path(extproc.__file__).with_name("lua")  # the data plane's: Envoy runs it on every request
+SHAPES_DIR = Path(extproc.__file__).with_name("shapes")  # each shape's own Lua, in its folder
 
 
 def _lua_string(s: str) -> str:
@@ -233,15 +234,21 @@ def _lua_table(values: Mapping[str, str] | Mapping[int, str]) -> str:
                            for k, v in values.items()) + "}"
 
 
-def _lua_script(script: str, config: Mapping[str, str], helpers: tuple[str, ...] = ()) -> str:
+def _lua_script(script: str, config: Mapping[str, str], helpers: tuple[str, ...] = (),
+                parts: tuple[str, ...] = ()) -> str:
     """A Lua filter's source: its CONFIG (`config`'s Lua expressions, with the metadata namespace, the
     io.llmgw key names from extproc/names.py and the SSE event size bound), the JSON and SSE helpers
-    (extproc/lua/json.lua, sse.lua) and any other `helpers`, then the script."""
+    (extproc/lua/json.lua, sse.lua) and any other `helpers`, then the script, with the shapes' `parts`
+    (extproc/shapes/<shape>/<part>) where its `-- @shapes` line stands."""
     keys = ", ".join(f"{k.name.lower()} = {_lua_string(k.value)}" for k in Key)
     fields = "".join(f", {name} = {value}" for name, value in config.items())
+    body = (LUA_DIR / script).read_text()
+    if parts:
+        assert body.count("\n-- @shapes\n") == 1, script
+        body = body.replace("\n-- @shapes\n", "\n" + "".join((SHAPES_DIR / p).read_text() for p in parts))
     return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, max_event_bytes = {MAX_EVENT_BYTES}"
             f"{fields},\n  keys = {{{keys}}}}}\n"
-            + "".join((LUA_DIR / name).read_text() for name in ("json.lua", "sse.lua", *helpers, script)))
+            + "".join((LUA_DIR / name).read_text() for name in ("json.lua", "sse.lua", *helpers)) + body)
 
 
 def stream_guard_lua() -> str:
@@ -279,7 +286,8 @@ def answers_lua() -> str:
         "keepalive": _lua_string(KEEPALIVE.decode()),
         "answer_shapes": _lua_names(s.name for s in SHAPES if s.lua_answers),
         "stream_shapes": _lua_names(s.name for s in SHAPES if s.lua_streams)},
-        helpers=("values.lua", "eventstream.lua"))
+        helpers=("values.lua", "eventstream.lua"),
+        parts=tuple(f"{s.name}/answers.lua" for s in SHAPES if s.lua_answers or s.lua_streams))
 
 
 def lua_answers() -> lua_pb2.Lua:
@@ -417,7 +425,9 @@ def doors_lua() -> str:
     return _lua_script("doors.lua", {
         **doors,
         "upstream_error": _lua_string(ErrorCode.UPSTREAM_ERROR.value),
-        "stream_interrupted": _lua_string(ErrorCode.STREAM_INTERRUPTED.value)}, helpers=("values.lua",))
+        "stream_interrupted": _lua_string(ErrorCode.STREAM_INTERRUPTED.value),
+        "doors": _lua_names(doors)}, helpers=("values.lua",),
+        parts=tuple(f"{s.name}/door.lua" for s in SHAPES if s.door is not None))
 
 
 def lua_doors() -> lua_pb2.Lua:

@@ -33,16 +33,29 @@ def test_a_hosted_openai_deployment_of_kind_azure_is_simulated_by_azure_s_front_
     assert shape_of("bedrock@1").simulator_api({"region": "us-east-1"}) == "bedrock"
 
 
-def test_a_shape_registered_for_the_lua_answer_filter_without_a_translator_stops_it_loading(
+def test_a_shape_s_lua_comes_from_its_folder_and_a_missing_one_stops_the_filter(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The answer filter's dispatch comes from the registry: a new shape marked `lua_answers` before
-    its Lua translator exists fails when Envoy loads the script, not on its first answer."""
+    """The Lua filters' dispatch comes from the registry, and each shape's translators from its own
+    folder (extproc/shapes/<shape>/answers.lua, door.lua): a shape registered before its Lua exists
+    fails when the bootstrap is rendered or when Envoy loads the script, never on its first answer."""
     from lupa.luajit21 import LuaError
 
-    from llmgw.render.filters import answers_lua
+    from llmgw.render.filters import answers_lua, doors_lua
 
+    assert "ANSWERS.anthropic = anthropic" in answers_lua() and "DOORS.gemini = " in doors_lua()
     lua_runtime(answers_lua())  # the registry as it is loads
-    cohere = dataclasses.replace(SHAPES[0], name="cohere", lua_answers=True)
+    lua_runtime(doors_lua())
+    openai, anthropic = SHAPES[0], SHAPES[1]
+    cohere = dataclasses.replace(openai, name="cohere")  # no folder of its own
     monkeypatch.setattr("llmgw.render.filters.SHAPES", (*SHAPES, cohere))
-    with pytest.raises(LuaError, match="no translator for the shape cohere"):
+    with pytest.raises(FileNotFoundError, match=r"cohere/answers\.lua"):
+        answers_lua()
+    streaming = dataclasses.replace(openai, lua_streams=True)  # openai's answers.lua has no stream translator
+    monkeypatch.setattr("llmgw.render.filters.SHAPES", (streaming, *SHAPES[1:]))
+    with pytest.raises(LuaError, match="no stream translator for openai"):
         lua_runtime(answers_lua())
+    assert anthropic.door is not None
+    renamed = dataclasses.replace(anthropic, door=dataclasses.replace(anthropic.door, name="cohere"))
+    monkeypatch.setattr("llmgw.render.filters.SHAPES", (openai, renamed, *SHAPES[2:]))
+    with pytest.raises(LuaError, match="no translators for the door cohere"):
+        lua_runtime(doors_lua())

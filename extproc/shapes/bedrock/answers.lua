@@ -1,0 +1,126 @@
+-- Bedrock's Converse answers and ConverseStream streams, into the internal shape (the renderer puts this into extproc/lua/answers.lua, after its shared helpers).
+
+-- Bedrock's usage (extproc/shapes/bedrock/adapter.py `_usage`): prompt tokens (cache reads and writes
+-- included), cache reads, output; nil when its two counts are not there or a count is not one.
+local function bedrock_usage(usage)
+  if not is_object(usage) or type(usage.inputTokens) ~= "number" or type(usage.outputTokens) ~= "number" then
+    return nil
+  end
+  local input, read, written, output = count(usage.inputTokens), count(usage.cacheReadInputTokens),
+    count(usage.cacheWriteInputTokens), count(usage.outputTokens)
+  if input == nil or read == nil or written == nil or output == nil then return nil end
+  return input + read + written, read, output
+end
+
+-- Bedrock's Converse answer (extproc/shapes/bedrock/adapter.py `completion`), named after the request's id.
+local BEDROCK_STOP = CONFIG.bedrock_stop
+local function bedrock(body, model, request_id)
+  local doc = decode_all(body)
+  if not is_object(doc) or doc.output == nil then return nil end
+  local message = is_object(doc.output) and doc.output.message
+  local content = is_object(message) and message.content
+  if not is_array(content) then return nil end
+  local text, reasoning, calls = {}, {}, {}
+  for _, block in ipairs(content) do
+    if not is_object(block) then return nil end
+    if block.text ~= nil then
+      if type(block.text) ~= "string" then return nil end
+      text[#text + 1] = block.text
+    elseif block.toolUse ~= nil then
+      local use = block.toolUse
+      if not is_object(use) or type(use.toolUseId) ~= "string" or type(use.name) ~= "string" then return nil end
+      local call = call_json(use.toolUseId, use.name, use.input, body)
+      if call == nil then return nil end
+      calls[#calls + 1] = call
+    elseif block.reasoningContent ~= nil then
+      local said = is_object(block.reasoningContent) and object_of(block.reasoningContent.reasoningText)
+      local t = said and text_of(said.text, "")
+      if not t then return nil end
+      reasoning[#reasoning + 1] = t
+    end
+  end
+  local prompt, read, output = bedrock_usage(doc.usage)
+  if prompt == nil then return nil end
+  local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
+  return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0))
+end
+
+ANSWERS.bedrock = bedrock
+
+-- Bedrock's ConverseStream, one event at a time (extproc/shapes/bedrock/adapter.py `BedrockStream`): a tool
+-- call's input arrives as pieces of JSON and leaves as argument deltas of its call index; the usage
+-- and [DONE] come with the metadata event, after messageStop, and nothing may follow it. Its chunks
+-- are named after the request's id.
+local function bedrock_event(st, kind, doc, out)
+  if st.ended then return false end
+  st.id = st.request_id
+  if kind == "messageStart" then
+    out[#out + 1] = chunk(st, '{"role":"assistant","content":""}')
+  elseif kind == "contentBlockStart" then
+    local use = is_object(doc.start) and doc.start.toolUse
+    if not is_object(use) or type(use.toolUseId) ~= "string" or type(use.name) ~= "string"
+        or type(doc.contentBlockIndex) ~= "number" then
+      return false
+    end
+    local n = st.ncalls
+    st.calls[doc.contentBlockIndex], st.ncalls = n, n + 1
+    out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"id":"', use.toolUseId,
+                                     '","type":"function","function":{"name":"', use.name, '","arguments":""}}]}'}))
+  elseif kind == "contentBlockDelta" then
+    local delta = doc.delta
+    if not is_object(delta) then return false end
+    if delta.text ~= nil then
+      if type(delta.text) ~= "string" then return false end
+      out[#out + 1] = chunk(st, '{"content":"' .. delta.text .. '"}')
+    elseif delta.toolUse ~= nil then
+      local n = type(doc.contentBlockIndex) == "number" and st.calls[doc.contentBlockIndex]
+      local use = delta.toolUse
+      if not n or not is_object(use) or type(use.input) ~= "string" then return false end
+      out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"function":{"arguments":"',
+                                       use.input, '"}}]}'}))
+    elseif delta.reasoningContent ~= nil then
+      local said = is_object(delta.reasoningContent) and delta.reasoningContent
+      local t = said and text_of(said.text, "")
+      if not t then return false end
+      out[#out + 1] = chunk(st, '{"reasoning":"' .. t .. '"}')
+    end
+  elseif kind == "messageStop" then
+    st.stopped = true
+    out[#out + 1] = chunk(st, "{}", type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop")
+  elseif kind == "metadata" then
+    if not st.stopped then return false end
+    local prompt, read, output = bedrock_usage(doc.usage)
+    if prompt == nil then return false end
+    st.ended = true
+    out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(prompt, read, output, 0), "}\n\n",
+                            "data: [DONE]\n\n"})
+  end
+  return true  -- contentBlockStop, and what the API adds later: nothing to carry
+end
+
+-- The end of a Bedrock stream: the metadata event said it all, and no message was left half-sent.
+local function bedrock_end(st, out, held)
+  return st.ended and held == 0
+end
+
+-- AWS event-stream messages (Bedrock's), read at an offset and what was read dropped once per chunk:
+-- an exception message (throttling, ...) breaks the stream.
+local function bedrock_reader()
+  local pending = ""
+  return function(st, bytes, out)
+    pending = pending .. bytes
+    local at = 1
+    while true do
+      local headers, payload, length = eventstream_message(pending, CONFIG.max_event_bytes, at)
+      if headers == nil then break end
+      if not headers or headers[":message-type"] ~= "event" then return false end
+      local doc = decode_all(payload ~= "" and payload or "{}")
+      if not is_object(doc) or not bedrock_event(st, headers[":event-type"] or "", doc, out) then return false end
+      at = at + length
+    end
+    if at > 1 then pending = sub(pending, at) end
+    return true, #pending
+  end
+end
+
+STREAMS.bedrock = {reader = bedrock_reader, finish = bedrock_end}
