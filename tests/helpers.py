@@ -196,7 +196,7 @@ def feed_hostile(stream: Any, pieces: list[bytes]) -> None:
     """Feed a provider stream translator (extproc/shapes/) arbitrary pieces and finish it: a broken
     stream must end with UpstreamBroken, the contract's way to end it; any other exception escapes and
     fails the caller."""
-    from extproc.shapes.base import UpstreamBroken
+    from tests.oracles.base import UpstreamBroken
 
     try:
         for piece in pieces:

@@ -14,14 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit
-
-
-class DoorStream(Protocol):
-    def feed(self, chunk: bytes) -> bytes: ...
-
-    def finish(self) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -29,9 +23,7 @@ class Door:
     name: str
     path: str  # a regular expression the whole path (without its query) matches; Envoy's routes use it too
     request: Callable[[bytes, str], dict[str, Any]]  # the raw body and path -> the internal request (GatewayError)
-    answer: Callable[[dict[str, Any]], dict[str, Any]]  # an internal answer -> the caller's
-    error: Callable[[int, bytes], bytes]  # a contract error body -> the caller's
-    stream: Callable[[], DoorStream]  # internal SSE -> the caller's events
+    error: Callable[[int, bytes], bytes]  # a contract error body -> the caller's (Envoy's own, rendered in)
     credential_headers: tuple[str, ...] = ()  # where its SDK puts the key, besides Authorization: Bearer
     credential_query: str = ""  # a query parameter that may carry the key (Gemini's `key`)
 

@@ -15,12 +15,16 @@ from hypothesis import strategies as st
 
 from enginesim import eventstream
 from extproc.names import Header, Key
-from extproc.shapes.anthropic.adapter import ANTHROPIC, STOP_REASONS
-from extproc.shapes.base import Adapter, UpstreamBroken
+from extproc.shapes.anthropic.adapter import STOP_REASONS
 from extproc.shapes.bedrock import adapter as bedrock
 from extproc.shapes.gemini import adapter as gemini
 from llmgw.render.filters import answers_lua
 from tests.lua_harness import lua_runtime, lua_table
+from tests.oracles.anthropic import ANTHROPIC
+from tests.oracles.base import Oracle as Adapter
+from tests.oracles.base import UpstreamBroken
+from tests.oracles.bedrock import BEDROCK
+from tests.oracles.gemini import GEMINI
 
 MODEL = "claude-sim-1"
 REQUEST_ID = "5f0c2a9e-request"
@@ -109,8 +113,8 @@ bedrock_answers = st.fixed_dictionaries({
     "usage": st.fixed_dictionaries({"inputTokens": st.integers(0, 10**9), "outputTokens": st.integers(0, 10**9)},
                                    optional={"cacheReadInputTokens": counts, "cacheWriteInputTokens": counts})},
     optional={"stopReason": st.sampled_from([*bedrock.STOP_REASONS, "something_new"])})
-SHAPES = {"anthropic": (messages, ANTHROPIC), "gemini": (gemini_answers, gemini.GEMINI),
-          "bedrock": (bedrock_answers, bedrock.BEDROCK)}
+SHAPES = {"anthropic": (messages, ANTHROPIC), "gemini": (gemini_answers, GEMINI),
+          "bedrock": (bedrock_answers, BEDROCK)}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -404,7 +408,7 @@ def test_the_lua_gemini_stream_translation_is_the_python_adapters(lua: Any, resp
     assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
     ids = bool(responses[0].get("responseId"))
     got = gemini_comparable(events_of(out), ids)
-    assert got == gemini_comparable(events_of(python_stream(chunks, gemini.GEMINI)), ids)
+    assert got == gemini_comparable(events_of(python_stream(chunks, GEMINI)), ids)
     if ending == "whole":
         assert got[-1] == "[DONE]" and "usage" in got[-2]
     else:
@@ -493,7 +497,7 @@ def test_the_lua_bedrock_stream_translation_is_the_python_adapters(lua: Any, eve
     assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
     got = events_of(out)
     assert all(e["id"] == f"chatcmpl-{REQUEST_ID}" for e in got if isinstance(e, dict) and "id" in e)
-    assert without_ids(got) == without_ids(events_of(python_stream(chunks, bedrock.BEDROCK)))
+    assert without_ids(got) == without_ids(events_of(python_stream(chunks, BEDROCK)))
     if ending == "whole":
         assert got[-1] == "[DONE]" and "usage" in got[-2]
     else:

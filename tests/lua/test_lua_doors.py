@@ -14,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.names import Key
-from extproc.shapes.base import UpstreamBroken
 from extproc.shapes.door import Door
 from extproc.shapes.registry import DOORS_BY_NAME
 from llmgw.render.filters import doors_lua
 from tests.lua_harness import lua_runtime, lua_table
+from tests.oracles import door_oracle
+from tests.oracles.base import UpstreamBroken
 
 DOORS = ("anthropic", "gemini")
 
@@ -42,7 +43,7 @@ def python_answer(door: Door, status: int, body: bytes) -> tuple[int, bytes]:
     if not 200 <= status < 300:
         return status, door.error(status, body)
     try:
-        return status, json.dumps(door.answer(json.loads(body))).encode()
+        return status, json.dumps(door_oracle(door).answer(json.loads(body))).encode()
     except (ValueError, AttributeError, TypeError, KeyError, IndexError, UpstreamBroken):
         return 502, door.error(502, json.dumps({"error": {"message": "the upstream's answer could not be read",
                                                            "code": "upstream_error"}}).encode())
@@ -187,7 +188,7 @@ def lua_stream(lua: Any, door: str, chunks: list[bytes]) -> bytes:
 
 
 def python_stream(door: str, chunks: list[bytes]) -> bytes:
-    stream = DOORS_BY_NAME[door].stream()
+    stream = door_oracle(DOORS_BY_NAME[door]).stream()
     return b"".join(stream.feed(c) for c in chunks) + stream.finish()
 
 

@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 
 from extproc.chat import CONTRACT_FIELDS, validate
 from extproc.contract import ErrorCode
-from extproc.shapes.anthropic.adapter import ANTHROPIC, LOSS_TABLE, internal_body, native_body
-from extproc.shapes.base import Target, UpstreamBroken
+from extproc.shapes.anthropic.adapter import LOSS_TABLE, internal_body, native_body
+from extproc.shapes.base import Target
 from extproc.shapes.loss import Support, losses
 from extproc.shapes.openai.adapter import OPENAI, VLLM_ONLY
 from extproc.shapes.registry import adapter_for
 from tests.helpers import feed_hostile
+from tests.oracles.anthropic import ANTHROPIC
+from tests.oracles.base import UpstreamBroken
 
 
 def events(*docs: dict[str, Any]) -> bytes:
@@ -252,7 +254,7 @@ def test_provider_errors_map_to_the_contract(status: int, body: bytes, code: Err
 
 
 def test_adapters_are_named_with_their_version_and_azure_has_its_path() -> None:
-    assert adapter_for("anthropic@1") is ANTHROPIC and adapter_for("openai-compat@1") is OPENAI
+    assert adapter_for("anthropic@1") is ANTHROPIC.adapter and adapter_for("openai-compat@1") is OPENAI
     with pytest.raises(KeyError):
         adapter_for("anthropic@2")
     with pytest.raises(KeyError):

@@ -13,10 +13,11 @@ import pytest
 
 from extproc.chat import validate
 from extproc.contract import ErrorCode
-from extproc.shapes.anthropic.adapter import ANTHROPIC
-from extproc.shapes.base import Target, UpstreamBroken
+from extproc.shapes.base import Target
 from tests.conftest import module_provider
 from tests.helpers import request
+from tests.oracles.anthropic import ANTHROPIC
+from tests.oracles.base import UpstreamBroken
 
 MODEL = "claude-sim-1"
 KEY = "sk-ant-test-0123456789"

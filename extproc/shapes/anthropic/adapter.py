@@ -18,28 +18,16 @@ stream, or a stream that ends before `message_stop`, is broken.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from extproc.contract import ErrorCode
 from extproc.shapes.base import (
-    Failure,
     NativeRequest,
-    NativeStream,
-    ShapeAdapter,
     Target,
-    UpstreamBroken,
-    Usage,
-    read_answer,
-    sse,
-    token_count,
-    tool_arguments,
 )
 from extproc.shapes.loss import Conditional, LossTable, Support, losses
-from extproc.shapes.openai.adapter import failure_for_status
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -264,130 +252,10 @@ def _collapse(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     return parts
 
 
-# -- answers ----------------------------------------------------------------------------------------
-
-def _usage(native: Mapping[str, Any]) -> Usage:
-    read = token_count(native.get("cache_read_input_tokens"))
-    written = token_count(native.get("cache_creation_input_tokens"))
-    return Usage(token_count(native.get("input_tokens")) + read + written, read,
-                 token_count(native.get("output_tokens")))
-
-
-def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
-    text, reasoning, calls = [], [], []
-    for block in msg.get("content") or ():
-        kind = block.get("type")
-        if kind == "text":
-            text.append(block.get("text", ""))
-        elif kind == "thinking":
-            reasoning.append(block.get("thinking", ""))
-        elif kind == "tool_use":
-            calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block["name"], "arguments": tool_arguments(block.get("input"))}})
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
-    if reasoning:
-        message["reasoning"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return {"id": f"chatcmpl-{msg.get('id', '')}", "object": "chat.completion", "created": int(time.time()),
-            "model": msg.get("model", ""),
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": STOP_REASONS.get(str(msg.get("stop_reason")), "stop")}],
-            "usage": _usage(msg.get("usage") or {}).openai()}
-
-
-class AnthropicStream(NativeStream):
-    """Messages SSE -> internal chunks, one event at a time. Tool-call arguments arrive as pieces of
-    JSON (`input_json_delta`) and leave as argument deltas of the same call index."""
-
-    def __init__(self, include_usage: bool = True):
-        super().__init__(include_usage)
-        self.input = Usage()
-        self.output = 0
-        self.calls: dict[int, int] = {}  # content block index -> tool call index
-        self.finish_reason: str | None = None
-        self.stopped = False
-
-    def _event(self, ev: dict[str, Any]) -> list[bytes]:
-        if self.stopped:
-            raise UpstreamBroken("an event after message_stop")
-        kind = ev.get("type")
-        try:
-            return self._handle(kind, ev)
-        except (KeyError, TypeError, AttributeError, ValueError):
-            raise UpstreamBroken(f"a malformed {kind} event") from None
-
-    def _handle(self, kind: Any, ev: dict[str, Any]) -> list[bytes]:
-        if kind == "message_start":
-            msg = ev["message"]
-            self.id, self.model = str(msg["id"]), str(msg.get("model", ""))
-            self.input = _usage(msg.get("usage") or {})
-            return [self._chunk({"role": "assistant", "content": ""})]
-        if kind == "content_block_start":
-            block = ev["content_block"]
-            if block["type"] == "tool_use":
-                n = self.calls[int(ev["index"])] = len(self.calls)
-                return [self._chunk({"tool_calls": [{"index": n, "id": block["id"], "type": "function",
-                                                     "function": {"name": block["name"], "arguments": ""}}]})]
-            return []
-        if kind == "content_block_delta":
-            delta = ev["delta"]
-            if delta["type"] == "text_delta":
-                return [self._chunk({"content": delta["text"]})]
-            if delta["type"] == "thinking_delta":
-                return [self._chunk({"reasoning": delta["thinking"]})]
-            if delta["type"] == "input_json_delta":
-                n = self.calls[int(ev["index"])]
-                return [self._chunk({"tool_calls": [{"index": n, "function": {"arguments": delta["partial_json"]}}]})]
-            return []  # signature_delta and what the API adds later: nothing to carry
-        if kind == "message_delta":
-            self.finish_reason = STOP_REASONS.get(str(ev["delta"].get("stop_reason")), "stop")
-            self.output = token_count((ev.get("usage") or {}).get("output_tokens")) or self.output
-            return [self._chunk({}, self.finish_reason)]
-        if kind == "message_stop":
-            self.stopped = True
-            usage = Usage(self.input.input, self.input.cached_input, self.output)
-            return [*([self._usage_chunk(usage)] if self.include_usage else []), sse("[DONE]")]
-        if kind == "error":
-            err = ev.get("error") or {}
-            raise UpstreamBroken(f"the provider ended the stream: {err.get('type', 'error')}")
-        return []  # ping, content_block_stop
-
-    def finish(self) -> list[bytes]:
-        if not self.stopped:
-            raise UpstreamBroken("the stream ended before message_stop")
-        return []
-
-
-# -- errors -----------------------------------------------------------------------------------------
-
-ERROR_TYPES = {"rate_limit_error": (ErrorCode.UPSTREAM_ERROR, 502, "rate_limited"),  # see failure_for_status
-               "overloaded_error": (ErrorCode.UPSTREAM_ERROR, 502, "overloaded"),
-               "api_error": (ErrorCode.UPSTREAM_ERROR, 502, "unavailable")}
-
-
-def failure(status: int, body: bytes) -> Failure:
-    try:
-        err = json.loads(body).get("error") or {}
-    except (ValueError, AttributeError):
-        err = {}
-    kind = str(err.get("type", "")) if isinstance(err, dict) else ""
-    message = str(err.get("message", ""))[:500] if isinstance(err, dict) else ""
-    if kind in ERROR_TYPES:
-        code, st, retry = ERROR_TYPES[kind]
-        return Failure(code, st, message or kind, retry)
-    if kind == "invalid_request_error" and "prompt is too long" in message:
-        return Failure(ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, message)
-    return failure_for_status(status, message)
-
-
-class AnthropicAdapter(ShapeAdapter):
+class AnthropicAdapter:
     name = "anthropic"
     version = 1
     loss_table = LOSS_TABLE
-    stream_type = AnthropicStream
-    failure = staticmethod(failure)
-    usage = staticmethod(_usage)
 
     def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
         """The path and headers of every request to this target."""
@@ -400,10 +268,6 @@ class AnthropicAdapter(ShapeAdapter):
         path, headers = self.endpoint(target)
         return NativeRequest(path, headers, orjson.dumps(native_body(body, target.model)),
                              tuple(losses(body, LOSS_TABLE)))
-
-    def response(self, status: int, body: bytes) -> dict[str, Any]:
-        return read_answer(body, lambda doc: doc.get("type") == "message", "a message", completion)
-
 
 
 ANTHROPIC = AnthropicAdapter()

@@ -32,32 +32,18 @@ before its metadata is broken.
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
 import orjson
 
-from extproc.contract import ErrorCode
-from extproc.names import MAX_EVENT_BYTES
 from extproc.shapes.base import (
-    Failure,
     NativeRequest,
-    NativeStream,
-    ShapeAdapter,
     Target,
-    UpstreamBroken,
-    Usage,
-    read_answer,
     settings_back,
-    sse,
-    token_count,
-    tool_arguments,
 )
 from extproc.shapes.loss import Conditional, LossTable, Support, losses
-from extproc.shapes.openai.adapter import failure_for_status
 
 SERVICE = "bedrock"
 S = Support
@@ -276,148 +262,10 @@ def sign(path: str, headers: Mapping[str, str], body: bytes, target: Target) -> 
     return {k.lower(): v for k, v in request.headers.items() if k.lower() not in headers}
 
 
-# -- answers ----------------------------------------------------------------------------------------
-
-def _usage(native: Mapping[str, Any]) -> Usage:
-    read = token_count(native.get("cacheReadInputTokens"))
-    written = token_count(native.get("cacheWriteInputTokens"))
-    return Usage(token_count(native["inputTokens"]) + read + written, read, token_count(native["outputTokens"]))
-
-
-def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
-    text: list[str] = []
-    reasoning: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for block in doc["output"]["message"]["content"]:
-        if "text" in block:
-            text.append(str(block["text"]))
-        elif "toolUse" in block:
-            use = block["toolUse"]
-            calls.append({"id": str(use["toolUseId"]), "type": "function",
-                          "function": {"name": str(use["name"]), "arguments": tool_arguments(use.get("input"))}})
-        elif "reasoningContent" in block:
-            reasoning.append(str((block["reasoningContent"].get("reasoningText") or {}).get("text", "")))
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
-    if reasoning:
-        message["reasoning"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
-            "model": "", "choices": [{"index": 0, "message": message, "logprobs": None,
-                                      "finish_reason": STOP_REASONS.get(str(doc.get("stopReason")), "stop")}],
-            "usage": _usage(doc["usage"]).openai()}
-
-
-class BedrockStream(NativeStream):
-    """ConverseStream's event-stream messages -> internal chunks. A tool call's input arrives as pieces
-    of JSON and leaves as argument deltas of the same call index."""
-
-    def __init__(self, include_usage: bool = True):
-        from botocore.eventstream import EventStreamBuffer  # see sign()
-
-        super().__init__(include_usage)
-        self.id = uuid.uuid4().hex[:24]
-        self.frames = EventStreamBuffer()
-        self.pending = 0  # bytes fed that no whole message has used yet
-        self.calls: dict[int, int] = {}  # content block index -> tool call index
-        self.stopped = False  # messageStop came
-        self.ended = False  # metadata came: nothing may follow
-
-    def _documents(self, chunk: bytes) -> Iterator[dict[str, Any]]:
-        from botocore.eventstream import ParserError  # see sign()
-
-        self.pending += len(chunk)
-        if self.pending > MAX_EVENT_BYTES:
-            raise UpstreamBroken(f"an event-stream message is larger than {MAX_EVENT_BYTES} bytes")
-        self.frames.add_data(chunk)
-        try:
-            for message in self.frames:
-                self.pending -= message.prelude.total_length
-                headers = message.headers
-                if headers.get(":message-type") != "event":
-                    raise UpstreamBroken(f"the provider ended the stream: "
-                                         f"{headers.get(':exception-type') or headers.get(':error-code') or 'error'}")
-                try:
-                    payload = json.loads(message.payload or b"{}")
-                except ValueError:
-                    raise UpstreamBroken("an event's payload is not JSON") from None
-                if not isinstance(payload, dict):
-                    raise UpstreamBroken("an event's payload is not a JSON object")
-                yield {str(headers.get(":event-type", "")): payload}
-        except ParserError as e:
-            raise UpstreamBroken(f"the event-stream framing is broken ({type(e).__name__})") from None
-
-    def _event(self, doc: dict[str, Any]) -> list[bytes]:
-        if self.ended:
-            raise UpstreamBroken("an event after the metadata event")
-        (kind, ev), = doc.items()
-        try:
-            return self._handle(kind, ev)
-        except (KeyError, TypeError, AttributeError, ValueError):
-            raise UpstreamBroken(f"a malformed {kind} event") from None
-
-    def _handle(self, kind: str, ev: dict[str, Any]) -> list[bytes]:
-        if kind == "messageStart":
-            return [self._chunk({"role": "assistant", "content": ""})]
-        if kind == "contentBlockStart":
-            use = ev["start"]["toolUse"]
-            n = self.calls[int(ev["contentBlockIndex"])] = len(self.calls)
-            return [self._chunk({"tool_calls": [{"index": n, "id": str(use["toolUseId"]), "type": "function",
-                                                 "function": {"name": str(use["name"]), "arguments": ""}}]})]
-        if kind == "contentBlockDelta":
-            delta = ev["delta"]
-            if "text" in delta:
-                return [self._chunk({"content": str(delta["text"])})]
-            if "toolUse" in delta:
-                n = self.calls[int(ev["contentBlockIndex"])]
-                return [self._chunk({"tool_calls": [{"index": n, "function": {
-                    "arguments": str(delta["toolUse"]["input"])}}]})]
-            if "reasoningContent" in delta:
-                return [self._chunk({"reasoning": str(delta["reasoningContent"].get("text", ""))})]
-            return []  # citations and what the API adds later: nothing to carry
-        if kind == "messageStop":
-            self.stopped = True
-            return [self._chunk({}, STOP_REASONS.get(str(ev.get("stopReason")), "stop"))]
-        if kind == "metadata":
-            if not self.stopped:
-                raise UpstreamBroken("the metadata event came before messageStop")
-            self.ended = True
-            usage = _usage(ev["usage"])
-            return [*([self._usage_chunk(usage)] if self.include_usage else []), sse("[DONE]")]
-        return []  # contentBlockStop
-
-    def finish(self) -> list[bytes]:
-        if not self.ended:
-            raise UpstreamBroken("the stream ended before its metadata event")
-        if self.pending:
-            raise UpstreamBroken("the stream ended inside an event-stream message")
-        return []
-
-
-# -- errors -----------------------------------------------------------------------------------------
-
-def failure(status: int, body: bytes) -> Failure:
-    """Converse's errors are `{"message": ...}` with the type in a header (`x-amzn-ErrorType`); the
-    status says what it is."""
-    try:
-        doc = json.loads(body)
-        message = str(doc.get("message") or doc.get("Message") or "")[:500] if isinstance(doc, dict) else ""
-    except ValueError:
-        message = ""
-    if status == 400 and "too long" in message.lower():
-        return Failure(ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, message)
-    if status == 500:  # InternalServerException: retry
-        return Failure(ErrorCode.UPSTREAM_ERROR, 502, message or "InternalServerException", "unavailable")
-    return failure_for_status(status, message)
-
-
-class BedrockAdapter(ShapeAdapter):
+class BedrockAdapter:
     name = "bedrock"
     version = 1
     loss_table = LOSS_TABLE
-    stream_type = BedrockStream
-    failure = staticmethod(failure)
-    usage = staticmethod(_usage)
 
     def endpoint(self, target: Target) -> tuple[str, dict[str, str]]:
         model = quote(target.model, safe="")
@@ -430,10 +278,6 @@ class BedrockAdapter(ShapeAdapter):
         signed = {"content-type": headers["content-type"]}
         return NativeRequest(path, headers, native, tuple(losses(body, LOSS_TABLE)),
                              sign(path, signed, native, target) if target.credential else {})
-
-    def response(self, status: int, body: bytes) -> dict[str, Any]:
-        return read_answer(body, lambda doc: "output" in doc, "a Converse response", completion)
-
 
 
 BEDROCK = BedrockAdapter()

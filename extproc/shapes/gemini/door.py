@@ -27,9 +27,7 @@ from pydantic.alias_generators import to_camel
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.door import Door
-from extproc.shapes.door_stream import InternalStream
 from extproc.shapes.gemini.adapter import internal_body
-from extproc.shapes.openai.adapter import OPENAI
 
 NAME = "gemini"
 PATH = re.compile(r"/v1beta/models/([^/:]+):(generateContent|streamGenerateContent)")
@@ -164,44 +162,9 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
     return body
 
 
-# -- answers ----------------------------------------------------------------------------------------
+# -- answers and errors: the tables the Lua door filter renders in (its Python twin: tests/oracles/) ----
 
 FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP", "content_filter": "SAFETY"}
-
-
-def _usage(usage: Any) -> dict[str, int]:
-    u = OPENAI.usage(usage if isinstance(usage, dict) else {})  # the internal usage, normalised
-    out = {"promptTokenCount": u.input, "candidatesTokenCount": u.output, "totalTokenCount": u.input + u.output}
-    if u.cached_input:
-        out["cachedContentTokenCount"] = u.cached_input
-    return out
-
-
-def _args(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _response_id(internal_id: Any) -> str:
-    return str(internal_id or "").removeprefix("chatcmpl-")
-
-
-def answer(doc: dict[str, Any]) -> dict[str, Any]:
-    candidates = []
-    for choice in doc.get("choices") or ():
-        msg = choice.get("message") or {}
-        parts: list[dict[str, Any]] = [{"text": msg["content"]}] if msg.get("content") else []
-        parts += [{"functionCall": {"name": (c.get("function") or {}).get("name", ""),
-                                    "args": _args((c.get("function") or {}).get("arguments", ""))}}
-                  for c in msg.get("tool_calls") or ()]
-        candidates.append({"content": {"role": "model", "parts": parts or [{"text": ""}]},
-                           "finishReason": FINISH.get(choice.get("finish_reason") or "", "OTHER"),
-                           "index": choice.get("index", 0)})
-    return {"candidates": candidates, "usageMetadata": _usage(doc.get("usage")),
-            "modelVersion": doc.get("model", ""), "responseId": _response_id(doc.get("id"))}
 
 
 STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
@@ -230,59 +193,5 @@ def error(status: int, body: bytes) -> bytes:
     return error_body(status, str(err.get("message", "")), str(err.get("code", "")))
 
 
-# -- streams ----------------------------------------------------------------------------------------
 
-class GenerateContentStream(InternalStream):
-    """Internal SSE chunks in; Gemini's stream of responses out (`data: {...}` CRLF CRLF)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.id = ""
-        self.model = ""
-        self.calls: dict[int, dict[str, str]] = {}
-        self.finish_reason: str | None = None
-        self.usage: dict[str, int] | None = None
-
-    def _frame(self, doc: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(doc).encode() + b"\r\n\r\n"
-
-    def _response(self, parts: list[dict[str, Any]], finish: str | None = None) -> dict[str, Any]:
-        cand: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
-        if finish:
-            cand["finishReason"] = finish
-        return {"candidates": [cand], "modelVersion": self.model, "responseId": self.id}
-
-    def _error_event(self, message: str) -> bytes:
-        return self._frame(json.loads(error_body(500, message, ErrorCode.STREAM_INTERRUPTED.value)))
-
-    def _done(self) -> list[bytes]:
-        parts = [{"functionCall": {"name": c["name"], "args": _args(c["arguments"])}}
-                 for _, c in sorted(self.calls.items())]
-        doc = self._response(parts or [{"text": ""}], self.finish_reason or "STOP")
-        if self.usage is not None:
-            doc["usageMetadata"] = self.usage
-        return [self._frame(doc)]
-
-    def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
-        self.id = self.id or _response_id(obj.get("id"))
-        self.model = self.model or str(obj.get("model", ""))
-        if isinstance(obj.get("usage"), dict):
-            self.usage = _usage(obj["usage"])
-        out: list[bytes] = []
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out.append(self._frame(self._response([{"text": delta["content"]}])))
-            for call in delta.get("tool_calls") or ():  # whole calls leave with the last response
-                c = self.calls.setdefault(int(call.get("index", 0)), {"name": "", "arguments": ""})
-                fn = call.get("function") or {}
-                c["name"] += fn.get("name") or ""
-                c["arguments"] += fn.get("arguments") or ""
-            if choice.get("finish_reason"):
-                self.finish_reason = FINISH.get(choice["finish_reason"], "OTHER")
-        return out
-
-
-DOOR = Door(NAME, PATH_REGEX, request, answer, error, GenerateContentStream, ("x-goog-api-key",), "key")
+DOOR = Door(NAME, PATH_REGEX, request, error, ("x-goog-api-key",), "key")

@@ -9,7 +9,6 @@ path segment) and `api_version`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
@@ -17,8 +16,7 @@ from urllib.parse import quote
 import orjson
 
 from extproc.chat import CONTRACT_FIELDS
-from extproc.contract import ErrorCode
-from extproc.shapes.base import Failure, NativeRequest, Target, UpstreamBroken, Usage, token_count
+from extproc.shapes.base import NativeRequest, Target
 from extproc.shapes.loss import LossTable, Support, losses
 
 S = Support
@@ -61,56 +59,6 @@ class OpenAIAdapter:
         path, headers = self.endpoint(target)
         return NativeRequest(path, headers, orjson.dumps(native), tuple(lost))
 
-    def response(self, status: int, body: bytes) -> dict[str, Any]:
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            raise UpstreamBroken("the upstream's answer is not JSON") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list):
-            raise UpstreamBroken("the upstream's answer is not a chat completion")
-        return doc
-
-    def stream(self, include_usage: bool = True) -> PassThrough:
-        return PassThrough()
-
-    def failure(self, status: int, body: bytes) -> Failure:
-        message = ""
-        try:
-            err = json.loads(body).get("error") or {}
-            message = str(err.get("message", ""))[:500] if isinstance(err, dict) else ""
-        except (ValueError, AttributeError):
-            pass
-        return failure_for_status(status, message)
-
-    def usage(self, native: Mapping[str, Any]) -> Usage:
-        details = native.get("prompt_tokens_details") or {}
-        out_details = native.get("completion_tokens_details") or {}
-        return Usage(token_count(native.get("prompt_tokens")), token_count(details.get("cached_tokens")),
-                     token_count(native.get("completion_tokens")), token_count(out_details.get("reasoning_tokens")))
-
-
-def failure_for_status(status: int, message: str) -> Failure:
-    """What an HTTP status means to the contract, whatever the shape (the body refines it)."""
-    why = message or f"the upstream answered {status}"
-    if status == 429:
-        # The provider's limit, not the gateway's: 429 `rate_limited` is the gateway's own quota
-        # refusal (the contract's table); a provider's refusal of every attempt is `upstream_error`.
-        return Failure(ErrorCode.UPSTREAM_ERROR, 502, why, "rate_limited")
-    if status == 529:
-        return Failure(ErrorCode.UPSTREAM_ERROR, 502, why, "overloaded")
-    if status in (502, 503, 504):
-        return Failure(ErrorCode.UPSTREAM_ERROR, 502, why, "unavailable")
-    return Failure(ErrorCode.UPSTREAM_ERROR, 502, why)
-
-
-class PassThrough:
-    """The pool's streams are already the internal shape (Envoy's Lua guard checks them)."""
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        return [chunk] if chunk else []
-
-    def finish(self) -> list[bytes]:
-        return []
 
 
 OPENAI = OpenAIAdapter()

@@ -30,8 +30,8 @@ from multidict import CIMultiDict
 from enginesim import eventstream
 from enginesim.sigv4 import SignatureError, verify
 from extproc.contract import ErrorCode
-from extproc.shapes.base import Target, UpstreamBroken
-from extproc.shapes.bedrock.adapter import BEDROCK, LOSS_TABLE, internal_body, native_body
+from extproc.shapes.base import Target
+from extproc.shapes.bedrock.adapter import LOSS_TABLE, internal_body, native_body
 from extproc.shapes.loss import Support
 from extproc.shapes.registry import adapter_for, check_options
 from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route, add_route_of
@@ -41,6 +41,8 @@ from llmgw.local.tls import demo_certs, server_cert
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_provider, start_stack
 from tests.e2e.doors.test_translated_route_e2e import attempts_through_the_filter
 from tests.helpers import feed_hostile, request
+from tests.oracles.base import UpstreamBroken
+from tests.oracles.bedrock import BEDROCK
 from tests.unit.test_adapters import chunks_of, contract_requests
 
 MODEL = "anthropic.claude-sim-v1:0"  # Bedrock's model ids hold a colon: the path encodes it, the signature twice
@@ -244,7 +246,7 @@ def test_provider_errors_map_to_the_contract(status: int, body: bytes, code: Err
 
 
 def test_the_path_names_the_model_and_the_operation() -> None:
-    assert adapter_for("bedrock@1") is BEDROCK
+    assert adapter_for("bedrock@1") is BEDROCK.adapter
     path, headers = BEDROCK.endpoint(target())
     assert path == "/model/anthropic.claude-sim-v1%3A0/converse"
     assert headers[":authority"] == "bedrock-runtime.eu-central-1.amazonaws.com"

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.contract import ErrorCode
-from extproc.shapes.base import Target, UpstreamBroken
-from extproc.shapes.gemini.adapter import GEMINI, LOSS_TABLE, internal_body, native_body
+from extproc.shapes.base import Target
+from extproc.shapes.gemini.adapter import LOSS_TABLE, internal_body, native_body
 from extproc.shapes.loss import Support
 from extproc.shapes.registry import adapter_for
 from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route
@@ -26,6 +26,8 @@ from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, module_provider, start_stack
 from tests.e2e.doors.test_translated_route_e2e import attempts_through_the_filter
 from tests.helpers import feed_hostile, request
+from tests.oracles.base import UpstreamBroken
+from tests.oracles.gemini import GEMINI
 from tests.unit.test_adapters import chunks_of, contract_requests
 
 MODEL = "gemini-sim-1"
@@ -180,7 +182,7 @@ def test_provider_errors_map_to_the_contract(status: int, body: bytes, code: Err
 
 
 def test_the_path_says_whether_it_streams_and_the_key_is_googles() -> None:
-    assert adapter_for("gemini@1") is GEMINI
+    assert adapter_for("gemini@1") is GEMINI.adapter
     assert GEMINI.endpoint(Target("gemini-2.5 pro", "k")) == (
         "/v1beta/models/gemini-2.5%20pro:generateContent", {"content-type": "application/json", "x-goog-api-key": "k"})
     assert GEMINI.endpoint(Target("g", stream=True))[0] == "/v1beta/models/g:streamGenerateContent?alt=sse"

@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from extproc.names import MAX_EVENT_BYTES
-from extproc.shapes.base import UpstreamBroken
 from extproc.sse import EventSplitter, event_data
+from tests.oracles.base import UpstreamBroken
 
 
 class InternalStream:
