@@ -35,7 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
-from extproc import heap, occupancy, tracing
+from extproc import occupancy, tracing
 from extproc.attempts import AttemptFilter
 from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot, load_snapshot
@@ -420,7 +420,6 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
              else server.add_insecure_port(listen))
     if bound == 0:
         raise OSError(f"cannot listen on {listen}")
-    heap.settle()  # what this worker built to serve, out of the collector's reach before it serves
     await server.start()
     runner = (await status_app(reloader, status_listen, processor, settlement_log, picker, admin_token)
               if status_listen else None)

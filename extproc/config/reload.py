@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc import heap
 from extproc.config.loader import ConfigError, Snapshot, load_snapshot
 from extproc.config.policy_tests import run_isolated
 from extproc.metrics import count_reload
@@ -98,7 +97,6 @@ class Reloader:
         log.info("config reloaded (%s): revision %s replaces %s", reason, snapshot.revision,
                  self.live.snapshot.revision)
         self.live = live
-        heap.settle()  # the new snapshot out of the collector's reach, the old one released
         self.status.update(revision=snapshot.revision, loaded_at=time.time(), last_error=None,
                            reloads=self.status["reloads"] + 1)
         count_reload(True)
