@@ -44,7 +44,7 @@ def _session_policy() -> tuple[Path, dict[str, str]]:
     shutil.copytree(EXAMPLE_POLICY, policy, ignore=shutil.ignore_patterns("keys.yaml", *EARNED))
     # Envoy waits 5 s for a decision here, not the example's 1 s: the suite runs three workers' stacks
     # on two cores, and a worker just started has stalled past 1 s (refused 503, detail
-    # ext_proc_error_per-message_timeout_exceeded) in each of three clean-clone runs - an open fault
+    # ext_proc_error_per-message_timeout_exceeded) in each of four clean-clone runs - an open fault
     # (docs/ARCHITECTURE.md, "Fail closed, twice"), not one each test should fail on. Tests of the
     # timeout itself set their own (e2e/budgets/test_not_processed_e2e.py: 200 ms).
     gateway = yaml.safe_load((policy / "gateway.yaml").read_text())
