@@ -393,29 +393,28 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         snap = self.snapshot()
         dep = answered_by(snap, attr(md, Key.DEPLOYMENT), attr(md, Key.PLAN),
                           entry.response.response_headers.get(Header.DEPLOYMENT, ""))
-        c = charge_logged(logged(entry, md, hint, backstop), dep)
+        x = logged(entry, md, hint, backstop)
+        c = charge_logged(x, dep)
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}
         if c.degraded:
             marks[Key.DEGRADED.value] = "response"
-        status, stream = entry.response.response_code.value, attr(md, Key.STREAM) == "1"
         upstream = common.upstream_remote_address.socket_address
         first_byte = common.time_to_first_upstream_rx_byte
         def seconds(name: str) -> float | None:
             return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
         duration, first = seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte")
-        outcome = outcome_of(c.termination, status, c.kind, c.usage, c.source, dep,
+        outcome = outcome_of(c.termination, x.status, c.kind, c.usage, c.source, dep,
                              attr(md, Key.REDACTIONS), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
                                  "count": common.upstream_request_attempt_count,
-                                 "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1)
-                                 if common.HasField("time_to_first_upstream_rx_byte") else None,
+                                 "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1) if x.answered else None,
                                  # translated by the decision (extproc/direct.py): what the translation lost
                                  **({"translation_loss": lost.split(", ")}
                                     if (lost := attr(md, Key.TRANSLATION_LOSS)) else {})},
                              duration, first, marks)
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
-            dep, attr(md, Key.ROUTE), stream, status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
+            dep, attr(md, Key.ROUTE), x.stream, x.status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
             start, duration, first, tenant if snap.gateway.metrics.tenant_label else ""))
         self.settler.submit((tenant, rid, hint, outcome, c.micros, c.tokens, "", "", 0), observe)
 

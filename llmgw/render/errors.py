@@ -20,7 +20,7 @@ from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
 
 from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError, degraded_body
-from extproc.names import EXTPROC_FAILED, Header, Key, Settle
+from extproc.names import EXTPROC_FAILED, MD, Header, Key, Settle
 from extproc.shapes.registry import DOORS, Door
 from llmgw.render.common import cel_filter, pack
 from llmgw.render.filters import upstream_answer_headers
@@ -43,7 +43,6 @@ def _contract_json(code: ErrorCode, message: str, status: int = 0, door: Door | 
         content_type="application/json")
 
 
-MD = f"metadata.filter_metadata['{METADATA_NAMESPACE}']"
 
 
 def door_expr(door: Door) -> str:
