@@ -217,6 +217,16 @@ class ConverseFrontEnd:
             return "max_tokens"
         return "tool_use" if out.tool_calls else "stop_sequence" if out.stop_reason else "end_turn"
 
+    def _extra_fields(self, seq: Sequence, out: Output, body: dict[str, Any]) -> dict[str, Any]:
+        """`additionalModelResponseFields`: the model family's own answer fields the request asked for by
+        JSON pointer (`additionalModelResponseFieldPaths`); a Claude model's `stop_sequence` names the
+        sequence that ended the text (null otherwise). A path the model does not answer is left out."""
+        paths = body.get("additionalModelResponseFieldPaths") or ()
+        if "/stop_sequence" not in paths:
+            return {}
+        said = out.stop_reason if self._stop_reason(seq, out) == "stop_sequence" else None
+        return {"additionalModelResponseFields": {"stop_sequence": said}}
+
     @staticmethod
     def _blocks(out: Output, produced: int) -> list[dict[str, Any]]:
         if not out.tool_calls:
@@ -239,6 +249,7 @@ class ConverseFrontEnd:
         doc: dict[str, Any] = {"output": {"message": {"role": "assistant", "content": self._blocks(out, produced)}},
                                "stopReason": self._stop_reason(seq, out),
                                "metrics": {"latencyMs": round((time.monotonic() - started) * 1000)}}
+        doc.update(self._extra_fields(seq, out, body))
         usage = self._usage(seq, body)
         if usage is not None:
             doc["usage"] = usage
@@ -284,7 +295,7 @@ class ConverseFrontEnd:
             sent += 1
         if block >= 0:
             await send("contentBlockStop", {"contentBlockIndex": block})
-        await send("messageStop", {"stopReason": self._stop_reason(seq, out)})
+        await send("messageStop", {"stopReason": self._stop_reason(seq, out), **self._extra_fields(seq, out, body)})
         metadata: dict[str, Any] = {"metrics": {"latencyMs": round((time.monotonic() - started) * 1000)}}
         usage = self._usage(seq, body)
         if usage is not None:

@@ -11,10 +11,10 @@ function body_chunks(chunks, outs)
   return function()
     i = i + 1
     if chunks[i] == nil then return nil end
-    local c = {s = chunks[i]}
+    local c = {s = chunks[i], at = i}
     function c:length() return #self.s end
     function c:getBytes(at, n) return string.sub(self.s, at + 1, at + n) end
-    function c:setBytes(s) outs[i] = s end
+    function c:setBytes(s) outs[self.at] = s end  -- (the last chunk stays writable after the loop, as in Envoy)
     outs[i] = c.s
     return c
   end

@@ -43,7 +43,8 @@ end
 
 -- The internal chat completion's text. `text`, `reasoning`: lists of escaped string contents; `calls`:
 -- tool calls as JSON; a `refusal` (escaped) leaves the content null.
-local function completion(id, model, text, reasoning, calls, finish, usage, refusal)
+-- `stop` (a JSON string's text, or nil): the stop sequence that ended the text, as vLLM's `stop_reason`.
+local function completion(id, model, text, reasoning, calls, finish, usage, refusal, stop)
   local message = {'{"role":"assistant","content":',
                    (refusal == nil and (#text > 0 or #calls == 0)) and ('"' .. concat(text) .. '"') or "null"}
   if refusal ~= nil then message[#message + 1] = ',"refusal":"' .. refusal .. '"' end
@@ -52,7 +53,8 @@ local function completion(id, model, text, reasoning, calls, finish, usage, refu
   message[#message + 1] = "}"
   return concat({'{"id":"chatcmpl-', id, '","object":"chat.completion","created":', format("%d", time()),
                  ',"model":"', model, '","choices":[{"index":0,"message":', concat(message),
-                 ',"logprobs":null,"finish_reason":"', finish, '"}],"usage":', usage, "}"})
+                 ',"logprobs":null,"finish_reason":"', finish, '"', stop and (',"stop_reason":"' .. stop .. '"') or "",
+                 '}],"usage":', usage, "}"})
 end
 
 -- A tool call; its arguments the provider's JSON object as it wrote it (absent: `{}`), or nil when the
@@ -79,9 +81,10 @@ local function chunk_head(st)
   return st.head
 end
 
-local function chunk(st, delta, finish)
+local function chunk(st, delta, finish, stop)
   return concat({chunk_head(st), '[{"index":0,"delta":', delta, ',"logprobs":null,"finish_reason":',
-                 finish and ('"' .. finish .. '"') or "null", "}]}\n\n"})
+                 finish and ('"' .. finish .. '"') or "null", stop and (',"stop_reason":"' .. stop .. '"') or "",
+                 "}]}\n\n"})
 end
 
 -- Each stream shape's reader, made once per stream: `read(st, bytes, out)` handles the chunk's whole

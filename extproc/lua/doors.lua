@@ -168,6 +168,10 @@ function envoy_on_response(h)
   local headers = h:headers()
   local status = tonumber(headers:get(":status")) or 0
   headers:remove("content-length")  -- the caller's body has another length: Envoy frames it
+  -- The request's id (the ledger's, x-request-id's) where the door's SDK reads it; Envoy adds
+  -- x-request-id to the answer only after the filters.
+  local rid = door.request_id_header and md[K.request_id]
+  if type(rid) == "string" then headers:replace(door.request_id_header, rid) end
   if status == 200 and find(headers:get("content-type") or "", "^%s*text/event%-stream") then
     translate_stream(h, door)
     return

@@ -69,10 +69,12 @@ local function event_splitter()
 end
 
 -- A body rewritten chunk by chunk as it streams: `step(bytes, at_end)` gives each chunk's new text and
--- whether the stream has ended, after which every chunk is emptied. An HTTP/1 upstream's end arrives
--- as an empty last chunk, which may carry what `step` gives at the end.
+-- whether the stream has ended, after which every chunk is emptied. The end arrives as an empty last
+-- chunk (an HTTP/1 upstream's terminating chunk), or with the last bytes themselves (a whole answer
+-- in one frame, or a filter before this one that wrote into the empty end): then the iterator simply
+-- stops, and what `step` gives at the end joins the last chunk, which Envoy has not yet passed on.
 local function rewrite_chunks(h, step)
-  local ended = false
+  local ended, last, last_text = false, nil, ""
   for piece in h:bodyChunks() do
     local n = piece:length()
     if ended then
@@ -81,7 +83,13 @@ local function rewrite_chunks(h, step)
       local text
       text, ended = step(n > 0 and piece:getBytes(0, n) or "", n == 0)
       if n > 0 or text ~= "" then piece:setBytes(text) end
+      last, last_text = piece, text
     end
-    if n == 0 then break end
+    if n == 0 then return end
+  end
+  if not ended and last ~= nil then
+    local text = step("", true)
+    -- (a stream ended by trailers has passed its last chunk on already: nothing can be added then)
+    if text ~= "" then pcall(last.setBytes, last, last_text .. text) end
   end
 end

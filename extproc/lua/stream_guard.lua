@@ -133,6 +133,7 @@ function envoy_on_response(h)
   local withhold = md[K.withhold_usage] == "1"
   local ends_at = tonumber(md[K.stream_ends_at_ms] or "")
   local split, held, chunks, counted, ended, done, done_marked = event_splitter(), 0, 0, 0, nil, false, false
+  local last, last_text  -- the latest chunk and what it became: the end may come with it (no empty chunk)
 
   for chunk in h:bodyChunks() do
     local n = chunk:length()
@@ -183,6 +184,7 @@ function envoy_on_response(h)
     local text = #out == 1 and out[1] or concat(out)
     if text == "" and not at_end and ended == nil and not done then text = CONFIG.keepalive end
     if text ~= came then chunk:setBytes(text) end
+    last, last_text = chunk, text
     if chunks ~= counted then
       counted = chunks
       metadata(h, K.stream_chunks, chunks)
@@ -194,6 +196,12 @@ function envoy_on_response(h)
       metadata(h, K.stream_end, "done")
     end
     if at_end then break end
+  end
+  if ended == nil and not done and last ~= nil then
+    -- The stream ended with its last bytes (no empty chunk after them) and without [DONE]: the
+    -- contract's event joins that chunk, which Envoy passes on only now (rewrite_chunks in sse.lua).
+    ended = "unfinished"
+    pcall(last.setBytes, last, last_text .. EVENT.unfinished)
   end
   -- Reached only when the stream ended (a cut one never resumes this): how it ended, for settlement.
   metadata(h, K.stream_end, ended or (done and "done") or "unfinished")

@@ -12,10 +12,20 @@ registry (extproc/shapes/registry.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
+
+
+def null_is_absent(data: Any) -> Any:
+    """A request object without its null fields: a field sent as null asks for nothing. The SDKs'
+    model_dump() of what they returned carries every optional field they know (anthropic's
+    `"caller": null` on a tool_use block), and clients replay those as the next turn's history. (A
+    door model's `mode="before"` validator: a field the door does not carry is refused only when it
+    holds a value.)"""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,12 @@ class Door:
     error: Callable[[int, bytes], bytes]  # a contract error body -> the caller's (Envoy's own, rendered in)
     credential_headers: tuple[str, ...] = ()  # where its SDK puts the key, besides Authorization: Bearer
     credential_query: str = ""  # a query parameter that may carry the key (Gemini's `key`)
+    # An internal request field -> where the door's caller wrote it: a refusal names the field the
+    # caller sent (`metadata.user_id`, not the internal `user`).
+    fields: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def field_name(self, internal: str) -> str:
+        return self.fields.get(internal, internal)
 
     def matches(self, path: str) -> bool:
         return re.fullmatch(self.path, urlsplit(path).path) is not None

@@ -37,7 +37,7 @@ from extproc.names import Settle
 from extproc.picker import Picker
 from extproc.shadow import Grant, issue, shadow_bucket
 from extproc.shapes.loss import Loss, Support, losses
-from extproc.shapes.registry import loss_table
+from extproc.shapes.registry import DOORS_BY_NAME, loss_table
 from extproc.stages.authorize import authorized_on
 
 
@@ -235,8 +235,10 @@ class RouteSelection:
                                    "messages")
             if all(f == {"translation_loss"} for f in refused.values()):
                 first = next(x for x in lost[route.candidates[0].deployment_name] if x.support is Support.UNSUPPORTED)
-                raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{first.field}` cannot be carried to this route's "
-                                   f"provider ({first.note or 'no equivalent'})", first.field)
+                door = DOORS_BY_NAME.get(ex.door)  # named as the caller wrote it
+                field = door.field_name(first.field) if door is not None else first.field
+                raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{field}` cannot be carried to this route's "
+                                   f"provider ({first.note or 'no equivalent'})", field)
             degraded = route.degraded
             if degraded is not None and degraded.response is not None:
                 raise Degraded(degraded.response)

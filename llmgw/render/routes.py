@@ -85,9 +85,12 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                 status=200, body=base_pb2.DataSource(inline_string='{"status":"ok"}')),
             response_headers_to_add=own, typed_per_filter_config=_ext_proc_disabled()),
         # GET /v1/models and /v1/models/{route} have no body: ext_proc takes their headers and answers
-        # them; this is never reached.
+        # them; this is never reached. GET only: Gemini's `POST /v1/models/{route}:generateContent`
+        # (google-genai with api_version v1) is a front door's request.
         route_components_pb2.Route(
-            name="models", match=route_components_pb2.RouteMatch(path_separated_prefix=MODELS_PATH),
+            name="models", match=route_components_pb2.RouteMatch(
+                path_separated_prefix=MODELS_PATH,
+                headers=[route_components_pb2.HeaderMatcher(name=":method", exact_match="GET")]),
             direct_response=direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
             response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers),
     ]

@@ -278,13 +278,16 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if b > a]
 
 
-def lua_stream(lua: Any, chunks: list[bytes], shape: str = "anthropic") -> tuple[bytes, dict[str, str]]:
-    """What the stream guard after the Lua filter gets: the chunks as translated (the last, empty, is
-    the end of the stream)."""
+def lua_stream(lua: Any, chunks: list[bytes], shape: str = "anthropic",
+               empty_end: bool = True) -> tuple[bytes, dict[str, str]]:
+    """What the stream guard after the Lua filter gets: the chunks as translated. The end of the stream
+    is an empty last chunk (an HTTP/1 upstream's terminating chunk) or, `empty_end` false, comes with
+    the last chunk's bytes (a whole answer in one frame)."""
     meta = {Key.ANSWER_SHAPE: shape, Key.ANSWER_MODEL: MODEL, Key.PLAN_STREAM: "1", Key.REQUEST_ID: REQUEST_ID}
     hdrs = {":status": "200", "content-type": "text/event-stream; charset=utf-8", "content-length": "99"}
-    outs, got = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, hdrs), lua.table_from([*chunks, b""]))
-    body = b"".join(outs[i] for i in range(1, len(chunks) + 2))
+    frames = [*chunks, b""] if empty_end or not chunks else chunks
+    outs, got = lua.globals().run_stream(lua_table(lua, meta), lua_table(lua, hdrs), lua.table_from(frames))
+    body = b"".join(outs[i] for i in range(1, len(frames) + 1))
     return body, {k.decode(): v.decode() for k, v in got.items()}
 
 
@@ -393,9 +396,10 @@ def gemini_comparable(events: list[Any], ids: bool) -> list[Any]:
 
 @settings(max_examples=200, deadline=None)
 @given(gemini_streams(), st.lists(st.integers(0, 4000), max_size=6),
-       st.sampled_from(["whole", "cut", "error", "after"]), st.booleans())
+       st.sampled_from(["whole", "cut", "error", "after"]), st.booleans(), st.booleans())
 def test_the_lua_gemini_stream_translation_is_the_python_adapters(lua: Any, responses: list[dict[str, Any]],
-                                                                 cuts: list[int], ending: str, crlf: bool) -> None:
+                                                                 cuts: list[int], ending: str, crlf: bool,
+                                                                 empty_end: bool) -> None:
     if ending == "cut":  # the provider's stream ends before its finish
         responses = [r for r in responses[:-1]] or [{"responseId": "r", "candidates": []}]
     elif ending == "error":  # the provider reports an error mid-stream
@@ -404,7 +408,7 @@ def test_the_lua_gemini_stream_translation_is_the_python_adapters(lua: Any, resp
         responses = [*responses, {"responseId": "r", "candidates": []}]
     data = b"".join(gemini_sse(r, crlf) for r in responses)
     chunks = split(data, cuts)
-    out, headers = lua_stream(lua, chunks, "gemini")
+    out, headers = lua_stream(lua, chunks, "gemini", empty_end)
     assert headers["content-type"] == "text/event-stream" and "content-length" not in headers
     ids = bool(responses[0].get("responseId"))
     got = gemini_comparable(events_of(out), ids)
@@ -417,6 +421,16 @@ def test_the_lua_gemini_stream_translation_is_the_python_adapters(lua: Any, resp
         named = [c["id"] for e in events_of(out) if isinstance(e, dict) for ch in e.get("choices") or ()
                  for c in ch["delta"].get("tool_calls") or ()]
         assert named == [f"call_{REQUEST_ID}_{n}" for n in range(len(named))]
+
+
+def test_a_whole_gemini_stream_in_its_last_frame_still_ends_with_usage_and_done(lua: Any) -> None:
+    """A provider that writes its whole (short) stream at once: Envoy hands the filter one chunk that
+    ends the stream, with no empty frame after it. The usage and [DONE] join that chunk."""
+    final = {"responseId": "r1", "candidates": [{"content": {"parts": [{"text": "hi"}]}, "finishReason": "STOP"}],
+             "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1}}
+    out, _ = lua_stream(lua, [gemini_sse(final)], "gemini", empty_end=False)
+    got = events_of(out)
+    assert got[-1] == "[DONE]" and got[-2]["usage"]["completion_tokens"] == 1
 
 
 def test_a_gemini_stream_ends_with_its_usage_and_done_on_the_last_frame(lua: Any) -> None:

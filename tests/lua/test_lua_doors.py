@@ -180,11 +180,15 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if b > a]
 
 
-def lua_stream(lua: Any, door: str, chunks: list[bytes]) -> bytes:
+def lua_stream(lua: Any, door: str, chunks: list[bytes], empty_end: bool = True) -> bytes:
+    """The door's events for the chunks; the stream's end an empty last chunk or, `empty_end` false,
+    the last chunk itself (the filter before it wrote into the empty end, or the whole answer came in
+    one frame)."""
     hdrs = {":status": "200", "content-type": "text/event-stream"}
+    frames = [*chunks, b""] if empty_end or not chunks else chunks
     outs, _ = lua.globals().run_stream(lua_table(lua, {Key.DOOR: door}), lua_table(lua, hdrs),
-                                       lua.table_from([*chunks, b""]))
-    return b"".join(outs[i] for i in range(1, len(chunks) + 2))
+                                       lua.table_from(frames))
+    return b"".join(outs[i] for i in range(1, len(frames) + 1))
 
 
 def python_stream(door: str, chunks: list[bytes]) -> bytes:
@@ -209,9 +213,9 @@ def events(door: str, body: bytes) -> list[Any]:
 
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(DOORS), internal_streams(), st.lists(st.integers(0, 3000), max_size=6),
-       st.sampled_from(["done", "interrupted", "cut", "malformed"]))
+       st.sampled_from(["done", "interrupted", "cut", "malformed"]), st.booleans())
 def test_a_stream_reaches_the_caller_as_the_python_door_wrote_it(lua: Any, door: str, stream: list[bytes],
-                                                                cuts: list[int], ending: str) -> None:
+                                                                cuts: list[int], ending: str, empty_end: bool) -> None:
     if ending == "interrupted":  # the stream guard's (or an upstream's) interruption
         stream = [*stream[:-2], b'data: {"error": {"code": "stream_interrupted", "message": "cut \\"short\\""}}\n\n']
     elif ending == "cut":  # an end before [DONE]
@@ -219,7 +223,7 @@ def test_a_stream_reaches_the_caller_as_the_python_door_wrote_it(lua: Any, door:
     elif ending == "malformed":
         stream = [*stream[:-2], b"data: {not json\n\n", stream[-1]]
     chunks = split(b"".join(stream), cuts)
-    got = events(door, lua_stream(lua, door, chunks))
+    got = events(door, lua_stream(lua, door, chunks, empty_end))
     assert got == events(door, python_stream(door, chunks))
     last = got[-1]
     if ending == "done":
@@ -240,3 +244,16 @@ def test_any_stream_ends_finished_or_with_the_doors_error_and_never_a_script_err
         assert last[0] in ("message_stop", "error")
     else:
         assert "error" in last or "finishReason" in last["candidates"][0]
+
+
+@pytest.mark.parametrize("door, named", [("anthropic", "request-id"), ("gemini", None)])
+def test_the_request_id_is_where_the_doors_sdk_reads_it(lua: Any, door: str, named: str | None) -> None:
+    """The anthropic SDK reads `request-id` (`message._request_id`): the decision's request id, which
+    Envoy's x-request-id and the ledger carry too."""
+    body = json.dumps({"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "hi"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+    hdrs = {":status": "200", "content-type": "application/json"}
+    md = {Key.DOOR: door, Key.REQUEST_ID: "rid-7"}
+    _, got, _ = lua.globals().run_response(lua_table(lua, md), lua_table(lua, hdrs), body)
+    headers = {k.decode(): v.decode() for k, v in got.items()}
+    assert headers.get("request-id") == ("rid-7" if named else None)

@@ -41,11 +41,12 @@ def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
         message["reasoning"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "logprobs": None,
+              "finish_reason": STOP_REASONS.get(str(msg.get("stop_reason")), "stop")}
+    if msg.get("stop_reason") == "stop_sequence" and isinstance(msg.get("stop_sequence"), str):
+        choice["stop_reason"] = msg["stop_sequence"]
     return {"id": f"chatcmpl-{msg.get('id', '')}", "object": "chat.completion", "created": int(time.time()),
-            "model": msg.get("model", ""),
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": STOP_REASONS.get(str(msg.get("stop_reason")), "stop")}],
-            "usage": _usage(msg.get("usage") or {}).openai()}
+            "model": msg.get("model", ""), "choices": [choice], "usage": _usage(msg.get("usage") or {}).openai()}
 
 
 class AnthropicStream(NativeStream):
@@ -95,7 +96,9 @@ class AnthropicStream(NativeStream):
         if kind == "message_delta":
             self.finish_reason = STOP_REASONS.get(str(ev["delta"].get("stop_reason")), "stop")
             self.output = token_count((ev.get("usage") or {}).get("output_tokens")) or self.output
-            return [self._chunk({}, self.finish_reason)]
+            said = ev["delta"].get("stop_sequence")
+            stop = said if ev["delta"].get("stop_reason") == "stop_sequence" and isinstance(said, str) else None
+            return [self._chunk({}, self.finish_reason, stop)]
         if kind == "message_stop":
             self.stopped = True
             usage = Usage(self.input.input, self.input.cached_input, self.output)

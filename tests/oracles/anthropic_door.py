@@ -13,7 +13,9 @@ from tests.oracles.door_stream import InternalStream
 from tests.oracles.openai import OPENAI
 
 
-def _stop(finish: str | None, stop_reason: Any) -> tuple[str, str | None]:
+def _stop(finish: str | None, stop_reason: Any, called: bool = False) -> tuple[str, str | None]:
+    if finish == "stop" and called:
+        return "tool_use", None  # a forced tool call finishes with "stop" on vLLM
     if finish == "stop" and isinstance(stop_reason, str):
         return "stop_sequence", stop_reason  # vLLM names the stop string that ended the text
     return STOP_REASONS.get(finish or "", "end_turn"), None
@@ -34,7 +36,8 @@ def _input(arguments: str) -> Any:
 
 
 def _message_id(internal_id: Any) -> str:
-    return "msg_" + str(internal_id or "").removeprefix("chatcmpl-")
+    bare = str(internal_id or "").removeprefix("chatcmpl-")
+    return bare if bare.startswith("msg_") else "msg_" + bare
 
 
 def answer(doc: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +51,8 @@ def answer(doc: dict[str, Any]) -> dict[str, Any]:
         fn = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id", ""), "name": fn.get("name", ""),
                         "input": _input(fn.get("arguments", ""))})
-    stop_reason, stop_sequence = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
+    stop_reason, stop_sequence = _stop(choice.get("finish_reason"), choice.get("stop_reason"),
+                                       bool(msg.get("tool_calls")))
     return {"id": _message_id(doc.get("id")), "type": "message", "role": "assistant", "model": doc.get("model", ""),
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": _usage(doc.get("usage"))}
@@ -68,6 +72,7 @@ class MessagesStream(InternalStream):
         self.open: str | None = None  # "text" or the open tool call's internal index
         self.stop: tuple[str, str | None] = ("end_turn", None)
         self.usage: dict[str, int] | None = None
+        self.called = False
 
     def _error_event(self, message: str) -> bytes:
         return _event("error", {"error": {"type": "api_error", "message": message,
@@ -116,6 +121,7 @@ class MessagesStream(InternalStream):
                                                           "delta": {"type": "text_delta", "text": delta["content"]}}))
             for call in delta.get("tool_calls") or ():
                 key = f"tool{call.get('index', 0)}"
+                self.called = True
                 fn = call.get("function") or {}
                 if self.open != key:
                     out += self._open(key, {"type": "tool_use", "id": call.get("id", ""), "name": fn.get("name", ""),
@@ -125,5 +131,5 @@ class MessagesStream(InternalStream):
                         "type": "input_json_delta", "partial_json": fn["arguments"]}}))
             if choice.get("finish_reason"):
                 out += self._close()
-                self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"))
+                self.stop = _stop(choice["finish_reason"], choice.get("stop_reason"), self.called)
         return out

@@ -102,10 +102,12 @@ class NativeStream:
         self.model = ""
         self.created = int(time.time())
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, stop: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if stop is not None:  # the stop sequence that ended the text, as vLLM's `stop_reason`
+            choice["stop_reason"] = stop
         return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                      "finish_reason": finish}]})
+                    "model": self.model, "choices": [choice]})
 
     def _usage_chunk(self, usage: Usage) -> bytes:
         return sse({"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk", "created": self.created,

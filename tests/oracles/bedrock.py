@@ -44,10 +44,19 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
         message["reasoning"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "logprobs": None,
+              "finish_reason": STOP_REASONS.get(str(doc.get("stopReason")), "stop")}
+    stop = stop_sequence(doc)
+    if stop is not None:
+        choice["stop_reason"] = stop
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
-            "model": "", "choices": [{"index": 0, "message": message, "logprobs": None,
-                                      "finish_reason": STOP_REASONS.get(str(doc.get("stopReason")), "stop")}],
-            "usage": _usage(doc["usage"]).openai()}
+            "model": "", "choices": [choice], "usage": _usage(doc["usage"]).openai()}
+
+
+def stop_sequence(doc: Mapping[str, Any]) -> str | None:
+    """The stop sequence that ended the text: Converse names it only in the model family's own fields."""
+    said = (doc.get("additionalModelResponseFields") or {}).get("stop_sequence")
+    return said if doc.get("stopReason") == "stop_sequence" and isinstance(said, str) else None
 
 
 class BedrockStream(NativeStream):
@@ -119,7 +128,7 @@ class BedrockStream(NativeStream):
             return []  # citations and what the API adds later: nothing to carry
         if kind == "messageStop":
             self.stopped = True
-            return [self._chunk({}, STOP_REASONS.get(str(ev.get("stopReason")), "stop"))]
+            return [self._chunk({}, STOP_REASONS.get(str(ev.get("stopReason")), "stop"), stop_sequence(ev))]
         if kind == "metadata":
             if not self.stopped:
                 raise UpstreamBroken("the metadata event came before messageStop")

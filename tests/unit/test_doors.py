@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.contract import ErrorCode, GatewayError
+from extproc.shapes.anthropic.door import DOOR as ANTHROPIC_DOOR
 from extproc.shapes.anthropic.door import error, request
 from extproc.shapes.gemini.door import DOOR as GEMINI_DOOR
 from extproc.shapes.gemini.door import error as gemini_error
@@ -80,6 +81,35 @@ def completion(message: dict[str, Any], finish: str, stop_reason: Any = None) ->
         {"index": 0, "message": message, "finish_reason": finish, "stop_reason": stop_reason}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
                   "prompt_tokens_details": {"cached_tokens": 6}}}
+
+
+def test_null_fields_ask_for_nothing_and_structured_output_is_carried() -> None:
+    """What the anthropic SDK's model_dump() of its own answer carries (`"caller": null`) replays; a
+    null optional field is no request; output_config.format becomes the internal json_schema."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = request(native(temperature=None, thinking=None, output_config={"format": {"type": "json_schema",
+                                                                                      "schema": schema}},
+                          messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+                              {"type": "text", "text": "t", "citations": None},
+                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"q": None}, "caller": None,
+                               "toolset_name": None}]}]))
+    assert "temperature" not in body and body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"q": null}'
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    with pytest.raises(GatewayError) as e:  # a value is still refused
+        request(native(messages=[{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {}, "caller": {"type": "direct"}}]}]))
+    assert e.value.code is ErrorCode.UNSUPPORTED_FIELD and "caller" in (e.value.param or "")
+
+
+def test_a_forced_tool_call_is_tool_use_and_ids_keep_their_prefix() -> None:
+    """vLLM finishes a forced (named) tool call with "stop": the agent loop must still see tool_use. An
+    upstream's own `msg_` id is not prefixed twice."""
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert answer(completion(call, "stop"))["stop_reason"] == "tool_use"
+    assert answer(completion(call, "length"))["stop_reason"] == "max_tokens"
+    doc = completion({"role": "assistant", "content": "x"}, "stop")
+    assert answer({**doc, "id": "chatcmpl-msg_01abc"})["id"] == "msg_01abc"
 
 
 def test_an_answer_becomes_a_message() -> None:
@@ -223,8 +253,16 @@ def test_the_gemini_door_takes_the_route_from_the_path_and_both_spellings() -> N
     (gnative(safetySettings=[]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "safetySettings"),
     (gnative(cachedContent="c/1"), GPATH, ErrorCode.UNSUPPORTED_FIELD, "cachedContent"),
     (gnative(tools=[{"googleSearch": {}}]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "tools.0.googleSearch"),
-    (gnative(generationConfig={"responseSchema": {}}), GPATH, ErrorCode.UNSUPPORTED_FIELD,
-     "generationConfig.responseSchema"),
+    (gnative(generationConfig={"responseLogprobs": True}), GPATH, ErrorCode.UNSUPPORTED_FIELD,
+     "generationConfig.responseLogprobs"),
+    (gnative(generationConfig={"topK": 5.5}), GPATH, ErrorCode.INVALID_REQUEST, "generationConfig.topK"),
+    (gnative(generationConfig={"responseSchema": {"type": "OBJECT"}}), GPATH, ErrorCode.INVALID_REQUEST,
+     "generationConfig"),  # a schema without responseMimeType application/json
+    (gnative(tools=[{"functionDeclarations": [{"name": "f", "parameters": {"type": "OBJECT"},
+                                               "parametersJsonSchema": {}}]}]), GPATH, ErrorCode.INVALID_REQUEST,
+     "tools.0.functionDeclarations.0"),
+    (gnative(tools=[{"functionDeclarations": [{"name": "f", "parameters": {"type": "OBJECT", "oneOf": []}}]}]),
+     GPATH, ErrorCode.UNSUPPORTED_FIELD, "tools.0.functionDeclarations.0.parameters.oneOf"),
     (json.dumps({"contents": []}).encode(), GPATH, ErrorCode.INVALID_REQUEST, "contents"),
     (gnative(contents=[{"role": "tool", "parts": [{"text": "x"}]}]), GPATH, ErrorCode.INVALID_REQUEST,
      "contents.0.role"),
@@ -236,6 +274,52 @@ def test_the_gemini_door_refuses_what_it_cannot_carry(raw: bytes, path: str, cod
     with pytest.raises(GatewayError) as e:
         gemini_request(raw, path)
     assert e.value.code is code and (e.value.param or "").startswith(param)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1beta", "v1alpha"])
+def test_the_gemini_door_takes_every_api_version_the_sdk_asks(version: str) -> None:
+    """google-genai addresses v1beta by default and v1 or v1alpha when its user says so."""
+    path = f"/{version}/models/chat-default:streamGenerateContent?alt=sse"
+    assert door_for(path) is GEMINI_DOOR and gemini_request(gnative(), path)["model"] == "chat-default"
+    assert door_for("/v2/models/chat-default:generateContent") is None
+
+
+def test_integer_fields_take_whole_numbers_as_proto3_json_does() -> None:
+    body = gemini_request(gnative(generationConfig={"topK": 5.0, "candidateCount": 1.0, "maxOutputTokens": 9.0}),
+                          GPATH)
+    assert (body["top_k"], body["n"], body["max_tokens"]) == (5, 1, 9)
+    assert all(type(body[k]) is int for k in ("top_k", "n", "max_tokens"))
+
+
+def test_geminis_schema_becomes_json_schema() -> None:
+    """What google-genai sends for a Python function (automatic function calling) and for
+    types.Schema / a pydantic class as responseSchema: the OpenAPI subset, upper-case types, nullable."""
+    params = {"type": "OBJECT", "required": ["city"], "properties": {
+        "city": {"type": "STRING", "description": "where"},
+        "days": {"type": "INTEGER", "default": 1, "minimum": 1, "maximum": 7},
+        "units": {"type": "ARRAY", "nullable": True, "items": {"type": "STRING", "enum": ["c", "f"]}, "maxItems": "2"},
+        "mode": {"anyOf": [{"type": "STRING"}, {"type": "NUMBER"}], "nullable": True}}}
+    body = gemini_request(gnative(
+        tools=[{"functionDeclarations": [{"name": "get_weather", "parameters": params,
+                                          "response": {"type": "OBJECT"}}]}],
+        generationConfig={"responseMimeType": "application/json", "responseSchema": {
+            "type": "OBJECT", "title": "R", "property_ordering": ["a"], "properties": {"a": {"type": "INTEGER"}}}}),
+        GPATH)
+    assert body["tools"][0]["function"]["parameters"] == {
+        "type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string", "description": "where"},
+            "days": {"type": "integer", "default": 1, "minimum": 1, "maximum": 7},
+            "units": {"type": ["array", "null"], "maxItems": 2, "items": {"type": "string", "enum": ["c", "f"]}},
+            "mode": {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "null"}]}}}
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": {
+        "type": "object", "title": "R", "properties": {"a": {"type": "integer"}}}}}
+
+
+def test_a_door_names_the_field_its_caller_wrote() -> None:
+    assert GEMINI_DOOR.field_name("n") == "generationConfig.candidateCount"
+    assert ANTHROPIC_DOOR.field_name("user") == "metadata.user_id"
+    assert ANTHROPIC_DOOR.field_name("parallel_tool_calls") == "tool_choice.disable_parallel_tool_use"
+    assert ANTHROPIC_DOOR.field_name("top_k") == "top_k"
 
 
 def test_a_gemini_answer_and_error() -> None:

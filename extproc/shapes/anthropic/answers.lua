@@ -9,6 +9,11 @@ local function anthropic_prompt(usage)
   return input + read + written, read
 end
 
+-- The stop sequence that ended the text (its JSON text), carried as vLLM carries it.
+local function stop_sequence(reason, sequence)
+  return reason == "stop_sequence" and text_of(sequence, nil) or nil
+end
+
 -- Anthropic's Messages answer (extproc/shapes/anthropic/adapter.py `completion`).
 local ANTHROPIC_STOP = CONFIG.anthropic_stop
 local function anthropic(body, model)
@@ -38,7 +43,7 @@ local function anthropic(body, model)
   if prompt == nil or output == nil then return nil end
   local stop = type(doc.stop_reason) == "string" and ANTHROPIC_STOP[doc.stop_reason] or "stop"
   return completion(id, named ~= "" and named or model, text, reasoning, calls, stop,
-                    usage_json(prompt, read, output, 0))
+                    usage_json(prompt, read, output, 0), nil, stop_sequence(doc.stop_reason, doc.stop_sequence))
 end
 
 ANSWERS.anthropic = anthropic
@@ -94,7 +99,7 @@ local function anthropic_event(st, doc, out)
       st.output = output
     end
     st.finish = type(delta.stop_reason) == "string" and ANTHROPIC_STOP[delta.stop_reason] or "stop"
-    out[#out + 1] = chunk(st, "{}", st.finish)
+    out[#out + 1] = chunk(st, "{}", st.finish, stop_sequence(delta.stop_reason, delta.stop_sequence))
   elseif kind == "message_stop" then
     st.stopped = true
     out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(st.prompt, st.cached, st.output, 0),

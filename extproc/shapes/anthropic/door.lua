@@ -30,13 +30,17 @@ local function anthropic_usage(usage)
 end
 
 -- The stop reason and sequence of a choice's finish (vLLM names the stop string that ended the text).
-local function anthropic_stop(finish, stop_reason)
+-- A turn that ended on a tool call is `tool_use` whatever the finish says: vLLM finishes a forced
+-- (named) tool call with "stop", and an agent loop runs the tool only on `tool_use`.
+local function anthropic_stop(finish, stop_reason, called)
+  if finish == "stop" and called then return "tool_use", nil end
   if finish == "stop" and type(stop_reason) == "string" then return "stop_sequence", stop_reason end
   return type(finish) == "string" and A.stop_reasons[finish] or "end_turn", nil
 end
 
-local function message_id(id)
-  return "msg_" .. without_prefix(id)
+local function message_id(id)  -- an upstream's own `msg_` id is kept as it is
+  local bare = without_prefix(id)
+  return sub(bare, 1, 4) == "msg_" and bare or "msg_" .. bare
 end
 
 -- An internal chat completion as a Message (its first choice: the Messages API has no `n`).
@@ -62,7 +66,7 @@ local function anthropic_answer(doc)
   end
   local usage = anthropic_usage(doc.usage)
   if usage == nil then return nil end
-  local reason, sequence = anthropic_stop(choice.finish_reason, choice.stop_reason)
+  local reason, sequence = anthropic_stop(choice.finish_reason, choice.stop_reason, #calls > 0)
   return concat({'{"id":', str(message_id(id)), ',"type":"message","role":"assistant","model":', str(model),
                  ',"content":[', concat(content, ","), '],"stop_reason":', str(reason), ',"stop_sequence":',
                  sequence and str(sequence) or "null", ',"usage":', usage, "}"})
@@ -114,6 +118,7 @@ end
 
 local function anthropic_call(st, n, call, fn, out)
   local key = "tool" .. format("%d", n)
+  st.called = true
   if st.open ~= key then
     local call_id, name = text_of(call.id, ""), text_of(fn.name, "")
     if call_id == nil or name == nil then return false end
@@ -130,7 +135,7 @@ end
 
 local function anthropic_finish(st, finish, choice, out)
   anthropic_close(st, out)
-  st.reason, st.sequence = anthropic_stop(finish, choice.stop_reason)
+  st.reason, st.sequence = anthropic_stop(finish, choice.stop_reason, st.called)
 end
 
 local function anthropic_done(st, out)
@@ -143,10 +148,11 @@ local function anthropic_done(st, out)
 end
 
 local function anthropic_stream()
-  return {started = false, index = -1, open = nil, reason = "end_turn", sequence = nil, usage = nil}
+  return {started = false, index = -1, open = nil, reason = "end_turn", sequence = nil, usage = nil, called = false}
 end
 
 DOORS.anthropic = {answer = anthropic_answer, error = anthropic_error, error_body = anthropic_error_body,
                stream = anthropic_stream, begin = anthropic_begin, usage = anthropic_usage, text = anthropic_text,
                call = anthropic_call, finish = anthropic_finish, done = anthropic_done,
-               error_event = anthropic_error_event}
+               error_event = anthropic_error_event,
+               request_id_header = "request-id"}  -- the anthropic SDK's `.request_id` / `_request_id`

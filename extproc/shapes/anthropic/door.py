@@ -22,12 +22,12 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.anthropic.adapter import internal_body
-from extproc.shapes.door import Door
+from extproc.shapes.door import Door, null_is_absent
 
 MESSAGES_PATH = "/v1/messages"
 NAME = "anthropic"
@@ -35,6 +35,8 @@ NAME = "anthropic"
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    _null_is_absent = model_validator(mode="before")(null_is_absent)
 
 
 class TextBlock(_Strict):
@@ -97,6 +99,15 @@ class Metadata(_Strict):
     user_id: str | None = None
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None
+
+
 class MessagesRequest(_Strict):
     model: str
     max_tokens: int = Field(ge=1)
@@ -110,6 +121,7 @@ class MessagesRequest(_Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None  # structured output: the internal json_schema response_format
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -133,12 +145,17 @@ def request(raw: bytes) -> dict[str, Any]:
             raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's "
                                "Messages API", param) from None
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
-    body = internal_body(native.model_dump(exclude_none=True))
+    body = internal_body(native.model_dump(exclude_none=True, by_alias=True))
     if native.tool_choice is not None and native.tool_choice.type == "tool" and not native.tool_choice.name:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "tool_choice.name is required for type tool", "tool_choice")
     if native.stream:
         body["stream_options"] = {"include_usage": True}  # the events carry usage: the client asked for it
     return body
+
+
+# Internal request field -> the Messages API field it came from (those whose name differs).
+FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+          "user": "metadata.user_id", "response_format": "output_config.format"}
 
 
 # -- answers and errors: the tables the Lua door filter renders in (its Python twin: tests/oracles/) ----
@@ -173,4 +190,5 @@ def error(status: int, body: bytes) -> bytes:
 
 
 
-DOOR = Door(NAME, re.escape(MESSAGES_PATH), lambda raw, _path: request(raw), error, ("x-api-key",))
+DOOR = Door(NAME, re.escape(MESSAGES_PATH), lambda raw, _path: request(raw), error, ("x-api-key",),
+            fields=FIELDS)

@@ -157,6 +157,9 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
     stop = body.get("stop")
     if stop:
         config["stopSequences"] = [stop] if isinstance(stop, str) else list(stop)
+        # Converse says `stop_sequence` but not which one; the model family's own answer field names it,
+        # returned when asked for by its JSON pointer.
+        native["additionalModelResponseFieldPaths"] = ["/stop_sequence"]
     if config:
         native["inferenceConfig"] = config
     if body.get("top_k") is not None:

@@ -12,6 +12,13 @@ local function bedrock_usage(usage)
   return input + read + written, read, output
 end
 
+-- The stop sequence that ended the text (its JSON text): Converse names it only in the model family's
+-- own fields, which the adapter asks for (`additionalModelResponseFieldPaths`).
+local function bedrock_stop_sequence(doc)
+  local extra = doc.additionalModelResponseFields
+  return doc.stopReason == "stop_sequence" and is_object(extra) and text_of(extra.stop_sequence, nil) or nil
+end
+
 -- Bedrock's Converse answer (extproc/shapes/bedrock/adapter.py `completion`), named after the request's id.
 local BEDROCK_STOP = CONFIG.bedrock_stop
 local function bedrock(body, model, request_id)
@@ -42,7 +49,8 @@ local function bedrock(body, model, request_id)
   local prompt, read, output = bedrock_usage(doc.usage)
   if prompt == nil then return nil end
   local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
-  return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0))
+  return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0), nil,
+                    bedrock_stop_sequence(doc))
 end
 
 ANSWERS.bedrock = bedrock
@@ -86,7 +94,8 @@ local function bedrock_event(st, kind, doc, out)
     end
   elseif kind == "messageStop" then
     st.stopped = true
-    out[#out + 1] = chunk(st, "{}", type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop")
+    out[#out + 1] = chunk(st, "{}", type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop",
+                          bedrock_stop_sequence(doc))
   elseif kind == "metadata" then
     if not st.stopped then return false end
     local prompt, read, output = bedrock_usage(doc.usage)

@@ -1,10 +1,13 @@
 """The Gemini front door: `POST /v1beta/models/{route}:generateContent` and
-`:streamGenerateContent?alt=sse`, as the Gemini API takes them (the google-genai SDK, or plain HTTP).
+`:streamGenerateContent?alt=sse` (and the same under `/v1/` and `/v1alpha/`), as the Gemini API takes
+them (the google-genai SDK, or plain HTTP).
 
 Request: the route is the path's model; the body is checked against generateContent's shape
-(pydantic, strict: `safetySettings`, `cachedContent`, tools other than function declarations and the
-OpenAPI `responseSchema` are 400 `unsupported_field` naming them) and turned into the internal chat
-completion (extproc/shapes/gemini/adapter.py internal_body). A stream must ask for SSE (`alt=sse`).
+(pydantic, strict: `safetySettings`, `cachedContent` and tools other than function declarations are
+400 `unsupported_field` naming them; integer fields take whole numbers written as 5.0, as proto3 JSON
+does; Gemini's OpenAPI-subset `Schema` in `parameters` and `responseSchema` becomes JSON Schema) and
+turned into the internal chat completion (extproc/shapes/gemini/adapter.py internal_body). A stream
+must ask for SSE (`alt=sse`).
 
 Answer: the internal chat completion -> `candidates` (text and whole `functionCall` parts, one per
 choice), `finishReason` (STOP, MAX_TOKENS, SAFETY), `usageMetadata` (cached tokens as
@@ -18,19 +21,22 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
-from extproc.shapes.door import Door
+from extproc.shapes.door import Door, null_is_absent
 from extproc.shapes.gemini.adapter import internal_body
+from extproc.shapes.gemini.schema import Schema, json_schema
 
 NAME = "gemini"
-PATH = re.compile(r"/v1beta/models/([^/:]+):(generateContent|streamGenerateContent)")
+# Every API version the SDKs address: google-genai asks v1beta by default, `api_version="v1"` (or
+# "v1alpha") when its user says so; the door's contract is the same on each.
+PATH = re.compile(r"/(?:v1|v1beta|v1alpha)/models/([^/:]+):(generateContent|streamGenerateContent)")
 PATH_REGEX = PATH.pattern  # for Envoy's routes (RE2 takes it as it is)
 
 
@@ -38,6 +44,7 @@ class _Strict(BaseModel):
     # The API's JSON takes each field as lowerCamelCase or as its proto name (snake_case): the SDKs
     # send both (google-genai sends `parameters_json_schema`).
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, alias_generator=to_camel)
+    _null_is_absent = model_validator(mode="before")(null_is_absent)
 
 
 class Blob(_Strict):
@@ -90,10 +97,38 @@ class SystemInstruction(_Strict):
     parts: list[Part] = Field(min_length=1)
 
 
+def _whole(value: Any) -> Any:
+    """An integer field as proto3 JSON takes it: a number with no fraction (google-genai sends `topK`
+    as 5.0); 5.5 stays a float and is refused as not an integer."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Whole = Annotated[int, BeforeValidator(_whole)]
+
+
 class FunctionDeclaration(_Strict):
     name: str
     description: str | None = None
+    # The parameters as JSON Schema, or as Gemini's OpenAPI-subset Schema (what the SDK sends for a
+    # Python function and for types.Schema): converted to JSON Schema (extproc/shapes/gemini/schema.py).
     parameters_json_schema: dict[str, Any] | None = None
+    parameters: Schema | None = None
+    # What the function returns: advice to the model that the chat contract has no place for; the
+    # function's actual result, in the next turn's functionResponse, is carried. Accepted, not sent.
+    response: Schema | None = None
+    response_json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_schema(self) -> FunctionDeclaration:
+        if self.parameters is not None and self.parameters_json_schema is not None:
+            raise ValueError("a function declaration takes parameters or parametersJsonSchema, not both")
+        if self.parameters is not None:
+            self.parameters_json_schema = json_schema(self.parameters)
+            self.parameters = None
+        self.response = self.response_json_schema = None
+        return self
 
 
 class Tool(_Strict):
@@ -113,14 +148,28 @@ class GenerationConfig(_Strict):
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    candidate_count: int | None = Field(default=None, ge=1)
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    top_k: Whole | None = Field(default=None, ge=1)
+    candidate_count: Whole | None = Field(default=None, ge=1)
+    max_output_tokens: Whole | None = Field(default=None, ge=1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Whole | None = None
     response_mime_type: Literal["text/plain", "application/json"] | None = None
+    # The answer's shape as JSON Schema, or as Gemini's Schema (the SDK's `response_schema=` with a
+    # pydantic class or types.Schema), converted like a function's parameters.
     response_json_schema: dict[str, Any] | None = None
+    response_schema: Schema | None = None
+
+    @model_validator(mode="after")
+    def _one_schema(self) -> GenerationConfig:
+        if self.response_schema is not None and self.response_json_schema is not None:
+            raise ValueError("generationConfig takes responseSchema or responseJsonSchema, not both")
+        if self.response_schema is not None:
+            self.response_json_schema = json_schema(self.response_schema)
+            self.response_schema = None
+        if self.response_json_schema is not None and self.response_mime_type != "application/json":
+            raise ValueError("a response schema needs responseMimeType application/json")
+        return self
 
 
 class GenerateContentRequest(_Strict):
@@ -162,6 +211,17 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
     return body
 
 
+# Internal request field -> the generateContent field it came from.
+FIELDS = {"max_tokens": "generationConfig.maxOutputTokens", "stop": "generationConfig.stopSequences",
+          "temperature": "generationConfig.temperature", "top_p": "generationConfig.topP",
+          "top_k": "generationConfig.topK", "seed": "generationConfig.seed", "n": "generationConfig.candidateCount",
+          "presence_penalty": "generationConfig.presencePenalty",
+          "frequency_penalty": "generationConfig.frequencyPenalty",
+          "response_format": "generationConfig.responseMimeType",
+          "tool_choice": "toolConfig.functionCallingConfig", "tools": "tools.functionDeclarations",
+          "stream": "streamGenerateContent", "stream_options": "streamGenerateContent"}
+
+
 # -- answers and errors: the tables the Lua door filter renders in (its Python twin: tests/oracles/) ----
 
 FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP", "content_filter": "SAFETY"}
@@ -194,4 +254,4 @@ def error(status: int, body: bytes) -> bytes:
 
 
 
-DOOR = Door(NAME, PATH_REGEX, request, error, ("x-goog-api-key",), "key")
+DOOR = Door(NAME, PATH_REGEX, request, error, ("x-goog-api-key",), "key", fields=FIELDS)
