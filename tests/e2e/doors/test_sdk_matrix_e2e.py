@@ -1,0 +1,333 @@
+"""Every SDK as its users write it (issue 30): the openai, anthropic and google-genai clients, each set
+up with nothing but the gateway's URL and a key (google-genai's own default API version, no
+`api_version`), against every demo route - the vLLM pool, the Anthropic-, Gemini- and Bedrock-shaped
+providers and the fallback plan - for a JSON answer, a stream, a tool round trip written as each
+SDK's examples write it (the Anthropic agent loop on `stop_reason`, OpenAI's forced function,
+google-genai's automatic function calling with a Python function), structured output (a pydantic
+class), and an error in the SDK's own class. Where a route's provider cannot carry what was asked
+(structured output to the Bedrock-shaped one), the refusal names the field as the caller wrote it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types
+from pydantic import BaseModel
+
+from llmgw.local.stack import Stack
+from tests.conftest import DEMO_KEYS, ledger_of, start_stack
+
+pytestmark = pytest.mark.e2e
+KEY = DEMO_KEYS["acme"]
+ROUTES = ("chat-default", "chat-anthropic", "chat-gemini", "chat-bedrock", "chat-fallback")
+DEPLOYMENT = {"chat-default": "pool-llama-8b", "chat-anthropic": "demo-anthropic", "chat-gemini": "demo-gemini",
+              "chat-bedrock": "demo-bedrock", "chat-fallback": "pool-llama-8b"}
+NO_STRUCTURED_OUTPUT = {"chat-bedrock"}  # Converse has no JSON output mode: the route refuses (reject)
+DOORS = ("openai", "anthropic", "gemini")
+# Where each door's caller writes structured output: the refusal names it so.
+STRUCTURED_FIELD = {"openai": "response_format", "anthropic": "output_config.format",
+                    "gemini": "generationConfig.responseMimeType"}
+
+
+class Answer(BaseModel):
+    city: str
+    days: int
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("sdk-matrix"), simulate_providers=True)
+    yield s
+    s.stop()
+
+
+_keep: list[Any] = []  # a genai Client closes its connection pool when collected
+
+
+def openai_client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
+
+
+def anthropic_client(stack: Stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.url, api_key=KEY, max_retries=0)
+
+
+def genai_client(stack: Stack) -> genai.Client:
+    c = genai.Client(api_key=KEY, http_options=types.HttpOptions(
+        base_url=stack.url, retry_options=types.HttpRetryOptions(attempts=1)))
+    _keep.append(c)
+    return c
+
+
+def ask(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+# -- JSON ---------------------------------------------------------------------------------------------
+
+def json_answer(stack: Stack, door: str, route: str) -> tuple[str, str, int]:
+    """(text, request id, output tokens the SDK reports) of an 8-token answer."""
+    if door == "openai":
+        raw = openai_client(stack).chat.completions.with_raw_response.create(
+            model=route, max_tokens=8, messages=ask(f"hello {route}"))
+        c = raw.parse()
+        assert c.choices[0].finish_reason == "length" and c.usage is not None
+        return c.choices[0].message.content or "", raw.headers["x-request-id"], c.usage.completion_tokens
+    if door == "anthropic":
+        m = anthropic_client(stack).messages.create(model=route, max_tokens=8, messages=ask(f"hello {route}"))
+        assert m.stop_reason == "max_tokens" and m.id.startswith("msg_") and not m.id.startswith("msg_msg_")
+        assert m._request_id  # the SDK's `request-id`
+        return m.content[0].text, m._request_id, m.usage.output_tokens
+    r = genai_client(stack).models.generate_content(model=route, contents=f"hello {route}",
+                                                    config=types.GenerateContentConfig(max_output_tokens=8, top_k=5))
+    assert r.candidates and r.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    assert r.usage_metadata is not None and r.sdk_http_response is not None
+    rid = (r.sdk_http_response.headers or {})["x-request-id"]
+    return r.text or "", rid, r.usage_metadata.candidates_token_count or 0
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("door", DOORS)
+def test_json(up: Stack, door: str, route: str) -> None:
+    text, rid, output = json_answer(up, door, route)
+    assert text and output == 8
+    entry = ledger_of(up, rid, "acme")  # metered once, by the deployment that answered
+    assert entry["usage"]["completion_tokens"] == 8 and entry["attempts"][-1]["deployment"] == DEPLOYMENT[route]
+
+
+# -- streams ------------------------------------------------------------------------------------------
+
+def streamed(stack: Stack, door: str, route: str) -> tuple[str, int]:
+    """(the text, output tokens the final event reports) of a 9-token stream."""
+    if door == "openai":
+        chunks = list(openai_client(stack).chat.completions.create(
+            model=route, max_tokens=9, stream=True, stream_options={"include_usage": True},
+            messages=ask(f"stream {route}")))
+        usage = chunks[-1].usage
+        assert usage is not None
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), usage.completion_tokens
+    if door == "anthropic":
+        with anthropic_client(stack).messages.stream(model=route, max_tokens=9, messages=ask(f"stream {route}")) as s:
+            text = "".join(s.text_stream)
+            final = s.get_final_message()
+        assert final.stop_reason == "max_tokens"
+        return text, final.usage.output_tokens
+    chunks = list(genai_client(stack).models.generate_content_stream(
+        model=route, contents=f"stream {route}", config=types.GenerateContentConfig(max_output_tokens=9)))
+    last = chunks[-1]
+    assert last.candidates and last.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    assert last.usage_metadata is not None
+    return "".join(c.text or "" for c in chunks), last.usage_metadata.candidates_token_count or 0
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("door", DOORS)
+def test_stream(up: Stack, door: str, route: str) -> None:
+    text, output = streamed(up, door, route)
+    assert text and output == 9
+
+
+# -- tools, as each SDK's examples write the loop ------------------------------------------------------
+
+SEARCHED: list[str] = []  # what search_docs ran with, when the SDK calls it (automatic function calling)
+
+
+def search_docs(query: str) -> str:
+    """Search the gateway's docs for a query."""
+    SEARCHED.append(query)
+    return f"the docs say {query!r} is covered"
+
+
+# google-genai reads a function's annotations as types when it calls it; this module's are strings
+# (`from __future__ import annotations`), which a user's module usually does not have.
+search_docs.__annotations__ = {"query": str, "return": str}
+
+
+SCHEMA = {"type": "object", "required": ["query"], "properties": {"query": {"type": "string"}}}
+
+
+def tool_loop(stack: Stack, door: str, route: str) -> tuple[list[str], str]:
+    """(the queries the tool ran with, the final text) of a conversation that must use search_docs."""
+    ran: list[str] = []
+    if door == "anthropic":  # the agent loop: run tools while the model stops on tool_use
+        client, messages = anthropic_client(stack), ask("use search_docs to find budgets")
+        choice: dict[str, Any] = {"type": "tool", "name": "search_docs"}  # forced on the first turn
+        while True:
+            m = client.messages.create(model=route, max_tokens=120, messages=messages, tool_choice=choice,
+                                       tools=[{"name": "search_docs", "description": "search", "input_schema": SCHEMA}])
+            if m.stop_reason != "tool_use":
+                return ran, "".join(b.text for b in m.content if b.type == "text")
+            messages.append({"role": "assistant", "content": [b.model_dump() for b in m.content]})  # as returned
+            results = []
+            for block in m.content:
+                if block.type == "tool_use":
+                    ran.append(block.input["query"])
+                    results.append({"type": "tool_result", "tool_use_id": block.id,
+                                    "content": search_docs(block.input["query"])})
+            messages.append({"role": "user", "content": results})
+            choice = {"type": "auto"}
+            assert len(ran) < 4, "the loop never ended"
+    if door == "openai":  # a forced function, its result, the answer
+        client = openai_client(stack)
+        msgs: list[Any] = ask("use search_docs to find budgets")
+        tools: Any = [{"type": "function", "function": {"name": "search_docs", "parameters": SCHEMA}}]
+        c = client.chat.completions.create(model=route, max_tokens=120, messages=msgs, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "search_docs"}})
+        msg = c.choices[0].message
+        assert msg.tool_calls
+        msgs.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls:
+            query = json.loads(call.function.arguments)["query"]
+            ran.append(query)
+            msgs.append({"role": "tool", "tool_call_id": call.id, "content": search_docs(query)})
+        c = client.chat.completions.create(model=route, max_tokens=40, messages=msgs, tools=tools)
+        return ran, c.choices[0].message.content or ""
+
+    # google-genai's automatic function calling: a Python function, called by the SDK itself.
+    SEARCHED.clear()
+    r = genai_client(stack).models.generate_content(
+        model=route, contents="use search_docs to find budgets",
+        config=types.GenerateContentConfig(max_output_tokens=120, tools=[search_docs]))
+    return list(SEARCHED), r.text or ""
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("door", DOORS)
+def test_tools(up: Stack, door: str, route: str) -> None:
+    ran, final = tool_loop(up, door, route)
+    assert len(ran) >= 1 and all(isinstance(q, str) and q for q in ran)
+    assert final  # the tool's result was answered in text
+
+
+# -- structured output --------------------------------------------------------------------------------
+
+def structured(stack: Stack, door: str, route: str) -> Answer:
+    if door == "openai":
+        c = openai_client(stack).chat.completions.parse(model=route, max_tokens=60, response_format=Answer,
+                                                        messages=ask("the weather plan"))
+        assert c.choices[0].message.parsed is not None
+        return c.choices[0].message.parsed
+    if door == "anthropic":
+        m = anthropic_client(stack).messages.create(
+            model=route, max_tokens=60, messages=ask("the weather plan"),
+            output_config={"format": {"type": "json_schema", "schema": Answer.model_json_schema()}})
+        return Answer.model_validate_json(m.content[0].text)
+    r = genai_client(stack).models.generate_content(
+        model=route, contents="the weather plan",
+        config=types.GenerateContentConfig(max_output_tokens=60, response_mime_type="application/json",
+                                           response_schema=Answer))
+    assert isinstance(r.parsed, Answer)
+    return r.parsed
+
+
+def status_and_body(e: BaseException) -> tuple[int, str]:
+    if isinstance(e, genai_errors.APIError):
+        return e.code, json.dumps(e.details)
+    assert isinstance(e, (openai.APIStatusError, anthropic.APIStatusError)), e
+    return e.status_code, json.dumps(e.body)
+
+
+ERRORS: dict[str, tuple[type[BaseException], ...]] = {
+    "openai": (openai.BadRequestError,), "anthropic": (anthropic.BadRequestError,),
+    "gemini": (genai_errors.ClientError,)}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("door", DOORS)
+def test_structured_output(up: Stack, door: str, route: str) -> None:
+    if route not in NO_STRUCTURED_OUTPUT:
+        out = structured(up, door, route)
+        assert out.city and isinstance(out.days, int)
+        return
+    with pytest.raises(ERRORS[door]) as e:  # refused, naming the field as this caller wrote it
+        structured(up, door, route)
+    status, body = status_and_body(e.value)
+    assert status == 400 and "unsupported_field" in body and f"`{STRUCTURED_FIELD[door]}`" in body
+
+
+# -- errors, in each SDK's own classes ----------------------------------------------------------------
+
+FORBIDDEN: dict[str, Callable[[Stack, str], Any]] = {
+    # A tool the catalog does not list: the policy refuses it (403 forbidden) on every route.
+    "openai": lambda s, route: openai_client(s).chat.completions.create(
+        model=route, max_tokens=4, messages=ask("x"),
+        tools=[{"type": "function", "function": {"name": "wire_money", "parameters": SCHEMA}}]),
+    "anthropic": lambda s, route: anthropic_client(s).messages.create(
+        model=route, max_tokens=4, messages=ask("x"),
+        tools=[{"name": "wire_money", "input_schema": SCHEMA}]),
+    "gemini": lambda s, route: genai_client(s).models.generate_content(
+        model=route, contents="x", config=types.GenerateContentConfig(
+            max_output_tokens=4, tools=[types.Tool(function_declarations=[types.FunctionDeclaration(
+                name="wire_money", parameters_json_schema=SCHEMA)])],
+            automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))),
+}
+FORBIDDEN_CLASS: dict[str, type[BaseException]] = {
+    "openai": openai.PermissionDeniedError, "anthropic": anthropic.PermissionDeniedError,
+    "gemini": genai_errors.ClientError}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("door", DOORS)
+def test_errors(up: Stack, door: str, route: str) -> None:
+    with pytest.raises(FORBIDDEN_CLASS[door]) as e:
+        FORBIDDEN[door](up, route)
+    status, body = status_and_body(e.value)
+    assert status == 403 and "forbidden" in body and "wire_money" in body
+    if door == "gemini":  # Google's shape: an integer code, the status name, the contract's reason
+        err = e.value.details["error"]
+        assert err["code"] == 403 and err["status"] == "PERMISSION_DENIED"
+        assert err["details"][0]["reason"] == "forbidden"
+
+
+# -- what each door's users meet besides the matrix ---------------------------------------------------
+
+@pytest.mark.parametrize("version", ["v1", "v1beta", "v1alpha"])
+def test_google_genai_on_any_api_version(up: Stack, version: str) -> None:
+    c = genai.Client(api_key=KEY, http_options=types.HttpOptions(base_url=up.url, api_version=version))
+    _keep.append(c)
+    r = c.models.generate_content(model="chat-default", contents="hi", config=types.GenerateContentConfig(
+        max_output_tokens=3))
+    assert r.text and r.usage_metadata is not None and r.usage_metadata.candidates_token_count == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["chat-default", "chat-anthropic", "chat-bedrock"])
+def test_a_stop_sequence_is_reported_as_anthropic_reports_it(up: Stack, route: str, stream: bool) -> None:
+    """The sequence that cut the text, from the pool (vLLM's `stop_reason`), an Anthropic-shaped
+    provider (`stop_sequence`) and a Bedrock-shaped one (its model's own `stop_sequence` field). A
+    Gemini-shaped provider does not say which sequence stopped it: `end_turn` there."""
+    kw: Any = {"model": route, "max_tokens": 60, "stop_sequences": ["e"], "messages": ask("write a sentence")}
+    if stream:
+        with anthropic_client(up).messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        m = anthropic_client(up).messages.create(**kw)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "e")
+    assert "e" not in m.content[0].text
+
+
+@pytest.mark.parametrize("door, route, call, field", [
+    ("anthropic", "chat-gemini", {"metadata": {"user_id": "u-1"}}, "metadata.user_id"),
+    ("anthropic", "chat-bedrock", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+                                   "tools": [{"name": "search_docs", "input_schema": SCHEMA}]},
+     "tool_choice.disable_parallel_tool_use"),
+    ("gemini", "chat-anthropic", {"candidate_count": 2}, "generationConfig.candidateCount"),
+    ("gemini", "chat-anthropic", {"response_mime_type": "application/json"}, "generationConfig.responseMimeType"),
+])
+def test_a_refusal_names_the_field_as_the_caller_wrote_it(up: Stack, door: str, route: str, call: dict[str, Any],
+                                                           field: str) -> None:
+    with pytest.raises(ERRORS[door]) as e:
+        if door == "anthropic":
+            anthropic_client(up).messages.create(model=route, max_tokens=5, messages=ask("x"), **call)
+        else:
+            genai_client(up).models.generate_content(model=route, contents="x", config=types.GenerateContentConfig(
+                max_output_tokens=5, **call))
+    status, body = status_and_body(e.value)
+    assert status == 400 and "unsupported_field" in body and f"`{field}`" in body
