@@ -472,6 +472,7 @@ class EngineServer:
             "cache_salt": body.get("cache_salt"), "stream": bool(body.get("stream")),
             "messages": body.get("messages"), "max_tokens": body.get("max_tokens"),
             "stream_options": body.get("stream_options"),
+            "fields": sorted(body),  # which request fields arrived (what a gateway forwarded)
             # Credentials are never logged: only whether one came.
             "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() not in CREDENTIAL_HEADERS},
             "authorization_present": "Authorization" in request.headers,

@@ -78,6 +78,13 @@ def _short_str(v: Any, param: str) -> None:
         raise invalid(f"`{param}` must be a string of at most {MAX_STRING_FIELD} characters", param)
 
 
+def _one_of(*values: str) -> Callable[[Any, str], None]:
+    def check(v: Any, param: str) -> None:
+        if v not in values:
+            raise invalid(f"`{param}` must be one of {', '.join(values)}", param)
+    return check
+
+
 def _str(v: Any, param: str) -> None:
     if not isinstance(v, str):
         raise invalid(f"`{param}` must be a string", param)
@@ -231,6 +238,9 @@ TOP_LEVEL: dict[str, Callable[[Any, str], None]] = {
     "parallel_tool_calls": _bool,
     "user": _short_str,
     "cache_salt": _str,  # always replaced by the tenant's (invariant 10)
+    # answered by the model: each adapter's loss table says which candidates honour them
+    "reasoning_effort": _one_of("none", "minimal", "low", "medium", "high", "xhigh"),
+    "verbosity": _one_of("low", "medium", "high"),
     # vLLM's sampling extensions
     "top_k": _int(-1, MAX_INT32),
     "min_p": _number(0, 1),

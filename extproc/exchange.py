@@ -72,6 +72,7 @@ class Exchange:
     span_id: str = ""
     identity: Identity | None = None
     data_class: str = ""
+    client_metadata: dict[str, str] = field(default_factory=dict)  # the request's `metadata` (client_fields.py)
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     decision_id: str = ""  # this request's decision (a UUID): error body, access log, ledger, decision log
@@ -125,6 +126,8 @@ class Exchange:
             facts.update(tenant=self.identity.tenant, subject=self.identity.subject, identity_kind=self.identity.kind)
         if self.route is not None:
             facts.update(route=self.route.route_contract, request_class=self.route.request_class)
+        if self.client_metadata:  # the caller's own tags (OpenAI's `metadata`), made log-safe
+            facts["metadata"] = {log_safe(k): log_safe(v) for k, v in self.client_metadata.items()}
         if self.shadow_of is not None:  # a shadow copy: the request it copies
             facts["shadow_of"] = self.shadow_of.of
         if self.effects:  # what the offered tools can change, and the key to reconcile an ambiguous outcome by

@@ -4,7 +4,7 @@ once, into the Exchange; later stages use the parsed values."""
 
 from __future__ import annotations
 
-from extproc import chat, headers, tracing
+from extproc import chat, client_fields, headers, tracing
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.names import Header
@@ -27,6 +27,8 @@ class Intake:
         if ex.shadow_of is not None and isinstance(doc, dict):
             # A shadow copy is the body as the upstream got it: the served model's name, not the route's.
             doc["model"] = ex.shadow_of.route
+        if isinstance(doc, dict):  # what the gateway answers itself leaves the request here
+            ex.client_metadata = client_fields.take(doc).metadata
         ex.body = chat.validate(doc, limits.max_messages, limits.max_n)
         ex.stream = ex.body.get("stream") is True
         ex.n = ex.body.get("n") or 1

@@ -62,6 +62,10 @@ LOSS_TABLE: LossTable = {
     # json_schema -> output_config.format; json_object (no schema to give) has no equivalent
     "response_format": Conditional(lambda v: v.get("type") != "json_schema", "other than json_schema",
                                    otherwise=S.TRANSFORMED),
+    # a reasoning model's thinking switch: the provider's own (thinking, thinkingConfig) has another
+    # meaning and range, not carried from this one
+    "reasoning_effort": S.UNSUPPORTED,
+    "verbosity": S.UNSUPPORTED,
     "min_p": S.UNSUPPORTED,
     "repetition_penalty": S.UNSUPPORTED,
     "min_tokens": S.UNSUPPORTED,

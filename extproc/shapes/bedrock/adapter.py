@@ -77,6 +77,10 @@ LOSS_TABLE: LossTable = {
     "logprobs": S.UNSUPPORTED,
     "top_logprobs": S.UNSUPPORTED,
     "response_format": S.UNSUPPORTED,
+    # a reasoning model's thinking switch: the provider's own (thinking, thinkingConfig) has another
+    # meaning and range, not carried from this one
+    "reasoning_effort": S.UNSUPPORTED,
+    "verbosity": S.UNSUPPORTED,
     "min_p": S.UNSUPPORTED,
     "repetition_penalty": S.UNSUPPORTED,
     "min_tokens": S.UNSUPPORTED,

@@ -61,6 +61,10 @@ LOSS_TABLE: LossTable = {
     "logit_bias": S.UNSUPPORTED,
     "logprobs": S.UNSUPPORTED,  # model-dependent there; not carried
     "top_logprobs": S.UNSUPPORTED,
+    # a reasoning model's thinking switch: the provider's own (thinking, thinkingConfig) has another
+    # meaning and range, not carried from this one
+    "reasoning_effort": S.UNSUPPORTED,
+    "verbosity": S.UNSUPPORTED,
     "min_p": S.UNSUPPORTED,
     "repetition_penalty": S.UNSUPPORTED,
     "min_tokens": S.UNSUPPORTED,

@@ -22,8 +22,11 @@ from extproc.shapes.loss import LossTable, Support, losses
 S = Support
 VLLM_ONLY = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
              "spaces_between_special_tokens", "include_stop_str_in_output")
-VLLM_TABLE: LossTable = {name: S.SUPPORTED for name in CONTRACT_FIELDS}
+OPENAI_ONLY = ("verbosity",)  # vLLM's chat completions have no such field (it would be ignored)
+VLLM_TABLE: LossTable = {**{name: S.SUPPORTED for name in CONTRACT_FIELDS},
+                         **{name: S.UNSUPPORTED for name in OPENAI_ONLY}}
 HOSTED_TABLE: LossTable = {**VLLM_TABLE, **{name: S.UNSUPPORTED for name in VLLM_ONLY},
+                           **{name: S.SUPPORTED for name in OPENAI_ONLY},
                            # the tenant's prefix-cache salt: hosted caches are per account (no salt)
                            "cache_salt": S.EMULATED}
 TABLES = {"vllm": VLLM_TABLE, "openai": HOSTED_TABLE, "azure": HOSTED_TABLE}

@@ -331,3 +331,41 @@ def test_a_refusal_names_the_field_as_the_caller_wrote_it(up: Stack, door: str, 
                 max_output_tokens=5, **call))
     status, body = status_and_body(e.value)
     assert status == 400 and "unsupported_field" in body and f"`{field}`" in body
+
+
+# -- the fields current OpenAI clients send (docs/FIELDS.md) -------------------------------------------
+
+def engine_fields(stack: Stack, marker: str) -> list[str]:
+    """The request fields that reached a pool engine with `marker` in its messages."""
+    from tests.helpers import request
+    (entry,) = [e for url in stack.engine_urls() for e in request(f"{url}/admin/requests").json()
+                if marker in json.dumps(e["messages"])]
+    return list(entry["fields"])
+
+
+def test_what_the_gateway_answers_itself_never_reaches_an_engine(up: Stack) -> None:
+    marker = "fields-owned-7f3"
+    raw = openai_client(up).chat.completions.with_raw_response.create(
+        model="chat-default", max_tokens=3, messages=ask(marker), store=False, service_tier="auto",
+        modalities=["text"], prompt_cache_key="k-1", metadata={"team": "search", "job": "nightly"},
+        reasoning_effort="low")
+    assert raw.parse().choices[0].message.content
+    sent = engine_fields(up, marker)
+    assert not {"store", "service_tier", "modalities", "prompt_cache_key", "metadata"} & set(sent)
+    assert "reasoning_effort" in sent  # vLLM takes it: passed to the pool
+    entry = ledger_of(up, raw.headers["x-request-id"], "acme")
+    assert entry["metadata"] == {"team": "search", "job": "nightly"}  # the caller's tags, for attribution
+
+
+@pytest.mark.parametrize("route, kw, field", [
+    ("chat-default", {"store": True}, "store"),
+    ("chat-default", {"service_tier": "priority"}, "service_tier"),
+    ("chat-default", {"verbosity": "low"}, "verbosity"),  # vLLM has no such field
+    ("chat-anthropic", {"reasoning_effort": "low"}, "reasoning_effort"),  # thinking is another setting
+    ("chat-default", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+])
+def test_a_field_no_candidate_honours_is_refused_naming_it(up: Stack, route: str, kw: dict[str, Any],
+                                                           field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client(up).chat.completions.create(model=route, max_tokens=3, messages=ask("x"), **kw)
+    assert e.value.code == "unsupported_field" and (e.value.param or "").startswith(field)
