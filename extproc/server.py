@@ -18,6 +18,7 @@ import functools
 import hmac
 import logging
 import os
+import re
 import signal
 import time
 import urllib.parse
@@ -55,7 +56,7 @@ from extproc.replies import admit, degraded_answer, immediate, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
 from extproc.shadow import grant_key
-from extproc.shapes.registry import door_for
+from extproc.shapes.registry import door_for, models_door
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import Degraded, tenant_salts
@@ -224,18 +225,31 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             self._later(record_refusal(self.store, ex, termination, err.status, err.code.value))
 
     async def _models(self, ex: Exchange) -> ep.ProcessingResponse:
-        """GET /v1/models and /v1/models/{route} are sent with their headers: answered from the routes."""
+        """GET /v1/models and /v1/models/{route} (and a door's own model paths) are sent with their
+        headers: answered from the routes, in the shape of the SDK that asked."""
         path = ex.path.split("?", 1)[0]
-        if ex.method != "GET" or not (path == MODELS_PATH or path.startswith(MODELS_PATH + "/")):
+        door = models_door(path, ex.headers) if ex.method == "GET" else None
+        own = door is not None and door.models_path and re.fullmatch(door.models_path, path)
+        if ex.method != "GET" or not (own or path == MODELS_PATH or path.startswith(MODELS_PATH + "/")):
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {path}")
+        ex.door = door.name if door is not None else ""  # its errors in the door's shape too
         await self._identity.run(ex)
-        name = urllib.parse.unquote(path[len(MODELS_PATH) + 1:])
-        if not name:  # the list (also `/v1/models/`)
-            data = [model_object(n) for n in sorted(ex.snapshot.routes)]
-            return immediate(ex, 200, orjson.dumps({"object": "list", "data": data}), "llmgw_models")
-        if name not in ex.snapshot.routes:
+        name = urllib.parse.unquote(path.rstrip("/").partition("/models")[2].lstrip("/"))
+        snap = ex.snapshot
+        if name and name not in snap.routes:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, "no route of that name", "model")
-        return immediate(ex, 200, orjson.dumps(model_object(name)), "llmgw_models")
+        if door is None or door.model_object is None or door.model_list is None:
+            doc = model_object(name) if name else {"object": "list", "data": [model_object(n) for n in
+                                                                              sorted(snap.routes)]}
+        else:
+            make = door.model_object
+
+            def shaped(route: str) -> dict[str, Any]:  # its limits: the smallest window, the route's cap
+                r = snap.routes[route]
+                window = min((snap.deployments[c.deployment_name].context_window for c in r.candidates), default=0)
+                return make(route, window, r.max_tokens_cap or window)
+            doc = shaped(name) if name else door.model_list([shaped(n) for n in sorted(snap.routes)])
+        return immediate(ex, 200, orjson.dumps(doc), "llmgw_models")
 
 
 def add_services(server: grpc.aio.Server, processor: ep_grpc.ExternalProcessorServicer,

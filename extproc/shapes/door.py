@@ -39,6 +39,14 @@ class Door:
     # An internal request field -> where the door's caller wrote it: a refusal names the field the
     # caller sent (`metadata.user_id`, not the internal `user`).
     fields: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Model lookups in the door's shape (its SDK's models.get / models.list): a route as the door's
+    # model object (route, input and output token limits), the list around them; asked for on a path
+    # of the door's own (`models_path`, a regular expression whose group 1 is the route, if any) or on
+    # the shared GET /v1/models by a request carrying `models_header` (what the door's SDK always sends).
+    model_object: Callable[[str, int, int], dict[str, Any]] | None = None
+    model_list: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+    models_path: str = ""
+    models_header: str = ""
 
     def field_name(self, internal: str) -> str:
         return self.fields.get(internal, internal)

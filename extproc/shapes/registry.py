@@ -12,10 +12,12 @@ it: the simulator imports nothing of the gateway).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+from urllib.parse import urlsplit
 
 from extproc.shapes.anthropic import adapter as anthropic
 from extproc.shapes.anthropic import door as anthropic_door
@@ -109,6 +111,16 @@ def check_options(ref: str, options: Mapping[str, str]) -> str:
     if shape.adapter is bedrock.BEDROCK and not options.get("region"):
         return "the bedrock adapter needs the option region (the SigV4 signature names it)"
     return ""
+
+
+def models_door(path: str, headers: Mapping[str, str]) -> Door | None:
+    """The door whose shape a model lookup (GET) is answered in: one with a models path of its own,
+    or the one whose SDK's header the request carries; None: OpenAI's shape."""
+    bare = urlsplit(path).path
+    for door in DOORS:
+        if door.models_path and re.fullmatch(door.models_path, bare):
+            return door
+    return next((d for d in DOORS if d.models_header and d.models_header in headers), None)
 
 
 def door_for(path: str) -> Door | None:

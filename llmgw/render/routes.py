@@ -93,6 +93,14 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                 headers=[route_components_pb2.HeaderMatcher(name=":method", exact_match="GET")]),
             direct_response=direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
             response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers),
+        # A door's own model paths (Gemini's GET /v1beta/models/{route}): the same, answered in its shape.
+        *(route_components_pb2.Route(
+            name=f"{door.name}_models", match=route_components_pb2.RouteMatch(
+                safe_regex=regex_pb2.RegexMatcher(regex=door.models_path),
+                headers=[route_components_pb2.HeaderMatcher(name=":method", exact_match="GET")]),
+            direct_response=direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable", door),
+            response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers)
+          for door in DOORS if door.models_path),
     ]
     # Admitted requests: only ext_proc can set this metadata, so nothing else ever matches these. A
     # request ext_proc marked `settle: stream` (streams) or `settle: metered` (idempotent JSON) takes

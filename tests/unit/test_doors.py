@@ -19,7 +19,7 @@ from extproc.shapes.anthropic.door import error, request
 from extproc.shapes.gemini.door import DOOR as GEMINI_DOOR
 from extproc.shapes.gemini.door import error as gemini_error
 from extproc.shapes.gemini.door import request as gemini_request
-from extproc.shapes.registry import door_for
+from extproc.shapes.registry import door_for, models_door
 from tests.oracles.anthropic_door import MessagesStream, answer
 from tests.oracles.gemini_door import GenerateContentStream
 from tests.oracles.gemini_door import answer as gemini_answer
@@ -361,3 +361,15 @@ def test_random_bytes_never_break_the_gemini_stream(data: bytes) -> None:
     frames = gframes(t.feed(data) + t.finish())
     assert frames and ("error" in frames[-1] or "finishReason" in frames[-1]["candidates"][0])
     assert sum("error" in f for f in frames) <= 1
+
+
+def test_a_model_lookup_is_answered_in_the_shape_of_the_sdk_that_asks() -> None:
+    assert models_door("/v1beta/models/chat-default", {}) is GEMINI_DOOR
+    assert models_door("/v1alpha/models", {}) is GEMINI_DOOR
+    assert models_door("/v1/models/chat-default", {"x-goog-api-key": "k"}) is GEMINI_DOOR  # api_version v1
+    assert models_door("/v1/models/chat-default", {"anthropic-version": "2023-06-01"}) is ANTHROPIC_DOOR
+    assert models_door("/v1/models", {"authorization": "Bearer k"}) is None  # OpenAI's
+    gemini = GEMINI_DOOR.model_object("r", 8192, 512)  # type: ignore[misc]
+    assert gemini["name"] == "models/r" and (gemini["inputTokenLimit"], gemini["outputTokenLimit"]) == (8192, 512)
+    listed = ANTHROPIC_DOOR.model_list([ANTHROPIC_DOOR.model_object("r", 8192, 512)])  # type: ignore[misc]
+    assert listed["data"][0]["id"] == "r" and listed["has_more"] is False and listed["first_id"] == "r"

@@ -158,6 +158,19 @@ FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_
           "user": "metadata.user_id", "response_format": "output_config.format"}
 
 
+# -- model lookups: GET /v1/models and /v1/models/{route} with `anthropic-version` (the SDK's models API) --
+
+def model_object(route: str, input_limit: int, output_limit: int) -> dict[str, Any]:
+    """A route as Anthropic's ModelInfo."""
+    return {"type": "model", "id": route, "display_name": route, "created_at": "1970-01-01T00:00:00Z",
+            "max_input_tokens": input_limit, "max_tokens": output_limit}
+
+
+def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"data": models, "has_more": False, "first_id": models[0]["id"] if models else None,
+            "last_id": models[-1]["id"] if models else None}
+
+
 # -- answers and errors: the tables the Lua door filter renders in (its Python twin: tests/oracles/) ----
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}  # else end_turn
@@ -191,4 +204,4 @@ def error(status: int, body: bytes) -> bytes:
 
 
 DOOR = Door(NAME, re.escape(MESSAGES_PATH), lambda raw, _path: request(raw), error, ("x-api-key",),
-            fields=FIELDS)
+            fields=FIELDS, model_object=model_object, model_list=model_list, models_header="anthropic-version")

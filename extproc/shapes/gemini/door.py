@@ -222,6 +222,23 @@ FIELDS = {"max_tokens": "generationConfig.maxOutputTokens", "stop": "generationC
           "stream": "streamGenerateContent", "stream_options": "streamGenerateContent"}
 
 
+# -- model lookups: GET /{version}/models and /{version}/models/{route} (google-genai's models.get/list) ----
+
+# Its own versions' paths (under /v1/, shared with OpenAI's, the SDK's key header says it is Gemini's).
+MODELS_PATH = re.compile(r"/(?:v1beta|v1alpha)/models(?:/([^/:]+))?/?")
+
+
+def model_object(route: str, input_limit: int, output_limit: int) -> dict[str, Any]:
+    """A route as Gemini's Model resource."""
+    return {"name": f"models/{route}", "displayName": route, "description": f"the gateway's route {route}",
+            "inputTokenLimit": input_limit, "outputTokenLimit": output_limit,
+            "supportedGenerationMethods": ["generateContent", "streamGenerateContent"]}
+
+
+def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"models": models}
+
+
 # -- answers and errors: the tables the Lua door filter renders in (its Python twin: tests/oracles/) ----
 
 FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP", "content_filter": "SAFETY"}
@@ -254,4 +271,6 @@ def error(status: int, body: bytes) -> bytes:
 
 
 
-DOOR = Door(NAME, PATH_REGEX, request, error, ("x-goog-api-key",), "key", fields=FIELDS)
+DOOR = Door(NAME, PATH_REGEX, request, error, ("x-goog-api-key",), "key", fields=FIELDS,
+            model_object=model_object, model_list=model_list, models_path=MODELS_PATH.pattern,
+            models_header="x-goog-api-key")

@@ -369,3 +369,29 @@ def test_a_field_no_candidate_honours_is_refused_naming_it(up: Stack, route: str
     with pytest.raises(openai.BadRequestError) as e:
         openai_client(up).chat.completions.create(model=route, max_tokens=3, messages=ask("x"), **kw)
     assert e.value.code == "unsupported_field" and (e.value.param or "").startswith(field)
+
+
+# -- model lookups, in the shape of the SDK that asks --------------------------------------------------
+
+@pytest.mark.parametrize("version", ["v1beta", "v1"])
+def test_google_genai_models_get_and_list(up: Stack, version: str) -> None:
+    c = genai.Client(api_key=KEY, http_options=types.HttpOptions(base_url=up.url, api_version=version))
+    _keep.append(c)
+    m = c.models.get(model="chat-default")
+    assert m.name == "models/chat-default" and m.output_token_limit == 4096 and (m.input_token_limit or 0) > 0
+    assert {x.name for x in c.models.list()} == {f"models/{r}" for r in ROUTES}
+    with pytest.raises(genai_errors.ClientError) as e:
+        c.models.get(model="no-such-route")
+    assert e.value.code == 404 and e.value.details["error"]["details"][0]["reason"] == "route_not_found"
+
+
+def test_anthropic_and_openai_models_retrieve_and_list(up: Stack) -> None:
+    a = anthropic_client(up).models.retrieve("chat-anthropic")
+    assert a.type == "model" and a.id == "chat-anthropic" and a.display_name == "chat-anthropic"
+    assert {m.id for m in anthropic_client(up).models.list()} == set(ROUTES)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        anthropic_client(up).models.retrieve("no-such-route")
+    assert e.value.body["error"]["code"] == "route_not_found"  # Anthropic's shape, the contract's code
+    o = openai_client(up).models.retrieve("chat-default")
+    assert o.object == "model" and o.owned_by == "llmgw"
+    assert {m.id for m in openai_client(up).models.list()} == set(ROUTES)
