@@ -108,8 +108,9 @@ def test_the_fallback_attempt_goes_to_the_engine_the_picker_ranks_first(gw: Stac
     busy, idle = gw.engine_urls("backup-pool")
     # Load one of candidate 2's engines directly: the picker sees it in the engine's metrics, Envoy's
     # own balancer (least request, the policy's fallback) does not. `ignore_eos`: each load runs to
-    # its max_tokens (a few seconds here), not to a sampled answer length.
-    load = chat_body(BACKUP_MODEL, max_tokens=4000, stream=True, ignore_eos=True)
+    # its max_tokens (nearly the engine's whole window: long enough to outlast the six requests below
+    # on a loaded machine; 4,000 tokens once ended before the last of them), not to a sampled length.
+    load = chat_body(BACKUP_MODEL, max_tokens=8000, stream=True, ignore_eos=True)
     threads = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST", load),
                                 kwargs={"timeout": 30}, daemon=True) for _ in range(3)]
     for t in threads:
@@ -124,6 +125,7 @@ def test_the_fallback_attempt_goes_to_the_engine_the_picker_ranks_first(gw: Stac
         fault_all(gw, "engine-pool", "status=503")
         r = chat(gw, f"{marker} {i}")
         assert r.status == 200 and r.headers["x-llmgw-deployment"] == BACKUP, r.body
+    assert running(busy) == 3, "the load ended before the requests did: the premise no longer held"
     served = {url: sum(marker in json.dumps(e["messages"]) for e in request(f"{url}/admin/requests").json())
               for url in (busy, idle)}
     assert served == {busy: 0, idle: 6}, served
