@@ -31,7 +31,7 @@ from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.door import Door, null_is_absent
 from extproc.shapes.gemini.adapter import internal_body
-from extproc.shapes.gemini.schema import Schema, json_schema
+from extproc.shapes.gemini.schema import Schema, either
 
 NAME = "gemini"
 # Every API version the SDKs address: google-genai asks v1beta by default, `api_version="v1"` (or
@@ -122,12 +122,9 @@ class FunctionDeclaration(_Strict):
 
     @model_validator(mode="after")
     def _one_schema(self) -> FunctionDeclaration:
-        if self.parameters is not None and self.parameters_json_schema is not None:
-            raise ValueError("a function declaration takes parameters or parametersJsonSchema, not both")
-        if self.parameters is not None:
-            self.parameters_json_schema = json_schema(self.parameters)
-            self.parameters = None
-        self.response = self.response_json_schema = None
+        self.parameters_json_schema = either(self.parameters, self.parameters_json_schema,
+                                             "parameters or parametersJsonSchema")
+        self.parameters = self.response = self.response_json_schema = None
         return self
 
 
@@ -162,11 +159,9 @@ class GenerationConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_schema(self) -> GenerationConfig:
-        if self.response_schema is not None and self.response_json_schema is not None:
-            raise ValueError("generationConfig takes responseSchema or responseJsonSchema, not both")
-        if self.response_schema is not None:
-            self.response_json_schema = json_schema(self.response_schema)
-            self.response_schema = None
+        self.response_json_schema = either(self.response_schema, self.response_json_schema,
+                                           "responseSchema or responseJsonSchema")
+        self.response_schema = None
         if self.response_json_schema is not None and self.response_mime_type != "application/json":
             raise ValueError("a response schema needs responseMimeType application/json")
         return self

@@ -56,6 +56,14 @@ _SAME = {"format": "format", "title": "title", "description": "description", "en
          "max_properties": "maxProperties", "minimum": "minimum", "maximum": "maximum"}
 
 
+def either(openapi: Schema | None, given: dict[str, Any] | None, names: str) -> dict[str, Any] | None:
+    """The JSON Schema of a field Gemini takes in either spelling (`names`: the two, for the error):
+    the one given, the OpenAPI one converted; ValueError for both."""
+    if openapi is not None and given is not None:
+        raise ValueError(f"takes {names}, not both")
+    return json_schema(openapi) if openapi is not None else given
+
+
 def json_schema(s: Schema) -> dict[str, Any]:
     """The JSON Schema (draft 2020-12 keywords) that accepts what `s` accepts."""
     out: dict[str, Any] = {}
