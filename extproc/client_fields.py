@@ -63,21 +63,15 @@ def _short(v: Any, param: str) -> None:
         raise _invalid(f"`{param}` must be a string of at most 256 characters", param)
 
 
-@dataclass(frozen=True)
-class Owned:
-    check: Callable[[Any, str], None]
-    does: str  # what the gateway does with it, in the words of docs/FIELDS.md
-
-
-OWNED: dict[str, Owned] = {
-    "store": Owned(_store, "false (or absent) accepted: nothing is stored at a provider; true refused"),
-    "metadata": Owned(_metadata, "recorded in the request's ledger entry (log-safe), never sent upstream"),
-    "service_tier": Owned(_service_tier, "auto and default accepted; flex, scale and priority refused"),
-    "modalities": Owned(_modalities, "[\"text\"] accepted; audio refused"),
-    "prompt_cache_key": Owned(_short, "accepted, not sent: prefix caches are kept per tenant (cache_salt) and "
-                                      "requests routed by prefix already"),
-    "safety_identifier": Owned(_short, "the end user's identifier: carried as `user` (its replacement in "
-                                       "OpenAI's API)"),
+# Each owned field's check; what the gateway then does with it is in `take` and docs/FIELDS.md.
+OWNED: dict[str, Callable[[Any, str], None]] = {
+    "store": _store,  # false accepted (nothing is stored at a provider), true refused
+    "metadata": _metadata,  # recorded in the ledger entry (log-safe), never sent upstream
+    "service_tier": _service_tier,  # auto and default accepted; flex, scale and priority refused
+    "modalities": _modalities,  # ["text"] accepted; audio refused
+    # accepted, not sent: prefix caches are kept per tenant (cache_salt), requests routed by prefix already
+    "prompt_cache_key": _short,
+    "safety_identifier": _short,  # the end user's identifier: carried as `user` (its replacement)
 }
 
 REFUSED: dict[str, str] = {
@@ -101,11 +95,11 @@ def take(body: dict[str, Any]) -> ClientFields:
         if body.pop(name, None) is not None:
             raise _refuse(name, why)
     out = ClientFields()
-    for name, rule in OWNED.items():
+    for name, check in OWNED.items():
         value = body.pop(name, None)
         if value is None:
             continue
-        rule.check(value, name)
+        check(value, name)
         if name == "metadata":
             out.metadata = dict(value)
         elif name == "safety_identifier":

@@ -73,3 +73,12 @@ def test_model_fields_reach_the_candidates_that_honour_them(field: str, value: s
         rule = loss_table(ref, {"kind": kind} if kind else {}).get(field)
         honoured = rule == "supported"
         assert honoured == (f"{ref} {kind}" in honoured_by), (ref, kind, rule)
+
+
+def test_the_fields_table_names_every_decided_field() -> None:
+    """docs/FIELDS.md is what users read: every owned and refused field is in it."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs/FIELDS.md").read_text()
+    for name in (*OWNED, *REFUSED, "reasoning_effort", "verbosity"):
+        assert f"| `{name}`" in text, name
