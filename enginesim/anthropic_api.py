@@ -104,6 +104,7 @@ class MessagesFrontEnd:
         self.server = server
         self.api_key = api_key
         server.app.router.add_post("/v1/messages", self.messages)
+        server.app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         server.refusals = True
 
     def _check(self, request: web.Request, body: Any) -> web.Response | None:
@@ -128,6 +129,22 @@ class MessagesFrontEnd:
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or "content" not in m:
                 return anthropic_error(400, f"messages.{i}: each message needs a user or assistant role and content")
         return None
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """`POST /v1/messages/count_tokens`: the prompt's tokens as a Messages request would count them
+        (`input_tokens`); the same checks but `max_tokens`, which it does not take."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return anthropic_error(400, "There was an error parsing the body of your request")
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        bad = self._check(request, {**body, "max_tokens": 1} if isinstance(body, dict) else body)
+        if isinstance(body, dict) and "max_tokens" in body:
+            bad = anthropic_error(400, "max_tokens: Extra inputs are not permitted")
+        self.server._log_request(rid, request, body if isinstance(body, dict) else {}, bad.status if bad else 200)
+        if bad is not None:
+            return bad
+        return web.json_response({"input_tokens": len(apply_chat_template(chat_messages(body), body.get("tools")))})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         srv = self.server

@@ -135,16 +135,35 @@ class ConverseFrontEnd:
             return bedrock_error(400, "The maximum tokens you requested must be at least 1.")
         return None
 
+    def _count_tokens(self, request: web.Request, raw: bytes, body: Any, model: str) -> web.Response:
+        """CountTokens (`/model/{id}/count-tokens`): `{"input": {"converse": {...}}}`, the Converse
+        request's input counted as Converse would (`inputTokens`); signed and checked like it."""
+        converse = ((body.get("input") or {}).get("converse") if isinstance(body, dict)
+                    and isinstance(body.get("input"), dict) else None)
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        bad = self._check(request, raw, converse, model) if isinstance(converse, dict) else bedrock_error(
+            400, "input: exactly one of converse or invokeModel is required")
+        logged = dict(converse) if isinstance(converse, dict) else {}
+        self.server._log_request(rid, request, {**logged, "model": model}, bad.status if bad else 200)
+        if bad is not None:
+            return bad
+        assert isinstance(converse, dict)
+        messages, wants = plan_body(converse)
+        return web.json_response({"inputTokens": len(apply_chat_template(messages, wants.get("tools")))},
+                                 headers={"x-amzn-RequestId": str(uuid.uuid4())})
+
     async def converse(self, request: web.Request) -> web.StreamResponse:
         srv = self.server
         model, call = request.match_info["model"], request.match_info["call"]
-        if call not in ("converse", "converse-stream"):
+        if call not in ("converse", "converse-stream", "count-tokens"):
             return bedrock_error(404, f"Unknown operation {call}", "UnknownOperationException")
         raw = await request.read()
         try:
             body = json.loads(raw)
         except ValueError:
             body = None
+        if call == "count-tokens":
+            return self._count_tokens(request, raw, body, model)
         fault = srv._take_fault(request, body)
         if isinstance(fault, web.Response):
             return fault

@@ -118,15 +118,37 @@ class GeminiFrontEnd:
             return gemini_error(400, "candidateCount must be 1 here")
         return None
 
+    def _count_tokens(self, request: web.Request, body: Any, model: str) -> web.Response:
+        """`:countTokens`: the prompt's tokens as generateContent would count them (`totalTokens`), of
+        `contents` or of a whole `generateContentRequest` (which names the model it counts for)."""
+        whole = body.get("generateContentRequest") if isinstance(body, dict) else None
+        if isinstance(whole, dict):
+            if whole.get("model") != f"models/{model}":
+                return gemini_error(400, "generateContentRequest.model must name the model in the path")
+            body = {k: v for k, v in whole.items() if k != "model"}
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        bad = self._check(request, body, model)
+        logged = dict(body) if isinstance(body, dict) else {}
+        self.server._log_request(rid, request, {**logged, "model": model, "messages": logged.get("contents")},
+                                 bad.status if bad else 200)
+        if bad is not None:
+            return bad
+        messages, wants = plan_body(body)
+        tokens = len(apply_chat_template(messages, wants.get("tools")))
+        return web.json_response({"totalTokens": tokens,
+                                  "promptTokensDetails": [{"modality": "TEXT", "tokenCount": tokens}]})
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         srv = self.server
         model, _, method = request.match_info["call"].partition(":")
-        if method not in ("generateContent", "streamGenerateContent"):
+        if method not in ("generateContent", "streamGenerateContent", "countTokens"):
             return gemini_error(404, f"method {method} not found")
         try:
             body = await request.json()
         except ValueError:
             return gemini_error(400, "Invalid JSON payload received.")
+        if method == "countTokens":
+            return self._count_tokens(request, body, model)
         fault = srv._take_fault(request, _fault_view(body))
         if isinstance(fault, web.Response):
             return fault

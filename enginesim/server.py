@@ -275,6 +275,7 @@ class EngineServer:
             tokens = encode(body["prompt"])
         else:
             return vllm_error(400, "either `prompt` or `messages` is required")
+        self._log_request(request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16], request, body, 200)
         return web.json_response({"count": len(tokens), "max_model_len": self.engine.profile.max_model_len,
                                   "tokens": tokens, "token_strs": None})
 

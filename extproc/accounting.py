@@ -128,6 +128,7 @@ class Logged:
     answered: bool = False  # an upstream sent response headers
     upstream_status: str = ""  # the upstream's own status, as the Lua filter nearest the router recorded it
     degraded_response: bool = False  # Envoy's degraded answer for a route whose upstreams were all down
+    count: bool = False  # a door's token count: nothing generated, nothing charged
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,8 @@ def charge_logged(x: Logged, dep: Deployment | None) -> Charge:
                                        succeeded=upstream_succeeded(x.upstream_status, x.answered))
         source = "estimated" if usage else source
     usage, source = believed(usage, source)
+    if x.count:  # counted, not generated: its usage is the count, its reservation of zero released
+        return Charge(termination, usage, source, 0, 0, "released")
     micros, tokens, kind = charge_for(usage, source, termination, x.status, dep, failed)
     if x.degraded_response and not x.answered:
         # Envoy's degraded answer (llmgw/render/errors.py): no upstream answered, nothing was generated.

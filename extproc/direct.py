@@ -23,17 +23,32 @@ from extproc.shapes.base import Target
 from extproc.shapes.registry import adapter_for
 
 
-def native_request(dep: Deployment, body: Mapping[str, Any], credentials: Mapping[str, str],
-                   credential_errors: Mapping[str, str], stream: bool = False) -> tuple[bytes, dict[str, str], str]:
-    """The request as `dep`'s provider takes it: its body, its headers (`:path` among them, and the
-    credential, resolved when the revision loaded), and the shape of its answer. Refused (503
-    `policy_unavailable`) when the deployment's credential reference did not resolve."""
+def _target(dep: Deployment, credentials: Mapping[str, str], credential_errors: Mapping[str, str],
+            stream: bool = False) -> Target:
+    """What `dep`'s adapter translates for, its credential resolved when the revision loaded; refused
+    (503 `policy_unavailable`) when the deployment's credential reference did not resolve."""
     token = ""
     if dep.credential_ref:
         if dep.deployment not in credentials:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, credential_errors.get(
                 dep.deployment, f"credential reference {dep.credential_ref} is not resolved"))
         token = credentials[dep.deployment]
+    return Target(dep.served_model, token, dep.fingerprint.adapter_options, stream)
+
+
+def native_request(dep: Deployment, body: Mapping[str, Any], credentials: Mapping[str, str],
+                   credential_errors: Mapping[str, str], stream: bool = False) -> tuple[bytes, dict[str, str], str]:
+    """The request as `dep`'s provider takes it: its body, its headers (`:path` among them, and the
+    credential), and the shape of its answer."""
     adapter = adapter_for(dep.fingerprint.adapter)
-    native = adapter.request(body, Target(dep.served_model, token, dep.fingerprint.adapter_options, stream))
+    native = adapter.request(body, _target(dep, credentials, credential_errors, stream))
+    return native.body, {":path": native.path, **native.headers, **native.signed_headers}, adapter.name
+
+
+def count_request(dep: Deployment, body: Mapping[str, Any], credentials: Mapping[str, str],
+                  credential_errors: Mapping[str, str]) -> tuple[bytes, dict[str, str], str]:
+    """The request that counts the prompt's tokens as `dep` would: its body, its headers (`:path`
+    among them), and the shape of its answer (the field its count is in)."""
+    adapter = adapter_for(dep.fingerprint.adapter)
+    native = adapter.count_request(body, _target(dep, credentials, credential_errors))
     return native.body, {":path": native.path, **native.headers, **native.signed_headers}, adapter.name

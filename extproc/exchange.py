@@ -73,6 +73,7 @@ class Exchange:
     identity: Identity | None = None
     data_class: str = ""
     client_metadata: dict[str, str] = field(default_factory=dict)  # the request's `metadata` (client_fields.py)
+    count: bool = False  # a door's token count (count_tokens, countTokens): counted upstream, nothing generated
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     decision_id: str = ""  # this request's decision (a UUID): error body, access log, ledger, decision log
@@ -177,7 +178,12 @@ class Exchange:
             md[Key.DEPLOYMENT] = self.deployment.deployment
         if self.cluster:
             md[Key.CLUSTER] = self.cluster
-        if self.upstream_headers is not None and self.deployment is not None:
+        if self.count and self.upstream_headers is not None:
+            # Read by Envoy's Lua answer filter, which sets these headers (its path among them) on the
+            # request and translates nothing; the door filter reads the count from the answer of this shape.
+            md[Key.UPSTREAM_HEADERS] = self.upstream_headers
+            md[Key.COUNT] = self.answer_shape
+        elif self.upstream_headers is not None and self.deployment is not None:
             # Read by Envoy's Lua answer filter (extproc/lua/answers.lua), which blanks the headers once set.
             md[Key.UPSTREAM_HEADERS] = self.upstream_headers
             md[Key.ANSWER_SHAPE], md[Key.ANSWER_MODEL] = self.answer_shape, self.deployment.served_model

@@ -103,6 +103,7 @@ class Key(StrEnum):
     WITHHOLD_USAGE = "withhold_usage"  # "1": the usage chunk was asked for on the client's behalf
     ROUTE = "route"
     DOOR = "door"  # the front door the client used (extproc/shapes/*/door.py), for the door filter
+    COUNT = "count"  # a token count: the shape of the upstream that counts (its answer's field), for the door filter
     DEPLOYMENT = "deployment"
     CLUSTER = "cluster"  # the cluster the request was admitted to (routes match on it)
     PLAN = "plan"  # a fallback route's candidates, for the attempt filter
@@ -169,8 +170,8 @@ class StreamEnd(StrEnum):
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.LOSSES),
                       metadata_path(Key.PLAN_STREAM), metadata_path(Key.TRACE), "request.id")
 # The ledger's marks of how a request was served (the route's degraded answer, a canary's side of the
-# answer, the shadow candidate the request was copied to).
-LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW)
+# answer, the shadow candidate the request was copied to, a token count and the shape that counted).
+LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW, Key.COUNT)
 # What the meter asks for at the answer's end.
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{Header.DEPLOYMENT}']",

@@ -437,7 +437,8 @@ def logged(entry: Any, md: Any, hint: str, backstop: bool) -> Logged:
         upstream_timeout=flags.upstream_request_timeout, backstop=backstop,
         broken=bool(attr(md, Key.ANSWER_BROKEN)), sent=common.HasField("time_to_first_upstream_tx_byte"),
         answered=common.HasField("time_to_first_upstream_rx_byte"), upstream_status=attr(md, Key.UPSTREAM_STATUS),
-        degraded_response=entry.response.response_headers.get(Header.DEGRADED) == "response")
+        degraded_response=entry.response.response_headers.get(Header.DEGRADED) == "response",
+        count=bool(attr(md, Key.COUNT)))
 
 
 def passed_done(md: Any) -> bool:

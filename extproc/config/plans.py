@@ -101,6 +101,12 @@ def decision_translates(dep: Deployment) -> bool:
     return translated(dep) and shape_of(dep.fingerprint.adapter).lua_answers
 
 
+def can_count(dep: Deployment) -> bool:
+    """Whether `dep` counts a prompt's tokens (its provider's own count, or the engine's tokenizer): a
+    door's token count is sent to it, its request's path and headers set by the Lua answer filter."""
+    return adapter_for(dep.fingerprint.adapter).counts(Target(dep.served_model, "", dep.fingerprint.adapter_options))
+
+
 def shape_headers(dep: Deployment) -> tuple[str, ...]:
     """The names of the headers this deployment's adapter sets on each request, its signature's
     included. The renderer keeps them off the route's removal list: the router applies it when it

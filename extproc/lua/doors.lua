@@ -161,6 +161,22 @@ local function translate_stream(h, door)
   end)
 end
 
+-- A token count's answer (extproc/direct.py count_request): the count from the field of the shape that
+-- counted (CONFIG.count_fields), in the door's shape; recorded as the request's prompt tokens for its
+-- ledger entry (settlement charges a count nothing). An answer without a count is the door's 502.
+local function door_count(h, door, md, text)
+  local doc = decode_all(text)
+  local field = CONFIG.count_fields[md[K.count]]
+  local given = is_object(doc) and field and doc[field]
+  local n = given ~= nil and given ~= false and not absent(given) and count(given)
+  if not n then
+    h:streamInfo():dynamicMetadata():set(NS, K.answer_broken, "1")
+    return door.error_body(502, "the upstream's count could not be read", UPSTREAM_ERROR), true
+  end
+  h:streamInfo():dynamicMetadata():set(NS, K.usage_prompt, n)  -- a number, as the stream guard records one
+  return door.count(format("%d", n)), false
+end
+
 function envoy_on_response(h)
   local md = h:streamInfo():dynamicMetadata():get(NS)
   local door = md and DOORS[md[K.door] or ""]
@@ -179,7 +195,9 @@ function envoy_on_response(h)
   local body = h:body()
   if body == nil then return end
   local text, out, broken = body:getBytes(0, body:length()), nil, false
-  if status >= 200 and status < 300 then
+  if status >= 200 and status < 300 and md[K.count] ~= nil then
+    out, broken = door_count(h, door, md, text)
+  elseif status >= 200 and status < 300 then
     local doc = decode_all(text)
     out = is_object(doc) and door.answer(doc)
     if not out then

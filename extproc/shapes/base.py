@@ -53,6 +53,15 @@ class Adapter(Protocol):
 
     def request(self, body: Mapping[str, Any], target: Target) -> NativeRequest: ...
 
+    def counts(self, target: Target) -> bool:
+        """Whether the target can count a prompt's tokens (its provider's own count, or the engine's
+        tokenizer)."""
+        ...
+
+    def count_request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        """The request that counts the prompt's tokens as a target that `counts` would."""
+        ...
+
 
 def tool_arguments(given: Any) -> str:
     """A tool call's input (a JSON object, or absent) as the internal arguments string; ValueError for

@@ -51,5 +51,21 @@ class Door:
     def field_name(self, internal: str) -> str:
         return self.fields.get(internal, internal)
 
+    # Token counting (Anthropic's count_tokens, Gemini's countTokens): the path it is asked on (a
+    # regular expression, as `path`) and its request as the internal contract.
+    count_path: str = ""
+    count_request: Callable[[bytes, str], dict[str, Any]] | None = None
+
     def matches(self, path: str) -> bool:
-        return re.fullmatch(self.path, urlsplit(path).path) is not None
+        bare = urlsplit(path).path
+        return re.fullmatch(self.path, bare) is not None or self.counts(path)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The regular expressions of every path the door takes a request on (one each: Envoy bounds
+        the size of one expression's program)."""
+        return (self.path, self.count_path) if self.count_path else (self.path,)
+
+    def counts(self, path: str) -> bool:
+        """Whether `path` asks this door for a token count."""
+        return bool(self.count_path) and re.fullmatch(self.count_path, urlsplit(path).path) is not None

@@ -45,6 +45,7 @@ class Shape:
     lua_streams: bool = False
     answer_tables: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # the answer filter's CONFIG entries
     door_tables: Mapping[str, Mapping[Any, Any]] = field(default_factory=dict)  # the door filter's CONFIG.<name>
+    count_field: str = ""  # the field of its count answer that holds the prompt's tokens
     # The simulator's front end for a hosted deployment of this shape, by its adapter option `kind`.
     simulator_apis: Mapping[str, str] = field(default_factory=dict)
 
@@ -55,19 +56,19 @@ class Shape:
 SHAPES: tuple[Shape, ...] = (
     Shape("openai", openai.OPENAI, {"openai (vLLM pool)": openai.TABLES["vllm"],
                                     "openai (OpenAI, Azure)": openai.TABLES["openai"]},
-          ("api-key",), frozenset({"kind", "deployment", "api_version"}), lua_answers=True,
+          ("api-key",), frozenset({"kind", "deployment", "api_version"}), lua_answers=True, count_field="count",
           simulator_apis={"azure": "azure"}),
     Shape("anthropic", anthropic.ANTHROPIC, {"anthropic": anthropic.LOSS_TABLE}, ("x-api-key", "anthropic-version"),
-          door=anthropic_door.DOOR, lua_answers=True, lua_streams=True,
+          door=anthropic_door.DOOR, lua_answers=True, lua_streams=True, count_field="input_tokens",
           answer_tables={"anthropic_stop": anthropic.STOP_REASONS},
           door_tables={"error_types": anthropic_door.ERROR_TYPES, "stop_reasons": anthropic_door.STOP_REASONS}),
     Shape("gemini", gemini.GEMINI, {"gemini": gemini.LOSS_TABLE}, ("x-goog-api-key",),
-          door=gemini_door.DOOR, lua_answers=True, lua_streams=True,
+          door=gemini_door.DOOR, lua_answers=True, lua_streams=True, count_field="totalTokens",
           answer_tables={"gemini_finish": gemini.FINISH_REASONS},
           door_tables={"statuses": gemini_door.STATUSES, "finish": gemini_door.FINISH}),
     Shape("bedrock", bedrock.BEDROCK, {"bedrock": bedrock.LOSS_TABLE},
           ("x-amz-date", "x-amz-security-token", "x-amz-content-sha256"),
-          frozenset({"region", "host"}), lua_answers=True, lua_streams=True,
+          frozenset({"region", "host"}), lua_answers=True, lua_streams=True, count_field="inputTokens",
           answer_tables={"bedrock_stop": bedrock.STOP_REASONS}),
 )
 BY_NAME: Mapping[str, Shape] = MappingProxyType({s.name: s for s in SHAPES})

@@ -100,6 +100,11 @@ class BudgetReservation:
         gw = ex.snapshot.gateway
         prompt, tokens = bound.prompt, bound.tokens
         micros, version = price_of(ex, bound.prompt, bound.completion)
+        if ex.count:
+            # A token count generates nothing and is charged nothing: it holds a reservation of zero (so
+            # it is settled, with its one ledger entry, like any request) and counts against the
+            # requests-per-minute quotas and the bulkhead, not the token ones.
+            micros = tokens = 0
         now = time.time()
         when = datetime.fromtimestamp(now, UTC)
         # A shadow copy pays from the tenant's shadow budgets only, and takes none of its quotas or
@@ -124,7 +129,7 @@ class BudgetReservation:
                                             tokens, True))
         lease_ms = effective_deadline_ms(ex) + (route.max_stream_ms if ex.stream else 0) + gw.store.lease_grace_ms
         bulkhead = gw.tenants[ident.tenant].bulkhead if not shadow else None
-        idem = ex.idempotency_key
+        idem = ex.idempotency_key if not ex.count else None  # a count has no outcome to replay
         reservation = Reservation(
             tenant=ident.tenant, rid=ex.request_id, now_ms=int(now * 1000),
             lease_until_ms=int(ex.arrived_at * 1000) + lease_ms, micros=micros, tokens=tokens,

@@ -23,7 +23,11 @@ class Intake:
             raise chat.invalid(f"{path} takes POST")
         limits = ex.snapshot.gateway.limits
         # Another API shape's request becomes the internal one here; every later stage sees one shape.
-        doc = door.request(ex.raw_body, ex.path) if door is not None else chat.parse_json(ex.raw_body)
+        ex.count = door is not None and door.counts(ex.path)
+        if ex.count and door is not None and door.count_request is not None:
+            doc = door.count_request(ex.raw_body, ex.path)
+        else:
+            doc = door.request(ex.raw_body, ex.path) if door is not None else chat.parse_json(ex.raw_body)
         if ex.shadow_of is not None and isinstance(doc, dict):
             # A shadow copy is the body as the upstream got it: the served model's name, not the route's.
             doc["model"] = ex.shadow_of.route

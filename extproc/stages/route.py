@@ -28,10 +28,10 @@ import orjson
 from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
-from extproc.config.plans import composite_name, decision_translates, uses_attempt_filter
+from extproc.config.plans import can_count, composite_name, decision_translates, uses_attempt_filter
 from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
-from extproc.direct import native_request
+from extproc.direct import count_request, native_request
 from extproc.exchange import Exchange
 from extproc.names import Settle
 from extproc.picker import Picker
@@ -206,6 +206,20 @@ def canary_order(ex: Exchange, route: Route, qualified: list[int]) -> list[int]:
     return stable or qualified
 
 
+def count_plan(ex: Exchange, snap: Snapshot, route: Route, qualified: list[int]) -> None:
+    """A token count: the route's first qualified candidate that can count (the engine's tokenizer, or
+    its provider's own count) counts the prompt as it would see it; no other is tried."""
+    counting = [snap.deployments[route.candidates[i].deployment_name] for i in qualified]
+    dep = next((d for d in counting if can_count(d)), None)
+    if dep is None:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"no candidate of route {route.route_contract!r} counts tokens")
+    ex.candidates, ex.deployment = (dep,), dep
+    ex.cluster = snap.pool_of(dep)
+    body = {**ex.body, "model": dep.served_model}
+    ex.upstream_body, ex.upstream_headers, ex.answer_shape = count_request(
+        dep, body, ex.credentials, ex.credential_errors)
+
+
 class RouteSelection:
     name = "route"
 
@@ -260,6 +274,9 @@ class RouteSelection:
             qualified = canary_order(ex, route, qualified)
         if not serving.fallback.enabled:
             qualified = qualified[:1]
+        if ex.count:
+            count_plan(ex, snap, serving, qualified)
+            return
         ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)
         ex.translation_losses = {d.deployment: lost[d.deployment] for d in ex.candidates if lost.get(d.deployment)}
         dep = ex.deployment = ex.candidates[0]

@@ -54,7 +54,8 @@ def door_expr(door: Door) -> str:
     decided = f"'{METADATA_NAMESPACE}' in metadata.filter_metadata && '{Key.REQUEST_ID}' in {MD}"
     named = f"'{Key.DOOR}' in {MD} && {MD}['{Key.DOOR}'] == '{door.name}'"
     path = "('x-envoy-original-path' in request.headers ? request.headers['x-envoy-original-path'] : request.path)"
-    return f"(({decided}) ? ({named}) : {path}.matches('^{door.path}([?].*)?$'))"
+    matches = " || ".join(f"{path}.matches('^{p}([?].*)?$')" for p in door.paths)
+    return f"(({decided}) ? ({named}) : ({matches}))"
 
 
 # Envoy's own local replies -> contract errors. ext_proc's ImmediateResponses (details `llmgw*`) and

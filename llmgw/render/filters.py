@@ -426,6 +426,7 @@ def doors_lua() -> str:
         **doors,
         "upstream_error": _lua_string(ErrorCode.UPSTREAM_ERROR.value),
         "stream_interrupted": _lua_string(ErrorCode.STREAM_INTERRUPTED.value),
+        "count_fields": _lua_table({s.name: s.count_field for s in SHAPES if s.count_field}),
         "doors": _lua_names(doors)}, helpers=("values.lua",),
         parts=tuple(f"{s.name}/door.lua" for s in SHAPES if s.door is not None))
 

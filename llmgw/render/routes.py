@@ -11,12 +11,12 @@ from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
-from envoy.type.matcher.v3 import metadata_pb2, regex_pb2
+from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2
 from envoy.type.matcher.v3 import value_pb2 as matcher_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
 from extproc.config import Snapshot
-from extproc.config.plans import composite_name, decision_translates, shape_headers, translated
+from extproc.config.plans import can_count, composite_name, decision_translates, shape_headers, translated
 from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
 from extproc.names import SHADOW_CLUSTER, Filter, Header, Key, Settle
@@ -28,6 +28,9 @@ from llmgw.render.filters import DOORS_SCRIPT, meters
 
 def _ext_proc_disabled() -> dict[str, any_pb2.Any]:
     return {Filter.EXT_PROC: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True)), **_no_meter()}
+
+
+GET_ONLY = route_components_pb2.HeaderMatcher(name=":method", string_match=string_pb2.StringMatcher(exact="GET"))
 
 
 def _no_meter() -> dict[str, any_pb2.Any]:
@@ -55,8 +58,17 @@ def direct_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
 
 def answers_translated(snap: Snapshot) -> bool:
     """Whether any deployment's answers are translated (by the Lua answer filter, which is then
-    rendered)."""
-    return any(translated(d) for d in snap.deployments.values())
+    rendered), or its token counts need the path and headers that filter sets."""
+    return any(translated(d) or (can_count(d) and any(door.count_path for door in DOORS))
+               for d in snap.deployments.values())
+
+
+def count_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
+    """The clusters of deployments that count tokens for a door's token count, each with the headers
+    its shape sets (kept from the route's removal list: the Lua answer filter sets them). A deployment
+    without a credential (a pool) gets none set: the caller's own credential headers are removed."""
+    return {snap.pool_of(d): shape_headers(d) if d.credential_ref else () for d in snap.deployments.values()
+            if can_count(d)}
 
 
 def translating_composites(snap: Snapshot, clusters: Iterable[str]) -> set[str]:
@@ -90,14 +102,14 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
         route_components_pb2.Route(
             name="models", match=route_components_pb2.RouteMatch(
                 path_separated_prefix=MODELS_PATH,
-                headers=[route_components_pb2.HeaderMatcher(name=":method", exact_match="GET")]),
+                headers=[GET_ONLY]),
             direct_response=direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable"),
             response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers),
         # A door's own model paths (Gemini's GET /v1beta/models/{route}): the same, answered in its shape.
         *(route_components_pb2.Route(
             name=f"{door.name}_models", match=route_components_pb2.RouteMatch(
                 safe_regex=regex_pb2.RegexMatcher(regex=door.models_path),
-                headers=[route_components_pb2.HeaderMatcher(name=":method", exact_match="GET")]),
+                headers=[GET_ONLY]),
             direct_response=direct(503, ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable", door),
             response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers)
           for door in DOORS if door.models_path),
@@ -114,7 +126,20 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
     composites_translating = translating_composites(snap, clusters)
     lua_answered = direct_clusters(snap)
     translated_here = {Settle.ACCESS_LOG: lua_answered, Settle.STREAM: lua_answered}
+    counting = count_clusters(snap)
     for cluster in clusters:
+        if cluster in counting:
+            # A door's token count admitted to this cluster: the Lua answer filter sets the count's path
+            # and headers (extproc/direct.py count_request) and translates nothing; the door filter
+            # reads the count. No path rewrite: the router would put it back over the filter's.
+            count = metadata_pb2.MetadataMatcher(
+                filter=METADATA_NAMESPACE, path=[metadata_pb2.MetadataMatcher.PathSegment(key=Key.COUNT)],
+                value=matcher_pb2.ValueMatcher(present_match=True))
+            routes.append(admitted_route(
+                f"admitted_{cluster}_count", route_components_pb2.RouteMatch(prefix="/", dynamic_metadata=[
+                    md(Key.CLUSTER, cluster), count]), cluster, False, stream_idle_ms,
+                {**{k: v for k, v in _no_meter().items() if k != Filter.LUA_ANSWERS}, **_door_on()},
+                shape_sets=counting[cluster]))
         for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
             # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
             # stream guard only (it reads `settle` itself). Other JSON: none of them. On a deployment the
@@ -159,11 +184,11 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
         # A front door's request as it arrives (the door filter on, with the response filters); what
         # it meets only without a body.
         *(route_components_pb2.Route(
-            name=f"{door.name}_without_body",
-            match=route_components_pb2.RouteMatch(safe_regex=regex_pb2.RegexMatcher(regex=door.path)),
+            name=f"{door.name}_without_body" + ("" if path == door.path else "_count"),
+            match=route_components_pb2.RouteMatch(safe_regex=regex_pb2.RegexMatcher(regex=path)),
             direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required", door),
             response_headers_to_add=own, typed_per_filter_config={**_response_filters_on(snap), **_door_on()})
-          for door in DOORS),
+          for door in DOORS for path in door.paths),
         # Everything else, /v1/* included: no such endpoint, answered without asking ext_proc.
         route_components_pb2.Route(
             name="not_found", match=route_components_pb2.RouteMatch(prefix="/"),

@@ -18,6 +18,7 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.type.matcher.v3 import string_pb2
 
 from extproc.names import Filter
 from llmgw.render.clusters import static_cluster
@@ -40,7 +41,7 @@ def _listener(name: str, listen: tuple[str, int], routes: route_pb2.RouteConfigu
 
 
 def stats_listener(listen: tuple[str, int]) -> listener_pb2.Listener:
-    get_only = [route_components_pb2.HeaderMatcher(name=":method", exact_match="GET")]
+    get_only = [route_components_pb2.HeaderMatcher(name=":method", string_match=string_pb2.StringMatcher(exact="GET"))]
     routes = route_pb2.RouteConfiguration(name="envoy_stats", virtual_hosts=[route_components_pb2.VirtualHost(
         name="envoy_stats", domains=["*"], routes=[
             route_components_pb2.Route(match=route_components_pb2.RouteMatch(path=STATS_PATH, headers=get_only),

@@ -257,3 +257,31 @@ def test_the_request_id_is_where_the_doors_sdk_reads_it(lua: Any, door: str, nam
     _, got, _ = lua.globals().run_response(lua_table(lua, md), lua_table(lua, hdrs), body)
     headers = {k.decode(): v.decode() for k, v in got.items()}
     assert headers.get("request-id") == ("rid-7" if named else None)
+
+
+@pytest.mark.parametrize("door, want", [
+    ("anthropic", {"input_tokens": 21}),
+    ("gemini", {"totalTokens": 21, "promptTokensDetails": [{"modality": "TEXT", "tokenCount": 21}]}),
+])
+@pytest.mark.parametrize("shape, field", [("openai", "count"), ("anthropic", "input_tokens"), ("gemini", "totalTokens"),
+                                          ("bedrock", "inputTokens")])
+def test_a_token_count_reaches_the_caller_in_its_doors_shape(lua: Any, door: str, want: dict[str, Any], shape: str,
+                                                             field: str) -> None:
+    """Whichever shape counted (the engine's /tokenize, a provider's own count), the count is read from
+    that shape's field and answered in the door's; it is the request's prompt tokens for its ledger entry."""
+    body = json.dumps({field: 21, "max_model_len": 8192} if shape == "openai" else {field: 21}).encode()
+    hdrs = {":status": "200", "content-type": "application/json"}
+    out, got, sets = lua.globals().run_response(lua_table(lua, {Key.DOOR: door, Key.COUNT: shape}),
+                                                lua_table(lua, hdrs), body)
+    assert json.loads(out) == want and got[b":status"] == b"200"
+    assert sets[Key.USAGE_PROMPT.encode()] == 21 and Key.ANSWER_BROKEN.encode() not in sets
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("body", [b'{"input_tokens": -1}', b'{"input_tokens": 2.5}', b"{}", b"not json",
+                                  b'{"input_tokens": "21"}'])
+def test_a_count_that_cannot_be_read_is_the_doors_502(lua: Any, door: str, body: bytes) -> None:
+    hdrs = {":status": "200", "content-type": "application/json"}
+    _, got, sets = lua.globals().run_response(lua_table(lua, {Key.DOOR: door, Key.COUNT: "anthropic"}),
+                                              lua_table(lua, hdrs), body)
+    assert got[b":status"] == b"502" and sets[Key.ANSWER_BROKEN.encode()] == b"1"

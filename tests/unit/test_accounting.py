@@ -204,3 +204,21 @@ def test_a_logged_exchange_decides_its_charge(logged: Logged, termination: str, 
     assert (c.termination, c.kind, c.source, c.tokens) == (termination, kind, source, tokens)
     assert c.micros == (-1 if tokens == -1 else charge_of(c.usage, DEP.prices)[0] if c.usage else 0)
     assert c.degraded == (termination == "degraded")
+
+
+COUNT_200 = replace(JSON_200, usage={"prompt_tokens": 42, "completion_tokens": 0,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}, count=True)
+
+
+@pytest.mark.parametrize(("logged", "termination"), [
+    (COUNT_200, "complete"),  # counted: the count is its usage, charged nothing
+    (replace(COUNT_200, status=502, usage=None, broken=True), "upstream_error"),  # a count that could not be read
+    (replace(COUNT_200, status=502, usage=None, upstream_status="429"), "upstream_error"),
+    (replace(COUNT_200, status=504, usage=None, upstream_timeout=True, answered=False), "deadline"),
+])
+def test_a_token_count_is_charged_nothing(logged: Logged, termination: str) -> None:
+    """A door's token count generates nothing: whatever happened, its reservation (of zero) is released
+    at nothing, never ambiguous - even where a generation would have been charged in full."""
+    c = charge_logged(logged, DEP)
+    assert (c.termination, c.kind, c.micros, c.tokens) == (termination, "released", 0, 0)
+    assert c.usage == logged.usage

@@ -339,3 +339,28 @@ def test_every_header_an_adapter_sets_is_scrubbed_from_other_candidates_attempts
                                               Target("m", credential, options, stream))
         names = {k.lower() for k in (*native.headers, *native.signed_headers)}
         assert names - {"content-type", "authorization", ":authority"} <= set(REQUEST_HEADERS), names
+
+
+def test_each_shape_counts_as_its_provider_does() -> None:
+    """A token count's request per shape: vLLM's /tokenize with the chat template, Anthropic's
+    count_tokens, Gemini's countTokens of the whole request, Bedrock's signed CountTokens; OpenAI and
+    Azure have none."""
+    from extproc.shapes.base import Target
+    from extproc.shapes.registry import adapter_for
+
+    body = {"model": "r", "max_tokens": 1, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi"}]}
+    vllm = adapter_for("openai@1")
+    assert not vllm.counts(Target("m", options={"kind": "openai"})) and vllm.counts(Target("m"))
+    pool = vllm.count_request(body, Target("m"))
+    assert pool.path == "/tokenize" and json.loads(pool.body)["add_generation_prompt"] is True
+    assert json.loads(pool.body)["tools"] and json.loads(pool.body)["model"] == "m"
+    a = adapter_for("anthropic@1").count_request(body, Target("claude", "k"))
+    assert a.path == "/v1/messages/count_tokens" and a.headers["x-api-key"] == "k"
+    assert set(json.loads(a.body)) == {"model", "messages", "system", "tools"}  # no max_tokens: it takes none
+    g = adapter_for("gemini@1").count_request(body, Target("gem", "k"))
+    assert g.path == "/v1beta/models/gem:countTokens"
+    assert json.loads(g.body)["generateContentRequest"]["model"] == "models/gem"
+    b = adapter_for("bedrock@1").count_request(body, Target("anthropic.claude", "AK:SK", {"region": "us-east-1"}))
+    assert b.path == "/model/anthropic.claude/count-tokens" and set(json.loads(b.body)["input"]) == {"converse"}
+    assert "authorization" in b.signed_headers  # signed over the count's own path and body

@@ -373,3 +373,25 @@ def test_a_model_lookup_is_answered_in_the_shape_of_the_sdk_that_asks() -> None:
     assert gemini["name"] == "models/r" and (gemini["inputTokenLimit"], gemini["outputTokenLimit"]) == (8192, 512)
     listed = ANTHROPIC_DOOR.model_list([ANTHROPIC_DOOR.model_object("r", 8192, 512)])  # type: ignore[misc]
     assert listed["data"][0]["id"] == "r" and listed["has_more"] is False and listed["first_id"] == "r"
+
+
+def test_a_token_count_is_the_doors_request_without_generation() -> None:
+    """count_tokens and countTokens become the internal request whose prompt is counted (one token to
+    generate: the contract's bound; nothing is generated)."""
+    assert ANTHROPIC_DOOR.counts("/v1/messages/count_tokens") and not ANTHROPIC_DOOR.counts("/v1/messages")
+    assert door_for("/v1beta/models/r:countTokens") is GEMINI_DOOR and GEMINI_DOOR.counts("/v1/models/r:countTokens")
+    a = ANTHROPIC_DOOR.count_request(json.dumps({  # type: ignore[misc]
+        "model": "chat-default", "system": "brief", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}]}).encode(), "/v1/messages/count_tokens")
+    assert a["messages"][0] == {"role": "system", "content": "brief"} and a["max_tokens"] == 1 and a["tools"]
+    contents = [{"role": "user", "parts": [{"text": "hi"}]}]
+    g1 = GEMINI_DOOR.count_request(json.dumps({"contents": contents}).encode(),  # type: ignore[misc]
+                                   "/v1beta/models/chat-default:countTokens")
+    g2 = GEMINI_DOOR.count_request(json.dumps({"generateContentRequest": {  # type: ignore[misc]
+        "model": "models/chat-default", "contents": contents}}).encode(), "/v1/models/chat-default:countTokens")
+    assert g1 == g2 == {"model": "chat-default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for bad, count_path, door in [(b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}',
+                                   "/v1/messages/count_tokens", ANTHROPIC_DOOR),
+                                  (b'{}', "/v1beta/models/r:countTokens", GEMINI_DOOR)]:
+        with pytest.raises(GatewayError):
+            door.count_request(bad, count_path)  # type: ignore[misc]

@@ -273,5 +273,15 @@ class AnthropicAdapter:
         return NativeRequest(path, headers, orjson.dumps(native_body(body, target.model)),
                              tuple(losses(body, LOSS_TABLE)))
 
+    def counts(self, target: Target) -> bool:
+        return True
+
+    def count_request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        """The Messages API's own count (`/v1/messages/count_tokens`): the request's prompt fields."""
+        _, headers = self.endpoint(target)
+        native = native_body(body, target.model)
+        kept = {k: native[k] for k in ("model", "messages", "system", "tools", "tool_choice") if k in native}
+        return NativeRequest("/v1/messages/count_tokens", headers, orjson.dumps(kept))
+
 
 ANTHROPIC = AnthropicAdapter()

@@ -151,7 +151,12 @@ local function anthropic_stream()
   return {started = false, index = -1, open = nil, reason = "end_turn", sequence = nil, usage = nil, called = false}
 end
 
-DOORS.anthropic = {answer = anthropic_answer, error = anthropic_error, error_body = anthropic_error_body,
+-- A token count (count_tokens) in Anthropic's shape.
+local function anthropic_count(n)
+  return '{"input_tokens":' .. n .. "}"
+end
+
+DOORS.anthropic = {answer = anthropic_answer, count = anthropic_count, error = anthropic_error, error_body = anthropic_error_body,
                stream = anthropic_stream, begin = anthropic_begin, usage = anthropic_usage, text = anthropic_text,
                call = anthropic_call, finish = anthropic_finish, done = anthropic_done,
                error_event = anthropic_error_event,

@@ -132,11 +132,20 @@ def _param(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not tag(p))
 
 
-def request(raw: bytes) -> dict[str, Any]:
-    """A Messages request as the internal chat completion request (GatewayError on bad input)."""
+class CountTokensRequest(_Strict):
+    """`POST /v1/messages/count_tokens`: what the prompt of a Messages request would count."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+def _validated(model: type[_Strict], raw: bytes) -> Any:
     doc = chat.parse_json(raw)
     try:
-        native = MessagesRequest.model_validate(doc)
+        return model.model_validate(doc)
     except ValidationError as e:
         # A field the gateway does not carry is named first: it is why the rest does not fit either.
         err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
@@ -145,12 +154,24 @@ def request(raw: bytes) -> dict[str, Any]:
             raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's "
                                "Messages API", param) from None
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
+
+
+def request(raw: bytes) -> dict[str, Any]:
+    """A Messages request as the internal chat completion request (GatewayError on bad input)."""
+    native = _validated(MessagesRequest, raw)
     body = internal_body(native.model_dump(exclude_none=True, by_alias=True))
     if native.tool_choice is not None and native.tool_choice.type == "tool" and not native.tool_choice.name:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "tool_choice.name is required for type tool", "tool_choice")
     if native.stream:
         body["stream_options"] = {"include_usage": True}  # the events carry usage: the client asked for it
     return body
+
+
+def count_request(raw: bytes) -> dict[str, Any]:
+    """A count_tokens request as the internal request whose prompt is counted (one token to generate:
+    the contract asks for a bound, and counting generates nothing)."""
+    native = _validated(CountTokensRequest, raw)
+    return internal_body({**native.model_dump(exclude_none=True, by_alias=True), "max_tokens": 1})
 
 
 # Internal request field -> the Messages API field it came from (those whose name differs).
@@ -204,4 +225,5 @@ def error(status: int, body: bytes) -> bytes:
 
 
 DOOR = Door(NAME, re.escape(MESSAGES_PATH), lambda raw, _path: request(raw), error, ("x-api-key",),
-            fields=FIELDS, model_object=model_object, model_list=model_list, models_header="anthropic-version")
+            fields=FIELDS, model_object=model_object, model_list=model_list, models_header="anthropic-version",
+            count_path=re.escape(MESSAGES_PATH + "/count_tokens"), count_request=lambda raw, _path: count_request(raw))

@@ -286,5 +286,18 @@ class BedrockAdapter:
         return NativeRequest(path, headers, native, tuple(losses(body, LOSS_TABLE)),
                              sign(path, signed, native, target) if target.credential else {})
 
+    def counts(self, target: Target) -> bool:
+        return True
+
+    def count_request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        """Bedrock's CountTokens (`/model/{id}/count-tokens`) of the Converse request's input, signed."""
+        _, headers = self.endpoint(target)
+        converse = native_body(body)
+        kept = {k: converse[k] for k in ("messages", "system", "toolConfig") if k in converse}
+        path = f"/model/{quote(target.model, safe='')}/count-tokens"
+        native = orjson.dumps({"input": {"converse": kept}})
+        signed = {"content-type": headers["content-type"]}
+        return NativeRequest(path, headers, native, (), sign(path, signed, native, target) if target.credential else {})
+
 
 BEDROCK = BedrockAdapter()

@@ -267,5 +267,17 @@ class GeminiAdapter:
         path, headers = self.endpoint(target)
         return NativeRequest(path, headers, orjson.dumps(native_body(body)), tuple(losses(body, LOSS_TABLE)))
 
+    def counts(self, target: Target) -> bool:
+        return True
+
+    def count_request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        """The Gemini API's own count (`:countTokens`), of the whole request as it would be generated."""
+        _, headers = self.endpoint(target)
+        native = native_body(body)
+        kept = {k: native[k] for k in ("contents", "systemInstruction", "tools", "toolConfig") if k in native}
+        model = quote(target.model, safe="")
+        return NativeRequest(f"/v1beta/models/{model}:countTokens", headers, orjson.dumps(
+            {"generateContentRequest": {"model": f"models/{target.model}", **kept}}))
+
 
 GEMINI = GeminiAdapter()

@@ -132,7 +132,12 @@ local function gemini_stream()
   return {id = "", model = "", calls = {}, order = {}, finish = nil, usage = nil}
 end
 
-DOORS.gemini = {answer = gemini_answer, error = gemini_error, error_body = gemini_error_body,
+-- A token count (countTokens) in Gemini's shape.
+local function gemini_count(n)
+  return concat({'{"totalTokens":', n, ',"promptTokensDetails":[{"modality":"TEXT","tokenCount":', n, "}]}"})
+end
+
+DOORS.gemini = {answer = gemini_answer, count = gemini_count, error = gemini_error, error_body = gemini_error_body,
             stream = gemini_stream, begin = gemini_begin, usage = gemini_usage, text = gemini_text,
             call = gemini_call_delta, finish = gemini_finish_choice, done = gemini_done,
             error_event = gemini_error_event}

@@ -175,6 +175,26 @@ class GenerateContentRequest(_Strict):
     tool_config: ToolConfig | None = None
 
 
+class NamedGenerateContentRequest(GenerateContentRequest):
+    model: str | None = None  # `models/{model}`: the path names the route
+
+
+class CountTokensRequest(_Strict):
+    """`POST .../models/{route}:countTokens`: the contents alone, or a whole generateContent request."""
+
+    contents: list[Content] | None = None
+    generate_content_request: NamedGenerateContentRequest | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> CountTokensRequest:
+        if (self.contents is None) == (self.generate_content_request is None):
+            raise ValueError("countTokens takes contents or generateContentRequest (one of them)")
+        return self
+
+
+COUNT_PATH = re.compile(r"/(?:v1|v1beta|v1alpha)/models/([^/:]+):countTokens")
+
+
 def route_of(path: str) -> tuple[str, bool] | None:
     """(the route named in the path, whether it streams), or None for another path."""
     m = PATH.fullmatch(urlsplit(path).path)
@@ -189,9 +209,32 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
     route, stream = where
     if stream and parse_qs(urlsplit(path).query).get("alt") != ["sse"]:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "streamGenerateContent takes alt=sse (server-sent events)", "alt")
+    native = _validated(GenerateContentRequest, raw)
+    body = internal_body(native.model_dump(exclude_none=True, by_alias=True), route, stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}  # the last response carries usage
+    return body
+
+
+def count_request(raw: bytes, path: str) -> dict[str, Any]:
+    """A countTokens request as the internal request whose prompt is counted (one token to generate:
+    the contract asks for a bound, and counting generates nothing)."""
+    m = COUNT_PATH.fullmatch(urlsplit(path).path)
+    if m is None:
+        raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, "no such endpoint")
+    native = _validated(CountTokensRequest, raw)
+    doc = (native.generate_content_request.model_dump(exclude_none=True, by_alias=True, exclude={"model"})
+           if native.generate_content_request is not None
+           else {"contents": [c.model_dump(exclude_none=True, by_alias=True) for c in native.contents or ()]})
+    body = internal_body(doc, unquote(m.group(1)))
+    body["max_tokens"] = 1
+    return body
+
+
+def _validated(model: type[_Strict], raw: bytes) -> Any:
     doc = chat.parse_json(raw)
     try:
-        native = GenerateContentRequest.model_validate(doc)
+        return model.model_validate(doc)
     except ValidationError as e:
         # A field the gateway does not carry is named first: it is why the rest does not fit either.
         err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
@@ -200,10 +243,6 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
             raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's Gemini API",
                                param) from None
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
-    body = internal_body(native.model_dump(exclude_none=True, by_alias=True), route, stream)
-    if stream:
-        body["stream_options"] = {"include_usage": True}  # the last response carries usage
-    return body
 
 
 # Internal request field -> the generateContent field it came from.
@@ -268,4 +307,4 @@ def error(status: int, body: bytes) -> bytes:
 
 DOOR = Door(NAME, PATH_REGEX, request, error, ("x-goog-api-key",), "key", fields=FIELDS,
             model_object=model_object, model_list=model_list, models_path=MODELS_PATH.pattern,
-            models_header="x-goog-api-key")
+            models_header="x-goog-api-key", count_path=COUNT_PATH.pattern, count_request=count_request)

@@ -62,6 +62,16 @@ class OpenAIAdapter:
         path, headers = self.endpoint(target)
         return NativeRequest(path, headers, orjson.dumps(native), tuple(lost))
 
+    def counts(self, target: Target) -> bool:
+        return target.options.get("kind", "vllm") == "vllm"  # OpenAI and Azure count no chat completion
+
+    def count_request(self, body: Mapping[str, Any], target: Target) -> NativeRequest:
+        """vLLM's `/tokenize` with the chat template applied as for generation (the tools rendered too)."""
+        native: dict[str, Any] = {"model": target.model, "messages": body["messages"], "add_generation_prompt": True}
+        if body.get("tools"):
+            native["tools"] = body["tools"]
+        return NativeRequest("/tokenize", {"content-type": "application/json"}, orjson.dumps(native))
+
 
 
 OPENAI = OpenAIAdapter()

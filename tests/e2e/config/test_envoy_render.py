@@ -12,6 +12,7 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.config.schema import MAX_RETRIES
+from extproc.contract import ErrorCode, GatewayError
 from extproc.names import EXTPROC_CLUSTER
 from extproc.shapes.registry import DOORS, DOORS_BY_NAME
 from llmgw.local.procs import envoy_binary, envoy_env, free_port, wait_until
@@ -86,20 +87,25 @@ def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: di
     assert chain["llmgw.lua_doors"]["disabled"] is True
     assert "default_source_code" not in chain["llmgw.lua_doors"]["typed_config"]  # a door's routes name it
     routes = {r["name"]: r for r in hcm(rendered)["route_config"]["virtual_hosts"][0]["routes"]}
-    # The door filter is on only for a front door's path and its door's admitted routes (and the
-    # response filters with it), running the door script.
+    # The door filter is on only for a front door's paths (its requests and its token counts), its
+    # door's admitted routes and the token counts' routes (and the response filters with it), running
+    # the door script.
+    counts = [r for r in routes.values() if r["name"].startswith("admitted_") and r["name"].endswith("_count")]
+    assert {r["route"]["cluster"] for r in counts} == {"pool_engine-pool", "dep_demo-anthropic", "dep_demo-bedrock",
+                                                       "dep_demo-gemini"}
     for name in ("anthropic", "gemini"):
-        door = routes[f"{name}_without_body"]
+        door, count = routes[f"{name}_without_body"], routes[f"{name}_without_body_count"]
         assert door["match"] == {"safe_regex": {"regex": DOORS_BY_NAME[name].path}}
+        assert count["match"] == {"safe_regex": {"regex": DOORS_BY_NAME[name].count_path}}
         admitted = [r for r in routes.values()
                     if r["name"].startswith("admitted_") and r["name"].endswith(f"_{name}")]
         assert admitted
-        for r in (door, *admitted):
+        for r in (door, count, *admitted, *counts):
             on = r["typed_per_filter_config"]["llmgw.lua_doors"]
             assert not on.get("disabled", False) and on["config"]["name"] == "doors", r["name"]
     assert not [r["name"] for r in routes.values() if "llmgw.lua_doors" in r.get("typed_per_filter_config", {})
                 and not r["name"].endswith(("_anthropic", "_gemini"))
-                and r["name"] not in ("anthropic_without_body", "gemini_without_body")]
+                and r not in counts and not r["name"].startswith(("anthropic_without_body", "gemini_without_body"))]
     on = routes["chat_without_body"]["typed_per_filter_config"]
     assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "llmgw.lua_answers"} <= set(on)
     assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams", "llmgw.lua_streams"))
@@ -138,7 +144,20 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
     composites_translating = translating_composites(load_snapshot(POLICY), {r["route"]["cluster"] for r in to_clusters})
     assert composites_translating and all(c.startswith("fallback_") for c in composites_translating)
     assert to_clusters, "no route reaches an upstream"
-    for r in to_clusters:
+    # A door's token count, per cluster whose deployment counts: the Lua answer filter on (it sets the
+    # count's path and headers, which the router must keep), no path rewrite, no guard.
+    counts = [r for r in to_clusters if r["name"].endswith("_count")]
+    for r in counts:
+        cluster = r["route"]["cluster"]
+        assert r["name"] == f"admitted_{cluster}_count" and r["match"]["prefix"] == "/"
+        assert r["match"]["dynamic_metadata"] == [
+            {"filter": "io.llmgw", "path": [{"key": "cluster"}], "value": {"string_match": {"exact": cluster}}},
+            {"filter": "io.llmgw", "path": [{"key": "count"}], "value": {"present_match": True}}]
+        assert "regex_rewrite" not in r["route"] and "llmgw.lua_answers" not in r["typed_per_filter_config"]
+        assert r["request_headers_to_remove"] == [h for h in ("authorization", "x-api-key", "x-goog-api-key")
+                                                  if h not in translated_here.get(cluster, ())]
+        assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"} <= set(r["typed_per_filter_config"])
+    for r in (r for r in to_clusters if r not in counts):
         md = r["match"]["dynamic_metadata"][0]
         assert md["filter"] == "io.llmgw" and md["path"] == [{"key": "cluster"}]
         assert md["value"]["string_match"]["exact"] == r["route"]["cluster"]
@@ -188,13 +207,14 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
     for r in routes:
         if "direct_response" in r and r["direct_response"]["status"] >= 400:
             body = yaml.safe_load(r["direct_response"]["body"]["inline_string"])
-            door = next((d for d in DOORS if r["name"] == f"{d.name}_without_body"), None)
+            door = next((d for d in DOORS if r["name"].startswith((f"{d.name}_without_body", f"{d.name}_models"))),
+                        None)
             if door is None:
                 assert set(body["error"]) == {"message", "type", "code", "param"}
                 continue
-            contract = json.dumps({"error": {"message": "a JSON request body is required",
-                                             "type": "invalid_request_error", "code": "invalid_request",
-                                             "param": None}}).encode()
+            models = r["name"] == f"{door.name}_models"  # a door's own model paths: never reached, ext_proc answers
+            contract = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the model list is unavailable").body() if models \
+                else GatewayError(ErrorCode.INVALID_REQUEST, "a JSON request body is required").body()
             assert body == json.loads(door.error(r["direct_response"]["status"], contract)), r["name"]
 
 

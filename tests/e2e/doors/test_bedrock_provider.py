@@ -446,7 +446,8 @@ UNSUPPORTED = [f for f, rule in LOSS_TABLE.items() if rule is Support.UNSUPPORTE
 VALUES = {"seed": 7, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"1": 1}, "logprobs": True,
           "top_logprobs": 2, "response_format": {"type": "json_object"}, "parallel_tool_calls": False, "min_p": 0.1,
           "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True, "skip_special_tokens": False,
-          "spaces_between_special_tokens": False, "include_stop_str_in_output": True}
+          "spaces_between_special_tokens": False, "include_stop_str_in_output": True, "reasoning_effort": "low",
+          "verbosity": "low"}
 
 
 @pytest.mark.e2e

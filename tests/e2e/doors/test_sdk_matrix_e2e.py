@@ -395,3 +395,53 @@ def test_anthropic_and_openai_models_retrieve_and_list(up: Stack) -> None:
     o = openai_client(up).models.retrieve("chat-default")
     assert o.object == "model" and o.owned_by == "llmgw"
     assert {m.id for m in openai_client(up).models.list()} == set(ROUTES)
+
+
+# -- token counting, nothing generated or charged ------------------------------------------------------
+
+def counted_and_used(stack: Stack, door: str, route: str) -> tuple[int, str, int]:
+    """(the count, its request id, the prompt tokens a 1-token generation of the same request used)."""
+    text = f"count these tokens for {route}"
+    if door == "anthropic":
+        c = anthropic_client(stack).messages.count_tokens(model=route, system="Be brief.", messages=ask(text))
+        m = anthropic_client(stack).messages.create(model=route, max_tokens=1, system="Be brief.", messages=ask(text))
+        return c.input_tokens, c._request_id or "", m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    g = genai_client(stack)
+    n = g.models.count_tokens(model=route, contents=text)
+    r = g.models.generate_content(model=route, contents=text, config=types.GenerateContentConfig(max_output_tokens=1))
+    assert n.sdk_http_response is not None and r.usage_metadata is not None
+    return n.total_tokens or 0, (n.sdk_http_response.headers or {})["x-request-id"], \
+        r.usage_metadata.prompt_token_count or 0
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("door", ["anthropic", "gemini"])
+def test_a_token_count_is_the_candidates_own_and_charged_nothing(up: Stack, door: str, route: str) -> None:
+    """Anthropic's count_tokens and Gemini's countTokens, answered by the route's first qualified
+    candidate (the pool's /tokenize, each provider's own count): the same number its generation
+    reports as prompt tokens; one ledger entry marked as a count, charged nothing."""
+    n, rid, used = counted_and_used(up, door, route)
+    assert n == used > 0
+    entry = ledger_of(up, rid, "acme")
+    assert entry["count"] == {"chat-default": "openai", "chat-fallback": "openai"}.get(route, route.split("-")[1])
+    assert (entry["settlement"], entry["charged_micros"], entry["charged_tokens"]) == ("released", 0, 0)
+    assert entry["usage"]["prompt_tokens"] == n and entry["usage"]["completion_tokens"] == 0
+    assert entry["attempts"][-1]["deployment"] == DEPLOYMENT[route]
+    if DEPLOYMENT[route] == "pool-llama-8b":  # the engine's tokenizer, asked without the caller's key
+        from tests.helpers import request
+        (seen,) = [e for url in up.engine_urls() for e in request(f"{url}/admin/requests").json()
+                   if e["path"] == "/tokenize" and f"for {route}" in json.dumps(e["messages"])
+                   and e["request_id"] == rid]
+        assert not seen["authorization_present"] and not seen["api_key_present"]
+
+
+def test_a_bearer_credential_never_reaches_the_engine_that_counts(up: Stack) -> None:
+    """The anthropic SDK with `auth_token` sends the gateway key as a bearer token: it never reaches the
+    engine that counts (the header allow-list drops it; the count route's removal list, checked in
+    tests/e2e/config/test_envoy_render.py, would too)."""
+    c = anthropic.Anthropic(base_url=up.url, auth_token=KEY, max_retries=0).messages.count_tokens(
+        model="chat-default", messages=ask("bearer count"))
+    from tests.helpers import request
+    (seen,) = [e for url in up.engine_urls() for e in request(f"{url}/admin/requests").json()
+               if e["path"] == "/tokenize" and e["request_id"] == c._request_id]
+    assert c.input_tokens > 0 and not seen["authorization_present"]
