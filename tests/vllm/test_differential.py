@@ -137,7 +137,11 @@ def test_models(engines: Engines) -> None:
 
 
 def test_tokenize(engines: Engines) -> None:
-    for body in ({"prompt": "hello world"}, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for body in ({"prompt": "hello world"}, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                 # what the gateway sends for a token count: the template as for generation, tools included
+                 {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                  "add_generation_prompt": True}):
         sim, real = both(engines, "/tokenize", body=body)
         assert sim.status == real.status == 200
         assert shape(sim.json()) == shape(real.json())

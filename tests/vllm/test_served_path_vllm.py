@@ -152,3 +152,17 @@ def test_requests_are_picked_from_real_metrics(vllm_stack: Stack, vllm_url: str)
                 entry = json.loads(line)
     assert entry is not None, "no access log line for the request"
     assert entry["picked"] == engine and entry["upstream"] == engine
+
+
+def test_a_token_count_is_real_vllms_own(vllm_stack: Stack) -> None:
+    """Anthropic's count_tokens through the gateway, counted by real vLLM's /tokenize with the chat
+    template and the tools applied as for generation: the prompt tokens a generation then reports."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=vllm_stack.url, api_key=ACME, max_retries=0, timeout=120)
+    kw = {"model": "chat-default", "system": "Be brief.", "messages": [{"role": "user", "content": "count me"}],
+          "tools": [{"name": "search_docs", "description": "search", "input_schema": {
+              "type": "object", "properties": {"query": {"type": "string"}}}}]}
+    counted = client.messages.count_tokens(**kw).input_tokens  # type: ignore[arg-type]
+    used = client.messages.create(max_tokens=1, **kw).usage  # type: ignore[arg-type]
+    assert counted == used.input_tokens + (used.cache_read_input_tokens or 0) > 0
