@@ -19,7 +19,7 @@ import hashlib
 import hmac
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime
 from typing import Any
 
@@ -278,7 +278,11 @@ class RouteSelection:
             count_plan(ex, snap, serving, qualified)
             return
         ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)
-        ex.translation_losses = {d.deployment: lost[d.deployment] for d in ex.candidates if lost.get(d.deployment)}
+        door = DOORS_BY_NAME.get(ex.door)
+        # What a report-mode route lists (x-llmgw-translation-loss, the ledger), named as the caller wrote it.
+        ex.translation_losses = {d.deployment: tuple(replace(x, field=door.field_name(x.field)) for x in found)
+                                 if door is not None else found
+                                 for d in ex.candidates if (found := lost.get(d.deployment))}
         dep = ex.deployment = ex.candidates[0]
         if serving is route and route.shadow is not None:
             shadow_copy(ex, route, facts)

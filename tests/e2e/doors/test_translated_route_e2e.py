@@ -350,3 +350,16 @@ def test_an_azure_deployment_gets_its_path_and_key_and_only_what_it_honours(gw: 
     refused = chat(gw, "chat-azure", top_k=5)  # a vLLM sampling field Azure does not honour
     assert assert_contract_error(refused, 400, "unsupported_field")["param"] == "top_k"
     assert len(received(azure)) == 2
+
+
+def test_a_doors_caller_sees_the_loss_named_as_it_wrote_it(gw: Stack, provider: str) -> None:
+    """Under `report`, a front door's caller reads what was lost in its own field names (the Gemini
+    door's `seed` is `generationConfig.seed`), in the header and the ledger."""
+    body = {"contents": [{"role": "user", "parts": [{"text": "door loss"}]}],
+            "generationConfig": {"maxOutputTokens": 3, "seed": 7}}
+    r = request(f"{gw.url}/v1beta/models/chat-anthropic-report:generateContent", "POST", body,
+                {"x-goog-api-key": DEMO_KEYS["acme"]})
+    assert r.status == 200, r.body
+    assert r.headers["x-llmgw-translation-loss"] == "generationConfig.seed (unsupported)"
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["attempts"][-1]["translation_loss"] == ["generationConfig.seed (unsupported)"]
