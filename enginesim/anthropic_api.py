@@ -122,6 +122,8 @@ class MessagesFrontEnd:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             return anthropic_error(400, "max_tokens: Field required" if max_tokens is None
                                    else "max_tokens: Input should be greater than or equal to 1")
+        if body.get("service_tier", "auto") not in ("auto", "standard_only"):
+            return anthropic_error(400, "service_tier: Input should be 'auto' or 'standard_only'")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return anthropic_error(400, "messages: at least one message is required")

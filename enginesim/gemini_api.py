@@ -89,6 +89,13 @@ def plan_body(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any
     return messages, out
 
 
+# What safetySettings may name (the API refuses anything else).
+HARM_CATEGORIES = frozenset({"HARM_CATEGORY_HARASSMENT", "HARM_CATEGORY_HATE_SPEECH", "HARM_CATEGORY_SEXUALLY_EXPLICIT",
+                             "HARM_CATEGORY_DANGEROUS_CONTENT", "HARM_CATEGORY_CIVIC_INTEGRITY"})
+HARM_THRESHOLDS = frozenset({"HARM_BLOCK_THRESHOLD_UNSPECIFIED", "BLOCK_LOW_AND_ABOVE", "BLOCK_MEDIUM_AND_ABOVE",
+                             "BLOCK_ONLY_HIGH", "BLOCK_NONE", "OFF"})
+
+
 class GeminiFrontEnd:
     """Serves Gemini's generateContent from an EngineServer's engine, model, request log and faults."""
 
@@ -116,6 +123,11 @@ class GeminiFrontEnd:
             c.setdefault("role", "user")
         if int((body.get("generationConfig") or {}).get("candidateCount") or 1) != 1:
             return gemini_error(400, "candidateCount must be 1 here")
+        for i, s in enumerate(body.get("safetySettings") or ()):
+            if not isinstance(s, dict) or s.get("category") not in HARM_CATEGORIES:
+                return gemini_error(400, f"Invalid value at 'safety_settings[{i}].category'")
+            if s.get("threshold") not in HARM_THRESHOLDS:
+                return gemini_error(400, f"Invalid value at 'safety_settings[{i}].threshold'")
         return None
 
     def _count_tokens(self, request: web.Request, body: Any, model: str) -> web.Response:

@@ -59,8 +59,12 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0), "parallel_tool_calls": (True,), "stream": (False,),
     "logit_bias": ({},), "stop": ([],), "tools": ([],),
 }
+# A front door's provider-only fields (Gemini's safetySettings, Anthropic's service_tier), carried in
+# the internal body for a plan whose every candidate speaks the door's shape, whose adapter sends
+# them as they came (extproc/shapes/door.py). Only a door sets it, after its request was checked.
+NATIVE = "llmgw_native"
 # Fields every adapter handles because the gateway itself owns them (never sent by the client as such).
-GATEWAY_FIELDS = frozenset({"model", "messages"})
+GATEWAY_FIELDS = frozenset({"model", "messages", NATIVE})
 
 
 def losses(body: Mapping[str, Any], table: LossTable) -> list[Loss]:

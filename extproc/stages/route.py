@@ -36,8 +36,8 @@ from extproc.exchange import Exchange
 from extproc.names import Settle
 from extproc.picker import Picker
 from extproc.shadow import Grant, issue, shadow_bucket
-from extproc.shapes.loss import Loss, Support, losses
-from extproc.shapes.registry import DOORS_BY_NAME, loss_table
+from extproc.shapes.loss import NATIVE, Loss, Support, losses
+from extproc.shapes.registry import DOORS_BY_NAME, loss_table, shape_of
 from extproc.stages.authorize import authorized_on
 
 
@@ -206,6 +206,25 @@ def canary_order(ex: Exchange, route: Route, qualified: list[int]) -> list[int]:
     return stable or qualified
 
 
+def native_plan(ex: Exchange, loss_rule: str, lost: dict[str, tuple[Loss, ...]]) -> None:
+    """A door's provider-only fields reach a plan only when every candidate it may try speaks the
+    door's shape (they are sent as they came); otherwise the route's loss rule: `reject` refuses the
+    request naming the first of them, `report` serves it without them and lists them as lost for each
+    candidate of another shape."""
+    assert ex.native is not None
+    foreign = [d for d in ex.candidates if shape_of(d.fingerprint.adapter).name != ex.door]
+    if not foreign:
+        return
+    first = next(iter(ex.native))
+    if loss_rule == "reject":
+        raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{first}` is {ex.door}'s own and reaches only a {ex.door} "
+                           f"candidate; this route may try {foreign[0].deployment}", first)
+    for d in foreign:
+        lost[d.deployment] = (*lost.get(d.deployment, ()),
+                              *(Loss(k, Support.UNSUPPORTED, f"{ex.door}'s own") for k in ex.native))
+    ex.native = None
+
+
 def count_plan(ex: Exchange, snap: Snapshot, route: Route, qualified: list[int]) -> None:
     """A token count: the route's first qualified candidate that can count (the engine's tokenizer, or
     its provider's own count) counts the prompt as it would see it; no other is tried."""
@@ -278,6 +297,8 @@ class RouteSelection:
             count_plan(ex, snap, serving, qualified)
             return
         ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)
+        if ex.native:
+            native_plan(ex, route.translation_loss, lost)
         door = DOORS_BY_NAME.get(ex.door)
         # What a report-mode route lists (x-llmgw-translation-loss, the ledger), named as the caller wrote it.
         ex.translation_losses = {d.deployment: tuple(replace(x, field=door.field_name(x.field)) for x in found)
@@ -296,6 +317,8 @@ class RouteSelection:
                       if uses_attempt_filter(ex.candidates) and not here else snap.pool_of(dep))
         body = dict(ex.body)
         body["model"] = dep.served_model
+        if ex.native:  # every candidate speaks the door's shape: its adapter sends them as they came
+            body[NATIVE] = ex.native
         # The bound the reservation holds is also the engine's (invariant 3).
         prompt_bound = facts.prompt_bound + template_allowance(snap, route) * facts.n_messages
         body["max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"] = (

@@ -57,7 +57,8 @@ def test_a_request_becomes_the_internal_contract() -> None:
 
 @pytest.mark.parametrize("raw, code, param", [
     (native(thinking={"type": "enabled", "budget_tokens": 1024}), ErrorCode.UNSUPPORTED_FIELD, "thinking"),
-    (native(service_tier="auto"), ErrorCode.UNSUPPORTED_FIELD, "service_tier"),
+    (native(mcp_servers=[]), ErrorCode.UNSUPPORTED_FIELD, "mcp_servers"),
+    (native(service_tier="priority"), ErrorCode.INVALID_REQUEST, "service_tier"),  # its own field, checked
     (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode(), ErrorCode.INVALID_REQUEST,
      "max_tokens"),
     (native(max_tokens=0), ErrorCode.INVALID_REQUEST, "max_tokens"),
@@ -250,7 +251,8 @@ def test_the_gemini_door_takes_the_route_from_the_path_and_both_spellings() -> N
 
 
 @pytest.mark.parametrize("raw, path, code, param", [
-    (gnative(safetySettings=[]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "safetySettings"),
+    (gnative(safetySettings=[{"category": "HARM_CATEGORY_X", "threshold": "LOUD"}]), GPATH,
+     ErrorCode.INVALID_REQUEST, "safetySettings.0.threshold"),  # its own field, checked
     (gnative(cachedContent="c/1"), GPATH, ErrorCode.UNSUPPORTED_FIELD, "cachedContent"),
     (gnative(tools=[{"googleSearch": {}}]), GPATH, ErrorCode.UNSUPPORTED_FIELD, "tools.0.googleSearch"),
     (gnative(generationConfig={"responseLogprobs": True}), GPATH, ErrorCode.UNSUPPORTED_FIELD,
@@ -395,3 +397,23 @@ def test_a_token_count_is_the_doors_request_without_generation() -> None:
                                   (b'{}', "/v1beta/models/r:countTokens", GEMINI_DOOR)]:
         with pytest.raises(GatewayError):
             door.count_request(bad, count_path)  # type: ignore[misc]
+
+
+def test_a_doors_own_fields_travel_apart_for_a_plan_of_its_shape() -> None:
+    """Gemini's safetySettings and Anthropic's service_tier are checked by the door and carried beside
+    the contract (NATIVE), which only an adapter of the door's shape sends on, as they came."""
+    from extproc.shapes.base import Target
+    from extproc.shapes.loss import NATIVE
+    from extproc.shapes.registry import adapter_for
+
+    safety = [{"category": "HARM_CATEGORY_HARASSMENT", "threshold": "BLOCK_ONLY_HIGH"}]
+    g = gemini_request(gnative(safetySettings=safety), GPATH)
+    assert g[NATIVE] == {"safetySettings": safety}
+    sent = json.loads(adapter_for("gemini@1").request(g, Target("gem")).body)
+    assert sent["safetySettings"] == safety and NATIVE not in sent
+    a = request(native(service_tier="standard_only"))
+    assert a[NATIVE] == {"service_tier": "standard_only"}
+    sent = json.loads(adapter_for("anthropic@1").request(a, Target("claude")).body)
+    assert sent["service_tier"] == "standard_only" and NATIVE not in sent
+    with pytest.raises(GatewayError):  # still checked: an unknown category is the door's 400
+        gemini_request(gnative(safetySettings=[{"category": "nope", "threshold": "OFF"}]), GPATH)

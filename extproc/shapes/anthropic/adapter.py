@@ -27,7 +27,7 @@ from extproc.shapes.base import (
     NativeRequest,
     Target,
 )
-from extproc.shapes.loss import Conditional, LossTable, Support, losses
+from extproc.shapes.loss import NATIVE, Conditional, LossTable, Support, losses
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -156,6 +156,12 @@ def _tool_choice(choice: Any, parallel: Any) -> dict[str, Any] | None:
 
 
 def native_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
+    native = _native_body(body, model)
+    native.update(body.get(NATIVE) or {})  # the Anthropic door's own fields, as its caller sent them
+    return native
+
+
+def _native_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
     system, turns = _turns(list(body["messages"]))
     native: dict[str, Any] = {"model": model, "messages": turns,
                               "max_tokens": body.get("max_tokens") or body.get("max_completion_tokens")

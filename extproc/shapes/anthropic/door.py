@@ -28,6 +28,7 @@ from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.anthropic.adapter import internal_body
 from extproc.shapes.door import Door, null_is_absent
+from extproc.shapes.loss import NATIVE
 
 MESSAGES_PATH = "/v1/messages"
 NAME = "anthropic"
@@ -122,6 +123,8 @@ class MessagesRequest(_Strict):
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None  # structured output: the internal json_schema response_format
+    # Anthropic's own: sent unchanged to a plan of Anthropic-shaped candidates only (extproc/shapes/door.py).
+    service_tier: Literal["auto", "standard_only"] | None = None
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -160,6 +163,8 @@ def request(raw: bytes) -> dict[str, Any]:
     """A Messages request as the internal chat completion request (GatewayError on bad input)."""
     native = _validated(MessagesRequest, raw)
     body = internal_body(native.model_dump(exclude_none=True, by_alias=True))
+    if native.service_tier is not None:
+        body[NATIVE] = {"service_tier": native.service_tier}
     if native.tool_choice is not None and native.tool_choice.type == "tool" and not native.tool_choice.name:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "tool_choice.name is required for type tool", "tool_choice")
     if native.stream:

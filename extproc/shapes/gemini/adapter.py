@@ -35,7 +35,7 @@ from extproc.shapes.base import (
     settings_back,
     tool_arguments,
 )
-from extproc.shapes.loss import Conditional, LossTable, Support, losses
+from extproc.shapes.loss import NATIVE, Conditional, LossTable, Support, losses
 
 S = Support
 
@@ -118,6 +118,12 @@ def _arguments(text: Any) -> dict[str, Any]:
 
 
 def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    native = _native_body(body)
+    native.update(body.get(NATIVE) or {})  # the Gemini door's own fields, as its caller sent them
+    return native
+
+
+def _native_body(body: Mapping[str, Any]) -> dict[str, Any]:
     system: list[str] = []
     contents: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool call id -> function name, for the results that answer them

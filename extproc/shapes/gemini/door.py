@@ -32,6 +32,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.door import Door, null_is_absent
 from extproc.shapes.gemini.adapter import internal_body
 from extproc.shapes.gemini.schema import Schema, either
+from extproc.shapes.loss import NATIVE
 
 NAME = "gemini"
 # Every API version the SDKs address: google-genai asks v1beta by default, `api_version="v1"` (or
@@ -167,8 +168,16 @@ class GenerationConfig(_Strict):
         return self
 
 
+class SafetySetting(_Strict):
+    category: str = Field(pattern=r"^HARM_CATEGORY_[A-Z_]+$")
+    threshold: str = Field(pattern=r"^(BLOCK_[A-Z_]+|HARM_BLOCK_THRESHOLD_UNSPECIFIED|OFF)$")
+    method: Literal["SEVERITY", "PROBABILITY", "HARM_BLOCK_METHOD_UNSPECIFIED"] | None = None
+
+
 class GenerateContentRequest(_Strict):
     contents: list[Content] = Field(min_length=1)
+    # Gemini's own: sent unchanged to a plan of Gemini-shaped candidates only (extproc/shapes/door.py).
+    safety_settings: list[SafetySetting] | None = None
     system_instruction: SystemInstruction | None = None
     generation_config: GenerationConfig | None = None
     tools: list[Tool] | None = None
@@ -211,6 +220,9 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "streamGenerateContent takes alt=sse (server-sent events)", "alt")
     native = _validated(GenerateContentRequest, raw)
     body = internal_body(native.model_dump(exclude_none=True, by_alias=True), route, stream)
+    if native.safety_settings:
+        body[NATIVE] = {"safetySettings": [s.model_dump(exclude_none=True, by_alias=True)
+                                           for s in native.safety_settings]}
     if stream:
         body["stream_options"] = {"include_usage": True}  # the last response carries usage
     return body

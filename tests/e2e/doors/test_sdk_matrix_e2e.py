@@ -445,3 +445,48 @@ def test_a_bearer_credential_never_reaches_the_engine_that_counts(up: Stack) -> 
     (seen,) = [e for url in up.engine_urls() for e in request(f"{url}/admin/requests").json()
                if e["path"] == "/tokenize" and e["request_id"] == c._request_id]
     assert c.input_tokens > 0 and not seen["authorization_present"]
+
+
+# -- a door's own fields, for a plan of its shape ------------------------------------------------------
+
+SAFETY = [types.SafetySetting(category=types.HarmCategory.HARM_CATEGORY_HARASSMENT,
+                              threshold=types.HarmBlockThreshold.BLOCK_ONLY_HIGH)]
+
+
+def provider_fields(stack: Stack, deployment: str, marker: str) -> list[str]:
+    from tests.helpers import request
+    (host, port), = stack.render.providers[deployment]
+    (entry,) = [e for e in request(f"http://{host}:{port}/admin/requests").json()
+                if marker in json.dumps(e["messages"])]
+    return list(entry["fields"])
+
+
+def test_geminis_safety_settings_reach_a_gemini_candidate_unchanged(up: Stack) -> None:
+    marker = "safety-escape-91"
+    r = genai_client(up).models.generate_content(
+        model="chat-gemini", contents=marker,
+        config=types.GenerateContentConfig(max_output_tokens=3, safety_settings=SAFETY))
+    assert r.text and "safetySettings" in provider_fields(up, "demo-gemini", marker)
+
+
+def test_anthropics_service_tier_reaches_an_anthropic_candidate_unchanged(up: Stack) -> None:
+    marker = "tier-escape-17"
+    m = anthropic_client(up).messages.create(model="chat-anthropic", max_tokens=3, messages=ask(marker),
+                                             service_tier="standard_only")
+    assert m.content and "service_tier" in provider_fields(up, "demo-anthropic", marker)
+
+
+@pytest.mark.parametrize("door, route", [("gemini", "chat-default"), ("gemini", "chat-anthropic"),
+                                         ("anthropic", "chat-fallback"), ("anthropic", "chat-bedrock")])
+def test_a_doors_own_field_is_refused_where_the_plan_may_try_another_shape(up: Stack, door: str, route: str) -> None:
+    """Under `reject`, naming the field: the pool, another provider's shape, or a fallback plan whose
+    first candidate is the pool (chat-fallback) would not carry it."""
+    with pytest.raises(ERRORS[door]) as e:
+        if door == "gemini":
+            genai_client(up).models.generate_content(model=route, contents="x", config=types.GenerateContentConfig(
+                max_output_tokens=3, safety_settings=SAFETY))
+        else:
+            anthropic_client(up).messages.create(model=route, max_tokens=3, messages=ask("x"), service_tier="auto")
+    status, body = status_and_body(e.value)
+    field = "safetySettings" if door == "gemini" else "service_tier"
+    assert status == 400 and "unsupported_field" in body and f"`{field}`" in body

@@ -76,6 +76,7 @@ def translated_policy(root: Path, provider: str, azure: str) -> Path:
     cross["retry"] = {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable"],
                       "requires": "read_only_or_idempotency_key"}
     (dst / "routes/chat-cross.yaml").write_text(yaml.safe_dump(cross))
+    add_route_of(dst, "chat-cross-report", ref, "report", first=False)
     return dst
 
 
@@ -363,3 +364,14 @@ def test_a_doors_caller_sees_the_loss_named_as_it_wrote_it(gw: Stack, provider: 
     assert r.headers["x-llmgw-translation-loss"] == "generationConfig.seed (unsupported)"
     entry = ledger_of(gw, r.headers["x-request-id"], "acme")
     assert entry["attempts"][-1]["translation_loss"] == ["generationConfig.seed (unsupported)"]
+
+
+def test_a_doors_own_field_is_dropped_and_reported_where_the_plan_may_try_another_shape(gw: Stack) -> None:
+    """Under `report`, a plan that may try the pool first serves the request without the Anthropic
+    door's own `service_tier` and says so for the candidate that answered."""
+    body = {"model": "chat-cross-report", "max_tokens": 3, "service_tier": "auto",
+            "messages": [{"role": "user", "content": "tier report"}]}
+    r = request(f"{gw.url}/v1/messages", "POST", body, {"x-api-key": DEMO_KEYS["acme"]})
+    assert r.status == 200, r.body
+    assert r.headers["x-llmgw-deployment"] == "pool-llama-8b"
+    assert "service_tier (unsupported)" in r.headers["x-llmgw-translation-loss"]
