@@ -74,7 +74,7 @@ class Exchange:
     data_class: str = ""
     client_metadata: dict[str, str] = field(default_factory=dict)  # the request's `metadata` (client_fields.py)
     count: bool = False  # a door's token count (count_tokens, countTokens): counted upstream, nothing generated
-    native: dict[str, Any] | None = None  # a door's provider-only fields, for a plan of its shape (shapes/loss.py NATIVE)
+    native: dict[str, Any] | None = None  # a door's provider-only fields, for a plan of its shape (loss.NATIVE)
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     decision_id: str = ""  # this request's decision (a UUID): error body, access log, ledger, decision log
