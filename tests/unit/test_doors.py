@@ -417,3 +417,13 @@ def test_a_doors_own_fields_travel_apart_for_a_plan_of_its_shape() -> None:
     assert sent["service_tier"] == "standard_only" and NATIVE not in sent
     with pytest.raises(GatewayError):  # still checked: an unknown category is the door's 400
         gemini_request(gnative(safetySettings=[{"category": "nope", "threshold": "OFF"}]), GPATH)
+
+
+def test_a_replayed_thought_is_reasoning_not_text() -> None:
+    """google-genai replays a model turn's parts as it got them; a `thought` part is the model's
+    reasoning, which must not become the assistant's visible text in the next turn."""
+    body = gemini_request(gnative(contents=[
+        {"role": "user", "parts": [{"text": "q"}]},
+        {"role": "model", "parts": [{"text": "let me think", "thought": True}, {"text": "the answer"}]},
+        {"role": "user", "parts": [{"text": "and?"}]}]), GPATH)
+    assert body["messages"][1] == {"role": "assistant", "content": "the answer", "reasoning": "let me think"}

@@ -204,10 +204,14 @@ def internal_body(native: Mapping[str, Any], model: str, stream: bool = False) -
                     ids[fn["name"]] = f"call_{len(ids)}_{fn['name']}"
                     calls.append({"id": ids[fn["name"]], "type": "function",
                                   "function": {"name": fn["name"], "arguments": tool_arguments(fn.get("args"))}})
-            text = "".join(p.get("text", "") for p in parts if "text" in p)
+            # A thought part replayed from an earlier answer is the model's reasoning, never its text.
+            text = "".join(p.get("text", "") for p in parts if "text" in p and not p.get("thought"))
+            thought = "".join(p.get("text", "") for p in parts if "text" in p and p.get("thought"))
             msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 msg["tool_calls"] = calls
+            if thought:
+                msg["reasoning"] = thought
             messages.append(msg)
             continue
         texts: list[dict[str, Any]] = []
