@@ -170,8 +170,10 @@ def charge_logged(x: Logged, dep: Deployment | None) -> Charge:
                                        succeeded=upstream_succeeded(x.upstream_status, x.answered))
         source = "estimated" if usage else source
     usage, source = believed(usage, source)
-    if x.count:  # counted, not generated: its usage is the count, its reservation of zero released
-        return Charge(termination, usage, source, 0, 0, "released")
+    if x.count:
+        # Counted, not generated: no usage (the ledger's readers - exports, reconciliation, metrics - sum
+        # usage as tokens processed, and no provider bills a count); its reservation of zero released.
+        return Charge(termination, None, "none", 0, 0, "released")
     micros, tokens, kind = charge_for(usage, source, termination, x.status, dep, failed)
     if x.degraded_response and not x.answered:
         # Envoy's degraded answer (llmgw/render/errors.py): no upstream answered, nothing was generated.

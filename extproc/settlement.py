@@ -412,6 +412,8 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  **({"translation_loss": lost.split(", ")}
                                     if (lost := attr(md, Key.TRANSLATION_LOSS)) else {})},
                              duration, first, marks)
+        if x.count and x.usage:  # a token count: the number the caller got, beside (not as) usage
+            outcome["counted_tokens"] = x.usage["prompt_tokens"]
         start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), x.stream, x.status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),

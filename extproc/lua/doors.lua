@@ -162,8 +162,9 @@ local function translate_stream(h, door)
 end
 
 -- A token count's answer (extproc/direct.py count_request): the count from the field of the shape that
--- counted (CONFIG.count_fields), in the door's shape; recorded as the request's prompt tokens for its
--- ledger entry (settlement charges a count nothing). An answer without a count is the door's 502.
+-- counted (CONFIG.count_fields), in the door's shape; kept in the metadata (usage_prompt) for the
+-- ledger's `counted_tokens` (settlement charges a count nothing and records no usage). An answer
+-- without a count is the door's 502.
 local function door_count(h, door, md, text)
   local doc = decode_all(text)
   local field = CONFIG.count_fields[md[K.count]]
