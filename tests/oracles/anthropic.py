@@ -5,7 +5,6 @@ does in production (extproc/shapes/anthropic/answers.lua), and the reference the
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +12,17 @@ from extproc.contract import ErrorCode
 from extproc.shapes.anthropic.adapter import ANTHROPIC as _ANTHROPIC
 from extproc.shapes.anthropic.adapter import STOP_REASONS
 from extproc.shapes.base import tool_arguments
-from tests.oracles.base import Failure, NativeStream, Oracle, UpstreamBroken, Usage, read_answer, sse, token_count
+from tests.oracles.base import (
+    Failure,
+    NativeStream,
+    Oracle,
+    UpstreamBroken,
+    Usage,
+    completion_of,
+    read_answer,
+    sse,
+    token_count,
+)
 from tests.oracles.openai import failure_for_status
 
 # -- answers ----------------------------------------------------------------------------------------
@@ -36,17 +45,10 @@ def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
         elif kind == "tool_use":
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": tool_arguments(block.get("input"))}})
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
-    if reasoning:
-        message["reasoning"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": STOP_REASONS.get(str(msg.get("stop_reason")), "stop")}
-    if msg.get("stop_reason") == "stop_sequence" and isinstance(msg.get("stop_sequence"), str):
-        choice["stop_reason"] = msg["stop_sequence"]
-    return {"id": f"chatcmpl-{msg.get('id', '')}", "object": "chat.completion", "created": int(time.time()),
-            "model": msg.get("model", ""), "choices": [choice], "usage": _usage(msg.get("usage") or {}).openai()}
+    said = msg.get("stop_sequence")
+    stop = said if msg.get("stop_reason") == "stop_sequence" and isinstance(said, str) else None
+    return completion_of(str(msg.get("id", "")), msg.get("model", ""), text, reasoning, calls,
+                         STOP_REASONS.get(str(msg.get("stop_reason")), "stop"), _usage(msg.get("usage") or {}), stop)
 
 
 class AnthropicStream(NativeStream):

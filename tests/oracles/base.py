@@ -143,6 +143,26 @@ class NativeStream:
         raise NotImplementedError
 
 
+def completion_of(rid: str, model: str, text: list[str], reasoning: list[str], calls: list[dict[str, Any]],
+                  finish: str, usage: Usage, stop: str | None = None, refusal: str | None = None) -> dict[str, Any]:
+    """An internal chat completion of one choice, as the Lua answer filter's `completion` writes it:
+    the text (null when only calls, or a refusal, came), reasoning, tool calls, the finish and - when a
+    stop sequence ended the text - vLLM's `stop_reason`."""
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": "".join(text) if refusal is None and (text or not calls) else None}
+    if refusal is not None:
+        message["refusal"] = refusal
+    if reasoning:
+        message["reasoning"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    if stop is not None:
+        choice["stop_reason"] = stop
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage.openai()}
+
+
 def read_answer(body: bytes, shaped: Callable[[dict[str, Any]], bool], what: str,
                 convert: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """A native JSON answer as the internal chat completion; UpstreamBroken when it does not parse,

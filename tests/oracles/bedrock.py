@@ -5,7 +5,6 @@ does in production (extproc/shapes/bedrock/answers.lua), and the reference the t
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -15,7 +14,17 @@ from extproc.names import MAX_EVENT_BYTES
 from extproc.shapes.base import tool_arguments
 from extproc.shapes.bedrock.adapter import BEDROCK as _BEDROCK
 from extproc.shapes.bedrock.adapter import STOP_REASONS
-from tests.oracles.base import Failure, NativeStream, Oracle, UpstreamBroken, Usage, read_answer, sse, token_count
+from tests.oracles.base import (
+    Failure,
+    NativeStream,
+    Oracle,
+    UpstreamBroken,
+    Usage,
+    completion_of,
+    read_answer,
+    sse,
+    token_count,
+)
 from tests.oracles.openai import failure_for_status
 
 # -- answers ----------------------------------------------------------------------------------------
@@ -39,18 +48,8 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
                           "function": {"name": str(use["name"]), "arguments": tool_arguments(use.get("input"))}})
         elif "reasoningContent" in block:
             reasoning.append(str((block["reasoningContent"].get("reasoningText") or {}).get("text", "")))
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
-    if reasoning:
-        message["reasoning"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": STOP_REASONS.get(str(doc.get("stopReason")), "stop")}
-    stop = stop_sequence(doc)
-    if stop is not None:
-        choice["stop_reason"] = stop
-    return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
-            "model": "", "choices": [choice], "usage": _usage(doc["usage"]).openai()}
+    return completion_of(uuid.uuid4().hex[:24], "", text, reasoning, calls,
+                         STOP_REASONS.get(str(doc.get("stopReason")), "stop"), _usage(doc["usage"]), stop_sequence(doc))
 
 
 def stop_sequence(doc: Mapping[str, Any]) -> str | None:

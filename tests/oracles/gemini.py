@@ -5,7 +5,6 @@ does in production (extproc/shapes/gemini/answers.lua), and the reference the te
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -14,7 +13,17 @@ from extproc.contract import ErrorCode
 from extproc.shapes.base import tool_arguments
 from extproc.shapes.gemini.adapter import FINISH_REASONS
 from extproc.shapes.gemini.adapter import GEMINI as _GEMINI
-from tests.oracles.base import Failure, NativeStream, Oracle, UpstreamBroken, Usage, read_answer, sse, token_count
+from tests.oracles.base import (
+    Failure,
+    NativeStream,
+    Oracle,
+    UpstreamBroken,
+    Usage,
+    completion_of,
+    read_answer,
+    sse,
+    token_count,
+)
 from tests.oracles.openai import failure_for_status
 
 # -- answers ----------------------------------------------------------------------------------------
@@ -37,16 +46,16 @@ def _finish(reason: Any, called: bool) -> str:
 def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
     rid = str(doc.get("responseId", ""))
     candidates = doc.get("candidates") or []
-    message: dict[str, Any] = {"role": "assistant", "content": None}
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    refusal = None
     if not candidates:  # the prompt was blocked: no candidate at all
         reason = (doc.get("promptFeedback") or {}).get("blockReason", "OTHER")
-        message["refusal"] = f"the provider blocked the prompt ({reason})"
+        refusal = f"the provider blocked the prompt ({reason})"
         finish = "content_filter"
     else:
         cand = candidates[0]
-        text: list[str] = []
-        reasoning: list[str] = []
-        calls: list[dict[str, Any]] = []
         for part in (cand.get("content") or {}).get("parts") or ():
             if "functionCall" in part:
                 fn = part["functionCall"]
@@ -56,16 +65,9 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
                 reasoning.append(part.get("text", ""))
             elif "text" in part:
                 text.append(part["text"])
-        message["content"] = "".join(text) if text or not calls else None
-        if reasoning:
-            message["reasoning"] = "".join(reasoning)
-        if calls:
-            message["tool_calls"] = calls
         finish = _finish(cand.get("finishReason"), bool(calls))
-    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-            "model": doc.get("modelVersion", ""),
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(doc.get("usageMetadata") or {}).openai()}
+    return completion_of(rid, doc.get("modelVersion", ""), text, reasoning, calls, finish,
+                         _usage(doc.get("usageMetadata") or {}), refusal=refusal)
 
 
 class GeminiStream(NativeStream):
