@@ -87,6 +87,15 @@ local function chunk(st, delta, finish, stop)
                  "}]}\n\n"})
 end
 
+-- A stream's tool call opening at the shape's block `at` (Anthropic's index, Bedrock's
+-- contentBlockIndex): the next call index, kept for the block's argument deltas, and its first chunk.
+local function open_call(st, at, id, name)
+  local n = st.ncalls
+  st.calls[at], st.ncalls = n, n + 1
+  return chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"id":"', id,
+                           '","type":"function","function":{"name":"', name, '","arguments":""}}]}'}))
+end
+
 -- Each stream shape's reader, made once per stream: `read(st, bytes, out)` handles the chunk's whole
 -- events (their chunks added to `out`) and returns true and how many bytes of an event still arriving
 -- it holds, or false when an event breaks the stream. The work is linear in the bytes received (an

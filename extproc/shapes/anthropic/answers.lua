@@ -70,10 +70,7 @@ local function anthropic_event(st, doc, out)
       if type(doc.index) ~= "number" or type(block.id) ~= "string" or type(block.name) ~= "string" then
         return false
       end
-      local n = st.ncalls
-      st.calls[doc.index], st.ncalls = n, n + 1
-      out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"id":"', block.id,
-                                       '","type":"function","function":{"name":"', block.name, '","arguments":""}}]}'}))
+      out[#out + 1] = open_call(st, doc.index, block.id, block.name)
     end
   elseif kind == "content_block_delta" then
     local delta = doc.delta

@@ -70,10 +70,7 @@ local function bedrock_event(st, kind, doc, out)
         or type(doc.contentBlockIndex) ~= "number" then
       return false
     end
-    local n = st.ncalls
-    st.calls[doc.contentBlockIndex], st.ncalls = n, n + 1
-    out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"id":"', use.toolUseId,
-                                     '","type":"function","function":{"name":"', use.name, '","arguments":""}}]}'}))
+    out[#out + 1] = open_call(st, doc.contentBlockIndex, use.toolUseId, use.name)
   elseif kind == "contentBlockDelta" then
     local delta = doc.delta
     if not is_object(delta) then return false end
