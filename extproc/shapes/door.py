@@ -47,18 +47,17 @@ class Door:
     model_list: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
     models_path: str = ""
     models_header: str = ""
-
-    def field_name(self, internal: str) -> str:
-        return self.fields.get(internal, internal)
-
     # Token counting (Anthropic's count_tokens, Gemini's countTokens): the path it is asked on (a
     # regular expression, as `path`) and its request as the internal contract.
     count_path: str = ""
     count_request: Callable[[bytes, str], dict[str, Any]] | None = None
 
+    def field_name(self, internal: str) -> str:
+        return self.fields.get(internal, internal)
+
     def matches(self, path: str) -> bool:
-        bare = urlsplit(path).path
-        return re.fullmatch(self.path, bare) is not None or self.counts(path)
+        bare = urlsplit(path).path  # (once: every request's path is tried against every door)
+        return any(re.fullmatch(p, bare) is not None for p in self.paths)
 
     @property
     def paths(self) -> tuple[str, ...]:

@@ -253,6 +253,7 @@ class RouteSelection:
                              n_messages=len(ex.body.get("messages") or ()),
                              max_tokens=requested_max_tokens(ex.body, route.max_tokens_cap,
                                                              snap.gateway.limits.default_max_tokens))
+        door = DOORS_BY_NAME.get(ex.door)  # a door's caller reads a loss named as it wrote the field
         serving = route  # the route whose candidates serve: this one, or its degraded route
         if ex.shadow_of is not None:
             qualified, refused, lost = shadow_plan(snap, route, facts, ex.body, ex.shadow_of.deployment)
@@ -268,7 +269,6 @@ class RouteSelection:
                                    "messages")
             if all(f == {"translation_loss"} for f in refused.values()):
                 first = next(x for x in lost[route.candidates[0].deployment_name] if x.support is Support.UNSUPPORTED)
-                door = DOORS_BY_NAME.get(ex.door)  # named as the caller wrote it
                 field = door.field_name(first.field) if door is not None else first.field
                 raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{field}` cannot be carried to this route's "
                                    f"provider ({first.note or 'no equivalent'})", field)
@@ -299,7 +299,6 @@ class RouteSelection:
         ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)
         if ex.native:
             native_plan(ex, route.translation_loss, lost)
-        door = DOORS_BY_NAME.get(ex.door)
         # What a report-mode route lists (x-llmgw-translation-loss, the ledger), named as the caller wrote it.
         ex.translation_losses = {d.deployment: tuple(replace(x, field=door.field_name(x.field)) for x in found)
                                  if door is not None else found
