@@ -19,6 +19,8 @@ import pytest
 from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from llmgw.local.stack import Stack
@@ -490,3 +492,58 @@ def test_a_doors_own_field_is_refused_where_the_plan_may_try_another_shape(up: S
     status, body = status_and_body(e.value)
     field = "safetySettings" if door == "gemini" else "service_tier"
     assert status == 400 and "unsupported_field" in body and f"`{field}`" in body
+
+
+# -- hostile bytes on the new paths ---------------------------------------------------------------------
+
+def _door_error(door: str, status: int, body: bytes) -> None:
+    """The door's own error shape, with the contract's code inside."""
+    doc = json.loads(body)
+    if door == "anthropic":
+        assert doc["type"] == "error" and set(doc["error"]) >= {"type", "message", "code"}, doc
+    else:
+        err = doc["error"]
+        assert err["code"] == status and err["status"] and err["details"][0]["reason"], doc
+
+
+HOSTILE_BODIES = st.one_of(
+    st.binary(max_size=200), st.just(b""), st.just(b"[" * 2000),
+    json_values := st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                                | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+                                | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=10
+                                ).map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({"model": st.text(max_size=8), "messages": json_values.map(json.loads)},
+                          optional={"contents": json_values.map(json.loads),
+                                    "generateContentRequest": json_values.map(json.loads),
+                                    "safetySettings": json_values.map(json.loads),
+                                    "service_tier": json_values.map(json.loads)}).map(lambda d: json.dumps(d).encode()))
+NEW_PATHS = [("anthropic", "POST", "/v1/messages/count_tokens", "x-api-key"),
+             ("gemini", "POST", "/v1beta/models/chat-default:countTokens", "x-goog-api-key"),
+             ("gemini", "POST", "/v1/models/chat-default:countTokens", "x-goog-api-key"),
+             ("gemini", "POST", "/v1/models/chat-default:generateContent", "x-goog-api-key"),
+             ("gemini", "POST", "/v1alpha/models/chat-gemini:generateContent", "x-goog-api-key")]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(where=st.sampled_from(NEW_PATHS), data=HOSTILE_BODIES)
+def test_hostile_bytes_on_the_new_paths_get_the_doors_4xx(up: Stack, where: tuple[str, str, str, str],
+                                                          data: bytes) -> None:
+    """Token counts, the Gemini door's other versions, a door's own fields: whatever arrives there is
+    served or refused in the door's shape with a 4xx - never a 5xx, never a traceback."""
+    from tests.helpers import request
+    door, method, path, key_header = where
+    r = request(f"{up.url}{path}", method, data, {key_header: KEY}, timeout=20)
+    assert r.status < 500, (r.status, r.body[:300])
+    if r.status >= 400:
+        _door_error(door, r.status, r.body)
+
+
+@pytest.mark.parametrize("path", ["/v1beta/models/%00", "/v1beta/models/" + "x" * 3000, "/v1alpha/models/a%2Fb",
+                                  "/v1beta/models/chat-default/", "/v1beta/models?pageSize=-1"])
+def test_hostile_model_lookups_get_the_doors_answer(up: Stack, path: str) -> None:
+    from tests.helpers import request
+    r = request(f"{up.url}{path}", "GET", None, {"x-goog-api-key": KEY})
+    assert r.status < 500, (r.status, r.body[:300])
+    if r.status >= 400:
+        _door_error("gemini", r.status, r.body)
