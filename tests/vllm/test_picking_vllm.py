@@ -36,6 +36,22 @@ def _access_log(stack: Stack, request_ids: set[str]) -> dict[str, dict]:  # type
     return found
 
 
+def _picker_sees(stack: Stack, busy: str, idle: str, deadline: float) -> bool:
+    """Whether the workers' shared readings (monotonic times, host-wide) show both engines within the
+    last second and `busy` running the load."""
+    while time.monotonic() < deadline:
+        try:
+            loads = json.loads((stack.opts.state_dir / "picker" / "loads.json").read_bytes())
+        except (OSError, ValueError):
+            loads = {}
+        now = time.monotonic()
+        if (all(ep in loads and now - loads[ep]["at"] < 1.0 for ep in (busy, idle))
+                and loads[busy]["running"] >= 3):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_requests_avoid_the_busy_real_engine(two_engines: Stack) -> None:
     busy, idle = two_engines.engine_urls()
     long = chat_body(MODEL, max_tokens=900, ignore_eos=True)
@@ -47,7 +63,12 @@ def test_requests_avoid_the_busy_real_engine(two_engines: Stack) -> None:
     while value(scrape(busy), "vllm:num_requests_running") < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert value(scrape(busy), "vllm:num_requests_running") == 3
-    time.sleep(0.3)  # the picker's scrapes see it
+    # The premise: the picker's latest readings show both engines, the busy one busy. On two shared
+    # cores an engine's /metrics can miss the picker's 1 s scrape timeout while the other generates,
+    # and an engine without a fresh reading is (rightly) never picked: wait until both are fresh.
+    busy_addr, idle_addr = busy.removeprefix("http://"), idle.removeprefix("http://")
+    seen = _picker_sees(two_engines, busy_addr, idle_addr, deadline=time.monotonic() + 20)
+    assert seen, "the picker never held fresh readings of both engines with the busy one busy"
     ids = set()
     for i in range(4):
         r = request(f"{two_engines.url}/v1/chat/completions", "POST", chat_body(content=f"q{i}", max_tokens=1),
@@ -56,6 +77,5 @@ def test_requests_avoid_the_busy_real_engine(two_engines: Stack) -> None:
         ids.add(r.headers["x-request-id"])
     entries = _access_log(two_engines, ids)
     assert len(entries) == 4
-    idle_addr = idle.removeprefix("http://")
     got = [(e["upstream"], e["picked"]) for e in entries.values()]
     assert all(up == idle_addr and picked.startswith(idle_addr) for up, picked in got), (idle_addr, got)
