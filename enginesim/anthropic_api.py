@@ -6,7 +6,10 @@ Checks, as the provider makes them: `x-api-key` (when the server has one: 401 au
 `anthropic-version` (400), `model` (404 not_found_error), `max_tokens` required (400), `messages`
 non-empty with user/assistant roles (400), a prompt beyond the window (400 "prompt is too long").
 Usage counts the prompt's cache hits as `cache_read_input_tokens` (and `input_tokens` the rest), as
-the provider bills them.
+the provider bills them. Extended thinking (`thinking`: `enabled` with a `budget_tokens` of at least
+1024 below `max_tokens`, or `adaptive`) writes a thinking block first, signed over its text (a stream:
+`thinking_delta`s, then `signature_delta`); a thinking block replayed in a later turn must carry its
+signature unaltered, and a tool loop's last assistant turn must open with it, or the request is 400.
 
 Faults (the server's queue or `x-enginesim-fault`, as for the OpenAI front end): `status=529` (or 429,
 500, ...) answers the provider's error for that status; `error_after=N` sends N text deltas, then an
@@ -19,6 +22,9 @@ JSON value as the output token count (the answer's, the stream's `message_delta`
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
 import re
 import uuid
@@ -94,7 +100,53 @@ def plan_body(body: dict[str, Any]) -> dict[str, Any]:
     fmt = (body.get("output_config") or {}).get("format") or {}
     if fmt.get("type") == "json_schema":
         out["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema") or {}}}
+    thinking = body.get("thinking") or {}
+    if thinking.get("type") == "enabled":
+        out["thinking_budget"] = thinking["budget_tokens"]
+    elif thinking.get("type") == "adaptive":
+        out["thinking_budget"] = body["max_tokens"] // 2
     return out
+
+
+# The provider's thinking blocks carry a signature over their text: a block replayed in a later turn must
+# come back exactly as it was written, or the request is refused.
+_SIGNING_KEY = b"enginesim-thinking"
+
+
+def thinking_signature(thinking: str) -> str:
+    return base64.b64encode(hmac.new(_SIGNING_KEY, thinking.encode(), hashlib.sha256).digest()).decode()
+
+
+def _thinking_error(body: dict[str, Any]) -> str | None:
+    """The Messages API's checks of extended thinking: the setting, and replayed thinking blocks."""
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled", "adaptive"):
+            return "thinking.type: Input should be 'enabled', 'disabled' or 'adaptive'"
+        if kind == "enabled":
+            budget = thinking.get("budget_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+                return "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"
+            if budget >= body["max_tokens"]:
+                return "`max_tokens` must be greater than `thinking.budget_tokens`"
+        if kind != "disabled" and (body.get("tool_choice") or {}).get("type") in ("any", "tool"):
+            return "Thinking may not be enabled when tool_choice forces tool use."
+    turns = [m for m in body["messages"] if m.get("role") == "assistant"]
+    last = turns[-1]["content"] if turns else None
+    if (thinking or {}).get("type") in ("enabled", "adaptive") and isinstance(last, list) and any(
+            isinstance(b, dict) and b.get("type") == "tool_use" for b in last) and (
+            not isinstance(last[0], dict) or last[0].get("type") not in ("thinking", "redacted_thinking")):
+        # A tool loop with thinking on goes back with the turn's thinking block first.
+        return ("Expected `thinking` or `redacted_thinking`, but found `tool_use`. When `thinking` is enabled, a "
+                "final `assistant` message must start with a thinking block.")
+    for i, m in enumerate(body["messages"]):
+        for j, block in enumerate(m["content"] if isinstance(m["content"], list) else ()):
+            if isinstance(block, dict) and block.get("type") == "thinking" and (
+                    m["role"] != "assistant" or not isinstance(block.get("thinking"), str)
+                    or block.get("signature") != thinking_signature(block["thinking"])):
+                return f"messages.{i}.content.{j}: Invalid `signature` in `thinking` block"
+    return None
 
 
 class MessagesFrontEnd:
@@ -130,7 +182,8 @@ class MessagesFrontEnd:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or "content" not in m:
                 return anthropic_error(400, f"messages.{i}: each message needs a user or assistant role and content")
-        return None
+        wrong = _thinking_error(body)
+        return anthropic_error(400, wrong) if wrong else None
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """`POST /v1/messages/count_tokens`: the prompt's tokens as a Messages request would count them
@@ -221,11 +274,14 @@ class MessagesFrontEnd:
 
     @staticmethod
     def _blocks(out: Output, produced: int) -> list[dict[str, Any]]:
+        thought = out.thought(produced)
+        blocks: list[dict[str, Any]] = ([{"type": "thinking", "thinking": thought,
+                                          "signature": thinking_signature(thought)}] if out.thoughts else [])
         if not out.tool_calls:
-            return [{"type": "text", "text": out.text(produced)}]
-        blocks = []
+            return [*blocks, {"type": "text", "text": out.text(produced)}]
         for j, call in enumerate(out.tool_calls):
-            args = "".join(p for p, owner in zip(out.pieces[:produced], out.owner, strict=False) if owner == j)
+            args = "".join(p for p, owner in zip(out.pieces[:out.answered(produced)], out.owner, strict=False)
+                           if owner == j)
             try:
                 tool_input = json.loads(args)
             except ValueError:
@@ -254,8 +310,13 @@ class MessagesFrontEnd:
         await send("message_start", {"message": {
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
-        block = -1  # the content block open now
-        if not out.tool_calls:
+        block = -1  # the content block open now (its index; the answer's blocks follow a thinking block)
+        first = 1 if out.thoughts else 0  # the index of the answer's first block
+        if out.thoughts:
+            block = 0
+            await send("content_block_start", {"index": 0, "content_block": {"type": "thinking", "thinking": "",
+                                                                             "signature": ""}})
+        elif not out.tool_calls:
             block = 0
             await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         await send("ping", {})
@@ -268,20 +329,36 @@ class MessagesFrontEnd:
                 await send("error", {"error": {"type": "overloaded_error", "message": "Overloaded"}})
                 await resp.write_eof()
                 return resp
-            if out.tool_calls:
-                j = out.owner[idx]
-                if j != block:
-                    if block >= 0:
-                        await send("content_block_stop", {"index": block})
-                    block = j
-                    call = out.tool_calls[j]
-                    await send("content_block_start", {"index": j, "content_block": {
-                        "type": "tool_use", "id": f"toolu_{call.id[-20:]}", "name": call.name, "input": {}}})
-                delta = {"type": "input_json_delta", "partial_json": out.pieces[idx]}
+            thinking, piece = out.piece(idx)
+            if thinking:
+                delta = {"type": "thinking_delta", "thinking": piece}
             else:
-                delta = {"type": "text_delta", "text": out.pieces[idx]}
+                if block == 0 and first == 1:  # the thinking block ends with its signature
+                    await send("content_block_delta", {"index": 0, "delta": {
+                        "type": "signature_delta", "signature": thinking_signature(out.thought(len(out.thoughts)))}})
+                    await send("content_block_stop", {"index": 0})
+                    block = -1
+                    if not out.tool_calls:
+                        block = first
+                        await send("content_block_start", {"index": block, "content_block": {"type": "text",
+                                                                                             "text": ""}})
+                if out.tool_calls:
+                    j = first + out.owner[idx - len(out.thoughts)]
+                    if j != block:
+                        if block >= 0:
+                            await send("content_block_stop", {"index": block})
+                        block = j
+                        call = out.tool_calls[j - first]
+                        await send("content_block_start", {"index": j, "content_block": {
+                            "type": "tool_use", "id": f"toolu_{call.id[-20:]}", "name": call.name, "input": {}}})
+                    delta = {"type": "input_json_delta", "partial_json": piece}
+                else:
+                    delta = {"type": "text_delta", "text": piece}
             await send("content_block_delta", {"index": max(block, 0), "delta": delta})
             sent += 1
+        if block == 0 and first == 1:  # cut while thinking: the block still ends with its signature
+            await send("content_block_delta", {"index": 0, "delta": {
+                "type": "signature_delta", "signature": thinking_signature(out.thought(sent))}})
         if block >= 0:
             await send("content_block_stop", {"index": block})
         await send("message_delta", {"delta": {"stop_reason": self._stop_reason(seq, out),

@@ -12,7 +12,10 @@ Answers: `candidates[0].content.parts` (text, or whole `functionCall` parts), `f
 MAX_TOKENS), `usageMetadata` with the prompt's prefix-cache hits as `cachedContentTokenCount`,
 `modelVersion`, `responseId`. A stream is one whole response per token (`data: {...}` and CRLF CRLF,
 as the API frames it), the last with `finishReason` and the totals; no `[DONE]`; a function call
-arrives whole in one response. Faults as for the other front ends: `status=429` answers
+arrives whole in one response. `generationConfig.thinkingConfig` (a `thinkingBudget`, -1 for the
+model's own choice, or a `thinkingLevel`) makes the model think first: its thoughts count as
+`thoughtsTokenCount` (apart from `candidatesTokenCount`) and, with `includeThoughts`, come back as
+parts marked `thought` before the answer. Faults as for the other front ends: `status=429` answers
 RESOURCE_EXHAUSTED, 503 UNAVAILABLE; `error_after=N` sends an error response after N; `refuse` blocks
 the prompt (`promptFeedback.blockReason: SAFETY`, no candidate); malformed, disconnect, stall and delay
 as before.
@@ -82,6 +85,10 @@ def plan_body(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any
     config = body.get("generationConfig") or {}
     if config.get("stopSequences"):
         out["stop"] = config["stopSequences"]
+    thinking = config.get("thinkingConfig") or {}
+    budget = thinking.get("thinkingBudget", THINKING_LEVELS.get(str(thinking.get("thinkingLevel")), 0))
+    if budget:
+        out["thinking_budget"] = 256 if budget == -1 else budget  # -1: the model decides
     if config.get("responseMimeType") == "application/json":
         schema = config.get("responseJsonSchema") or config.get("responseSchema")
         out["response_format"] = ({"type": "json_schema", "json_schema": {"schema": schema}} if schema
@@ -94,6 +101,32 @@ HARM_CATEGORIES = frozenset({"HARM_CATEGORY_HARASSMENT", "HARM_CATEGORY_HATE_SPE
                              "HARM_CATEGORY_DANGEROUS_CONTENT", "HARM_CATEGORY_CIVIC_INTEGRITY"})
 HARM_THRESHOLDS = frozenset({"HARM_BLOCK_THRESHOLD_UNSPECIFIED", "BLOCK_LOW_AND_ABOVE", "BLOCK_MEDIUM_AND_ABOVE",
                              "BLOCK_ONLY_HIGH", "BLOCK_NONE", "OFF"})
+
+
+# A thinking level as a budget of thought tokens (the API takes a level or a budget, not both).
+THINKING_LEVELS = {"THINKING_LEVEL_UNSPECIFIED": 0, "MINIMAL": 16, "LOW": 64, "MEDIUM": 256, "HIGH": 1024}
+THINKING_KEYS = frozenset({"includeThoughts", "thinkingBudget", "thinkingLevel"})
+
+
+def _thinking_error(config: Any) -> str | None:
+    """generationConfig.thinkingConfig as the API checks it."""
+    if not isinstance(config, dict):
+        return None
+    thinking = config.get("thinkingConfig")
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict) or set(thinking) - THINKING_KEYS:
+        return "Invalid JSON payload received. Unknown name in 'generation_config.thinking_config'"
+    budget, level = thinking.get("thinkingBudget"), thinking.get("thinkingLevel")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < -1):
+        return "Invalid value at 'generation_config.thinking_config.thinking_budget'"
+    if level is not None and level not in THINKING_LEVELS:
+        return "Invalid value at 'generation_config.thinking_config.thinking_level'"
+    if budget is not None and level is not None:
+        return "thinking_budget and thinking_level cannot both be set"
+    if not isinstance(thinking.get("includeThoughts", False), bool):
+        return "Invalid value at 'generation_config.thinking_config.include_thoughts'"
+    return None
 
 
 class GeminiFrontEnd:
@@ -123,6 +156,9 @@ class GeminiFrontEnd:
             c.setdefault("role", "user")
         if int((body.get("generationConfig") or {}).get("candidateCount") or 1) != 1:
             return gemini_error(400, "candidateCount must be 1 here")
+        wrong = _thinking_error(body.get("generationConfig"))
+        if wrong:
+            return gemini_error(400, wrong)
         for i, s in enumerate(body.get("safetySettings") or ()):
             if not isinstance(s, dict) or s.get("category") not in HARM_CATEGORIES:
                 return gemini_error(400, f"Invalid value at 'safety_settings[{i}].category'")
@@ -205,18 +241,23 @@ class GeminiFrontEnd:
         seed = config.get("seed")
         seed = seed if isinstance(seed, int) else zlib.crc32(json.dumps(body["contents"]).encode()) ^ srv.seed
         out, seq = await srv.submit_planned(wants, seed, prompt, max_tokens, rid, fault)
+        shown = bool((config.get("thinkingConfig") or {}).get("includeThoughts"))  # thoughts are counted anyway
         try:
             if method == "streamGenerateContent":
-                return await self._stream(request, seq, out, rid, fault)
-            return await self._complete(seq, out, rid)
+                return await self._stream(request, seq, out, rid, fault, shown)
+            return await self._complete(seq, out, rid, shown)
         finally:
             srv.engine.abort(seq)
             entry.update(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens, output_tokens=seq.output_len,
                          finish_reason=seq.finish_reason)
 
-    def _usage(self, seq: Sequence) -> dict[str, int]:
-        usage = {"promptTokenCount": len(seq.prompt), "candidatesTokenCount": seq.output_len,
+    def _usage(self, seq: Sequence, out: Output) -> dict[str, int]:
+        """The answer's tokens as `candidatesTokenCount`, the thoughts' apart (`thoughtsTokenCount`)."""
+        thoughts = min(seq.output_len, len(out.thoughts))
+        usage = {"promptTokenCount": len(seq.prompt), "candidatesTokenCount": seq.output_len - thoughts,
                  "totalTokenCount": len(seq.prompt) + seq.output_len}
+        if thoughts:
+            usage["thoughtsTokenCount"] = thoughts
         if seq.cached_tokens:
             usage["cachedContentTokenCount"] = seq.cached_tokens
         return usage
@@ -236,12 +277,14 @@ class GeminiFrontEnd:
         return doc
 
     @staticmethod
-    def _parts(out: Output, produced: int) -> list[dict[str, Any]]:
+    def _parts(out: Output, produced: int, shown: bool) -> list[dict[str, Any]]:
+        parts: list[dict[str, Any]] = ([{"text": out.thought(produced), "thought": True}]
+                                       if shown and out.thoughts else [])
         if not out.tool_calls:
-            return [{"text": out.text(produced)}]
-        parts = []
+            return [*parts, {"text": out.text(produced)}]
         for j, call in enumerate(out.tool_calls):
-            args = "".join(p for p, owner in zip(out.pieces[:produced], out.owner, strict=False) if owner == j)
+            args = "".join(p for p, owner in zip(out.pieces[:out.answered(produced)], out.owner, strict=False)
+                           if owner == j)
             try:
                 value: Any = json.loads(args)
             except ValueError:
@@ -249,14 +292,15 @@ class GeminiFrontEnd:
             parts.append({"functionCall": {"name": call.name, "args": value}})
         return parts
 
-    async def _complete(self, seq: Sequence, out: Output, rid: str) -> web.Response:
+    async def _complete(self, seq: Sequence, out: Output, rid: str, shown: bool) -> web.Response:
         produced = 0
         while await seq.out.get() is not None:
             produced += 1
-        return web.json_response(self._response(rid, self._parts(out, produced), self._finish(seq), self._usage(seq)))
+        return web.json_response(self._response(rid, self._parts(out, produced, shown), self._finish(seq),
+                                                self._usage(seq, out)))
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
-                      fault: Fault) -> web.StreamResponse:
+                      fault: Fault, shown: bool) -> web.StreamResponse:
         resp = fault.stream_response({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
@@ -273,13 +317,19 @@ class GeminiFrontEnd:
                 await resp.write_eof()
                 return resp
             done = seq.finish_reason is not None and produced == seq.output_len
-            if out.tool_calls:
+            thinking, piece = out.piece(idx)
+            if thinking:  # (cut while thinking: the last response still finishes)
+                if shown or done:
+                    await send(self._response(rid, [{"text": piece, "thought": True} if shown else {"text": ""}],
+                                              self._finish(seq) if done else None, self._usage(seq, out)))
+            elif out.tool_calls:
                 # Calls arrive whole: nothing until the last token, then every call at once.
                 if done:
-                    await send(self._response(rid, self._parts(out, produced), self._finish(seq), self._usage(seq)))
+                    parts = self._parts(out, produced, False)
+                    await send(self._response(rid, parts, self._finish(seq), self._usage(seq, out)))
             else:
-                await send(self._response(rid, [{"text": out.pieces[idx]}], self._finish(seq) if done else None,
-                                          self._usage(seq)))
+                await send(self._response(rid, [{"text": piece}], self._finish(seq) if done else None,
+                                          self._usage(seq, out)))
             sent += 1
         await resp.write_eof()
         return resp

@@ -42,16 +42,35 @@ class Output:
     tool_calls: list[ToolCall] = field(default_factory=list)
     natural_finish: str = "stop"  # when the output ends by itself
     stop_reason: str | None = None  # the stop string that ended it
+    # A thinking model's reasoning, generated (and counted as output) before the pieces above.
+    thoughts: list[str] = field(default_factory=list)
 
     @property
     def natural_length(self) -> int:
-        return len(self.pieces)
+        return len(self.thoughts) + len(self.pieces)
 
     def finish_reason(self, produced: int) -> str:
-        return "length" if produced < len(self.pieces) else self.natural_finish
+        return "length" if produced < self.natural_length else self.natural_finish
+
+    def answered(self, produced: int) -> int:
+        """Of `produced` tokens, how many are the answer's (after the thoughts)."""
+        return max(0, produced - len(self.thoughts))
 
     def text(self, produced: int) -> str:
-        return "".join(self.pieces[:produced])
+        return "".join(self.pieces[:self.answered(produced)])
+
+    def thought(self, produced: int) -> str:
+        return "".join(self.thoughts[:produced])
+
+    def piece(self, idx: int) -> tuple[bool, str]:
+        """Token `idx` of the output: (whether it is a thought, its text)."""
+        at = len(self.thoughts)
+        return (True, self.thoughts[idx]) if idx < at else (False, self.pieces[idx - at])
+
+    def think(self, budget: int, seed: int) -> None:
+        """Reasoning before the answer: a few dozen tokens, never more than `budget`."""
+        sampler = TextSampler(seed ^ 0x7468696E)
+        self.thoughts = [sampler.next_piece(i) for i in range(min(budget, 8 + seed % 24))]
 
     def bloat(self, extra: int) -> None:
         """The simulator's `bloat` fault: about `extra` more bytes of text, spread over the tokens (each
@@ -217,6 +236,16 @@ def plan(body: dict[str, Any], seed: int, natural_length: int, rid: str) -> Outp
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
     return _text(TextSampler(seed), natural_length, stops)
+
+
+def thinking_plan(body: dict[str, Any], seed: int, natural_length: int, rid: str) -> Output:
+    """`plan`, with the reasoning a provider's thinking setting asks for (`thinking_budget`, set by a
+    provider front end's plan_body) generated first."""
+    out = plan(body, seed, natural_length, rid)
+    budget = body.get("thinking_budget")
+    if isinstance(budget, int) and budget > 0:
+        out.think(budget, seed)
+    return out
 
 
 def logprob_entry(piece: str, index: int, top: int) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from aiohttp import web
 
 from enginesim.engine import Engine, Sequence
 from enginesim.metrics import render_metrics
-from enginesim.output import Output, RequestError, check, logprob_entry, plan
+from enginesim.output import Output, RequestError, check, logprob_entry, plan, thinking_plan
 from enginesim.physics import EngineProfile, profile
 from enginesim.tokenizer import TextSampler, apply_chat_template, encode
 
@@ -442,7 +442,7 @@ class EngineServer:
                              fault: Fault) -> tuple[Output, Sequence]:
         """One answer of a provider-shaped front end: its output plan (corrupted when the server is),
         its sequence, the fault's delay, then the engine."""
-        out = fault.shape(plan(wants, seed, TextSampler(seed).natural_length, rid))
+        out = fault.shape(thinking_plan(wants, seed, TextSampler(seed).natural_length, rid))
         if "tool_calls" in self.corrupt:
             out.mangle_tool_calls()
         seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
