@@ -251,8 +251,10 @@ TOP_LEVEL: dict[str, Callable[[Any, str], None]] = {
     "spaces_between_special_tokens": _bool,
     "include_stop_str_in_output": _bool,
 }
+# `reasoning_signature`: a provider's signature over the reasoning, as the gateway's answers carry it
+# (a conversation replays it, and an Anthropic-shaped provider takes the reasoning back only with it).
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "reasoning",
-                           "reasoning_content", "annotations", "audio", "function_call"})
+                           "reasoning_content", "reasoning_signature", "annotations", "audio", "function_call"})
 # Keys the openai SDK writes back into a conversation from an earlier answer; only empty values carry.
 _EMPTY_ONLY = ("annotations", "audio", "function_call")
 
@@ -301,7 +303,7 @@ def _message(m: Any, i: int) -> None:
     for k in ("name", "tool_call_id"):
         if m.get(k) is not None:
             _short_str(m[k], f"{at}.{k}")
-    for k in ("refusal", "reasoning", "reasoning_content"):
+    for k in ("refusal", "reasoning", "reasoning_content", "reasoning_signature"):
         if m.get(k) is not None:
             _str(m[k], f"{at}.{k}")
     if m.get("tool_calls") is not None:

@@ -44,11 +44,13 @@ end
 -- The internal chat completion's text. `text`, `reasoning`: lists of escaped string contents; `calls`:
 -- tool calls as JSON; a `refusal` (escaped) leaves the content null.
 -- `stop` (a JSON string's text, or nil): the stop sequence that ended the text, as vLLM's `stop_reason`.
-local function completion(id, model, text, reasoning, calls, finish, usage, refusal, stop)
+-- `signature` (escaped, or nil): the provider's signature over the reasoning (`reasoning_signature`).
+local function completion(id, model, text, reasoning, calls, finish, usage, refusal, stop, signature)
   local message = {'{"role":"assistant","content":',
                    (refusal == nil and (#text > 0 or #calls == 0)) and ('"' .. concat(text) .. '"') or "null"}
   if refusal ~= nil then message[#message + 1] = ',"refusal":"' .. refusal .. '"' end
   if #reasoning > 0 then message[#message + 1] = ',"reasoning":"' .. concat(reasoning) .. '"' end
+  if signature ~= nil then message[#message + 1] = ',"reasoning_signature":"' .. signature .. '"' end
   if #calls > 0 then message[#message + 1] = ',"tool_calls":[' .. concat(calls, ",") .. "]" end
   message[#message + 1] = "}"
   return concat({'{"id":"chatcmpl-', id, '","object":"chat.completion","created":', format("%d", time()),

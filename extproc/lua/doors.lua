@@ -35,15 +35,25 @@ local function as_text(v, default)
   return default
 end
 
--- The internal usage's counts (extproc/shapes/openai/adapter.py `usage`): input, cached input, output; nil
--- when a count is not one (the door cannot carry it).
+-- The internal usage's counts (extproc/shapes/openai/adapter.py `usage`): input, cached input, output,
+-- and of the output the reasoning's (at most all of it); nil when a count is not one (the door cannot
+-- carry it).
 local function internal_usage(usage)
   if not is_object(usage) then usage = {} end  -- (no usage object: no counts)
   local details, out_details = object_of(usage.prompt_tokens_details), object_of(usage.completion_tokens_details)
   if details == nil or out_details == nil then return nil end
   local input, cached, output = count(usage.prompt_tokens), count(details.cached_tokens), count(usage.completion_tokens)
-  if input == nil or cached == nil or output == nil or count(out_details.reasoning_tokens) == nil then return nil end
-  return input, cached, output
+  local reasoning = count(out_details.reasoning_tokens)
+  if input == nil or cached == nil or output == nil or reasoning == nil then return nil end
+  return input, cached, output, math.min(reasoning, output)
+end
+
+-- A message's (or a delta's) reasoning text, as vLLM names it (`reasoning`, or the older
+-- `reasoning_content`); nil when there is none or it is not a string.
+local function reasoning_of(msg)
+  local r = msg.reasoning
+  if absent(r) then r = msg.reasoning_content end
+  return (type(r) == "string" and r ~= "") and r or nil
 end
 
 -- A tool call's arguments (a JSON string holding JSON text) as the JSON object they stand for; `{}`
@@ -85,9 +95,9 @@ for _, name in ipairs(CONFIG.doors) do
 end
 
 -- An internal chunk walked for a door (the Python doors' `_chunk`): the door begins (its stream's
--- start), keeps the usage in its own shape, and gets the first choice's text, each tool call delta
--- and the finish. True; false when the chunk is not one; a message when its usage holds a count that
--- is not one.
+-- start), keeps the usage in its own shape, and gets the first choice's reasoning (and the provider's
+-- signature over it), text, each tool call delta and the finish. True; false when the chunk is not
+-- one; a message when its usage holds a count that is not one.
 local function walk_chunk(door, st, obj, out)
   if not door.begin(st, obj, out) then return false end
   if is_object(obj.usage) then
@@ -101,6 +111,9 @@ local function walk_chunk(door, st, obj, out)
       local delta = object_of(choice.delta)
       local calls = delta and list_of(delta.tool_calls)
       if not calls then return false end
+      local reasoning, signature = reasoning_of(delta), delta.reasoning_signature
+      if reasoning then door.reasoning(st, reasoning, out) end
+      if type(signature) == "string" and signature ~= "" then door.signature(st, signature, out) end
       local text = delta.content
       if type(text) == "string" and text ~= "" then door.text(st, text, out) end
       for _, call in ipairs(calls) do

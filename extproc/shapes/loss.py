@@ -61,10 +61,23 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 # A front door's provider-only fields (Gemini's safetySettings, Anthropic's service_tier), carried in
 # the internal body for a plan whose every candidate speaks the door's shape, whose adapter sends
-# them as they came (extproc/shapes/door.py). Only a door sets it, after its request was checked.
+# them as they came (extproc/shapes/door.py). Only a door sets it, after its request was checked. A
+# field inside an object is named by its dotted path (`generationConfig.thinkingConfig`).
 NATIVE = "llmgw_native"
 # Fields every adapter handles because the gateway itself owns them (never sent by the client as such).
 GATEWAY_FIELDS = frozenset({"model", "messages", NATIVE})
+
+
+def with_native(native: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
+    """A provider request with the door's own fields (NATIVE) set as its caller sent them, a dotted
+    one inside the object the adapter wrote (thinkingConfig beside maxOutputTokens)."""
+    for path, value in (body.get(NATIVE) or {}).items():
+        *outer, key = path.split(".")
+        into = native
+        for name in outer:
+            into = into.setdefault(name, {})
+        into[key] = value
+    return native
 
 
 def losses(body: Mapping[str, Any], table: LossTable) -> list[Loss]:

@@ -215,13 +215,13 @@ def native_plan(ex: Exchange, loss_rule: str, lost: dict[str, tuple[Loss, ...]])
     foreign = [d for d in ex.candidates if shape_of(d.fingerprint.adapter).name != ex.door]
     if not foreign:
         return
-    first = next(iter(ex.native))
+    names = list(ex.native)  # as the caller wrote them (a nested one dotted: generationConfig.thinkingConfig)
     if loss_rule == "reject":
-        raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{first}` is {ex.door}'s own and reaches only a {ex.door} "
-                           f"candidate; this route may try {foreign[0].deployment}", first)
+        raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{names[0]}` is {ex.door}'s own and reaches only a "
+                           f"{ex.door} candidate; this route may try {foreign[0].deployment}", names[0])
     for d in foreign:
         lost[d.deployment] = (*lost.get(d.deployment, ()),
-                              *(Loss(k, Support.UNSUPPORTED, f"{ex.door}'s own") for k in ex.native))
+                              *(Loss(k, Support.UNSUPPORTED, f"{ex.door}'s own") for k in names))
     ex.native = None
 
 

@@ -264,6 +264,9 @@ def anthropic_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
             events.append({"type": "content_block_start", "index": i, "content_block": {"type": kind, kind: ""}})
             events += [{"type": "content_block_delta", "index": i, "delta": {"type": f"{kind}_delta", kind: t}}
                        for t in draw(st.lists(text, max_size=3))]
+            if kind == "thinking" and draw(st.booleans()):  # the block's signature, last
+                events.append({"type": "content_block_delta", "index": i,
+                               "delta": {"type": "signature_delta", "signature": draw(text)}})
         events.append({"type": "content_block_stop", "index": i})
         if draw(st.booleans()):
             events.append({"type": "ping"})

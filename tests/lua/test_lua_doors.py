@@ -67,7 +67,10 @@ usages = st.fixed_dictionaries({"prompt_tokens": st.integers(0, 10**6), "complet
 calls = st.fixed_dictionaries({"id": text, "type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": text, "arguments": arguments})})
 messages = st.fixed_dictionaries({"role": st.just("assistant")}, optional={
-    "content": st.none() | text, "tool_calls": st.lists(calls, max_size=3)})
+    "content": st.none() | text, "tool_calls": st.lists(calls, max_size=3),
+    # a reasoning model's thoughts (vLLM's older name too), and a provider's signature over them
+    "reasoning": st.none() | text | st.integers(), "reasoning_content": st.none() | text,
+    "reasoning_signature": st.none() | text | st.integers()})
 finishes = st.sampled_from(["stop", "length", "tool_calls", "content_filter", "something_new"])
 choices = st.fixed_dictionaries({"message": messages, "finish_reason": finishes},
                                 optional={"stop_reason": st.none() | text})
@@ -155,8 +158,13 @@ def internal_streams(draw: st.DrawFn) -> list[bytes]:
                                             **extra}]})
 
     out = [delta({"role": "assistant", "content": ""})]
-    for n, kind in enumerate(draw(st.lists(st.sampled_from(["text", "tool"]), max_size=4))):
-        if kind == "text":
+    for n, kind in enumerate(draw(st.lists(st.sampled_from(["reasoning", "text", "tool"]), max_size=4))):
+        if kind == "reasoning":
+            name = draw(st.sampled_from(["reasoning", "reasoning_content"]))
+            out += [delta({name: t}) for t in draw(st.lists(text, max_size=3))]
+            if draw(st.booleans()):
+                out.append(delta({"reasoning_signature": draw(text)}))
+        elif kind == "text":
             out += [delta({"content": t}) for t in draw(st.lists(text, max_size=3))]
         else:
             args = draw(arguments)

@@ -35,20 +35,22 @@ def _usage(native: Mapping[str, Any]) -> Usage:
 
 
 def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
-    text, reasoning, calls = [], [], []
+    text, reasoning, calls, signatures = [], [], [], []
     for block in msg.get("content") or ():
         kind = block.get("type")
         if kind == "text":
             text.append(block.get("text", ""))
         elif kind == "thinking":
             reasoning.append(block.get("thinking", ""))
+            signatures.append(block.get("signature"))
         elif kind == "tool_use":
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": tool_arguments(block.get("input"))}})
     said = msg.get("stop_sequence")
     stop = said if msg.get("stop_reason") == "stop_sequence" and isinstance(said, str) else None
     return completion_of(str(msg.get("id", "")), msg.get("model", ""), text, reasoning, calls,
-                         STOP_REASONS.get(str(msg.get("stop_reason")), "stop"), _usage(msg.get("usage") or {}), stop)
+                         STOP_REASONS.get(str(msg.get("stop_reason")), "stop"), _usage(msg.get("usage") or {}), stop,
+                         signature=signatures[0] if len(signatures) == 1 and isinstance(signatures[0], str) else None)
 
 
 class AnthropicStream(NativeStream):
@@ -91,10 +93,14 @@ class AnthropicStream(NativeStream):
                 return [self._chunk({"content": delta["text"]})]
             if delta["type"] == "thinking_delta":
                 return [self._chunk({"reasoning": delta["thinking"]})]
+            if delta["type"] == "signature_delta":
+                if not isinstance(delta["signature"], str):
+                    raise TypeError("signature")
+                return [self._chunk({"reasoning_signature": delta["signature"]})]
             if delta["type"] == "input_json_delta":
                 n = self.calls[int(ev["index"])]
                 return [self._chunk({"tool_calls": [{"index": n, "function": {"arguments": delta["partial_json"]}}]})]
-            return []  # signature_delta and what the API adds later: nothing to carry
+            return []  # what the API adds later: nothing to carry
         if kind == "message_delta":
             self.finish_reason = STOP_REASONS.get(str(ev["delta"].get("stop_reason")), "stop")
             self.output = token_count((ev.get("usage") or {}).get("output_tokens")) or self.output

@@ -9,7 +9,7 @@ from typing import Any
 
 from extproc.contract import ErrorCode
 from extproc.shapes.anthropic.door import STOP_REASONS
-from tests.oracles.door_stream import InternalStream
+from tests.oracles.door_stream import InternalStream, reasoning_of
 from tests.oracles.openai import OPENAI
 
 
@@ -45,6 +45,10 @@ def answer(doc: dict[str, Any]) -> dict[str, Any]:
     choice = (doc.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[dict[str, Any]] = []
+    reasoning, signature = reasoning_of(msg), msg.get("reasoning_signature")
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning,
+                        "signature": signature if isinstance(signature, str) else ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or ():
@@ -114,6 +118,14 @@ class MessagesStream(InternalStream):
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            reasoning, signature = reasoning_of(delta), delta.get("reasoning_signature")
+            for kind, value in (("thinking", reasoning), ("signature", signature)):
+                if not isinstance(value, str) or not value:
+                    continue
+                if self.open != "thinking":
+                    out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(_event("content_block_delta", {"index": self.index,
+                                                          "delta": {"type": f"{kind}_delta", kind: value}}))
             if delta.get("content"):
                 if self.open != "text":
                     out += self._open("text", {"type": "text", "text": ""})

@@ -144,16 +144,19 @@ class NativeStream:
 
 
 def completion_of(rid: str, model: str, text: list[str], reasoning: list[str], calls: list[dict[str, Any]],
-                  finish: str, usage: Usage, stop: str | None = None, refusal: str | None = None) -> dict[str, Any]:
+                  finish: str, usage: Usage, stop: str | None = None, refusal: str | None = None,
+                  signature: str | None = None) -> dict[str, Any]:
     """An internal chat completion of one choice, as the Lua answer filter's `completion` writes it:
     the text (null when only calls, or a refusal, came), reasoning, tool calls, the finish and - when a
-    stop sequence ended the text - vLLM's `stop_reason`."""
+    stop sequence ended the text - vLLM's `stop_reason`; the provider's signature over the reasoning."""
     message: dict[str, Any] = {"role": "assistant",
                                "content": "".join(text) if refusal is None and (text or not calls) else None}
     if refusal is not None:
         message["refusal"] = refusal
     if reasoning:
         message["reasoning"] = "".join(reasoning)
+    if signature is not None:
+        message["reasoning_signature"] = signature
     if calls:
         message["tool_calls"] = calls
     choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}

@@ -13,6 +13,14 @@ from extproc.sse import EventSplitter, event_data
 from tests.oracles.base import UpstreamBroken
 
 
+def reasoning_of(msg: dict[str, Any]) -> str | None:
+    """A message's (or delta's) reasoning text (`reasoning`, or vLLM's older `reasoning_content`)."""
+    r = msg.get("reasoning")
+    if r is None:
+        r = msg.get("reasoning_content")
+    return r if isinstance(r, str) and r else None
+
+
 class InternalStream:
     def __init__(self) -> None:
         self.events = EventSplitter()

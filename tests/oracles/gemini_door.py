@@ -9,15 +9,19 @@ from typing import Any
 
 from extproc.contract import ErrorCode
 from extproc.shapes.gemini.door import FINISH, error_body
-from tests.oracles.door_stream import InternalStream
+from tests.oracles.door_stream import InternalStream, reasoning_of
 from tests.oracles.openai import OPENAI
 
 
 def _usage(usage: Any) -> dict[str, int]:
     u = OPENAI.usage(usage if isinstance(usage, dict) else {})  # the internal usage, normalised
-    out = {"promptTokenCount": u.input, "candidatesTokenCount": u.output, "totalTokenCount": u.input + u.output}
+    thoughts = min(u.reasoning, u.output)  # Gemini counts the thoughts apart from the answer
+    out = {"promptTokenCount": u.input, "candidatesTokenCount": u.output - thoughts,
+           "totalTokenCount": u.input + u.output}
     if u.cached_input:
         out["cachedContentTokenCount"] = u.cached_input
+    if thoughts:
+        out["thoughtsTokenCount"] = thoughts
     return out
 
 
@@ -37,7 +41,9 @@ def answer(doc: dict[str, Any]) -> dict[str, Any]:
     candidates = []
     for choice in doc.get("choices") or ():
         msg = choice.get("message") or {}
-        parts: list[dict[str, Any]] = [{"text": msg["content"]}] if msg.get("content") else []
+        reasoning = reasoning_of(msg)
+        parts: list[dict[str, Any]] = [{"text": reasoning, "thought": True}] if reasoning else []
+        parts += [{"text": msg["content"]}] if msg.get("content") else []
         parts += [{"functionCall": {"name": (c.get("function") or {}).get("name", ""),
                                     "args": _args((c.get("function") or {}).get("arguments", ""))}}
                   for c in msg.get("tool_calls") or ()]
@@ -89,6 +95,8 @@ class GenerateContentStream(InternalStream):
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            if reasoning := reasoning_of(delta):
+                out.append(self._frame(self._response([{"text": reasoning, "thought": True}])))
             if delta.get("content"):
                 out.append(self._frame(self._response([{"text": delta["content"]}])))
             for call in delta.get("tool_calls") or ():  # whole calls leave with the last response

@@ -56,7 +56,13 @@ def test_a_request_becomes_the_internal_contract() -> None:
 
 
 @pytest.mark.parametrize("raw, code, param", [
-    (native(thinking={"type": "enabled", "budget_tokens": 1024}), ErrorCode.UNSUPPORTED_FIELD, "thinking"),
+    # Anthropic's own thinking switch is carried (to an Anthropic plan only), and checked as the API checks it.
+    (native(max_tokens=1024, thinking={"type": "enabled", "budget_tokens": 1024}), ErrorCode.INVALID_REQUEST,
+     "thinking.budget_tokens"),
+    (native(thinking={"type": "enabled"}), ErrorCode.INVALID_REQUEST, "thinking"),
+    (native(thinking={"type": "enabled", "budget_tokens": 100}), ErrorCode.INVALID_REQUEST, "thinking"),
+    (native(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}]}]), ErrorCode.UNSUPPORTED_FIELD, "messages.1.content.0"),
     (native(mcp_servers=[]), ErrorCode.UNSUPPORTED_FIELD, "mcp_servers"),
     (native(service_tier="priority"), ErrorCode.INVALID_REQUEST, "service_tier"),  # its own field, checked
     (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode(), ErrorCode.INVALID_REQUEST,
@@ -427,3 +433,51 @@ def test_a_replayed_thought_is_reasoning_not_text() -> None:
         {"role": "model", "parts": [{"text": "let me think", "thought": True}, {"text": "the answer"}]},
         {"role": "user", "parts": [{"text": "and?"}]}]), GPATH)
     assert body["messages"][1] == {"role": "assistant", "content": "the answer", "reasoning": "let me think"}
+
+
+# -- thinking: each provider's own switch, and reasoning carried both ways ------------------------------
+
+def test_anthropic_thinking_is_its_own_field_and_a_replayed_block_keeps_its_signature() -> None:
+    from extproc.shapes.anthropic.adapter import native_body
+    from extproc.shapes.loss import NATIVE
+    turn = {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "SIG"},
+                                             {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}
+    body = request(native(max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 1024},
+                          messages=[{"role": "user", "content": "x"}, turn,
+                                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]))
+    assert body[NATIVE] == {"thinking": {"type": "enabled", "budget_tokens": 1024}} and "thinking" not in body
+    assert body["messages"][1]["reasoning"] == "hmm" and body["messages"][1]["reasoning_signature"] == "SIG"
+    sent = native_body(body, "claude")
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert sent["messages"][1]["content"][0] == {"type": "thinking", "thinking": "hmm", "signature": "SIG"}
+    # Unsigned reasoning (another provider's, or two blocks whose signatures cannot be joined) is not sent.
+    unsigned = {**body, "messages": [body["messages"][0], {**body["messages"][1], "reasoning_signature": None}]}
+    assert native_body(unsigned, "claude")["messages"][1]["content"][0]["type"] == "tool_use"
+    two = request(native(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "a", "signature": "S1"}, {"type": "thinking", "thinking": "b",
+                                                                    "signature": "S2"}]}]))
+    assert two["messages"][1]["reasoning"] == "ab" and "reasoning_signature" not in two["messages"][1]
+
+
+def test_a_signature_reaches_only_a_provider_that_takes_it() -> None:
+    from extproc.shapes.base import Target
+    from extproc.shapes.openai.adapter import OpenAIAdapter
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "content": "y", "reasoning": "r",
+                                        "reasoning_signature": "SIG"}]}
+    for kind, kept in (("vllm", True), ("openai", False), ("azure", False)):
+        sent = json.loads(OpenAIAdapter().request(body, Target("m", options={"kind": kind})).body)
+        assert ("reasoning_signature" in sent["messages"][1]) is kept, kind
+
+
+def test_gemini_thinking_config_is_its_own_field_set_inside_generation_config() -> None:
+    from extproc.shapes.gemini.adapter import native_body
+    from extproc.shapes.loss import NATIVE
+    body = gemini_request(gnative(generationConfig={"maxOutputTokens": 50, "thinkingConfig": {
+        "includeThoughts": True, "thinkingBudget": 100}}), GPATH)
+    assert body[NATIVE] == {"generationConfig.thinkingConfig": {"includeThoughts": True, "thinkingBudget": 100}}
+    assert native_body(body)["generationConfig"] == {"maxOutputTokens": 50, "thinkingConfig": {
+        "includeThoughts": True, "thinkingBudget": 100}}
+    with pytest.raises(GatewayError) as e:
+        gemini_request(gnative(generationConfig={"thinkingConfig": {"thinkingBudget": -2}}), GPATH)
+    assert e.value.code is ErrorCode.INVALID_REQUEST and "thinkingBudget" in (e.value.param or "")

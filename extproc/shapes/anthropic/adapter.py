@@ -27,7 +27,7 @@ from extproc.shapes.base import (
     NativeRequest,
     Target,
 )
-from extproc.shapes.loss import NATIVE, Conditional, LossTable, Support, losses
+from extproc.shapes.loss import Conditional, LossTable, Support, losses, with_native
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -125,6 +125,11 @@ def _turns(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
             add("user", _blocks(m.get("content")))
         elif role == "assistant":
             blocks = _blocks(m.get("content"))
+            # Reasoning goes back only as the provider signed it; unsigned, it is not sent (the API
+            # refuses a thinking block without its signature).
+            if m.get("reasoning") and m.get("reasoning_signature"):
+                blocks.insert(0, {"type": "thinking", "thinking": m["reasoning"],
+                                  "signature": m["reasoning_signature"]})
             for call in m.get("tool_calls") or ():
                 try:
                     args = json.loads(call["function"].get("arguments") or "{}")
@@ -156,9 +161,7 @@ def _tool_choice(choice: Any, parallel: Any) -> dict[str, Any] | None:
 
 
 def native_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
-    native = _native_body(body, model)
-    native.update(body.get(NATIVE) or {})  # the Anthropic door's own fields, as its caller sent them
-    return native
+    return with_native(_native_body(body, model), body)
 
 
 def _native_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
@@ -210,6 +213,11 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
             msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 msg["tool_calls"] = calls
+            thoughts = [b for b in blocks if b.get("type") == "thinking"]
+            if thoughts:  # the reasoning, and (one block) the provider's signature over it
+                msg["reasoning"] = "".join(b["thinking"] for b in thoughts)
+                if len(thoughts) == 1:
+                    msg["reasoning_signature"] = thoughts[0]["signature"]
             messages.append(msg)
             continue
         parts: list[dict[str, Any]] = []

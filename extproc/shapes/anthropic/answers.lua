@@ -22,7 +22,7 @@ local function anthropic(body, model)
   local id, named = text_of(doc.id, ""), text_of(doc.model, "")
   local content, usage = list_of(doc.content), object_of(doc.usage)
   if id == nil or named == nil or content == nil or usage == nil then return nil end
-  local text, reasoning, calls = {}, {}, {}
+  local text, reasoning, calls, signature, thoughts = {}, {}, {}, nil, 0
   for _, block in ipairs(content) do
     if not is_object(block) then return nil end
     local kind = block.type
@@ -31,6 +31,10 @@ local function anthropic(body, model)
       if t == nil then return nil end
       local into = kind == "text" and text or reasoning
       into[#into + 1] = t
+      if kind == "thinking" then  -- its signature is carried for one block (a replay needs it whole)
+        thoughts = thoughts + 1
+        signature = thoughts == 1 and text_of(block.signature, nil) or nil
+      end
     elseif kind == "tool_use" then
       if type(block.id) ~= "string" or type(block.name) ~= "string" then return nil end
       local call = call_json(block.id, block.name, block.input, body)
@@ -43,7 +47,8 @@ local function anthropic(body, model)
   if prompt == nil or output == nil then return nil end
   local stop = type(doc.stop_reason) == "string" and ANTHROPIC_STOP[doc.stop_reason] or "stop"
   return completion(id, named ~= "" and named or model, text, reasoning, calls, stop,
-                    usage_json(prompt, read, output, 0), nil, stop_sequence(doc.stop_reason, doc.stop_sequence))
+                    usage_json(prompt, read, output, 0), nil, stop_sequence(doc.stop_reason, doc.stop_sequence),
+                    signature)
 end
 
 ANSWERS.anthropic = anthropic
@@ -80,6 +85,9 @@ local function anthropic_event(st, doc, out)
       local t = delta[dt == "text_delta" and "text" or "thinking"]
       if type(t) ~= "string" then return false end
       out[#out + 1] = chunk(st, (dt == "text_delta" and '{"content":"' or '{"reasoning":"') .. t .. '"}')
+    elseif dt == "signature_delta" then
+      if type(delta.signature) ~= "string" then return false end
+      out[#out + 1] = chunk(st, '{"reasoning_signature":"' .. delta.signature .. '"}')
     elseif dt == "input_json_delta" then
       local n = type(doc.index) == "number" and st.calls[doc.index]
       if not n or type(delta.partial_json) ~= "string" then return false end

@@ -54,8 +54,12 @@ local function anthropic_answer(doc)
   if msg == nil then return nil end
   local text, calls = message_text(msg), list_of(msg.tool_calls)
   if text == nil or calls == nil then return nil end
-  local content = {}
-  if text ~= "" then content[1] = '{"type":"text","text":' .. str(text) .. "}" end
+  local content, reasoning = {}, reasoning_of(msg)
+  if reasoning then  -- first, as the model thought before it answered; signed when the provider signed it
+    content[1] = concat({'{"type":"thinking","thinking":', str(reasoning), ',"signature":',
+                         str(text_of(msg.reasoning_signature, "") or ""), "}"})
+  end
+  if text ~= "" then content[#content + 1] = '{"type":"text","text":' .. str(text) .. "}" end
   for _, call in ipairs(calls) do
     local fn = is_object(call) and object_of(call["function"])
     local call_id, name = fn and text_of(call.id, ""), fn and text_of(fn.name, "")
@@ -116,6 +120,19 @@ local function anthropic_text(st, text, out)
                                   .. '"delta":{"type":"text_delta","text":' .. str(text) .. "}")
 end
 
+local function anthropic_reasoning(st, text, out)
+  if st.open ~= "thinking" then anthropic_open(st, out, "thinking", '{"type":"thinking","thinking":"","signature":""}') end
+  out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
+                                  .. '"delta":{"type":"thinking_delta","thinking":' .. str(text) .. "}")
+end
+
+-- The provider's signature over the thinking block it ends.
+local function anthropic_signature(st, signature, out)
+  if st.open ~= "thinking" then anthropic_open(st, out, "thinking", '{"type":"thinking","thinking":"","signature":""}') end
+  out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
+                                  .. '"delta":{"type":"signature_delta","signature":' .. str(signature) .. "}")
+end
+
 local function anthropic_call(st, n, call, fn, out)
   local key = "tool" .. format("%d", n)
   st.called = true
@@ -158,6 +175,7 @@ end
 
 DOORS.anthropic = {answer = anthropic_answer, count = anthropic_count, error = anthropic_error, error_body = anthropic_error_body,
                stream = anthropic_stream, begin = anthropic_begin, usage = anthropic_usage, text = anthropic_text,
+               reasoning = anthropic_reasoning, signature = anthropic_signature,
                call = anthropic_call, finish = anthropic_finish, done = anthropic_done,
                error_event = anthropic_error_event,
                request_id_header = "request-id"}  -- the anthropic SDK's `.request_id` / `_request_id`

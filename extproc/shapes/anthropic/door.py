@@ -75,7 +75,21 @@ class ToolResultBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Strict):
+    """An earlier answer's reasoning, replayed with the provider's signature over it (a tool loop with
+    thinking on replays it)."""
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingBlock(_Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
 
 
 class Message(_Strict):
@@ -98,6 +112,18 @@ class ToolChoice(_Strict):
 
 class Metadata(_Strict):
     user_id: str | None = None
+
+
+class Thinking(_Strict):
+    """Anthropic's own thinking switch: sent unchanged to a plan of Anthropic-shaped candidates only."""
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1024)
+
+    @model_validator(mode="after")
+    def _budget(self) -> Thinking:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("budget_tokens is required when thinking is enabled")
+        return self
 
 
 class OutputFormat(_Strict):
@@ -125,6 +151,7 @@ class MessagesRequest(_Strict):
     output_config: OutputConfig | None = None  # structured output: the internal json_schema response_format
     # Anthropic's own: sent unchanged to a plan of Anthropic-shaped candidates only (extproc/shapes/door.py).
     service_tier: Literal["auto", "standard_only"] | None = None
+    thinking: Thinking | None = None
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -162,9 +189,19 @@ def _validated(model: type[_Strict], raw: bytes) -> Any:
 def request(raw: bytes) -> dict[str, Any]:
     """A Messages request as the internal chat completion request (GatewayError on bad input)."""
     native = _validated(MessagesRequest, raw)
-    body = internal_body(native.model_dump(exclude_none=True, by_alias=True))
-    if native.service_tier is not None:
-        body[NATIVE] = {"service_tier": native.service_tier}
+    for i, turn in enumerate(native.messages):
+        for j, block in enumerate(turn.content if isinstance(turn.content, list) else ()):
+            if isinstance(block, RedactedThinkingBlock):
+                raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, "a redacted_thinking block is not carried by this "
+                                   "gateway's Messages API", f"messages.{i}.content.{j}")
+    if native.thinking is not None and native.thinking.budget_tokens is not None \
+            and native.thinking.budget_tokens >= native.max_tokens:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "max_tokens must be greater than thinking.budget_tokens",
+                           "thinking.budget_tokens")
+    body = internal_body(native.model_dump(exclude_none=True, by_alias=True, exclude={"service_tier", "thinking"}))
+    own = native.model_dump(exclude_none=True, include={"service_tier", "thinking"})
+    if own:
+        body[NATIVE] = own
     if native.tool_choice is not None and native.tool_choice.type == "tool" and not native.tool_choice.name:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "tool_choice.name is required for type tool", "tool_choice")
     if native.stream:

@@ -35,7 +35,7 @@ from extproc.shapes.base import (
     settings_back,
     tool_arguments,
 )
-from extproc.shapes.loss import NATIVE, Conditional, LossTable, Support, losses
+from extproc.shapes.loss import Conditional, LossTable, Support, losses, with_native
 
 S = Support
 
@@ -118,9 +118,7 @@ def _arguments(text: Any) -> dict[str, Any]:
 
 
 def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    native = _native_body(body)
-    native.update(body.get(NATIVE) or {})  # the Gemini door's own fields, as its caller sent them
-    return native
+    return with_native(_native_body(body), body)
 
 
 def _native_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,12 +22,19 @@ local function gemini_error(status, body)
   return gemini_error_body(status, as_text(err.message, ""), as_text(err.code, ""))
 end
 
+-- The answer's tokens as `candidatesTokenCount`, the thoughts' apart (`thoughtsTokenCount`), as Gemini
+-- counts them.
 local function gemini_usage(usage)
-  local input, cached, output = internal_usage(usage)
+  local input, cached, output, reasoning = internal_usage(usage)
   if input == nil then return nil end
-  return concat({'{"promptTokenCount":', format("%d", input), ',"candidatesTokenCount":', format("%d", output),
-                 ',"totalTokenCount":', format("%d", input + output),
-                 cached > 0 and (',"cachedContentTokenCount":' .. format("%d", cached)) or "", "}"})
+  return concat({'{"promptTokenCount":', format("%d", input), ',"candidatesTokenCount":',
+                 format("%d", output - reasoning), ',"totalTokenCount":', format("%d", input + output),
+                 cached > 0 and (',"cachedContentTokenCount":' .. format("%d", cached)) or "",
+                 reasoning > 0 and (',"thoughtsTokenCount":' .. format("%d", reasoning)) or "", "}"})
+end
+
+local function thought_part(text)
+  return '{"text":' .. str(text) .. ',"thought":true}'
 end
 
 local function gemini_finish(finish)
@@ -50,8 +57,9 @@ local function gemini_answer(doc)
     local msg = is_object(choice) and object_of(choice.message)
     local text, calls = msg and message_text(msg), msg and list_of(msg.tool_calls)
     if not (text and calls) then return nil end
-    local parts = {}
-    if text ~= "" then parts[1] = '{"text":' .. str(text) .. "}" end
+    local parts, reasoning = {}, reasoning_of(msg)
+    if reasoning then parts[1] = thought_part(reasoning) end
+    if text ~= "" then parts[#parts + 1] = '{"text":' .. str(text) .. "}" end
     for _, call in ipairs(calls) do
       local fn = is_object(call) and object_of(call["function"])
       local name = fn and text_of(fn.name, "")
@@ -100,6 +108,10 @@ local function gemini_text(st, text, out)
   out[#out + 1] = gemini_response(st, '{"text":' .. str(text) .. "}")
 end
 
+local function gemini_reasoning(st, text, out)
+  out[#out + 1] = gemini_response(st, thought_part(text))
+end
+
 local function gemini_call_delta(st, n, call, fn, out)
   local name, arguments = text_of(fn.name, ""), text_of(fn.arguments, "")
   if name == nil or arguments == nil then return false end
@@ -139,5 +151,6 @@ end
 
 DOORS.gemini = {answer = gemini_answer, count = gemini_count, error = gemini_error, error_body = gemini_error_body,
             stream = gemini_stream, begin = gemini_begin, usage = gemini_usage, text = gemini_text,
+            reasoning = gemini_reasoning, signature = function() end,  -- (Gemini's thoughts carry none)
             call = gemini_call_delta, finish = gemini_finish_choice, done = gemini_done,
             error_event = gemini_error_event}

@@ -142,6 +142,14 @@ class ToolConfig(_Strict):
     function_calling_config: FunctionCallingConfig
 
 
+class ThinkingConfig(_Strict):
+    """Gemini's own thinking switch (generationConfig.thinkingConfig): a budget or a level, and whether
+    the answer shows the thoughts. Sent unchanged to a plan of Gemini-shaped candidates only."""
+    include_thoughts: bool | None = None
+    thinking_budget: Whole | None = Field(default=None, ge=-1)  # -1: the model decides; 0: off
+    thinking_level: Literal["THINKING_LEVEL_UNSPECIFIED", "MINIMAL", "LOW", "MEDIUM", "HIGH"] | None = None
+
+
 class GenerationConfig(_Strict):
     stop_sequences: list[str] | None = None
     temperature: float | None = None
@@ -157,6 +165,7 @@ class GenerationConfig(_Strict):
     # pydantic class or types.Schema), converted like a function's parameters.
     response_json_schema: dict[str, Any] | None = None
     response_schema: Schema | None = None
+    thinking_config: ThinkingConfig | None = None  # Gemini's own (extproc/shapes/door.py): never translated
 
     @model_validator(mode="after")
     def _one_schema(self) -> GenerationConfig:
@@ -219,10 +228,18 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
     if stream and parse_qs(urlsplit(path).query).get("alt") != ["sse"]:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "streamGenerateContent takes alt=sse (server-sent events)", "alt")
     native = _validated(GenerateContentRequest, raw)
+    config = native.generation_config
+    thinking = config.thinking_config if config is not None else None
+    if config is not None:
+        config.thinking_config = None
     body = internal_body(native.model_dump(exclude_none=True, by_alias=True), route, stream)
+    own: dict[str, Any] = {}
     if native.safety_settings:
-        body[NATIVE] = {"safetySettings": [s.model_dump(exclude_none=True, by_alias=True)
-                                           for s in native.safety_settings]}
+        own["safetySettings"] = [s.model_dump(exclude_none=True, by_alias=True) for s in native.safety_settings]
+    if thinking is not None:
+        own["generationConfig.thinkingConfig"] = thinking.model_dump(exclude_none=True, by_alias=True)
+    if own:
+        body[NATIVE] = own
     if stream:
         body["stream_options"] = {"include_usage": True}  # the last response carries usage
     return body

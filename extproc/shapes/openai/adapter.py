@@ -59,6 +59,10 @@ class OpenAIAdapter:
         gone = {x.field for x in lost}
         native = {k: v for k, v in body.items() if k not in gone}
         native["model"] = target.model
+        if target.options.get("kind", "vllm") != "vllm" and any("reasoning_signature" in m for m in body["messages"]):
+            # The gateway's own message field (another provider's signature): OpenAI's API refuses
+            # fields it does not know, vLLM ignores them.
+            native["messages"] = [{k: v for k, v in m.items() if k != "reasoning_signature"} for m in body["messages"]]
         path, headers = self.endpoint(target)
         return NativeRequest(path, headers, orjson.dumps(native), tuple(lost))
 

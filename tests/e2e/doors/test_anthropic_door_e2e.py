@@ -96,7 +96,7 @@ def test_errors_are_anthropics_with_the_contracts_code(stack: Stack) -> None:
     assert nf.value.body["error"] == {"type": "not_found_error", "message": "no route named 'no-such-route'",  # type: ignore[index]
                                       "code": "route_not_found", "param": "model"}
     with pytest.raises(anthropic.BadRequestError) as bad:
-        client(stack).messages.create(model="chat-default", max_tokens=4, messages=ask("x"),
+        client(stack).messages.create(model="chat-default", max_tokens=2000, messages=ask("x"),  # Anthropic's own
                                       thinking={"type": "enabled", "budget_tokens": 1024})
     assert bad.value.body["error"]["code"] == "unsupported_field"  # type: ignore[index]
     assert bad.value.body["error"]["param"] == "thinking"  # type: ignore[index]

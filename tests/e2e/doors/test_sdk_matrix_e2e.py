@@ -494,6 +494,105 @@ def test_a_doors_own_field_is_refused_where_the_plan_may_try_another_shape(up: S
     assert status == 400 and "unsupported_field" in body and f"`{field}`" in body
 
 
+@pytest.mark.parametrize("door, route, field", [("gemini", "chat-default", "generationConfig.thinkingConfig"),
+                                                ("anthropic", "chat-fallback", "thinking")])
+def test_a_thinking_switch_is_refused_where_the_plan_may_try_another_shape(up: Stack, door: str, route: str,
+                                                                           field: str) -> None:
+    """A nested own field is named by its path as the caller wrote it."""
+    with pytest.raises(ERRORS[door]) as e:
+        if door == "gemini":
+            genai_client(up).models.generate_content(model=route, contents="x", config=types.GenerateContentConfig(
+                max_output_tokens=3, thinking_config=types.ThinkingConfig(include_thoughts=True, thinking_budget=64)))
+        else:
+            anthropic_client(up).messages.create(model=route, max_tokens=2000, messages=ask("x"),
+                                                 thinking={"type": "enabled", "budget_tokens": 1024})
+    status, body = status_and_body(e.value)
+    assert status == 400 and "unsupported_field" in body and f"`{field}`" in body
+
+
+# -- thinking: the provider's own switch in, its reasoning out in the caller's shape -------------------------
+
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def test_anthropic_thinking_comes_back_as_a_signed_thinking_block(up: Stack) -> None:
+    marker = "think-json-33"
+    raw = anthropic_client(up).messages.with_raw_response.create(model="chat-anthropic", max_tokens=2000,
+                                                                messages=ask(marker), thinking=THINKING)
+    m = raw.parse()
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    thinking = m.content[0]
+    assert isinstance(thinking, anthropic.types.ThinkingBlock) and thinking.thinking and thinking.signature
+    assert "thinking" in provider_fields(up, "demo-anthropic", marker)
+    # Thinking is output: the ledger charges what the provider counted, thoughts included.
+    entry = ledger_of(up, raw.headers["x-request-id"], "acme")
+    assert entry["usage"]["completion_tokens"] == m.usage.output_tokens > len(thinking.thinking.split())
+
+
+def test_anthropic_thinking_streams_as_thinking_deltas_with_the_signature(up: Stack) -> None:
+    with anthropic_client(up).messages.stream(model="chat-anthropic", max_tokens=2000, messages=ask("think-stream"),
+                                              thinking=THINKING) as s:
+        kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert "thinking_delta" in kinds and "signature_delta" in kinds and "text_delta" in kinds
+    assert kinds.index("signature_delta") < kinds.index("text_delta")
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].signature and final.stop_reason == "end_turn"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_loop_with_thinking_replays_the_signed_block(up: Stack, stream: bool) -> None:
+    """Anthropic's tool loop with thinking on: the assistant turn goes back with its thinking block as
+    signed, and the provider (which checks the signature) takes it - the gateway carried it whole both
+    ways."""
+    client = anthropic_client(up)
+    history: list[Any] = ask("use search_docs for budgets")
+    tools = [{"name": "search_docs", "description": "search", "input_schema": SCHEMA}]
+    if stream:
+        with client.messages.stream(model="chat-anthropic", max_tokens=2000, messages=history, tools=tools,
+                                    thinking=THINKING) as s:
+            first = s.get_final_message()
+    else:
+        first = client.messages.create(model="chat-anthropic", max_tokens=2000, messages=history, tools=tools,
+                                       thinking=THINKING)
+    assert first.stop_reason == "tool_use" and first.content[0].type == "thinking"
+    call = next(b for b in first.content if b.type == "tool_use")
+    history += [{"role": "assistant", "content": first.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "found"}]}]
+    done = client.messages.create(model="chat-anthropic", max_tokens=2000, messages=history, tools=tools,
+                                  thinking=THINKING)
+    assert done.stop_reason == "end_turn" and done.content[-1].type == "text"
+    # A thinking block altered on the way back is the provider's 400, as the provider words it.
+    tampered = [*history[:1], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": first.content[0].thinking + " (edited)",  # type: ignore[union-attr]
+         "signature": first.content[0].signature}, *first.content[1:]]}, history[2]]  # type: ignore[union-attr]
+    with pytest.raises(anthropic.APIStatusError):
+        client.messages.create(model="chat-anthropic", max_tokens=2000, messages=tampered, tools=tools,
+                               thinking=THINKING)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gemini_thoughts_come_back_as_thought_parts_counted_apart(up: Stack, stream: bool) -> None:
+    config = types.GenerateContentConfig(max_output_tokens=400, thinking_config=types.ThinkingConfig(
+        include_thoughts=True, thinking_budget=64))
+    client = genai_client(up)
+    if stream:
+        pieces = list(client.models.generate_content_stream(model="chat-gemini", contents="think-gem", config=config))
+        parts = [p for r in pieces if r.candidates for p in (r.candidates[0].content.parts or ())  # type: ignore[union-attr]
+                 if p.text]
+        usage = pieces[-1].usage_metadata
+    else:
+        r = client.models.generate_content(model="chat-gemini", contents="think-gem", config=config)
+        parts = list(r.candidates[0].content.parts or ())  # type: ignore[index, union-attr]
+        usage = r.usage_metadata
+    thoughts = [p.text for p in parts if p.thought]
+    answer = [p.text for p in parts if not p.thought]
+    assert thoughts and answer and parts[0].thought  # the thoughts first
+    assert usage is not None and usage.thoughts_token_count and usage.candidates_token_count
+    assert usage.total_token_count == (usage.prompt_token_count or 0) + usage.candidates_token_count \
+        + usage.thoughts_token_count
+
+
 # -- hostile bytes on the new paths ---------------------------------------------------------------------
 
 def _door_error(door: str, status: int, body: bytes) -> None:
