@@ -6,9 +6,11 @@ Checks, as the provider makes them: `x-api-key` (when the server has one: 401 au
 `anthropic-version` (400), `model` (404 not_found_error), `max_tokens` required (400), `messages`
 non-empty with user/assistant roles (400), a prompt beyond the window (400 "prompt is too long").
 Usage counts the prompt's cache hits as `cache_read_input_tokens` (and `input_tokens` the rest), as
-the provider bills them. Extended thinking (`thinking`: `enabled` with a `budget_tokens` of at least
-1024 below `max_tokens`, or `adaptive`) writes a thinking block first, signed over its text (a stream:
-`thinking_delta`s, then `signature_delta`); a thinking block replayed in a later turn must carry its
+the provider bills them - for a request that marks a caching breakpoint (`cache_control`, at most
+four, `ephemeral` with a ttl of 5m or 1h) only: the provider caches nothing it was not asked to.
+Extended thinking (`thinking`: `enabled` with a `budget_tokens` of at least 1024 below `max_tokens`,
+or `adaptive`) writes a thinking block first, signed over its text (a stream: `thinking_delta`s, then
+`signature_delta`); a thinking block replayed in a later turn must carry its
 signature unaltered, and a tool loop's last assistant turn must open with it, or the request is 400.
 
 Faults (the server's queue or `x-enginesim-fault`, as for the OpenAI front end): `status=529` (or 429,
@@ -108,6 +110,15 @@ def plan_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _breakpoints(body: dict[str, Any]) -> list[Any]:
+    """The request's caching breakpoints (`cache_control` on tools, system blocks and content blocks)."""
+    system = body.get("system")
+    blocks = [*(body.get("tools") or ()), *(system if isinstance(system, list) else ()),
+              *(b for m in body.get("messages") or () if isinstance(m, dict) and isinstance(m.get("content"), list)
+                for b in m["content"])]
+    return [b["cache_control"] for b in blocks if isinstance(b, dict) and b.get("cache_control") is not None]
+
+
 # The provider's thinking blocks carry a signature over their text: a block replayed in a later turn must
 # come back exactly as it was written, or the request is refused.
 _SIGNING_KEY = b"enginesim-thinking"
@@ -182,6 +193,13 @@ class MessagesFrontEnd:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or "content" not in m:
                 return anthropic_error(400, f"messages.{i}: each message needs a user or assistant role and content")
+        marks = _breakpoints(body)
+        if len(marks) > 4:
+            return anthropic_error(400, "A maximum of 4 blocks with cache_control may be provided. "
+                                        f"Found {len(marks)}.")
+        if any(not isinstance(c, dict) or c.get("type") != "ephemeral" or c.get("ttl", "5m") not in ("5m", "1h")
+               for c in marks):
+            return anthropic_error(400, "cache_control: Input should be {'type': 'ephemeral'} with a ttl of 5m or 1h")
         wrong = _thinking_error(body)
         return anthropic_error(400, wrong) if wrong else None
 
@@ -230,14 +248,15 @@ class MessagesFrontEnd:
         max_tokens = min(body["max_tokens"], max_len - len(prompt))
         seed = zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed
         out, seq = await srv.submit_planned(plan_body(body), seed, prompt, max_tokens, rid, fault)
+        caching = bool(_breakpoints(body))
         try:
             if body.get("stream"):
-                return await self._stream(request, seq, out, rid, fault)
-            return await self._complete(seq, out, rid, fault)
+                return await self._stream(request, seq, out, rid, fault, caching)
+            return await self._complete(seq, out, rid, fault, caching)
         finally:
             srv.engine.abort(seq)
-            entry.update(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens, output_tokens=seq.output_len,
-                         finish_reason=seq.finish_reason)
+            entry.update(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens if caching else 0,
+                         output_tokens=seq.output_len, finish_reason=seq.finish_reason)
 
     async def _refusal(self, request: web.Request, rid: str, prompt_tokens: int, stream: bool) -> web.StreamResponse:
         """The model's safety stop: `stop_reason: refusal`, nothing written."""
@@ -257,9 +276,12 @@ class MessagesFrontEnd:
         await resp.write_eof()
         return resp
 
-    def _usage(self, seq: Sequence, fault: Fault) -> dict[str, Any]:
-        return {"input_tokens": len(seq.prompt) - seq.cached_tokens, "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": seq.cached_tokens, "output_tokens": self._output(seq, fault)}
+    def _usage(self, seq: Sequence, fault: Fault, caching: bool) -> dict[str, Any]:
+        """Cache reads only for a request that marks a breakpoint (`cache_control`): the provider
+        caches nothing it was not asked to."""
+        cached = seq.cached_tokens if caching else 0
+        return {"input_tokens": len(seq.prompt) - cached, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached, "output_tokens": self._output(seq, fault)}
 
     @staticmethod
     def _output(seq: Sequence, fault: Fault) -> Any:
@@ -289,24 +311,24 @@ class MessagesFrontEnd:
             blocks.append({"type": "tool_use", "id": f"toolu_{call.id[-20:]}", "name": call.name, "input": tool_input})
         return blocks
 
-    async def _complete(self, seq: Sequence, out: Output, rid: str, fault: Fault) -> web.Response:
+    async def _complete(self, seq: Sequence, out: Output, rid: str, fault: Fault, caching: bool) -> web.Response:
         produced = 0
         while await seq.out.get() is not None:
             produced += 1
         return web.json_response({
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
             "content": self._blocks(out, produced), "stop_reason": self._stop_reason(seq, out),
-            "stop_sequence": out.stop_reason, "usage": self._usage(seq, fault)})
+            "stop_sequence": out.stop_reason, "usage": self._usage(seq, fault, caching)})
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
-                      fault: Fault) -> web.StreamResponse:
+                      fault: Fault, caching: bool) -> web.StreamResponse:
         resp = fault.stream_response({"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(kind: str, doc: dict[str, Any]) -> None:
             await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **doc})}\n\n".encode())
 
-        usage = {**self._usage(seq, Fault()), "output_tokens": 1}
+        usage = {**self._usage(seq, Fault(), caching), "output_tokens": 1}
         await send("message_start", {"message": {
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})

@@ -47,13 +47,23 @@ def test_the_sdk_reads_a_stream_and_its_usage(provider: str) -> None:
     assert final.stop_reason == "max_tokens"
 
 
-def test_a_repeated_prompt_is_billed_as_cache_reads(provider: str) -> None:
-    messages = [{"role": "user", "content": "a long shared preamble " * 40}]
-    first = client(provider).messages.create(model=MODEL, max_tokens=2, messages=messages)
-    again = client(provider).messages.create(model=MODEL, max_tokens=2, messages=messages)
+def test_a_repeated_prompt_marked_for_caching_is_billed_as_cache_reads(provider: str) -> None:
+    text = {"type": "text", "text": "a long shared preamble " * 40}
+    marked = [{"role": "user", "content": [{**text, "cache_control": {"type": "ephemeral"}}]}]
+    first = client(provider).messages.create(model=MODEL, max_tokens=2, messages=marked)
+    again = client(provider).messages.create(model=MODEL, max_tokens=2, messages=marked)
     assert first.usage.cache_read_input_tokens == 0 and again.usage.cache_read_input_tokens > 0
     assert (again.usage.input_tokens + again.usage.cache_read_input_tokens
             == first.usage.input_tokens + first.usage.cache_read_input_tokens)
+    # Unmarked, the provider caches nothing (it was not asked to).
+    plain = client(provider).messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [text]}])
+    assert plain.usage.cache_read_input_tokens == 0
+
+
+def test_more_than_four_breakpoints_are_refused(provider: str) -> None:
+    block = {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}
+    with pytest.raises(anthropic.BadRequestError):
+        client(provider).messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [block] * 5}])
 
 
 @pytest.mark.parametrize(("kwargs", "error", "status"), [
