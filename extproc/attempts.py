@@ -50,6 +50,7 @@ from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, Filter, Header, Ke
 from extproc.ratelimit import RateLimitedLog
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.shapes.base import Adapter, Target
+from extproc.shapes.loss import cache_hinted, without_cache_hints
 from extproc.shapes.registry import REQUEST_HEADERS, adapter_for
 from extproc.store import Store, StoreUnavailable
 
@@ -72,10 +73,12 @@ def choose_candidate(snap: Snapshot, plan: list[str], attempt: int, host_cluster
 
 
 def body_for(body: bytes, dep: Deployment) -> bytes | None:
-    """The request body addressed to this candidate; None when it already is."""
+    """The request body addressed to this candidate (of the contract's own shape, which caches prompts
+    on its own: without caching breakpoints); None when it already is."""
     doc = json.loads(body)
-    if doc.get("model") == dep.served_model:
+    if doc.get("model") == dep.served_model and not cache_hinted(doc):
         return None
+    doc = without_cache_hints(doc) if cache_hinted(doc) else doc
     doc["model"] = dep.served_model
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
 

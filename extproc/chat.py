@@ -183,11 +183,24 @@ def _response_format(v: Any, param: str) -> None:
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
 
+def _cache_control(v: Any, param: str) -> None:
+    """A prompt-caching breakpoint on a part or a tool (Anthropic's `cache_control`): the prompt up to
+    here may be cached, for five minutes or an hour. A provider that caches prompts on its own (the
+    pool's prefix cache, OpenAI's, Gemini's) is not sent it (extproc/shapes/loss.py CACHE_CONTROL)."""
+    _keys(_object(v, param), frozenset({"type", "ttl"}), param)
+    if v.get("type") != "ephemeral":
+        raise invalid(f"`{param}.type` must be ephemeral", f"{param}.type")
+    if v.get("ttl") is not None and v["ttl"] not in ("5m", "1h"):
+        raise invalid(f"`{param}.ttl` must be 5m or 1h", f"{param}.ttl")
+
+
 def _tools(v: Any, param: str) -> None:
     names = set()
     for i, tool in enumerate(_array(v, param, MAX_TOOLS)):
         at = f"{param}[{i}]"
-        _keys(_object(tool, at), frozenset({"type", "function"}), at)
+        _keys(_object(tool, at), frozenset({"type", "function", "cache_control"}), at)
+        if tool.get("cache_control") is not None:
+            _cache_control(tool["cache_control"], f"{at}.cache_control")
         if tool.get("type") != "function":
             raise unsupported(f"{at}.type", ": only function tools")
         fn = _object(tool.get("function"), f"{at}.function")
@@ -273,8 +286,10 @@ def _content(v: Any, param: str, required: bool) -> None:
         _object(part, at)
         if part.get("type") != "text":
             raise unsupported(f"{at}.type", ": only text parts (no deployment here takes other inputs)")
-        _keys(part, frozenset({"type", "text"}), at)
+        _keys(part, frozenset({"type", "text", "cache_control"}), at)
         _str(part.get("text"), f"{at}.text")
+        if part.get("cache_control") is not None:
+            _cache_control(part["cache_control"], f"{at}.cache_control")
 
 
 def _tool_calls(v: Any, param: str) -> None:

@@ -80,11 +80,37 @@ def with_native(native: dict[str, Any], body: Mapping[str, Any]) -> dict[str, An
     return native
 
 
+# A prompt-caching breakpoint on a message part or a tool (extproc/chat.py `_cache_control`): not a
+# top-level field, so each loss table names it on its own, and a request carrying one is judged as if
+# it were one.
+CACHE_CONTROL = "cache_control"
+
+
+def cache_hinted(body: Mapping[str, Any]) -> bool:
+    """Whether any part of any message, or any tool, carries a caching breakpoint."""
+    if any(isinstance(t, dict) and t.get(CACHE_CONTROL) for t in body.get("tools") or ()):
+        return True
+    return any(isinstance(p, dict) and p.get(CACHE_CONTROL)
+               for m in body.get("messages") or () if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for p in m["content"])
+
+
+def without_cache_hints(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The request with its caching breakpoints removed, for an upstream that caches on its own."""
+    out = dict(body)
+    out["messages"] = [{**m, "content": [{k: v for k, v in p.items() if k != CACHE_CONTROL} for p in m["content"]]}
+                       if isinstance(m.get("content"), list) else m for m in body["messages"]]
+    if body.get("tools"):
+        out["tools"] = [{k: v for k, v in t.items() if k != CACHE_CONTROL} for t in body["tools"]]
+    return out
+
+
 def losses(body: Mapping[str, Any], table: LossTable) -> list[Loss]:
     """What translating this request with this table loses or changes; fields the table does not
     name are unsupported (a new contract field is a loss until an adapter says otherwise)."""
     out: list[Loss] = []
-    for name, value in body.items():
+    fields = [*body.items(), *([(CACHE_CONTROL, True)] if cache_hinted(body) else [])]
+    for name, value in fields:
         if name in GATEWAY_FIELDS or value is None or value in DEFAULTS.get(name, ()):
             continue
         rule = table.get(name, Support.UNSUPPORTED)

@@ -36,7 +36,7 @@ from extproc.exchange import Exchange
 from extproc.names import Settle
 from extproc.picker import Picker
 from extproc.shadow import Grant, issue, shadow_bucket
-from extproc.shapes.loss import NATIVE, Loss, Support, losses
+from extproc.shapes.loss import CACHE_CONTROL, NATIVE, Loss, Support, cache_hinted, losses, without_cache_hints
 from extproc.shapes.registry import DOORS_BY_NAME, loss_table, shape_of
 from extproc.stages.authorize import authorized_on
 
@@ -225,6 +225,12 @@ def native_plan(ex: Exchange, loss_rule: str, lost: dict[str, tuple[Loss, ...]])
     ex.native = None
 
 
+def keeps_cache_hints(dep: Deployment) -> bool:
+    """Whether this candidate's adapter sends caching breakpoints on (in its shape or another)."""
+    rule = loss_table(dep.fingerprint.adapter, dep.fingerprint.adapter_options).get(CACHE_CONTROL)
+    return rule in (Support.SUPPORTED, Support.TRANSFORMED)
+
+
 def count_plan(ex: Exchange, snap: Snapshot, route: Route, qualified: list[int]) -> None:
     """A token count: the route's first qualified candidate that can count (the engine's tokenizer, or
     its provider's own count) counts the prompt as it would see it; no other is tried."""
@@ -318,6 +324,8 @@ class RouteSelection:
         body["model"] = dep.served_model
         if ex.native:  # every candidate speaks the door's shape: its adapter sends them as they came
             body[NATIVE] = ex.native
+        if cache_hinted(body) and not any(keeps_cache_hints(d) for d in ex.candidates):
+            body = without_cache_hints(body)  # every candidate caches prompts on its own (emulated)
         # The bound the reservation holds is also the engine's (invariant 3).
         prompt_bound = facts.prompt_bound + template_allowance(snap, route) * facts.n_messages
         body["max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"] = (

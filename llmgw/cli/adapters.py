@@ -7,14 +7,14 @@ import argparse
 from typing import Any
 
 from extproc.chat import CONTRACT_FIELDS
-from extproc.shapes.loss import Support, describe
+from extproc.shapes.loss import CACHE_CONTROL, Support, describe
 from extproc.shapes.registry import SHAPES
 
 COLUMNS = {heading: table for shape in SHAPES for heading, table in shape.loss_columns.items()}
 
 
 def loss_table() -> str:
-    fields = [f for f in CONTRACT_FIELDS if f != "model"]
+    fields = [*(f for f in CONTRACT_FIELDS if f != "model"), CACHE_CONTROL]  # (a part's or a tool's)
     lines = ["| field | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
     for f in fields:
         lines.append(f"| `{f}` | " + " | ".join(describe(t.get(f, Support.UNSUPPORTED)) for t in COLUMNS.values())

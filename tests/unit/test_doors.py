@@ -481,3 +481,58 @@ def test_gemini_thinking_config_is_its_own_field_set_inside_generation_config() 
     with pytest.raises(GatewayError) as e:
         gemini_request(gnative(generationConfig={"thinkingConfig": {"thinkingBudget": -2}}), GPATH)
     assert e.value.code is ErrorCode.INVALID_REQUEST and "thinkingBudget" in (e.value.param or "")
+
+
+# -- prompt caching breakpoints ---------------------------------------------------------------------------
+
+CC = {"type": "ephemeral"}
+
+
+def test_a_caching_breakpoint_is_carried_where_the_provider_caches_only_when_asked() -> None:
+    from extproc import chat
+    from extproc.shapes.anthropic.adapter import native_body
+    from extproc.shapes.bedrock.adapter import native_body as bedrock_body
+    from extproc.shapes.loss import CACHE_CONTROL, Support, losses
+    from extproc.shapes.openai.adapter import VLLM_TABLE
+    body = chat.validate(request(native(
+        system=[{"type": "text", "text": "rules", "cache_control": CC}],
+        tools=[{"name": "search_docs", "input_schema": {"type": "object"}, "cache_control": CC}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                               {"type": "text", "text": "b", "cache_control": CC}]}])), 100, 1)
+    assert body["messages"][0]["content"] == [{"type": "text", "text": "rules", "cache_control": CC}]
+    sent = native_body(body, "claude")
+    assert sent["system"] == [{"type": "text", "text": "rules", "cache_control": CC}]
+    assert sent["messages"][0]["content"][1] == {"type": "text", "text": "b", "cache_control": CC}
+    assert sent["tools"][0]["cache_control"] == CC
+    # Converse marks the same places with a cachePoint block after them.
+    converse = bedrock_body(body)
+    assert converse["system"][-1] == converse["messages"][0]["content"][-1] == {"cachePoint": {"type": "default"}}
+    assert converse["toolConfig"]["tools"][-1] == {"cachePoint": {"type": "default"}}
+    assert [x.support for x in losses(body, VLLM_TABLE) if x.field == CACHE_CONTROL] == [Support.EMULATED]
+    # Unmarked, the system prompt stays one string, as before.
+    assert native_body(chat.validate(request(native(system="rules")), 100, 1), "claude")["system"] == "rules"
+
+
+@pytest.mark.parametrize("hint", [{"type": "persistent"}, {"type": "ephemeral", "ttl": "2h"}, "ephemeral"])
+def test_a_malformed_breakpoint_is_refused_naming_it(hint: Any) -> None:
+    from extproc import chat
+    with pytest.raises(GatewayError) as e:
+        chat.validate({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x", "cache_control": hint}]}]}, 100, 1)
+    assert e.value.code is ErrorCode.INVALID_REQUEST and "cache_control" in (e.value.param or "")
+
+
+def test_the_contracts_own_shape_is_sent_without_breakpoints() -> None:
+    from extproc.attempts import body_for
+    from extproc.shapes.base import Target
+    from extproc.shapes.openai.adapter import OpenAIAdapter
+    marked = [{"type": "text", "text": "x", "cache_control": CC}]
+    body = {"model": "m", "messages": [{"role": "user", "content": marked}],
+            "tools": [{"type": "function", "function": {"name": "f"}, "cache_control": CC}]}
+    for kind in ("vllm", "openai", "azure"):
+        assert b"cache_control" not in OpenAIAdapter().request(body, Target("m", options={"kind": kind})).body
+
+    class Dep:
+        served_model = "m"
+    again = body_for(json.dumps(body).encode(), Dep())  # type: ignore[arg-type]
+    assert again is not None and b"cache_control" not in again

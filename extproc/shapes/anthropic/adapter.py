@@ -27,7 +27,7 @@ from extproc.shapes.base import (
     NativeRequest,
     Target,
 )
-from extproc.shapes.loss import Conditional, LossTable, Support, losses, with_native
+from extproc.shapes.loss import CACHE_CONTROL, Conditional, LossTable, Support, losses, with_native
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -52,6 +52,7 @@ LOSS_TABLE: LossTable = {
     "parallel_tool_calls": S.TRANSFORMED,  # tool_choice.disable_parallel_tool_use
     "user": S.TRANSFORMED,  # metadata.user_id
     "cache_salt": S.EMULATED,  # the provider's cache is per account: no tenant salt to send
+    CACHE_CONTROL: S.SUPPORTED,  # on the text blocks, tool results and tools it marks
     "n": Conditional(lambda v: v != 1, "above 1 (one answer per request)"),
     "seed": S.UNSUPPORTED,
     "frequency_penalty": S.UNSUPPORTED,
@@ -95,7 +96,8 @@ def _blocks(content: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for part in content:
         if part.get("type") == "text":
-            out.append({"type": "text", "text": part["text"]})
+            out.append({"type": "text", "text": part["text"],
+                        **({"cache_control": part["cache_control"]} if part.get("cache_control") else {})})
         elif part.get("type") == "image_url":
             url = part["image_url"]["url"]
             if url.startswith("data:") and ";base64," in url:
@@ -106,9 +108,10 @@ def _blocks(content: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _turns(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    """(system text, alternating user/assistant turns)."""
-    system: list[str] = []
+def _turns(messages: list[dict[str, Any]]) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]]]:
+    """(system text - or its text blocks, when one carries a caching breakpoint - and alternating
+    user/assistant turns)."""
+    system: list[Any] = []  # the system messages' contents
     turns: list[dict[str, Any]] = []
 
     def add(role: str, blocks: list[dict[str, Any]]) -> None:
@@ -120,7 +123,7 @@ def _turns(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
     for m in messages:
         role = m["role"]
         if role in ("system", "developer"):
-            system.append(_text_of(m.get("content")))
+            system.append(m.get("content"))
         elif role == "user":
             add("user", _blocks(m.get("content")))
         elif role == "assistant":
@@ -139,8 +142,13 @@ def _turns(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
             add("assistant", blocks)
         elif role == "tool":
             result = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": _text_of(m.get("content"))}
-            add("user", [result])
-    return "\n\n".join(s for s in system if s), turns
+            hint = next((p["cache_control"] for p in m.get("content") or () if isinstance(p, dict)
+                         and p.get("cache_control")), None) if isinstance(m.get("content"), list) else None
+            add("user", [{**result, "cache_control": hint} if hint else result])
+    blocks = [b for content in system for b in _blocks(content)]
+    if any("cache_control" in b for b in blocks):
+        return blocks, turns
+    return "\n\n".join(t for content in system if (t := _text_of(content))), turns
 
 
 def _tool_choice(choice: Any, parallel: Any) -> dict[str, Any] | None:
@@ -181,7 +189,8 @@ def _native_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
         native["stream"] = True
     if body.get("tools"):
         native["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
-                            "input_schema": t["function"].get("parameters") or {"type": "object", "properties": {}}}
+                            "input_schema": t["function"].get("parameters") or {"type": "object", "properties": {}},
+                            **({"cache_control": t["cache_control"]} if t.get("cache_control") else {})}
                            for t in body["tools"]]
         choice = _tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls"))
         if choice is not None:
@@ -200,7 +209,8 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     system = native.get("system")
     if system:
-        messages.append({"role": "system", "content": system if isinstance(system, str) else _text_of(system)})
+        messages.append({"role": "system", "content": system if isinstance(system, str)
+                         else _collapse([_text_part(b) for b in system if b.get("type") == "text"])})
     for turn in native["messages"]:
         content = turn["content"]
         blocks: list[dict[str, Any]] = ([{"type": "text", "text": content}] if isinstance(content, str)
@@ -209,7 +219,8 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
             calls = [{"id": b["id"], "type": "function",
                       "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}}
                      for b in blocks if b.get("type") == "tool_use"]
-            text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+            texts = [_text_part(b) for b in blocks if b.get("type") == "text"]
+            text = _collapse(texts) if texts else ""
             msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 msg["tool_calls"] = calls
@@ -227,10 +238,13 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
                     messages.append({"role": "user", "content": _collapse(parts)})
                     parts = []
                 result = b.get("content")
-                messages.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                                 "content": result if isinstance(result, str) else _text_of(result)})
+                text = result if isinstance(result, str) else _text_of(result)
+                inner = [] if isinstance(result, str) else [r.get("cache_control") for r in result or ()]
+                hint = b.get("cache_control") or next(filter(None, inner), None)  # the block's, or its text's
+                messages.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": (
+                    [{"type": "text", "text": text, "cache_control": hint}] if hint else text)})
             elif b.get("type") == "text":
-                parts.append({"type": "text", "text": b["text"]})
+                parts.append(_text_part(b))
             elif b.get("type") == "image":
                 src = b["source"]
                 url = src["url"] if src["type"] == "url" else f"data:{src['media_type']};base64,{src['data']}"
@@ -245,7 +259,8 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
         body["stop"] = list(native["stop_sequences"])
     if native.get("tools"):
         body["tools"] = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                          "parameters": t.get("input_schema") or {}}}
+                                                          "parameters": t.get("input_schema") or {}},
+                          **({"cache_control": t["cache_control"]} if t.get("cache_control") else {})}
                          for t in native["tools"]]
     choice = native.get("tool_choice")
     if choice:
@@ -263,9 +278,16 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
     return body
 
 
+def _text_part(block: Mapping[str, Any]) -> dict[str, Any]:
+    """A text block as a text part, its caching breakpoint kept."""
+    return {"type": "text", "text": block["text"],
+            **({"cache_control": block["cache_control"]} if block.get("cache_control") else {})}
+
+
 def _collapse(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """Text-only content as one string (how most clients send it); mixed content as parts."""
-    if all(p["type"] == "text" for p in parts):
+    """Text-only content as one string (how most clients send it); mixed content, or text that carries
+    a caching breakpoint, as parts."""
+    if all(p["type"] == "text" and "cache_control" not in p for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
 

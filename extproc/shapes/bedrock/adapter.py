@@ -43,7 +43,7 @@ from extproc.shapes.base import (
     Target,
     settings_back,
 )
-from extproc.shapes.loss import Conditional, LossTable, Support, losses
+from extproc.shapes.loss import CACHE_CONTROL, Conditional, LossTable, Support, losses
 
 SERVICE = "bedrock"
 S = Support
@@ -88,6 +88,7 @@ LOSS_TABLE: LossTable = {
     "skip_special_tokens": S.UNSUPPORTED,
     "spaces_between_special_tokens": S.UNSUPPORTED,
     "include_stop_str_in_output": S.UNSUPPORTED,
+    CACHE_CONTROL: S.TRANSFORMED,  # a cachePoint block after the part, system text or tool it marks
 }
 
 STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
@@ -104,13 +105,28 @@ def _text_of(content: Any) -> str:
     return "".join(p.get("text", "") for p in content or () if isinstance(p, dict) and p.get("type") == "text")
 
 
+CACHE_POINT = {"cachePoint": {"type": "default"}}  # Converse's caching breakpoint: the prompt up to here
+
+
+def _hinted(content: Any) -> bool:
+    """Whether a message's content carries a caching breakpoint (on any of its parts)."""
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("cache_control") for p in content)
+
+
 def _blocks(content: Any) -> list[dict[str, Any]]:
     if content is None:
         return []
     if isinstance(content, str):
         return [{"text": content}] if content else []
     # Text parts only: the contract refuses image and audio parts (extproc/chat.py) before any adapter.
-    return [{"text": p["text"]} for p in content if p.get("type") == "text" and p.get("text")]
+    # A part's caching breakpoint is a cachePoint block after it.
+    out: list[dict[str, Any]] = []
+    for p in content:
+        if p.get("type") == "text" and p.get("text"):
+            out.append({"text": p["text"]})
+            if p.get("cache_control"):
+                out.append(CACHE_POINT)
+    return out
 
 
 def _arguments(text: str | None) -> Any:
@@ -135,7 +151,7 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
         role = m["role"]
         if role in ("system", "developer"):
             if text := _text_of(m.get("content")):
-                system.append({"text": text})
+                system += [{"text": text}, *([CACHE_POINT] if _hinted(m.get("content")) else [])]
         elif role == "assistant":
             blocks = _blocks(m.get("content"))
             for call in m.get("tool_calls") or ():
@@ -145,7 +161,8 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
             add("assistant", blocks)
         elif role == "tool":
             add("user", [{"toolResult": {"toolUseId": m.get("tool_call_id", ""),
-                                         "content": [{"text": _text_of(m.get("content"))}]}}])
+                                         "content": [{"text": _text_of(m.get("content"))}]}},
+                         *([CACHE_POINT] if _hinted(m.get("content")) else [])])
         else:
             add("user", _blocks(m.get("content")))
     native: dict[str, Any] = {"messages": turns}
@@ -175,7 +192,7 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
                 "json": t["function"].get("parameters") or {"type": "object", "properties": {}}}}
             if t["function"].get("description"):
                 spec["description"] = t["function"]["description"]
-            tools.append({"toolSpec": spec})
+            tools += [{"toolSpec": spec}, *([CACHE_POINT] if t.get("cache_control") else [])]
         native["toolConfig"] = {"tools": tools}
         choice = body.get("tool_choice")
         if choice in ("auto", "required"):

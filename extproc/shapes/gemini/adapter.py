@@ -35,13 +35,14 @@ from extproc.shapes.base import (
     settings_back,
     tool_arguments,
 )
-from extproc.shapes.loss import Conditional, LossTable, Support, losses, with_native
+from extproc.shapes.loss import CACHE_CONTROL, Conditional, LossTable, Support, losses, with_native
 
 S = Support
 
 LOSS_TABLE: LossTable = {
     "stream": S.SUPPORTED,
     "stream_options": S.EMULATED,  # usage arrives with the last response; the chunk is built here
+    CACHE_CONTROL: S.EMULATED,  # not sent: the provider caches repeated prefixes on its own (implicit caching)
     "max_tokens": S.TRANSFORMED,  # generationConfig.maxOutputTokens
     "max_completion_tokens": S.TRANSFORMED,
     "temperature": S.TRANSFORMED,  # generationConfig.* from here on: the same meaning, another place

@@ -17,14 +17,16 @@ import orjson
 
 from extproc.chat import CONTRACT_FIELDS
 from extproc.shapes.base import NativeRequest, Target
-from extproc.shapes.loss import LossTable, Support, losses
+from extproc.shapes.loss import CACHE_CONTROL, LossTable, Support, cache_hinted, losses, without_cache_hints
 
 S = Support
 VLLM_ONLY = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
              "spaces_between_special_tokens", "include_stop_str_in_output")
 OPENAI_ONLY = ("verbosity",)  # vLLM's chat completions have no such field (it would be ignored)
 VLLM_TABLE: LossTable = {**{name: S.SUPPORTED for name in CONTRACT_FIELDS},
-                         **{name: S.UNSUPPORTED for name in OPENAI_ONLY}}
+                         **{name: S.UNSUPPORTED for name in OPENAI_ONLY},
+                         # not sent: the pool's prefix cache (and OpenAI's prompt caching) keeps prefixes on its own
+                         CACHE_CONTROL: S.EMULATED}
 HOSTED_TABLE: LossTable = {**VLLM_TABLE, **{name: S.UNSUPPORTED for name in VLLM_ONLY},
                            **{name: S.SUPPORTED for name in OPENAI_ONLY},
                            # the tenant's prefix-cache salt: hosted caches are per account (no salt)
@@ -63,6 +65,8 @@ class OpenAIAdapter:
             # The gateway's own message field (another provider's signature): OpenAI's API refuses
             # fields it does not know, vLLM ignores them.
             native["messages"] = [{k: v for k, v in m.items() if k != "reasoning_signature"} for m in body["messages"]]
+        if cache_hinted(native):  # emulated: the breakpoints are not sent
+            native = without_cache_hints(native)
         path, headers = self.endpoint(target)
         return NativeRequest(path, headers, orjson.dumps(native), tuple(lost))
 

@@ -510,6 +510,56 @@ def test_a_thinking_switch_is_refused_where_the_plan_may_try_another_shape(up: S
     assert status == 400 and "unsupported_field" in body and f"`{field}`" in body
 
 
+# -- prompt caching: a breakpoint reaches the provider that caches only when asked -----------------------
+
+PREAMBLE = "a long shared preamble for the cache " * 30
+EPHEMERAL = {"type": "ephemeral"}
+
+
+@pytest.mark.parametrize("door", ["anthropic", "openai"])
+def test_a_caching_breakpoint_reaches_an_anthropic_provider_and_its_reads_are_billed(up: Stack, door: str) -> None:
+    """The provider caches only a prompt marked with `cache_control` (as Anthropic does): the second
+    request's cache reads prove the breakpoint was carried, from the Anthropic door's system block or
+    the OpenAI door's content part, and the ledger bills them as cached input."""
+    def ask_cached(marked: bool) -> tuple[int, int, str]:
+        hint = {"cache_control": EPHEMERAL} if marked else {}
+        if door == "anthropic":
+            raw = anthropic_client(up).messages.with_raw_response.create(
+                model="chat-anthropic", max_tokens=2, system=[{"type": "text", "text": door + PREAMBLE, **hint}],
+                messages=ask(f"cached {marked}"))
+            m = raw.parse()
+            return m.usage.cache_read_input_tokens or 0, m.usage.input_tokens, raw.headers["x-request-id"]
+        raw = openai_client(up).chat.completions.with_raw_response.create(
+            model="chat-anthropic", max_tokens=2, messages=[
+                {"role": "system", "content": [{"type": "text", "text": door + PREAMBLE, **hint}]},  # type: ignore[list-item, typeddict-unknown-key]
+                {"role": "user", "content": f"cached {marked}"}])
+        c = raw.parse()
+        assert c.usage is not None and c.usage.prompt_tokens_details is not None
+        cached = c.usage.prompt_tokens_details.cached_tokens or 0
+        return cached, c.usage.prompt_tokens - cached, raw.headers["x-request-id"]
+
+    first, _, _ = ask_cached(True)
+    again, uncached, rid = ask_cached(True)
+    assert first == 0 and again > 0
+    details = ledger_of(up, rid, "acme")["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] == again
+    assert ask_cached(False)[0] == 0 and ask_cached(False)[0] == 0  # unmarked: nothing cached
+    assert uncached >= 0
+
+
+def test_a_caching_breakpoint_to_the_pool_is_emulated_not_sent(up: Stack) -> None:
+    """The pool caches prefixes on its own: the breakpoint is not sent (vLLM would ignore it, OpenAI
+    would refuse it), and a `reject` route serves the request."""
+    marker = "pool-cache-58"
+    m = anthropic_client(up).messages.create(model="chat-default", max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "text", "text": marker, "cache_control": EPHEMERAL}]}])
+    assert m.content
+    from tests.helpers import request
+    sent = [e for url in up.engine_urls() for e in request(f"{url}/admin/requests").json()
+            if marker in json.dumps(e.get("messages"))]
+    assert sent and "cache_control" not in json.dumps(sent)
+
+
 # -- thinking: the provider's own switch in, its reasoning out in the caller's shape -------------------------
 
 THINKING = {"type": "enabled", "budget_tokens": 1024}
