@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
                                      "(bedrock: ACCESS_KEY_ID:SECRET_ACCESS_KEY, checked as SigV4); unset: any")
     p.add_argument("--corrupt", action="append", choices=["usage", "tool_calls"], default=[],
                    help="a corrupted provider (conformance tests): never send usage; send tool calls that do not parse")
+    p.add_argument("--runner", choices=["generate", "pooling"], default="generate",
+                   help="vLLM's runner: generate (chat completions) or pooling (POST /v1/embeddings only, "
+                        "enginesim/embeddings_api.py)")
+    p.add_argument("--embedding-dim", type=int, default=384, help="(--runner pooling) the vectors' length")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (and --tls-key), as a hosted provider does")
     p.add_argument("--tls-key")
     p.add_argument("--fault-header", action="store_true",
@@ -60,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header,
                           corrupt=frozenset(args.corrupt))
     key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
+    if args.runner == "pooling":
+        from enginesim.embeddings_api import EmbeddingsFrontEnd
+
+        EmbeddingsFrontEnd(server, args.embedding_dim)
     front_end = FRONT_ENDS[args.api]
     if front_end is not None:
         module, _, name = front_end.partition(":")

@@ -44,6 +44,7 @@ import time
 import uuid
 import zlib
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,8 +211,13 @@ class EngineServer:
         self.requests: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.faults: list[QueuedFault] = []
         self.refusals = False  # set by a front end that can refuse (vLLM never does)
+        # vLLM serves generation or pooling: a pooling runner (enginesim/embeddings_api.py) sets this
+        # False and answers /v1/embeddings; either refuses the other's endpoint with 501, as vLLM does.
+        self.generates = True
+        self.embed: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._cancellations])
         self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_post("/v1/embeddings", self.embeddings)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
@@ -363,7 +369,14 @@ class EngineServer:
         # `priority` without priority scheduling is accepted and ignored, as vLLM 0.32 does.
         return None
 
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        if self.embed is None:
+            return vllm_error(501, "The model does not support Embeddings API", type_="NotImplementedError")
+        return await self.embed(request)
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        if not self.generates:
+            return vllm_error(501, "The model does not support Chat Completions API", type_="NotImplementedError")
         try:
             body = await request.json()
         except ValueError:
