@@ -1,6 +1,7 @@
-"""`POST /v1/embeddings` as vLLM's pooling runner serves it (`vllm serve --runner pooling`): one engine
-serves either generation or pooling, never both, so a pooling engine refuses chat completions and a
-generating one has no embeddings.
+"""`POST /v1/embeddings` as vLLM's pooling runner serves it (`vllm serve --runner pooling`, checked
+against vLLM 0.32's CPU build): one engine serves either generation or pooling, never both, so a
+pooling engine has no chat completions and a generating one no embeddings (404, FastAPI's
+`{"detail": "Not Found"}`: vLLM registers only its runner's routes).
 
 Request: `model` (the served name, else 404), `input` (a string, a list of strings, a list of token
 ids or a list of such lists; never empty), `encoding_format` (`float`, the default, or `base64`: the
@@ -114,7 +115,7 @@ class EmbeddingsFrontEnd:
         return web.json_response({"id": f"embd-{rid}", "object": "list", "created": int(srv.engine.now()),
                                   "model": srv.served_model, "data": data,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                                            "prompt_tokens_details": None}})
+                                            "prompt_tokens_details": None, "completion_tokens_details": None}})
 
     @staticmethod
     async def _done(seq: Sequence) -> None:
@@ -139,8 +140,8 @@ class EmbeddingsFrontEnd:
         if body.get("encoding_format", "float") not in ("float", "base64"):
             return vllm_error(400, "encoding_format must be float or base64", "encoding_format")
         if body.get("dimensions") is not None:
-            return vllm_error(400, f'Model "{srv.served_model}" does not support matryoshka representation, changing '
-                                   "output dimensions will lead to poor results.", "dimensions")
+            return vllm_error(400, f"Model '{srv.served_model}' does not support Matryoshka embeddings; dimensions "
+                                   f"must be unset (received dimensions={body['dimensions']}).")
         window = srv.engine.profile.max_model_len
         longest = max(len(t) for t in inputs)
         if longest > window:

@@ -212,7 +212,8 @@ class EngineServer:
         self.faults: list[QueuedFault] = []
         self.refusals = False  # set by a front end that can refuse (vLLM never does)
         # vLLM serves generation or pooling: a pooling runner (enginesim/embeddings_api.py) sets this
-        # False and answers /v1/embeddings; either refuses the other's endpoint with 501, as vLLM does.
+        # False and answers /v1/embeddings; neither has the other's endpoint (vLLM registers only the
+        # routes of its runner's tasks: FastAPI's 404).
         self.generates = True
         self.embed: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._cancellations])
@@ -371,12 +372,12 @@ class EngineServer:
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         if self.embed is None:
-            return vllm_error(501, "The model does not support Embeddings API", type_="NotImplementedError")
+            return web.json_response({"detail": "Not Found"}, status=404)
         return await self.embed(request)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         if not self.generates:
-            return vllm_error(501, "The model does not support Chat Completions API", type_="NotImplementedError")
+            return web.json_response({"detail": "Not Found"}, status=404)
         try:
             body = await request.json()
         except ValueError:

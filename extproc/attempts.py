@@ -99,7 +99,7 @@ class AttemptFilter:
         if state.dep is not None and state.trace:
             dep = state.dep
             tracing.attempt_span(state.trace, dep.served_model, state.started_at, time.time(), {
-                "gen_ai.operation.name": "chat", "gen_ai.provider.name": dep.provider,
+                "gen_ai.operation.name": dep.serves, "gen_ai.provider.name": dep.provider,
                 "gen_ai.request.model": dep.served_model, "llmgw.deployment": dep.deployment,
                 "llmgw.attempt.n": state.n, "llmgw.attempt.kind": state.record.get("kind"),
                 "http.response.status_code": state.status or None, "llmgw.ledger.request_id": state.rid})

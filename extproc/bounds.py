@@ -57,9 +57,11 @@ class Bound:
         return self.prompt + self.completion
 
 
-def bound_of(snap: Snapshot, route: Route, body: dict[str, Any], n: int) -> Bound:
-    return Bound(prompt_bytes(body), len(body.get("messages") or ()), template_allowance(snap, route),
-                 requested_max_tokens(body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens), n)
+def bound_of(snap: Snapshot, route: Route, body: dict[str, Any], n: int, generates: bool = True) -> Bound:
+    """The request's bound; one that generates nothing (embeddings) has no completion tokens."""
+    per_choice = requested_max_tokens(body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens) \
+        if generates else 0
+    return Bound(prompt_bytes(body), len(body.get("messages") or ()), template_allowance(snap, route), per_choice, n)
 
 
 def fits_some_window(snap: Snapshot, route: Route, bound: Bound) -> bool:

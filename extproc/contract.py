@@ -14,6 +14,7 @@ import orjson
 
 METADATA_NAMESPACE = "io.llmgw"
 CHAT_PATH = "/v1/chat/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 MODELS_PATH = "/v1/models"  # and /v1/models/{route}
 # Each worker's status server answers it from the loop that decides requests (Envoy's health check).
 WORKER_HEALTH_PATH = "/healthz"

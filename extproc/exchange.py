@@ -15,6 +15,7 @@ from extproc.config import Snapshot
 from extproc.config.plans import encode_plan, uses_attempt_filter
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
+from extproc.embeddings import Embedding
 from extproc.names import Key, Settle
 from extproc.redact import log_safe
 from extproc.replay import Sealer
@@ -74,6 +75,8 @@ class Exchange:
     data_class: str = ""
     client_metadata: dict[str, str] = field(default_factory=dict)  # the request's `metadata` (client_fields.py)
     count: bool = False  # a door's token count (count_tokens, countTokens): counted upstream, nothing generated
+    operation: str = "chat"  # or "embeddings" (POST /v1/embeddings): each input a message, nothing generated
+    embedding: Embedding | None = None  # an embeddings request's own options (extproc/embeddings.py)
     native: dict[str, Any] | None = None  # a door's provider-only fields, for a plan of its shape (loss.NATIVE)
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
@@ -122,6 +125,8 @@ class Exchange:
             "time": round(self.arrived_at, 3), "route_revision": self.snapshot.revision,
             "data_class": self.data_class, "stream": self.stream,
         }
+        if self.operation != "chat":  # what was asked of the upstream: embeddings generate nothing
+            facts["operation"] = self.operation
         if self.region:
             facts["region"] = self.region
         if self.identity is not None:

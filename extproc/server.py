@@ -218,7 +218,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         count_refusal(route, err.code.value)
         if ex.trace_id and ex.identity is not None:  # a request the ledger records: its span too
             tracing.request_span(ex.trace_context, route, ex.arrived_at, time.time(), {
-                **tracing.request_facts(route, ex.request_id, err.status, termination), "error.type": err.code.value})
+                **tracing.request_facts(route, ex.request_id, err.status, termination, ex.operation),
+                "error.type": err.code.value})
         if ex.held is not None:
             self._later(release(self.store, ex, termination, err.status))
         elif ex.identity is not None:  # a store that is down takes it when it is back (record_refusal)
@@ -248,7 +249,10 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                 r = snap.routes[route]
                 window = min((snap.deployments[c.deployment_name].context_window for c in r.candidates), default=0)
                 return make(route, window, r.max_tokens_cap or window)
-            doc = shaped(name) if name else door.model_list([shaped(n) for n in sorted(snap.routes)])
+            # A door's SDK calls chat routes only: its list leaves the embeddings routes out (a lookup
+            # by name still answers, as the route exists).
+            chats = sorted(n for n, r in snap.routes.items() if r.serves == "chat")
+            doc = shaped(name) if name else door.model_list([shaped(n) for n in chats])
         return immediate(ex, 200, orjson.dumps(doc), "llmgw_models")
 
 

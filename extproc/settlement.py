@@ -305,7 +305,8 @@ def _observe(s: SettledRequest) -> None:
     if s.trace and s.start_s is not None:
         usage = s.outcome.get("usage") or {}
         tracing.request_span(s.trace, s.route, s.start_s, s.start_s + (s.duration_s or 0.0), {
-            **tracing.request_facts(s.route, s.request_id, s.status, str(s.outcome.get("termination", ""))),
+            **tracing.request_facts(s.route, s.request_id, s.status, str(s.outcome.get("termination", "")),
+                                    dep.serves if dep else "chat"),
             "gen_ai.provider.name": dep.provider if dep else None,
             "gen_ai.response.model": dep.served_model if dep else None,
             "gen_ai.usage.input_tokens": usage.get("prompt_tokens"),

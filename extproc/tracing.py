@@ -178,10 +178,11 @@ def _span(name: str, kind: SpanKind, trace_id: str, span_id: str | None, parent_
         p.on_end(span)
 
 
-def request_facts(route: str, request_id: str, status: int, termination: str) -> dict[str, Any]:
-    """What every request span says, however the request ended: the operation, the route asked
-    for, the answer's status, how it ended, and the ledger entry it names."""
-    return {"gen_ai.operation.name": "chat", "gen_ai.request.model": route or None, "llmgw.route": route or None,
+def request_facts(route: str, request_id: str, status: int, termination: str,
+                  operation: str = "chat") -> dict[str, Any]:
+    """What every request span says, however the request ended: the operation (`chat`, `embeddings`),
+    the route asked for, the answer's status, how it ended, and the ledger entry it names."""
+    return {"gen_ai.operation.name": operation, "gen_ai.request.model": route or None, "llmgw.route": route or None,
             "http.response.status_code": status, "llmgw.termination": termination,
             "llmgw.ledger.request_id": request_id}
 
@@ -191,7 +192,8 @@ def request_span(context: str, route: str, start_s: float, end_s: float, attribu
     parsed = parse_context(context)
     if parsed is not None:
         trace_id, span_id, parent = parsed
-        _span(f"chat {route}", SpanKind.SERVER, trace_id, span_id, parent, start_s, end_s, attributes)
+        operation = attributes.get("gen_ai.operation.name") or "chat"
+        _span(f"{operation} {route}", SpanKind.SERVER, trace_id, span_id, parent, start_s, end_s, attributes)
 
 
 def attempt_span(context: str, model: str, start_s: float, end_s: float, attributes: Mapping[str, Any]) -> None:

@@ -217,12 +217,23 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
             issues.append(ConfigIssue(rel, "fingerprint.adapter", f"no such adapter: {e}"))
         if dep.pool is not None and dep.pool not in gateway.pools:
             issues.append(ConfigIssue(rel, "pool", f"no pool named {dep.pool!r} in gateway.yaml"))
+        pooled = dep.pool is not None and dep.fingerprint.adapter.startswith("openai-compat@")
+        if dep.serves == "embeddings" and not pooled:
+            issues.append(ConfigIssue(rel, "serves", "embeddings are served by an engine pool (vLLM's pooling "
+                                      "runner, the openai-compat adapter) only"))
         for dc in set(dep.data_classes) - known_classes:
             issues.append(ConfigIssue(rel, "data_classes", f"unknown data class {dc!r}"))
         if dep.retire_at is not None and dep.retire_at <= today:
             warnings.append(f"{rel}: deployment {dep.deployment} is retired since {dep.retire_at}")
         elif dep.retire_at is not None and (dep.retire_at - today).days <= RETIRE_WARNING_DAYS:
             warnings.append(f"{rel}: deployment {dep.deployment} retires on {dep.retire_at}")
+    served: dict[str, set[str]] = {}  # pool -> what its deployments serve: an engine runs one runner
+    for rel, dep in deployments.values():
+        if dep.pool is not None:
+            served.setdefault(dep.pool, set()).add(dep.serves)
+            if len(served[dep.pool]) > 1:
+                issues.append(ConfigIssue(rel, "serves", f"pool {dep.pool!r} serves chat and embeddings: an engine "
+                                          "is a generating or a pooling runner, not both"))
     for rel, route in routes.values():
         for i, cand in enumerate(route.candidates):
             where = f"candidates.{i}"
@@ -232,6 +243,9 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                                           f"no deployment named {cand.deployment_name!r}"))
                 continue
             dep = found[1]
+            if dep.serves != route.serves:
+                issues.append(ConfigIssue(rel, f"{where}.deployment_ref", f"deployment {dep.deployment} serves "
+                                          f"{dep.serves}; this route serves {route.serves}"))
             if cand.deployment_ref != dep.ref:
                 issues.append(ConfigIssue(
                     rel, f"{where}.deployment_ref",

@@ -103,8 +103,10 @@ def decision_translates(dep: Deployment) -> bool:
 
 def can_count(dep: Deployment) -> bool:
     """Whether `dep` counts a prompt's tokens (its provider's own count, or the engine's tokenizer): a
-    door's token count is sent to it, its request's path and headers set by the Lua answer filter."""
-    return adapter_for(dep.fingerprint.adapter).counts(Target(dep.served_model, "", dep.fingerprint.adapter_options))
+    door's token count is sent to it, its request's path and headers set by the Lua answer filter. A
+    door's count is of a chat request: an embeddings deployment counts none."""
+    return dep.serves == "chat" and adapter_for(dep.fingerprint.adapter).counts(
+        Target(dep.served_model, "", dep.fingerprint.adapter_options))
 
 
 def shape_headers(dep: Deployment) -> tuple[str, ...]:

@@ -412,10 +412,16 @@ class ProviderQuota(Strict):
 RETIRE_WARNING_DAYS = 30  # a deployment this close to its retire_at is warned about (and checked: llmgw check)
 
 
+# What a deployment serves, and what a route asks of its candidates: chat completions (a generating
+# engine or provider) or embeddings (an engine started as vLLM's pooling runner serves nothing else).
+Serves = Literal["chat", "embeddings"]
+
+
 class Deployment(Strict):
     deployment: Name
     fingerprint: Fingerprint
     served_model: str  # the model name the upstream answers to
+    serves: Serves = "chat"
     pool: Name | None = None
     endpoints: tuple[HostPort, ...] = ()
     context_window: int = Field(gt=0)
@@ -621,6 +627,7 @@ MAX_CANDIDATES = 5  # per route; the renderer writes a composite cluster per ord
 class Route(Strict):
     route_contract: Name
     request_class: Name
+    serves: Serves = "chat"  # every candidate serves it; a request to the other endpoint is refused
     candidates: tuple[Candidate, ...] = Field(min_length=1, max_length=MAX_CANDIDATES)
     credential_ref: CredentialRef | None = None
     deadline_ms: int = Field(default=30_000, gt=0)

@@ -78,6 +78,10 @@ class Authorization:
         if route is None:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no route named {ex.body['model']!r}", "model")
         ex.route = route
+        if route.serves != ex.operation:  # an embeddings route takes POST /v1/embeddings only, and back
+            where = "POST /v1/embeddings" if route.serves == "embeddings" else "chat completions (and the doors)"
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"route {route.route_contract!r} serves {route.serves}: "
+                               f"send it to {where}", "model")
         residency = snap.gateway.tenants[ex.identity.tenant].regions
         if ex.region and residency is not None and ex.region not in residency:
             # The request would be processed here, outside the tenant's residency, before any upstream.

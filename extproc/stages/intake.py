@@ -1,11 +1,12 @@
-"""Intake: the request must be a chat completion whose body and headers are well-formed (400 otherwise,
+"""Intake: the request must be a chat completion (or an embeddings request, or a door's) whose body and
+headers are well-formed (400 otherwise,
 `unsupported_field` for what the gateway does not carry). The headers ext_proc reads are parsed here,
 once, into the Exchange; later stages use the parsed values."""
 
 from __future__ import annotations
 
-from extproc import chat, client_fields, headers, tracing
-from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
+from extproc import chat, client_fields, embeddings, headers, tracing
+from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH, ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.names import Header
 from extproc.shapes.loss import NATIVE
@@ -17,15 +18,21 @@ class Intake:
 
     async def run(self, ex: Exchange) -> None:
         door = DOORS_BY_NAME.get(ex.door)  # set from the path when the request arrived
-        path = ex.path.split("?", 1)[0] if door is not None else CHAT_PATH
-        if door is None and ex.path.split("?", 1)[0] != CHAT_PATH:
+        bare = ex.path.split("?", 1)[0]
+        path = bare if door is not None else CHAT_PATH
+        if bare == EMBEDDINGS_PATH and door is None:
+            path, ex.operation = EMBEDDINGS_PATH, "embeddings"
+        elif door is None and bare != CHAT_PATH:
             raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {ex.path}")
         if ex.method != "POST":
             raise chat.invalid(f"{path} takes POST")
         limits = ex.snapshot.gateway.limits
-        # Another API shape's request becomes the internal one here; every later stage sees one shape.
+        # Another API shape's request (and an embeddings request) becomes the internal one here; every
+        # later stage sees one shape.
         ex.count = door is not None and door.counts(ex.path)
-        if ex.count and door is not None and door.count_request is not None:
+        if ex.operation == "embeddings":
+            doc, ex.embedding = embeddings.request(ex.raw_body)
+        elif ex.count and door is not None and door.count_request is not None:
             doc = door.count_request(ex.raw_body, ex.path)
         else:
             doc = door.request(ex.raw_body, ex.path) if door is not None else chat.parse_json(ex.raw_body)

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from extproc import embeddings
 from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
@@ -254,11 +255,14 @@ class RouteSelection:
         if route is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorized route for this request")
         tenant = snap.gateway.tenants.get(ex.identity.tenant) if ex.identity is not None else None
+        # An embeddings request generates nothing, and each input is a sequence of its own: the
+        # longest must fit the window.
+        generates = ex.operation == "chat"
+        sized = ex.body if generates else embeddings.longest_input(ex.body)
+        limit = requested_max_tokens(ex.body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens)
         facts = RequestFacts(data_class=ex.data_class, regions=tenant.regions if tenant else None,
-                             today=datetime.now(UTC).date(), prompt_bound=prompt_bytes(ex.body),
-                             n_messages=len(ex.body.get("messages") or ()),
-                             max_tokens=requested_max_tokens(ex.body, route.max_tokens_cap,
-                                                             snap.gateway.limits.default_max_tokens))
+                             today=datetime.now(UTC).date(), prompt_bound=prompt_bytes(sized),
+                             n_messages=len(sized.get("messages") or ()), max_tokens=limit if generates else 0)
         door = DOORS_BY_NAME.get(ex.door)  # a door's caller reads a loss named as it wrote the field
         serving = route  # the route whose candidates serve: this one, or its degraded route
         if ex.shadow_of is not None:
@@ -320,6 +324,9 @@ class RouteSelection:
                 and ex.settled_by() in (Settle.ACCESS_LOG, Settle.STREAM))
         ex.cluster = (composite_name(serving.route_contract, qualified)
                       if uses_attempt_filter(ex.candidates) and not here else snap.pool_of(dep))
+        if ex.embedding is not None:  # the inputs as redaction left them, in the embeddings shape
+            ex.upstream_body = orjson.dumps(embeddings.upstream_body(ex.body, ex.embedding, dep.served_model))
+            return
         body = dict(ex.body)
         body["model"] = dep.served_model
         if ex.native:  # every candidate speaks the door's shape: its adapter sends them as they came

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.cli.common import snapshot_or_report
-from llmgw.conformance.corpus import CORPUS, load_corpus
+from llmgw.conformance.corpus import corpus_for, load_corpus
 from llmgw.conformance.record import write_record
 from llmgw.conformance.runner import run
 
@@ -37,12 +37,13 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.case and not args.dry_run:
         print("error: --case runs part of the corpus, which qualifies nothing: add --dry-run", file=sys.stderr)
         return 2
-    corpus = load_corpus(Path(args.corpus))
+    given = load_corpus(Path(args.corpus)) if args.corpus else None
     only = set(args.case) if args.case else None
     today = datetime.now(UTC).date()
     failed = False
     for name in names:
         with tempfile.TemporaryDirectory(prefix="llmgw-conformance-") as work:
+            corpus = given or corpus_for(snap.deployments[name].serves)
             result = run(Path(args.config), name, corpus, Path(work), args.time_scale, only,
                          simulate_providers=args.simulate_providers, engine=args.engine)
         print(f"{name}  {result.deployment_ref}  adapter {result.adapter}  corpus {result.corpus_version}")
@@ -63,7 +64,8 @@ def register(sub: Any) -> None:
     which = c.add_mutually_exclusive_group(required=True)
     which.add_argument("--route", help="every candidate of this route")
     which.add_argument("--deployment", help="this deployment")
-    c.add_argument("--corpus", default=str(CORPUS), help="the corpus file (default: the gateway's own)")
+    c.add_argument("--corpus", help="the corpus file (default: the gateway's own for what the deployment serves: "
+                                    "chat completions, or embeddings)")
     c.add_argument("--case", action="append",
                    help="run only this case (repeatable; needs --dry-run: part of the corpus writes no record)")
     c.add_argument("--valid-days", type=int, default=90, help="the record expires this many days after today")

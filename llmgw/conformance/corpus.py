@@ -4,7 +4,10 @@ no HTTP (runner.py sends the requests)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 CORPUS = Path(__file__).with_name("corpus.yaml")
+EMBEDDINGS_CORPUS = Path(__file__).with_name("embeddings.yaml")  # for a deployment that serves embeddings
+CORPORA = {"chat": CORPUS, "embeddings": EMBEDDINGS_CORPUS}
 OVER_CONTEXT = "$over_context_window"  # a content placeholder: more words than the candidate's window
 
 
@@ -31,7 +36,8 @@ class Expect(BaseModel):
     choices: int | None = None
     logprobs: int | None = None
     stream_end: Literal["done", "interrupted", "cut"] | None = None
-    same_content: bool = False
+    same_content: bool = False  # (embeddings: the same vectors)
+    vectors: int | None = None  # embeddings: this many, of one length, finite, of unit length
     ledger_termination: str | None = None  # the request's ledger entry ends so (`client_cancel`)
     upstream_cancelled: bool = False  # the upstream saw the request cancelled before its answer ended
 
@@ -54,7 +60,13 @@ class Corpus(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     version: str
+    serves: Literal["chat", "embeddings"] = "chat"  # the endpoint its cases are sent to
     cases: tuple[Case, ...]
+
+
+def corpus_for(serves: str) -> Corpus:
+    """The gateway's own corpus for a deployment that serves chat completions or embeddings."""
+    return load_corpus(CORPORA[serves])
 
 
 def load_corpus(path: Path = CORPUS) -> Corpus:
@@ -82,9 +94,12 @@ class Outcome:
     request_id: str = ""
     ledger: dict[str, Any] | None = None  # the request's ledger entry, when the case looks at it
     upstream: dict[str, Any] | None = None  # what the upstream logged of the request, likewise
+    vectors: list[list[float]] | None = None  # an embeddings answer's, by index (base64 decoded)
 
     @classmethod
     def from_json(cls, status: int, doc: Any, losses: list[str]) -> Outcome:
+        if status == 200 and isinstance(doc, dict) and doc.get("object") == "list":
+            return cls._embeddings(doc, losses)
         if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("choices"), list):
             err = doc.get("error") if isinstance(doc, dict) else None
             return cls(status, error=err.get("code") if isinstance(err, dict) else None, losses=losses)
@@ -97,6 +112,17 @@ class Outcome:
         out.tool_calls = [{"name": c["function"]["name"], "arguments": c["function"].get("arguments") or ""}
                           for c in (first.get("message") or {}).get("tool_calls") or []]
         out.logprobs = (first.get("logprobs") or {}).get("content")
+        return out
+
+    @classmethod
+    def _embeddings(cls, doc: dict[str, Any], losses: list[str]) -> Outcome:
+        out = cls(200, usage=doc.get("usage"), losses=losses, vectors=[])
+        for item in sorted(doc.get("data") or (), key=lambda d: d.get("index", 0) if isinstance(d, dict) else 0):
+            vector = item.get("embedding") if isinstance(item, dict) else None
+            if isinstance(vector, str):  # base64: float32, little-endian
+                raw = base64.b64decode(vector)
+                vector = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+            out.vectors.append(vector if isinstance(vector, list) else [])  # type: ignore[union-attr]
         return out
 
     @classmethod
@@ -174,6 +200,8 @@ def check(case: Case, outcomes: list[Outcome]) -> list[str]:
         bad.append(f"the upstream did not see the request cancelled: {out.upstream}")
     if e.stream_end in ("interrupted", "cut") or out.stream_end == "cancelled":
         return bad
+    if out.vectors is not None or e.vectors is not None:
+        return bad + _vectors(e, outcomes)
     text = out.contents[0] if out.contents else ""
     if e.finish_reason is not None and (out.finish_reasons[:1] or [None])[0] not in e.finish_reason:
         bad.append(f"finish_reason {(out.finish_reasons[:1] or [None])[0]!r}, expected one of {list(e.finish_reason)}")
@@ -189,6 +217,30 @@ def check(case: Case, outcomes: list[Outcome]) -> list[str]:
         bad += _logprobs(e.logprobs, out.logprobs, text)
     if e.same_content and len({o.contents[0] if o.contents else None for o in outcomes}) != 1:
         bad.append("repeats answered different text")
+    return bad
+
+
+def _vectors(e: Expect, outcomes: list[Outcome]) -> list[str]:
+    """An embeddings answer: the vectors asked for, one length, finite, unit length (the pooler
+    normalises); usage of the inputs only; repeats the same vectors."""
+    out = outcomes[0]
+    vectors = out.vectors or []
+    if e.vectors is not None and len(vectors) != e.vectors:
+        return [f"{len(vectors)} vectors, expected {e.vectors}"]
+    if len({len(v) for v in vectors}) != 1 or not vectors[0]:
+        return [f"vectors of lengths {sorted({len(v) for v in vectors})}"]
+    for v in vectors:
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in v):
+            return ["a vector holds a value that is not a finite number"]
+        if abs(math.sqrt(sum(x * x for x in v)) - 1) > 1e-3:
+            return ["a vector is not of unit length"]
+    bad = []
+    u = out.usage if isinstance(out.usage, dict) else {}
+    p, t = u.get("prompt_tokens"), u.get("total_tokens")
+    if e.usage == "consistent" and not (isinstance(p, int) and p > 0 and t == p and not u.get("completion_tokens")):
+        bad.append(f"usage inconsistent for embeddings: {out.usage}")
+    if e.same_content and any(o.vectors != out.vectors for o in outcomes):
+        bad.append("repeats answered different vectors")
     return bad
 
 

@@ -35,7 +35,7 @@ from extproc.config import Snapshot, load_snapshot
 from extproc.config.evidence import basis_for
 from extproc.config.loader import RECORD_DATE_GRACE
 from extproc.config.schema import REQUIRED_EVIDENCE, Evidence
-from llmgw.conformance.corpus import CORPUS, load_corpus
+from llmgw.conformance.corpus import CORPORA, corpus_for
 from llmgw.conformance.record import write_record
 from llmgw.conformance.runner import Run, run
 
@@ -98,12 +98,13 @@ def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | N
     snap = load_snapshot(config)
     need = wanted(snap, simulated, today)
     horizon = today + timedelta(days=RENEW_DAYS)
-    corpus = load_corpus(CORPUS)
+    corpora = {serves: corpus_for(serves) for serves in CORPORA}  # by what the deployment serves
     written: list[Path] = []
     to_run = []
     for name in sorted(n for n, kinds in need.items() if "conformance" in kinds):
         cached = cache / f"{name}-conformance.yaml" if cache else None
-        if cached is not None and _reusable(cached, snap, name, corpus.version, today, horizon):
+        version = corpora[snap.deployments[name].serves].version
+        if cached is not None and _reusable(cached, snap, name, version, today, horizon):
             (config / "evidence").mkdir(exist_ok=True)
             written.append(Path(shutil.copy(cached, config / "evidence" / cached.name)))
         else:
@@ -114,7 +115,8 @@ def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | N
 
         def earn(name: str) -> tuple[str, Run]:
             with tempfile.TemporaryDirectory(prefix="llmgw-conformance-") as work:
-                result = runner(config, name, corpus, Path(work), time_scale, simulate_providers=True)
+                result = runner(config, name, corpora[snap.deployments[name].serves], Path(work), time_scale,
+                                simulate_providers=True)
             # The run's compiled policies (regorus engines, bound to the thread that made them) are
             # collected here rather than by a later collection on another thread, which refuses them.
             gc.collect()

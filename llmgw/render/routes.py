@@ -18,7 +18,7 @@ from google.protobuf import any_pb2, wrappers_pb2
 from extproc.config import Snapshot
 from extproc.config.plans import can_count, composite_name, decision_translates, shape_headers, translated
 from extproc.config.schema import MAX_RETRIES
-from extproc.contract import CHAT_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
+from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
 from extproc.names import SHADOW_CLUSTER, Filter, Header, Key, Settle
 from extproc.shapes.registry import CREDENTIAL_HEADERS, DOORS, Door
 from llmgw.render.common import duration_ms, pack, string_value_matcher
@@ -174,13 +174,15 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
             routes.append(admitted_route(name, match(prefix="/v1/", dynamic_metadata=metadata),
                                          cluster, streamed, stream_idle_ms, per_route, shape_sets=shape_sets))
     routes += [
-        # The route a chat completion matches when it arrives, before ext_proc decides: it turns the
-        # response filters on (their per-route switches on the admitted route then decide). It is
-        # what such a request meets only when ext_proc never saw it: one without a body.
-        route_components_pb2.Route(
-            name="chat_without_body", match=route_components_pb2.RouteMatch(path=CHAT_PATH),
+        # The routes a chat completion and an embeddings request match when they arrive, before
+        # ext_proc decides: they turn the response filters on (their per-route switches on the
+        # admitted route then decide). It is what such a request meets only when ext_proc never saw
+        # it: one without a body.
+        *(route_components_pb2.Route(
+            name=name, match=route_components_pb2.RouteMatch(path=path),
             direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required"),
-            response_headers_to_add=own, typed_per_filter_config=_response_filters_on(snap)),
+            response_headers_to_add=own, typed_per_filter_config=_response_filters_on(snap))
+          for name, path in (("chat_without_body", CHAT_PATH), ("embeddings_without_body", EMBEDDINGS_PATH))),
         # A front door's request as it arrives (the door filter on, with the response filters); what
         # it meets only without a body.
         *(route_components_pb2.Route(

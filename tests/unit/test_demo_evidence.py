@@ -20,7 +20,8 @@ from llmgw.conformance.runner import CaseResult, Run
 from tests.conftest import EARNED, EXAMPLE_POLICY, ROOT
 
 TODAY = date(2026, 12, 3)
-EVERY = {"pool-llama-8b", "demo-anthropic", "demo-gemini", "demo-bedrock"}
+EVERY = {"pool-llama-8b", "pool-embed", "demo-anthropic", "demo-gemini", "demo-bedrock"}
+POOLS = {"pool-llama-8b", "pool-embed"}
 
 
 @pytest.fixture
@@ -63,8 +64,8 @@ def test_a_bare_policy_wants_both_kinds_for_every_simulated_candidate(bare: Path
     assert demo_evidence.wanted(snap, EVERY, TODAY) == {n: set(REQUIRED_EVIDENCE) for n in EVERY}
     # Only what `llmgw up` simulates: with real engines (or none), the pool's candidate is its operator's.
     assert demo_evidence.simulated_by_up(snap, "sim", True) == EVERY
-    assert demo_evidence.simulated_by_up(snap, "none", True) == EVERY - {"pool-llama-8b"}
-    assert demo_evidence.simulated_by_up(snap, "sim", False) == {"pool-llama-8b"}
+    assert demo_evidence.simulated_by_up(snap, "none", True) == EVERY - POOLS
+    assert demo_evidence.simulated_by_up(snap, "sim", False) == POOLS
 
 
 def test_earned_records_qualify_and_a_second_call_earns_nothing(bare: Path) -> None:

@@ -262,7 +262,7 @@ def test_loop_lists_models_from_headers() -> None:
     (resp,) = converse(headers_msg("/v1/models", **AUTH))
     doc = json.loads(resp.immediate_response.body)
     assert [m["id"] for m in doc["data"]] == ["chat-anthropic", "chat-bedrock", "chat-default", "chat-fallback",
-                                             "chat-gemini"]
+                                             "chat-gemini", "embed-default"]
     (resp,) = converse(headers_msg("/v1/models"))
     assert resp.immediate_response.status.code == 401
 

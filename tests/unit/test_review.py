@@ -37,8 +37,8 @@ def test_every_question_is_answered_on_the_demo_policy(tmp_path: Path) -> None:
     assert "320 KiB per token holds 2.6 GB for one 8,000-token sequence" in text
     assert "- pool-llama-8b (h100-sxm-80g): 128 KiB per token; 1.05 GB at the p95 context" in text
     assert "Utilisation at the latency SLO" in text and "Not measured: run `llmgw bench sweep`" in text
-    # Without H100s the pool's only route has nothing left; the fallback route keeps its hosted model.
-    assert "- h100-sxm-80g: routes with no candidate left: chat-default; routes that keep another: " \
+    # Without H100s the pools' routes have nothing left; the fallback route keeps its hosted model.
+    assert "- h100-sxm-80g: routes with no candidate left: chat-default, embed-default; routes that keep another: " \
            "chat-fallback (left: demo-anthropic)" in text
     assert "- restricted: no route" in text  # no candidate serves restricted data
     assert "chat-fallback [pool-llama-8b passes; demo-anthropic passes; the same corpus 2026-12-01.2]" in text

@@ -73,11 +73,14 @@ def test_cluster_addresses_are_compose_services(compose: dict[str, Any], envoy_c
     services = compose["services"]
     (host, port), = _cluster_hosts(envoy_cfg, EXTPROC_CLUSTER)
     assert host == "extproc" and f"0.0.0.0:{port}" in services["extproc"]["command"]
-    for host, port in _cluster_hosts(envoy_cfg, "pool_engine-pool"):
-        cmd = services[host]["command"]
-        assert cmd[cmd.index("--port") + 1] == str(port)
-        assert cmd[cmd.index("--served-model-name") + 1] == load_snapshot(POLICY).deployments[
-            "pool-llama-8b"].served_model
+    snap = load_snapshot(POLICY)
+    for dep in (d for d in snap.deployments.values() if d.pool):  # every pool's engines, each as its runner
+        for host, port in _cluster_hosts(envoy_cfg, f"pool_{dep.pool}"):
+            cmd = services[host]["command"]
+            assert cmd[cmd.index("--port") + 1] == str(port)
+            assert cmd[cmd.index("--served-model-name") + 1] == dep.served_model
+            assert ("--runner" in cmd and cmd[cmd.index("--runner") + 1] == "pooling") == (dep.serves == "embeddings")
+            assert host in services["envoy"]["depends_on"]
 
 
 def test_published_port_is_the_listener_on_loopback(compose: dict[str, Any], envoy_cfg: dict[str, Any]) -> None:

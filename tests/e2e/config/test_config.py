@@ -38,7 +38,8 @@ def issues_of(directory: Path) -> list[str]:
 
 def test_example_policy_loads() -> None:
     snap = load_snapshot(POLICY)
-    assert set(snap.routes) == {"chat-default", "chat-anthropic", "chat-gemini", "chat-bedrock", "chat-fallback"}
+    assert set(snap.routes) == {"chat-default", "chat-anthropic", "chat-gemini", "chat-bedrock", "chat-fallback",
+                                "embed-default"}
     assert set(snap.gateway.tenants) == {"acme", "globex"}
     assert len(snap.revision) == 16
     with pytest.raises(TypeError):
@@ -166,3 +167,17 @@ def test_a_rego_syntax_error_prints_path_line_col(policy: Path, tmp_path: Path) 
     r = llmgw("check", "policy", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr.startswith("policy/authz.rego:5:13: error: policy does not compile: "), r.stderr
+
+
+def test_what_a_deployment_serves_must_be_what_its_routes_and_pool_serve(policy: Path) -> None:
+    """A chat route cannot name an embeddings deployment; a pool's engines run one runner; embeddings
+    come from a pool only."""
+    edit(policy / "routes/chat-default.yaml", lambda d: d["candidates"].append(
+        yaml.safe_load((policy / "routes/embed-default.yaml").read_text())["candidates"][0]))
+    edit(policy / "deployments/pool-embed.yaml", lambda d: d.update(pool="engine-pool"))
+    found = issues_of(policy)
+    assert any("routes/chat-default.yaml" in i and "serves embeddings; this route serves chat" in i
+               for i in found), found
+    assert any("pool 'engine-pool' serves chat and embeddings" in i for i in found), found
+    edit(policy / "deployments/pool-embed.yaml", lambda d: (d.pop("pool"), d.update(endpoints=["127.0.0.1:9"])))
+    assert any("embeddings are served by an engine pool" in i for i in issues_of(policy))

@@ -200,7 +200,7 @@ def test_the_cli_writes_the_manifests(capsys: pytest.CaptureFixture[str]) -> Non
     assert done.value.code == 0
     out = capsys.readouterr()
     docs = list(yaml.load_all(out.out, Loader=yaml.CSafeLoader))
-    assert [d["kind"] for d in docs] == ["Service", "Service", "EnvoyFilter"]
+    assert [d["kind"] for d in docs] == ["Service", "Service", "Service", "EnvoyFilter"]  # ext_proc, each pool
     assert docs[-1]["metadata"]["namespace"] == "ai"
     assert docs[-1]["spec"]["workloadSelector"]["labels"] == {"istio": "ingressgateway"}
     assert "&id" not in out.out and out.out == out.out.strip() + "\n"

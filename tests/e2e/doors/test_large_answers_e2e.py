@@ -116,7 +116,7 @@ def test_a_large_answer_never_takes_envoy_down(gw: tuple[Stack, str], way: str, 
     stack, provider = gw
     path, route, shape, headers = PATHS[way]
     marker = unique_marker(f"large-{way}")
-    upstream = stack.engine_urls() if route == "chat-default" else [provider]
+    upstream = stack.engine_urls("engine-pool") if route == "chat-default" else [provider]
     inject_fault(upstream, f"bloat={size}", count=1, marker=marker)
     headers = {k: v + marker for k, v in headers.items()}
     status, body, rid = _send(stack, path, shape, route, marker, stream, headers)

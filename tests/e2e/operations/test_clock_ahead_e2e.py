@@ -41,7 +41,7 @@ def test_up_two_years_ahead_earns_its_evidence_and_serves_every_route(tmp_path: 
         for record in sorted((policy / "evidence").glob("*.yaml")):
             doc = yaml.safe_load(record.read_text())
             assert (doc["result"], str(doc["recorded_at"])) == ("pass", ahead.isoformat()), record.name
-        assert len(list((policy / "evidence").glob("*.yaml"))) == 8  # both kinds for each of four candidates
+        assert len(list((policy / "evidence").glob("*.yaml"))) == 10  # both kinds for each of five candidates
         client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key=info["tenants"]["acme"]["api_key"],
                                max_retries=0)
         served = {}
@@ -52,9 +52,11 @@ def test_up_two_years_ahead_earns_its_evidence_and_serves_every_route(tmp_path: 
             except openai.OpenAIError as err:
                 raise AssertionError(f"{route}: {err}\n{log_tails(Path(info['logs']))}") from err
             served[route] = answer.choices[0].message.content
+        served["embed-default"] = str(client.embeddings.create(model="embed-default", input="hi").data[0].embedding)
         assert all(served.values()), served
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
-    assert "llmgw: earning conformance evidence for demo-anthropic, demo-bedrock, demo-gemini, pool-llama-8b" in out
+    assert ("llmgw: earning conformance evidence for demo-anthropic, demo-bedrock, demo-gemini, pool-embed, "
+            "pool-llama-8b") in out

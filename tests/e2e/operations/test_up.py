@@ -84,7 +84,7 @@ def test_up_serves_then_stops_every_child(tmp_path: Path, sig: signal.Signals) -
         except (openai.OpenAIError, AssertionError) as err:
             raise AssertionError(f"{err}\n{log_tails(Path(info['logs']))}") from err
         kids = children_of(proc.pid)
-        assert len(kids) == 8  # valkey, two engines, three simulated providers, ext_proc, envoy
+        assert len(kids) == 9  # valkey, two engines, an embedding engine, three simulated providers, ext_proc, envoy
         # The revision it serves is in the audited history, so it can be rolled back to.
         listed = subprocess.run([sys.executable, "-m", "llmgw", "revisions", "--config", str(policy),
                                  "--state-dir", str(state), "--json"], capture_output=True, text=True, timeout=60)

@@ -475,7 +475,7 @@ def test_admitted_requests_outlive_the_worker_that_decided_them(tmp_path: Path) 
 def test_a_dead_engine_is_retried_around_without_retry_overflow(tmp_path: Path) -> None:
     s = start_stack(tmp_path / "state", hardened_policy(tmp_path))
     try:
-        victim = next(iter(s.engines.values()))
+        victim = s.engines[s.engine_urls("engine-pool")[0].removeprefix("http://")]
         victim.proc.kill()  # type: ignore[union-attr]
         victim.proc.wait(5)  # type: ignore[union-attr]
         out: list[int] = []

@@ -164,7 +164,7 @@ def test_huge_body_is_refused_in_contract_shape(stack: Stack, acme_key: str) -> 
 
 
 def test_unknown_path_is_404(stack: Stack, acme_key: str) -> None:
-    resp = request(f"{stack.url}/v1/embeddings", "POST", {"input": "x"}, {"authorization": f"Bearer {acme_key}"})
+    resp = request(f"{stack.url}/v1/completions", "POST", {"prompt": "x"}, {"authorization": f"Bearer {acme_key}"})
     assert_contract_error(resp, 404, "route_not_found")
 
 

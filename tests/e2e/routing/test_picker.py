@@ -130,7 +130,7 @@ def slow_stack(tmp_path: Path) -> Stack:
 
 @pytest.mark.e2e
 def test_requests_avoid_the_busy_engine(slow_stack: Stack) -> None:
-    busy, idle = slow_stack.engine_urls()
+    busy, idle = slow_stack.engine_urls("engine-pool")
     # Occupy one engine directly: one running, two waiting, for several seconds.
     threads = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST",
                                                       chat_body("meta-llama/Llama-3.1-8B-Instruct", max_tokens=400)),

@@ -59,7 +59,7 @@ def chat(stack: Stack, body: dict[str, Any] | None = None, key: str = WRITER, **
 
 
 def test_a_503_before_the_first_byte_is_retried_on_another_engine(gw: Stack) -> None:
-    first, other = gw.engine_urls()
+    first, other = gw.engine_urls("engine-pool")
     seen = None
     for i in range(8):  # until a request's first attempt meets the fault on `first`
         faults(gw, "status=503", [first])
