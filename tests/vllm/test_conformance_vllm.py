@@ -6,11 +6,13 @@ what the record is for: such a deployment is not qualified."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from llmgw.conformance import runner
-from llmgw.conformance.corpus import load_corpus
+from llmgw.conformance.corpus import corpus_for, load_corpus
 from tests.conftest import POLICY
+from tests.vllm.conftest import without_pool
 
 CORPUS = load_corpus()
 # Cases whose outcome is the model's behaviour (a call it chooses, arguments or JSON it writes within
@@ -21,8 +23,16 @@ MODEL_BEHAVIOUR = {"tool-auto", "tool-required", "tool-named", "tool-parallel", 
                    "json-object", "json-schema"}
 
 
+def policy_of(tmp_path: Path, without: str) -> Path:
+    """The example policy without the pool the run does not use (its engines would start too)."""
+    policy = tmp_path / "policy"
+    shutil.copytree(POLICY, policy)
+    without_pool(policy, without)
+    return policy
+
+
 def test_the_corpus_against_real_vllm(tmp_path: Path) -> None:
-    run = runner.run(POLICY, "pool-llama-8b", CORPUS, tmp_path, engine="vllm")
+    run = runner.run(policy_of(tmp_path, "embed-pool"), "pool-llama-8b", CORPUS, tmp_path / "run", engine="vllm")
     results = {r.id: r for r in run.results}
     assert set(results) == {c.id for c in CORPUS.cases}
     for case in CORPUS.cases:
@@ -34,3 +44,11 @@ def test_the_corpus_against_real_vllm(tmp_path: Path) -> None:
             # logprobs, n, a tool result turn, the context limit: as against the simulator.
             assert got.result == "pass", (case.id, got.detail)
     print({r.id: (r.result, r.detail) for r in run.results if r.id in MODEL_BEHAVIOUR})
+
+
+def test_the_embeddings_corpus_against_real_vllm(tmp_path: Path) -> None:
+    """vLLM's pooling runner (`--runner pooling --convert embed` on the tiny model) passes every case
+    the simulator's does: what an embeddings answer must be does not depend on the weights."""
+    corpus = corpus_for("embeddings")
+    run = runner.run(policy_of(tmp_path, "engine-pool"), "pool-embed", corpus, tmp_path / "run", engine="vllm")
+    assert {r.id: r.result for r in run.results} == {c.id: "pass" for c in corpus.cases}, run.results

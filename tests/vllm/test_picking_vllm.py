@@ -53,7 +53,7 @@ def _picker_sees(stack: Stack, busy: str, idle: str, deadline: float) -> bool:
 
 
 def test_requests_avoid_the_busy_real_engine(two_engines: Stack) -> None:
-    busy, idle = two_engines.engine_urls()
+    busy, idle = two_engines.engine_urls("engine-pool")
     long = chat_body(MODEL, max_tokens=900, ignore_eos=True)
     load = [threading.Thread(target=request_quietly, args=(f"{busy}/v1/chat/completions", "POST", long),
                              kwargs={"timeout": 120}, daemon=True) for _ in range(3)]

@@ -13,6 +13,7 @@ import yaml
 
 from tests.conftest import POLICY
 from tests.e2e.operations.test_up import wait_up
+from tests.vllm.conftest import without_pool
 
 
 def test_up_with_real_vllm_streams(tmp_path: Path) -> None:
@@ -21,6 +22,7 @@ def test_up_with_real_vllm_streams(tmp_path: Path) -> None:
     doc = yaml.safe_load((policy / "gateway.yaml").read_text())
     doc["pools"]["engine-pool"]["endpoints"] = doc["pools"]["engine-pool"]["endpoints"][:1]  # one engine: 2 cores
     (policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    without_pool(policy, "embed-pool")  # (the embeddings engine has tests of its own)
     state = tmp_path / "state"
     proc = subprocess.Popen([sys.executable, "-m", "llmgw", "up", "--engine", "vllm", "--config", str(policy),
                              "--state-dir", str(state), "--free-ports"], stdout=subprocess.PIPE,
