@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runner", choices=["generate", "pooling"], default="generate",
                    help="vLLM's runner: generate (chat completions) or pooling (POST /v1/embeddings only, "
                         "enginesim/embeddings_api.py)")
+    p.add_argument("--reasoning-parser", default="",
+                   help="vLLM's flag for a reasoning model (qwen3, deepseek_r1, ...): every answer thinks first, "
+                        "its reasoning in the message's (the delta's) `reasoning`, its tokens within max_tokens")
     p.add_argument("--embedding-dim", type=int, default=384, help="(--runner pooling) the vectors' length")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (and --tls-key), as a hosted provider does")
     p.add_argument("--tls-key")
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     server = EngineServer(engine, args.served_model_name, seed=args.seed, fault_header=args.fault_header,
                           corrupt=frozenset(args.corrupt))
     key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
+    server.reasoning_parser = args.reasoning_parser
     if args.runner == "pooling":
         from enginesim.embeddings_api import EmbeddingsFrontEnd
 

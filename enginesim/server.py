@@ -215,6 +215,7 @@ class EngineServer:
         # False and answers /v1/embeddings; neither has the other's endpoint (vLLM registers only the
         # routes of its runner's tasks: FastAPI's 404).
         self.generates = True
+        self.reasoning_parser = ""  # vLLM's --reasoning-parser: the model thinks first, its reasoning apart
         self.embed: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._cancellations])
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -425,6 +426,9 @@ class EngineServer:
         if "tool_calls" in self.corrupt:
             for o in outputs:
                 o.mangle_tool_calls()
+        if self.reasoning_parser:  # a reasoning model thinks first; its tokens count toward max_tokens
+            for i, o in enumerate(outputs):
+                o.think(max_tokens, seed + i)
         seqs = [Sequence(request_id=rid if i == 0 else f"{rid}-{i}", prompt=prompt, max_tokens=max_tokens,
                          natural_length=o.natural_length, salt=body.get("cache_salt"), arrival=self.engine.now())
                 for i, o in enumerate(outputs)]
@@ -513,17 +517,21 @@ class EngineServer:
             produced = 0
             while await seq.out.get() is not None:
                 produced += 1
+            answered = out.pieces[:out.answered(produced)]
             calls = [{"id": c.id, "type": "function",
                       "function": {"name": c.name, "arguments": "".join(
-                          p for p, owner in zip(out.pieces[:produced], out.owner, strict=False) if owner == j)}}
+                          p for p, owner in zip(answered, out.owner, strict=False) if owner == j)}}
                      for j, c in enumerate(out.tool_calls)]
-            # vLLM's message has no `tool_calls` key when there are none.
+            # vLLM's message has no `tool_calls` key when there are none; `reasoning` is the reasoning
+            # parser's (null without one).
             message = {"role": "assistant", "content": None if calls else out.text(produced), "refusal": None,
                        "annotations": None, "audio": None, "function_call": None,
-                       **({"tool_calls": calls} if calls else {}), "reasoning": None}
+                       **({"tool_calls": calls} if calls else {}),
+                       "reasoning": out.thought(produced) if out.thoughts else None}
             choices.append({"index": i, "message": message,
                             "logprobs": None if logprobs is None else {"content": [
-                                logprob_entry(p, k, logprobs) for k, p in enumerate(out.pieces[:produced])]},
+                                logprob_entry(p, k, logprobs)
+                                for k, p in enumerate([*out.thoughts, *out.pieces][:produced])]},
                             "finish_reason": self._finish(seq, out), "stop_reason": out.stop_reason,
                             "token_ids": None, "routed_experts": None})
         return web.json_response({
@@ -574,8 +582,9 @@ class EngineServer:
                     return resp
                 seq, out = seqs[i], outputs[i]
                 done = seq.finish_reason is not None and idx + 1 == seq.output_len  # its last token
-                piece = out.pieces[idx]
-                choice: dict[str, Any] = {"index": i, "delta": self._delta(out, idx),
+                thinking, piece = out.piece(idx)
+                delta = {"reasoning": piece} if thinking else self._delta(out, idx - len(out.thoughts))
+                choice: dict[str, Any] = {"index": i, "delta": delta,
                                           "logprobs": None if logprobs is None else {
                                               "content": [logprob_entry(piece, idx, logprobs)]},
                                           "finish_reason": None}
