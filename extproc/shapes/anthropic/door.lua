@@ -114,23 +114,26 @@ local function anthropic_begin(st, obj, out)
   return true
 end
 
+local THINKING_BLOCK = '{"type":"thinking","thinking":"","signature":""}'
+
+-- A delta of the block `key` (opened first, closing the one open): text, thinking, or the provider's
+-- signature that ends a thinking block.
+local function anthropic_delta(st, out, key, block, kind, field, value)
+  if st.open ~= key then anthropic_open(st, out, key, block) end
+  out[#out + 1] = anthropic_event("content_block_delta", concat({format('"index":%d,', st.index), '"delta":{"type":"',
+                                                                 kind, '","', field, '":', str(value), "}"}))
+end
+
 local function anthropic_text(st, text, out)
-  if st.open ~= "text" then anthropic_open(st, out, "text", '{"type":"text","text":""}') end
-  out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
-                                  .. '"delta":{"type":"text_delta","text":' .. str(text) .. "}")
+  anthropic_delta(st, out, "text", '{"type":"text","text":""}', "text_delta", "text", text)
 end
 
 local function anthropic_reasoning(st, text, out)
-  if st.open ~= "thinking" then anthropic_open(st, out, "thinking", '{"type":"thinking","thinking":"","signature":""}') end
-  out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
-                                  .. '"delta":{"type":"thinking_delta","thinking":' .. str(text) .. "}")
+  anthropic_delta(st, out, "thinking", THINKING_BLOCK, "thinking_delta", "thinking", text)
 end
 
--- The provider's signature over the thinking block it ends.
 local function anthropic_signature(st, signature, out)
-  if st.open ~= "thinking" then anthropic_open(st, out, "thinking", '{"type":"thinking","thinking":"","signature":""}') end
-  out[#out + 1] = anthropic_event("content_block_delta", format('"index":%d,', st.index)
-                                  .. '"delta":{"type":"signature_delta","signature":' .. str(signature) .. "}")
+  anthropic_delta(st, out, "thinking", THINKING_BLOCK, "signature_delta", "signature", signature)
 end
 
 local function anthropic_call(st, n, call, fn, out)
