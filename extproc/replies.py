@@ -69,6 +69,9 @@ def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     local-reply rewriting leaves this body alone."""
     headers = {**err.headers, DECISION_ID_HEADER: ex.decision_id} if ex.decision_id else err.headers
     body = err.body(ex.decision_id)
+    # Refused after routing chose a cluster (the completion left no room, no cache salt): no upstream
+    # is reached, and custom_response must not take this reply for an upstream's error and rewrite it.
+    ex.cluster = ""
     if ex.door:  # in the caller's shape, the contract's code inside
         body = DOORS_BY_NAME[ex.door].error(err.status, body)
     return immediate(ex, err.status, body, f"llmgw_{err.code.value}", headers)

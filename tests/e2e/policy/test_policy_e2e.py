@@ -197,6 +197,17 @@ def test_redaction_sends_placeholders_and_records_counts_only(gw: Stack) -> None
         assert value not in logs
 
 
+def test_a_redacted_prompt_that_leaves_no_completion_room_is_refused_in_its_own_words(gw: Stack) -> None:
+    """Placeholders longer than their values ("10.0.0.1" -> "[IP_ADDRESS_1]") take the growth from the
+    completion; when none is left the request is refused naming max_tokens. The refusal comes after
+    routing chose a cluster: it must reach the caller as ext_proc wrote it, not be taken for an
+    upstream's 400 ("the upstream rejected the request as invalid")."""
+    many = " ".join(f"10.0.0.{i}" for i in range(40))
+    r = chat(gw, DEMO_KEYS["acme"], chat_body(content=many, max_tokens=1))
+    assert_contract_error(r, 400, "invalid_request")
+    assert r.json()["error"]["param"] == "max_tokens" and "no room" in r.json()["error"]["message"], r.json()
+
+
 def test_public_data_is_not_redacted(gw: Stack) -> None:
     clear_engine_logs(gw)
     r = chat(gw, DEMO_KEYS["globex"], chat_body(max_tokens=4, content="mail bob@example.com"))
