@@ -57,10 +57,19 @@ class Bound:
         return self.prompt + self.completion
 
 
+# What redaction may add to each input of a request that generates nothing (a placeholder longer than
+# the value it replaces): a chat completion takes such growth from its completion tokens, an
+# embeddings request has none to take it from, so it reserves this much more per input.
+REDACTION_SLACK_TOKENS = 16
+
+
 def bound_of(snap: Snapshot, route: Route, body: dict[str, Any], n: int, generates: bool = True) -> Bound:
-    """The request's bound; one that generates nothing (embeddings) has no completion tokens."""
-    per_choice = requested_max_tokens(body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens) \
-        if generates else 0
+    """The request's bound; one that generates nothing (embeddings) has no completion tokens, and
+    room per input for what redaction may add."""
+    if not generates:
+        return Bound(prompt_bytes(body), len(body.get("messages") or ()),
+                     template_allowance(snap, route) + REDACTION_SLACK_TOKENS, 0, n)
+    per_choice = requested_max_tokens(body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens)
     return Bound(prompt_bytes(body), len(body.get("messages") or ()), template_allowance(snap, route), per_choice, n)
 
 

@@ -256,8 +256,13 @@ class RouteSelection:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorized route for this request")
         tenant = snap.gateway.tenants.get(ex.identity.tenant) if ex.identity is not None else None
         # An embeddings request generates nothing, and each input is a sequence of its own: the
-        # longest must fit the window.
+        # longest must fit the window. What redaction added must fit its reservation (invariant 3):
+        # there is no completion to take it from.
         generates = ex.operation == "chat"
+        if not generates and ex.held is not None and ex.held.prompt_bound < (
+                prompt_bytes(ex.body) + template_allowance(snap, route) * len(ex.body["messages"])):
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "redaction made the inputs longer than the reservation "
+                               "made for them: split them into smaller requests", "input")
         sized = ex.body if generates else embeddings.longest_input(ex.body)
         limit = requested_max_tokens(ex.body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens)
         facts = RequestFacts(data_class=ex.data_class, regions=tenant.regions if tenant else None,

@@ -99,3 +99,17 @@ def test_an_embeddings_request_without_a_key_learns_nothing(stack: Stack) -> Non
     assert r.status == 401 and r.json()["error"]["code"] == "unauthenticated"
     r = request(f"{stack.url}/v1/embeddings", "POST", None, {"authorization": f"Bearer {DEMO_KEYS['acme']}"})
     assert r.status == 400  # Envoy's own answer: no body reached ext_proc
+
+
+def test_what_redaction_adds_stays_within_the_reservation(stack: Stack) -> None:
+    """A placeholder can be longer than the value it replaces ("1.2.3.4" -> "[IP_ADDRESS_1]"). A chat
+    completion takes the growth from its completion tokens; an embeddings request reserves room for
+    it per input and, past that room, is refused before any engine is charged (invariant 3)."""
+    one = client(stack).embeddings.with_raw_response.create(model=ROUTE, input="the host at 10.1.2.3 answers")
+    entry = ledger_of(stack, one.headers["x-request-id"], "acme")
+    assert entry["redactions"] == "ip_address=1" and entry["charged_tokens"] <= entry["reserved_tokens"]
+    many = " ".join(f"10.0.0.{i}" for i in range(40))
+    with pytest.raises(openai.BadRequestError) as e:
+        client(stack).embeddings.create(model=ROUTE, input=many)
+    body: Any = e.value.body
+    assert body["param"] == "input" and "reservation" in body["message"], body
