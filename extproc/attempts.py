@@ -76,9 +76,11 @@ def body_for(body: bytes, dep: Deployment) -> bytes | None:
     """The request body addressed to this candidate (of the contract's own shape, which caches prompts
     on its own: without caching breakpoints); None when it already is."""
     doc = json.loads(body)
-    if doc.get("model") == dep.served_model and not cache_hinted(doc):
+    hinted = cache_hinted(doc)
+    if doc.get("model") == dep.served_model and not hinted:
         return None
-    doc = without_cache_hints(doc) if cache_hinted(doc) else doc
+    if hinted:
+        doc = without_cache_hints(doc)
     doc["model"] = dep.served_model
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
 

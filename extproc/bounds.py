@@ -80,6 +80,15 @@ def fits_some_window(snap: Snapshot, route: Route, bound: Bound) -> bool:
                for d in candidate_deployments(snap, route))
 
 
+def inputs_fit(held: Held | None, prompt_bound: int) -> None:
+    """A request that generates nothing (embeddings): what redaction added to its inputs must fit the
+    room its reservation holds for it (REDACTION_SLACK_TOKENS), as it has no completion to take the
+    growth from (invariant 3; `completion_limit` is the chat completion's twin)."""
+    if held is not None and prompt_bound > held.prompt_bound:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "redaction made the inputs longer than the reservation made "
+                           "for them: split them into smaller requests", "input")
+
+
 def completion_limit(held: Held | None, requested: int, prompt_bound: int) -> int:
     """The max tokens the upstream is told for each completion: what was reserved per completion (the
     route's cap when the client named none, so the engine cannot run past the reservation), less this

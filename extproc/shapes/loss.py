@@ -15,7 +15,7 @@ default, is never a loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -86,13 +86,19 @@ def with_native(native: dict[str, Any], body: Mapping[str, Any]) -> dict[str, An
 CACHE_CONTROL = "cache_control"
 
 
+def content_hint(content: Any) -> dict[str, Any] | None:
+    """The caching breakpoint a message's content (a list of parts or blocks) carries: its first
+    part's; None for text, or parts without one."""
+    if not isinstance(content, list):
+        return None
+    return next((p[CACHE_CONTROL] for p in content if isinstance(p, dict) and p.get(CACHE_CONTROL)), None)
+
+
 def cache_hinted(body: Mapping[str, Any]) -> bool:
     """Whether any part of any message, or any tool, carries a caching breakpoint."""
     if any(isinstance(t, dict) and t.get(CACHE_CONTROL) for t in body.get("tools") or ()):
         return True
-    return any(isinstance(p, dict) and p.get(CACHE_CONTROL)
-               for m in body.get("messages") or () if isinstance(m, dict) and isinstance(m.get("content"), list)
-               for p in m["content"])
+    return any(content_hint(m.get("content")) for m in body.get("messages") or () if isinstance(m, dict))
 
 
 def without_cache_hints(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,7 +115,9 @@ def losses(body: Mapping[str, Any], table: LossTable) -> list[Loss]:
     """What translating this request with this table loses or changes; fields the table does not
     name are unsupported (a new contract field is a loss until an adapter says otherwise)."""
     out: list[Loss] = []
-    fields = [*body.items(), *([(CACHE_CONTROL, True)] if cache_hinted(body) else [])]
+    fields: Iterable[tuple[str, Any]] = body.items()
+    if cache_hinted(body):
+        fields = [*fields, (CACHE_CONTROL, True)]
     for name, value in fields:
         if name in GATEWAY_FIELDS or value is None or value in DEFAULTS.get(name, ()):
             continue

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from extproc import embeddings
-from extproc.bounds import completion_limit, requested_max_tokens, template_allowance
+from extproc.bounds import completion_limit, inputs_fit, requested_max_tokens, template_allowance
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
 from extproc.config.plans import can_count, composite_name, decision_translates, uses_attempt_filter
@@ -259,10 +259,8 @@ class RouteSelection:
         # longest must fit the window. What redaction added must fit its reservation (invariant 3):
         # there is no completion to take it from.
         generates = ex.operation == "chat"
-        if not generates and ex.held is not None and ex.held.prompt_bound < (
-                prompt_bytes(ex.body) + template_allowance(snap, route) * len(ex.body["messages"])):
-            raise GatewayError(ErrorCode.INVALID_REQUEST, "redaction made the inputs longer than the reservation "
-                               "made for them: split them into smaller requests", "input")
+        if not generates:
+            inputs_fit(ex.held, prompt_bytes(ex.body) + template_allowance(snap, route) * len(ex.body["messages"]))
         sized = ex.body if generates else embeddings.longest_input(ex.body)
         limit = requested_max_tokens(ex.body, route.max_tokens_cap, snap.gateway.limits.default_max_tokens)
         facts = RequestFacts(data_class=ex.data_class, regions=tenant.regions if tenant else None,

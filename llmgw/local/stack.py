@@ -279,7 +279,7 @@ class Stack:
     def _pool_deployment(self, pool: str) -> Deployment | None:
         return next((d for d in self.snapshot.deployments.values() if d.pool == pool), None)
 
-    def _served_model(self, pool: str) -> tuple[str, str]:
+    def _engine_of(self, pool: str) -> tuple[str, str]:
         """The model a pool's engines serve, and what they serve (chat, or embeddings as a pooling runner)."""
         dep = self._pool_deployment(pool)
         return (dep.served_model, dep.serves) if dep else ("unused", "chat")
@@ -288,7 +288,7 @@ class Stack:
         launch = self._vllm_launcher() if self.opts.engine == "vllm" else self._sim_launcher()
         for pool, hosts in self.render.pools.items():
             for host, port in hosts:
-                argv, env = launch(*self._served_model(pool), host, port)
+                argv, env = launch(*self._engine_of(pool), host, port)
                 self.engines[f"{host}:{port}"] = Child(f"engine-{port}", argv, self.logs / f"engine-{port}.log",
                                                        env=env).start()
         return [(partial(http_ok, f"http://{addr}/health"), f"engine {addr}", child, self.opts.engine_timeout)

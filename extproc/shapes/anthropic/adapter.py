@@ -27,7 +27,7 @@ from extproc.shapes.base import (
     NativeRequest,
     Target,
 )
-from extproc.shapes.loss import CACHE_CONTROL, Conditional, LossTable, Support, losses, with_native
+from extproc.shapes.loss import CACHE_CONTROL, Conditional, LossTable, Support, content_hint, losses, with_native
 
 API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -142,8 +142,7 @@ def _turns(messages: list[dict[str, Any]]) -> tuple[str | list[dict[str, Any]], 
             add("assistant", blocks)
         elif role == "tool":
             result = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": _text_of(m.get("content"))}
-            hint = next((p["cache_control"] for p in m.get("content") or () if isinstance(p, dict)
-                         and p.get("cache_control")), None) if isinstance(m.get("content"), list) else None
+            hint = content_hint(m.get("content"))
             add("user", [{**result, "cache_control": hint} if hint else result])
     blocks = [b for content in system for b in _blocks(content)]
     if any("cache_control" in b for b in blocks):
@@ -239,8 +238,7 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
                     parts = []
                 result = b.get("content")
                 text = result if isinstance(result, str) else _text_of(result)
-                inner = [] if isinstance(result, str) else [r.get("cache_control") for r in result or ()]
-                hint = b.get("cache_control") or next(filter(None, inner), None)  # the block's, or its text's
+                hint = b.get("cache_control") or content_hint(result)  # the block's, or its text's
                 messages.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": (
                     [{"type": "text", "text": text, "cache_control": hint}] if hint else text)})
             elif b.get("type") == "text":

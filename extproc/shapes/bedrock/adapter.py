@@ -43,7 +43,7 @@ from extproc.shapes.base import (
     Target,
     settings_back,
 )
-from extproc.shapes.loss import CACHE_CONTROL, Conditional, LossTable, Support, losses
+from extproc.shapes.loss import CACHE_CONTROL, Conditional, LossTable, Support, content_hint, losses
 
 SERVICE = "bedrock"
 S = Support
@@ -108,11 +108,6 @@ def _text_of(content: Any) -> str:
 CACHE_POINT = {"cachePoint": {"type": "default"}}  # Converse's caching breakpoint: the prompt up to here
 
 
-def _hinted(content: Any) -> bool:
-    """Whether a message's content carries a caching breakpoint (on any of its parts)."""
-    return isinstance(content, list) and any(isinstance(p, dict) and p.get("cache_control") for p in content)
-
-
 def _blocks(content: Any) -> list[dict[str, Any]]:
     if content is None:
         return []
@@ -151,7 +146,7 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
         role = m["role"]
         if role in ("system", "developer"):
             if text := _text_of(m.get("content")):
-                system += [{"text": text}, *([CACHE_POINT] if _hinted(m.get("content")) else [])]
+                system += [{"text": text}, *([CACHE_POINT] if content_hint(m.get("content")) else [])]
         elif role == "assistant":
             blocks = _blocks(m.get("content"))
             for call in m.get("tool_calls") or ():
@@ -162,7 +157,7 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
         elif role == "tool":
             add("user", [{"toolResult": {"toolUseId": m.get("tool_call_id", ""),
                                          "content": [{"text": _text_of(m.get("content"))}]}},
-                         *([CACHE_POINT] if _hinted(m.get("content")) else [])])
+                         *([CACHE_POINT] if content_hint(m.get("content")) else [])])
         else:
             add("user", _blocks(m.get("content")))
     native: dict[str, Any] = {"messages": turns}
