@@ -12,6 +12,8 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of
@@ -113,3 +115,27 @@ def test_what_redaction_adds_stays_within_the_reservation(stack: Stack) -> None:
         client(stack).embeddings.create(model=ROUTE, input=many)
     body: Any = e.value.body
     assert body["param"] == "input" and "reservation" in body["message"], body
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=3), max_leaves=10)
+HOSTILE = st.one_of(
+    st.binary(max_size=200), st.just(b""), st.just(b"[" * 2000), _JSON.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({"model": st.sampled_from([ROUTE, "chat-default"]) | st.text(max_size=8)},
+                          optional={"input": _JSON, "encoding_format": _JSON, "user": _JSON, "dimensions": _JSON,
+                                    "messages": _JSON}).map(lambda d: json.dumps(d).encode()))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(data=HOSTILE)
+def test_hostile_bytes_get_a_contract_4xx(stack: Stack, data: bytes) -> None:
+    """Whatever arrives on POST /v1/embeddings is served or refused in the contract's shape with a 4xx:
+    never a 5xx, never a traceback."""
+    r = request(f"{stack.url}/v1/embeddings", "POST", data, {"authorization": f"Bearer {DEMO_KEYS['acme']}"},
+                timeout=20)
+    assert r.status < 500, (r.status, r.body[:300])
+    if r.status >= 400:
+        doc = r.json()
+        assert set(doc) == {"error"} and doc["error"]["code"] and isinstance(doc["error"]["message"], str), doc
