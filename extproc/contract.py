@@ -48,6 +48,7 @@ class ErrorCode(StrEnum):
     POLICY_UNAVAILABLE = "policy_unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     STREAM_INTERRUPTED = "stream_interrupted"
+    ANSWER_REJECTED = "answer_rejected"  # the upstream's answer failed the gateway's checks (answer_checks.py)
 
     @property
     def status(self) -> int:
@@ -85,6 +86,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.STREAM_INTERRUPTED: 502,
+    ErrorCode.ANSWER_REJECTED: 502,
 }
 
 

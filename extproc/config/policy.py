@@ -28,6 +28,9 @@ DECISION_CACHE = True  # ext_proc's --no-decision-cache turns it off (benchmarks
 
 PACKAGE = "llmgw.authz"
 DECISION_PATH = "data.llmgw.authz.decision"
+# Returned tool calls (extproc/answer_checks.py): optional; a policy without it decides no call.
+CALLS_PACKAGE = "llmgw.answers"
+CALL_DECISION_PATH = "data.llmgw.answers.decision"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,8 @@ class CompiledPolicy:
                                      "denied")
         self._engine = compile_modules(policy, {"gateway": dict(data)})
         self.revision = revision
+        self.decides_calls = any(re.search(rf"^package\s+{re.escape(CALLS_PACKAGE)}\s*$", t, re.M)
+                                 for t in policy.values())
         # A pure policy's decision is a function of its input (data is fixed per revision), so equal
         # inputs share one evaluation: most requests repeat tenant, route, class and tools.
         self.cacheable = DECISION_CACHE and not any(_IMPURE.search(text) for text in policy.values())
@@ -99,3 +104,16 @@ class CompiledPolicy:
                 or not all(isinstance(r, str) for r in reasons) or not all(isinstance(r, str) for r in redact)):
             raise PolicyEvaluationError("the policy's decision has the wrong shape")
         return Decision(allow, tuple(sorted(reasons)), tuple(sorted(redact)), record, self.revision)
+
+    def call_decision(self, input_doc: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]]:
+        """Evaluate `data.llmgw.answers.decision` for one tool call a model returned: (allow, reasons).
+        Like the request's decision it is never an implicit allow: an error, an undefined decision or
+        one of the wrong shape raises PolicyEvaluationError. Not cached: a call's arguments are the
+        model's, rarely repeated."""
+        value = evaluate(self._engine, CALL_DECISION_PATH, dict(input_doc))
+        allow = value.get("allow") if isinstance(value, dict) else None
+        reasons = value.get("reasons", []) if isinstance(value, dict) else None
+        if not isinstance(allow, bool) or not isinstance(reasons, (list, set)) \
+                or not all(isinstance(r, str) for r in reasons):
+            raise PolicyEvaluationError("the policy's call decision has the wrong shape")
+        return allow, tuple(sorted(reasons))
