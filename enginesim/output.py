@@ -81,6 +81,25 @@ class Output:
         each = -(-extra // len(self.pieces))  # ceil
         self.pieces = [p + (" " + "lorem" * (each // 5 + 1))[:each] for p in self.pieces]
 
+    def misbehave(self, tool_name: str | None, tool_args: str | None, content: str | None) -> None:
+        """An operator's faults of a model that answers what it should not (enginesim/server.py): its
+        calls renamed, their arguments replaced, its text replaced. A text answer becomes a call when a
+        name is given (a model calling a tool the request never offered)."""
+        if tool_name is not None and not self.tool_calls:
+            self.tool_calls = [ToolCall("chatcmpl-tool-injected", tool_name, "{}")]
+            self.pieces, self.owner, self.natural_finish = _tokens("{}"), [0], "tool_calls"
+        for call in self.tool_calls:
+            call.name = tool_name if tool_name is not None else call.name
+        if tool_args is not None and self.tool_calls:
+            self.pieces, self.owner = [], []
+            for j, call in enumerate(self.tool_calls):
+                call.arguments = tool_args
+                toks = _tokens(tool_args) or [tool_args]
+                self.pieces += toks
+                self.owner += [j] * len(toks)
+        if content is not None and not self.tool_calls:
+            self.pieces = _tokens(content) or [content]
+
     def mangle_tool_calls(self) -> None:
         """The simulator's corrupted-provider mode: each call's arguments open with `[` for `{`, so
         they no longer parse (a conformance run must notice)."""

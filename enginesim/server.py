@@ -28,6 +28,13 @@ forwards no such header anyway. SPEC is one or more of:
                       which the gateway must not believe
   refuse              (a hosted provider's front end) refuse as that provider does: its safety stop
                       (vLLM never refuses: an engine without such a front end rejects the fault)
+  tool_name=NAME      a model that misbehaves: every tool call it writes names this tool (offered or
+                      not), and a text answer becomes a call of it when the request offered tools
+  tool_args=TEXT      every tool call's arguments are this text (percent-encoded in SPEC: not JSON,
+                      JSON missing a required property, an amount over a policy's limit)
+  content=TEXT        a text answer is this text (percent-encoded: prose where JSON was asked for,
+                      JSON outside the requested schema)
+  html                (the pool) a 200 whose body is an HTML page, as a misconfigured proxy answers
   exit                end the whole process at once
 A request whose client goes away before its answer ended is marked `cancelled` in the request log
 (what a provider sees of a gateway that passes a client's cancellation on).
@@ -41,6 +48,7 @@ import logging
 import os
 import random
 import time
+import urllib.parse
 import uuid
 import zlib
 from collections import deque
@@ -97,6 +105,10 @@ class Fault:
     refuse: bool = False  # (hosted front ends) the provider's safety stop instead of an answer
     bloat: int = 0  # bytes of text added to the answer; a stream then goes out in one write
     exit: bool = False
+    tool_name: str | None = None  # a misbehaving model: the name its tool calls give
+    tool_args: str | None = None  # ... the arguments they carry
+    content: str | None = None  # ... the text it answers
+    html: bool = False  # a 200 that is an HTML page
 
     def stream_response(self, headers: dict[str, str]) -> web.StreamResponse:
         """A stream's response: held whole and written at once when the answer is bloated."""
@@ -106,6 +118,7 @@ class Fault:
         """The output as this fault leaves it: its text padded by `bloat` bytes."""
         if self.bloat:
             out.bloat(self.bloat)
+        out.misbehave(self.tool_name, self.tool_args, self.content)
         return out
 
     @classmethod
@@ -113,8 +126,10 @@ class Fault:
         f = cls()
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, _, value = part.partition("=")
-            if key in ("exit", "refuse"):
+            if key in ("exit", "refuse", "html"):
                 setattr(f, key, True)
+            elif key in ("tool_name", "tool_args", "content"):
+                setattr(f, key, urllib.parse.unquote(value))
             elif key == "usage":
                 json.loads(value)  # a JSON value, or the fault is refused
                 f.usage = value
@@ -154,6 +169,9 @@ async def garbage(request: web.Request, seed: int, stream: bool) -> web.StreamRe
         await resp.write(rng.choice([chunk, b"data: " + chunk + b"\n\n"]))
     await resp.write_eof()
     return resp
+
+
+HTML_PAGE = "<!doctype html><html><head><title>Welcome</title></head><body><h1>It works!</h1></body></html>\n"
 
 
 async def stalled(request: web.Request, answer: web.Response, sent: int) -> web.StreamResponse:
@@ -395,6 +413,8 @@ class EngineServer:
             os._exit(3)
         if fault.garbage is not None:
             return await garbage(request, fault.garbage, bool(body.get("stream")))
+        if fault.html:
+            return web.Response(text=HTML_PAGE, content_type="text/html")
         if fault.status:
             entry["status"] = fault.status  # the request log says what the engine answered
             await asyncio.sleep(fault.delay_ms / 1000)

@@ -103,7 +103,9 @@ def charge_for(usage: Usage | None, source: str, termination: str, status: int, 
     reservation when `ambiguous`, else nothing."""
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
-        return micros, tokens, "actual" if termination == "complete" and source == "reported" else "partial"
+        # (An answer the checks refused was generated whole: its reported usage is the actual charge.)
+        whole = termination in ("complete", "answer_rejected")
+        return micros, tokens, "actual" if whole and source == "reported" else "partial"
     if 200 <= status < 300 or failed == "ambiguous":
         return -1, -1, "ambiguous"
     return 0, 0, failed

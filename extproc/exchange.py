@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from extproc.answer_checks import CheckSpec
 from extproc.bounds import Bound
 from extproc.config import Snapshot
 from extproc.config.plans import encode_plan, uses_attempt_filter
@@ -79,6 +80,7 @@ class Exchange:
     embedding: Embedding | None = None  # an embeddings request's own options (extproc/embeddings.py)
     native: dict[str, Any] | None = None  # a door's provider-only fields, for a plan of its shape (loss.NATIVE)
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
+    answer_checks: CheckSpec | None = None  # what its answer is checked against (tools, a JSON format)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     decision_id: str = ""  # this request's decision (a UUID): error body, access log, ledger, decision log
     redactions: dict[str, int] = field(default_factory=dict)  # entity type -> values replaced
@@ -165,9 +167,12 @@ class Exchange:
             md[Key.SHADOW], md[Key.SHADOW_GRANT] = self.shadow, self.shadow_grant
         if self.redactions:
             md[Key.REDACTIONS] = ",".join(f"{k}={v}" for k, v in sorted(self.redactions.items()))
-        if self.held is not None:
-            md[Key.HOLD] = self.held.hint  # only requests that hold a reservation are settled
+        if self.held is not None or self.answer_checks is not None:
+            if self.held is not None:
+                md[Key.HOLD] = self.held.hint  # only requests that hold a reservation are settled
             md[Key.SETTLE] = self.settled_by()
+            if self.answer_checks is not None:  # read by the filter that checks the answer
+                md[Key.CHECKS] = self.answer_checks.encode()
             if self.stream:
                 md[Key.STREAM] = "1"
                 if self.withhold_usage:
@@ -235,8 +240,11 @@ class Exchange:
         """Streams and idempotent answers need their body read (usage chunks, the recorded answer); a
         JSON answer's usage reaches settlement through the access log. A stream with an Idempotency-Key
         keeps what the client received for replay: ext_proc's stream guard; any other stream: the Lua
-        stream guard in Envoy, with no round trip per chunk."""
+        stream guard in Envoy, with no round trip per chunk. An answer to check: the ext_proc filters,
+        which read what came back before the client does (and keep it when idempotent)."""
         idempotent = self.held is not None and self.held.idempotent
+        if self.answer_checks is not None:
+            return Settle.CHECKED_STREAM if self.stream else Settle.CHECKED
         if self.stream:
             return Settle.KEPT_STREAM if idempotent else Settle.STREAM
         return Settle.METERED if idempotent else Settle.ACCESS_LOG

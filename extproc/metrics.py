@@ -68,6 +68,13 @@ STORE_LATENCY = Histogram("llmgw_store_duration", "Store round trips from the ex
                           buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 STORE_UNREPLICATED = Counter("llmgw_store_unreplicated_batches", "Batches of store scripts whose WAIT saw fewer "
                              "replicas than store.replica_acks asks (the writes stand on the primary only)", [])
+ANSWER_CHECK_FAILURES = Counter("llmgw_answer_check_failures", "Checks answers failed (extproc/answer_checks.py), "
+                                "by route, check and whether the answer was refused (enforce) or passed "
+                                "(report)", ["route", "check", "action"])
+FINISH_REASONS = Counter("llmgw_finish_reasons", "Answers read by a response filter (checked or idempotent), by "
+                         "route and finish reason (stop, length, tool_calls, content_filter; other)",
+                         ["route", "finish_reason"])
+FINISH_REASON_VALUES = frozenset({"stop", "length", "tool_calls", "content_filter"})
 # Per tenant, only where gateway.yaml says so (`metrics.tenant_label: true`): a label per tenant is
 # unbounded in a multi-tenant deployment, so the default families carry none.
 TENANT_SETTLEMENTS = Counter("llmgw_tenant_settlements", "Requests settled per tenant (metrics.tenant_label)",
@@ -101,6 +108,15 @@ def observe_settlement(route: str, deployment: str, provider: str, stream: bool,
     if usage:
         _series(TOKEN_USAGE, (*served, "input")).observe(int(usage.get("prompt_tokens") or 0))
         _series(TOKEN_USAGE, (*served, "output")).observe(output)
+    checks = outcome.get("answer_checks")
+    if isinstance(checks, dict):
+        action = "refused" if checks.get("rejected") else "passed"
+        for f in checks.get("failed") or ():
+            _series(ANSWER_CHECK_FAILURES, (served[0], str(f.get("check", "")), action)).inc()
+    for attempt in (outcome.get("attempts") or [])[-1:]:
+        finish = attempt.get("finish_reason") if isinstance(attempt, dict) else None
+        for reason in finish if isinstance(finish, list) else ([finish] if finish else []):
+            _series(FINISH_REASONS, (served[0], reason if reason in FINISH_REASON_VALUES else "other")).inc()
     if stream and ok and first_byte_s is not None:
         _series(TIME_TO_FIRST_TOKEN, served).observe(first_byte_s)
         if duration_s is not None and output > 1:

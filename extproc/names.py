@@ -23,6 +23,7 @@ class Header(StrEnum):
     DEGRADED = "x-llmgw-degraded"  # answer: the route's degraded answer gave it (`response`, `route:NAME`)
     TRANSLATION_LOSS = "x-llmgw-translation-loss"  # answer: what translating to the candidate's shape lost
     IDEMPOTENT_REPLAY = "x-llmgw-idempotent-replay"  # answer: replayed for a repeated Idempotency-Key
+    ANSWER_CHECKS = "x-llmgw-answer-checks"  # answer: the checks it failed, on a route that reports them
     SHADOW_GRANT = "x-llmgw-shadow-grant"  # a shadow copy's grant, added by Envoy's mirror
     # Set on a translated candidate's 2xx answer for the Lua answer filter, which reads and removes them.
     ANSWER_SHAPE = "x-llmgw-answer-shape"
@@ -33,8 +34,8 @@ class Filter(StrEnum):
     """HTTP filters by the names the rendered bootstrap gives them: the gateway's own, and Envoy's."""
 
     UPSTREAM_HEADERS = "llmgw.upstream_headers"  # header_mutation: the request's header allow-list
-    METER = "llmgw.meter"  # ext_proc: an idempotent JSON answer recorded before the client has it
-    STREAMS = "llmgw.streams"  # ext_proc: an idempotent stream's guard
+    METER = "llmgw.meter"  # ext_proc: an idempotent or checked JSON answer, before the client has it
+    STREAMS = "llmgw.streams"  # ext_proc: an idempotent or checked stream's guard
     LUA_STREAM_GUARD = "llmgw.lua_streams"
     LUA_ANSWERS = "llmgw.lua_answers"
     LUA_DOORS = "llmgw.lua_doors"
@@ -113,6 +114,7 @@ class Key(StrEnum):
     SHADOW_GRANT = "shadow_grant"  # the copy's grant (extproc/shadow.py), added to the copy by the mirror
     DEGRADED = "degraded"  # the route's degraded answer served it: `route:NAME` (x-llmgw-degraded, ledger)
     PLAN_STREAM = "plan_stream"  # "1": the plan's answer is a stream (translated chunk by chunk)
+    CHECKS = "checks"  # what the answer is checked against (answer_checks.CheckSpec, encoded)
     # A lone candidate of another shape, translated without the attempt filter (extproc/direct.py): the
     # request headers its shape needs (`:path`, its key), which Envoy's Lua answer filter sets and then
     # blanks; the shape of its answer, the model to name when the answer names none, and what the
@@ -153,6 +155,11 @@ class Settle(StrEnum):
     METERED = "metered"  # an idempotent JSON answer: the meter records it for replay, then settles
     STREAM = "stream"  # a stream: the Lua stream guard in Envoy, settled from the access log
     KEPT_STREAM = "kept_stream"  # an idempotent stream: the ext_proc stream guard records it for replay
+    # An answer checked after generation (extproc/answer_checks.py): the meter holds a JSON answer whole
+    # (its headers too, so a failing one can still become a 502), the ext_proc stream guard a stream's
+    # tool calls; both fail closed, and keep the answer for replay when the request is idempotent.
+    CHECKED = "checked"
+    CHECKED_STREAM = "checked_stream"
 
 
 class StreamEnd(StrEnum):
@@ -177,7 +184,8 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                     f"response.headers['{Header.DEPLOYMENT}']",
                     *(metadata_path(k) for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
                                                  Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
-                                                 *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS)))
+                                                 *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS, Key.CHECKS, Key.DOOR,
+                                                 Key.DECISION_ID)))
 # The attempt filter's processing modes (Envoy's enum names): its own, for an attempt whose body is
 # rewritten (another served model, another API shape: the request body comes through ext_proc, an
 # answer body never does), and the one an attempt switches to when its body needs no rewrite (the

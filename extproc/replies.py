@@ -77,6 +77,15 @@ def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     return immediate(ex, err.status, body, f"llmgw_{err.code.value}", headers)
 
 
+def refuse_answer(err: GatewayError, body: bytes, decision_id: str, revision: str) -> ep.ProcessingResponse:
+    """A response filter's refusal of an answer it checked (the meter): the contract's error, `body`
+    already in the caller's shape, in place of the upstream's answer."""
+    headers = [_JSON, _header(REVISION_HEADER, revision),
+               *((_header(DECISION_ID_HEADER, decision_id),) if decision_id else ())]
+    return ep.ProcessingResponse(immediate_response=_immediate_response(
+        err.status, body, f"llmgw_{err.code.value}", headers))
+
+
 def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:
     """The attempt filter's refusal (an upstream filter has no Exchange): the contract's JSON error.
     Envoy does not retry an upstream filter's own reply."""

@@ -55,6 +55,16 @@ from extproc.accounting import (
     outcome_of,
     termination_of,
 )
+from extproc.answer_checks import (
+    ANSWER_REJECTED,
+    CheckSpec,
+    Verdict,
+    call_policy,
+    check_completion,
+    finish_reasons,
+    is_completion,
+    summary,
+)
 from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
@@ -64,7 +74,10 @@ from extproc.exchange import Exchange
 from extproc.metrics import observe_settlement, observe_tenant
 from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, Filter, Header, Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
+from extproc.redact import log_safe
 from extproc.replay import Answer, Sealer
+from extproc.replies import overwrite_header, refuse_answer
+from extproc.shapes.registry import DOORS_BY_NAME
 from extproc.sse import StreamUsage
 from extproc.store import Settlement, Store, StoreUnavailable
 
@@ -195,42 +208,93 @@ class Meter:
         """An idempotent JSON answer, chunk by chunk (Envoy waits for each reply): every chunk passes
         as it is; the last is held until the answer is recorded for replay and settled. A repeat of
         the key can then only come after the answer is replayable. If the store is down the answer
-        still goes out (the lease settles it later)."""
-        first_at = time.time()  # the first message is the answer's first chunk (headers are skipped)
+        still goes out (the lease settles it later).
+
+        A checked answer (Settle.CHECKED) comes as its headers, then its whole body: the headers wait
+        for the body's reply, which checks the answer (extproc/answer_checks.py), settles it, and then
+        passes it, passes it naming what failed (`report`), or replaces it with the contract's 502
+        `answer_rejected` in the caller's shape (`enforce`)."""
+        first_at = time.time()  # the first message is the answer's first chunk (or its headers)
         attrs = first.attributes.get(Filter.EXT_PROC) if first.attributes else None
         tenant, rid, hint = md_attr(attrs, Key.TENANT), attr(attrs, "request.id"), md_attr(attrs, Key.HOLD)
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
-        body, complete, settled = bytearray(), False, not (tenant and rid and hint)
+        spec_text = md_attr(attrs, Key.CHECKS)
+        spec = CheckSpec.decode(spec_text) if spec_text else None
+        body, settled = bytearray(), not (tenant and rid and hint)
         try:
             async for msg in with_first(first, rest):
-                if msg.WhichOneof("request") != "response_body":
+                kind = msg.WhichOneof("request")
+                if kind == "response_headers":  # a checked answer's: they wait for the body's reply
+                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+                    if not msg.response_headers.end_of_stream:
+                        continue
+                elif kind != "response_body":
                     continue
-                chunk = msg.response_body.body
-                if len(body) + len(chunk) <= MAX_JSON_BODY:
-                    body += chunk
-                if msg.response_body.end_of_stream:
-                    complete = True
-                    if not settled:
-                        settled = True
-                        await self._settle(tenant, rid, hint, attrs, status, True, False, StreamUsage(),
-                                           bytes(body), first_at)
-                yield ep.ProcessingResponse(response_body=ep.BodyResponse())
-                if complete:
+                else:
+                    chunk = msg.response_body.body
+                    if len(body) + len(chunk) <= MAX_JSON_BODY:
+                        body += chunk
+                    if not msg.response_body.end_of_stream:
+                        yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+                        continue
+                if spec is not None:
+                    spec = spec.answered_by(answering(self.snapshot(), attrs))
+                verdict = self.check(spec, bytes(body)) if 200 <= status < 300 else None
+                if not settled:
+                    settled = True
+                    await self._settle(tenant, rid, hint, attrs, status, True, False, StreamUsage(),
+                                       bytes(body), first_at, verdict)
+                if kind == "response_headers":
                     return
+                yield self._checked_reply(verdict, attrs)
+                return
         finally:  # Envoy ended the exchange early (reset, client gone): what was seen settles
             if not settled:
                 self._settle(tenant, rid, hint, attrs, status, False, False, StreamUsage(), bytes(body), first_at)
 
+    def check(self, spec: CheckSpec | None, body: bytes) -> Verdict:
+        """A 2xx JSON answer's verdict: checked when the request asked for it (spec), else only read for
+        the ledger. A checked one that is not a chat completion is the upstream's broken answer (502
+        upstream_error, charged as the work it may have been)."""
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            doc = None
+        if not is_completion(doc):
+            return Verdict(spec, (), broken=spec is not None)
+        failures = check_completion(doc, spec, call_policy(self.snapshot().policy)) if spec is not None else []
+        return Verdict(spec, tuple(failures), finish=finish_reasons(doc), upstream_id=str(doc.get("id") or ""))
+
+    @staticmethod
+    def _checked_reply(verdict: Verdict | None, attrs: Any) -> ep.ProcessingResponse:
+        """The body's reply: as it is, with x-llmgw-answer-checks when a reported check failed, or the
+        contract's 502 in the caller's shape."""
+        if verdict is None or not (verdict.rejected or verdict.failures):
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        if not verdict.rejected:
+            named = ep.HeaderMutation(set_headers=[overwrite_header(Header.ANSWER_CHECKS, summary(verdict.failures))])
+            return ep.ProcessingResponse(response_body=ep.BodyResponse(
+                response=ep.CommonResponse(header_mutation=named)))
+        err = verdict.error()
+        decision_id = md_attr(attrs, Key.DECISION_ID)
+        body = err.body(decision_id)
+        door = DOORS_BY_NAME.get(md_attr(attrs, Key.DOOR))
+        if door is not None:
+            body = door.error(err.status, body)
+        return refuse_answer(err, body, decision_id, md_attr(attrs, Key.REVISION))
+
     def settle_stream(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool,
-                      usage: StreamUsage, first_at: float, sent: bytes | None = None) -> asyncio.Future[bool]:
+                      usage: StreamUsage, first_at: float, sent: bytes | None = None,
+                      verdict: Verdict | None = None) -> asyncio.Future[bool]:
         """Settle a stream the stream guard saw (complete: it finished normally; first_at: when its
         first chunk reached the guard; sent: what the client received, kept for replay when the
         request has an Idempotency-Key)."""
-        return self._settle(tenant, rid, hint, attrs, status, complete, True, usage, sent or b"", first_at)
+        return self._settle(tenant, rid, hint, attrs, status, complete, True, usage, sent or b"", first_at, verdict)
 
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
-                stream_usage: StreamUsage, body: bytes, first_at: float) -> asyncio.Future[bool]:
+                stream_usage: StreamUsage, body: bytes, first_at: float,
+                verdict: Verdict | None = None) -> asyncio.Future[bool]:
         snap = self.snapshot()
         dep = answered_by(snap, md_attr(attrs, Key.DEPLOYMENT), md_attr(attrs, Key.PLAN),
                           attr(attrs, f"response.headers['{Header.DEPLOYMENT}']"))
@@ -249,8 +313,13 @@ class Meter:
                         usage, source = doc["usage"], "reported"
         finished = complete and (not sse or stream_usage.done) and not stream_usage.error
         termination = termination_of(status, finished)
+        upstream_status = status
+        if verdict is not None and verdict.rejected:
+            # The upstream did the work; the client got the contract's 502 (or the stream's end) instead.
+            termination, status = ("upstream_error" if verdict.broken else ANSWER_REJECTED), 502
         usage, source = believed(usage, source)
-        micros, tokens, kind = charge_for(usage, source, termination, status, dep)
+        micros, tokens, kind = charge_for(usage, source, termination, status, dep,
+                                          "ambiguous" if verdict is not None and verdict.broken else "released")
         idem_status, kept = "", ""
         if held.get("i") and termination == "complete":
             store = snap.gateway.store
@@ -263,12 +332,34 @@ class Meter:
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(started, first_at)},
                              duration, first, {k.value: md_attr(attrs, k) for k in LEDGER_MARKS})
+        if verdict is not None:
+            outcome["attempts"][-1]["status"] = upstream_status  # its answer's, not the client's 502
+            checked(outcome, verdict, call_policy(snap.policy))
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,
             tenant if snap.gateway.metrics.tenant_label else ""))
         return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
                                     snap.gateway.store.idempotency_ttl_s * 1000), observe)
+
+
+def answering(snap: Snapshot, attrs: Any) -> str:
+    """The deployment whose answer a response filter reads (answered_by, from its attributes)."""
+    dep = answered_by(snap, md_attr(attrs, Key.DEPLOYMENT), md_attr(attrs, Key.PLAN),
+                      attr(attrs, f"response.headers['{Header.DEPLOYMENT}']"))
+    return dep.deployment if dep is not None else ""
+
+
+def checked(outcome: dict[str, Any], verdict: Verdict, policy: Any) -> None:
+    """A checked answer's ledger facts: the checks and their outcome; on its attempt, each choice's
+    finish reason and the upstream's own id for the answer."""
+    if not verdict.broken and verdict.spec is not None:
+        outcome["answer_checks"] = verdict.ledger(policy)
+    attempt = outcome["attempts"][-1]
+    if verdict.finish:
+        attempt["finish_reason"] = verdict.finish[0] if len(verdict.finish) == 1 else list(verdict.finish)
+    if verdict.upstream_id:
+        attempt["upstream_id"] = log_safe(verdict.upstream_id, 128)
 
 
 Observe = Callable[[], None]
@@ -312,7 +403,24 @@ def _observe(s: SettledRequest) -> None:
             "gen_ai.usage.input_tokens": usage.get("prompt_tokens"),
             "gen_ai.usage.output_tokens": usage.get("completion_tokens"),
             "llmgw.route_revision": s.revision, "llmgw.deployment": dep.deployment if dep else None,
-            "llmgw.stream": s.stream, "llmgw.settlement": s.outcome.get("settlement")})
+            "llmgw.stream": s.stream, "llmgw.settlement": s.outcome.get("settlement"),
+            **answer_span_facts(s.outcome)})
+
+
+def answer_span_facts(outcome: Mapping[str, Any]) -> dict[str, Any]:
+    """The answer as the GenAI conventions name it on a span (where a response filter read it): its finish
+    reasons and the upstream's id; and which checks it failed."""
+    attempt = (outcome.get("attempts") or [{}])[-1]
+    finish = attempt.get("finish_reason")
+    facts: dict[str, Any] = {}
+    if finish:
+        facts["gen_ai.response.finish_reasons"] = finish if isinstance(finish, list) else [finish]
+    if attempt.get("upstream_id"):
+        facts["gen_ai.response.id"] = attempt["upstream_id"]
+    checks = outcome.get("answer_checks")
+    if isinstance(checks, dict):
+        facts["llmgw.answer_checks.failed"] = [f["check"] for f in checks.get("failed") or ()]
+    return facts
 
 
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
@@ -450,7 +558,7 @@ def passed_done(md: Any) -> bool:
 
 
 # Settled by their own ext_proc filter, the access log being the backstop.
-_OWN_FILTER_SETTLES = (Settle.METERED, Settle.KEPT_STREAM)
+_OWN_FILTER_SETTLES = (Settle.METERED, Settle.KEPT_STREAM, Settle.CHECKED, Settle.CHECKED_STREAM)
 # Envoy's response flags for an exchange that ended abnormally (UF, UC, UR, UPE, DC, DPE, UT, SI, UO,
 # URX, UMSDR, UH, LR), as the access log's proto names them.
 _CUT_FIELDS = ("upstream_connection_failure", "upstream_connection_termination", "upstream_remote_reset",

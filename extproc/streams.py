@@ -33,11 +33,13 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
+from extproc.answer_checks import CheckSpec, Failure, call_policy
 from extproc.contract import METADATA_NAMESPACE, interrupted_event
 from extproc.envoy_msgs import attr, md_attr, with_first
 from extproc.names import INTERRUPTED, KEEPALIVE, MAX_EVENT_BYTES, Filter, Key, StreamEnd
-from extproc.settlement import Meter
+from extproc.settlement import Meter, answering
 from extproc.sse import EventSplitter, StreamUsage, event_data
+from extproc.stream_checks import AnswerFacts, StreamChecker
 
 CUT_BACKSTOP_S = 2.0  # after a cut, how long the access log has to settle before the guard does
 
@@ -63,6 +65,14 @@ class StreamGuard:
         # Envoy also runs this filter on replies ext_proc itself made (an idempotent replay, a refusal),
         # before any route chose it: only an admitted stream holding a reservation is guarded.
         guarded = bool(tenant and rid and hint) and md_attr(attrs, Key.STREAM) == "1"
+        # A checked stream (extproc/stream_checks.py): its tool calls held until checked. Once the checks
+        # refused it the client has its end; what the upstream still sends is read for its usage only.
+        spec_text = md_attr(attrs, Key.CHECKS) if 200 <= status < 300 else ""
+        spec = CheckSpec.decode(spec_text).answered_by(answering(self.meter.snapshot(), attrs)) if spec_text else None
+        policy = call_policy(self.meter.snapshot().policy) if spec is not None else None
+        checker = StreamChecker(spec, policy) if spec is not None else None
+        rejected: Failure | None = None
+        answer = AnswerFacts()
         # With an Idempotency-Key: what the client receives, kept for replay (up to the limit, and a
         # byte more to know it went over).
         keep = self.meter.snapshot().gateway.store.idempotency_max_body_bytes + 1 \
@@ -72,7 +82,7 @@ class StreamGuard:
             async for msg in with_first(first, rest):
                 if msg.WhichOneof("request") != "response_body":
                     continue
-                if not guarded or not 200 <= status < 300:  # passes as it is (errors: already in contract shape)
+                if not (guarded or checker) or not 200 <= status < 300:  # passes as it is (errors: contract's)
                     yield ep.ProcessingResponse(response_body=ep.BodyResponse())
                     complete = complete or msg.response_body.end_of_stream
                     continue
@@ -99,14 +109,25 @@ class StreamGuard:
                             broken = INTERRUPTED[StreamEnd.ERROR]
                             break
                         usage.observe(data)
-                        if withhold and isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
-                            continue  # the usage chunk the client did not ask for
+                        answer.observe(obj)
+                        if rejected is not None or (
+                                withhold and isinstance(obj, dict) and obj.get("usage") and not obj.get("choices")):
+                            continue  # the usage chunk the client did not ask for, or after a refusal
+                        if checker is not None:
+                            passed, failure = checker.feed(event, obj)
+                            if failure is not None and checker.hold:
+                                rejected = failure
+                                out += interrupted_event(f"the answer failed the gateway's checks: {failure.text()}")
+                                usage.error = True  # its end went out: nothing after it
+                                continue
+                            out += passed
+                            continue
                         out += event
                     if not broken and events.pending > MAX_EVENT_BYTES:
                         broken = INTERRUPTED[StreamEnd.OVERSIZED]
                 if msg.response_body.end_of_stream:
                     complete = True
-                    if not broken and not usage.done:
+                    if not broken and not usage.done and rejected is None:
                         broken = INTERRUPTED[StreamEnd.UNFINISHED]
                 if broken and not usage.error:
                     usage.error = True  # recorded as stream_interrupted; the event goes out once
@@ -116,7 +137,8 @@ class StreamGuard:
                 if complete and keep and not broken:
                     # Recorded before the client has the end of the stream (and so before it can repeat).
                     settled = True
-                    await self.meter.settle_stream(tenant, rid, hint, attrs, status, True, usage, first_at, bytes(sent))
+                    await self.meter.settle_stream(tenant, rid, hint, attrs, status, True, usage, first_at, bytes(sent),
+                                                   answer.verdict(spec, checker.failures if checker else []))
                 passed = bytes(out) or (KEEPALIVE if not msg.response_body.end_of_stream and not usage.error else b"")
                 reply = ep.ProcessingResponse(response_body=ep.BodyResponse(
                     response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=passed))))
@@ -126,7 +148,7 @@ class StreamGuard:
                     counted = usage.content_chunks
                     reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.update(
                         {Key.STREAM_CHUNKS: counted})
-                if usage.done and not broken and not done_passed:
+                if usage.done and not broken and not done_passed and rejected is None:
                     # The client has the whole stream once this reply goes on: a client that hangs up
                     # right after [DONE] - before the upstream's own end reaches this guard - did not
                     # cancel, and the access log leaves the settlement to this guard.
@@ -141,7 +163,8 @@ class StreamGuard:
                 # [DONE] went on: the stream was whole, even if its end never came through here.
                 whole = (complete or done_passed) and not broken
                 settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status, whole, usage,
-                                 first_at, bytes(sent) if keep and whole else None)
+                                 first_at, bytes(sent) if keep and whole else None,
+                                 answer.verdict(spec, checker.failures if checker else []))
                 if complete or broken or done_passed:
                     settle()
                 else:

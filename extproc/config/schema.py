@@ -637,6 +637,10 @@ class Route(Strict):
     # A field a candidate's adapter cannot carry (extproc/shapes/): refuse the request (400
     # unsupported_field naming it) or serve it and report the field (x-llmgw-translation-loss, ledger).
     translation_loss: Literal["reject", "report"] = "reject"
+    # A returned tool call or JSON answer that fails its checks (extproc/answer_checks.py): refuse it
+    # (502 answer_rejected; a stream ends with stream_interrupted before the failing call) or pass it
+    # and name the failed checks (x-llmgw-answer-checks on a JSON answer; the ledger either way).
+    answer_checks: Literal["enforce", "report"] = "enforce"
     retry: RetryPolicy = RetryPolicy()
     fallback: FallbackPolicy = FallbackPolicy()
     telemetry: TelemetryPolicy = TelemetryPolicy()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from extproc.answer_checks import Caller, spec_for
 from extproc.bounds import requested_max_tokens
 from extproc.config.policy import PolicyEvaluationError, cache_key
 from extproc.config.schema import Route
@@ -109,6 +110,11 @@ class Authorization:
         if not ex.decision.allow:
             why = "; ".join(ex.decision.reasons) or "denied by policy"
             raise GatewayError(ErrorCode.FORBIDDEN, f"forbidden: {why}")
+        if ex.operation == "chat" and not ex.count:  # what its answer will be held to (a bad schema: 400)
+            ident = ex.identity
+            ex.answer_checks = spec_for(ex.body, route.answer_checks, Caller(
+                ident.tenant, ident.subject, ident.kind, tuple(ident.groups), tuple(ident.effects), data_class,
+                route.route_contract, route.request_class), snap.gateway.tools)
 
     @staticmethod
     def _record(ex: Exchange, doc: dict[str, Any], key: bytes, failure: str, recorder: DecisionRecorder) -> None:

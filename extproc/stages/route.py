@@ -316,6 +316,14 @@ class RouteSelection:
         ex.translation_losses = {d.deployment: tuple(replace(x, field=door.field_name(x.field)) for x in found)
                                  if door is not None else found
                                  for d in ex.candidates if (found := lost.get(d.deployment))}
+        if ex.answer_checks is not None and ex.answer_checks.format:
+            # A candidate that serves without the response format (reported) is not held to it.
+            unformatted = tuple(d.deployment for d in ex.candidates
+                                if any(x.field == "response_format" for x in lost.get(d.deployment, ())))
+            if len(unformatted) == len(ex.candidates) and not ex.answer_checks.tools:
+                ex.answer_checks = None  # nothing left to check
+            elif unformatted:
+                ex.answer_checks = replace(ex.answer_checks, format_lost=unformatted)
         dep = ex.deployment = ex.candidates[0]
         if serving is route and route.shadow is not None:
             shadow_copy(ex, route, facts)
@@ -324,7 +332,7 @@ class RouteSelection:
         # that needs its credential or translation otherwise): the composite cluster of exactly these,
         # tried in the route's order, behind the attempt filter.
         here = (len(ex.candidates) == 1 and decision_translates(dep) and not ex.door and not ex.shadow
-                and ex.settled_by() in (Settle.ACCESS_LOG, Settle.STREAM))
+                and ex.settled_by() in (Settle.ACCESS_LOG, Settle.STREAM, Settle.CHECKED, Settle.CHECKED_STREAM))
         ex.cluster = (composite_name(serving.route_contract, qualified)
                       if uses_attempt_filter(ex.candidates) and not here else snap.pool_of(dep))
         if ex.embedding is not None:  # the inputs as redaction left them, in the embeddings shape

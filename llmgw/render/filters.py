@@ -439,4 +439,6 @@ def lua_doors() -> lua_pb2.Lua:
 
 
 def meters(snap: Snapshot) -> bool:
-    return any(r.budget_reservation != "off" for r in snap.routes.values())
+    """Whether the response filters that read answers are rendered: any route that reserves (its answers
+    settle) or serves chat (its answers may be checked)."""
+    return any(r.budget_reservation != "off" or r.serves == "chat" for r in snap.routes.values())

@@ -125,7 +125,8 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
     shadowed = shadowed_clusters(snap, clusters)
     composites_translating = translating_composites(snap, clusters)
     lua_answered = direct_clusters(snap)
-    translated_here = {Settle.ACCESS_LOG: lua_answered, Settle.STREAM: lua_answered}
+    translated_here = {Settle.ACCESS_LOG: lua_answered, Settle.STREAM: lua_answered, Settle.CHECKED: lua_answered,
+                       Settle.CHECKED_STREAM: lua_answered}
     counting = count_clusters(snap)
     for cluster in clusters:
         if cluster in counting:
@@ -140,19 +141,24 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                     md(Key.CLUSTER, cluster), count]), cluster, False, stream_idle_ms,
                 {**{k: v for k, v in _no_meter().items() if k != Filter.LUA_ANSWERS}, **_door_on()},
                 shape_sets=counting[cluster]))
-        for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.METERED, Settle.ACCESS_LOG):
-            # Idempotent streams: ext_proc's stream guard. Idempotent JSON: the meter. Streams: the Lua
-            # stream guard only (it reads `settle` itself). Other JSON: none of them. On a deployment the
-            # decision translates for, JSON and streams also run the Lua answer filter.
+        for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.CHECKED_STREAM, Settle.METERED, Settle.CHECKED,
+                     Settle.ACCESS_LOG):
+            # Idempotent (or checked) streams: ext_proc's stream guard. Idempotent (or checked) JSON: the
+            # meter. Streams: the Lua stream guard only (it reads `settle` itself). Other JSON: none of
+            # them. On a deployment the decision translates for, JSON and streams also run the Lua answer
+            # filter. A checked answer's filter fails closed: unchecked, it never reaches the client.
             no_meter: dict[str, any_pb2.Any] = {Filter.METER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
             off = pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))
             per_route: dict[str, any_pb2.Any] = {
                 Settle.STREAM: {**no_meter, Filter.STREAMS: off, **_no_lua_answers()},
                 Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
-                Settle.METERED: _no_stream_guard()}.get(kind, _no_meter())
+                Settle.CHECKED_STREAM: {**no_meter, **_no_lua_guard(), Filter.STREAMS: _fail_closed()},
+                Settle.METERED: _no_stream_guard(),
+                Settle.CHECKED: {**_no_stream_guard(), Filter.METER: _fail_closed(whole_answer=True)},
+            }.get(kind, _no_meter())
             if cluster in composites_translating:  # every answer of such a plan passes the Lua answer filter
                 per_route = {k: v for k, v in per_route.items() if k != Filter.LUA_ANSWERS}
-            streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM)
+            streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.CHECKED_STREAM)
             name = f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}")
             metadata = [md(Key.CLUSTER, cluster), *([] if kind is Settle.ACCESS_LOG else [md(Key.SETTLE, kind)])]
             match = route_components_pb2.RouteMatch
@@ -268,6 +274,18 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
         response_headers_to_remove=[] if cluster.startswith("fallback_") else [Header.DEPLOYMENT],
         typed_per_filter_config={**per_route,
                                  **(_door_on() if door is not None else {})})
+
+
+def _fail_closed(whole_answer: bool = False) -> any_pb2.Any:
+    """A response filter that checks an answer (Settle.CHECKED, CHECKED_STREAM): if ext_proc fails, the
+    answer fails with it. A JSON answer is held whole with its headers (they wait for the body's reply),
+    so a failing answer can still become the contract's 502."""
+    pm = processing_mode_pb2.ProcessingMode
+    mode = pm(request_header_mode=pm.SKIP, request_body_mode=pm.NONE, response_header_mode=pm.SEND,
+              response_body_mode=pm.BUFFERED, request_trailer_mode=pm.SKIP,
+              response_trailer_mode=pm.SKIP) if whole_answer else None
+    return pack(ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides(
+        processing_mode=mode, failure_mode_allow=wrappers_pb2.BoolValue(value=False))))
 
 
 def _door_on() -> dict[str, any_pb2.Any]:

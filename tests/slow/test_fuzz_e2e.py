@@ -106,18 +106,25 @@ def _exchange(gw: Stack, m: str, p: str, hdrs: list[tuple[bytes, bytes]], data: 
     return raw_exchange(gw.url, _request(m, p, hdrs, data), timeout=20, head=m == "HEAD")
 
 
+ANSWER_REJECTED = b'"code": "answer_rejected"'
+REFUSED_STREAM = b"the answer failed the gateway's checks"
+
+
 def _check(gw: Stack, m: str, p: str, hdrs: list[tuple[bytes, bytes]], data: bytes) -> None:
     resp = _exchange(gw, m, p, hdrs, data)
     assert resp is not None, "the connection closed without an answer"
     assert resp.complete, (resp.status, resp.headers, resp.body[:200])
     SEEN[resp.status] += 1
-    assert 200 <= resp.status < 500, (resp.status, resp.body[:300])
+    # A 502 answer_rejected is about the model's answer, not the request: a call cut at a tiny max_tokens
+    # does not parse (extproc/answer_checks.py); everything else is below 500.
+    assert 200 <= resp.status < 500 or (resp.status == 502 and ANSWER_REJECTED in resp.body), (
+        resp.status, resp.body[:300])
     if m == "HEAD":
         return
     if resp.status >= 400:
         assert_contract_body(resp.status, resp.headers, resp.body)
     elif resp.headers.get("content-type", "").startswith("text/event-stream"):
-        assert resp.body.rstrip().endswith(b"data: [DONE]"), resp.body[-200:]
+        assert resp.body.rstrip().endswith(b"data: [DONE]") or REFUSED_STREAM in resp.body, resp.body[-200:]
     else:
         doc: Any = json.loads(resp.body)
         assert isinstance(doc, dict) and ("choices" in doc or doc.get("object") in ("list", "model")

@@ -168,8 +168,9 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         # filter names such a candidate's answer, which no ext_proc filter reads (issue 27).
         answers = "llmgw.lua_answers" not in r.get("typed_per_filter_config", {})
         cluster = r["route"]["cluster"]
-        shape = (translated_here if r["name"] == f"admitted_{cluster}" else
-                 streamed_here if r["name"] == f"admitted_{cluster}_stream" else {}).get(cluster)
+        shape = (translated_here if r["name"] in (f"admitted_{cluster}", f"admitted_{cluster}_checked") else
+                 streamed_here if r["name"] in (f"admitted_{cluster}_stream", f"admitted_{cluster}_checked_stream")
+                 else {}).get(cluster)
         assert answers == (shape is not None or cluster in composites_translating), r["name"]
         assert r["request_headers_to_remove"] == [h for h in ("authorization", "x-api-key", "x-goog-api-key")
                                                   if h not in (shape or ())]
@@ -178,9 +179,10 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         extra = r["match"]["dynamic_metadata"][1:]
         settles = [(m["path"][0]["key"], m["value"]["string_match"]["exact"]) for m in extra
                    if m["path"][0]["key"] != "door"]
-        assert settles in ([], [("settle", "stream")], [("settle", "kept_stream")], [("settle", "metered")])
+        assert settles in ([], [("settle", "stream")], [("settle", "kept_stream")], [("settle", "metered")],
+                           [("settle", "checked")], [("settle", "checked_stream")])
         kind = settles[0][1] if settles else ""
-        if kind in ("stream", "kept_stream"):
+        if kind in ("stream", "kept_stream", "checked_stream"):
             # Each attempt's silence is bounded by the per-try idle timer; the route's own, which a
             # retry does not reset, sits above all attempts' so a silent attempt can still fall back.
             per_try = float(r["route"]["retry_policy"]["per_try_idle_timeout"].rstrip("s"))
@@ -197,11 +199,21 @@ def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> N
         else:
             assert r["match"]["prefix"] == "/v1/" and "regex_rewrite" not in r["route"]
         guards = {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams"}
-        off = set(r.get("typed_per_filter_config", {})) & guards
-        on = {"stream": "llmgw.lua_streams", "kept_stream": "llmgw.streams", "metered": "llmgw.meter", "": None}
+        on = {"stream": "llmgw.lua_streams", "kept_stream": "llmgw.streams", "metered": "llmgw.meter", "": None,
+              "checked_stream": "llmgw.streams", "checked": "llmgw.meter"}
+        per_filter = r.get("typed_per_filter_config", {})
+        off = {g for g in set(per_filter) & guards if per_filter[g].get("disabled")}
         assert off == guards - {on[kind]}, (kind, off)
+        if kind.startswith("checked"):
+            # A checked answer's filter fails closed; a JSON one holds the answer whole, headers too.
+            overrides = per_filter[on[kind]]["overrides"]
+            assert overrides["failure_mode_allow"] is False
+            mode = overrides.get("processing_mode", {})
+            assert (mode.get("response_header_mode"), mode.get("response_body_mode")) == (
+                ("SEND", "BUFFERED") if kind == "checked" else (None, None))
     assert {r["name"].removeprefix("admitted_pool_engine-pool") for r in to_clusters} >= {
-        "", "_stream", "_kept_stream", "_metered", "_anthropic", "_stream_anthropic", "_gemini", "_stream_gemini"}
+        "", "_stream", "_kept_stream", "_metered", "_anthropic", "_stream_anthropic", "_gemini", "_stream_gemini",
+        "_checked", "_checked_stream", "_checked_anthropic", "_checked_stream_gemini"}
     # Everything else is answered by Envoy itself in the contract's JSON; a front door's request
     # without a body in its door's shape (issue 27), with the same code inside.
     for r in routes:

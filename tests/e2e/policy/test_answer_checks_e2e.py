@@ -1,0 +1,288 @@
+"""Answers checked after generation, through the real Envoy: a model (the simulator, on the operator's
+fault) that calls a tool the request never offered, one outside the catalogue, with arguments that are
+not JSON or miss a required property, over the policy's refund limit, or answers prose where JSON
+(or a schema) was asked for - each refused with the contract's 502 `answer_rejected` (a JSON answer)
+or ended with `stream_interrupted` before the client can assemble the call (a stream), on the pool
+and on a route translated to another API shape; passed and named on a `report` route; recorded in the
+ledger and the metrics; charged as the work the upstream did."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+import yaml
+
+from llmgw.local.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
+from tests.helpers import assert_contract_error, inject_fault, request, stream_raw
+from tests.promtext import scrape, value
+
+pytestmark = pytest.mark.e2e
+
+KEY = DEMO_KEYS["acme"]
+PAYER_KEY = "sk-test-payer-0123456789"  # acme, granted the payment effect
+SEARCH = {"type": "function", "function": {"name": "search_docs", "description": "search the docs", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+REFUND = {"type": "function", "function": {"name": "issue_refund", "parameters": {
+    "type": "object", "properties": {"order_id": {"type": "string"}, "amount": {"type": "number"},
+                                     "currency": {"type": "string", "enum": ["EUR", "USD"]}},
+    "required": ["order_id", "amount", "currency"]}}}
+ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "count", "strict": True, "schema": {
+    "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+
+
+def quoted(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+def checks_policy(root: Path) -> Path:
+    dst = root / "policy"
+    shutil.copytree(POLICY, dst)
+    demo = yaml.safe_load((dst / "keys.yaml").read_text())["keys"]
+    (dst / "keys.yaml").write_text(yaml.safe_dump({"keys": [*demo, {
+        "id": "acme-payer", "tenant": "acme", "sha256": hashlib.sha256(PAYER_KEY.encode()).hexdigest(),
+        "effects": ["payment"]}]}))
+    for name, mode in (("chat-default", "report"), ("chat-anthropic", "report")):
+        route = yaml.safe_load((dst / f"routes/{name}.yaml").read_text())
+        route.update(route_contract=f"{name}-report", answer_checks=mode)
+        (dst / f"routes/{name}-report.yaml").write_text(yaml.safe_dump(route))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("answer-checks")
+    s = start_stack(tmp / "state", checks_policy(tmp), simulate_providers=True)
+    yield s
+    s.stop()
+
+
+def upstreams(gw: Stack, route: str) -> list[str]:
+    if route.startswith("chat-anthropic"):
+        return [f"http://{h}:{p}" for h, p in gw.render.providers["demo-anthropic"]]
+    return gw.engine_urls("engine-pool")
+
+
+def ask(gw: Stack, route: str, fault: str, tools: list[Any] | None = None, key: str = KEY,
+        **extra: Any) -> tuple[str, dict[str, Any]]:
+    """(marker, body) of a request whose upstream answers with `fault` ("" for none)."""
+    marker = inject_fault(upstreams(gw, route), fault) if fault else "plain"
+    body = {"model": route, "max_tokens": 64, "messages": [{"role": "user", "content": f"{marker}: use search_docs"}],
+            **({"tools": tools} if tools is not None else {}), **extra}
+    return marker, body
+
+
+def post(gw: Stack, body: dict[str, Any], key: str = KEY) -> Any:
+    return request(f"{gw.url}/v1/chat/completions", "POST", body, {"authorization": f"Bearer {key}"})
+
+
+BAD_CALLS = [
+    ("tool_name=update_ticket", "tool_offered"),  # in the catalogue, never offered by this request
+    ("tool_name=rm_rf", "tool_offered"),  # outside the catalogue
+    (f"tool_args={quoted('not json')}", "tool_arguments_json"),
+    (f"tool_args={quoted(json.dumps({'query': 'x'}))}", "tool_arguments_schema"),
+]
+
+
+@pytest.mark.parametrize(("fault", "check"), BAD_CALLS)
+def test_a_bad_tool_call_in_a_json_answer_is_refused(gw: Stack, fault: str, check: str) -> None:
+    _, body = ask(gw, "chat-default", fault, [SEARCH])
+    r = post(gw, body)
+    err = assert_contract_error(r, 502, "answer_rejected")
+    assert check in err["message"] and "query" not in err["message"]
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["termination"] == "answer_rejected" and entry["status"] == 502
+    assert entry["answer_checks"]["rejected"] and [f["check"] for f in entry["answer_checks"]["failed"]] == [check]
+    (attempt,) = entry["attempts"]
+    # The engine answered (200) and did the work: charged at its reported usage.
+    assert attempt["status"] == 200 and attempt["finish_reason"] == "tool_calls" and attempt["upstream_id"]
+    assert entry["settlement"] == "actual" and entry["usage"]["completion_tokens"] > 0
+
+
+def test_a_good_call_passes_and_the_ledger_says_it_was_checked(gw: Stack) -> None:
+    _, body = ask(gw, "chat-default", "", [SEARCH])
+    r = post(gw, body)
+    assert r.status == 200, r.body
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "search_docs" and "q" in json.loads(call["function"]["arguments"])
+    assert "x-llmgw-answer-checks" not in r.headers
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["termination"] == "complete" and entry["answer_checks"]["failed"] == []
+    assert set(entry["answer_checks"]["run"]) >= {"tool_offered", "tool_arguments_schema", "tool_call_policy"}
+    assert entry["attempts"][0]["upstream_id"] == r.json()["id"]
+
+
+def events(raw: bytes) -> list[Any]:
+    out = []
+    for block in raw.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: "):
+                data = line[6:]
+                out.append(None if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+def streamed(gw: Stack, body: dict[str, Any], key: str = KEY) -> tuple[str, bytes]:
+    """(request id, every byte) of a checked stream: its headers were a 200 before any check could run."""
+    status, rid, raw = stream_raw(f"{gw.url}/v1/chat/completions", body, {"authorization": f"Bearer {key}"})
+    assert status == 200, raw[:300]
+    return rid, raw
+
+
+def has_call(evs: list[Any]) -> bool:
+    return any(isinstance(e, dict) and any((c.get("delta") or {}).get("tool_calls") for c in e.get("choices") or ())
+               for e in evs)
+
+
+@pytest.mark.parametrize(("fault", "check"), BAD_CALLS)
+def test_a_bad_tool_call_in_a_stream_never_reaches_the_client(gw: Stack, fault: str, check: str) -> None:
+    _, body = ask(gw, "chat-default", fault, [SEARCH], stream=True)
+    rid, raw = streamed(gw, body)
+    evs = events(raw)
+    assert not has_call(evs), raw[-800:]
+    assert evs[-1]["error"]["code"] == "stream_interrupted" and check in evs[-1]["error"]["message"]
+    assert None not in evs  # no [DONE]
+    entry = ledger_of(gw, rid, "acme")
+    assert entry["termination"] == "answer_rejected" and entry["answer_checks"]["failed"][0]["check"] == check
+    assert entry["usage"]["completion_tokens"] > 0  # read to its end: charged as generated
+
+
+def test_a_good_stream_passes_its_calls_whole(gw: Stack) -> None:
+    _, body = ask(gw, "chat-default", "", [SEARCH], stream=True)
+    rid, raw = streamed(gw, body)
+    evs = events(raw)
+    assert has_call(evs) and evs[-1] is None
+    args = "".join(tc["function"].get("arguments", "") for e in evs if isinstance(e, dict)
+                   for c in e["choices"] for tc in (c["delta"].get("tool_calls") or ()))
+    assert "q" in json.loads(args)
+    entry = ledger_of(gw, rid, "acme")
+    assert entry["termination"] == "complete" and entry["attempts"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_policy_decides_a_returned_calls_effect(gw: Stack, stream: bool) -> None:
+    """A refund the caller may offer (it holds the payment effect) is still refused over the limit."""
+    over = quoted(json.dumps({"order_id": "A-1", "amount": 9000, "currency": "EUR"}))
+    _, body = ask(gw, "chat-default", f"tool_name=issue_refund,tool_args={over}", [REFUND], stream=stream)
+    if stream:
+        rid, raw = streamed(gw, body, PAYER_KEY)
+        evs = events(raw)
+        assert not has_call(evs) and "tool_call_policy" in evs[-1]["error"]["message"]
+    else:
+        r = post(gw, body, PAYER_KEY)
+        assert "tool_call_policy" in assert_contract_error(r, 502, "answer_rejected")["message"]
+        rid = r.headers["x-request-id"]
+    failed = ledger_of(gw, rid, "acme")["answer_checks"]["failed"]
+    assert failed == [{"check": "tool_call_policy", "where": "choices[0].message.tool_calls[0]",
+                       "why": "the refund is over the limit for its currency"}]
+    within = quoted(json.dumps({"order_id": "A-1", "amount": 120, "currency": "EUR"}))
+    _, body = ask(gw, "chat-default", f"tool_name=issue_refund,tool_args={within}", [REFUND])
+    r = post(gw, body, PAYER_KEY)
+    assert r.status == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "issue_refund"
+
+
+@pytest.mark.parametrize(("fmt", "content", "check"), [
+    ({"type": "json_object"}, "Sure! Here is your JSON.", "format_json"),
+    (ANSWER_SCHEMA, json.dumps({"n": "three"}), "format_schema"),
+    (ANSWER_SCHEMA, json.dumps({"n": 3, "extra": True}), "format_schema"),  # strict: no other properties
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_outside_what_was_asked_is_refused(gw: Stack, fmt: dict[str, Any], content: str,
+                                                             check: str, stream: bool) -> None:
+    _, body = ask(gw, "chat-default", f"content={quoted(content)}", response_format=fmt, stream=stream)
+    if stream:
+        evs = events(streamed(gw, body)[1])
+        # The text flowed as it came; the answer never finished normally.
+        assert evs[-1]["error"]["code"] == "stream_interrupted" and check in evs[-1]["error"]["message"]
+        assert not any(isinstance(e, dict) and any(c.get("finish_reason") for c in e.get("choices") or ())
+                       for e in evs)
+    else:
+        assert check in assert_contract_error(post(gw, body), 502, "answer_rejected")["message"]
+    _, good = ask(gw, "chat-default", "", response_format=fmt)
+    r = post(gw, good)
+    assert r.status == 200 and isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+
+
+def test_a_report_route_passes_the_answer_and_names_the_failed_check(gw: Stack) -> None:
+    _, body = ask(gw, "chat-default-report", "tool_name=rm_rf", [SEARCH])
+    r = post(gw, body)
+    assert r.status == 200 and r.headers["x-llmgw-answer-checks"] == "tool_offered"
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["termination"] == "complete" and not entry["answer_checks"]["rejected"]
+    assert entry["answer_checks"]["mode"] == "report" and entry["answer_checks"]["failed"][0]["check"] == "tool_offered"
+    _, body = ask(gw, "chat-default-report", "tool_name=rm_rf", [SEARCH], stream=True)
+    rid, raw = streamed(gw, body)
+    assert has_call(events(raw)) and events(raw)[-1] is None
+    assert ledger_of(gw, rid, "acme")["answer_checks"]["failed"][0]["check"] == "tool_offered"
+    samples = scrape(gw.metrics_url.removesuffix("/metrics"))
+    assert value(samples, "llmgw_answer_check_failures_total", route="chat-default-report", check="tool_offered",
+                 action="passed") >= 2
+    assert value(samples, "llmgw_answer_check_failures_total", route="chat-default", action="refused") >= 1
+    assert value(samples, "llmgw_finish_reasons_total", route="chat-default-report", finish_reason="tool_calls") >= 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_translated_providers_bad_call_is_refused(gw: Stack, stream: bool) -> None:
+    """The same checks on an Anthropic-shaped provider's answer, after Envoy translated it."""
+    _, body = ask(gw, "chat-anthropic", "tool_name=update_ticket", [SEARCH], stream=stream)
+    if stream:
+        rid, raw = streamed(gw, body)
+        evs = events(raw)
+        assert not has_call(evs) and "tool_offered" in evs[-1]["error"]["message"]
+    else:
+        r = post(gw, body)
+        assert "tool_offered" in assert_contract_error(r, 502, "answer_rejected")["message"]
+        rid = r.headers["x-request-id"]
+    entry = ledger_of(gw, rid, "acme")
+    assert entry["termination"] == "answer_rejected" and entry["attempts"][-1]["deployment"] == "demo-anthropic"
+    _, good = ask(gw, "chat-anthropic", "", [SEARCH])
+    assert post(gw, good).status == 200
+
+
+def test_a_door_caller_gets_the_refusal_in_its_own_shape(gw: Stack) -> None:
+    """The Anthropic SDK, as its users write it: the refusal is an Anthropic error whose type is the
+    SDK's for a 502; nothing of the call reaches it."""
+    marker = inject_fault(upstreams(gw, "chat-default"), "tool_name=rm_rf")
+    c = anthropic.Anthropic(base_url=gw.url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.InternalServerError) as e:
+        c.messages.create(model="chat-default", max_tokens=64, messages=[{"role": "user", "content": marker}],
+                          tools=[{"name": "search_docs", "input_schema": SEARCH["function"]["parameters"]}])
+    assert e.value.status_code == 502 and "answer_rejected" in str(e.value.body)
+
+
+def test_the_openai_sdk_gets_the_refusal(gw: Stack) -> None:
+    marker = inject_fault(upstreams(gw, "chat-default"), f"tool_args={quoted('not json')}")
+    c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.InternalServerError) as e:
+        c.chat.completions.create(model="chat-default", messages=[{"role": "user", "content": marker}],
+                                  tools=[SEARCH])  # type: ignore[list-item]
+    assert e.value.code == "answer_rejected"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engines_html_page_is_not_an_answer(gw: Stack, stream: bool) -> None:
+    """An upstream 200 that is not a chat completion (a proxy's HTML page): 502 upstream_error, charged
+    as the work it may have been (ambiguous), never passed as a 200."""
+    _, body = ask(gw, "chat-default", "html", [SEARCH], stream=stream)
+    if stream:
+        rid, raw = streamed(gw, body)
+        assert b"<html" not in raw
+    else:
+        r = post(gw, body)
+        assert_contract_error(r, 502, "upstream_error")
+        assert b"<html" not in r.body
+        rid = r.headers["x-request-id"]
+    entry = ledger_of(gw, rid, "acme")
+    if stream:  # no event of it is one: the stream ends interrupted
+        assert entry["termination"] == "stream_interrupted"
+    else:
+        assert entry["termination"] == "upstream_error" and entry["settlement"] == "ambiguous"
