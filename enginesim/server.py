@@ -17,6 +17,7 @@ forwards no such header anyway. SPEC is one or more of:
                       answer: its status, headers and first 3 bytes, then silence
   disconnect_after=3  send 3 chunks, then drop the connection
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
+  stray_after=3       (the pool's streams) send 3 chunks, then an event that is JSON but no chunk, then go on
   end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
   end_delay_ms=500    (the pool's streams) wait after [DONE] before ending the answer
   bloat=1048576       the answer's text grows by about that many bytes (each token's text padded, the
@@ -97,6 +98,7 @@ class Fault:
     stall_after: int | None = None
     disconnect_after: int | None = None
     malformed_after: int | None = None
+    stray_after: int | None = None  # (the pool's streams) a JSON event that is no chunk after N chunks
     end_after: int | None = None  # a clean end (the chunked encoding's last chunk) without the stream's own
     end_delay_ms: int = 0  # the pool's streams: the answer's end this long after [DONE]
     error_after: int | None = None  # (the Anthropic front end) an `error` event after N deltas
@@ -133,7 +135,8 @@ class Fault:
             elif key == "usage":
                 json.loads(value)  # a JSON value, or the fault is refused
                 f.usage = value
-            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "end_after",
+            elif key in ("status", "delay_ms", "stall_after", "disconnect_after", "malformed_after", "stray_after",
+                         "end_after",
                          "end_delay_ms", "error_after", "garbage", "bloat"):
                 setattr(f, key, int(value))
             else:
@@ -200,6 +203,8 @@ async def stream_fault(fault: Fault, sent: int, request: web.Request, resp: web.
         await resp.write(malformed)
         await resp.write_eof()
         return True
+    if fault.stray_after is not None and sent == fault.stray_after:  # once; the stream goes on
+        await resp.write(b'data: {"id": "stray", "object": "notice", "note": "not a chunk"}\n\n')
     if fault.end_after is not None and sent >= fault.end_after:
         await resp.write_eof()
         return True

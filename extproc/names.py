@@ -137,6 +137,10 @@ class Key(StrEnum):
     USAGE_COMPLETION = "usage_completion"
     USAGE_CACHED = "usage_cached"
     STREAM_CHUNKS = "stream_chunks"
+    # The upstream's own id for its answer (a JSON answer's `id`, a stream's first chunk's) and a stream's
+    # finish reason (the Lua stream guard): the attempt's ledger record keeps them.
+    UPSTREAM_ID = "upstream_id"
+    FINISH_REASON = "finish_reason"
     STREAM_END = "stream_end"  # a StreamEnd value; absent: Envoy cut the stream
     # "1": a Lua filter found a 2xx answer broken (the answer filter: a provider's; the door filter: one
     # the door cannot carry) and answered 502 instead - the upstream did the work it was asked: settled
@@ -185,7 +189,7 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                     *(metadata_path(k) for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
                                                  Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
                                                  *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS, Key.CHECKS, Key.DOOR,
-                                                 Key.DECISION_ID)))
+                                                 Key.DECISION_ID, Key.UPSTREAM_STATUS)))
 # The attempt filter's processing modes (Envoy's enum names): its own, for an attempt whose body is
 # rewritten (another served model, another API shape: the request body comes through ext_proc, an
 # answer body never does), and the one an attempt switches to when its body needs no rewrite (the

@@ -51,9 +51,11 @@ from extproc.accounting import (
     charge_for,
     charge_logged,
     estimated,
+    failure_charge,
     first_byte_ms,
     outcome_of,
     termination_of,
+    upstream_succeeded,
 )
 from extproc.answer_checks import (
     ANSWER_REJECTED,
@@ -311,6 +313,13 @@ class Meter:
                     doc = orjson.loads(body)
                     if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
                         usage, source = doc["usage"], "reported"
+        failed = "ambiguous" if verdict is not None and verdict.broken else "released"
+        if not 200 <= status < 300 and upstream_succeeded(md_attr(attrs, Key.UPSTREAM_STATUS), True):
+            # The upstream answered 2xx and Envoy replaced it (custom_response: no answer at all): the
+            # work it may have done is charged, as the access log would.
+            usage, failed = failure_charge(stream=sse, sent=True, answered=True, prompt_bound=held.get("p", 0),
+                                           succeeded=True)
+            source = "estimated" if usage else source
         finished = complete and (not sse or stream_usage.done) and not stream_usage.error
         termination = termination_of(status, finished)
         upstream_status = status
@@ -318,8 +327,7 @@ class Meter:
             # The upstream did the work; the client got the contract's 502 (or the stream's end) instead.
             termination, status = ("upstream_error" if verdict.broken else ANSWER_REJECTED), 502
         usage, source = believed(usage, source)
-        micros, tokens, kind = charge_for(usage, source, termination, status, dep,
-                                          "ambiguous" if verdict is not None and verdict.broken else "released")
+        micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
         idem_status, kept = "", ""
         if held.get("i") and termination == "complete":
             store = snap.gateway.store
@@ -332,8 +340,10 @@ class Meter:
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(started, first_at)},
                              duration, first, {k.value: md_attr(attrs, k) for k in LEDGER_MARKS})
+        # The attempt's status is its upstream's own (Envoy or a check may have replaced it for the client).
+        recorded = md_attr(attrs, Key.UPSTREAM_STATUS)
+        outcome["attempts"][-1]["status"] = int(recorded) if recorded.isdigit() else upstream_status
         if verdict is not None:
-            outcome["attempts"][-1]["status"] = upstream_status  # its answer's, not the client's 502
             checked(outcome, verdict, call_policy(snap.policy))
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
@@ -517,6 +527,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
                                  "count": common.upstream_request_attempt_count,
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1) if x.answered else None,
+                                 # the upstream's own status (Envoy may have replaced it for the client)
+                                 **({"status": int(x.upstream_status)}
+                                    if x.answered and x.upstream_status.isdigit() else {}),
+                                 # what it said of its answer: its id for it, how a stream finished
+                                 **{k.value: log_safe(v, 128) for k in (Key.FINISH_REASON, Key.UPSTREAM_ID)
+                                    if x.answered and (v := attr(md, k))},
                                  # translated by the decision (extproc/direct.py): what the translation lost
                                  **({"translation_loss": lost.split(", ")}
                                     if (lost := attr(md, Key.TRANSLATION_LOSS)) else {})},

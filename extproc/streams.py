@@ -44,6 +44,12 @@ from extproc.stream_checks import AnswerFacts, StreamChecker
 CUT_BACKSTOP_S = 2.0  # after a cut, how long the access log has to settle before the guard does
 
 
+def is_chunk(obj: Any) -> bool:
+    """A stream's event is a chunk: an object with a list of choices, or a usage chunk (as the Lua guard
+    reads it)."""
+    return isinstance(obj, dict) and (isinstance(obj.get("choices"), list) or "usage" in obj)
+
+
 class StreamGuard:
     def __init__(self, meter: Meter):
         self.meter = meter  # settles the same way the meter does
@@ -107,6 +113,9 @@ class StreamGuard:
                             break
                         if isinstance(obj, dict) and "error" in obj:
                             broken = INTERRUPTED[StreamEnd.ERROR]
+                            break
+                        if data.strip() != "[DONE]" and not is_chunk(obj):
+                            broken = INTERRUPTED[StreamEnd.MALFORMED]  # JSON, but no chunk
                             break
                         usage.observe(data)
                         answer.observe(obj)

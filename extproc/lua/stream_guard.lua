@@ -4,7 +4,8 @@
 -- extproc/lua/json.lua and extproc/lua/sse.lua (its JSON checker, its SSE framing).
 --
 -- - Whole events only: the start of an event still arriving is held back until the rest comes.
--- - Each event's data is checked to be JSON (or [DONE]): a malformed event, an upstream error event,
+-- - Each event's data is checked to be a chunk (a JSON object with a list of choices, or usage) or
+--   [DONE]: a malformed event (an object that is no chunk among them), an upstream error event,
 --   an event over the size bound, or an end without [DONE] ends the client's stream with the contract's
 --   `stream_interrupted` event; nothing after it reaches the client.
 -- - The usage chunk the gateway asked for on the client's behalf is withheld from that client; its
@@ -19,8 +20,8 @@ local find, sub, byte, concat = string.find, string.sub, string.byte, table.conc
 local K, EVENT, MAX_EVENT, NS = CONFIG.keys, CONFIG.events, CONFIG.max_event_bytes, CONFIG.namespace
 
 -- The index after the JSON value at (or after whitespace from) i, or nil when the text there is not
--- JSON. For the top-level object, `fields` gets the text of the values of `error`, `usage` and
--- `choices` (the only fields the guard reads).
+-- JSON. For the top-level object, `fields` gets the text of the values of `error`, `usage`,
+-- `choices` and `id` (the only fields the guard reads).
 local value
 value = function(s, i, depth, fields)
   if depth > MAX_DEPTH then return nil end
@@ -34,7 +35,7 @@ value = function(s, i, depth, fields)
       local after = json_string(s, i)
       if after == nil then return nil end
       local name = nil
-      if fields ~= nil and (after - i == 7 or after - i == 9) then name = sub(s, i + 1, after - 2) end
+      if fields ~= nil and (after - i == 7 or after - i == 9 or after - i == 4) then name = sub(s, i + 1, after - 2) end
       i, c = skip(s, after)
       if c ~= 58 then return nil end  -- :
       local from = skip(s, i + 1)
@@ -112,6 +113,20 @@ local function usage_number(usage, name)
   return sub(v, 1, 24)
 end
 
+-- A plain string value (no escapes, at most 128 bytes) as the event's JSON text has it, or nil: the
+-- upstream's id for its answer and a choice's finish reason, which the ledger keeps.
+local function plain_string(text)
+  if text == nil then return nil end
+  local _, _, v = find(text, '^"([^"\\]*)"$')
+  if v == nil or #v > 128 then return nil end
+  return v
+end
+
+local function finish_reason(choices)
+  local _, _, v = find(choices, '"finish_reason"%s*:%s*"([^"\\]*)"')
+  return v
+end
+
 local function metadata(h, key, v)
   h:streamInfo():dynamicMetadata():set(NS, key, v)
 end
@@ -133,6 +148,7 @@ function envoy_on_response(h)
   local withhold = md[K.withhold_usage] == "1"
   local ends_at = tonumber(md[K.stream_ends_at_ms] or "")
   local split, held, chunks, counted, ended, done, done_marked = event_splitter(), 0, 0, 0, nil, false, false
+  local named = false  -- the upstream's id for its answer is recorded
   local last, last_text  -- the latest chunk and what it became: the end may come with it (no empty chunk)
 
   for chunk in h:bodyChunks() do
@@ -160,6 +176,8 @@ function envoy_on_response(h)
             ended = "malformed"
           elseif fields.error ~= nil then
             ended = "error"
+          elseif (fields.choices == nil or byte(fields.choices, 1) ~= 91) and fields.usage == nil then
+            ended = "malformed"  -- JSON, but no chunk: neither a list of choices nor a usage chunk
           else
             local usage = fields.usage
             if usage ~= nil and byte(usage, 1) == 123 then
@@ -169,6 +187,14 @@ function envoy_on_response(h)
               keep = not (withhold and (fields.choices == nil or find(fields.choices, "^%[%s*%]$")))
             end
             if fields.choices ~= nil and content_chunk(fields.choices) then chunks = chunks + 1 end
+            if not named then  -- the upstream's own id for the answer, from its first chunk
+              named = true
+              local id = plain_string(fields.id)
+              if id ~= nil then metadata(h, K.upstream_id, id) end
+            end
+            local finish = fields.choices ~= nil and find(fields.choices, "finish_reason", 1, true)
+              and finish_reason(fields.choices)
+            if finish then metadata(h, K.finish_reason, finish) end
           end
         end
         if ended ~= nil then break end

@@ -42,16 +42,44 @@ _USAGE = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": 
           "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}
 SSE = "".join(f"data: {json.dumps(c)}\n\n" for c in _CHUNKS) + "data: [DONE]\n\n"
 SSE_WITH_USAGE = "".join(f"data: {json.dumps(c)}\n\n" for c in (*_CHUNKS, _USAGE)) + "data: [DONE]\n\n"
+# A request that offers tools gets a call of the first one the benchmark offers (its arguments satisfy
+# BENCH_TOOL's schema), so the gateway's answer checks run in full.
+BENCH_TOOL = {"type": "function", "function": {"name": "search_docs", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "maxLength": 64}}, "required": ["q"]}}}
+_CALL = {"id": "call-bench", "type": "function", "function": {"name": "search_docs", "arguments": '{"q": "tokens"}'}}
+CALL_COMPLETION = json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+                 "finish_reason": "tool_calls"}],
+    "usage": {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}})
+_CALL_CHUNKS = (
+    {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+    {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"tool_calls": [{**_CALL, "index": 0, "function": {"name": "search_docs",
+                                                                                 "arguments": '{"q": '}}]},
+         "finish_reason": None}]},
+    {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"tokens"}'}}]},
+         "finish_reason": None}]},
+    {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+)
+CALL_SSE = "".join(f"data: {json.dumps(c)}\n\n" for c in (*_CALL_CHUNKS, _USAGE)) + "data: [DONE]\n\n"
 # The fake engine answers a stream request (`"stream": true` in the body, as vLLM reads it) in SSE,
-# with the usage chunk when `include_usage` asks for it; every other request gets COMPLETION.
+# with the usage chunk when `include_usage` asks for it; every other request gets COMPLETION (a call
+# when the request offers tools).
 UPSTREAM_LUA = f"""
 function envoy_on_request(h)
   local body = h:body()
   local text = body and body:getBytes(0, body:length()) or ""
+  local tools = string.find(text, '"tools"', 1, true)
   if string.find(text, '"stream"%s*:%s*true') then
     local usage = string.find(text, '"include_usage"%s*:%s*true')
     h:respond({{[":status"] = "200", ["content-type"] = "text/event-stream"}},
-              usage and [==[{SSE_WITH_USAGE}]==] or [==[{SSE}]==])
+              tools and [==[{CALL_SSE}]==] or usage and [==[{SSE_WITH_USAGE}]==] or [==[{SSE}]==])
+  elseif tools then
+    h:respond({{[":status"] = "200", ["content-type"] = "application/json"}}, [==[{CALL_COMPLETION}]==])
   end
 end
 """

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from extproc.config import load_snapshot
 from llmgw.bench.kit import (
+    BENCH_TOOL,
     LITELLM,
     LITELLM_KEY,
     POOL_ROUTE,
@@ -71,11 +72,13 @@ def run_overhead(args: argparse.Namespace) -> int:
         key = keys["acme"]
         body = json.dumps({"model": POOL_ROUTE, "max_tokens": 16,
                            "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
-        for stream in (False, True):
+        # `--checked`: also a request offering a tool, whose answer (a call of it) the gateway checks.
+        for stream, tools in ((False, False), (True, False), *(((False, True), (True, True)) if args.checked else ())):
             scripts = {}
             for name in urls:
-                doc = {**json.loads(body), **({"stream": True} if stream else {})}
-                scripts[name] = work / f"req-{name}-{stream}.lua"
+                doc = {**json.loads(body), **({"stream": True} if stream else {}),
+                       **({"tools": [BENCH_TOOL]} if tools else {})}
+                scripts[name] = work / f"req-{name}-{stream}-{tools}.lua"
                 scripts[name].write_text(WRK_LUA.format(body=json.dumps(doc),
                                                         key=LITELLM_KEY if name == "litellm" else key))
             for c in (int(x) for x in args.concurrency.split(",")):
@@ -93,7 +96,8 @@ def run_overhead(args: argparse.Namespace) -> int:
                         for proc, n in wakeups(procs[name]).items():
                             woken[name][proc] = woken[name].get(proc, 0.0) + n - switches.get(proc, 0)
                 secs = max(1, round(args.duration / args.rounds))  # what run_wrk runs for
-                rows.append(_row("stream" if stream else "json", c, got, cpu, secs, woken))
+                rows.append(_row(("stream" if stream else "json") + (", tools" if tools else ""), c, got, cpu, secs,
+                                 woken))
                 print(rows[-1], flush=True)
         picked = _picked_share(stack.logs / "envoy.log", f"127.0.0.1:{up_port}")
     finally:

@@ -336,6 +336,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     o.add_argument("--litellm-venv", default=".llmgw/bench-litellm")
     o.add_argument("--no-token-streams", dest="token_streams", action="store_false",
                    help="leave out the one-event-per-token stream table (llmgw bench stream)")
+    o.add_argument("--checked", action="store_true",
+                   help="also requests offering a tool: their answers (a call of it) are checked (issue 31)")
     o.set_defaults(func=cmd_bench_overhead)
     if command in (None, "bench"):
         for module in BENCH_MODULES:

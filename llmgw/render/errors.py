@@ -13,11 +13,13 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.extensions.http.custom_response.local_response_policy.v3 import local_response_policy_pb2
 from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb2
 from envoy.extensions.matching.input_matchers.metadata.v3 import metadata_pb2 as input_metadata_pb2
-from envoy.type.matcher.v3 import status_code_input_pb2, string_pb2
+from envoy.type.matcher.v3 import http_inputs_pb2, status_code_input_pb2, string_pb2
 from envoy.type.matcher.v3 import value_pb2 as struct_value_matcher_pb2
 from google.protobuf import wrappers_pb2
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2
+from xds.type.matcher.v3 import regex_pb2 as xds_regex_pb2
+from xds.type.matcher.v3 import string_pb2 as xds_string_pb2
 
 from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError, degraded_body
 from extproc.names import EXTPROC_FAILED, MD, Header, Key, Settle
@@ -25,6 +27,7 @@ from extproc.shapes.registry import DOORS, Door
 from llmgw.render.common import cel_filter, pack
 from llmgw.render.filters import upstream_answer_headers
 
+Predicate = matcher_pb2.Matcher.MatcherList.Predicate
 OWN_REPLY_PREFIX = "llmgw"  # details of ext_proc's own ImmediateResponses start with this
 
 
@@ -151,29 +154,50 @@ UPSTREAM_ERROR_RULES: tuple[tuple[int, int, ErrorCode, str], ...] = (
 )
 
 
+# What an upstream's 2xx answer may be: JSON, an SSE stream, or Bedrock's event stream (the Lua answer
+# filter translates the last two). Anything else - a proxy's HTML page - is not an answer at all. (A
+# safe_regex must match the whole value.)
+ANSWER_CONTENT_TYPES = r"(?i)\s*(application/json|text/event-stream|application/vnd\.amazon\.eventstream)\s*(;.*)?"
+NOT_AN_ANSWER = (502, ErrorCode.UPSTREAM_ERROR, "the upstream's answer is not a chat completion (its content type)")
+
+
+def _policy(name: str, status: int, code: ErrorCode, message: str, door: Door | None) -> matcher_pb2.Matcher.OnMatch:
+    return matcher_pb2.Matcher.OnMatch(action=xds_extension_pb2.TypedExtensionConfig(
+        name=name, typed_config=pack(local_response_policy_pb2.LocalResponsePolicy(
+            status_code=wrappers_pb2.UInt32Value(value=status),
+            body_format=_contract_json(code, message, status, door),
+            # Its content_type is ignored in 1.40; the header is set here instead.
+            response_headers_to_add=[*upstream_answer_headers(errors=True), base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)],
+        ))))
+
+
+def _not_an_answer(door: Door | None) -> matcher_pb2.Matcher.OnMatch:
+    """A 200 whose content type no answer has: the contract's 502 (settled as the work the upstream may
+    have done: its status was a 2xx, issue 31). Decided on the headers, so no answer pays for a body check."""
+    content_type = xds_extension_pb2.TypedExtensionConfig(name="content_type", typed_config=pack(
+        http_inputs_pb2.HttpResponseHeaderMatchInput(header_name="content-type")))
+    answer_like = Predicate(single_predicate=Predicate.SinglePredicate(
+        input=content_type, value_match=xds_string_pb2.StringMatcher(safe_regex=xds_regex_pb2.RegexMatcher(
+            google_re2=xds_regex_pb2.RegexMatcher.GoogleRE2(), regex=ANSWER_CONTENT_TYPES))))
+    return matcher_pb2.Matcher.OnMatch(matcher=matcher_pb2.Matcher(matcher_list=matcher_pb2.Matcher.MatcherList(
+        matchers=[matcher_pb2.Matcher.MatcherList.FieldMatcher(
+            predicate=Predicate(not_matcher=answer_like), on_match=_policy("not_an_answer", *NOT_AN_ANSWER, door))])))
+
+
 def _status_rules(door: Door | None) -> matcher_pb2.Matcher:
     """Upstream error statuses -> contract errors, in the caller's shape (a front door's, or the
-    contract's own)."""
+    contract's own); a 200 that is no answer -> the contract's 502."""
     status_input = xds_extension_pb2.TypedExtensionConfig(
         name="status", typed_config=pack(status_code_input_pb2.HttpResponseStatusCodeMatchInput()))
     return matcher_pb2.Matcher(matcher_tree=matcher_pb2.Matcher.MatcherTree(
         input=status_input,
         exact_match_map=matcher_pb2.Matcher.MatcherTree.MatchMap(map={
-            str(upstream): matcher_pb2.Matcher.OnMatch(action=xds_extension_pb2.TypedExtensionConfig(
-                name=f"upstream_{upstream}",
-                typed_config=pack(local_response_policy_pb2.LocalResponsePolicy(
-                    status_code=wrappers_pb2.UInt32Value(value=status),
-                    body_format=_contract_json(code, message, status, door),
-                    # Its content_type is ignored in 1.40; the header is set here instead.
-                    response_headers_to_add=[*upstream_answer_headers(errors=True), base_pb2.HeaderValueOption(
-                        header=base_pb2.HeaderValue(key="content-type", value="application/json"),
-                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)],
-                ))))
-            for upstream, status, code, message in UPSTREAM_ERROR_RULES
-        })))
+            **{str(upstream): _policy(f"upstream_{upstream}", status, code, message, door)
+               for upstream, status, code, message in UPSTREAM_ERROR_RULES},
+            "200": _not_an_answer(door)})))
 
-
-Predicate = matcher_pb2.Matcher.MatcherList.Predicate
 
 
 def _metadata_is(key: Key, value: str | None) -> matcher_pb2.Matcher.MatcherList.Predicate:

@@ -79,7 +79,8 @@ ROLE = event({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant",
 USAGE = event({"id": "c", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
                                                    "prompt_tokens_details": {"cached_tokens": 2}}})
 DONE = b"data: [DONE]\n\n"
-STREAM = ROLE + token("a") + token(" b") + token(" c") + USAGE + DONE
+FINISH = event({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+STREAM = ROLE + token("a") + token(" b") + token(" c") + FINISH + USAGE + DONE
 
 
 def interrupted(end: StreamEnd) -> bytes:
@@ -91,7 +92,20 @@ def test_a_whole_stream_passes_with_its_usage_in_the_metadata(lua: Any, withhold
     out, sets = guard(lua, [STREAM, b""], withhold=withhold)
     assert out == (STREAM.replace(USAGE, b"") if withhold else STREAM)
     assert sets == {Key.USAGE_PROMPT: 7, Key.USAGE_COMPLETION: 3, Key.USAGE_CACHED: 2, Key.STREAM_CHUNKS: 3,
-                    Key.STREAM_END: StreamEnd.DONE}
+                    Key.STREAM_END: StreamEnd.DONE, Key.UPSTREAM_ID: "c", Key.FINISH_REASON: "stop"}
+
+
+@pytest.mark.parametrize(("first", "kept"), [
+    (b'data: {"id":"chatcmpl-7","choices":[]}\n\n', "chatcmpl-7"),
+    (b'data: {"id":"with \\" quote","choices":[]}\n\n', None),  # escapes: not kept (the ledger takes plain ids)
+    (b'data: {"id":7,"choices":[]}\n\n', None),
+    (b'data: {"id":"' + b"x" * 200 + b'","choices":[]}\n\n', None),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"\\"finish_reason\\": \\"fake\\""}}]}\n\n', None),
+])
+def test_the_upstream_id_and_finish_reason_only_as_the_upstream_wrote_them(lua: Any, first: bytes,
+                                                                         kept: str | None) -> None:
+    _, sets = guard(lua, [first + DONE, b""])
+    assert sets.get(Key.UPSTREAM_ID) == kept and Key.FINISH_REASON not in sets
 
 
 def test_events_split_anywhere_reach_the_client_whole(lua: Any) -> None:
@@ -207,6 +221,8 @@ def test_the_json_check_agrees_with_a_strict_parser(lua: Any, doc: dict[str, Any
                                                     data: st.DataObject) -> None:
     """Generated objects, and the same text broken at one place (a byte dropped, replaced or added):
     the guard passes an event exactly when a strict JSON parser reads an object from it."""
+    if data.draw(st.booleans()):  # a chunk's list of choices (most generated objects are no chunk)
+        doc = {"choices": [], **doc}
     text = json.dumps(doc, separators=separators, ensure_ascii=data.draw(st.booleans()))
     if data.draw(st.booleans()):
         at = data.draw(st.integers(0, len(text)))
@@ -214,9 +230,11 @@ def test_the_json_check_agrees_with_a_strict_parser(lua: Any, doc: dict[str, Any
                                           "t", " ", "", "\\u12"]))
         text = text[:at] + junk + text[at + data.draw(st.integers(0, 1)):]
     _, sets = guard(lua, [f"data: {text}\n\n".encode() + DONE, b""])
-    # An object whose top level holds `error` is the contract's error event, whatever its value.
+    # An object whose top level holds `error` is the contract's error event, whatever its value; any
+    # other object must be a chunk (a list of choices, or usage).
     error_event = strict_object(text) and "error" in json.loads(text)
-    assert (sets[Key.STREAM_END] == StreamEnd.DONE) == (strict_object(text) and not error_event), text
+    chunk = strict_object(text) and (isinstance(json.loads(text).get("choices"), list) or "usage" in json.loads(text))
+    assert (sets[Key.STREAM_END] == StreamEnd.DONE) == (chunk and not error_event), text
     assert (sets[Key.STREAM_END] == StreamEnd.ERROR) == error_event, text
 
 
@@ -228,14 +246,21 @@ def test_the_json_check_agrees_with_a_strict_parser(lua: Any, doc: dict[str, Any
     '{"a": [true, false, null, -1.5, "x"]}',
 ])
 def test_the_json_check_on_edge_cases(lua: Any, text: str) -> None:
-    _, sets = guard(lua, [f"data: {text}\n\n".encode() + DONE, b""])
-    assert (sets[Key.STREAM_END] == StreamEnd.DONE) == strict_object(text), text
+    chunk = f'{{"choices": [], "v": {text}}}'  # inside a chunk: only the JSON check decides
+    _, sets = guard(lua, [f"data: {chunk}\n\n".encode() + DONE, b""])
+    assert (sets[Key.STREAM_END] == StreamEnd.DONE) == strict_object(chunk), text
+
+
+@pytest.mark.parametrize("text", ['{}', '{"id": "x"}', '{"choices": {}}', '{"choices": "[]"}', '{"object": "chunk"}'])
+def test_an_object_that_is_no_chunk_is_malformed(lua: Any, text: str) -> None:
+    _, sets = guard(lua, [ROLE + f"data: {text}\n\n".encode() + DONE, b""])
+    assert sets[Key.STREAM_END] == StreamEnd.MALFORMED, text
 
 
 def test_nesting_deeper_than_64_is_refused(lua: Any) -> None:
     """A bound the guard keeps where Python has none: an engine never nests this deep."""
     for depth, ok in ((63, True), (70, False)):
-        _, sets = guard(lua, [b'data: {"a":' + b"[" * depth + b"]" * depth + b"}\n\n" + DONE, b""])
+        _, sets = guard(lua, [b'data: {"choices": [], "a":' + b"[" * depth + b"]" * depth + b"}\n\n" + DONE, b""])
         assert (sets[Key.STREAM_END] == StreamEnd.DONE) is ok
 
 

@@ -268,21 +268,37 @@ def test_the_openai_sdk_gets_the_refusal(gw: Stack) -> None:
     assert e.value.code == "answer_rejected"
 
 
+@pytest.mark.parametrize("tools", [None, [SEARCH]])
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_engines_html_page_is_not_an_answer(gw: Stack, stream: bool) -> None:
-    """An upstream 200 that is not a chat completion (a proxy's HTML page): 502 upstream_error, charged
-    as the work it may have been (ambiguous), never passed as a 200."""
-    _, body = ask(gw, "chat-default", "html", [SEARCH], stream=stream)
-    if stream:
-        rid, raw = streamed(gw, body)
-        assert b"<html" not in raw
-    else:
-        r = post(gw, body)
-        assert_contract_error(r, 502, "upstream_error")
-        assert b"<html" not in r.body
-        rid = r.headers["x-request-id"]
-    entry = ledger_of(gw, rid, "acme")
-    if stream:  # no event of it is one: the stream ends interrupted
-        assert entry["termination"] == "stream_interrupted"
-    else:
-        assert entry["termination"] == "upstream_error" and entry["settlement"] == "ambiguous"
+def test_an_engines_html_page_is_not_an_answer(gw: Stack, stream: bool, tools: list[Any] | None) -> None:
+    """An upstream 200 that is not a chat completion (a proxy's HTML page), checked request or not: 502
+    upstream_error before any byte of it, charged as the work it may have been, never passed as a 200."""
+    _, body = ask(gw, "chat-default", "html", tools, stream=stream)
+    r = post(gw, body)
+    assert "not a chat completion" in assert_contract_error(r, 502, "upstream_error")["message"]
+    assert b"<html" not in r.body
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["termination"] == "upstream_error" and entry["attempts"][-1]["status"] == 200, entry
+    # A JSON answer may have been generated whole (the whole reservation); a stream's first byte was its
+    # first token, so only the prompt's bound.
+    assert entry["settlement"] == ("partial" if stream else "ambiguous"), entry
+
+
+def test_an_html_page_reaches_a_door_caller_in_its_shape(gw: Stack) -> None:
+    marker = inject_fault(upstreams(gw, "chat-default"), "html")
+    c = anthropic.Anthropic(base_url=gw.url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.InternalServerError) as e:
+        c.messages.create(model="chat-default", max_tokens=64, messages=[{"role": "user", "content": marker}])
+    assert "upstream_error" in str(e.value.body) and "<html" not in str(e.value.body)
+
+
+@pytest.mark.parametrize("tools", [None, [SEARCH]])
+def test_a_stream_event_that_is_no_chunk_ends_the_stream(gw: Stack, tools: list[Any] | None) -> None:
+    """Valid JSON that is not a chunk, mid-stream: the Lua guard (a plain stream) and ext_proc's guard (a
+    checked one) both end the stream there with stream_interrupted; nothing of it reaches the client."""
+    _, body = ask(gw, "chat-default", "stray_after=2", tools, stream=True)
+    rid, raw = streamed(gw, body)
+    evs = events(raw)
+    assert b"stray" not in raw and evs[-1]["error"]["code"] == "stream_interrupted", raw[-400:]
+    assert "malformed" in evs[-1]["error"]["message"]
+    assert ledger_of(gw, rid, "acme")["termination"] == "stream_interrupted"
