@@ -245,8 +245,14 @@ class Meter:
                 verdict = self.check(spec, bytes(body)) if 200 <= status < 300 else None
                 if not settled:
                     settled = True
-                    await self._settle(tenant, rid, hint, attrs, status, True, False, StreamUsage(),
-                                       bytes(body), first_at, verdict)
+                    done = self._settle(tenant, rid, hint, attrs, status, True, False, StreamUsage(), bytes(body),
+                                        first_at, verdict)
+                    # Waited for (a store batch) only when it must come first: an idempotent answer is
+                    # recorded before the client can repeat it, and a refused one is settled before the
+                    # access log sees its 502 (which it would settle at once, without the checks). A
+                    # passed answer is its filter's to settle; the access log waits for it (BACKSTOP_S).
+                    if orjson.loads(hint).get("i") or (verdict is not None and verdict.rejected):
+                        await done
                 if kind == "response_headers":
                     return
                 yield self._checked_reply(verdict, attrs)
