@@ -97,9 +97,10 @@ class CheckSpec:
     # their answers' text is not held to a format they were never asked for.
     format_lost: tuple[str, ...] = ()
 
-    def answered_by(self, deployment: str) -> CheckSpec:
-        """The checks of the answer this deployment gave."""
-        return replace(self, format="", schema=None) if deployment in self.format_lost else self
+    def answered_by(self, deployment: Any) -> CheckSpec:
+        """The checks of the answer this deployment (config.schema.Deployment, or None) gave."""
+        lost = deployment is not None and deployment.deployment in self.format_lost
+        return replace(self, format="", schema=None) if lost else self
 
     def encode(self) -> str:
         c = self.caller

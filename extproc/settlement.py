@@ -304,8 +304,7 @@ class Meter:
                 stream_usage: StreamUsage, body: bytes, first_at: float,
                 verdict: Verdict | None = None) -> asyncio.Future[bool]:
         snap = self.snapshot()
-        dep = answered_by(snap, md_attr(attrs, Key.DEPLOYMENT), md_attr(attrs, Key.PLAN),
-                          attr(attrs, f"response.headers['{Header.DEPLOYMENT}']"))
+        dep = answering(snap, attrs)
         held = orjson.loads(hint)
         usage: Usage | None = None
         source = "none"
@@ -359,11 +358,10 @@ class Meter:
                                     snap.gateway.store.idempotency_ttl_s * 1000), observe)
 
 
-def answering(snap: Snapshot, attrs: Any) -> str:
+def answering(snap: Snapshot, attrs: Any) -> Deployment | None:
     """The deployment whose answer a response filter reads (answered_by, from its attributes)."""
-    dep = answered_by(snap, md_attr(attrs, Key.DEPLOYMENT), md_attr(attrs, Key.PLAN),
-                      attr(attrs, f"response.headers['{Header.DEPLOYMENT}']"))
-    return dep.deployment if dep is not None else ""
+    return answered_by(snap, md_attr(attrs, Key.DEPLOYMENT), md_attr(attrs, Key.PLAN),
+                       attr(attrs, f"response.headers['{Header.DEPLOYMENT}']"))
 
 
 def checked(outcome: dict[str, Any], verdict: Verdict, policy: Any) -> None:

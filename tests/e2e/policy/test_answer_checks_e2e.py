@@ -302,3 +302,22 @@ def test_a_stream_event_that_is_no_chunk_ends_the_stream(gw: Stack, tools: list[
     assert b"stray" not in raw and evs[-1]["error"]["code"] == "stream_interrupted", raw[-400:]
     assert "malformed" in evs[-1]["error"]["message"]
     assert ledger_of(gw, rid, "acme")["termination"] == "stream_interrupted"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_answer_names_the_upstreams_id_and_finish(gw: Stack, stream: bool) -> None:
+    """Unchecked answers too (the access log settles them): the attempt's record keeps the upstream's own
+    id for its answer, and a stream's finish reason as the upstream wrote it."""
+    _, body = ask(gw, "chat-default", "", None, stream=stream, **({"stream_options": {"include_usage": True}}
+                                                                   if stream else {}))
+    if stream:
+        rid, raw = streamed(gw, body)
+        evs = [e for e in events(raw) if isinstance(e, dict)]
+        upstream_id, finish = evs[0]["id"], next(c["finish_reason"] for e in evs for c in e["choices"]
+                                                 if c.get("finish_reason"))
+    else:
+        r = post(gw, body)
+        rid, upstream_id, finish = r.headers["x-request-id"], r.json()["id"], None
+    (attempt,) = ledger_of(gw, rid, "acme")["attempts"]
+    assert attempt["upstream_id"] == upstream_id and attempt["status"] == 200
+    assert attempt.get("finish_reason") == finish
