@@ -160,6 +160,11 @@ def _thinking_error(body: dict[str, Any]) -> str | None:
     return None
 
 
+async def _request_id(_: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names itself, as Anthropic's API does (`request-id: req_...`; its SDK reads it)."""
+    response.headers.setdefault("request-id", "req_" + uuid.uuid4().hex[:24])
+
+
 class MessagesFrontEnd:
     """Serves `/v1/messages` from an EngineServer's engine, model, request log and fault queue."""
 
@@ -168,6 +173,7 @@ class MessagesFrontEnd:
         self.api_key = api_key
         server.app.router.add_post("/v1/messages", self.messages)
         server.app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        server.app.on_response_prepare.append(_request_id)
         server.refusals = True
 
     def _check(self, request: web.Request, body: Any) -> web.Response | None:

@@ -95,6 +95,11 @@ def plan_body(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any
     return messages, out
 
 
+async def _request_id(_: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names itself, as AWS does (`x-amzn-RequestId`; botocore's ResponseMetadata reads it)."""
+    response.headers.setdefault("x-amzn-RequestId", str(uuid.uuid4()))
+
+
 class ConverseFrontEnd:
     """Serves Bedrock's Converse from an EngineServer's engine, model, request log and faults."""
 
@@ -103,6 +108,7 @@ class ConverseFrontEnd:
         key_id, _, secret = (api_key or "").partition(":")
         self.key = (key_id, secret) if api_key else None
         server.app.router.add_post("/model/{model}/{call}", self.converse)
+        server.app.on_response_prepare.append(_request_id)
         server.refusals = True
 
     def _check(self, request: web.Request, raw: bytes, body: Any, model: str) -> web.Response | None:

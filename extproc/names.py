@@ -141,6 +141,12 @@ class Key(StrEnum):
     # finish reason (the Lua stream guard): the attempt's ledger record keeps them.
     UPSTREAM_ID = "upstream_id"
     FINISH_REASON = "finish_reason"
+    # A translated answer's finish reason as its provider wrote it (the Lua answer filter): beside the
+    # normalised one, in the attempt's ledger record.
+    NATIVE_FINISH_REASON = "native_finish_reason"
+    # The upstream's own request id, from its answer's headers (UPSTREAM_REQUEST_ID_HEADERS), recorded
+    # nearest the router with the upstream's status.
+    UPSTREAM_REQUEST_ID = "upstream_request_id"
     STREAM_END = "stream_end"  # a StreamEnd value; absent: Envoy cut the stream
     # "1": a Lua filter found a 2xx answer broken (the answer filter: a provider's; the door filter: one
     # the door cannot carry) and answered 502 instead - the upstream did the work it was asked: settled
@@ -150,6 +156,11 @@ class Key(StrEnum):
     # Lua filter nearest the router before anything else in Envoy sees or replaces them: settlement
     # charges a 2xx as the work it was, whatever Envoy did to the answer afterwards.
     UPSTREAM_STATUS = "upstream_status"
+
+
+# Where providers name their request (Anthropic's `request-id`, AWS's `x-amzn-requestid`, OpenAI's and
+# vLLM's `x-request-id`, Azure's `apim-request-id`): the first present is the attempt's request id.
+UPSTREAM_REQUEST_ID_HEADERS = ("request-id", "x-amzn-requestid", "x-request-id", "apim-request-id")
 
 
 class Settle(StrEnum):
@@ -189,7 +200,8 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                     *(metadata_path(k) for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
                                                  Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
                                                  *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS, Key.CHECKS, Key.DOOR,
-                                                 Key.DECISION_ID, Key.UPSTREAM_STATUS)))
+                                                 Key.DECISION_ID, Key.UPSTREAM_STATUS, Key.NATIVE_FINISH_REASON,
+                                                 Key.UPSTREAM_REQUEST_ID)))
 # The attempt filter's processing modes (Envoy's enum names): its own, for an attempt whose body is
 # rewritten (another served model, another API shape: the request body comes through ext_proc, an
 # answer body never does), and the one an attempt switches to when its body needs no rewrite (the

@@ -350,6 +350,9 @@ class Meter:
         outcome["attempts"][-1]["status"] = int(recorded) if recorded.isdigit() else upstream_status
         if verdict is not None:
             checked(outcome, verdict, call_policy(snap.policy))
+        for key in (Key.NATIVE_FINISH_REASON, Key.UPSTREAM_REQUEST_ID):  # what Envoy's Lua filters read of it
+            if value := md_attr(attrs, key):
+                outcome["attempts"][-1][key.value] = value
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,
@@ -535,7 +538,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  **({"status": int(x.upstream_status)}
                                     if x.answered and x.upstream_status.isdigit() else {}),
                                  # what it said of its answer: its id for it, how a stream finished
-                                 **{k.value: log_safe(v, 128) for k in (Key.FINISH_REASON, Key.UPSTREAM_ID)
+                                 **{k.value: log_safe(v, 128) for k in (Key.FINISH_REASON, Key.UPSTREAM_ID,
+                                                                        Key.NATIVE_FINISH_REASON,
+                                                                        Key.UPSTREAM_REQUEST_ID)
                                     if x.answered and (v := attr(md, k))},
                                  # translated by the decision (extproc/direct.py): what the translation lost
                                  **({"translation_loss": lost.split(", ")}

@@ -126,6 +126,17 @@ end
 -- chat completion's text, or nil; its stream's {reader, finish}.
 local ANSWERS, STREAMS = {}, {}
 
+-- The finish reason as the provider wrote it and as the internal shape names it (a shape's translator
+-- calls native_finish as it maps one to the other); the filter moves them into the request's metadata
+-- right after each translation, so the ledger keeps both. (A translation never yields: no other
+-- request runs in between.)
+local NATIVE = {}
+local function native_finish(reason, normalised)
+  if type(reason) == "string" and #reason <= 64 and not find(reason, '[^%w_%-%.]') then
+    NATIVE.finish, NATIVE.normal = reason, normalised
+  end
+end
+
 -- @shapes
 
 -- A 2xx stream of a shape translated here: every chunk's complete events translated as they come (the
@@ -134,6 +145,15 @@ local ANSWERS, STREAMS = {}, {}
 -- translated, then the contract's `stream_interrupted` event, and nothing after it. A chunk that
 -- completes no event passes as an SSE comment: an empty chunk would read as the stream's end to the
 -- stream guard after this.
+local function native_to_metadata(h)
+  if NATIVE.finish ~= nil then
+    local dm = h:streamInfo():dynamicMetadata()
+    dm:set(NS, K.native_finish_reason, NATIVE.finish)
+    dm:set(NS, K.finish_reason, NATIVE.normal)
+    NATIVE.finish, NATIVE.normal = nil, nil
+  end
+end
+
 local function translate_stream(h, model, request_id, shape)
   local st = {id = "", model = model, request_id = request_id, created = format("%d", time()), calls = {},
               ncalls = 0, prompt = 0, cached = 0, output = 0, reasoning = 0, stopped = false, started = false,
@@ -142,6 +162,7 @@ local function translate_stream(h, model, request_id, shape)
   rewrite_chunks(h, function(bytes, at_end)
     local out = {}
     local ok, held = read(st, bytes, out)
+    native_to_metadata(h)
     local broken = not ok or held > CONFIG.max_event_bytes or (at_end and not finish(st, out, held))
     if broken then out[#out + 1] = CONFIG.interrupted end
     local text = concat(out)
@@ -199,6 +220,7 @@ function envoy_on_response(h)
   end
   local body = h:body()
   local out = body and translate(body:getBytes(0, body:length()), model, md[K.request_id] or "")
+  native_to_metadata(h)
   headers = h:headers()  -- the handle taken before the body was read is out of scope now
   headers:replace("content-type", "application/json")
   if out == nil then

@@ -44,6 +44,7 @@ from extproc.names import (
     LB_NAMESPACE,
     MAX_EVENT_BYTES,
     METER_ATTRIBUTES,
+    UPSTREAM_REQUEST_ID_HEADERS,
     Header,
     Key,
     Settle,
@@ -401,12 +402,21 @@ def upstream_status_lua() -> str:
     nearest the router, so no other filter (custom_response, a Lua translation, a buffer that
     overflows) has changed or replaced them yet; settlement reads it (extproc/accounting.py). Only
     the first status is kept: Envoy's own reply after them (a body too large to read) passes here
-    too."""
+    too. With it, the upstream's own request id (UPSTREAM_REQUEST_ID_HEADERS), for the ledger."""
+    names = "{" + ", ".join(_lua_string(n) for n in UPSTREAM_REQUEST_ID_HEADERS) + "}"
     return (f"local NS, KEY = {_lua_string(METADATA_NAMESPACE)}, {_lua_string(Key.UPSTREAM_STATUS)}\n"
+            f"local RID, NAMES = {_lua_string(Key.UPSTREAM_REQUEST_ID)}, {names}\n"
             "function envoy_on_response(h)\n"
             "  local dm = h:streamInfo():dynamicMetadata()\n"
             "  local md = dm:get(NS)\n"
-            "  if md == nil or md[KEY] == nil then dm:set(NS, KEY, h:headers():get(\":status\") or \"\") end\n"
+            "  if md ~= nil and md[KEY] ~= nil then return end\n"
+            "  local headers = h:headers()\n"
+            "  dm:set(NS, KEY, headers:get(\":status\") or \"\")\n"
+            "  -- the upstream's own request id, before Envoy puts its own x-request-id in the answer\n"
+            "  for _, name in ipairs(NAMES) do\n"
+            "    local v = headers:get(name)\n"
+            "    if v ~= nil and #v <= 128 and not string.find(v, '[^%w%-_.:]') then dm:set(NS, RID, v) break end\n"
+            "  end\n"
             "end\n")
 
 

@@ -46,6 +46,7 @@ local function anthropic(body, model)
   local output = count(usage.output_tokens)
   if prompt == nil or output == nil then return nil end
   local stop = type(doc.stop_reason) == "string" and ANTHROPIC_STOP[doc.stop_reason] or "stop"
+  native_finish(doc.stop_reason, stop)
   return completion(id, named ~= "" and named or model, text, reasoning, calls, stop,
                     usage_json(prompt, read, output, 0), nil, stop_sequence(doc.stop_reason, doc.stop_sequence),
                     signature)
@@ -104,6 +105,7 @@ local function anthropic_event(st, doc, out)
       st.output = output
     end
     st.finish = type(delta.stop_reason) == "string" and ANTHROPIC_STOP[delta.stop_reason] or "stop"
+    native_finish(delta.stop_reason, st.finish)
     out[#out + 1] = chunk(st, "{}", st.finish, stop_sequence(delta.stop_reason, delta.stop_sequence))
   elseif kind == "message_stop" then
     st.stopped = true

@@ -49,6 +49,7 @@ local function bedrock(body, model, request_id)
   local prompt, read, output = bedrock_usage(doc.usage)
   if prompt == nil then return nil end
   local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
+  native_finish(doc.stopReason, stop)
   return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0), nil,
                     bedrock_stop_sequence(doc))
 end
@@ -91,6 +92,7 @@ local function bedrock_event(st, kind, doc, out)
     end
   elseif kind == "messageStop" then
     st.stopped = true
+    native_finish(doc.stopReason, type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop")
     out[#out + 1] = chunk(st, "{}", type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop",
                           bedrock_stop_sequence(doc))
   elseif kind == "metadata" then

@@ -62,6 +62,7 @@ local function gemini(body, model, request_id)
       end
     end
     finish = gemini_finish(cand.finishReason, #calls > 0)
+    native_finish(cand.finishReason, finish)
   end
   local prompt, cached, output, reasoning_tokens = gemini_usage(meta)
   if prompt == nil then return nil end
@@ -122,6 +123,7 @@ local function gemini_event(st, doc, out)
   local reason = cand.finishReason
   if not absent(reason) and reason ~= "" then
     st.stopped = true
+    native_finish(reason, gemini_finish(reason, st.ncalls > 0))
     out[#out + 1] = chunk(st, "{}", gemini_finish(reason, st.ncalls > 0))
   end
   return true

@@ -321,3 +321,15 @@ def test_every_answer_names_the_upstreams_id_and_finish(gw: Stack, stream: bool)
     (attempt,) = ledger_of(gw, rid, "acme")["attempts"]
     assert attempt["upstream_id"] == upstream_id and attempt["status"] == 200
     assert attempt.get("finish_reason") == finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_translated_answer_keeps_its_providers_finish_reason(gw: Stack, stream: bool) -> None:
+    """An Anthropic-shaped provider's `end_turn` beside the internal `stop`, and its own request id
+    (`request-id`), in the attempt's record."""
+    _, body = ask(gw, "chat-anthropic", "", None, stream=stream)
+    rid = streamed(gw, body)[0] if stream else post(gw, body).headers["x-request-id"]
+    (attempt,) = ledger_of(gw, rid, "acme")["attempts"]
+    assert (attempt["finish_reason"], attempt["native_finish_reason"]) in (("stop", "end_turn"),
+                                                                           ("length", "max_tokens"))
+    assert attempt["upstream_request_id"].startswith("req_")
