@@ -17,7 +17,7 @@ from extproc.config.plans import encode_plan, uses_attempt_filter
 from extproc.config.policy import Decision
 from extproc.config.schema import Deployment, Route
 from extproc.embeddings import Embedding
-from extproc.names import Key, Settle
+from extproc.names import POOL_ANSWER_SHAPE, POOL_CLUSTER_PREFIX, Key, Settle
 from extproc.redact import log_safe
 from extproc.replay import Sealer
 from extproc.reservation import Held
@@ -203,6 +203,11 @@ class Exchange:
             lost = self.translation_losses.get(self.deployment.deployment)
             if lost:
                 md[Key.TRANSLATION_LOSS] = ", ".join(map(str, lost))
+        elif (self.cluster.startswith(POOL_CLUSTER_PREFIX) and self.operation == "chat" and not self.stream
+              and not self.count and self.settled_by() is Settle.ACCESS_LOG):
+            # A pool engine's JSON answer is read by Envoy's Lua answer filter as the OpenAI shape: a 2xx
+            # that is no chat completion becomes the contract's 502 (charged as the work it may have been).
+            md[Key.ANSWER_SHAPE] = POOL_ANSWER_SHAPE
         elif uses_attempt_filter(self.candidates) and self.identity is not None:
             # Read by the upstream filter of each attempt (extproc/attempts.py).
             md[Key.PLAN] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])

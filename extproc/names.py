@@ -163,6 +163,12 @@ class Key(StrEnum):
 UPSTREAM_REQUEST_ID_HEADERS = ("request-id", "x-amzn-requestid", "x-request-id", "apim-request-id")
 
 
+# A pool's cluster is named `pool_<pool>` (config.loader pool_of); its engines answer in the OpenAI shape,
+# which the Lua answer filter reads a pool's JSON answer as (issue 31: a 2xx that is no answer is a 502).
+POOL_CLUSTER_PREFIX = "pool_"
+POOL_ANSWER_SHAPE = "openai"
+
+
 class Settle(StrEnum):
     """Who settles an admitted request (the route it takes turns on the response filter it needs)."""
 

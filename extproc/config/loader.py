@@ -34,6 +34,7 @@ from extproc.config.schema import (
     Prices,
     Route,
 )
+from extproc.names import POOL_CLUSTER_PREFIX
 from extproc.shapes.registry import check_options
 
 M = TypeVar("M", bound=BaseModel)
@@ -117,7 +118,7 @@ class Snapshot:
 
     def pool_of(self, deployment: Deployment) -> str:
         """Envoy cluster name for a deployment's upstream."""
-        return f"pool_{deployment.pool}" if deployment.pool else f"dep_{deployment.deployment}"
+        return f"{POOL_CLUSTER_PREFIX}{deployment.pool}" if deployment.pool else f"dep_{deployment.deployment}"
 
 
 def is_loopback(host: str) -> bool:

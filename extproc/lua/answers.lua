@@ -146,10 +146,10 @@ end
 -- completes no event passes as an SSE comment: an empty chunk would read as the stream's end to the
 -- stream guard after this.
 local function native_to_metadata(h)
-  if NATIVE.finish ~= nil then
+  if NATIVE.finish ~= nil or NATIVE.normal ~= nil then
     local dm = h:streamInfo():dynamicMetadata()
-    dm:set(NS, K.native_finish_reason, NATIVE.finish)
-    dm:set(NS, K.finish_reason, NATIVE.normal)
+    if NATIVE.finish ~= nil then dm:set(NS, K.native_finish_reason, NATIVE.finish) end
+    if NATIVE.normal ~= nil then dm:set(NS, K.finish_reason, NATIVE.normal) end
     NATIVE.finish, NATIVE.normal = nil, nil
   end
 end

@@ -19,7 +19,7 @@ from extproc.config import Snapshot
 from extproc.config.plans import can_count, composite_name, decision_translates, shape_headers, translated
 from extproc.config.schema import MAX_RETRIES
 from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH, METADATA_NAMESPACE, MODELS_PATH, REVISION_HEADER, ErrorCode
-from extproc.names import SHADOW_CLUSTER, Filter, Header, Key, Settle
+from extproc.names import POOL_CLUSTER_PREFIX, SHADOW_CLUSTER, Filter, Header, Key, Settle
 from extproc.shapes.registry import CREDENTIAL_HEADERS, DOORS, Door
 from llmgw.render.common import duration_ms, pack, string_value_matcher
 from llmgw.render.errors import direct
@@ -57,10 +57,11 @@ def direct_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
 
 
 def answers_translated(snap: Snapshot) -> bool:
-    """Whether any deployment's answers are translated (by the Lua answer filter, which is then
-    rendered), or its token counts need the path and headers that filter sets."""
-    return any(translated(d) or (can_count(d) and any(door.count_path for door in DOORS))
-               for d in snap.deployments.values())
+    """Whether any deployment's answers are translated or read (by the Lua answer filter, which is then
+    rendered: a pool's JSON chat answers are checked to be one), or its token counts need the path and
+    headers that filter sets."""
+    return any(translated(d) or (bool(d.pool) and d.serves == "chat")
+               or (can_count(d) and any(door.count_path for door in DOORS)) for d in snap.deployments.values())
 
 
 def count_clusters(snap: Snapshot) -> dict[str, tuple[str, ...]]:
@@ -156,7 +157,10 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                 Settle.METERED: _no_stream_guard(),
                 Settle.CHECKED: {**_no_stream_guard(), Filter.METER: _fail_closed(whole_answer=True)},
             }.get(kind, _no_meter())
-            if cluster in composites_translating:  # every answer of such a plan passes the Lua answer filter
+            pool_json = kind is Settle.ACCESS_LOG and cluster.startswith(POOL_CLUSTER_PREFIX)
+            if cluster in composites_translating or pool_json:
+                # every answer of such a plan passes the Lua answer filter; so does a pool's JSON answer
+                # (read as the OpenAI shape the decision names for it: a 2xx that is no answer is a 502)
                 per_route = {k: v for k, v in per_route.items() if k != Filter.LUA_ANSWERS}
             streamed = kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.CHECKED_STREAM)
             name = f"admitted_{cluster}" + ("" if kind is Settle.ACCESS_LOG else f"_{kind}")

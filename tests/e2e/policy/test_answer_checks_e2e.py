@@ -307,7 +307,8 @@ def test_a_stream_event_that_is_no_chunk_ends_the_stream(gw: Stack, tools: list[
 @pytest.mark.parametrize("stream", [False, True])
 def test_every_answer_names_the_upstreams_id_and_finish(gw: Stack, stream: bool) -> None:
     """Unchecked answers too (the access log settles them): the attempt's record keeps the upstream's own
-    id for its answer, and a stream's finish reason as the upstream wrote it."""
+    id for its answer, and its finish reason (a stream's from the Lua guard, a JSON answer's from the Lua
+    answer filter, which reads every pool JSON answer)."""
     _, body = ask(gw, "chat-default", "", None, stream=stream, **({"stream_options": {"include_usage": True}}
                                                                    if stream else {}))
     if stream:
@@ -317,7 +318,7 @@ def test_every_answer_names_the_upstreams_id_and_finish(gw: Stack, stream: bool)
                                                  if c.get("finish_reason"))
     else:
         r = post(gw, body)
-        rid, upstream_id, finish = r.headers["x-request-id"], r.json()["id"], None
+        rid, upstream_id, finish = r.headers["x-request-id"], r.json()["id"], r.json()["choices"][0]["finish_reason"]
     (attempt,) = ledger_of(gw, rid, "acme")["attempts"]
     assert attempt["upstream_id"] == upstream_id and attempt["status"] == 200
     assert attempt.get("finish_reason") == finish
@@ -333,3 +334,27 @@ def test_a_translated_answer_keeps_its_providers_finish_reason(gw: Stack, stream
     assert (attempt["finish_reason"], attempt["native_finish_reason"]) in (("stop", "end_turn"),
                                                                            ("length", "max_tokens"))
     assert attempt["upstream_request_id"].startswith("req_")
+
+
+def test_a_pool_json_answer_that_is_no_completion_is_refused(gw: Stack) -> None:
+    """JSON, with a JSON content type, but no chat completion (garbage=7: random bytes; the simulator
+    labels them application/json), on a request that asked for no checks: the Lua answer filter reads
+    every pool JSON answer as the OpenAI shape, and this one is the contract's 502, charged as the work
+    it may have been."""
+    _, body = ask(gw, "chat-default", "garbage=7", None)
+    r = post(gw, body)
+    assert_contract_error(r, 502, "upstream_error")
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["settlement"] == "ambiguous" and entry["attempts"][-1]["status"] == 200
+    _, body = ask(gw, "chat-default", "", None)
+    r = post(gw, body)
+    assert r.status == 200
+    assert ledger_of(gw, r.headers["x-request-id"], "acme")["attempts"][-1]["finish_reason"] in ("stop", "length")
+
+
+def test_a_door_caller_gets_a_pool_answer_that_is_none_in_its_shape(gw: Stack) -> None:
+    marker = inject_fault(upstreams(gw, "chat-default"), "garbage=7")
+    c = anthropic.Anthropic(base_url=gw.url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.InternalServerError) as e:
+        c.messages.create(model="chat-default", max_tokens=64, messages=[{"role": "user", "content": marker}])
+    assert "upstream_error" in str(e.value.body)
