@@ -46,8 +46,9 @@ from extproc.config.schema import Deployment
 from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
 from extproc.envoy_msgs import attr, header, md_attr, with_first
 from extproc.metrics import count_attempt
-from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, Filter, Header, Key
+from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, UPSTREAM_REQUEST_ID_HEADERS, Filter, Header, Key
 from extproc.ratelimit import RateLimitedLog
+from extproc.redact import log_safe
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.shapes.base import Adapter, Target
 from extproc.shapes.loss import cache_hinted, without_cache_hints
@@ -209,6 +210,10 @@ class _Attempt:
             status = header(req.response_headers.headers, ":status", "0")
             self.status = int(status) if status.isdigit() else 0
             self.record.update(status=self.status, first_byte_ms=round((time.monotonic() - self.started) * 1000, 1))
+            # Each attempt's own request id, as its provider named it (a failed attempt's too).
+            named = next((v for n in UPSTREAM_REQUEST_ID_HEADERS if (v := header(req.response_headers.headers, n))), "")
+            if named:
+                self.record[Key.UPSTREAM_REQUEST_ID.value] = log_safe(named, 128)
             mutation = ep.HeaderMutation(set_headers=[overwrite_header(Header.DEPLOYMENT, self.dep.deployment)])
             if self.losses:
                 mutation.set_headers.append(overwrite_header(Header.TRANSLATION_LOSS, self.losses))

@@ -306,6 +306,10 @@ def test_the_pool_failing_before_its_first_byte_falls_back_across_shapes(gw: Sta
     first, second = entry["attempts"]
     assert (first["deployment"], first["status"], first["kind"]) == ("pool-llama-8b", 503, "first")
     assert (second["deployment"], second["kind"], second["adapter"]) == ("claude-sim", "model_fallback", "anthropic@1")
+    # The provider's own request id (its `request-id` header), recorded by the attempt filter; the
+    # answer's id and its finish reason as the provider wrote it join the last attempt.
+    assert second["upstream_request_id"].startswith("req_") and "upstream_request_id" not in first
+    assert second["upstream_id"] and second["native_finish_reason"] in ("end_turn", "max_tokens")
     usage = entry["usage"]
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     expected = ((usage["prompt_tokens"] - cached) * PRICES["input_per_mtok"] + cached * PRICES["cached_input_per_mtok"]
