@@ -67,8 +67,9 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def upstreams(gw: Stack, route: str) -> list[str]:
-    if route.startswith("chat-anthropic"):
-        return [f"http://{h}:{p}" for h, p in gw.render.providers["demo-anthropic"]]
+    for shape in ("anthropic", "gemini", "bedrock"):  # the demo providers' routes
+        if route.startswith(f"chat-{shape}"):
+            return [f"http://{h}:{p}" for h, p in gw.render.providers[f"demo-{shape}"]]
     return gw.engine_urls("engine-pool")
 
 
@@ -230,10 +231,11 @@ def test_a_report_route_passes_the_answer_and_names_the_failed_check(gw: Stack) 
     assert value(samples, "llmgw_finish_reasons_total", route="chat-default-report", finish_reason="tool_calls") >= 2
 
 
+@pytest.mark.parametrize("route", ["chat-anthropic", "chat-gemini", "chat-bedrock"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_translated_providers_bad_call_is_refused(gw: Stack, stream: bool) -> None:
-    """The same checks on an Anthropic-shaped provider's answer, after Envoy translated it."""
-    _, body = ask(gw, "chat-anthropic", "tool_name=update_ticket", [SEARCH], stream=stream)
+def test_a_translated_providers_bad_call_is_refused(gw: Stack, stream: bool, route: str) -> None:
+    """The same checks on each provider shape's answer, after Envoy translated it."""
+    _, body = ask(gw, route, "tool_name=update_ticket", [SEARCH], stream=stream)
     if stream:
         rid, raw = streamed(gw, body)
         evs = events(raw)
@@ -243,8 +245,9 @@ def test_a_translated_providers_bad_call_is_refused(gw: Stack, stream: bool) -> 
         assert "tool_offered" in assert_contract_error(r, 502, "answer_rejected")["message"]
         rid = r.headers["x-request-id"]
     entry = ledger_of(gw, rid, "acme")
-    assert entry["termination"] == "answer_rejected" and entry["attempts"][-1]["deployment"] == "demo-anthropic"
-    _, good = ask(gw, "chat-anthropic", "", [SEARCH])
+    assert entry["termination"] == "answer_rejected"
+    assert entry["attempts"][-1]["deployment"] == "demo-" + route.removeprefix("chat-")
+    _, good = ask(gw, route, "", [SEARCH])
     assert post(gw, good).status == 200
 
 
@@ -358,3 +361,19 @@ def test_a_door_caller_gets_a_pool_answer_that_is_none_in_its_shape(gw: Stack) -
     with pytest.raises(anthropic.InternalServerError) as e:
         c.messages.create(model="chat-default", max_tokens=64, messages=[{"role": "user", "content": marker}])
     assert "upstream_error" in str(e.value.body)
+
+
+def test_a_gemini_caller_gets_the_refusal_in_its_shape(gw: Stack) -> None:
+    """google-genai, as its users write it: a call of a tool the request never declared is the SDK's
+    server error, with the contract's code inside the Gemini-shaped error."""
+    from google import genai
+    from google.genai import errors, types
+
+    marker = inject_fault(upstreams(gw, "chat-default"), "tool_name=rm_rf")
+    c = genai.Client(api_key=KEY, http_options=types.HttpOptions(base_url=gw.url))
+    tool = types.Tool(function_declarations=[types.FunctionDeclaration(
+        name="search_docs", parameters_json_schema=SEARCH["function"]["parameters"])])
+    with pytest.raises(errors.ServerError) as e:
+        c.models.generate_content(model="chat-default", contents=marker,
+                                  config=types.GenerateContentConfig(tools=[tool]))
+    assert e.value.code == 502 and "answer_rejected" in str(e.value)
