@@ -48,7 +48,7 @@ from extproc.envoy_msgs import attr, header, md_attr, with_first
 from extproc.metrics import count_attempt
 from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, UPSTREAM_REQUEST_ID_HEADERS, Filter, Header, Key
 from extproc.ratelimit import RateLimitedLog
-from extproc.redact import log_safe
+from extproc.redact import plain_id
 from extproc.replies import overwrite_header, refuse_attempt
 from extproc.shapes.base import Adapter, Target
 from extproc.shapes.loss import cache_hinted, without_cache_hints
@@ -213,7 +213,7 @@ class _Attempt:
             # Each attempt's own request id, as its provider named it (a failed attempt's too).
             named = next((v for n in UPSTREAM_REQUEST_ID_HEADERS if (v := header(req.response_headers.headers, n))), "")
             if named:
-                self.record[Key.UPSTREAM_REQUEST_ID.value] = log_safe(named, 128)
+                self.record[Key.UPSTREAM_REQUEST_ID.value] = plain_id(named)
             mutation = ep.HeaderMutation(set_headers=[overwrite_header(Header.DEPLOYMENT, self.dep.deployment)])
             if self.losses:
                 mutation.set_headers.append(overwrite_header(Header.TRANSLATION_LOSS, self.losses))

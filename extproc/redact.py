@@ -141,6 +141,17 @@ def known_entities(names: Iterable[str]) -> frozenset[str]:
 LOG_TEXT_LIMIT = 160
 
 
+_NOT_IN_ID = re.compile(r"[^A-Za-z0-9_.:\-]")
+
+
+def plain_id(text: str, limit: int = 128) -> str:
+    """An identifier an upstream chose (its answer's id, its request id, a finish reason), fit for the
+    ledger: every character outside [A-Za-z0-9_.:-] dropped, the length bounded. Not redacted as
+    log_safe does: an id is no content, and the entity patterns would mangle it (a run of its digits
+    reads as a phone number)."""
+    return _NOT_IN_ID.sub("", text)[:limit]
+
+
 def log_safe(text: str, limit: int = LOG_TEXT_LIMIT) -> str:
     """A string a client may have chosen (a tool name quoted in a policy's reason), made fit for logs
     and the ledger: every entity type replaced by its placeholder, anything but printable ASCII

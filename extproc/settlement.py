@@ -76,7 +76,7 @@ from extproc.exchange import Exchange
 from extproc.metrics import observe_settlement, observe_tenant
 from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, Filter, Header, Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
-from extproc.redact import log_safe
+from extproc.redact import plain_id
 from extproc.replay import Answer, Sealer
 from extproc.replies import overwrite_header, refuse_answer
 from extproc.shapes.registry import DOORS_BY_NAME
@@ -352,7 +352,7 @@ class Meter:
             checked(outcome, verdict, call_policy(snap.policy))
         for key in (Key.NATIVE_FINISH_REASON, Key.UPSTREAM_REQUEST_ID):  # what Envoy's Lua filters read of it
             if value := md_attr(attrs, key):
-                outcome["attempts"][-1][key.value] = value
+                outcome["attempts"][-1][key.value] = plain_id(value)
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,
@@ -376,7 +376,7 @@ def checked(outcome: dict[str, Any], verdict: Verdict, policy: Any) -> None:
     if verdict.finish:
         attempt["finish_reason"] = verdict.finish[0] if len(verdict.finish) == 1 else list(verdict.finish)
     if verdict.upstream_id:
-        attempt["upstream_id"] = log_safe(verdict.upstream_id, 128)
+        attempt["upstream_id"] = plain_id(verdict.upstream_id)
 
 
 Observe = Callable[[], None]
@@ -538,7 +538,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  **({"status": int(x.upstream_status)}
                                     if x.answered and x.upstream_status.isdigit() else {}),
                                  # what it said of its answer: its id for it, how a stream finished
-                                 **{k.value: log_safe(v, 128) for k in (Key.FINISH_REASON, Key.UPSTREAM_ID,
+                                 **{k.value: plain_id(v) for k in (Key.FINISH_REASON, Key.UPSTREAM_ID,
                                                                         Key.NATIVE_FINISH_REASON,
                                                                         Key.UPSTREAM_REQUEST_ID)
                                     if x.answered and (v := attr(md, k))},

@@ -259,3 +259,13 @@ def test_answer_facts_keep_the_upstream_id_and_finish_reasons() -> None:
         facts.observe(obj)
     v = facts.verdict(None, [])
     assert v.upstream_id == "chatcmpl-s" and v.finish == ("tool_calls",)
+
+
+def test_an_upstream_id_is_kept_whole_and_plain() -> None:
+    """Ids reach the ledger as the upstream wrote them (a run of digits is no phone number there), with
+    anything that is not an id character dropped and the length bounded (found by CI: an answer id
+    whose digits log_safe took for a phone number)."""
+    from extproc.redact import plain_id
+    assert plain_id("chatcmpl-34618391-f018-46b1-b71e-a00d3595eef3") == "chatcmpl-34618391-f018-46b1-b71e-a00d3595eef3"
+    assert plain_id("req_011CSHoEeqs5C35K2UUqR7Fy") == "req_011CSHoEeqs5C35K2UUqR7Fy"
+    assert plain_id('x"}\n<b>\u00e9 y') == "xby" and len(plain_id("a" * 500)) == 128
