@@ -13,6 +13,7 @@ from typing import Any
 from extproc.config import Snapshot
 from extproc.config.plans import decode_plan
 from extproc.config.schema import Deployment, Prices
+from extproc.contract import ErrorCode
 from extproc.shapes.base import is_count
 
 Usage = dict[str, Any]
@@ -104,7 +105,7 @@ def charge_for(usage: Usage | None, source: str, termination: str, status: int, 
     if usage and dep is not None:
         micros, tokens = charge_of(usage, dep.prices)
         # (An answer the checks refused was generated whole: its reported usage is the actual charge.)
-        whole = termination in ("complete", "answer_rejected")
+        whole = termination in ("complete", ErrorCode.ANSWER_REJECTED.value)
         return micros, tokens, "actual" if whole and source == "reported" else "partial"
     if 200 <= status < 300 or failed == "ambiguous":
         return -1, -1, "ambiguous"

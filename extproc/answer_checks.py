@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any, Literal
 
 import jsonschema
@@ -36,7 +37,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.redact import log_safe
 
 CheckMode = Literal["enforce", "report"]
-ANSWER_REJECTED = "answer_rejected"  # the ledger's termination of an answer the checks refused
+ANSWER_REJECTED = ErrorCode.ANSWER_REJECTED.value  # the ledger's termination of an answer the checks refused
 
 
 class Check(StrEnum):
@@ -165,16 +166,7 @@ def _re2_pattern_properties(validator: Any, patterns: Mapping[str, Any], instanc
                 yield from validator.descend(v, subschema, path=k, schema_path=pattern)
 
 
-_RE2_CACHE: dict[str, Any] = {}
-
-
-def _re2(pattern: str) -> Any:
-    compiled = _RE2_CACHE.get(pattern)
-    if compiled is None:
-        if len(_RE2_CACHE) > 1024:
-            _RE2_CACHE.clear()
-        compiled = _RE2_CACHE[pattern] = re2.compile(pattern)
-    return compiled
+_re2 = lru_cache(maxsize=1024)(re2.compile)  # a schema's patterns, compiled once each
 
 
 def _validator_class(schema: Any) -> Any:
@@ -355,8 +347,10 @@ def cut(failure: Failure, finish_reason: Any) -> Failure:
     return failure
 
 
-def checks_run(spec: CheckSpec, policy: CallPolicy | None) -> list[str]:
+def checks_run(spec: CheckSpec | None, policy: CallPolicy | None) -> tuple[str, ...]:
     """The checks a request's answer gets (the ledger's `answer_checks.run`)."""
+    if spec is None:
+        return ()
     run: list[Check] = []
     if spec.tools:
         run += [Check.TOOL_OFFERED, Check.TOOL_ARGUMENTS_JSON, Check.TOOL_ARGUMENTS_SCHEMA]
@@ -366,7 +360,7 @@ def checks_run(spec: CheckSpec, policy: CallPolicy | None) -> list[str]:
         run.append(Check.FORMAT_JSON)
         if spec.format == "json_schema":
             run.append(Check.FORMAT_SCHEMA)
-    return [c.value for c in run]
+    return tuple(c.value for c in run)
 
 
 def summary(failures: Iterable[Failure]) -> str:
@@ -417,6 +411,7 @@ class Verdict:
     broken: bool = False
     finish: tuple[str, ...] = ()
     upstream_id: str = ""
+    run: tuple[str, ...] = ()  # the checks it got (checks_run), for the ledger
 
     @property
     def rejected(self) -> bool:
@@ -429,11 +424,11 @@ class Verdict:
         return GatewayError(ErrorCode.ANSWER_REJECTED, "the answer failed the gateway's checks: "
                             + "; ".join(f.text() for f in self.failures[:4]))
 
-    def ledger(self, policy: CallPolicy | None) -> dict[str, Any]:
+    def ledger(self) -> dict[str, Any]:
         """The ledger's `answer_checks`: the mode, the checks run, each failure (check and place; its
         reason made log-safe: a policy may quote the model's arguments)."""
         assert self.spec is not None
-        return {"mode": self.spec.mode, "run": checks_run(self.spec, policy),
+        return {"mode": self.spec.mode, "run": list(self.run),
                 "failed": [{"check": f.check.value, "where": f.where, **({"why": log_safe(f.why)} if f.why else {})}
                            for f in self.failures[:16]],
                 "rejected": self.rejected}

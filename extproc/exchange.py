@@ -203,8 +203,8 @@ class Exchange:
             lost = self.translation_losses.get(self.deployment.deployment)
             if lost:
                 md[Key.TRANSLATION_LOSS] = ", ".join(map(str, lost))
-        elif (self.cluster.startswith(POOL_CLUSTER_PREFIX) and self.operation == "chat" and not self.stream
-              and not self.count and self.settled_by() is Settle.ACCESS_LOG):
+        elif (self.cluster.startswith(POOL_CLUSTER_PREFIX) and self.operation == "chat" and not self.count
+              and self.settled_by() is Settle.ACCESS_LOG):  # (a JSON answer: a stream settles otherwise)
             # A pool engine's JSON answer is read by Envoy's Lua answer filter as the OpenAI shape: a 2xx
             # that is no chat completion becomes the contract's 502 (charged as the work it may have been).
             md[Key.ANSWER_SHAPE] = POOL_ANSWER_SHAPE

@@ -71,9 +71,9 @@ STORE_UNREPLICATED = Counter("llmgw_store_unreplicated_batches", "Batches of sto
 ANSWER_CHECK_FAILURES = Counter("llmgw_answer_check_failures", "Checks answers failed (extproc/answer_checks.py), "
                                 "by route, check and whether the answer was refused (enforce) or passed "
                                 "(report)", ["route", "check", "action"])
-FINISH_REASONS = Counter("llmgw_finish_reasons", "Answers read by a response filter (checked or idempotent), by "
-                         "route and finish reason (stop, length, tool_calls, content_filter; other)",
-                         ["route", "finish_reason"])
+FINISH_REASONS = Counter("llmgw_finish_reasons", "Answers whose finish reason a filter read (streams, pool and "
+                         "translated JSON answers, checked and idempotent ones), by route and finish reason "
+                         "(stop, length, tool_calls, content_filter; other)", ["route", "finish_reason"])
 FINISH_REASON_VALUES = frozenset({"stop", "length", "tool_calls", "content_filter"})
 # Per tenant, only where gateway.yaml says so (`metrics.tenant_label: true`): a label per tenant is
 # unbounded in a multi-tenant deployment, so the default families carry none.

@@ -63,6 +63,7 @@ from extproc.answer_checks import (
     Verdict,
     call_policy,
     check_completion,
+    checks_run,
     finish_reasons,
     is_completion,
     summary,
@@ -271,8 +272,10 @@ class Meter:
             doc = None
         if not is_completion(doc):
             return Verdict(spec, (), broken=spec is not None)
-        failures = check_completion(doc, spec, call_policy(self.snapshot().policy)) if spec is not None else []
-        return Verdict(spec, tuple(failures), finish=finish_reasons(doc), upstream_id=str(doc.get("id") or ""))
+        policy = call_policy(self.snapshot().policy) if spec is not None else None
+        failures = check_completion(doc, spec, policy) if spec is not None else []
+        return Verdict(spec, tuple(failures), finish=finish_reasons(doc), upstream_id=str(doc.get("id") or ""),
+                       run=checks_run(spec, policy))
 
     @staticmethod
     def _checked_reply(verdict: Verdict | None, attrs: Any) -> ep.ProcessingResponse:
@@ -349,7 +352,7 @@ class Meter:
         recorded = md_attr(attrs, Key.UPSTREAM_STATUS)
         outcome["attempts"][-1]["status"] = int(recorded) if recorded.isdigit() else upstream_status
         if verdict is not None:
-            checked(outcome, verdict, call_policy(snap.policy))
+            checked(outcome, verdict)
         for key in (Key.NATIVE_FINISH_REASON, Key.UPSTREAM_REQUEST_ID):  # what Envoy's Lua filters read of it
             if value := md_attr(attrs, key):
                 outcome["attempts"][-1][key.value] = plain_id(value)
@@ -367,11 +370,11 @@ def answering(snap: Snapshot, attrs: Any) -> Deployment | None:
                        attr(attrs, f"response.headers['{Header.DEPLOYMENT}']"))
 
 
-def checked(outcome: dict[str, Any], verdict: Verdict, policy: Any) -> None:
+def checked(outcome: dict[str, Any], verdict: Verdict) -> None:
     """A checked answer's ledger facts: the checks and their outcome; on its attempt, each choice's
     finish reason and the upstream's own id for the answer."""
     if not verdict.broken and verdict.spec is not None:
-        outcome["answer_checks"] = verdict.ledger(policy)
+        outcome["answer_checks"] = verdict.ledger()
     attempt = outcome["attempts"][-1]
     if verdict.finish:
         attempt["finish_reason"] = verdict.finish[0] if len(verdict.finish) == 1 else list(verdict.finish)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.answer_checks import CallPolicy, CheckSpec, Failure, Verdict, check_call, check_content, cut
+from extproc.answer_checks import CallPolicy, CheckSpec, Failure, Verdict, check_call, check_content, checks_run, cut
 
 _FINISHED = -1  # a choice's open call index once it finished: every call of it is complete
 
@@ -159,6 +159,8 @@ class AnswerFacts:
             if isinstance(c, dict) and c.get("finish_reason") and isinstance(c.get("index", 0), int):
                 self.finish[c.get("index", 0)] = str(c["finish_reason"])
 
-    def verdict(self, spec: CheckSpec | None, failures: list[Failure]) -> Verdict:
-        return Verdict(spec, tuple(failures), finish=tuple(self.finish[i] for i in sorted(self.finish)),
-                       upstream_id=self.upstream_id)
+    def verdict(self, checker: StreamChecker | None) -> Verdict:
+        """The stream's verdict: its checker's (None: a stream read but not checked) and these facts."""
+        return Verdict(checker.spec if checker else None, tuple(checker.failures) if checker else (),
+                       finish=tuple(self.finish[i] for i in sorted(self.finish)), upstream_id=self.upstream_id,
+                       run=checks_run(checker.spec, checker.policy) if checker else ())

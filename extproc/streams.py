@@ -74,9 +74,9 @@ class StreamGuard:
         # A checked stream (extproc/stream_checks.py): its tool calls held until checked. Once the checks
         # refused it the client has its end; what the upstream still sends is read for its usage only.
         spec_text = md_attr(attrs, Key.CHECKS) if 200 <= status < 300 else ""
-        spec = CheckSpec.decode(spec_text).answered_by(answering(self.meter.snapshot(), attrs)) if spec_text else None
-        policy = call_policy(self.meter.snapshot().policy) if spec is not None else None
-        checker = StreamChecker(spec, policy) if spec is not None else None
+        snap = self.meter.snapshot()
+        spec = CheckSpec.decode(spec_text).answered_by(answering(snap, attrs)) if spec_text else None
+        checker = StreamChecker(spec, call_policy(snap.policy)) if spec is not None else None
         rejected: Failure | None = None
         answer = AnswerFacts()
         # With an Idempotency-Key: what the client receives, kept for replay (up to the limit, and a
@@ -147,7 +147,7 @@ class StreamGuard:
                     # Recorded before the client has the end of the stream (and so before it can repeat).
                     settled = True
                     await self.meter.settle_stream(tenant, rid, hint, attrs, status, True, usage, first_at, bytes(sent),
-                                                   answer.verdict(spec, checker.failures if checker else []))
+                                                   answer.verdict(checker))
                 passed = bytes(out) or (KEEPALIVE if not msg.response_body.end_of_stream and not usage.error else b"")
                 reply = ep.ProcessingResponse(response_body=ep.BodyResponse(
                     response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=passed))))
@@ -173,7 +173,7 @@ class StreamGuard:
                 whole = (complete or done_passed) and not broken
                 settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status, whole, usage,
                                  first_at, bytes(sent) if keep and whole else None,
-                                 answer.verdict(spec, checker.failures if checker else []))
+                                 answer.verdict(checker))
                 if complete or broken or done_passed:
                     settle()
                 else:

@@ -126,8 +126,8 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
     shadowed = shadowed_clusters(snap, clusters)
     composites_translating = translating_composites(snap, clusters)
     lua_answered = direct_clusters(snap)
-    translated_here = {Settle.ACCESS_LOG: lua_answered, Settle.STREAM: lua_answered, Settle.CHECKED: lua_answered,
-                       Settle.CHECKED_STREAM: lua_answered}
+    translated_here = dict.fromkeys((Settle.ACCESS_LOG, Settle.STREAM, Settle.CHECKED, Settle.CHECKED_STREAM),
+                                    lua_answered)
     counting = count_clusters(snap)
     for cluster in clusters:
         if cluster in counting:

@@ -257,7 +257,7 @@ def test_answer_facts_keep_the_upstream_id_and_finish_reasons() -> None:
     facts = AnswerFacts()
     for obj in GOOD_STREAM:
         facts.observe(obj)
-    v = facts.verdict(None, [])
+    v = facts.verdict(None)
     assert v.upstream_id == "chatcmpl-s" and v.finish == ("tool_calls",)
 
 

@@ -92,9 +92,9 @@ local function bedrock_event(st, kind, doc, out)
     end
   elseif kind == "messageStop" then
     st.stopped = true
-    native_finish(doc.stopReason, type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop")
-    out[#out + 1] = chunk(st, "{}", type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop",
-                          bedrock_stop_sequence(doc))
+    local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
+    native_finish(doc.stopReason, stop)
+    out[#out + 1] = chunk(st, "{}", stop, bedrock_stop_sequence(doc))
   elseif kind == "metadata" then
     if not st.stopped then return false end
     local prompt, read, output = bedrock_usage(doc.usage)

@@ -123,8 +123,9 @@ local function gemini_event(st, doc, out)
   local reason = cand.finishReason
   if not absent(reason) and reason ~= "" then
     st.stopped = true
-    native_finish(reason, gemini_finish(reason, st.ncalls > 0))
-    out[#out + 1] = chunk(st, "{}", gemini_finish(reason, st.ncalls > 0))
+    local finish = gemini_finish(reason, st.ncalls > 0)
+    native_finish(reason, finish)
+    out[#out + 1] = chunk(st, "{}", finish)
   end
   return true
 end
