@@ -18,6 +18,7 @@ resolved only inside the schema: nothing is ever fetched.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ from typing import Any, Literal
 import jsonschema
 import orjson
 import re2
+import referencing.exceptions
 from jsonschema import validators
 from jsonschema.exceptions import SchemaError, ValidationError
 
@@ -218,6 +220,10 @@ def _checked_schema(schema: Any, param: str) -> None:
         cls.check_schema(schema)
         for pattern in _patterns(schema):
             re2.compile(pattern)
+        for ref in _refs(schema):
+            if not _resolves(schema, ref):
+                raise invalid(f"`{param}` holds a reference that does not resolve inside it ({ref[:64]}): "
+                              "references are not fetched", param)
     except SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         raise invalid(f"`{param}` is not a valid JSON Schema ({e.validator} at /{where})", param) from None
@@ -231,6 +237,55 @@ def _checked_schema(schema: Any, param: str) -> None:
 
 
 _SOUND: set[bytes] = set()  # schemas already found valid (canonical JSON)
+
+
+def _refs(schema: Any) -> Iterator[str]:
+    """Every `$ref` and `$dynamicRef` in a schema."""
+    if isinstance(schema, list):
+        for s in schema:
+            yield from _refs(s)
+    elif isinstance(schema, dict):
+        for key in ("$ref", "$dynamicRef"):
+            if isinstance(schema.get(key), str):
+                yield schema[key]
+        for v in schema.values():
+            if isinstance(v, (dict, list)):
+                yield from _refs(v)
+
+
+def _resolves(schema: Any, ref: str) -> bool:
+    """Whether a reference names a place inside the schema itself: `#`, a JSON pointer (`#/$defs/x`) or
+    an `$anchor` (`#name`). Anything else would have to be fetched, which the checks never do."""
+    if not ref.startswith("#"):
+        return False
+    fragment = urllib.parse.unquote(ref[1:])
+    if not fragment.startswith("/"):
+        return fragment == "" or fragment in _anchors(schema)
+    at: Any = schema
+    for part in fragment[1:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(at, dict) and part in at:
+            at = at[part]
+        elif isinstance(at, list) and part.isdigit() and int(part) < len(at):
+            at = at[int(part)]
+        else:
+            return False
+    return True
+
+
+def _anchors(schema: Any) -> set[str]:
+    found: set[str] = set()
+    if isinstance(schema, list):
+        for s in schema:
+            found |= _anchors(s)
+    elif isinstance(schema, dict):
+        for key in ("$anchor", "$dynamicAnchor"):
+            if isinstance(schema.get(key), str):
+                found.add(schema[key])
+        for v in schema.values():
+            if isinstance(v, (dict, list)):
+                found |= _anchors(v)
+    return found
 
 
 def _patterns(schema: Any) -> Iterator[str]:
@@ -250,7 +305,10 @@ def _patterns(schema: Any) -> Iterator[str]:
 def schema_failure(schema: Any, strict: bool, value: Any) -> str | None:
     """None when `value` satisfies the schema, else the first failing keyword and where it stands in
     the caller's schema (never the value)."""
-    error = jsonschema.exceptions.best_match(validator(schema, strict).iter_errors(value))
+    try:
+        error = jsonschema.exceptions.best_match(validator(schema, strict).iter_errors(value))
+    except referencing.exceptions.Unresolvable:  # (intake refuses such schemas; never an unchecked pass)
+        return "a reference that does not resolve"
     if error is None:
         return None
     where = "/".join(str(p) for p in list(error.schema_path)[:-1])

@@ -111,6 +111,13 @@ def test_a_request_without_tools_or_json_is_not_checked() -> None:
      "tools[0].function.parameters"),  # a lookbehind: RE2 cannot match it, so it is refused, not skipped
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"required": 3}}}},
      "response_format.json_schema.schema"),
+    # references: only inside the schema (nothing is fetched), and only to a place that is there
+    ({"tools": [{"type": "function", "function": {"name": "t", "parameters": {"$ref": "https://x.invalid/s"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "t", "parameters": {"$ref": "#/$defs/none"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "t", "parameters": {"$ref": "#nowhere"}}}]},
+     "tools[0].function.parameters"),
 ])
 def test_a_schema_that_is_not_one_is_the_callers_400(body: dict[str, Any], param: str) -> None:
     with pytest.raises(GatewayError) as e:
@@ -269,3 +276,12 @@ def test_an_upstream_id_is_kept_whole_and_plain() -> None:
     assert plain_id("chatcmpl-34618391-f018-46b1-b71e-a00d3595eef3") == "chatcmpl-34618391-f018-46b1-b71e-a00d3595eef3"
     assert plain_id("req_011CSHoEeqs5C35K2UUqR7Fy") == "req_011CSHoEeqs5C35K2UUqR7Fy"
     assert plain_id('x"}\n<b>\u00e9 y') == "xby" and len(plain_id("a" * 500)) == 128
+
+
+def test_references_inside_the_schema_are_followed() -> None:
+    defs = {"$defs": {"q": {"$anchor": "Q", "type": "string"}}, "type": "object", "required": ["q"]}
+    for ref in ("#/$defs/q", "#Q"):
+        s = spec(tools=[{"type": "function", "function": {"name": "search_docs", "parameters": {
+            **defs, "properties": {"q": {"$ref": ref}}}}}])
+        assert failed(answer(("search_docs", '{"q": "ok"}')), s) == []
+        assert failed(answer(("search_docs", '{"q": 7}')), s) == ["tool_arguments_schema"]

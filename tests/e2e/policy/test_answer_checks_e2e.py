@@ -377,3 +377,23 @@ def test_a_gemini_caller_gets_the_refusal_in_its_shape(gw: Stack) -> None:
         c.models.generate_content(model="chat-default", contents=marker,
                                   config=types.GenerateContentConfig(tools=[tool]))
     assert e.value.code == 502 and "answer_rejected" in str(e.value)
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "objekt"},  # not a JSON Schema
+    {"type": "object", "properties": {"q": {"type": "string", "pattern": "(?<=x)y"}}},  # RE2 cannot match it
+    {"type": "object", "properties": {"q": {"type": "string", "pattern": "(unclosed"}}},
+    {"type": "object", "$ref": "https://example.invalid/schema.json"},  # nothing is fetched
+    {"type": "object", "properties": {"q": {"$ref": "#/$defs/missing"}}},  # a pointer to nowhere
+    {"type": "object", "required": 7},
+    "not an object",
+])
+def test_a_hostile_tool_schema_is_the_callers_400(gw: Stack, parameters: Any) -> None:
+    """Schemas are the caller's input: through the real Envoy, one that is no schema (or that the gateway
+    could only match by backtracking, or would have to fetch) is a 400 in the contract's shape, never a
+    5xx at answer time (found by this test: a reference that resolved nowhere passed intake, then made
+    the answer's check raise)."""
+    tools = [{"type": "function", "function": {"name": "search_docs", "parameters": parameters}}]
+    _, body = ask(gw, "chat-default", "", tools)
+    err = assert_contract_error(post(gw, body), 400, "invalid_request")
+    assert err["param"] == "tools[0].function.parameters", err
