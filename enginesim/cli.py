@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--embedding-dim", type=int, default=384, help="(--runner pooling) the vectors' length")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (and --tls-key), as a hosted provider does")
     p.add_argument("--tls-key")
+    p.add_argument("--quality-oracle", metavar="CORPUS", action="append", default=[],
+                   help="answer the tasks of this quality corpus (YAML; repeatable) right, on --quality-accuracy "
+                        "of them")
+    p.add_argument("--quality-accuracy", type=float, default=1.0,
+                   help="(--quality-oracle) the share of its tasks answered right, the same ones each time")
     p.add_argument("--fault-header", action="store_true",
                    help=f"honour the {FAULT_HEADER} request header (the simulator's own tests; never behind a gateway)")
     args = p.parse_args(argv)
@@ -68,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
                           corrupt=frozenset(args.corrupt))
     key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
     server.reasoning_parser = args.reasoning_parser
+    if args.quality_oracle:
+        from pathlib import Path
+
+        from enginesim.oracle import Oracle
+
+        server.oracle = Oracle([Path(p) for p in args.quality_oracle], args.quality_accuracy, args.seed)
     if args.runner == "pooling":
         from enginesim.embeddings_api import EmbeddingsFrontEnd
 

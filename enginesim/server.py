@@ -61,6 +61,7 @@ from aiohttp import web
 
 from enginesim.engine import Engine, Sequence
 from enginesim.metrics import render_metrics
+from enginesim.oracle import Oracle
 from enginesim.output import Output, RequestError, check, logprob_entry, plan, thinking_plan
 from enginesim.physics import EngineProfile, profile
 from enginesim.tokenizer import TextSampler, apply_chat_template, encode
@@ -239,6 +240,7 @@ class EngineServer:
         # routes of its runner's tasks: FastAPI's 404).
         self.generates = True
         self.reasoning_parser = ""  # vLLM's --reasoning-parser: the model thinks first, its reasoning apart
+        self.oracle: Oracle | None = None  # the operator's answer quality (enginesim/oracle.py)
         self.embed: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._cancellations])
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -446,8 +448,9 @@ class EngineServer:
         # `n` completions of one prompt, as vLLM runs them: one sequence each (sharing the prompt's
         # cached blocks), each sampled on its own; what each writes is decided by enginesim/output.py.
         # vLLM's `ignore_eos` sampling parameter: text generated until max_tokens.
-        outputs = [fault.shape(plan(body, seed + i, max_tokens if body.get("ignore_eos") is True
-                                    else TextSampler(seed + i).natural_length, rid)) for i in range(n)]
+        lengths = [max_tokens if body.get("ignore_eos") is True else TextSampler(seed + i).natural_length
+                   for i in range(n)]
+        outputs = [fault.shape(self.known(body, rid) or plan(body, seed + i, lengths[i], rid)) for i in range(n)]
         if "tool_calls" in self.corrupt:
             for o in outputs:
                 o.mangle_tool_calls()
@@ -485,7 +488,7 @@ class EngineServer:
                              fault: Fault) -> tuple[Output, Sequence]:
         """One answer of a provider-shaped front end: its output plan (corrupted when the server is),
         its sequence, the fault's delay, then the engine."""
-        out = fault.shape(thinking_plan(wants, seed, TextSampler(seed).natural_length, rid))
+        out = fault.shape(self.known(wants, rid) or thinking_plan(wants, seed, TextSampler(seed).natural_length, rid))
         if "tool_calls" in self.corrupt:
             out.mangle_tool_calls()
         seq = Sequence(request_id=rid, prompt=prompt, max_tokens=max_tokens, natural_length=out.natural_length,
@@ -494,6 +497,10 @@ class EngineServer:
             await asyncio.sleep(fault.delay_ms / 1000)
         self.engine.submit(seq)
         return out, seq
+
+    def known(self, body: dict[str, Any], rid: str) -> Output | None:
+        """The oracle's right answer, when the operator set one and it knows this task."""
+        return self.oracle.answer(body, rid) if self.oracle is not None else None
 
     def _take_fault(self, request: web.Request, body: Any) -> Fault | web.Response:
         spec = request.headers.get(FAULT_HEADER) if self.fault_header else None

@@ -28,7 +28,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ[PORT_SLICE_ENV] = (f"{int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw'))}/"
                                   f"{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
 EXAMPLE_POLICY = ROOT / "policy"  # as committed: its tenants have no keys until `llmgw up` makes demo ones
-EARNED = ("*-conformance.yaml", "*-quality-gate.yaml")  # what `llmgw up` may have written into policy/evidence
+EARNED = ("*-conformance-*.yaml", "*-quality-gate-*.yaml")  # what `llmgw up` may have written into policy/evidence
 
 
 def _session_policy() -> tuple[Path, dict[str, str]]:
@@ -156,17 +156,30 @@ def ledger_of(stack: Stack, rid: str, tenant: str) -> dict[str, Any]:
     raise AssertionError(f"no ledger entry for {rid}")
 
 
+def stamp_evidence(policy: Path, *deployments: str) -> None:
+    """Provisional records for these deployments under the policy's routes as they are now, for a test
+    whose subject is not evidence, after it changed what earned records are bound to (a route's retry
+    or fallback policy, a fingerprint: invariant 17). Tests of evidence itself earn theirs."""
+    from datetime import UTC, datetime
+
+    from llmgw.conformance.record import stamp
+
+    for deployment in deployments:
+        stamp(policy, deployment, datetime.now(UTC).date(), valid_days=90)
+
+
 def repin(policy: Path, deployment: str) -> str:
     """After a change to `deployment`'s fingerprint: every route of the policy names its new reference
     (as an operator accepting the new served system would). Returns the reference."""
     from extproc.config.schema import Deployment
 
-    ref = Deployment.model_validate(yaml.safe_load((policy / f"deployments/{deployment}.yaml").read_text())).ref
+    dep = Deployment.model_validate(yaml.safe_load((policy / f"deployments/{deployment}.yaml").read_text()))
+    ref = dep.ref
     for path in (policy / "routes").glob("*.yaml"):
         doc = yaml.safe_load(path.read_text())
         for cand in doc["candidates"]:
             if cand["deployment_ref"].startswith(f"{deployment}@"):
-                cand["deployment_ref"] = ref
+                cand["deployment_ref"], cand["adapter_ref"] = ref, dep.fingerprint.adapter
         path.write_text(yaml.safe_dump(doc))
     return ref
 

@@ -1,14 +1,22 @@
-"""Re-evaluation triggers (issue 16, part 5): what voids an evidence record besides its expiry.
+"""What voids an evidence record besides its expiry (invariant 17: evidence is bound to what earned it).
 
 - A changed artifact or adapter changes the fingerprint, so the record names another reference and
   qualifies nothing (the loader's warning says so).
+- What produced it, each required: the digest of the corpus it ran (extproc/corpora/), of the code of
+  the shape that translated it (extproc/shapes/<shape>/), and of the retry and fallback policy of the
+  route it ran under. A record without them is bound to nothing and counts for nothing; one whose
+  corpus or shape code changed since is void; one earned under another route policy qualifies only
+  routes with that policy (Snapshot.passing_evidence).
+- A quality gate is for one request class: void when the class no longer declares one, or its
+  threshold rose above the record's score.
 - Static triggers, checked at every load against the record's `basis`: the deployment's price
   version (a price change), the digest of its provider quota (a quota change), and the digest of
   what decides which data reaches the deployment - the data classes in their order, the deployment's
   own classes, the redaction settings (a policy change touching its data classes).
-- Run-time triggers (`llmgw evidence reevaluate` from the ledger): provider drift, workload shift,
-  SLO regression, each written as a void record (evidence/voids/) that voids every record of the
-  fingerprint recorded on or before its date.
+- Run-time triggers, each written as a void record (evidence/voids/) that voids every record of the
+  fingerprint recorded on or before its date: provider drift, workload shift, SLO regression
+  (`llmgw evidence reevaluate` from the ledger), and an engine that serves something other than its
+  fingerprint declares (`llmgw engines verify`, a loop of `llmgw up`).
 - A later failing record of a kind (a sampled re-run of the corpus that fails) outranks an earlier
   passing one.
 
@@ -18,24 +26,34 @@ A voided record is left out of qualification, so its candidate leaves routing; `
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
 
-from extproc.config.schema import Deployment, Evidence, EvidenceBasis, EvidenceVoid, GatewayConfig
-
-
-def _digest(doc: Any) -> str:
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+from extproc.config.schema import Deployment, Evidence, EvidenceBasis, EvidenceVoid, GatewayConfig, Route
+from extproc.corpora import CONFORMANCE, digest_of, file_digest, quality_corpus
+from extproc.shapes.registry import code_digest
 
 
-def basis_for(gateway: GatewayConfig, dep: Deployment) -> EvidenceBasis:
-    """The basis a record earned now for this deployment carries."""
+def corpus_path(kind: str, dep: Deployment, gateway: GatewayConfig, request_class: str,
+                policy_dir: Path) -> Path | None:
+    """The corpus a record of this kind is earned on now (None: a class without a quality gate)."""
+    if kind == "conformance":
+        return CONFORMANCE[dep.serves]
+    rc = gateway.request_classes.get(request_class)
+    return quality_corpus(rc.quality.corpus, policy_dir) if rc is not None and rc.quality is not None else None
+
+
+def basis_for(gateway: GatewayConfig, dep: Deployment, route: Route | None = None, corpus: Path | None = None
+              ) -> EvidenceBasis:
+    """The basis a record earned now for this deployment carries: what it was earned under, and what
+    produced it (the corpus at `corpus`, this code's shape, `route`'s retry and fallback policy)."""
     return EvidenceBasis(
+        corpus_digest=file_digest(corpus) if corpus is not None else None,
+        shape_digest=code_digest(dep.fingerprint.adapter),
+        route_policy_digest=route.policy_digest if route is not None else None,
         prices_version=dep.prices.version,
-        quota_digest=_digest(dep.provider_quota.model_dump(mode="json") if dep.provider_quota else None),
-        policy_digest=_digest({"data_classes": list(gateway.data_classes),
+        quota_digest=digest_of(dep.provider_quota.model_dump(mode="json") if dep.provider_quota else None),
+        policy_digest=digest_of({"data_classes": list(gateway.data_classes),
                                "deployment_data_classes": sorted(dep.data_classes),
                                "redaction": gateway.redaction.model_dump(mode="json")}))
 
@@ -44,42 +62,65 @@ TRIGGERS = (("prices_version", "price change"), ("quota_digest", "provider quota
             ("policy_digest", "policy change touching its data classes"))
 
 
-def static_voids(record: Evidence, now: EvidenceBasis) -> list[str]:
-    """Why the record no longer holds under the configuration as it is now."""
-    if record.basis is None:
-        return []
+def static_voids(record: Evidence, dep: Deployment, gateway: GatewayConfig, policy_dir: Path) -> list[str]:
+    """Why the record no longer holds under the configuration and code as they are now."""
+    basis = record.basis
+    if basis is None or not (basis.corpus_digest and basis.shape_digest and basis.route_policy_digest):
+        return ["bound to nothing: it names no corpus, shape code or route policy digest (earn it with "
+                "`llmgw conformance` / `llmgw evaluate`)"]
+    if record.kind == "quality_gate" and (not record.request_class or record.score is None
+                                          or record.threshold is None):
+        return ["not graded: a quality gate names its request class, score and threshold (`llmgw evaluate`)"]
+    now = basis_for(gateway, dep)
     out = []
     for field, trigger in TRIGGERS:
-        was, is_ = getattr(record.basis, field), getattr(now, field)
+        was, is_ = getattr(basis, field), getattr(now, field)
         if was is not None and was != is_:
             out.append(f"{trigger} ({was} -> {is_})" if field == "prices_version" else trigger)
+    if basis.shape_digest != now.shape_digest:
+        out.append(f"the {dep.fingerprint.adapter} shape's code changed ({basis.shape_digest} -> {now.shape_digest})")
+    corpus = corpus_path(record.kind, dep, gateway, record.request_class, policy_dir)
+    if corpus is None:
+        out.append(f"request class {record.request_class!r} declares no quality gate now")
+        return out
+    digest = file_digest(corpus)
+    if basis.corpus_digest != digest:
+        out.append(f"its corpus changed ({basis.corpus_digest} -> {digest or f'{corpus.name} unreadable'})")
+    rc = gateway.request_classes.get(record.request_class)
+    if record.kind == "quality_gate" and rc is not None and rc.quality is not None and record.result == "pass" \
+            and (record.score or 0.0) < rc.quality.threshold:
+        out.append(f"the class's threshold {rc.quality.threshold} is above its score {record.score}")
     return out
 
 
 def latest_per_kind(records: Iterable[Evidence]) -> list[Evidence]:
-    """Of each kind, the latest record (on the same day a failing one outranks a passing one)."""
-    best: dict[str, Evidence] = {}
+    """Of each kind (for one route policy and request class: Evidence.key), the latest record (on the
+    same day a failing one outranks a passing one)."""
+    best: dict[tuple[str, str, str], Evidence] = {}
     for r in records:
-        held = best.get(r.kind)
+        held = best.get(r.key())
         if held is None or (r.recorded_at, r.result == "fail") > (held.recorded_at, held.result == "fail"):
-            best[r.kind] = r
+            best[r.key()] = r
     return list(best.values())
 
 
 def sift(records: Mapping[str, Sequence[Evidence]], deployments: Mapping[str, Deployment], gateway: GatewayConfig,
-         voids: Sequence[EvidenceVoid]) -> tuple[dict[str, tuple[Evidence, ...]], dict[str, tuple[str, ...]]]:
+         voids: Sequence[EvidenceVoid], policy_dir: Path
+         ) -> tuple[dict[str, tuple[Evidence, ...]], dict[str, tuple[str, ...]]]:
     """(the records that still count, by reference; why each reference lost records)."""
     by_ref = {d.ref: d for d in deployments.values()}
     kept: dict[str, tuple[Evidence, ...]] = {}
     voided: dict[str, tuple[str, ...]] = {}
     for ref, recs in records.items():
         dep = by_ref.get(ref)
-        now = basis_for(gateway, dep) if dep is not None else None
         keep, why = [], []
         for r in latest_per_kind(recs):
-            reasons = static_voids(r, now) if now is not None else []
+            reasons = static_voids(r, dep, gateway, policy_dir) if dep is not None else []
+            # A run-time trigger voids what was earned on or before its day; an engine mismatch is
+            # about the engine now, so it voids every record while its void exists (llmgw/ops/engines.py).
             reasons += [f"{v.trigger.replace('_', ' ')}: {v.reason} ({v.recorded_at})" for v in voids
-                        if v.deployment_ref == ref and v.recorded_at >= r.recorded_at]
+                        if v.deployment_ref == ref
+                        and (v.trigger == "engine_mismatch" or v.recorded_at >= r.recorded_at)]
             if reasons:
                 why += [f"{r.kind}: {x}" for x in reasons]
             else:

@@ -33,7 +33,9 @@ from extproc.config.schema import (
     KeysFile,
     Prices,
     Route,
+    required_evidence,
 )
+from extproc.corpora import quality_corpus, shipped_quality
 from extproc.names import POOL_CLUSTER_PREFIX
 from extproc.shapes.registry import check_options
 
@@ -100,14 +102,38 @@ class Snapshot:
     dry_run_policy: CompiledPolicy | None = None  # gateway.yaml policy_dry_run's candidate, never enforced
     policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
 
-    def passing_evidence(self, deployment_ref: str, today: date, until: date | None = None) -> set[str]:
-        """Kinds of evidence that pass for exactly this fingerprint, unexpired at `until` (default
-        `today`). A record dated after `today` (a day's grace: records are dated in UTC, `today` may be
-        a local date) was made under a clock that ran ahead, or by hand: it proves nothing yet, and as
-        its kind's latest record it hides the earlier ones, so the kind does not pass (fail closed)."""
+    def passing_evidence(self, deployment_ref: str, route: Route, today: date, until: date | None = None) -> set[str]:
+        """Kinds of evidence that pass for exactly this fingerprint as a candidate of `route`: earned
+        under the route's retry and fallback policy (a quality gate: for its request class),
+        unexpired at `until` (default `today`). A record dated after `today` (a day's grace: records
+        are dated in UTC, `today` may be a local date) was made under a clock that ran ahead, or by
+        hand: it proves nothing yet, and as its kind's latest record it hides the earlier ones, so the
+        kind does not pass (fail closed)."""
         latest, end = today + RECORD_DATE_GRACE, until or today
         return {e.kind for e in self.evidence.get(deployment_ref, ())
-                if e.result == "pass" and e.recorded_at <= latest and (e.expires_at is None or e.expires_at > end)}
+                if e.basis is not None and e.basis.route_policy_digest == route.policy_digest
+                and (e.kind != "quality_gate" or e.request_class == route.request_class)
+                and e.result == "pass" and e.recorded_at <= latest and (e.expires_at is None or e.expires_at > end)}
+
+    def missing_evidence(self, route: Route, deployment_ref: str, today: date, until: date | None = None) -> set[str]:
+        """The kinds a candidate of `route` still needs a passing record of (empty: qualified)."""
+        return set(required_evidence(self.gateway, route)) - self.passing_evidence(deployment_ref, route, today, until)
+
+    def why_unqualified(self, route: Route, deployment_ref: str, today: date) -> str:
+        """`llmgw check`'s words for a candidate that is not qualified: what is missing, and what
+        became of the records it has."""
+        missing = sorted(self.missing_evidence(route, deployment_ref, today))
+        if not missing:
+            return ""
+        out = f"no passing {', '.join(missing)} evidence"
+        records = [e for e in self.evidence.get(deployment_ref, ()) if e.kind in missing and e.basis is not None]
+        other = sorted({e.basis.route_policy_digest or "" for e in records if e.basis is not None} - {""})
+        if other and route.policy_digest not in other:
+            out += (f" for this route's retry/fallback policy {route.policy_digest} (records earned under "
+                    f"{', '.join(str(o) for o in other)})")
+        if self.voided.get(deployment_ref):
+            out += f" (voided: {'; '.join(self.voided[deployment_ref])})"
+        return out
 
     def demo_keys_exposed_on(self, host: str) -> list[str]:
         """Ids of the demo keys (made by `llmgw up`) a gateway reachable at `host` would accept from
@@ -207,7 +233,7 @@ def policy_data(gateway: GatewayConfig) -> dict[str, Any]:
 
 def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                  deployments: dict[str, tuple[str, Deployment]], today: date,
-                 issues: list[ConfigIssue], warnings: list[str]) -> None:
+                 issues: list[ConfigIssue], warnings: list[str], root: Path) -> None:
     known_classes = set(gateway.data_classes)
     for rel, dep in deployments.values():
         try:
@@ -235,7 +261,15 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
             if len(served[dep.pool]) > 1:
                 issues.append(ConfigIssue(rel, "serves", f"pool {dep.pool!r} serves chat and embeddings: an engine "
                                           "is a generating or a pooling runner, not both"))
+    for name, rc in gateway.request_classes.items():
+        if rc.quality is not None and not quality_corpus(rc.quality.corpus, root).is_file():
+            issues.append(ConfigIssue("gateway.yaml", f"request_classes.{name}.quality.corpus",
+                                      f"no corpus {rc.quality.corpus!r} (shipped: {', '.join(shipped_quality())}; "
+                                      "or a .yaml path in the policy directory)"))
     for rel, route in routes.values():
+        if route.request_class not in gateway.request_classes:
+            issues.append(ConfigIssue(rel, "request_class", f"unknown request class {route.request_class!r} "
+                                      f"(gateway.yaml request_classes: {', '.join(sorted(gateway.request_classes))})"))
         for i, cand in enumerate(route.candidates):
             where = f"candidates.{i}"
             found = deployments.get(cand.deployment_name)
@@ -244,6 +278,9 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                                           f"no deployment named {cand.deployment_name!r}"))
                 continue
             dep = found[1]
+            if cand.adapter_ref != dep.fingerprint.adapter:
+                issues.append(ConfigIssue(rel, f"{where}.adapter_ref", f"{cand.adapter_ref!r} is not the adapter of "
+                                          f"deployment {dep.deployment}'s fingerprint ({dep.fingerprint.adapter})"))
             if dep.serves != route.serves:
                 issues.append(ConfigIssue(rel, f"{where}.deployment_ref", f"deployment {dep.deployment} serves "
                                           f"{dep.serves}; this route serves {route.serves}"))
@@ -380,7 +417,7 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
             managed_owner = {k.sha256: k.tenant for k in keys_file.keys}
 
     if gateway is not None:
-        _cross_check(gateway, routes, deployments, today or date.today(), issues, warnings)
+        _cross_check(gateway, routes, deployments, today or date.today(), issues, warnings, root)
         for i, k in enumerate(managed):
             if managed_owner[k.sha256] not in gateway.tenants:
                 issues.append(ConfigIssue("keys.yaml", f"keys.{i}.tenant",
@@ -395,7 +432,7 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     all_rego = {**rego, **{f"dry-run:{k}": v for k, v in candidate.items()}}
     revision = _revision(gateway, plain_routes, plain_deps, all_rego, evidence,
                          [k.model_dump(mode="json") for k in managed], voids)
-    counted, voided = sift(evidence, plain_deps, gateway, voids)
+    counted, voided = sift(evidence, plain_deps, gateway, voids, root)
     for ref, why in sorted(voided.items()):
         warnings.append(f"evidence for {ref} voided: {'; '.join(why)}")
     data = policy_data(gateway)

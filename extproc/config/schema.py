@@ -283,6 +283,33 @@ class MetricsSettings(Strict):
     tenant_label: bool = False
 
 
+class ClassSlo(Strict):
+    """A request class's latency objective: the limits each request must meet (all of them, jointly)
+    and the share of requests that must meet them at the declared peak rate."""
+
+    ttft_ms: int | None = Field(default=None, gt=0)  # time to the first token
+    tpot_ms: int | None = Field(default=None, gt=0)  # time per output token after the first
+    e2e_ms: int | None = Field(default=None, gt=0)  # the whole request
+    attainment: float = Field(default=0.95, gt=0, le=1)
+
+
+class QualityGate(Strict):
+    """The task-quality corpus a candidate of this class is evaluated on (`llmgw evaluate`) and the
+    score it must reach, q_s: the share of tasks it answers right."""
+
+    corpus: str = Field(min_length=1)  # a shipped corpus (extproc/corpora/quality-<name>.yaml) or a path in the policy
+    threshold: float = Field(gt=0, le=1)
+
+
+class RequestClass(Strict):
+    """What a route's requests are, as versioned configuration: their latency objective and the quality
+    a candidate must earn for them. A class without `quality` requires no quality_gate record (stated
+    here, where a reviewer sees it): embeddings, say, whose tasks this gateway does not grade."""
+
+    slo: ClassSlo | None = None
+    quality: QualityGate | None = None
+
+
 class GatewayConfig(Strict):
     data_classes: tuple[Name, ...] = Field(min_length=1)  # ordered, least to most sensitive
     # Keys the per-tenant prefix-cache salt (HMAC(secret, tenant)); resolved when ext_proc starts.
@@ -294,6 +321,7 @@ class GatewayConfig(Strict):
     jwt_issuers: tuple[JwtIssuer, ...] = ()
     group_effects: dict[str, tuple[Name, ...]] = {}  # JWT group -> tool effects its members may use
     tools: dict[str, Tool] = {}  # the tool catalog; a tool not listed here is unknown to policy
+    request_classes: dict[Name, RequestClass] = {}  # every route names one of these
     redaction: RedactionSettings = RedactionSettings()
     tls: TlsSettings = TlsSettings()
     store: StoreSettings = StoreSettings()
@@ -490,6 +518,12 @@ class EvidenceBasis(Strict):
     prices_version: str | None = None  # the deployment's price version: a price change
     quota_digest: str | None = None  # the provider's quota for the deployment: a quota change
     policy_digest: str | None = None  # the data classes it may serve and how they are redacted: a policy change
+    # What produced it, each required (a record that names none of them is bound to nothing, so it
+    # counts for nothing): the corpus it ran, the code of the shape that translated it, and the
+    # retry and fallback policy of the route it ran under (it qualifies routes with that policy only).
+    corpus_digest: str | None = None
+    shape_digest: str | None = None
+    route_policy_digest: str | None = None
 
 
 class EvidenceVoid(Strict):
@@ -498,7 +532,7 @@ class EvidenceVoid(Strict):
     earned again after it."""
 
     deployment_ref: DeploymentRef
-    trigger: Literal["provider_drift", "workload_shift", "slo_regression"]
+    trigger: Literal["provider_drift", "workload_shift", "slo_regression", "engine_mismatch"]
     reason: str
     recorded_at: date
 
@@ -520,16 +554,34 @@ class Evidence(Strict):
     corpus_version: str = ""
     losses: tuple[str, ...] = ()
     cases: tuple[CaseResult, ...] = ()
-    basis: EvidenceBasis | None = None  # without one, only the fingerprint and expiry void it
+    basis: EvidenceBasis | None = None  # without one the record is bound to nothing: it counts for nothing
+    route: str = ""  # the route whose retry and fallback policy it ran under (its digest is in `basis`)
+    # quality_gate: the request class whose corpus it ran, the share of tasks answered right and the
+    # class's threshold then (the record qualifies routes of that class only).
+    request_class: str = ""
+    score: float | None = Field(default=None, ge=0, le=1)
+    threshold: float | None = Field(default=None, gt=0, le=1)
 
     @model_validator(mode="after")
     def _result_follows_cases(self) -> Evidence:
-        if self.result == "pass" and any(c.result == "fail" for c in self.cases):
+        if self.result == "pass" and self.kind == "conformance" and any(c.result == "fail" for c in self.cases):
             raise ValueError("result: pass, but a case failed")
+        if self.result == "pass" and self.score is not None and self.threshold is not None \
+                and self.score < self.threshold:
+            raise ValueError("result: pass, but its score is below its threshold")
         return self
 
+    def key(self) -> tuple[str, str, str]:
+        """What a later record of the same key replaces: its kind, for the same route policy and class."""
+        policy = self.basis.route_policy_digest if self.basis is not None else None
+        return self.kind, policy or "", self.request_class
 
-REQUIRED_EVIDENCE = frozenset({"conformance", "quality_gate"})
+
+def required_evidence(gateway: GatewayConfig, route: Route) -> frozenset[str]:
+    """What a candidate of this route needs a passing record of: conformance always, a quality gate
+    when the route's request class declares one."""
+    rc = gateway.request_classes.get(route.request_class)
+    return frozenset({"conformance", "quality_gate"} if rc is not None and rc.quality is not None else {"conformance"})
 
 
 # --- routes/*.yaml ------------------------------------------------------------------------------
@@ -629,6 +681,8 @@ class Route(Strict):
     request_class: Name
     serves: Serves = "chat"  # every candidate serves it; a request to the other endpoint is refused
     candidates: tuple[Candidate, ...] = Field(min_length=1, max_length=MAX_CANDIDATES)
+    # Refused when set (see _no_route_credential): kept as a field so the refusal says where a
+    # credential belongs rather than "extra field".
     credential_ref: CredentialRef | None = None
     deadline_ms: int = Field(default=30_000, gt=0)
     max_stream_ms: int = Field(default=600_000, gt=0)  # a stream's whole length, from its arrival
@@ -647,3 +701,18 @@ class Route(Strict):
     degraded: DegradedAnswer | None = None
     canary: Canary | None = None
     shadow: Shadow | None = None
+
+    @field_validator("credential_ref")
+    @classmethod
+    def _no_route_credential(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("a route sends no credential: each hosted deployment names its own "
+                             "(deployments/<name>.yaml credential_ref), the one its adapter sends")
+        return v
+
+    @cached_property
+    def policy_digest(self) -> str:
+        """The digest of its retry and fallback policy: evidence earned under another qualifies nothing
+        here (invariant 17)."""
+        doc = {"retry": self.retry.model_dump(mode="json"), "fallback": self.fallback.model_dump(mode="json")}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]

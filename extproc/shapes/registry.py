@@ -12,9 +12,12 @@ it: the simulator imports nothing of the gateway).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
@@ -89,6 +92,19 @@ def shape_of(ref: str) -> Shape:
     if version and version != str(shape.adapter.version):
         raise KeyError(f"{ref}: this gateway's {shape.name} adapter is version {shape.adapter.version}")
     return shape
+
+
+@functools.cache
+def code_digest(ref: str) -> str:
+    """The digest of the code of the shape `ref` names (every file of extproc/shapes/<shape>/: its
+    adapter, its answers' and its door's translations). Evidence records carry it: a record earned by
+    other code qualifies nothing (extproc/config/evidence.py). Read once per process: the code a
+    worker runs does not change under it."""
+    folder = Path(__file__).parent / shape_of(ref).name
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".lua") and p.is_file()):
+        h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def adapter_for(ref: str) -> Adapter:

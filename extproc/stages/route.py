@@ -30,7 +30,7 @@ from extproc.bounds import completion_limit, inputs_fit, requested_max_tokens, t
 from extproc.chat import prompt_bytes
 from extproc.config import Snapshot
 from extproc.config.plans import can_count, composite_name, decision_translates, uses_attempt_filter
-from extproc.config.schema import REQUIRED_EVIDENCE, Candidate, Deployment, Route
+from extproc.config.schema import Candidate, Deployment, Route
 from extproc.contract import ErrorCode, GatewayError
 from extproc.direct import count_request, native_request
 from extproc.exchange import Exchange
@@ -86,7 +86,7 @@ class RequestFacts:
     max_tokens: int
 
 
-def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set[str]:
+def disqualifications(snap: Snapshot, route: Route, cand: Candidate, req: RequestFacts) -> set[str]:
     """Every check this candidate fails (invariant 2 plus the context window); empty = eligible."""
     dep = snap.deployments.get(cand.deployment_name)
     if dep is None or dep.ref != cand.deployment_ref:
@@ -100,7 +100,7 @@ def disqualifications(snap: Snapshot, cand: Candidate, req: RequestFacts) -> set
         failed.add("data_class")
     if req.regions is not None and not set(req.regions) & set(cand.regions) & set(dep.regions):
         failed.add("region")
-    if not REQUIRED_EVIDENCE.issubset(snap.passing_evidence(dep.ref, req.today)):
+    if snap.missing_evidence(route, dep.ref, req.today):
         failed.add("evidence")
     prompt = req.prompt_bound + dep.template_allowance_tokens * req.n_messages
     if prompt + req.max_tokens > dep.context_window:
@@ -134,7 +134,7 @@ def qualify(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, A
     qualified: list[int] = []
     lost: dict[str, tuple[Loss, ...]] = {}
     for i, cand in enumerate(route.candidates):
-        failed = disqualifications(snap, cand, facts)
+        failed = disqualifications(snap, route, cand, facts)
         dep = snap.deployments.get(cand.deployment_name)
         if dep is not None and not failed:
             lost[dep.deployment], why = translation_check(dep, body, loss_rule)
@@ -154,7 +154,7 @@ def shadow_plan(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[st
     dep = snap.deployments.get(deployment)
     if at is None or dep is None:
         return [], {deployment: {"not_a_candidate"}}, {}
-    failed = disqualifications(snap, route.candidates[at], facts) - {"evidence"}
+    failed = disqualifications(snap, route, route.candidates[at], facts) - {"evidence"}
     lost, why = translation_check(dep, body, route.translation_loss)
     if failed | why:
         return [], {deployment: failed | why}, {}

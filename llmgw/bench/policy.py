@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from llmgw.bench.kit import (
     start_envoy,
     upstream_bootstrap,
 )
+from llmgw.conformance.record import stamp
 from llmgw.local.procs import cpu_seconds, free_port
 from llmgw.local.stack import Stack, StackOptions, gateway_processes
 
@@ -248,13 +249,9 @@ def add_candidate(policy: Path, deployment: str, pool: str, endpoint: str, finge
     dep["fingerprint"].update(fingerprint)
     (policy / "deployments" / f"{deployment}.yaml").write_text(yaml.safe_dump(dep))
     ref: str = load_snapshot(policy).deployments[deployment].ref
-    today = datetime.now(UTC).date()
-    for kind in ("conformance", "quality_gate"):
-        (policy / f"evidence/{deployment}-{kind}.yaml").write_text(yaml.safe_dump({
-            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
-            "expires_at": str(today + timedelta(days=30))}))
     route["candidates"].append({**first, "deployment_ref": ref, **(candidate or {})})
     route_path.write_text(yaml.safe_dump(route))
+    stamp(policy, deployment, datetime.now(UTC).date())  # a benchmark's candidate: its evidence is not measured
     return ref
 
 

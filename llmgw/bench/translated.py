@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import yaml
 from extproc.config import load_snapshot
 from extproc.shapes.anthropic.door import MESSAGES_PATH
 from llmgw.bench.kit import WRK_LUA, Result, demo_policy, measured_wrk, report, run_wrk
+from llmgw.conformance.record import stamp
 from llmgw.local.procs import Child, cpu_seconds, free_port, http_ok, python_module, wait_until
 from llmgw.local.stack import Stack, StackOptions, gateway_processes
 
@@ -79,12 +80,8 @@ def add_provider_route(policy: Path, name: str, adapter: str, engine: str, model
         dep["fingerprint"]["adapter_options"] = options
     (policy / f"deployments/{name}.yaml").write_text(yaml.safe_dump(dep))
     ref: str = load_snapshot(policy).deployments[name].ref
-    today = datetime.now(UTC).date()
-    for kind in ("conformance", "quality_gate"):
-        (policy / f"evidence/{name}-{kind}.yaml").write_text(yaml.safe_dump({
-            "deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": str(today),
-            "expires_at": str(today + timedelta(days=30))}))
     add_route_of(policy, route, ref, mode, adapter=adapter)
+    stamp(policy, name, datetime.now(UTC).date())  # a benchmark's simulated candidate: its evidence is not measured
     return ref
 
 
@@ -143,11 +140,7 @@ def run_translated_bench(args: argparse.Namespace) -> int:
         route = yaml.safe_load(route_path.read_text())
         route["candidates"][0]["deployment_ref"] = ref
         route_path.write_text(yaml.safe_dump(route))
-        for kind in ("conformance", "quality-gate"):
-            ev_path = config / f"evidence/pool-llama-8b-{kind}.yaml"
-            ev = yaml.safe_load(ev_path.read_text())
-            ev["deployment_ref"] = ref
-            ev_path.write_text(yaml.safe_dump(ev))
+        stamp(config, "pool-llama-8b", datetime.now(UTC).date())
         add_anthropic_route(config, f"127.0.0.1:{port}", provider_key)
         add_provider_route(config, "bedrock-sim", "bedrock@1", "bedrock-converse@2023-09-30", PROVIDER_MODEL,
                            bedrock_url.removeprefix("http://"), bedrock_key, "chat-bedrock",

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from extproc.config import ConfigError, Snapshot, load_snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE
 from llmgw.cli.common import snapshot_or_report
 from llmgw.ops import deprecations
 from llmgw.ops.store import store_client
 
+DEMO_QUALITY = 1.0  # the demo's simulators answer the shipped tasks right (llmgw up --sim-quality)
 DEFAULT_VALKEY_PORT = 6390  # the store `llmgw up` starts; 6379 is left to a Valkey or Redis of the user's
 
 if TYPE_CHECKING:
@@ -39,10 +39,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     today = date.today()
     for name, route in sorted(snap.routes.items()):
         for cand in route.candidates:
-            missing = sorted(REQUIRED_EVIDENCE - snap.passing_evidence(cand.deployment_ref, today))
-            state = "qualified" if not missing else f"NOT ELIGIBLE: no passing {', '.join(missing)} evidence"
-            if missing and snap.voided.get(cand.deployment_ref):
-                state += f" (voided: {'; '.join(snap.voided[cand.deployment_ref])})"
+            why = snap.why_unqualified(route, cand.deployment_ref, today)
+            state = f"NOT ELIGIBLE: {why}" if why else "qualified"
             print(f"route {name}: candidate {cand.deployment_name}: {state}")
     failed = False
     for f in deprecations.findings(snap, today):
@@ -101,7 +99,8 @@ def cmd_demo_evidence(args: argparse.Namespace) -> int:
     if snap is None:
         return 1
     try:
-        written = demo_evidence.ensure(Path(args.config), demo_evidence.simulated_by_up(snap, "sim", True))
+        written = demo_evidence.ensure(Path(args.config), demo_evidence.simulated_by_up(snap, "sim", True),
+                                       sim_quality=DEMO_QUALITY)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -121,7 +120,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                   engine=args.engine, start_engines=args.engine != "none",
                   engine_timeout=180.0 if args.engine == "vllm" else 60.0, tls=args.tls or args.require_client_cert,
                   require_client_certificate=args.require_client_cert, demo_keys=True,
-                  simulate_providers=not args.no_simulated_providers, traces=True, region=args.region)
+                  simulate_providers=not args.no_simulated_providers, traces=True, region=args.region,
+                  sim_quality=args.sim_quality)
     config_dir, state_dir = Path(args.config), Path(args.state_dir)
     try:
         snap = load_snapshot(config_dir)  # its deployments and pools: earned evidence changes neither
@@ -129,7 +129,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             from llmgw.conformance import demo_evidence
 
             simulated = demo_evidence.simulated_by_up(snap, args.engine, not args.no_simulated_providers)
-            for path in demo_evidence.ensure(config_dir, simulated):
+            for path in demo_evidence.ensure(config_dir, simulated, sim_quality=args.sim_quality):
                 print(f"llmgw: wrote {path}")
         if args.free_ports:  # beside another gateway on the defaults: every listener on a port chosen free
             claim_ports(args.port, args.admin_port, args.valkey_port)  # named ports win: none chosen twice
@@ -236,6 +236,7 @@ COMMAND_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("llmgw.cli.policy", ("policy",)),
     ("llmgw.cli.adapters", ("adapters",)),
     ("llmgw.cli.conformance", ("conformance",)),
+    ("llmgw.cli.evaluate", ("evaluate",)),
     ("llmgw.cli.report", ("report",)),
     ("llmgw.cli.plan", ("plan",)),
     ("llmgw.cli.review", ("review",)),
@@ -287,8 +288,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     u.add_argument("--admin-port", type=int)
     u.add_argument("--valkey-port", type=int, help=f"the store's port (default {DEFAULT_VALKEY_PORT})")
     u.add_argument("--no-demo-evidence", action="store_true",
-                   help="do not earn conformance evidence (nor write the simulator's quality-gate attestation) "
-                        "for candidates this command simulates and that lack it (llmgw/conformance/demo_evidence.py)")
+                   help="do not earn conformance and quality-gate evidence for candidates this command simulates "
+                        "and that lack it (llmgw/conformance/demo_evidence.py)")
+    u.add_argument("--sim-quality", type=float, default=DEMO_QUALITY, metavar="SHARE",
+                   help="the simulators' answer quality, an operator's setting: right on this share of the quality "
+                        f"corpora's tasks (default {DEMO_QUALITY}; below a class's threshold, its candidates fail "
+                        "their quality gate and the demo does not start)")
     u.add_argument("--free-ports", action="store_true",
                    help="every listener (gateway, admin, store, engines, simulated providers, workers) on a port "
                         "chosen free, beside a gateway on the defaults; up.json says which")

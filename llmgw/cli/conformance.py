@@ -1,7 +1,8 @@
 """`llmgw conformance --route R | --deployment D`: run the conformance corpus against each candidate
-(llmgw/conformance/) and write its evidence record, `evidence/<deployment>-conformance.yaml`, into
-the policy directory (unless --dry-run). Exit 0 when every candidate passed, 1 when one failed, 2 on
-bad arguments."""
+(llmgw/conformance/) and write its evidence record, `evidence/<deployment>-conformance-<route>.yaml`,
+into the policy directory (unless --dry-run). The record is earned under the route's retry and fallback
+policy (with --deployment: the first route that has it as a candidate). Exit 0 when every candidate
+passed, 1 when one failed, 2 on bad arguments."""
 
 from __future__ import annotations
 
@@ -44,9 +45,14 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     for name in names:
         with tempfile.TemporaryDirectory(prefix="llmgw-conformance-") as work:
             corpus = given or corpus_for(snap.deployments[name].serves)
-            result = run(Path(args.config), name, corpus, Path(work), args.time_scale, only,
-                         simulate_providers=args.simulate_providers, engine=args.engine)
-        print(f"{name}  {result.deployment_ref}  adapter {result.adapter}  corpus {result.corpus_version}")
+            try:
+                result = run(Path(args.config), name, corpus, Path(work), args.time_scale, only,
+                             simulate_providers=args.simulate_providers, engine=args.engine, route=args.route)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        print(f"{name}  {result.deployment_ref}  adapter {result.adapter}  corpus {result.corpus_version} "
+              f"({result.corpus_digest})  under route {result.route}")
         for r in result.results:
             print(f"  {r.result.upper():8} {r.id}" + (f"  - {r.detail}" if r.detail else ""))
         counts = {k: sum(r.result == k for r in result.results) for k in ("pass", "fail", "lost", "not_run")}
@@ -54,7 +60,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         print("  " + ", ".join(f"{v} {k}" for k, v in counts.items()) + lost)
         failed |= not result.passed
         if not args.dry_run:
-            print(f"  wrote {write_record(Path(args.config), snap, name, result, today, args.valid_days)}")
+            path = write_record(Path(args.config), snap, name, snap.routes[result.route],
+                                result.evidence(today, args.valid_days), result.corpus_digest)
+            print(f"  wrote {path}")
     return 1 if failed else 0
 
 

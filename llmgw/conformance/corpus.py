@@ -1,4 +1,4 @@
-"""The conformance corpus (corpus.yaml beside this module) as validated objects, the normalised outcome
+"""The conformance corpus (extproc/corpora/conformance-*.yaml) as validated objects, the normalised outcome
 of one case as the gateway's client saw it, and the checks that compare the two. Pure: no processes,
 no HTTP (runner.py sends the requests)."""
 
@@ -16,9 +16,10 @@ import jsonschema
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-CORPUS = Path(__file__).with_name("corpus.yaml")
-EMBEDDINGS_CORPUS = Path(__file__).with_name("embeddings.yaml")  # for a deployment that serves embeddings
-CORPORA = {"chat": CORPUS, "embeddings": EMBEDDINGS_CORPUS}
+from extproc.corpora import CONFORMANCE, digest_of
+
+CORPORA = CONFORMANCE  # by what a deployment serves: chat completions, or embeddings
+CORPUS = CORPORA["chat"]
 OVER_CONTEXT = "$over_context_window"  # a content placeholder: more words than the candidate's window
 
 
@@ -62,6 +63,10 @@ class Corpus(BaseModel):
     version: str
     serves: Literal["chat", "embeddings"] = "chat"  # the endpoint its cases are sent to
     cases: tuple[Case, ...]
+    digest: str = ""  # of the file's content (set by load_corpus): what a record is bound to
+
+    def cases_requests(self) -> list[dict[str, Any]]:
+        return [c.request for c in self.cases]
 
 
 def corpus_for(serves: str) -> Corpus:
@@ -70,7 +75,8 @@ def corpus_for(serves: str) -> Corpus:
 
 
 def load_corpus(path: Path = CORPUS) -> Corpus:
-    corpus = Corpus.model_validate(yaml.safe_load(path.read_text()))
+    doc = yaml.safe_load(path.read_text())
+    corpus = Corpus.model_validate({**doc, "digest": digest_of(doc)})
     ids = [c.id for c in corpus.cases]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: a case id is used twice")

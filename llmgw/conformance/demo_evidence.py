@@ -3,13 +3,15 @@
 No evidence record in the repository carries a date: a committed record would expire on a fixed day and
 take every demo route (and the test suite) down with it. Instead, before it serves, `llmgw up` looks at
 each route candidate whose upstream it runs itself (a pool of simulated engines, a hosted deployment
-served by a simulated provider) and, where that candidate has no passing record of a kind that stays
-valid for RENEW_DAYS more:
+served by a simulated provider) and, where that candidate has no passing record of a kind its route
+requires that stays valid for RENEW_DAYS more, earns it: one sandboxed gateway per deployment (in
+parallel), and in it, for each route policy the deployment is a candidate under (routes with the same
+retry and fallback policy share records; quality gates also per request class),
 
-- conformance: runs the corpus against it through a sandboxed gateway (`llmgw conformance`, measured,
-  one sandbox per deployment, in parallel) and writes the record;
-- quality_gate: writes an attestation saying what it is. A simulator's text is not graded (nothing in
-  it is right or wrong), so the record attests the simulator, never a model.
+- conformance: the corpus, as `llmgw conformance` runs it;
+- quality_gate: the class's task-quality corpus, graded, as `llmgw evaluate` runs it. The simulators
+  answer the tasks right on `sim_quality` of them, an operator's setting (`llmgw up --sim-quality`,
+  default 1.0): the demo's gate is earned by a run that could fail, and does below the threshold.
 
 A candidate served by anything else (real engines, a real provider) is never given evidence here: its
 operator earns it. The test session does the same for its own policy copies (tests/conftest.py), with a
@@ -25,125 +27,161 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import yaml
 
 from extproc.config import Snapshot, load_snapshot
-from extproc.config.evidence import basis_for
 from extproc.config.loader import RECORD_DATE_GRACE
-from extproc.config.schema import REQUIRED_EVIDENCE, Evidence
-from llmgw.conformance.corpus import CORPORA, corpus_for
-from llmgw.conformance.record import write_record
-from llmgw.conformance.runner import Run, run
+from extproc.config.schema import Evidence, EvidenceBasis, Route
+from extproc.corpora import quality_corpus
+from llmgw.conformance.corpus import corpus_for
+from llmgw.conformance.record import basis, record_path, write_record
+from llmgw.conformance.runner import run_corpus, session
+from llmgw.quality.corpus import load_quality
+from llmgw.quality.evaluate import evaluate_in
 
 VALID_DAYS = 90  # how long a record written here stays valid
 RENEW_DAYS = 14  # a record closer than this to its expiry is earned again
-ATTESTATION = ("demo attestation written by llmgw up: the candidate is served by the simulator, whose text "
-               "has nothing to grade")
-ATTESTATION_HEADER = ("# Written by `llmgw up` for a candidate it simulates (llmgw/conformance/demo_evidence.py).\n"
-                      "# It attests the simulator, not a model: real candidates need a quality gate their operator\n"
-                      "# earns.\n")
 
 
 def today_utc() -> date:
     return datetime.now(UTC).date()
 
 
-def wanted(snap: Snapshot, simulated: Iterable[str], today: date) -> dict[str, set[str]]:
-    """Each simulated route candidate's evidence kinds with no passing record valid RENEW_DAYS from now."""
+@dataclass(frozen=True)
+class Earned:
+    """One record a sandboxed run produced: under which route, its document (without its basis), the
+    digest of the corpus it ran, and whether it passed."""
+
+    route: str
+    record: dict[str, Any]
+    corpus_digest: str
+    passed: bool
+
+
+def wanted(snap: Snapshot, simulated: Iterable[str], today: date) -> dict[str, dict[str, set[str]]]:
+    """Each simulated candidate's missing kinds per route to earn them under (deployment -> route ->
+    kinds): a record valid RENEW_DAYS from now is missing for that route, and no route earlier in the
+    list earns the same one (same retry and fallback policy; for a quality gate, same class)."""
     horizon = today + timedelta(days=RENEW_DAYS)
-    candidates = {c.deployment_name for r in snap.routes.values() for c in r.candidates} & set(simulated)
-    out = {}
-    for name in sorted(candidates):
-        missing = set(REQUIRED_EVIDENCE) - snap.passing_evidence(snap.deployments[name].ref, today, until=horizon)
-        if missing:
-            out[name] = missing
+    mine = set(simulated)
+    out: dict[str, dict[str, set[str]]] = {}
+    covered: set[tuple[str, str, str, str]] = set()
+    for name, route in sorted(snap.routes.items()):
+        for cand in route.candidates:
+            if cand.deployment_name not in mine:
+                continue
+            for kind in sorted(snap.missing_evidence(route, snap.deployments[cand.deployment_name].ref, today,
+                                                     until=horizon)):
+                key = (cand.deployment_name, kind, route.policy_digest,
+                       route.request_class if kind == "quality_gate" else "")
+                if key not in covered:
+                    covered.add(key)
+                    out.setdefault(cand.deployment_name, {}).setdefault(name, set()).add(kind)
     return out
 
 
-def _reusable(cached: Path, snap: Snapshot, name: str, corpus_version: str, today: date, horizon: date) -> bool:
-    """Whether a cached conformance record is the one a run now would write: same fingerprint, adapter,
-    corpus and basis, passing, not dated after today (a cache filled under a clock that ran ahead is
-    earned again) and valid past the horizon."""
+def _reusable(cached: Path, snap: Snapshot, name: str, route: Route, kind: str, today: date, horizon: date) -> bool:
+    """Whether a cached record is the one a run now would write: same fingerprint, passing, bound to
+    the same corpus, shape code, route policy and configuration, not dated after today (a cache filled
+    under a clock that ran ahead is earned again) and valid past the horizon."""
     try:
         record = Evidence.model_validate(yaml.safe_load(cached.read_text()))
     except (OSError, ValueError, yaml.YAMLError):
         return False
     dep = snap.deployments[name]
-    return (record.deployment_ref == dep.ref and record.result == "pass" and record.adapter == dep.fingerprint.adapter
-            and record.corpus_version == corpus_version and record.basis == basis_for(snap.gateway, dep)
+    return (record.deployment_ref == dep.ref and record.kind == kind and record.result == "pass"
+            and record.basis == EvidenceBasis.model_validate(basis(snap, dep, route, kind))
             and record.recorded_at <= today + RECORD_DATE_GRACE
             and record.expires_at is not None and record.expires_at > horizon)
 
 
+def earn(config: Path, name: str, plan: dict[str, set[str]], work: Path, time_scale: float,
+         sim_quality: float | None, today: date) -> list[Earned]:
+    """`plan`'s records for deployment `name`, earned in one sandboxed gateway (see the module's doc)."""
+    snap = load_snapshot(config)
+    dep = snap.deployments[name]
+    routes = [snap.routes[r] for r in sorted(plan)]
+    conformance = corpus_for(dep.serves)
+    qualities = {r.route_contract: load_quality(quality_corpus(q.corpus, snap.directory))
+                 for r in routes if (q := snap.gateway.request_classes[r.request_class].quality) is not None}
+    requests = [c.request for c in conformance.cases] + [t.request for q in qualities.values() for t in q.tasks]
+    out = []
+    with session(config, name, work, routes, requests, time_scale, simulate_providers=True,
+                 sim_quality=sim_quality) as s:
+        for route in routes:
+            if "conformance" in plan[route.route_contract]:
+                run = run_corpus(s, conformance, route.route_contract)
+                out.append(Earned(route.route_contract, run.evidence(today, VALID_DAYS), run.corpus_digest,
+                                  run.passed))
+            if "quality_gate" in plan[route.route_contract]:
+                corpus = qualities[route.route_contract]
+                threshold = snap.gateway.request_classes[route.request_class].quality.threshold  # type: ignore[union-attr]
+                ev = evaluate_in(s, corpus, route, threshold)
+                out.append(Earned(route.route_contract, ev.evidence(today, VALID_DAYS), corpus.digest, ev.passed))
+    return out
+
+
 def ensure(config: Path, simulated: Iterable[str], today: date | None = None, cache: Path | None = None,
-           out: TextIO = sys.stdout, time_scale: float = 0.02,
-           runner: Callable[..., Run] = run) -> list[Path]:
-    """Earn or write what `wanted` finds for the policy at `config`; returns the records written. A
-    conformance run that does not pass writes its failing record and raises RuntimeError: the demo
-    must not start on a candidate the corpus failed."""
+           out: TextIO = sys.stdout, time_scale: float = 0.02, sim_quality: float | None = 1.0,
+           earner: Callable[..., list[Earned]] = earn) -> list[Path]:
+    """Earn what `wanted` finds for the policy at `config`; returns the records written. A run that
+    does not pass writes its failing record and raises RuntimeError: the demo must not start on a
+    candidate the corpus failed."""
     if cache is not None:  # processes side by side (the suite's workers, sandboxes): one earns, the others reuse
         cache.mkdir(parents=True, exist_ok=True)
         with (cache / ".lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return _ensure(config, simulated, today or today_utc(), cache, out, time_scale, runner)
-    return _ensure(config, simulated, today or today_utc(), cache, out, time_scale, runner)
+            return _ensure(config, simulated, today or today_utc(), cache, out, time_scale, sim_quality, earner)
+    return _ensure(config, simulated, today or today_utc(), cache, out, time_scale, sim_quality, earner)
 
 
 def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | None, out: TextIO,
-            time_scale: float, runner: Callable[..., Run]) -> list[Path]:
+            time_scale: float, sim_quality: float | None, earner: Callable[..., list[Earned]]) -> list[Path]:
     snap = load_snapshot(config)
-    need = wanted(snap, simulated, today)
     horizon = today + timedelta(days=RENEW_DAYS)
-    corpora = {serves: corpus_for(serves) for serves in CORPORA}  # by what the deployment serves
     written: list[Path] = []
-    to_run = []
-    for name in sorted(n for n, kinds in need.items() if "conformance" in kinds):
-        cached = cache / f"{name}-conformance.yaml" if cache else None
-        version = corpora[snap.deployments[name].serves].version
-        if cached is not None and _reusable(cached, snap, name, version, today, horizon):
-            (config / "evidence").mkdir(exist_ok=True)
-            written.append(Path(shutil.copy(cached, config / "evidence" / cached.name)))
-        else:
-            to_run.append(name)
-    if to_run:
-        print(f"llmgw: earning conformance evidence for {', '.join(to_run)} (the corpus through a sandboxed "
-              "gateway each; once, then again before it expires)", file=out, flush=True)
+    to_run: dict[str, dict[str, set[str]]] = {}
+    for name, plan in wanted(snap, simulated, today).items():
+        for route_name, kinds in sorted(plan.items()):
+            for kind in sorted(kinds):
+                target = record_path(config, name, kind, route_name)
+                cached = cache / target.name if cache else None
+                if cached is not None and _reusable(cached, snap, name, snap.routes[route_name], kind, today, horizon):
+                    target.parent.mkdir(exist_ok=True)
+                    written.append(Path(shutil.copy(cached, target)))
+                else:
+                    to_run.setdefault(name, {}).setdefault(route_name, set()).add(kind)
+    if not to_run:
+        return written
+    print(f"llmgw: earning evidence for {', '.join(sorted(to_run))} (conformance and quality corpora through a "
+          "sandboxed gateway each; once, then again before it expires)", file=out, flush=True)
 
-        def earn(name: str) -> tuple[str, Run]:
-            with tempfile.TemporaryDirectory(prefix="llmgw-conformance-") as work:
-                result = runner(config, name, corpora[snap.deployments[name].serves], Path(work), time_scale,
-                                simulate_providers=True)
-            # The run's compiled policies (regorus engines, bound to the thread that made them) are
-            # collected here rather than by a later collection on another thread, which refuses them.
-            gc.collect()
-            return name, result
+    def run_one(name: str) -> tuple[str, list[Earned]]:
+        with tempfile.TemporaryDirectory(prefix="llmgw-evidence-") as work:
+            result = earner(config, name, to_run[name], Path(work), time_scale, sim_quality, today)
+        # The run's compiled policies (regorus engines, bound to the thread that made them) are
+        # collected here rather than by a later collection on another thread, which refuses them.
+        gc.collect()
+        return name, result
 
-        with ThreadPoolExecutor(max_workers=len(to_run)) as pool:
-            results = list(pool.map(earn, to_run))
-        failed = []
-        for name, result in results:
-            path = write_record(config, snap, name, result, today, VALID_DAYS)
+    with ThreadPoolExecutor(max_workers=len(to_run)) as pool:
+        results = list(pool.map(run_one, sorted(to_run)))
+    failed = []
+    for name, earned in results:
+        for e in earned:
+            path = write_record(config, snap, name, snap.routes[e.route], e.record, e.corpus_digest)
             written.append(path)
-            if not result.passed:
-                failed.append(name)
+            if not e.passed:
+                failed.append(f"{name} ({e.record['kind']} on {e.route})")
             elif cache is not None:  # made by ensure, under its lock
                 shutil.copy(path, cache / path.name)
-        if failed:
-            raise RuntimeError(f"conformance failed for {', '.join(failed)} (see evidence/*-conformance.yaml)")
-    for name in sorted(n for n, kinds in need.items() if "quality_gate" in kinds):
-        path = config / "evidence" / f"{name}-quality-gate.yaml"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(ATTESTATION_HEADER + yaml.safe_dump({
-            "deployment_ref": snap.deployments[name].ref, "kind": "quality_gate", "result": "pass",
-            "recorded_at": today.isoformat(), "expires_at": (today + timedelta(days=VALID_DAYS)).isoformat(),
-            "source": ATTESTATION,
-            "basis": basis_for(snap.gateway, snap.deployments[name]).model_dump(mode="json"),
-        }, sort_keys=False))
-        written.append(path)
+    if failed:
+        raise RuntimeError(f"evidence failed for {', '.join(failed)} (see evidence/*.yaml)")
     return written
 
 

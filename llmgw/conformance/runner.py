@@ -1,15 +1,17 @@
 """Run the corpus against one deployment, through a real gateway, over real HTTP.
 
 The deployment is not qualified yet, so it cannot be routed to on the policy as it stands. The runner
-builds a sandbox: a copy of the policy directory with one more route, `conformance`, whose only
-candidate is the deployment under test (`translation_loss: report`, so that what the adapter cannot
-carry is reported rather than refused), a provisional evidence record that exists only in the copy,
-the corpus's tools in the catalog, and a demo key per tenant. A gateway (Envoy, ext_proc, a store, and
-the simulated engines of a pool) starts on that copy; every case goes through the whole request path
-like a client's. Faults are injected through the upstream's admin API (enginesim's), for the case's
-request only; an upstream without one (a real provider) does not run those cases (`not_run`), nor
-does one that cannot be made to fail that way (vLLM has no refusal to inject). A case that looks
-at the ledger reads the sandbox's store; one that looks at the upstream reads its request log.
+builds a sandbox: a copy of the policy directory with more routes whose only candidate is the deployment
+under test, two for each route whose policy evidence is earned under (its retry and fallback policy and
+request class copied, so the record binds to them): `conformance-<i>` (`translation_loss: report`, so
+that what the adapter cannot carry is reported rather than refused) and `evaluate-<i>` (the route's own
+loss rule, for `llmgw evaluate`). Provisional evidence records exist only in the copy, the corpus's
+tools are in the catalog, and each tenant has a demo key. A gateway (Envoy, ext_proc, a store, and the
+simulated engines of a pool) starts on that copy; every case goes through the whole request path like a
+client's. Faults are injected through the upstream's admin API (enginesim's), for the case's request
+only; an upstream without one (a real provider) does not run those cases (`not_run`), nor does one that
+cannot be made to fail that way (vLLM has no refusal to inject). A case that looks at the ledger reads
+the sandbox's store; one that looks at the upstream reads its request log.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import random
 import socket
 import string
 import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -28,17 +32,18 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.config import load_snapshot
+from extproc.config import Snapshot, load_snapshot
+from extproc.config.schema import Deployment, Route
 from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH
 from extproc.names import Header
 from extproc.store import ledger_entry, ledger_key
 from llmgw.conformance.corpus import OVER_CONTEXT, Case, Corpus, Outcome, check
+from llmgw.conformance.record import provisional
 from llmgw.local.sandbox import sandbox_policy
 from llmgw.local.stack import Stack, StackOptions
 from llmgw.ops.store import store_client
 from llmgw.render.common import hp
 
-ROUTE = "conformance"
 SOURCE = "llmgw conformance"
 LOST = ("unsupported", "emulated")  # a needed field reported so is not exercised: the case is `lost`
 
@@ -57,6 +62,8 @@ class Run:
     corpus_version: str
     results: list[CaseResult] = field(default_factory=list)
     losses: set[str] = field(default_factory=set)
+    corpus_digest: str = ""
+    route: str = ""  # the route whose policy it ran under
 
     @property
     def passed(self) -> bool:
@@ -80,39 +87,67 @@ def marker(prefix: str = "conformance-") -> str:
     return prefix + "".join(random.choices(string.ascii_lowercase, k=16))
 
 
-def sandbox(config: Path, deployment: str, corpus: Corpus, work: Path,
-            one_engine: bool = False) -> tuple[Path, str, str, str]:
-    """The sandbox policy (see the module's doc); returns it, the deployment's reference, a tenant
-    and its key. `one_engine`: each pool keeps its first endpoint only (real engines: one answers the
-    corpus, and two do not fit a small machine)."""
+def route_for(snap: Snapshot, deployment: str, route: str | None) -> Route:
+    """The route whose retry and fallback policy (and request class) evidence for `deployment` is earned
+    under: the one named, which must have it as a candidate, else the first route that has."""
+    having = [r for _, r in sorted(snap.routes.items()) if any(c.deployment_name == deployment for c in r.candidates)]
+    if route is not None:
+        found = next((r for r in having if r.route_contract == route), None)
+        if found is None:
+            raise ValueError(f"route {route!r} has no candidate {deployment}")
+        return found
+    if not having:
+        raise ValueError(f"no route has {deployment} as a candidate: evidence is earned under a route's policy")
+    return having[0]
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """A sandbox policy (see the module's doc): where it is, the deployment's reference, a tenant and
+    its key, and for each route evidence is earned under, the sandbox's own routes copying its policy:
+    `conformance-<i>` (losses reported) and `evaluate-<i>` (the route's own loss rule)."""
+
+    policy: Path
+    ref: str
+    tenant: str
+    key: str
+    routes: dict[str, int]  # real route -> i
+
+
+def sandbox(config: Path, deployment: str, work: Path, routes: Sequence[Route],
+            requests: Iterable[dict[str, Any]] = (), one_engine: bool = False) -> Sandbox:
+    """The sandbox policy for `deployment`, its routes copying the retry and fallback policy and the
+    request class of each of `routes`, with the tools of `requests` in the catalog. `one_engine`: each
+    pool keeps its first endpoint only (real engines: one answers the corpus, and two do not fit a
+    small machine)."""
     snap = load_snapshot(config)
     dep = snap.deployments[deployment]
-    policy, keys = sandbox_policy(config, work / "policy")  # its own provisional record below
-    route = {
-        "route_contract": ROUTE, "request_class": "read_only_chat" if dep.serves == "chat" else dep.serves,
-        "serves": dep.serves, "translation_loss": "report",
-        "candidates": [{"deployment_ref": dep.ref, "adapter_ref": dep.fingerprint.adapter,
-                        "data_classes": list(dep.data_classes), "regions": list(dep.regions)}],
-        "deadline_ms": 30000, "max_tokens_cap": 4096, "budget_reservation": "required",
-        "retry": {"attempts": 1, "eligible_failures": ["connect_before_send"],
-                  "requires": "read_only_or_idempotency_key"},
-    }
-    (policy / f"routes/{ROUTE}.yaml").write_text(yaml.safe_dump(route))
+    policy, keys = sandbox_policy(config, work / "policy")  # its own provisional records below
     today = datetime.now(UTC).date()
-    for kind in ("conformance", "quality_gate"):
-        (policy / f"evidence/{deployment}-{kind}.yaml").write_text(yaml.safe_dump({
-            "deployment_ref": dep.ref, "kind": kind, "result": "pass", "recorded_at": today.isoformat(),
-            "source": "provisional: the conformance sandbox only"}))
+    (policy / "evidence").mkdir(exist_ok=True)
+    for i, real in enumerate(routes, 1):
+        for purpose, loss in (("conformance", "report"), ("evaluate", real.translation_loss)):
+            route = {
+                "route_contract": f"{purpose}-{i}", "request_class": real.request_class, "serves": dep.serves,
+                "translation_loss": loss, "answer_checks": real.answer_checks,
+                "candidates": [{"deployment_ref": dep.ref, "adapter_ref": dep.fingerprint.adapter,
+                                "data_classes": list(dep.data_classes), "regions": list(dep.regions)}],
+                "deadline_ms": 30000, "max_tokens_cap": 4096, "budget_reservation": "required",
+                "retry": real.retry.model_dump(mode="json"), "fallback": real.fallback.model_dump(mode="json"),
+            }
+            (policy / f"routes/{purpose}-{i}.yaml").write_text(yaml.safe_dump(route))
+        for kind, record in provisional(snap, dep, real, today).items():
+            (policy / f"evidence/{deployment}-{kind}-sandbox-{i}.yaml").write_text(yaml.safe_dump(record))
     gw = yaml.safe_load((policy / "gateway.yaml").read_text())
     tools = gw.setdefault("tools", {})
-    for case in corpus.cases:
-        for tool in case.request.get("tools") or ():
+    for request in requests:
+        for tool in request.get("tools") or ():
             tools.setdefault(tool["function"]["name"], {"effects": []})
     for pool in gw.get("pools", {}).values() if one_engine else ():
         pool["endpoints"] = pool["endpoints"][:1]
     (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
     tenant = next(t for t in gw["tenants"] if set(dep.data_classes) & set(gw["tenants"][t]["allowed_data_classes"]))
-    return policy, dep.ref, tenant, keys[tenant]
+    return Sandbox(policy, dep.ref, tenant, keys[tenant], {r.route_contract: i for i, r in enumerate(routes, 1)})
 
 
 class Upstreams:
@@ -190,9 +225,9 @@ def ledger_of(store_url: str, tenant: str, rid: str, wait: float = 5.0) -> dict[
     return None
 
 
-def _body(case: Case, context_window: int, mark: str | None) -> dict[str, Any]:
+def _body(case: Case, route: str, context_window: int, mark: str | None) -> dict[str, Any]:
     body = json.loads(json.dumps(case.request))
-    body["model"] = ROUTE
+    body["model"] = route
     if body.get("input") == OVER_CONTEXT:  # an embeddings case's
         body["input"] = "word " * (context_window + 64)
     for m in body.get("messages") or ():
@@ -254,12 +289,13 @@ def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str],
 
 @dataclass(frozen=True)
 class Gateway:
-    """The sandbox gateway a case goes through: where to send, as whom, and its store."""
+    """The sandbox gateway a case goes through: where to send, as whom, its store, the route to name."""
 
     url: str
     tenant: str
     key: str
     store_url: str
+    route: str
 
 
 def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams,
@@ -270,8 +306,8 @@ def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams,
     if case.fault and mark and not upstreams.inject(case.fault, mark):
         return CaseResult(case.id, "not_run", f"the upstream cannot be made to fail so ({case.fault})"), []
     try:
-        outcomes = [send(gw.url, gw.key, _body(case, context_window, mark), case.headers, case.cancel_after, path)
-                    for _ in range(case.repeat)]
+        body = _body(case, gw.route, context_window, mark)
+        outcomes = [send(gw.url, gw.key, body, case.headers, case.cancel_after, path) for _ in range(case.repeat)]
         if case.expect.ledger_termination is not None:
             outcomes[0].ledger = ledger_of(gw.store_url, gw.tenant, outcomes[0].request_id)
         if case.expect.upstream_cancelled and mark:
@@ -288,36 +324,71 @@ def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams,
     return CaseResult(case.id, "fail" if bad else "pass", "; ".join(bad)), losses
 
 
-def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: float = 0.02,
-        only: set[str] | None = None, engine_args: tuple[str, ...] = (), simulate_providers: bool = False,
-        engine: str = "sim") -> Run:
-    """The corpus against `deployment` of the policy at `config` (see the module's doc); a pool's
-    engines are simulated (started with `engine_args`) or real vLLM (`engine="vllm"`); with
-    `simulate_providers`, the sandbox also runs a simulated provider for each hosted deployment on
+@dataclass
+class Session:
+    """A sandboxed gateway up for one deployment: where to send as whom (per route evidence is earned
+    under), its upstreams' admin APIs, the deployment as the sandbox has it."""
+
+    sandbox: Sandbox
+    stack: Stack
+    dep: Deployment
+    upstreams: Upstreams
+
+    def gateway(self, purpose: str, route: str) -> Gateway:
+        sb = self.sandbox
+        return Gateway(self.stack.url, sb.tenant, sb.key, str(self.stack.store_url),
+                       f"{purpose}-{sb.routes[route]}")
+
+
+@contextmanager
+def session(config: Path, deployment: str, work: Path, routes: Sequence[Route],
+            requests: Iterable[dict[str, Any]] = (), time_scale: float = 0.02, engine_args: tuple[str, ...] = (),
+            simulate_providers: bool = False, engine: str = "sim", sim_quality: float | None = None
+            ) -> Iterator[Session]:
+    """A sandboxed gateway for `deployment` (see the module's doc); a pool's engines are simulated
+    (started with `engine_args`, answering quality tasks right on `sim_quality` of them) or real vLLM
+    (`engine="vllm"`); with `simulate_providers`, a simulated provider for each hosted deployment on
     loopback (as `llmgw up` does)."""
-    policy, ref, tenant, key = sandbox(config, deployment, corpus, work, one_engine=engine == "vllm")
-    snap = load_snapshot(policy)
+    sb = sandbox(config, deployment, work, routes, requests, one_engine=engine == "vllm")
+    snap = load_snapshot(sb.policy)
     dep = snap.deployments[deployment]
-    if corpus.serves != dep.serves:
-        raise ValueError(f"{deployment} serves {dep.serves}; this corpus is for {corpus.serves}")
-    opts = StackOptions.on_free_ports(policy, work / "gateway", snap, time_scale=time_scale, workers=1,
+    opts = StackOptions.on_free_ports(sb.policy, work / "gateway", snap, time_scale=time_scale, workers=1,
                                       envoy_concurrency=1, engine_args=engine_args,
                                       simulate_providers=simulate_providers, engine=engine,
-                                      engine_timeout=300.0 if engine == "vllm" else 60.0)
+                                      engine_timeout=300.0 if engine == "vllm" else 60.0, sim_quality=sim_quality)
     stack = Stack(opts).start(timeout=300 if engine == "vllm" else 60)
     try:
         hosts = stack.render.providers.get(deployment) or tuple(hp(e) for e in dep.endpoints)
         urls = stack.engine_urls(dep.pool) if dep.pool else [f"http://{h}:{p}" for h, p in hosts]
-        upstreams = Upstreams(urls)
-        result = Run(ref, dep.fingerprint.adapter, corpus.version)
-        gw = Gateway(stack.url, tenant, key, str(stack.store_url))
-        for case in corpus.cases:
-            if only and case.id not in only:
-                continue
-            outcome, losses = run_case(case, gw, dep.context_window, upstreams,
-                                       EMBEDDINGS_PATH if corpus.serves == "embeddings" else CHAT_PATH)
-            result.results.append(outcome)
-            result.losses.update(losses)
-        return result
+        yield Session(sb, stack, dep, Upstreams(urls))
     finally:
         stack.stop()
+
+
+def run_corpus(s: Session, corpus: Corpus, route: str, only: set[str] | None = None) -> Run:
+    """The conformance corpus through the session's gateway, under `route`'s policy."""
+    if corpus.serves != s.dep.serves:
+        raise ValueError(f"{s.dep.deployment} serves {s.dep.serves}; this corpus is for {corpus.serves}")
+    result = Run(s.sandbox.ref, s.dep.fingerprint.adapter, corpus.version, corpus_digest=corpus.digest)
+    gw = s.gateway("conformance", route)
+    for case in corpus.cases:
+        if only and case.id not in only:
+            continue
+        outcome, losses = run_case(case, gw, s.dep.context_window, s.upstreams,
+                                   EMBEDDINGS_PATH if corpus.serves == "embeddings" else CHAT_PATH)
+        result.results.append(outcome)
+        result.losses.update(losses)
+    return result
+
+
+def run(config: Path, deployment: str, corpus: Corpus, work: Path, time_scale: float = 0.02,
+        only: set[str] | None = None, engine_args: tuple[str, ...] = (), simulate_providers: bool = False,
+        engine: str = "sim", route: str | None = None) -> Run:
+    """The corpus against `deployment` of the policy at `config`, under `route`'s retry and fallback
+    policy (default: the first route that has it as a candidate), in a session of its own."""
+    real = route_for(load_snapshot(config), deployment, route)
+    with session(config, deployment, work, [real], corpus.cases_requests(), time_scale, engine_args,
+                 simulate_providers, engine) as s:
+        result = run_corpus(s, corpus, real.route_contract, only)
+    result.route = real.route_contract
+    return result

@@ -21,6 +21,7 @@ from pathlib import Path
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import WORKER_HEALTH_PATH
+from extproc.corpora import quality_corpus
 from extproc.secrets import resolve
 from extproc.shapes.registry import shape_of
 from llmgw.local import vllm_env
@@ -102,6 +103,9 @@ class StackOptions:
     traces: bool = False  # the workers' spans into <state>/traces.jsonl (llmgw up)
     extproc_env: dict[str, str] = field(default_factory=dict)  # more environment for the workers (OTLP)
     region: str = ""  # where this gateway runs (ext_proc --region); "" = not declared
+    # The simulators' answer quality, an operator's setting (enginesim/oracle.py): right on this share
+    # of the tasks of the policy's quality corpora. None: none right (seeded words, as ever).
+    sim_quality: float | None = None
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -307,7 +311,7 @@ class Stack:
                 argv = python_module("enginesim", "--api", provider_api(dep), "--host", host, "--port", str(port),
                                      "--served-model-name", dep.served_model, "--profile", self.opts.engine_profile,
                                      "--time-scale", str(self.opts.time_scale),
-                                     "--max-model-len", str(dep.context_window))
+                                     "--max-model-len", str(dep.context_window), *self._oracle_args())
                 self.engines[f"{host}:{port}"] = Child(f"provider-{name}-{port}", argv,
                                                        self.logs / f"provider-{name}-{port}.log",
                                                        env={"ENGINESIM_API_KEY": key} if key else {}).start()
@@ -323,8 +327,18 @@ class Stack:
             return python_module("enginesim", "--host", host, "--port", str(port), "--served-model-name", served,
                                  "--profile", self.opts.engine_profile, "--time-scale", str(self.opts.time_scale),
                                  "--max-model-len", str(windows.get(served, 8192)), *runner,
-                                 *self.opts.engine_args), dict(vllm_env.DEV_MODE)
+                                 *(() if runner else self._oracle_args()), *self.opts.engine_args
+                                 ), dict(vllm_env.DEV_MODE)
         return launch
+
+    def _oracle_args(self) -> list[str]:
+        """A simulator's answer quality (StackOptions.sim_quality) on the policy's quality corpora."""
+        if self.opts.sim_quality is None:
+            return []
+        corpora = sorted({str(quality_corpus(rc.quality.corpus, self.snapshot.directory))
+                          for rc in self.snapshot.gateway.request_classes.values() if rc.quality is not None})
+        return [*(a for c in corpora for a in ("--quality-oracle", c)),
+                "--quality-accuracy", str(self.opts.sim_quality)]
 
     def _vllm_launcher(self) -> EngineLauncher:
         python = vllm_env.ensure_venv(self.opts.vllm_venv or vllm_env.default_venv(), self.logs / "vllm-install.log")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import date
 
 from extproc.config import Snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE, RETIRE_WARNING_DAYS, Candidate, Deployment
+from extproc.config.schema import RETIRE_WARNING_DAYS, Candidate, Deployment, Route
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,11 @@ class Finding:
     text: str
 
 
-def _qualified(snap: Snapshot, cand: Candidate, by: date, today: date) -> bool:
+def _qualified(snap: Snapshot, route: Route, cand: Candidate, by: date, today: date) -> bool:
     dep = snap.deployments.get(cand.deployment_name)
     return (dep is not None and dep.ref == cand.deployment_ref and not dep.withdrawn
             and (dep.retire_at is None or dep.retire_at > by)
-            and REQUIRED_EVIDENCE.issubset(snap.passing_evidence(cand.deployment_ref, today)))
+            and not snap.missing_evidence(route, cand.deployment_ref, today))
 
 
 def replacement_problems(snap: Snapshot, dep: Deployment, today: date) -> list[str]:
@@ -43,7 +43,7 @@ def replacement_problems(snap: Snapshot, dep: Deployment, today: date) -> list[s
     if name in snap.routes:
         route = snap.routes[name]
         usable = [c for c in route.candidates
-                  if c.deployment_name != dep.deployment and _qualified(snap, c, dep.retire_at, today)]
+                  if c.deployment_name != dep.deployment and _qualified(snap, route, c, dep.retire_at, today)]
         served = {dc for c in usable for dc in c.data_classes}
         if not usable:
             problems.append(f"replacement route {name} has no qualified candidate besides {dep.deployment}")
@@ -56,7 +56,7 @@ def replacement_problems(snap: Snapshot, dep: Deployment, today: date) -> list[s
             cand = next((c for c in route.candidates if c.deployment_name == name), None)
             if cand is None:
                 problems.append(f"replacement {name} is not a candidate of route {route_name}")
-            elif not _qualified(snap, cand, dep.retire_at, today):
+            elif not _qualified(snap, route, cand, dep.retire_at, today):
                 problems.append(f"replacement {name} is not qualified on route {route_name} (evidence, "
                                 "withdrawal or its own retirement)")
     else:

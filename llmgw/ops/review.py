@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import date
 
 from extproc.config import Snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE, Deployment, ModelGeometry
+from extproc.config.schema import Deployment, ModelGeometry
 from llmgw.ops.deprecations import replacement_problems
 
 # The default example: a 70B-class model (80 layers, 8 KV heads of dimension 128, 16-bit KV).
@@ -112,7 +112,7 @@ def _equivalence(snap: Snapshot, today: date) -> list[str]:
             for c in cands:
                 records = [e for e in snap.evidence.get(c.deployment_ref, ()) if e.kind == "conformance"]
                 corpora |= {e.corpus_version for e in records if e.corpus_version}
-                missing = REQUIRED_EVIDENCE - snap.passing_evidence(c.deployment_ref, today)
+                missing = snap.missing_evidence(route, c.deployment_ref, today)
                 states.append(f"{c.deployment_name} {'passes' if not missing else 'NOT qualified'}")
             same = ("the same corpus " + next(iter(corpora))) if len(corpora) == 1 else \
                 ("DIFFERENT corpora: " + ", ".join(sorted(corpora)) if corpora else "no corpus recorded")
@@ -149,7 +149,7 @@ def _deprecations(snap: Snapshot, today: date) -> list[str]:
         for name in sorted(routes_of[dep.deployment]):
             others = [c.deployment_name for c in snap.routes[name].candidates
                       if c.deployment_name != dep.deployment
-                      and not REQUIRED_EVIDENCE - snap.passing_evidence(c.deployment_ref, today)]
+                      and not snap.missing_evidence(snap.routes[name], c.deployment_ref, today)]
             lines.append(f"{name} -> {', '.join(others) if others else 'NO qualified replacement'}")
         assert dep.retire_at is not None
         passed = dep.retire_at <= today

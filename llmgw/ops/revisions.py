@@ -41,7 +41,6 @@ import yaml
 
 from extproc.config import ConfigError, Snapshot, load_snapshot
 from extproc.config.policy_tests import run_isolated
-from extproc.config.schema import REQUIRED_EVIDENCE
 from llmgw.ops import deprecations
 
 HISTORY_KEY = "{llmgw}:revisions"  # a stream: one entry per apply or rollback, accepted or refused
@@ -187,7 +186,7 @@ def check(directory: Path, today: date | None = None) -> tuple[Snapshot | None, 
     problems += [f.text for f in deprecations.findings(snap, today) if f.error]
     for name, route in sorted(snap.routes.items()):
         expired = [c.deployment_name for c in route.candidates
-                   if not REQUIRED_EVIDENCE.issubset(snap.passing_evidence(c.deployment_ref, today))]
+                   if snap.missing_evidence(route, c.deployment_ref, today)]
         if len(expired) == len(route.candidates):
             problems.append(f"route {name}: no candidate has passing, unexpired evidence ({', '.join(expired)})")
     return snap, problems

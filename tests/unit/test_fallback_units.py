@@ -18,6 +18,7 @@ from extproc.config.plans import attempt_kind, candidate_subsets, composite_name
 from extproc.contract import GatewayError
 from llmgw.local.procs import envoy_binary, envoy_env
 from llmgw.render.bootstrap import RenderOptions, fallback_clusters, render_yaml
+from tests.conftest import stamp_evidence
 from tests.e2e.config.test_qualification import route, yaml_edit
 from tests.e2e.routing.test_fallback_e2e import BACKUP, BACKUP_MODEL, fallback_policy
 from tests.helpers import chat_body
@@ -131,6 +132,7 @@ def test_the_route_stage_plans_every_qualified_candidate_in_order(tmp_path: Path
 def test_fallback_off_plans_the_first_qualified_candidate_only(tmp_path: Path) -> None:
     policy = fallback_policy(tmp_path)
     yaml_edit(policy / "routes/chat-default.yaml", lambda doc: doc.update(fallback={"enabled": False}))
+    stamp_evidence(policy, "pool-llama-8b", BACKUP)  # under the route's new fallback policy
     assert _plan(policy, "internal") == ([FIRST], "fallback_chat-default_0")
     # Envoy is given no composite of two or more for it: none can be routed to.
     assert [c.name for c in fallback_clusters(load_snapshot(policy), {"pool_engine-pool", "pool_backup-pool"})

@@ -123,7 +123,7 @@ def test_check_cli_prints_revision() -> None:
 
 def test_check_cli_reports_qualification(policy: Path) -> None:
     assert "route chat-default: candidate pool-llama-8b: qualified" in llmgw("check", str(policy)).stdout
-    (policy / "evidence/pool-llama-8b-quality-gate.yaml").unlink()
+    (policy / "evidence/pool-llama-8b-quality-gate-chat-default.yaml").unlink()
     r = llmgw("check", str(policy))
     assert r.returncode == 0  # valid configuration; the candidate just cannot serve
     assert "candidate pool-llama-8b: NOT ELIGIBLE: no passing quality_gate evidence" in r.stdout

@@ -18,6 +18,7 @@ from extproc.config import load_snapshot
 from extproc.config.schema import Evidence
 from llmgw.conformance import runner
 from llmgw.conformance.corpus import load_corpus
+from llmgw.conformance.record import record_path, write_record
 from tests.conftest import POLICY, repin
 
 CORPUS = load_corpus()
@@ -36,14 +37,20 @@ def check_says(policy: Path) -> str:
                           timeout=60).stdout
 
 
-def record(policy: Path, deployment: str) -> Evidence:
-    return Evidence.model_validate(yaml.safe_load((policy / f"evidence/{deployment}-conformance.yaml").read_text()))
+def record(policy: Path, deployment: str, route: str = "chat-default") -> Evidence:
+    return Evidence.model_validate(yaml.safe_load(record_path(policy, deployment, "conformance", route).read_text()))
+
+
+def candidate_state(policy: Path, route: str, deployment: str) -> str:
+    """What `llmgw check` says of one candidate of one route."""
+    prefix = f"route {route}: candidate {deployment}: "
+    return next(line.removeprefix(prefix) for line in check_says(policy).splitlines() if line.startswith(prefix))
 
 
 @pytest.mark.e2e
 def test_the_pool_passes_and_its_record_is_what_qualifies_it(policy: Path) -> None:
-    (policy / "evidence/pool-llama-8b-conformance.yaml").unlink()
-    assert "NOT ELIGIBLE: no passing conformance evidence" in check_says(policy)
+    record_path(policy, "pool-llama-8b", "conformance", "chat-default").unlink()
+    assert candidate_state(policy, "chat-default", "pool-llama-8b").startswith("NOT ELIGIBLE: no passing conformance")
     r = conformance(policy, "--route", "chat-default")
     assert r.returncode == 0, r.stdout + r.stderr
     rec = record(policy, "pool-llama-8b")
@@ -52,7 +59,10 @@ def test_the_pool_passes_and_its_record_is_what_qualifies_it(policy: Path) -> No
     assert rec.corpus_version == CORPUS.version and rec.adapter == "openai-compat@1"
     results = {c.id: c.result for c in rec.cases}
     assert results == {k: "not_run" if k in REFUSALS else "pass" for k in CASES}  # every other case ran
-    assert "conformance" in snap.passing_evidence(rec.deployment_ref, date.today())
+    assert "conformance" in snap.passing_evidence(rec.deployment_ref, snap.routes["chat-default"], date.today())
+    assert rec.route == "chat-default" and rec.basis is not None
+    assert rec.basis.route_policy_digest == snap.routes["chat-default"].policy_digest
+    assert rec.basis.corpus_digest == CORPUS.digest
     assert "qualified" in check_says(policy) and "NOT ELIGIBLE" not in check_says(policy)
 
 
@@ -63,9 +73,15 @@ def test_changing_a_fingerprint_field_voids_the_record(policy: Path) -> None:
     dep["fingerprint"]["precision"] = "fp8"  # another served system
     dep_path.write_text(yaml.safe_dump(dep))
     repin(policy, "pool-llama-8b")
-    assert "NOT ELIGIBLE: no passing conformance" in check_says(policy)  # the old record names the old digest
+    # The old records name the old digest.
+    assert candidate_state(policy, "chat-default", "pool-llama-8b") == \
+        "NOT ELIGIBLE: no passing conformance, quality_gate evidence"
     assert conformance(policy, "--deployment", "pool-llama-8b").returncode == 0  # earned again for fp8
-    assert "NOT ELIGIBLE: no passing conformance" not in check_says(policy)
+    # Under the first route that has it (chat-default), whose quality gate is still to be earned; not
+    # under chat-fallback's other retry policy.
+    assert candidate_state(policy, "chat-default", "pool-llama-8b") == "NOT ELIGIBLE: no passing quality_gate evidence"
+    assert candidate_state(policy, "chat-fallback", "pool-llama-8b").startswith(
+        "NOT ELIGIBLE: no passing conformance, quality_gate evidence for this route's retry/fallback policy")
 
 
 @pytest.mark.e2e
@@ -79,11 +95,12 @@ def test_a_corrupted_provider_fails_the_corpus_and_is_not_qualified(policy: Path
     assert "answer_rejected" in failed["tool-auto"], failed
     assert "stream ended interrupted" in failed["tool-call-streamed"], failed  # before the call reached it
     assert "context-limit" not in failed  # refused by the gateway before the provider: still conformant
-    doc = run.evidence(date.today(), 30)
-    (policy / "evidence/pool-llama-8b-conformance.yaml").write_text(yaml.safe_dump(doc))
+    before = load_snapshot(policy)
+    write_record(policy, before, "pool-llama-8b", before.routes["chat-default"], run.evidence(date.today(), 30),
+                 run.corpus_digest)
     snap = load_snapshot(policy)
-    assert "conformance" not in snap.passing_evidence(run.deployment_ref, date.today())
-    assert "NOT ELIGIBLE: no passing conformance" in check_says(policy)
+    assert "conformance" not in snap.passing_evidence(run.deployment_ref, snap.routes["chat-default"], date.today())
+    assert candidate_state(policy, "chat-default", "pool-llama-8b") == "NOT ELIGIBLE: no passing conformance evidence"
 
 
 def test_a_partial_run_writes_no_record(policy: Path) -> None:
@@ -92,7 +109,7 @@ def test_a_partial_run_writes_no_record(policy: Path) -> None:
 
 
 def test_a_record_cannot_say_pass_over_a_failed_case() -> None:
-    doc = yaml.safe_load((POLICY / "evidence/pool-llama-8b-conformance.yaml").read_text())
+    doc = yaml.safe_load(record_path(POLICY, "pool-llama-8b", "conformance", "chat-default").read_text())
     doc["cases"][0] = {"id": doc["cases"][0]["id"], "result": "fail", "detail": "x"}
     with pytest.raises(ValueError, match="a case failed"):
         Evidence.model_validate(doc)

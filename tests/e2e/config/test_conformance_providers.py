@@ -10,6 +10,7 @@ import pytest
 
 from llmgw.bench.translated import add_anthropic_route, add_provider_route, simulated_provider
 from llmgw.conformance import runner
+from llmgw.conformance.record import record_path
 from tests.conftest import module_provider
 from tests.e2e.config.test_conformance import CORPUS, REFUSALS, conformance, record
 from tests.e2e.doors.test_translated_route_e2e import AZURE_KEY, AZURE_MODEL, add_azure_route
@@ -24,10 +25,10 @@ anthropic_sim = module_provider("anthropic", "claude-sim-1", "sk-conformance")
 @pytest.mark.e2e
 def test_an_anthropic_shaped_provider_passes_and_its_losses_are_recorded(policy: Path, anthropic_sim: str) -> None:
     add_anthropic_route(policy, anthropic_sim.removeprefix("http://"), "sk-conformance")
-    (policy / "evidence/claude-sim-conformance.yaml").unlink()  # the helper's hand-written one
+    record_path(policy, "claude-sim", "conformance", "chat-anthropic").unlink()  # the helper's provisional one
     r = conformance(policy, "--deployment", "claude-sim")
     assert r.returncode == 0, r.stdout + r.stderr
-    rec = record(policy, "claude-sim")
+    rec = record(policy, "claude-sim", "chat-anthropic")
     results = {c.id: c.result for c in rec.cases}
     assert {k for k, v in results.items() if v == "lost"} == ANTHROPIC_LOST
     assert all(v == "pass" for k, v in results.items() if k not in ANTHROPIC_LOST)  # tools, streams, faults

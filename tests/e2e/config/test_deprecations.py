@@ -90,9 +90,9 @@ def test_a_qualified_replacement_passes_route_or_deployment(policy: Path) -> Non
 
 def test_a_replacement_without_evidence_or_retiring_as_early_is_not_qualified(policy: Path) -> None:
     retire(policy, "demo-anthropic", SOON, retire_owner="team", retire_replacement="chat-default")
-    (policy / "evidence/pool-llama-8b-conformance.yaml").unlink()
+    (policy / "evidence/pool-llama-8b-conformance-chat-default.yaml").unlink()
     assert any("chat-default has no qualified candidate" in f.text for f in findings(load_snapshot(policy), TODAY))
-    shutil.copy(POLICY / "evidence/pool-llama-8b-conformance.yaml", policy / "evidence")
+    shutil.copy(POLICY / "evidence/pool-llama-8b-conformance-chat-default.yaml", policy / "evidence")
     retire(policy, "pool-llama-8b", SOON, retire_owner="team", retire_replacement="chat-anthropic")
     text = " ".join(f.text for f in findings(load_snapshot(policy), TODAY))
     assert "chat-default has no qualified candidate besides demo-anthropic" in text  # the pool leaves the same day

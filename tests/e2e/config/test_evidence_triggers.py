@@ -17,7 +17,6 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.config import load_snapshot
-from extproc.config.schema import REQUIRED_EVIDENCE
 from extproc.occupancy import _Fixed, families
 from llmgw.ops.reevaluate import Bounds, evaluate, void_files
 from tests.conftest import POLICY
@@ -40,8 +39,10 @@ def edit(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
 
 
 def qualified(policy: Path, deployment: str) -> bool:
+    """Qualified on every route that has it as a candidate."""
     snap = load_snapshot(policy)
-    return REQUIRED_EVIDENCE.issubset(snap.passing_evidence(snap.deployments[deployment].ref, TODAY))
+    routes = [r for r in snap.routes.values() if any(c.deployment_name == deployment for c in r.candidates)]
+    return bool(routes) and not any(snap.missing_evidence(r, snap.deployments[deployment].ref, TODAY) for r in routes)
 
 
 def narrow_anthropic(p: Path) -> None:
@@ -80,7 +81,7 @@ def test_a_static_trigger_voids_the_evidence_and_the_candidate_leaves_routing(
 
 
 def test_a_later_failing_record_outranks_an_earlier_pass(policy: Path) -> None:
-    rec = yaml.safe_load((policy / "evidence/demo-gemini-conformance.yaml").read_text())
+    rec = yaml.safe_load((policy / "evidence/demo-gemini-conformance-chat-gemini.yaml").read_text())
     later = {**rec, "result": "fail", "recorded_at": (TODAY + timedelta(days=1)).isoformat(), "cases": []}
     (policy / "evidence/demo-gemini-conformance-rerun.yaml").write_text(yaml.safe_dump(later))
     assert not qualified(policy, "demo-gemini")
@@ -130,7 +131,7 @@ def test_a_void_record_takes_the_candidate_out_and_the_metrics_say_so(policy: Pa
     assert 'llmgw_evidence_voided{deployment="demo-bedrock"} 2.0' in generate_latest(registry).decode()
     # Evidence earned after the trigger counts again.
     for kind in ("conformance", "quality-gate"):
-        path = policy / f"evidence/demo-bedrock-{kind}.yaml"
+        path = policy / f"evidence/demo-bedrock-{kind}-chat-bedrock.yaml"
         edit(path, lambda d: d.update(recorded_at=(TODAY + timedelta(days=1)).isoformat()))
     assert qualified(policy, "demo-bedrock")
 

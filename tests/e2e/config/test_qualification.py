@@ -18,6 +18,7 @@ from extproc.bounds import bound_of
 from extproc.chat import prompt_bytes
 from extproc.config import load_snapshot
 from extproc.contract import ErrorCode, GatewayError
+from extproc.corpora import quality_corpus
 from extproc.exchange import Exchange, Identity
 from extproc.reservation import Held
 from extproc.stages.route import RouteSelection, tenant_salts
@@ -56,7 +57,16 @@ def refusal(policy: Path, body: dict[str, Any] | None = None, **kw: str) -> Gate
     return e.value
 
 
-EVIDENCE = "evidence/pool-llama-8b-quality-gate.yaml"
+EVIDENCE = "evidence/pool-llama-8b-quality-gate-chat-default.yaml"
+CONFORMANCE = "evidence/pool-llama-8b-conformance-chat-default.yaml"
+QUALITY = quality_corpus("general", Path("."))
+
+
+def void_file(p: Path, trigger: str, recorded_at: str) -> None:
+    (p / "evidence/voids").mkdir(parents=True, exist_ok=True)
+    ref = load_snapshot(p).deployments["pool-llama-8b"].ref
+    (p / f"evidence/voids/{trigger}.yaml").write_text(yaml.safe_dump(
+        {"deployment_ref": ref, "trigger": trigger, "reason": "test", "recorded_at": recorded_at}))
 
 
 @pytest.mark.parametrize(("why", "edit"), [
@@ -70,11 +80,38 @@ EVIDENCE = "evidence/pool-llama-8b-quality-gate.yaml"
                                              lambda d: d["tenants"]["acme"].update(regions=["us"]))),
     ("withdrawn", lambda p: yaml_edit(p / "deployments/pool-llama-8b.yaml", lambda d: d.update(withdrawn=True))),
     ("retired", lambda p: yaml_edit(p / "deployments/pool-llama-8b.yaml", lambda d: d.update(retire_at="2020-01-01"))),
+    # Evidence bound to what earned it (invariant 17).
+    ("bound to nothing", lambda p: yaml_edit(p / CONFORMANCE, lambda d: d.pop("basis"))),
+    ("another corpus", lambda p: yaml_edit(p / CONFORMANCE, lambda d: d["basis"].update(corpus_digest="0" * 16))),
+    ("another quality corpus", lambda p: yaml_edit(p / EVIDENCE, lambda d: d["basis"].update(corpus_digest="0" * 16))),
+    ("other shape code", lambda p: yaml_edit(p / CONFORMANCE, lambda d: d["basis"].update(shape_digest="0" * 16))),
+    ("another route policy", lambda p: yaml_edit(p / "routes/chat-default.yaml", lambda d: d["retry"].update(
+        eligible_failures=["connect_before_send", "rate_limited"]))),
+    ("a fallback policy change", lambda p: yaml_edit(p / "routes/chat-default.yaml", lambda d: d.update(
+        fallback={"enabled": False}))),
+    ("a gate of another class", lambda p: yaml_edit(p / EVIDENCE, lambda d: d.update(request_class="other"))),
+    ("a gate not graded", lambda p: yaml_edit(p / EVIDENCE, lambda d: d.pop("score"))),
+    ("threshold above its score", lambda p: (yaml_edit(p / EVIDENCE, lambda d: d.update(score=0.85)), yaml_edit(
+        p / "gateway.yaml", lambda d: d["request_classes"]["read_only_chat"]["quality"].update(threshold=0.9)))),
+    ("another quality corpus named", lambda p: (shutil.copy(QUALITY, p / "tasks.yaml"), yaml_edit(
+        p / "gateway.yaml", lambda d: d["request_classes"]["read_only_chat"]["quality"].update(corpus="tasks.yaml")),
+        yaml_edit(p / "tasks.yaml", lambda d: d["tasks"].pop()))),
+    ("an engine that differs", lambda p: void_file(p, "engine_mismatch", "2020-01-01")),
+    ("a run-time trigger", lambda p: void_file(p, "provider_drift", "2099-01-01")),
 ])
 def test_unqualified_candidates_are_never_chosen(tmp_path: Path, why: str, edit: Callable[[Path], None]) -> None:
     err = refusal(policy_copy(tmp_path, edit))
     assert err.code is ErrorCode.NO_QUALIFIED_ROUTE, why
     assert err.status == 503
+
+
+def test_a_run_time_trigger_voids_only_records_earned_before_it_an_engine_mismatch_all(tmp_path: Path) -> None:
+    """A provider-drift void dated before the records leaves them standing (they were earned after it);
+    an engine mismatch is about the engine now, so it voids every record while it exists."""
+    ex = route(policy_copy(tmp_path / "a", lambda p: void_file(p, "provider_drift", "2020-01-01")), chat_body())
+    assert ex.deployment is not None
+    err = refusal(policy_copy(tmp_path / "b", lambda p: void_file(p, "engine_mismatch", "2020-01-01")))
+    assert err.code is ErrorCode.NO_QUALIFIED_ROUTE and "evidence" in err.message
 
 
 def test_the_demo_policy_qualifies(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from datetime import date, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import yaml
 from extproc.config import load_snapshot
 from llmgw.local.procs import json_at
 from llmgw.ops.revisions import HISTORY_KEY, apply, changes, history, policy_files, rollback
-from tests.conftest import POLICY, repin, start_stack, valkey_url
+from tests.conftest import POLICY, repin, stamp_evidence, start_stack, valkey_url
 from tests.helpers import llmgw
 
 DB = 7  # this module's database on the shared test Valkey
@@ -51,11 +51,8 @@ def refingerprint(policy: Path, deployment: str, field: str, value: str) -> None
     """Change a fingerprint field, re-pin the routes to the new reference, and record the evidence the
     operator earned for it (what `llmgw conformance` and the quality gate would write)."""
     edit(policy / f"deployments/{deployment}.yaml", lambda d: d["fingerprint"].update({field: value}))
-    ref = repin(policy, deployment)
-    for kind in ("conformance", "quality_gate"):
-        (policy / f"evidence/{deployment}-{kind}-new.yaml").write_text(yaml.safe_dump(
-            {"deployment_ref": ref, "kind": kind, "result": "pass", "recorded_at": date.today().isoformat(),
-             "expires_at": (date.today() + timedelta(days=90)).isoformat()}))
+    repin(policy, deployment)
+    stamp_evidence(policy, deployment)
 
 
 KINDS: list[tuple[str, Callable[[Path], None]]] = [

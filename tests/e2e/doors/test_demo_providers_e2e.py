@@ -54,8 +54,9 @@ def test_the_fallback_route_crosses_shapes_when_the_pool_fails(up: Stack) -> Non
 
 
 def test_the_demo_evidence_was_written_by_the_conformance_command() -> None:
-    for deployment in ("demo-anthropic", "demo-gemini", "demo-bedrock", "pool-llama-8b"):
-        rec = yaml.safe_load((POLICY / f"evidence/{deployment}-conformance.yaml").read_text())
+    for deployment, route in (("demo-anthropic", "chat-anthropic"), ("demo-gemini", "chat-gemini"),
+                              ("demo-bedrock", "chat-bedrock"), ("pool-llama-8b", "chat-default")):
+        rec = yaml.safe_load((POLICY / f"evidence/{deployment}-conformance-{route}.yaml").read_text())
         assert rec["source"] == "llmgw conformance" and rec["result"] == "pass"
         assert date.fromisoformat(str(rec["expires_at"])) > date.today()
         assert not [c for c in rec["cases"] if c["result"] not in ("pass", "lost", "not_run")]

@@ -9,6 +9,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from llmgw.bench.translated import (
     add_anthropic_route,
     add_route_of,
 )
+from llmgw.conformance.record import stamp
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_provider, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
@@ -55,13 +57,8 @@ def add_azure_route(policy: Path, endpoint: str) -> None:
                               adapter_options={"kind": "azure", "deployment": "gpt-prod", "api_version": "2024-10-21"})
     (policy / "deployments/azure-gpt.yaml").write_text(yaml.safe_dump(dep))
     ref = load_snapshot(policy).deployments["azure-gpt"].ref
-    for kind in ("conformance", "quality_gate"):
-        doc = yaml.safe_load((policy / f"evidence/claude-sim-{kind}.yaml").read_text())
-        (policy / f"evidence/azure-gpt-{kind}.yaml").write_text(yaml.safe_dump({**doc, "deployment_ref": ref}))
-    add_route_of(policy, "chat-azure", ref)
-    route = yaml.safe_load((policy / "routes/chat-azure.yaml").read_text())
-    route["candidates"][0]["adapter_ref"] = "openai@1"
-    (policy / "routes/chat-azure.yaml").write_text(yaml.safe_dump(route))
+    add_route_of(policy, "chat-azure", ref, adapter="openai@1")
+    stamp(policy, "azure-gpt", datetime.now(UTC).date())
 
 
 def translated_policy(root: Path, provider: str, azure: str) -> Path:
@@ -77,6 +74,8 @@ def translated_policy(root: Path, provider: str, azure: str) -> Path:
                       "requires": "read_only_or_idempotency_key"}
     (dst / "routes/chat-cross.yaml").write_text(yaml.safe_dump(cross))
     add_route_of(dst, "chat-cross-report", ref, "report", first=False)
+    for deployment in ("pool-llama-8b", "claude-sim"):  # under chat-cross's retry policy too
+        stamp(dst, deployment, datetime.now(UTC).date())
     return dst
 
 

@@ -41,7 +41,9 @@ def test_up_two_years_ahead_earns_its_evidence_and_serves_every_route(tmp_path: 
         for record in sorted((policy / "evidence").glob("*.yaml")):
             doc = yaml.safe_load(record.read_text())
             assert (doc["result"], str(doc["recorded_at"])) == ("pass", ahead.isoformat()), record.name
-        assert len(list((policy / "evidence").glob("*.yaml"))) == 10  # both kinds for each of five candidates
+        # Conformance for each of five candidates under each route policy they serve under (chat-fallback's
+        # retry differs: two more), a quality gate likewise but for embeddings (its class declares none).
+        assert len(list((policy / "evidence").glob("*.yaml"))) == 13
         client = openai.OpenAI(base_url=f"{info['url']}/v1", api_key=info["tenants"]["acme"]["api_key"],
                                max_retries=0)
         served = {}
@@ -58,5 +60,4 @@ def test_up_two_years_ahead_earns_its_evidence_and_serves_every_route(tmp_path: 
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
-    assert ("llmgw: earning conformance evidence for demo-anthropic, demo-bedrock, demo-gemini, pool-embed, "
-            "pool-llama-8b") in out
+    assert "llmgw: earning evidence for demo-anthropic, demo-bedrock, demo-gemini, pool-embed, pool-llama-8b" in out

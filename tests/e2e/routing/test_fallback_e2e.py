@@ -31,7 +31,7 @@ from extproc.picker import parse_load
 from llmgw.bench.policy import add_candidate
 from llmgw.local.procs import wait_until
 from llmgw.local.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, module_stack, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, module_stack, stamp_evidence, start_stack
 from tests.conftest import ledger_of as conftest_ledger_of
 from tests.helpers import assert_contract_error, chat_body, request, request_quietly
 
@@ -62,6 +62,7 @@ def fallback_policy(root: Path) -> Path:
     route["retry"] = {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable", "no_first_byte"],
                       "requires": "read_only_or_idempotency_key"}
     (dst / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))
+    stamp_evidence(dst, "pool-llama-8b", BACKUP)  # under the route's new retry policy
     return dst
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from llmgw.local.stack import Stack
-from tests.conftest import POLICY, start_stack
+from tests.conftest import POLICY, stamp_evidence, start_stack
 from tests.e2e.routing.test_e2e_served_path import clear_engine_logs, engine_log
 from tests.helpers import assert_contract_error, chat_body, request, unique_marker
 
@@ -35,6 +35,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     route["retry"] = {"attempts": 1, "eligible_failures": ["connect_before_send", "unavailable", "rate_limited"],
                       "requires": "read_only_or_idempotency_key"}
     (policy / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))
+    stamp_evidence(policy, "pool-llama-8b")  # under the route's new retry policy
     s = start_stack(tmp / "state", policy)
     yield s
     s.stop()
