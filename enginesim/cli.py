@@ -9,7 +9,7 @@ import os
 
 from aiohttp import web
 
-from enginesim.server import FAULT_HEADER, EngineServer, build_engine
+from enginesim.server import ENGINE_VERSION, FAULT_HEADER, EngineServer, build_engine
 
 # Each provider shape's front end on the engine's server (`--api`), imported only when chosen; the
 # OpenAI shape is the server's own.
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--embedding-dim", type=int, default=384, help="(--runner pooling) the vectors' length")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (and --tls-key), as a hosted provider does")
     p.add_argument("--tls-key")
+    p.add_argument("--engine-version", default=ENGINE_VERSION, help="what GET /version says, as vLLM's does")
     p.add_argument("--quality-oracle", metavar="CORPUS", action="append", default=[],
                    help="answer the tasks of this quality corpus (YAML; repeatable) right, on --quality-accuracy "
                         "of them")
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                           corrupt=frozenset(args.corrupt))
     key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
     server.reasoning_parser = args.reasoning_parser
+    server.engine_version = args.engine_version
     if args.quality_oracle:
         from pathlib import Path
 

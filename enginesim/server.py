@@ -1,7 +1,7 @@
 """A vLLM-compatible OpenAI server over the simulated engine (aiohttp).
 
 Endpoints as vLLM serves them: POST /v1/chat/completions (stream or not, include_usage, [DONE]),
-GET /v1/models, GET /health, GET /metrics (vLLM's names), POST /tokenize, and with
+GET /v1/models, GET /health, GET /version, GET /metrics (vLLM's names), POST /tokenize, and with
 VLLM_SERVER_DEV_MODE=1 (as vLLM) POST /reset_prefix_cache. Simulator-only:
 GET/DELETE /admin/requests (what this engine received), POST/DELETE /admin/faults (inject faults),
 GET /admin/invoice (what a provider would bill for it, as CSV).
@@ -224,6 +224,9 @@ class QueuedFault:
         return self.match in json.dumps(messages, ensure_ascii=False)
 
 
+ENGINE_VERSION = "0.11.0"  # the vLLM release whose server this simulator speaks for (GET /version)
+
+
 class EngineServer:
     def __init__(self, engine: Engine, served_model: str, seed: int = 0, fault_header: bool = False,
                  corrupt: frozenset[str] = frozenset()):
@@ -241,12 +244,14 @@ class EngineServer:
         self.generates = True
         self.reasoning_parser = ""  # vLLM's --reasoning-parser: the model thinks first, its reasoning apart
         self.oracle: Oracle | None = None  # the operator's answer quality (enginesim/oracle.py)
+        self.engine_version = ENGINE_VERSION  # what GET /version says (--engine-version)
         self.embed: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._cancellations])
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/embeddings", self.embeddings)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/version", self.version)
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_get("/admin/requests", self.list_requests)
@@ -281,6 +286,9 @@ class EngineServer:
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": self.engine_version})  # vLLM's GET /version
 
     async def models(self, _: web.Request) -> web.Response:
         now = int(time.time())

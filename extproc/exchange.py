@@ -62,6 +62,9 @@ class Exchange:
     deadline_ms: int | None = None  # x-llmgw-deadline-ms, parsed by intake
     idempotency_key: str | None = None
     degraded: str = ""  # `route:NAME` when the route's degraded route serves it (no candidate of its own qualified)
+    # Candidates the route stage left out, with every check each failed (`evidence`, and the run-time
+    # trigger that voided it: `engine_mismatch`, ...): the ledger names why a request went elsewhere or nowhere.
+    disqualified: str = ""  # `pool-llama-8b: engine_mismatch, evidence; other: data_class`
     canary: str = ""  # on a route with a canary: `canary` when it goes there first, else `stable`
     shadow_of: Grant | None = None  # this request is a shadow copy: the grant it came with
     shadow: str = ""  # the shadow candidate this request is copied to ("" = not shadowed)
@@ -143,6 +146,8 @@ class Exchange:
             facts["effects"] = list(self.effects)
             if self.idempotency_key is not None:
                 facts["idempotency_key"] = self.idempotency_key
+        if self.disqualified:
+            facts[Key.DISQUALIFIED.value] = self.disqualified
         if self.decision is not None:
             facts["decision"] = {"allow": self.decision.allow, "reasons": self.logged_reasons(),
                                  "policy_revision": self.decision.policy_revision, "decision_id": self.decision_id}
@@ -183,6 +188,8 @@ class Exchange:
             md[Key.DOOR] = self.door
         if self.degraded:
             md[Key.DEGRADED] = self.degraded
+        if self.disqualified:
+            md[Key.DISQUALIFIED] = self.disqualified
         if self.canary:
             md[Key.CANARY] = self.canary
         if self.deployment is not None:

@@ -110,6 +110,7 @@ class Key(StrEnum):
     PLAN = "plan"  # a fallback route's candidates, for the attempt filter
     LOSSES = "losses"  # per candidate, what its adapter loses or changes (JSON), for the attempt filter
     CANARY = "canary"  # on a route with a canary: `canary` (it was tried first) or `stable` (ledger)
+    DISQUALIFIED = "disqualified"  # candidates the route left out and why: `dep: evidence, engine_mismatch; ...`
     SHADOW = "shadow"  # the shadow candidate a copy goes to: selects the admitted route with the mirror policy
     SHADOW_GRANT = "shadow_grant"  # the copy's grant (extproc/shadow.py), added to the copy by the mirror
     DEGRADED = "degraded"  # the route's degraded answer served it: `route:NAME` (x-llmgw-degraded, ledger)
@@ -198,8 +199,9 @@ class StreamEnd(StrEnum):
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.LOSSES),
                       metadata_path(Key.PLAN_STREAM), metadata_path(Key.TRACE), "request.id")
 # The ledger's marks of how a request was served (the route's degraded answer, a canary's side of the
-# answer, the shadow candidate the request was copied to, a token count and the shape that counted).
-LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW, Key.COUNT)
+# answer, the shadow candidate the request was copied to, a token count and the shape that counted,
+# the candidates left out and why).
+LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW, Key.COUNT, Key.DISQUALIFIED)
 # What the meter asks for at the answer's end.
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{Header.DEPLOYMENT}']",

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import functools
 import hmac
+import json
 import logging
 import os
 import re
@@ -344,9 +345,17 @@ def status_guards(listen_host: str, token: str | None) -> Any:
     return guard
 
 
+def _loops(path: Path | None) -> Any:
+    """The supervised loops' state as `llmgw up` last wrote it (llmgw/ops/loops.py); {} when none run."""
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
 async def status_app(reloader: Reloader, listen: str, processor: Processor | None = None,
                      access_log: SettlementLog | None = None, picker: Picker | None = None,
-                     admin_token: str | None = None) -> web.AppRunner:
+                     admin_token: str | None = None, loops_state: Path | None = None) -> web.AppRunner:
     """GET /status: the serving revision, the last reload's outcome (errors name file and field),
     and what this worker has received (ext_proc messages, access-log entries) and scraped. GET
     /metrics: Prometheus text for every worker of this host (extproc/metrics.py). POST /reload, with
@@ -356,7 +365,7 @@ async def status_app(reloader: Reloader, listen: str, processor: Processor | Non
                   "access_log_entries": access_log.entries if access_log is not None else 0,
                   "metrics_scrapes": picker.scrapes if picker is not None else 0,
                   **(processor.decisions.status() if processor is not None else {})}
-        return web.json_response({**reloader.status, **counts})
+        return web.json_response({**reloader.status, **counts, "loops": _loops(loops_state)})
 
     async def reload(_: web.Request) -> web.Response:
         reloader.reload("admin request")
@@ -409,7 +418,7 @@ def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[s
 async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] | None = None,
                 status_listen: str | None = None, credentials: grpc.ServerCredentials | None = None,
                 store_url: str | None = None, picker_dir: Path | None = None,
-                admin_token: str | None = None) -> None:
+                admin_token: str | None = None, loops_state: Path | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -439,7 +448,7 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if bound == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
-    runner = (await status_app(reloader, status_listen, processor, settlement_log, picker, admin_token)
+    runner = (await status_app(reloader, status_listen, processor, settlement_log, picker, admin_token, loops_state)
               if status_listen else None)
     log.info("ext_proc listening on %s%s, revision %s", listen, " (mTLS)" if credentials else "",
              reloader.live.snapshot.revision)
@@ -479,6 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--admin-token-file", type=Path,
                    help="the status server's POST /reload needs this file's token as its bearer credential "
                         "(without it, the endpoint is off: SIGHUP reloads)")
+    p.add_argument("--loops-state", type=Path,
+                   help="the JSON file `llmgw up`'s supervised loops write their state to (GET /status shows it)")
     p.add_argument("--store-url", help="redis:// URL of the budget store (default: gateway.yaml store.url)")
     p.add_argument("--reload-runs-policy-tests", action="store_true",
                    help="refuse a new revision whose Rego test_* rules fail")
@@ -521,4 +532,4 @@ def main(argv: list[str] | None = None) -> None:
     pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
     token = args.admin_token_file.read_text().strip() if args.admin_token_file else None
     asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials, args.store_url,
-                      args.picker_dir, token or None))
+                      args.picker_dir, token or None, args.loops_state))

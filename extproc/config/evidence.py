@@ -106,11 +106,13 @@ def latest_per_kind(records: Iterable[Evidence]) -> list[Evidence]:
 
 def sift(records: Mapping[str, Sequence[Evidence]], deployments: Mapping[str, Deployment], gateway: GatewayConfig,
          voids: Sequence[EvidenceVoid], policy_dir: Path
-         ) -> tuple[dict[str, tuple[Evidence, ...]], dict[str, tuple[str, ...]]]:
-    """(the records that still count, by reference; why each reference lost records)."""
+         ) -> tuple[dict[str, tuple[Evidence, ...]], dict[str, tuple[str, ...]], dict[str, frozenset[str]]]:
+    """(the records that still count, by reference; why each reference lost records; the run-time
+    triggers that voided some of them)."""
     by_ref = {d.ref: d for d in deployments.values()}
     kept: dict[str, tuple[Evidence, ...]] = {}
     voided: dict[str, tuple[str, ...]] = {}
+    triggered: dict[str, frozenset[str]] = {}
     for ref, recs in records.items():
         dep = by_ref.get(ref)
         keep, why = [], []
@@ -118,9 +120,11 @@ def sift(records: Mapping[str, Sequence[Evidence]], deployments: Mapping[str, De
             reasons = static_voids(r, dep, gateway, policy_dir) if dep is not None else []
             # A run-time trigger voids what was earned on or before its day; an engine mismatch is
             # about the engine now, so it voids every record while its void exists (llmgw/ops/engines.py).
-            reasons += [f"{v.trigger.replace('_', ' ')}: {v.reason} ({v.recorded_at})" for v in voids
-                        if v.deployment_ref == ref
-                        and (v.trigger == "engine_mismatch" or v.recorded_at >= r.recorded_at)]
+            fired = [v for v in voids if v.deployment_ref == ref
+                     and (v.trigger == "engine_mismatch" or v.recorded_at >= r.recorded_at)]
+            reasons += [f"{v.trigger.replace('_', ' ')}: {v.reason} ({v.recorded_at})" for v in fired]
+            if fired:
+                triggered[ref] = triggered.get(ref, frozenset()) | {v.trigger for v in fired}
             if reasons:
                 why += [f"{r.kind}: {x}" for x in reasons]
             else:
@@ -128,4 +132,4 @@ def sift(records: Mapping[str, Sequence[Evidence]], deployments: Mapping[str, De
         kept[ref] = tuple(keep)
         if why:
             voided[ref] = tuple(why)
-    return kept, voided
+    return kept, voided, triggered

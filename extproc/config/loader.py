@@ -98,6 +98,7 @@ class Snapshot:
     keys_by_hash: Mapping[str, KeyOwner] = field(default_factory=dict)
     evidence: Mapping[str, tuple[Evidence, ...]] = field(default_factory=dict)  # by deployment_ref, still valid
     voided: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # deployment_ref -> why records were voided
+    void_triggers: Mapping[str, frozenset[str]] = field(default_factory=dict)  # the run-time triggers among them
     policy: CompiledPolicy | None = None  # None only for snapshots built without their Rego
     dry_run_policy: CompiledPolicy | None = None  # gateway.yaml policy_dry_run's candidate, never enforced
     policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
@@ -432,7 +433,7 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     all_rego = {**rego, **{f"dry-run:{k}": v for k, v in candidate.items()}}
     revision = _revision(gateway, plain_routes, plain_deps, all_rego, evidence,
                          [k.model_dump(mode="json") for k in managed], voids)
-    counted, voided = sift(evidence, plain_deps, gateway, voids, root)
+    counted, voided, triggered = sift(evidence, plain_deps, gateway, voids, root)
     for ref, why in sorted(voided.items()):
         warnings.append(f"evidence for {ref} voided: {'; '.join(why)}")
     data = policy_data(gateway)
@@ -444,6 +445,7 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     return Snapshot(
         evidence=MappingProxyType(counted),
         voided=MappingProxyType(voided),
+        void_triggers=MappingProxyType(triggered),
         directory=root,
         gateway=gateway,
         routes=MappingProxyType(plain_routes),

@@ -310,6 +310,14 @@ class RequestClass(Strict):
     quality: QualityGate | None = None
 
 
+class LoopSettings(Strict):
+    """The supervised loops `llmgw up` runs (llmgw/ops/loops.py): seconds between two runs; 0 turns one off."""
+
+    engine_verify_s: float = Field(default=30, ge=0)  # each pool engine against its fingerprint
+    reevaluate_s: float = Field(default=3600, ge=0)  # provider drift, SLO regression, workload shift
+    canary_watch_s: float = Field(default=60, ge=0)  # a regressing canary rolled back
+
+
 class GatewayConfig(Strict):
     data_classes: tuple[Name, ...] = Field(min_length=1)  # ordered, least to most sensitive
     # Keys the per-tenant prefix-cache salt (HMAC(secret, tenant)); resolved when ext_proc starts.
@@ -322,6 +330,7 @@ class GatewayConfig(Strict):
     group_effects: dict[str, tuple[Name, ...]] = {}  # JWT group -> tool effects its members may use
     tools: dict[str, Tool] = {}  # the tool catalog; a tool not listed here is unknown to policy
     request_classes: dict[Name, RequestClass] = {}  # every route names one of these
+    loops: LoopSettings = LoopSettings()
     redaction: RedactionSettings = RedactionSettings()
     tls: TlsSettings = TlsSettings()
     store: StoreSettings = StoreSettings()

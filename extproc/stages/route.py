@@ -102,6 +102,7 @@ def disqualifications(snap: Snapshot, route: Route, cand: Candidate, req: Reques
         failed.add("region")
     if snap.missing_evidence(route, dep.ref, req.today):
         failed.add("evidence")
+        failed |= snap.void_triggers.get(dep.ref, frozenset())  # named: engine_mismatch, provider_drift, ...
     prompt = req.prompt_bound + dep.template_allowance_tokens * req.n_messages
     if prompt + req.max_tokens > dep.context_window:
         failed.add("context")
@@ -272,10 +273,11 @@ class RouteSelection:
             qualified, refused, lost = shadow_plan(snap, route, facts, ex.body, ex.shadow_of.deployment)
         else:
             qualified, refused, lost = qualify(snap, route, facts, ex.body, route.translation_loss)
+        ex.disqualified = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
         if not qualified and ex.shadow_of is not None:
             raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE, f"the shadow candidate does not qualify ({refused})")
         if not qualified:
-            reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
+            reasons = ex.disqualified
             if all(f == {"context"} for f in refused.values()):
                 raise GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                    "prompt and max_tokens exceed every eligible candidate's context window",
@@ -295,7 +297,7 @@ class RouteSelection:
                 qualified, more, lost = qualify(snap, serving, facts, ex.body, route.translation_loss) \
                     if authorized_on(ex, serving) else ([], {degraded.route: {"forbidden"}}, {})
                 refused |= more
-                reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
+                ex.disqualified = reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
                 ex.degraded = f"route:{serving.route_contract}" if qualified else ""
             if not qualified:
                 raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE,

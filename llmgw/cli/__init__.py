@@ -112,6 +112,7 @@ def cmd_demo_evidence(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from llmgw.local import up_loops
     from llmgw.local.procs import claim_ports
     from llmgw.local.stack import Stack, StackOptions
     from llmgw.local.supervisor import CrashLoop, Supervisor
@@ -160,6 +161,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     up_json = stack.write_up_json()
     _record_start(stack, args)
+    loops = up_loops.start(stack, config_dir)
     print(f"llmgw is up in {time.monotonic() - t0:.1f}s (revision {stack.snapshot.revision})")
     print(f"  gateway:  {stack.url}/v1   (OpenAI-compatible; model = a route name)")
     print(f"  admin:    {stack.admin_url}")
@@ -172,6 +174,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"  report:   llmgw report --state-dir {args.state_dir} -o {Path(args.state_dir) / 'report.html'}"
           "   (the ledger and the metrics as one page)")
     print(f"  details:  {up_json}; logs in {stack.logs}")
+    print(f"  loops:    {', '.join(f'{n} every {s.interval_s:g}s' for n, s in loops.states.items()) or 'none'}"
+          "   (state in each worker's /status)")
     print("Ctrl-C stops every process; one that exits is started again.", flush=True)
     supervisor = Supervisor(stack.children)
     try:
@@ -183,6 +187,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 return 1
             stop.wait(0.2)
     finally:
+        loops.stop()
         stack.stop()
         up_json.unlink(missing_ok=True)
     print("llmgw stopped.")
@@ -211,6 +216,35 @@ def cmd_engines_install(args: argparse.Namespace) -> int:
     venv = vllm_env.default_venv()
     print(vllm_env.ensure_venv(venv, venv.parent / ".llmgw" / "logs" / "vllm-install.log"))
     return 0
+
+
+def cmd_engines_verify(args: argparse.Namespace) -> int:
+    from datetime import UTC, datetime
+
+    from llmgw.ops import engines
+
+    snap = snapshot_or_report(args.config)
+    if snap is None:
+        return 2
+    given: dict[str, list[str]] = {}
+    for spec in args.engine:
+        pool, _, url = spec.partition("=")
+        given.setdefault(pool, []).append(url)
+    urls = given or {name: [f"http://{e}" for e in pool.endpoints] for name, pool in snap.gateway.pools.items()}
+    check = engines.verify(snap, urls)
+    for f in check.findings:
+        print(f"{f.deployment}: {f}")
+    for engine in check.unreachable:
+        print(f"unreachable: {engine} (not a mismatch: a health matter)")
+    for name in check.matching:
+        print(f"{name}: every answering engine serves what its fingerprint declares")
+    if not args.dry_run:
+        written, removed = engines.apply(snap, check, datetime.now(UTC).date())
+        for path in written:
+            print(f"wrote {path} (its evidence is void while the engines differ: the candidate leaves routing)")
+        for path in removed:
+            print(f"removed {path} (the engines serve what the fingerprint declares again)")
+    return 1 if check.findings else 0
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -326,6 +360,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     tm.add_argument("dir")
     tm.add_argument("--seed", type=int, default=0)
     tm.set_defaults(func=cmd_tiny_model)
+    ve = ensub.add_parser("verify", help="each pool engine against its deployment's fingerprint: a mismatch voids "
+                                         "the evidence (a void record), a match again lifts it")
+    ve.add_argument("--config", default="policy")
+    ve.add_argument("--engine", action="append", default=[], metavar="POOL=URL",
+                    help="an engine of a pool (repeatable; default: the pool's endpoints in gateway.yaml)")
+    ve.add_argument("--dry-run", action="store_true", help="say what differs; write and remove nothing")
+    ve.set_defaults(func=cmd_engines_verify)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)

@@ -413,6 +413,7 @@ class Stack:
             self.extprocs.append(Child(f"extproc-{port}", python_module(
                 "extproc", "--config", str(self.snapshot.directory), "--listen", listen, *pools,
                 "--status-listen", f"127.0.0.1:{status}", "--admin-token-file", str(token),
+                "--loops-state", str(self.loops_state),
                 *tls_args, *self._store_args(),
                 # One worker scrapes the engines for all of this gateway's workers.
                 "--picker-dir", str(self.opts.state_dir / "picker"),
@@ -450,6 +451,11 @@ class Stack:
     def stop(self) -> None:
         for child in self.children():
             child.stop()
+
+    @property
+    def loops_state(self) -> Path:
+        """Where `llmgw up`'s supervised loops write their state (llmgw/ops/loops.py); the workers serve it."""
+        return self.opts.state_dir / "loops.json"
 
     def write_up_json(self) -> Path:
         path = self.opts.state_dir / "up.json"

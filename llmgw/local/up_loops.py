@@ -1,0 +1,82 @@
+"""The supervised loops `llmgw up` runs beside its processes (llmgw/ops/loops.py), so that a drift
+trigger fires without an operator: each at its interval in gateway.yaml `loops` (0: off).
+
+- engine_verify: every pool engine against its deployment's fingerprint (llmgw/ops/engines.py); a
+  mismatch writes a void, a match again removes it.
+- reevaluate: provider drift, SLO regression and workload shift from the ledger
+  (llmgw/ops/reevaluate.py, its default bounds), each finding a void record.
+- canary_watch: each route's canary against its stable candidates; a regression rolls it back as an
+  audited revision (llmgw/ops/canary.py).
+
+Voids land in the policy directory, which the workers watch: the candidate leaves routing at their
+next reload (within a second). The loops read the policy as it is at each run.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from contextlib import redirect_stdout
+from datetime import UTC, datetime
+from pathlib import Path
+
+from extproc.config import load_snapshot
+from llmgw.local.stack import Stack
+from llmgw.ops import canary, engines, reevaluate
+from llmgw.ops.ledger import ledger_entries
+from llmgw.ops.loops import Loops
+from llmgw.ops.store import store_client
+
+WINDOW_S, BASELINE_S = 24 * 3600, 7 * 24 * 3600  # reevaluate's, as `llmgw evidence reevaluate` defaults
+
+
+def engine_verify(stack: Stack, config: Path) -> str:
+    snap = load_snapshot(config)
+    pools = {d.pool for d in snap.deployments.values() if d.pool}
+    check = engines.verify(snap, {p: stack.engine_urls(p) for p in sorted(pools)})
+    written, removed = engines.apply(snap, check, datetime.now(UTC).date())
+    parts = [f"{len(check.matching)} deployment(s) serve what they declare"]
+    parts += [str(f) for f in check.findings]
+    parts += [f"unreachable: {', '.join(check.unreachable)}"] if check.unreachable else []
+    parts += [f"void written: {p.name}" for p in written] + [f"void removed: {p.name}" for p in removed]
+    return "; ".join(parts)
+
+
+def reevaluate_once(stack: Stack, config: Path) -> str:
+    snap = load_snapshot(config)
+    client = store_client(str(stack.store_url))
+    try:
+        entries = ledger_entries(client, sorted(snap.gateway.tenants))
+    finally:
+        client.close()
+    now = time.time()
+    window = [e for e in entries if float(e.get("time") or 0) >= now - WINDOW_S]
+    before = [e for e in entries if now - WINDOW_S - BASELINE_S <= float(e.get("time") or 0) < now - WINDOW_S]
+    findings = reevaluate.evaluate(window, before, reevaluate.Bounds())
+    paths = reevaluate.void_files(findings, dict(snap.deployments), config, datetime.now(UTC).date().isoformat())
+    return "; ".join([f"{len(window)} ledger entries", *(f"{f.deployment}: {f.trigger}: {f.reason}" for f in findings),
+                      *(f"void written: {p.name}" for p in paths)])
+
+
+def canary_watch(stack: Stack, config: Path) -> str:
+    client = store_client(str(stack.store_url))
+    said = io.StringIO()
+    try:
+        with redirect_stdout(said):  # watch_once says what it saw per route; the loop's state keeps it
+            rolled = canary.watch_once(client, config, stack.status_urls,
+                                       token=stack.admin_token_file.read_text().strip())
+    finally:
+        client.close()
+    return "; ".join(said.getvalue().splitlines() + [f"rolled back: {r}" for r in rolled]) or "no canary"
+
+
+def start(stack: Stack, config: Path) -> Loops:
+    """The loops for this stack, at gateway.yaml's intervals, started."""
+    settings = stack.snapshot.gateway.loops
+    loops = Loops(stack.loops_state)
+    for name, interval, run in (("engine_verify", settings.engine_verify_s, engine_verify),
+                                ("reevaluate", settings.reevaluate_s, reevaluate_once),
+                                ("canary_watch", settings.canary_watch_s, canary_watch)):
+        if interval > 0:
+            loops.add(name, interval, lambda run=run: run(stack, config))  # type: ignore[misc]
+    return loops.start()

@@ -1,0 +1,210 @@
+"""Whether each pool's engines serve what their deployment's fingerprint declares (invariant 17).
+
+Evidence is earned by a fingerprint; an engine that quietly serves another model, another context
+window, another vLLM or another KV cache configuration is another system, whose evidence nobody
+earned. Each engine of a pool is asked what it serves, the way vLLM's server answers:
+
+- `GET /v1/models`: the served model (`id`) and `max_model_len`, against the deployment's
+  `served_model` and `context_window`;
+- `GET /version`: vLLM's version, against the fingerprint's `engine` (`vllm@<version>`);
+- `GET /metrics`: the `vllm:cache_config_info` gauge's labels (`block_size`, `enable_prefix_caching`)
+  against the fingerprint's `kv_cache_policy` (`prefix-caching` or `no-prefix-caching`, `block<N>`).
+
+Batching settings (`max-num-seqs`, `max-batched-tokens`) have no signal in vLLM's server and are not
+checked. An engine that does not answer is a health matter (Envoy's outlier detection), not a mismatch.
+
+A mismatch writes a void record, `evidence/voids/<deployment>-engine_mismatch.yaml`, which voids every
+record of the fingerprint while it exists (the candidate leaves routing at the workers' next reload);
+the check removes it once every engine of the deployment serves what it declares again: the records
+were earned by that very fingerprint. `llmgw engines verify` runs it once; `llmgw up` every
+`loops.engine_verify_s`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from extproc.config import Snapshot
+from extproc.config.schema import Deployment
+
+TRIGGER = "engine_mismatch"
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one engine says it serves (None: it did not say)."""
+
+    models: tuple[str, ...] | None
+    max_model_len: int | None
+    version: str | None
+    cache: Mapping[str, str] | None
+
+
+@dataclass(frozen=True)
+class Finding:
+    deployment: str
+    engine: str  # host:port
+    field: str
+    declared: str
+    served: str
+
+    def __str__(self) -> str:
+        return f"engine {self.engine} serves {self.field} {self.served!r}, the fingerprint declares {self.declared!r}"
+
+
+def _get(url: str, path: str, timeout: float) -> tuple[int, bytes]:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+CACHE_INFO = re.compile(r'^vllm:cache_config_info\{(?P<labels>[^}]*)\}', re.MULTILINE)
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def probe(url: str, timeout: float = 2.0) -> Served | None:
+    """What the engine at `url` serves; None when it does not answer at all."""
+    try:
+        status, body = _get(url, "/v1/models", timeout)
+    except OSError:
+        return None
+    models: tuple[str, ...] | None = None
+    window: int | None = None
+    if status == 200:
+        try:
+            data = json.loads(body).get("data") or []
+            entries = [m for m in data if isinstance(m, dict)]
+            models = tuple(str(m.get("id")) for m in entries)
+            lens = [int(m["max_model_len"]) for m in entries if isinstance(m.get("max_model_len"), int)]
+            window = max(lens) if lens else None
+        except (ValueError, AttributeError):
+            models = None
+    version = cache = None
+    try:
+        status, body = _get(url, "/version", timeout)
+        if status == 200:
+            version = str(json.loads(body).get("version"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        status, body = _get(url, "/metrics", timeout)
+        found = CACHE_INFO.search(body.decode("utf-8", "replace")) if status == 200 else None
+        cache = dict(LABEL.findall(found.group("labels"))) if found else None
+    except OSError:
+        pass
+    return Served(models, window, version, cache)
+
+
+def declared_cache(kv_cache_policy: str) -> dict[str, str]:
+    """The `cache_config_info` labels a fingerprint's `kv_cache_policy` declares (those it names)."""
+    out = {}
+    for part in (p.strip() for p in kv_cache_policy.split(",")):
+        if part in ("prefix-caching", "no-prefix-caching"):
+            out["enable_prefix_caching"] = "True" if part == "prefix-caching" else "False"
+        elif m := re.fullmatch(r"block(\d+)", part):
+            out["block_size"] = m.group(1)
+    return out
+
+
+def compare(dep: Deployment, engine: str, served: Served) -> list[Finding]:
+    """Every declared field the engine serves otherwise. A field it does not report is not compared,
+    except the served model: an engine that names no model serves none of the declared one."""
+    out = []
+
+    def differs(field: str, declared: object, got: object) -> None:
+        out.append(Finding(dep.deployment, engine, field, str(declared), str(got)))
+
+    if served.models is None or dep.served_model not in served.models:
+        differs("model", dep.served_model, ", ".join(served.models or ()) or "none")
+    if served.max_model_len is not None and served.max_model_len != dep.context_window:
+        differs("max_model_len", dep.context_window, served.max_model_len)
+    name, _, version = dep.fingerprint.engine.partition("@")
+    if name == "vllm" and version and served.version is not None and served.version != version:
+        differs("engine version", version, served.version)
+    for label, want in declared_cache(dep.fingerprint.kv_cache_policy).items():
+        got = (served.cache or {}).get(label)
+        if served.cache is not None and got != want:
+            differs(f"cache_config_info {label}", want, got)
+    return out
+
+
+@dataclass(frozen=True)
+class Check:
+    findings: tuple[Finding, ...]
+    unreachable: tuple[str, ...]  # engines that did not answer
+    matching: tuple[str, ...]  # deployments whose every answering engine serves what they declare
+
+
+def verify(snap: Snapshot, engines: Mapping[str, Sequence[str]], timeout: float = 2.0) -> Check:
+    """Every pool deployment's engines (`engines`: pool -> base URLs) against its fingerprint."""
+    findings: list[Finding] = []
+    unreachable: list[str] = []
+    matching: list[str] = []
+    for name, dep in sorted(snap.deployments.items()):
+        if dep.pool is None or dep.withdrawn:
+            continue
+        mine: list[Finding] = []
+        answered = 0
+        for url in engines.get(dep.pool, ()):
+            engine = urlsplit(url).netloc
+            served = probe(url, timeout)
+            if served is None:
+                unreachable.append(engine)
+                continue
+            answered += 1
+            mine += compare(dep, engine, served)
+        findings += mine
+        if answered and not mine:
+            matching.append(name)
+    return Check(tuple(findings), tuple(sorted(set(unreachable))), tuple(matching))
+
+
+def void_path(directory: Path, deployment: str) -> Path:
+    return directory / "evidence" / "voids" / f"{deployment}-{TRIGGER}.yaml"
+
+
+def apply(snap: Snapshot, check: Check, today: date) -> tuple[list[Path], list[Path]]:
+    """The check's consequences in the policy directory: a void per mismatched deployment (rewritten
+    only when its reason changed, so the workers reload once), and the voids of deployments that match
+    again removed. Returns (written, removed)."""
+    directory = snap.directory
+    written, removed = [], []
+    by_dep: dict[str, list[Finding]] = {}
+    for f in check.findings:
+        by_dep.setdefault(f.deployment, []).append(f)
+    for name, found in sorted(by_dep.items()):
+        path = void_path(directory, name)
+        doc: dict[str, Any] = {"deployment_ref": snap.deployments[name].ref, "trigger": TRIGGER,
+                               "reason": "; ".join(str(f) for f in found)[:1000], "recorded_at": today.isoformat()}
+        try:
+            held = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            held = None
+        if isinstance(held, dict) and held.get("reason") == doc["reason"] \
+                and held.get("deployment_ref") == doc["deployment_ref"]:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# Written by the engine check (llmgw/ops/engines.py): removed when the engines serve what\n"
+                        "# the fingerprint declares again.\n" + yaml.safe_dump(doc, sort_keys=False))
+        written.append(path)
+    for name in check.matching:
+        path = void_path(directory, name)
+        if name not in by_dep and path.exists():
+            path.unlink()
+            removed.append(path)
+    return written, removed
