@@ -34,9 +34,20 @@ from extproc.corpora import CONFORMANCE, digest_of, file_digest, quality_corpus
 from extproc.shapes.registry import code_digest
 
 
+def objectives_digest(gateway: GatewayConfig, classes: Iterable[str]) -> str:
+    """The digest of these request classes' latency objectives (limits, attainment, peak rate) as
+    configured now: a load record is void once any of them changed."""
+    slos = {c: rc.slo.model_dump(mode="json") if (rc := gateway.request_classes.get(c)) and rc.slo else None
+            for c in sorted(classes)}
+    return digest_of(slos)
+
+
 def corpus_path(kind: str, dep: Deployment, gateway: GatewayConfig, request_class: str,
                 policy_dir: Path) -> Path | None:
-    """The corpus a record of this kind is earned on now (None: a class without a quality gate)."""
+    """The corpus a record of this kind is earned on now (None: a class without a quality gate; a load
+    record's is its trace, the operator's)."""
+    if kind == "load":
+        return None
     if kind == "conformance":
         return CONFORMANCE[dep.serves]
     rc = gateway.request_classes.get(request_class)
@@ -79,6 +90,12 @@ def static_voids(record: Evidence, dep: Deployment, gateway: GatewayConfig, poli
             out.append(f"{trigger} ({was} -> {is_})" if field == "prices_version" else trigger)
     if basis.shape_digest != now.shape_digest:
         out.append(f"the {dep.fingerprint.adapter} shape's code changed ({basis.shape_digest} -> {now.shape_digest})")
+    if record.kind == "load":
+        if record.load is None:
+            return [*out, "not measured: a load record carries its figures (`llmgw bench sweep --evidence`)"]
+        if record.load.objectives_digest != objectives_digest(gateway, record.load.classes):
+            out.append(f"the objectives of {', '.join(sorted(record.load.classes))} changed")
+        return out
     corpus = corpus_path(record.kind, dep, gateway, record.request_class, policy_dir)
     if corpus is None:
         out.append(f"request class {record.request_class!r} declares no quality gate now")

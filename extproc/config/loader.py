@@ -105,7 +105,8 @@ class Snapshot:
 
     def passing_evidence(self, deployment_ref: str, route: Route, today: date, until: date | None = None) -> set[str]:
         """Kinds of evidence that pass for exactly this fingerprint as a candidate of `route`: earned
-        under the route's retry and fallback policy (a quality gate: for its request class),
+        under the route's retry and fallback policy (a quality gate: for its request class; a load
+        record: with its class among those judged),
         unexpired at `until` (default `today`). A record dated after `today` (a day's grace: records
         are dated in UTC, `today` may be a local date) was made under a clock that ran ahead, or by
         hand: it proves nothing yet, and as its kind's latest record it hides the earlier ones, so the
@@ -114,6 +115,7 @@ class Snapshot:
         return {e.kind for e in self.evidence.get(deployment_ref, ())
                 if e.basis is not None and e.basis.route_policy_digest == route.policy_digest
                 and (e.kind != "quality_gate" or e.request_class == route.request_class)
+                and (e.kind != "load" or (e.load is not None and route.request_class in e.load.classes))
                 and e.result == "pass" and e.recorded_at <= latest and (e.expires_at is None or e.expires_at > end)}
 
     def missing_evidence(self, route: Route, deployment_ref: str, today: date, until: date | None = None) -> set[str]:

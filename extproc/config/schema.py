@@ -291,6 +291,9 @@ class ClassSlo(Strict):
     tpot_ms: int | None = Field(default=None, gt=0)  # time per output token after the first
     e2e_ms: int | None = Field(default=None, gt=0)  # the whole request
     attainment: float = Field(default=0.95, gt=0, le=1)
+    # The class's declared peak arrival rate: a load record (`llmgw bench sweep --evidence`) passes when
+    # the limits hold jointly for `attainment` of the admitted requests offered at this rate.
+    peak_rps: float | None = Field(default=None, gt=0)
 
 
 class QualityGate(Strict):
@@ -546,6 +549,25 @@ class EvidenceVoid(Strict):
     recorded_at: date
 
 
+class ClassLoad(Strict):
+    """One request class at the sweep level that first offered its declared peak rate."""
+
+    peak_rps: float = Field(gt=0)
+    offered_rps: float = Field(ge=0)
+    attainment: float = Field(ge=0, le=1)  # joint, among the admitted
+    admission: float = Field(ge=0, le=1)
+    holds: bool
+
+
+class LoadFigures(Strict):
+    """What a load record measured: the service rate, the knee, and each class at its peak rate."""
+
+    mu_rps: float = Field(ge=0)  # the most completed per second at any level
+    knee_rps: float | None = Field(default=None, ge=0)  # the highest offered load where every class held
+    classes: dict[str, ClassLoad] = Field(min_length=1)
+    objectives_digest: str  # of the classes' objectives then: a changed limit or peak voids the record
+
+
 class Evidence(Strict):
     """A qualification record for one exact fingerprint (the reference names its digest, so changing
     any fingerprint field leaves the record qualifying nothing). `llmgw conformance` writes the
@@ -554,7 +576,7 @@ class Evidence(Strict):
     eligible (unknown evidence does not pass)."""
 
     deployment_ref: DeploymentRef
-    kind: Literal["conformance", "quality_gate"]
+    kind: Literal["conformance", "quality_gate", "load"]
     result: Literal["pass", "fail"]
     recorded_at: date
     expires_at: date | None = None
@@ -570,6 +592,7 @@ class Evidence(Strict):
     request_class: str = ""
     score: float | None = Field(default=None, ge=0, le=1)
     threshold: float | None = Field(default=None, gt=0, le=1)
+    load: LoadFigures | None = None  # a load record's figures (`llmgw bench sweep --evidence`)
 
     @model_validator(mode="after")
     def _result_follows_cases(self) -> Evidence:
@@ -578,6 +601,8 @@ class Evidence(Strict):
         if self.result == "pass" and self.score is not None and self.threshold is not None \
                 and self.score < self.threshold:
             raise ValueError("result: pass, but its score is below its threshold")
+        if self.result == "pass" and self.load is not None and not all(c.holds for c in self.load.classes.values()):
+            raise ValueError("result: pass, but a class missed its objective at its peak rate")
         return self
 
     def key(self) -> tuple[str, str, str]:
@@ -588,9 +613,10 @@ class Evidence(Strict):
 
 def required_evidence(gateway: GatewayConfig, route: Route) -> frozenset[str]:
     """What a candidate of this route needs a passing record of: conformance always, a quality gate
-    when the route's request class declares one."""
+    when the route's request class declares one, a load record when the route requires it."""
     rc = gateway.request_classes.get(route.request_class)
-    return frozenset({"conformance", "quality_gate"} if rc is not None and rc.quality is not None else {"conformance"})
+    return frozenset({"conformance"} | ({"quality_gate"} if rc is not None and rc.quality is not None else set())
+                     | ({"load"} if route.requires_load_evidence else set()))
 
 
 # --- routes/*.yaml ------------------------------------------------------------------------------
@@ -704,6 +730,9 @@ class Route(Strict):
     # (502 answer_rejected; a stream ends with stream_interrupted before the failing call) or pass it
     # and name the failed checks (x-llmgw-answer-checks on a JSON answer; the ledger either way).
     answer_checks: Literal["enforce", "report"] = "enforce"
+    # A candidate also needs a passing `load` record (`llmgw bench sweep --evidence`): its request
+    # classes' objectives held at their declared peak rates.
+    requires_load_evidence: bool = False
     retry: RetryPolicy = RetryPolicy()
     fallback: FallbackPolicy = FallbackPolicy()
     telemetry: TelemetryPolicy = TelemetryPolicy()

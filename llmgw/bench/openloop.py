@@ -50,6 +50,7 @@ class Outcome:
     output_tokens: int
     attempts: int
     cancelled: bool
+    deployment: str = ""  # the candidate that answered (x-llmgw-deployment)
 
     @property
     def admitted(self) -> bool:
@@ -105,12 +106,13 @@ async def _one(session: aiohttp.ClientSession, url: str, keys: Mapping[str, str]
         headers["idempotency-key"] = r.idempotency_key
     start = time.monotonic()
     first: float | None = None
-    chunks, status, code, rid, attempts, usage_out = 0, 0, "", "", 0, 0
+    chunks, status, code, rid, attempts, usage_out, served = 0, 0, "", "", 0, 0, ""
     doc = body(r, index, exact_lengths)
     try:
         async with asyncio.timeout(r.cancel_after_s), session.post(url, json=doc, headers=headers) as resp:
             status, rid = resp.status, resp.headers.get("x-request-id", "")
             attempts = int(resp.headers.get(Header.ATTEMPTS, "1") or 1)
+            served = resp.headers.get(Header.DEPLOYMENT, "")
             if status >= 300:
                 answer = await resp.json(content_type=None)
                 code = str((answer.get("error") or {}).get("code", "")) if isinstance(answer, dict) else ""
@@ -136,7 +138,8 @@ async def _one(session: aiohttp.ClientSession, url: str, keys: Mapping[str, str]
     ok = 200 <= status < 300
     ttft = first - start if first is not None else None
     tpot = (end - first) / (chunks - 1) if first is not None and chunks > 1 else None
-    return Outcome(r, late, status, code, rid, ttft, tpot, end - start if ok else None, usage_out, attempts, False)
+    return Outcome(r, late, status, code, rid, ttft, tpot, end - start if ok else None, usage_out, attempts, False,
+                   served)
 
 
 async def replay(url: str, keys: Mapping[str, str], trace: Sequence[TraceRecord], speed: float = 1.0,

@@ -17,15 +17,21 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from extproc.config import ConfigError, Snapshot, load_snapshot
+from extproc.corpora import digest_of
+from llmgw.bench.load_gate import ClassLevel, at_peaks, class_gates, measure_classes
+from llmgw.bench.load_gate import record as load_record
 from llmgw.bench.openloop import Outcome, replay
 from llmgw.bench.run import reset_prefix_caches, warn_not_cold
 from llmgw.bench.slo import Gate, Sample, evaluate
 from llmgw.bench.stats import percentile
 from llmgw.bench.workload import TraceRecord, read
+from llmgw.conformance.record import write_record
 
 
 @dataclass(frozen=True)
@@ -139,13 +145,38 @@ def table(levels: Sequence[Level]) -> str:
     return "\n".join(rows)
 
 
+def _policy_gates(args: argparse.Namespace, trace: Sequence[TraceRecord]
+                  ) -> tuple[Snapshot | None, dict[str, Gate], dict[str, float]]:
+    """With --config: the policy, each traced class's gate from its objective, their peak rates."""
+    if not args.config:
+        if args.evidence:
+            raise ValueError("--evidence needs --config: the request classes' objectives and where records go")
+        return None, {}, {}
+    snap = load_snapshot(args.config)
+    classes = sorted({r.request_class for r in trace})
+    gates = class_gates(snap, classes)
+    peaks = {c: p for c in classes if (p := snap.gateway.request_classes[c].slo.peak_rps) is not None}  # type: ignore[union-attr]
+    if args.evidence and set(peaks) != set(classes):
+        raise ValueError(f"--evidence judges each class at its peak rate: declare slo.peak_rps for "
+                         f"{', '.join(sorted(set(classes) - set(peaks)))}")
+    return snap, gates, peaks
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     up: dict[str, Any] = json.loads((Path(args.state_dir) / "up.json").read_text())
     trace = read(Path(args.trace))
     keys = {t: v["api_key"] for t, v in up["tenants"].items()}
-    gate = Gate(args.request_class or trace[0].request_class, args.ttft, args.tpot, args.e2e, args.alpha)
+    try:
+        snap, gates, peaks = _policy_gates(args, trace)
+    except (ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gate = (next(iter(gates.values())) if gates and not args.request_class else
+            Gate(args.request_class or trace[0].request_class, args.ttft, args.tpot, args.e2e, args.alpha))
     url = f"{up['url']}/v1/chat/completions"
     levels = []
+    per_class: list[tuple[ClassLevel, ...]] = []  # with --config: every class at each level (the gate is joint)
+    served: list[set[str]] = []  # the candidates that answered at each level
     raw: list[list[dict[str, Any]]] = []  # each level's requests, for a second look at the figures
     for speed in (float(s) for s in args.speeds.split(",")):
         warn_not_cold(reset_prefix_caches(up.get("engines", [])))  # every level starts idle and cold
@@ -154,7 +185,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         wall = time.monotonic() - t0
         lv = measure([o for o in outcomes if o.record.request_class == gate.request_class],
                      [r for r in trace if r.request_class == gate.request_class], speed, wall, gate, args.min_admission)
+        classes = measure_classes(outcomes, trace, speed, gates, args.min_admission) if gates else ()
+        lv = replace(lv, holds=lv.holds and all(c.holds for c in classes))
         levels.append(lv)
+        per_class.append(classes)
+        served.append({o.deployment for o in outcomes if o.deployment})
         raw.append([{"at": o.record.at, "late_s": o.late_s, "status": o.status, "code": o.code, "ttft_s": o.ttft_s,
                      "tpot_s": o.tpot_s, "e2e_s": o.e2e_s, "output_tokens": o.output_tokens} for o in outcomes])
         print(f"speed {speed:g}: offered {lv.offered_rps:.1f} req/s, completed {lv.completed_rps:.1f}/s, "
@@ -179,9 +214,42 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                f"utilisation at the SLO: {util:.0%}\n" if at_knee and util is not None
                else f"knee: none - the gate does not hold even at the lowest level; mu {mu:.1f} req/s\n")
             + f"\nplots: {out / 'sweep.png'}; data: {out / 'sweep.json'}\n")
+    if gates:
+        text += ("\nper request class (the gate holds at a level when every class does):\n\n"
+                 + class_table(levels, per_class))
+    if args.evidence and snap is not None:
+        text += _write_load_evidence(args, snap, trace, peaks, per_class, served, mu,
+                                     at_knee.offered_rps if at_knee else None)
     print(text)
     (out / "sweep.md").write_text(text)
     return 0
+
+
+def class_table(levels: Sequence[Level], per_class: Sequence[tuple[ClassLevel, ...]]) -> str:
+    rows = ["| level offered req/s | class | offered req/s | admitted | joint attainment | gate |", "|" + "---|" * 6]
+    for lv, classes in zip(levels, per_class, strict=True):
+        rows += [f"| {lv.offered_rps:.1f} | {c.request_class} | {c.offered_rps:.2f} | {c.admission:.1%} | "
+                 f"{c.attainment:.1%} | {'holds' if c.holds else 'MISSED'} |" for c in classes]
+    return "\n".join(rows) + "\n"
+
+
+def _write_load_evidence(args: argparse.Namespace, snap: Snapshot, trace: Sequence[TraceRecord],
+                         peaks: dict[str, float], per_class: Sequence[tuple[ClassLevel, ...]],
+                         served: Sequence[set[str]], mu: float, knee_rps: float | None) -> str:
+    """The load record for each candidate that answered the route at the levels each class was judged at."""
+    judged = at_peaks(per_class, peaks)
+    route = snap.routes[trace[0].route]
+    doc = load_record(snap, peaks, judged, mu, knee_rps, Path(args.trace).name, datetime.now(UTC).date(),
+                      args.valid_days)
+    digest = digest_of([asdict(r) for r in trace])
+    deployments = sorted(set().union(*(served[i] for i, _ in judged.values())) & set(snap.deployments))
+    lines = [f"\nload evidence ({doc['result']}) at the declared peaks "
+             f"({', '.join(f'{c} {p:g} req/s' for c, p in sorted(peaks.items()))}):"]
+    for name in deployments:
+        path = write_record(Path(args.config), snap, name, route,
+                            {**doc, "deployment_ref": snap.deployments[name].ref}, digest)
+        lines.append(f"  wrote {path}")
+    return "\n".join(lines or ["  no candidate answered"]) + "\n"
 
 
 def register(bsub: Any) -> None:
@@ -198,4 +266,10 @@ def register(bsub: Any) -> None:
     s.add_argument("--pause", type=float, default=2.0, help="seconds between levels")
     s.add_argument("--no-exact-lengths", dest="exact_lengths", action="store_false")
     s.add_argument("-o", "--output-dir", default=".llmgw/sweep")
+    s.add_argument("--config", help="the policy: gate every request class of the trace jointly on its objective "
+                                    "(gateway.yaml request_classes.<c>.slo) instead of the flags above")
+    s.add_argument("--evidence", action="store_true",
+                   help="(with --config) write a `load` record for each candidate that answered the route, judged "
+                        "at each class's declared peak rate (slo.peak_rps)")
+    s.add_argument("--valid-days", type=int, default=30, help="(--evidence) the record expires this many days on")
     s.set_defaults(func=cmd_sweep)

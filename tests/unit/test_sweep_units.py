@@ -40,3 +40,28 @@ def test_the_knee_is_the_last_holding_level_before_the_first_miss() -> None:
     levels = [level(8, False, 20), level(1, True, 1), level(2, True, 2), level(4, False, 3.5), level(16, True, 20)]
     assert knee(levels) == levels[2]  # 2 req/s; the 16 req/s "hold" past a miss is not capacity
     assert knee([level(1, False, 1)]) is None
+
+
+def test_every_class_is_gated_jointly_and_judged_at_its_peak() -> None:
+    """Two classes in one trace: each on its own gate; the class offered its peak first at the level it
+    is judged at; one never offered its peak fails the record."""
+    from llmgw.bench.load_gate import ClassLevel, at_peaks, measure_classes
+
+    batch = GATE.__class__("batch", ttft_s=10.0, tpot_s=1.0, e2e_s=60.0, alpha=0.9)
+    trace = [rec(i * 0.5) for i in range(6)] + [TraceRecord(at=3.0 + i, request_class="batch", route="chat-default",
+                                                            tenant="acme", data_class="internal", input_tokens=10,
+                                                            output_tokens=10) for i in range(2)]
+    outcomes = [out(r, 1.1) for r in trace[:6]] + [out(r, 30.0) for r in trace[6:]]
+    chat, slow = measure_classes(outcomes, trace, 1.0, {"chat": GATE, "batch": batch}, min_admission=0.95)
+    assert (chat.request_class, chat.holds, slow.holds) == ("chat", True, True)
+    assert abs(chat.offered_rps - 6 / 4.0) < 1e-9  # 6 of the 8 requests over the trace's 4 s
+    late = [out(r, 1.1) for r in trace[:5]] + [out(trace[5], 5.0)] + [out(r, 30.0) for r in trace[6:]]
+    chat_late, _ = measure_classes(late, trace, 1.0, {"chat": GATE, "batch": batch}, min_admission=0.95)
+    assert not chat_late.holds and chat_late.attainment == 5 / 6  # below alpha 0.9: the level misses
+
+    levels = [(ClassLevel("chat", 1.0, 1.0, 1.0, True),), (ClassLevel("chat", 2.0, 0.5, 1.0, False),),
+              (ClassLevel("chat", 4.0, 0.2, 1.0, False),)]
+    assert at_peaks(levels, {"chat": 1.5}) == {"chat": (1, levels[1][0])}  # the first level at or above 1.5
+    assert at_peaks(levels, {"chat": 1.0}) == {"chat": (0, levels[0][0])}
+    (i, never), = at_peaks(levels, {"chat": 8.0}).values()
+    assert (i, never.offered_rps, never.holds) == (2, 4.0, False)  # the busiest level, failing

@@ -9,8 +9,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from extproc.config import load_snapshot
+from extproc.corpora import quality_corpus
 from llmgw.conformance import runner
 from llmgw.conformance.corpus import corpus_for, load_corpus
+from llmgw.quality.corpus import load_quality
+from llmgw.quality.evaluate import evaluate_in
 from tests.conftest import POLICY
 from tests.vllm.conftest import without_pool
 
@@ -31,8 +35,21 @@ def policy_of(tmp_path: Path, without: str) -> Path:
     return policy
 
 
-def test_the_corpus_against_real_vllm(tmp_path: Path) -> None:
-    run = runner.run(policy_of(tmp_path, "embed-pool"), "pool-llama-8b", CORPUS, tmp_path / "run", engine="vllm")
+def test_the_corpus_against_real_vllm_and_the_quality_gate_it_fails(tmp_path: Path) -> None:
+    """One vLLM start for both corpora: the conformance corpus, then the request class's task-quality
+    corpus, graded as `llmgw evaluate` grades it. The tiny model's weights are random: it fails the
+    quality gate, honestly (nothing in the gate knows which engine it graded)."""
+    policy = policy_of(tmp_path, "embed-pool")
+    route = load_snapshot(policy).routes["chat-default"]
+    quality = load_quality(quality_corpus("general", policy))
+    requests = [*CORPUS.cases_requests(), *(t.request for t in quality.tasks)]
+    with runner.session(policy, "pool-llama-8b", tmp_path / "run", [route], requests, engine="vllm") as s:
+        run = runner.run_corpus(s, CORPUS, "chat-default")
+        graded = evaluate_in(s, quality, route, threshold=0.8)
+    print({r.id: (r.result, r.detail) for r in graded.results})
+    assert [r.id for r in graded.results] == [t.id for t in quality.tasks]
+    assert not graded.passed and graded.score < 0.8, graded.score
+    assert all(r.result == "pass" or r.detail for r in graded.results)  # each failure says why
     results = {r.id: r for r in run.results}
     assert set(results) == {c.id for c in CORPUS.cases}
     for case in CORPUS.cases:
