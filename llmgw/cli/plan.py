@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import date
 from pathlib import Path
 from typing import Any
 
 from llmgw.cli.common import snapshot_or_report
+from llmgw.ops import choice
 from llmgw.ops.plan import (
     CAPACITY_BLOCK_USD,
     PRICES_AS_OF,
@@ -25,8 +27,9 @@ DEFAULT_RHO_MAX = 0.7
 
 
 def _hosted(args: argparse.Namespace) -> Hosted | str | None:
-    """The hosted route to compare with: its first candidate with endpoints (a provider), priced by
-    its deployment; or prices given directly. A string is the reason there is none."""
+    """The hosted route to compare with: of its candidates with endpoints (providers), the eligible one
+    with the lowest cost per accepted task (llmgw/ops/choice.py), priced by its deployment; or prices
+    given directly. A string is the reason there is none."""
     if args.hosted_input_per_mtok is not None or args.hosted_output_per_mtok is not None:
         return Hosted("given prices", args.hosted_input_per_mtok or 0.0, args.hosted_output_per_mtok or 0.0)
     if not args.hosted_route:
@@ -37,13 +40,20 @@ def _hosted(args: argparse.Namespace) -> Hosted | str | None:
     route = snap.routes.get(args.hosted_route)
     if route is None:
         return f"no route {args.hosted_route} in {args.config}"
-    for cand in route.candidates:
-        dep = snap.deployments.get(cand.deployment_name)
-        if dep is not None and dep.endpoints:
-            p = dep.prices  # integer micro-units of its currency per million tokens
-            return Hosted(f"{args.hosted_route} ({dep.deployment}, prices {p.version}, {p.currency})",
-                          p.input_per_mtok / 1e6, p.output_per_mtok / 1e6)
-    return f"route {args.hosted_route} has no hosted candidate"
+    priced = [p for p in choice.price(snap, route, date.today(), args.input_tokens, args.output_tokens)
+              if snap.deployments[p.deployment].endpoints]
+    if not priced:
+        return f"route {args.hosted_route} has no hosted candidate"
+    chosen = choice.cheapest(priced, route.request_class)
+    if chosen is None:
+        return f"route {args.hosted_route} has no eligible hosted candidate ({'; '.join(p.why_not for p in priced)})"
+    dep = snap.deployments[chosen.deployment]
+    p = dep.prices  # integer micro-units of its currency per million tokens
+    # Accepted tasks are the ones answered right: its prices over its quality score.
+    score = chosen.quality or 1.0
+    graded = f", quality {chosen.quality:.2f}" if chosen.quality is not None else ""
+    return Hosted(f"{args.hosted_route} ({dep.deployment}, prices {p.version}, {p.currency}{graded})",
+                  p.input_per_mtok / 1e6 / score, p.output_per_mtok / 1e6 / score)
 
 
 def _money(v: float | None) -> str:

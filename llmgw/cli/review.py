@@ -41,7 +41,14 @@ def cmd_review(args: argparse.Namespace) -> int:
         p95, source = percentile(contexts, 95), f"the ledger's {len(contexts)} entries with usage"
     sweep = json.loads(Path(args.sweep).read_text()).get("slo_utilization") if args.sweep else None
     sources = Counter(str(e.get("usage_source")) for e in entries if e.get("usage_source"))
-    print(review(snap, Measured(p95, source, sweep, dict(sources) or None)), end="")
+    used = [u for e in entries if (u := e.get("usage"))]
+    # The reference request candidates are priced for: as given, else the ledger's mean, else 1000/250.
+    def mean(field: str, default: float) -> float:
+        return sum(int(u.get(field) or 0) for u in used) / len(used) if used else default
+
+    tokens_in = args.input_tokens or mean("prompt_tokens", 1000.0)
+    tokens_out = args.output_tokens or mean("completion_tokens", 250.0)
+    print(review(snap, Measured(p95, source, sweep, dict(sources) or None, tokens_in, tokens_out)), end="")
     return 0
 
 
@@ -53,4 +60,7 @@ def register(sub: Any) -> None:
     r.add_argument("--store-url", help="the ledger's store (default: llmgw up's, from STATE_DIR/up.json)")
     r.add_argument("--p95-context-tokens", type=int, help="instead of the ledger's p95 of prompt + completion")
     r.add_argument("--sweep", help="a sweep's results (JSON with slo_utilization: pool -> utilisation)")
+    r.add_argument("--input-tokens", type=float, help="per request, for pricing candidates per accepted task "
+                                                      "(default: the ledger's mean, else 1000)")
+    r.add_argument("--output-tokens", type=float, help="likewise (default: the ledger's mean, else 250)")
     r.set_defaults(func=cmd_review)

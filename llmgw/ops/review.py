@@ -23,6 +23,7 @@ from datetime import date
 
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment, ModelGeometry
+from llmgw.ops import choice
 from llmgw.ops.deprecations import replacement_problems
 
 # The default example: a 70B-class model (80 layers, 8 KV heads of dimension 128, 16-bit KV).
@@ -42,6 +43,8 @@ class Measured:
     context_source: str = ""
     slo_utilization: Mapping[str, float] | None = None  # pool -> utilisation where the SLO still held
     usage_sources: Mapping[str, int] | None = None  # ledger usage_source -> entries
+    input_tokens: float = 1000.0  # the reference request candidates are priced for (per accepted task)
+    output_tokens: float = 250.0
 
 
 def _kv(snap: Snapshot, m: Measured) -> list[str]:
@@ -166,5 +169,7 @@ def review(snap: Snapshot, measured: Measured, today: date | None = None) -> str
     today = today or date.today()
     parts: Sequence[str] = [f"# Review of revision {snap.revision} ({today})", "",
                             *_kv(snap, measured), *_utilization(measured), *_unavailable(snap),
-                            *_equivalence(snap, today), *_tokens(measured), *_deprecations(snap, today)]
+                            *_equivalence(snap, today),
+                            *choice.lines(snap, today, measured.input_tokens, measured.output_tokens),
+                            *_tokens(measured), *_deprecations(snap, today)]
     return "\n".join(parts) + "\n"

@@ -18,6 +18,7 @@ from llmgw.ops.plan import (
     cost_per_million_tokens,
     plan_scenario,
 )
+from tests.conftest import POLICY
 from tests.helpers import llmgw
 
 
@@ -56,12 +57,13 @@ def test_the_bound_reserves_and_allocation_unit_on_a_hand_example() -> None:
 
 def test_the_command_prices_low_base_high_beside_the_demo_s_hosted_route() -> None:
     out = llmgw("plan", "--instance", "P5", "--peak-rps", "20", "--input-tokens", "1000", "--output-tokens", "250",
-                "--hosted-route", "chat-anthropic")
+                "--hosted-route", "chat-anthropic", "--config", str(POLICY))
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| low", "| base", "| high"))]
     assert len(rows) == 3
     assert all(row.split("|")[6].strip() == "yes" for row in rows)  # stable
-    assert "hosted: chat-anthropic (demo-anthropic" in out.stdout
+    # The eligible hosted candidate cheapest per accepted task, its prices over its quality score.
+    assert "hosted: chat-anthropic (demo-anthropic, prices 2026-12, USD, quality 1.00)" in out.stdout
     assert "SLO attainment: not measured" in out.stdout
     missing = llmgw("plan", "--peak-rps", "1", "--hosted-route", "no-such-route")
     assert missing.returncode == 2 and "no route no-such-route" in missing.stderr
