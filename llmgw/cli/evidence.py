@@ -13,7 +13,7 @@ import redis
 
 from llmgw.cli.common import snapshot_or_report
 from llmgw.ops.ledger import ledger_entries
-from llmgw.ops.reevaluate import Bounds, evaluate, void_files
+from llmgw.ops.reevaluate import Bounds, evaluate, objectives_of, void_files
 from llmgw.ops.store import store_client, store_url
 
 
@@ -55,7 +55,7 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
     window = [e for e in entries if float(e.get("time") or 0) >= start]
     before = [e for e in entries if baseline_start <= float(e.get("time") or 0) < start]
     bounds = Bounds(args.max_failure_share, args.ttft_p95_ms, args.e2e_p95_ms, args.max_mix_shift,
-                    args.max_length_ratio, args.min_requests)
+                    args.max_length_ratio, args.min_requests, objectives_of(snap.gateway))
     findings = evaluate(window, before, bounds)
     print(f"{len(window)} ledger entries in the last {args.window_hours:g} h, {len(before)} in the "
           f"{args.baseline_hours:g} h before")

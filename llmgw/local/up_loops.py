@@ -4,7 +4,7 @@ trigger fires without an operator: each at its interval in gateway.yaml `loops` 
 - engine_verify: every pool engine against its deployment's fingerprint (llmgw/ops/engines.py); a
   mismatch writes a void, a match again removes it.
 - reevaluate: provider drift, SLO regression and workload shift from the ledger
-  (llmgw/ops/reevaluate.py, its default bounds), each finding a void record.
+  (llmgw/ops/reevaluate.py: its default bounds, each request class's objective), each finding a void record.
 - canary_watch: each route's canary against its stable candidates; a regression rolls it back as an
   audited revision (llmgw/ops/canary.py).
 
@@ -52,7 +52,7 @@ def reevaluate_once(stack: Stack, config: Path) -> str:
     now = time.time()
     window = [e for e in entries if float(e.get("time") or 0) >= now - WINDOW_S]
     before = [e for e in entries if now - WINDOW_S - BASELINE_S <= float(e.get("time") or 0) < now - WINDOW_S]
-    findings = reevaluate.evaluate(window, before, reevaluate.Bounds())
+    findings = reevaluate.evaluate(window, before, reevaluate.Bounds(objectives=reevaluate.objectives_of(snap.gateway)))
     paths = reevaluate.void_files(findings, dict(snap.deployments), config, datetime.now(UTC).date().isoformat())
     return "; ".join([f"{len(window)} ledger entries", *(f"{f.deployment}: {f.trigger}: {f.reason}" for f in findings),
                       *(f"void written: {p.name}" for p in paths)])

@@ -3,7 +3,9 @@
 Over the last `window` of ledger entries, per deployment that answered them:
 - provider drift: the share of its answers that failed upstream or broke mid-stream (a 5xx, an
   interrupted stream, a malformed answer) beyond a bound;
-- SLO regression: its time to first byte p95 (streams) or end-to-end p95 (JSON) beyond a bound;
+- SLO regression: its time to first byte p95 (streams) or end-to-end p95 (JSON) beyond a bound, or the
+  share of a request class's answers within the class's objective (gateway.yaml request_classes) below
+  the class's attainment;
 - workload shift: the request-class mix moved (total variation distance between this window and the
   one before it) or the prompt lengths' p95 grew beyond a ratio - the evidence was earned for another
   workload.
@@ -15,14 +17,14 @@ until evidence is earned again (extproc/config/evidence.py). Too few requests de
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from extproc.config.schema import Deployment
+from extproc.config.schema import Deployment, GatewayConfig
 from llmgw.bench.stats import percentile
 
 BROKEN = {"stream_interrupted", "upstream_error"}
@@ -36,6 +38,22 @@ class Bounds:
     max_mix_shift: float = 0.2
     max_length_ratio: float = 1.5
     min_requests: int = 50
+    # Per request class, from gateway.yaml (request_classes.<c>.slo): (TTFT limit ms, end-to-end limit
+    # ms, the share of answers that must meet both). An answer of the class counts when within both.
+    objectives: Mapping[str, tuple[float | None, float | None, float]] = field(default_factory=dict)
+
+
+def objectives_of(gateway: GatewayConfig) -> dict[str, tuple[float | None, float | None, float]]:
+    """Each request class's objective as the ledger can judge it (TTFT for streams, end to end)."""
+    return {name: (rc.slo.ttft_ms, rc.slo.e2e_ms, rc.slo.attainment)
+            for name, rc in gateway.request_classes.items() if rc.slo is not None}
+
+
+def _within(entry: dict[str, Any], ttft_ms: float | None, e2e_ms: float | None) -> bool:
+    first, whole = entry.get("first_byte_ms"), entry.get("duration_ms")
+    if ttft_ms is not None and entry.get("stream") and (first is None or float(first) > ttft_ms):
+        return False
+    return e2e_ms is None or (whole is not None and float(whole) <= e2e_ms)
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,12 @@ def evaluate(window: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]],
             if bound is not None and len(values) >= bounds.min_requests and (p := percentile(values, 95)) > bound:
                 out.append(Finding(dep, "slo_regression", f"{name} p95 {p:.0f} ms over {len(values)} answers "
                                                           f"(bound {bound:.0f} ms)"))
+        for cls, (ttft_ms, e2e_ms, share) in sorted(bounds.objectives.items()):
+            mine = [e for e in entries if e.get("request_class") == cls]
+            met = sum(_within(e, ttft_ms, e2e_ms) for e in mine) / len(mine) if mine else 1.0
+            if len(mine) >= bounds.min_requests and met < share:
+                out.append(Finding(dep, "slo_regression", f"{cls}: {met:.1%} of {len(mine)} answers within its "
+                                                          f"objective (at least {share:.0%})"))
         old = baseline.get(dep, [])
         if len(old) < bounds.min_requests:
             continue

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.config import load_snapshot
 from extproc.occupancy import _Fixed, families
-from llmgw.ops.reevaluate import Bounds, evaluate, void_files
+from llmgw.ops.reevaluate import Bounds, evaluate, objectives_of, void_files
 from tests.conftest import POLICY
 from tests.helpers import llmgw
 
@@ -115,6 +115,22 @@ def test_run_time_triggers_fire_beyond_their_bounds_and_not_before() -> None:
     (length,) = evaluate(longer, base, bounds)
     assert length.trigger == "workload_shift" and "prompt p95 1000" in length.reason
     assert evaluate(broken[:49], base, bounds) == []  # too few requests decide nothing
+
+
+def test_a_class_below_its_objective_is_an_slo_regression() -> None:
+    """The class's objective from the configuration (not a flag): 10% of its streams past its TTFT
+    limit is below an attainment of 95%; another class's answers are not judged on it."""
+    objectives = {"chat": (1000.0, None, 0.95)}
+    bounds = Bounds(min_requests=50, objectives=objectives)
+    held = [entry("a", i, first_byte_ms=2000 if i < 4 else 100) for i in range(100)]  # 96% within
+    assert evaluate(held, held, bounds) == []
+    slow = [entry("a", i, first_byte_ms=2000 if i < 10 else 100) for i in range(100)]
+    (finding,) = evaluate(slow, slow, bounds)
+    assert finding.trigger == "slo_regression" and finding.reason == ("chat: 90.0% of 100 answers within its "
+                                                                      "objective (at least 95%)")
+    other = [entry("a", i, request_class="batch", first_byte_ms=2000) for i in range(100)]
+    assert evaluate(other, other, bounds) == []
+    assert objectives_of(load_snapshot(POLICY).gateway)["read_only_chat"] == (1000, 30000, 0.95)
 
 
 def test_a_void_record_takes_the_candidate_out_and_the_metrics_say_so(policy: Path) -> None:
