@@ -269,7 +269,7 @@ class MessagesFrontEnd:
         usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                  "output_tokens": 0}
         message: dict[str, Any] = {"id": f"msg_{rid}", "type": "message", "role": "assistant",
-                                   "model": self.server.served_model, "content": [], "stop_reason": "refusal",
+                                   "model": self.server.answer_model, "content": [], "stop_reason": "refusal",
                                    "stop_sequence": None, "usage": usage}
         if not stream:
             return web.json_response(message)
@@ -322,7 +322,7 @@ class MessagesFrontEnd:
         while await seq.out.get() is not None:
             produced += 1
         return web.json_response({
-            "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
+            "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.answer_model,
             "content": self._blocks(out, produced), "stop_reason": self._stop_reason(seq, out),
             "stop_sequence": out.stop_reason, "usage": self._usage(seq, fault, caching)})
 
@@ -336,7 +336,7 @@ class MessagesFrontEnd:
 
         usage = {**self._usage(seq, Fault(), caching), "output_tokens": 1}
         await send("message_start", {"message": {
-            "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.served_model,
+            "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.answer_model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
         block = -1  # the content block open now (its index; the answer's blocks follow a thinking block)
         first = 1 if out.thoughts else 0  # the index of the answer's first block

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (and --tls-key), as a hosted provider does")
     p.add_argument("--tls-key")
     p.add_argument("--engine-version", default=ENGINE_VERSION, help="what GET /version says, as vLLM's does")
+    p.add_argument("--answer-model", help="the model its answers name (default: --served-model-name): a provider "
+                                          "that answers with another model than the one asked for")
     p.add_argument("--quality-oracle", metavar="CORPUS", action="append", default=[],
                    help="answer the tasks of this quality corpus (YAML; repeatable) right, on --quality-accuracy "
                         "of them")
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     key = os.environ.get("ENGINESIM_API_KEY") or args.api_key
     server.reasoning_parser = args.reasoning_parser
     server.engine_version = args.engine_version
+    server.answer_model = args.answer_model or args.served_model_name
     if args.quality_oracle:
         from pathlib import Path
 

@@ -271,7 +271,7 @@ class GeminiFrontEnd:
         cand: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
         if finish:
             cand["finishReason"] = finish
-        doc: dict[str, Any] = {"candidates": [cand], "modelVersion": self.server.served_model, "responseId": rid}
+        doc: dict[str, Any] = {"candidates": [cand], "modelVersion": self.server.answer_model, "responseId": rid}
         if usage is not None and "usage" not in self.server.corrupt:
             doc["usageMetadata"] = usage
         return doc

@@ -245,6 +245,9 @@ class EngineServer:
         self.reasoning_parser = ""  # vLLM's --reasoning-parser: the model thinks first, its reasoning apart
         self.oracle: Oracle | None = None  # the operator's answer quality (enginesim/oracle.py)
         self.engine_version = ENGINE_VERSION  # what GET /version says (--engine-version)
+        # The model its answers name (--answer-model): the served one, unless the operator makes it a
+        # provider that quietly answers with another model than the one asked for.
+        self.answer_model = served_model
         self.embed: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
         self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._cancellations])
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -540,7 +543,7 @@ class EngineServer:
         return self.requests[-1]
 
     def _base(self, rid: str, obj: str) -> dict[str, Any]:
-        return {"id": f"chatcmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.served_model}
+        return {"id": f"chatcmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.answer_model}
 
     @staticmethod
     def _usage(seqs: list[Sequence], fault: Fault) -> dict[str, Any]:

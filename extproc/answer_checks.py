@@ -469,6 +469,7 @@ class Verdict:
     broken: bool = False
     finish: tuple[str, ...] = ()
     upstream_id: str = ""
+    upstream_model: str = ""
     run: tuple[str, ...] = ()  # the checks it got (checks_run), for the ledger
 
     @property

@@ -141,6 +141,9 @@ class Key(StrEnum):
     # The upstream's own id for its answer (a JSON answer's `id`, a stream's first chunk's) and a stream's
     # finish reason (the Lua stream guard): the attempt's ledger record keeps them.
     UPSTREAM_ID = "upstream_id"
+    # The model the upstream says answered (a JSON answer's `model`, a stream's first chunk's; a
+    # translated answer's as its provider named it): the engine check compares it with the deployment's.
+    UPSTREAM_MODEL = "upstream_model"
     FINISH_REASON = "finish_reason"
     # A translated answer's finish reason as its provider wrote it (the Lua answer filter): beside the
     # normalised one, in the attempt's ledger record.
@@ -209,7 +212,7 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                                                  Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
                                                  *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS, Key.CHECKS, Key.DOOR,
                                                  Key.DECISION_ID, Key.UPSTREAM_STATUS, Key.NATIVE_FINISH_REASON,
-                                                 Key.UPSTREAM_REQUEST_ID)))
+                                                 Key.UPSTREAM_REQUEST_ID, Key.UPSTREAM_MODEL)))
 # The attempt filter's processing modes (Envoy's enum names): its own, for an attempt whose body is
 # rewritten (another served model, another API shape: the request body comes through ext_proc, an
 # answer body never does), and the one an attempt switches to when its body needs no rewrite (the

@@ -275,7 +275,7 @@ class Meter:
         policy = call_policy(self.snapshot().policy) if spec is not None else None
         failures = check_completion(doc, spec, policy) if spec is not None else []
         return Verdict(spec, tuple(failures), finish=finish_reasons(doc), upstream_id=str(doc.get("id") or ""),
-                       run=checks_run(spec, policy))
+                       upstream_model=str(doc.get("model") or ""), run=checks_run(spec, policy))
 
     @staticmethod
     def _checked_reply(verdict: Verdict | None, attrs: Any) -> ep.ProcessingResponse:
@@ -380,6 +380,8 @@ def checked(outcome: dict[str, Any], verdict: Verdict) -> None:
         attempt["finish_reason"] = verdict.finish[0] if len(verdict.finish) == 1 else list(verdict.finish)
     if verdict.upstream_id:
         attempt["upstream_id"] = plain_id(verdict.upstream_id)
+    if verdict.upstream_model:
+        attempt["upstream_model"] = plain_id(verdict.upstream_model)
 
 
 Observe = Callable[[], None]
@@ -543,7 +545,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  # what it said of its answer: its id for it, how a stream finished
                                  **{k.value: plain_id(v) for k in (Key.FINISH_REASON, Key.UPSTREAM_ID,
                                                                         Key.NATIVE_FINISH_REASON,
-                                                                        Key.UPSTREAM_REQUEST_ID)
+                                                                        Key.UPSTREAM_REQUEST_ID, Key.UPSTREAM_MODEL)
                                     if x.answered and (v := attr(md, k))},
                                  # translated by the decision (extproc/direct.py): what the translation lost
                                  **({"translation_loss": lost.split(", ")}

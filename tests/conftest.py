@@ -156,6 +156,19 @@ def ledger_of(stack: Stack, rid: str, tenant: str) -> dict[str, Any]:
     raise AssertionError(f"no ledger entry for {rid}")
 
 
+def serving_directory(stack: Stack, within_s: float = 15.0) -> None:
+    """Until every worker serves the revision the stack's policy directory holds now (the workers poll
+    it: a test that changed it waits here for the reload)."""
+    from tests.helpers import request
+
+    want = load_snapshot(stack.snapshot.directory).revision
+    deadline = time.monotonic() + within_s
+    while not all(request(u).json().get("revision") == want for u in stack.status_urls):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the workers did not take revision {want}")
+        time.sleep(0.1)
+
+
 def stamp_evidence(policy: Path, *deployments: str) -> None:
     """Provisional records for these deployments under the policy's routes as they are now, for a test
     whose subject is not evidence, after it changed what earned records are bound to (a route's retry

@@ -544,7 +544,7 @@ class EvidenceVoid(Strict):
     earned again after it."""
 
     deployment_ref: DeploymentRef
-    trigger: Literal["provider_drift", "workload_shift", "slo_regression", "engine_mismatch"]
+    trigger: Literal["provider_drift", "workload_shift", "slo_regression", "engine_mismatch", "model_mismatch"]
     reason: str
     recorded_at: date
 

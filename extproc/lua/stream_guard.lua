@@ -187,10 +187,12 @@ function envoy_on_response(h)
               keep = not (withhold and (fields.choices == nil or find(fields.choices, "^%[%s*%]$")))
             end
             if fields.choices ~= nil and content_chunk(fields.choices) then chunks = chunks + 1 end
-            if not named then  -- the upstream's own id for the answer, from its first chunk
+            if not named then  -- the upstream's own id for the answer and its model, from its first chunk
               named = true
               local id = plain_string(fields.id)
               if id ~= nil then metadata(h, K.upstream_id, id) end
+              local model = plain_string(fields.model)
+              if model ~= nil then metadata(h, K.upstream_model, model) end
             end
             local finish = fields.choices ~= nil and find(fields.choices, "finish_reason", 1, true)
               and finish_reason(fields.choices)

@@ -221,7 +221,11 @@ def cmd_engines_install(args: argparse.Namespace) -> int:
 def cmd_engines_verify(args: argparse.Namespace) -> int:
     from datetime import UTC, datetime
 
+    import redis
+
     from llmgw.ops import engines
+    from llmgw.ops.ledger import ledger_entries
+    from llmgw.ops.store import store_url
 
     snap = snapshot_or_report(args.config)
     if snap is None:
@@ -232,7 +236,16 @@ def cmd_engines_verify(args: argparse.Namespace) -> int:
         given.setdefault(pool, []).append(url)
     urls = given or {name: [f"http://{e}" for e in pool.endpoints] for name, pool in snap.gateway.pools.items()}
     check = engines.verify(snap, urls)
-    for f in check.findings:
+    url = store_url(args, snap.gateway.store.url)
+    answered: list[engines.Finding] = []
+    if url:  # hosted deployments: the models their answers of the last --answers-minutes named
+        since = time.time() - args.answers_minutes * 60
+        try:
+            entries = ledger_entries(store_client(url), sorted(snap.gateway.tenants))
+            answered = engines.answer_findings(snap, [e for e in entries if float(e.get("time") or 0) >= since])
+        except (redis.RedisError, OSError) as e:
+            print(f"warning: the ledger was not read ({e}): hosted answers not checked", file=sys.stderr)
+    for f in (*check.findings, *answered):
         print(f"{f.deployment}: {f}")
     for engine in check.unreachable:
         print(f"unreachable: {engine} (not a mismatch: a health matter)")
@@ -244,7 +257,9 @@ def cmd_engines_verify(args: argparse.Namespace) -> int:
             print(f"wrote {path} (its evidence is void while the engines differ: the candidate leaves routing)")
         for path in removed:
             print(f"removed {path} (the engines serve what the fingerprint declares again)")
-    return 1 if check.findings else 0
+        for path in engines.model_voids(snap, answered, datetime.now(UTC).date()):
+            print(f"wrote {path} (answers named another model: its evidence is void until earned again)")
+    return 1 if check.findings or answered else 0
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -366,6 +381,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ve.add_argument("--engine", action="append", default=[], metavar="POOL=URL",
                     help="an engine of a pool (repeatable; default: the pool's endpoints in gateway.yaml)")
     ve.add_argument("--dry-run", action="store_true", help="say what differs; write and remove nothing")
+    ve.add_argument("--store-url", help="the ledger's store, for hosted answers (default: llmgw up's)")
+    ve.add_argument("--state-dir", default=".llmgw")
+    ve.add_argument("--answers-minutes", type=float, default=60.0,
+                    help="hosted deployments: check the models their answers of this many minutes named")
     ve.set_defaults(func=cmd_engines_verify)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -2,7 +2,8 @@
 trigger fires without an operator: each at its interval in gateway.yaml `loops` (0: off).
 
 - engine_verify: every pool engine against its deployment's fingerprint (llmgw/ops/engines.py); a
-  mismatch writes a void, a match again removes it.
+  mismatch writes a void, a match again removes it. Hosted deployments: the model their recent answers
+  named (the ledger), a `model_mismatch` void when it is not the declared one.
 - reevaluate: provider drift, SLO regression and workload shift from the ledger
   (llmgw/ops/reevaluate.py: its default bounds, each request class's objective), each finding a void record.
 - canary_watch: each route's canary against its stable candidates; a regression rolls it back as an
@@ -28,15 +29,30 @@ from llmgw.ops.loops import Loops
 from llmgw.ops.store import store_client
 
 WINDOW_S, BASELINE_S = 24 * 3600, 7 * 24 * 3600  # reevaluate's, as `llmgw evidence reevaluate` defaults
+ANSWERS_S = 300.0  # how far back engine_verify reads hosted answers (each run overlaps the last: voids are daily)
 
 
-def engine_verify(stack: Stack, config: Path) -> str:
+def recent_answers(stack: Stack, tenants: list[str], since: float) -> list[dict[str, object]]:
+    client = store_client(str(stack.store_url))
+    try:
+        return [e for e in ledger_entries(client, tenants) if float(e.get("time") or 0) >= since]
+    finally:
+        client.close()
+
+
+def engine_verify(stack: Stack, config: Path, since: float | None = None) -> str:
+    """The pools' engines probed; the hosted deployments' answers since `since` (default: the last
+    ANSWERS_S seconds) read from the ledger."""
     snap = load_snapshot(config)
     pools = {d.pool for d in snap.deployments.values() if d.pool}
     check = engines.verify(snap, {p: stack.engine_urls(p) for p in sorted(pools)})
-    written, removed = engines.apply(snap, check, datetime.now(UTC).date())
+    today = datetime.now(UTC).date()
+    written, removed = engines.apply(snap, check, today)
+    answered = engines.answer_findings(snap, recent_answers(stack, sorted(snap.gateway.tenants),
+                                                            since if since is not None else time.time() - ANSWERS_S))
+    written += engines.model_voids(snap, answered, today)
     parts = [f"{len(check.matching)} deployment(s) serve what they declare"]
-    parts += [str(f) for f in check.findings]
+    parts += [str(f) for f in (*check.findings, *answered)]
     parts += [f"unreachable: {', '.join(check.unreachable)}"] if check.unreachable else []
     parts += [f"void written: {p.name}" for p in written] + [f"void removed: {p.name}" for p in removed]
     return "; ".join(parts)

@@ -13,6 +13,14 @@ earned. Each engine of a pool is asked what it serves, the way vLLM's server ans
 Batching settings (`max-num-seqs`, `max-batched-tokens`) have no signal in vLLM's server and are not
 checked. An engine that does not answer is a health matter (Envoy's outlier detection), not a mismatch.
 
+A hosted deployment is not probed (a request to a provider costs money); its answers are read instead:
+the ledger keeps the model each answer named (`upstream_model`), which must be the deployment's
+`served_model` or a dated version of it (`gpt-4o` answered as `gpt-4o-2024-08-06`; a model whose name
+merely extends it, `gpt-4o-mini`, passes too: the rule cannot tell). A Bedrock answer names no model.
+An answer that names another writes `evidence/voids/<deployment>-model_mismatch-<date>.yaml`, a
+run-time trigger like the ledger's others: it voids the records earned on or before its day, so the
+candidate is back once its evidence is earned again, against the provider as it now answers.
+
 A mismatch writes a void record, `evidence/voids/<deployment>-engine_mismatch.yaml`, which voids every
 record of the fingerprint while it exists (the candidate leaves routing at the workers' next reload);
 the check removes it once every engine of the deployment serves what it declares again: the records
@@ -38,6 +46,7 @@ from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 
 TRIGGER = "engine_mismatch"
+ANSWERS = "answers"  # a Finding's `engine` when the ledger's answers, not a probe, showed it
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,8 @@ class Finding:
     served: str
 
     def __str__(self) -> str:
-        return f"engine {self.engine} serves {self.field} {self.served!r}, the fingerprint declares {self.declared!r}"
+        who = "its answers name" if self.engine == ANSWERS else f"engine {self.engine} serves"
+        return f"{who} {self.field} {self.served!r}, the fingerprint declares {self.declared!r}"
 
 
 def _get(url: str, path: str, timeout: float) -> tuple[int, bytes]:
@@ -172,6 +182,41 @@ def verify(snap: Snapshot, engines: Mapping[str, Sequence[str]], timeout: float 
         if answered and not mine:
             matching.append(name)
     return Check(tuple(findings), tuple(sorted(set(unreachable))), tuple(matching))
+
+
+def names_model(answered: str, declared: str) -> bool:
+    """Whether an answer's model is the declared one or a dated version of it."""
+    return answered == declared or answered.startswith(declared + "-")
+
+
+def answer_findings(snap: Snapshot, entries: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """Hosted deployments whose answers (ledger entries' attempts) named another model than declared:
+    the first such answer of each."""
+    out: dict[str, Finding] = {}
+    for entry in entries:
+        for attempt in entry.get("attempts") or ():
+            dep = snap.deployments.get(str(attempt.get("deployment") or ""))
+            model = str(attempt.get("upstream_model") or "")
+            if dep is None or dep.pool is not None or not model or names_model(model, dep.served_model):
+                continue
+            out.setdefault(dep.deployment, Finding(dep.deployment, ANSWERS, "model", dep.served_model, model))
+    return list(out.values())
+
+
+def model_voids(snap: Snapshot, findings: Sequence[Finding], today: date) -> list[Path]:
+    """A `model_mismatch` void per deployment whose answers named another model (one a day)."""
+    written = []
+    for f in findings:
+        path = snap.directory / "evidence" / "voids" / f"{f.deployment}-model_mismatch-{today.isoformat()}.yaml"
+        if path.exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({
+            "deployment_ref": snap.deployments[f.deployment].ref, "trigger": "model_mismatch",
+            "reason": str(f),
+            "recorded_at": today.isoformat()}, sort_keys=False))
+        written.append(path)
+    return written
 
 
 def void_path(directory: Path, deployment: str) -> Path:

@@ -301,7 +301,8 @@ def lua_answers() -> lua_pb2.Lua:
 
 
 USAGE_FIELDS = ((Key.USAGE_PROMPT, ("usage", "prompt_tokens")), (Key.USAGE_COMPLETION, ("usage", "completion_tokens")),
-                (Key.USAGE_CACHED, ("usage", "prompt_tokens_details", "cached_tokens")), (Key.UPSTREAM_ID, ("id",)))
+                (Key.USAGE_CACHED, ("usage", "prompt_tokens_details", "cached_tokens")), (Key.UPSTREAM_ID, ("id",)),
+                (Key.UPSTREAM_MODEL, ("model",)))
 
 
 def usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:

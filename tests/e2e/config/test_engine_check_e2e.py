@@ -7,7 +7,6 @@ every worker's /status shows the loop's state."""
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
@@ -19,7 +18,7 @@ from llmgw.local import up_loops
 from llmgw.local.stack import Stack
 from llmgw.ops import engines
 from llmgw.ops.loops import Loops
-from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, serving_directory, start_stack
 from tests.helpers import chat_body, llmgw, request
 from tests.promtext import scrape, value
 
@@ -44,15 +43,6 @@ def chat(stack: Stack, route: str) -> tuple[int, dict[str, str], bytes]:
     return r.status, r.headers, r.body
 
 
-def serving(stack: Stack) -> None:
-    """Until every worker serves the policy directory's revision as it is now (they poll it)."""
-    want = load_snapshot(stack.snapshot.directory).revision
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if all(request(u).json().get("revision") == want for u in stack.status_urls):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the workers did not take revision {want}")
 
 
 def test_compare_names_each_field_an_engine_serves_otherwise() -> None:
@@ -80,7 +70,7 @@ def test_a_mismatched_engine_voids_the_evidence_and_moves_routing(gw: Stack) -> 
     written, _ = engines.apply(load_snapshot(policy), check, date.today())
     assert [p.name for p in written] == ["pool-llama-8b-engine_mismatch.yaml"]
     assert engines.apply(load_snapshot(policy), check, date.today()) == ([], [])  # the same finding: no rewrite
-    serving(gw)
+    serving_directory(gw)
 
     status, _, body = chat(gw, "chat-default")  # its only candidate
     assert status == 503 and b"no_qualified_route" in body and b"engine_mismatch" in body, body
@@ -118,6 +108,6 @@ def test_the_void_is_lifted_when_the_engines_serve_what_is_declared_again(gw: St
     matching = engines.Check((), (), ("pool-llama-8b",))  # what verify says of engines that match
     _, removed = engines.apply(snap, matching, date.today())
     assert removed == [engines.void_path(policy, "pool-llama-8b")]
-    serving(gw)
+    serving_directory(gw)
     status, headers, _ = chat(gw, "chat-fallback")
     assert status == 200 and headers["x-llmgw-deployment"] == "pool-llama-8b"

@@ -11,7 +11,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from extproc.config import load_snapshot
 from extproc.config.schema import Evidence
 from llmgw.conformance.record import record_path
 from llmgw.local.stack import Stack
-from tests.conftest import DEMO_KEYS, POLICY, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, serving_directory, start_stack
 from tests.helpers import chat_body, request
 
 KEY = DEMO_KEYS["acme"]
@@ -52,14 +51,6 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.stop()
 
 
-def serving(stack: Stack) -> None:
-    want = load_snapshot(stack.snapshot.directory).revision
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if all(request(u).json().get("revision") == want for u in stack.status_urls):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the workers did not take revision {want}")
 
 
 def chat(stack: Stack) -> tuple[int, bytes]:
@@ -96,7 +87,7 @@ def test_a_route_that_requires_load_evidence_serves_once_a_sweep_earned_it(gw: S
     assert rec.result == "fail" and rec.load is not None
     judged = rec.load.classes["read_only_chat"]
     assert (judged.peak_rps, judged.holds) == (1000, False) and judged.offered_rps < 1000  # never offered its peak
-    serving(gw)
+    serving_directory(gw)
     assert chat(gw)[0] == 503
 
     set_peak(policy, 2)  # a peak the sweep's levels offer (2.2 and 4.4 req/s)
@@ -110,11 +101,11 @@ def test_a_route_that_requires_load_evidence_serves_once_a_sweep_earned_it(gw: S
     assert rec.basis is not None and rec.basis.route_policy_digest == load_snapshot(policy).routes[
         "chat-default"].policy_digest
     assert "per request class" in r.stdout and "wrote" in r.stdout
-    serving(gw)
+    serving_directory(gw)
     assert chat(gw)[0] == 200
 
     set_peak(policy, 2, ttft_ms=4000)  # another objective: the record was judged on the old one
-    serving(gw)
+    serving_directory(gw)
     status, body = chat(gw)
     assert status == 503 and b"evidence" in body
     snap = load_snapshot(policy)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from extproc.corpora import quality_corpus
 from llmgw.conformance.record import record_path
 from llmgw.local.stack import Stack
 from llmgw.quality.corpus import load_quality
-from tests.conftest import DEMO_KEYS, POLICY, start_stack
+from tests.conftest import DEMO_KEYS, POLICY, serving_directory, start_stack
 from tests.helpers import chat_body, llmgw, request
 
 KEY = DEMO_KEYS["acme"]
@@ -93,14 +92,6 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.stop()
 
 
-def serving(stack: Stack) -> None:
-    want = load_snapshot(stack.snapshot.directory).revision
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if all(request(u).json().get("revision") == want for u in stack.status_urls):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the workers did not take revision {want}")
 
 
 def served_by(stack: Stack, route: str) -> str:
@@ -150,10 +141,10 @@ def test_a_change_to_what_earned_the_evidence_moves_routing(gw: Stack, tmp_path:
     kept = tmp_path / "kept"
     shutil.copytree(policy, kept)
     try:
-        serving(gw)
+        serving_directory(gw)
         assert served_by(gw, "chat-fallback") == "pool-llama-8b"
         change(policy)
-        serving(gw)
+        serving_directory(gw)
         assert served_by(gw, "chat-fallback") == fallback_to
         assert served_by(gw, "chat-gemini") == ("503" if change is corpus_changed else "demo-gemini")
     finally:
@@ -162,5 +153,5 @@ def test_a_change_to_what_earned_the_evidence_moves_routing(gw: Stack, tmp_path:
             shutil.copytree(kept / folder, policy / folder)
         shutil.copy(kept / "gateway.yaml", policy / "gateway.yaml")
         (policy / "tasks.yaml").unlink(missing_ok=True)
-    serving(gw)
+    serving_directory(gw)
     assert served_by(gw, "chat-fallback") == "pool-llama-8b"

@@ -120,7 +120,11 @@ def test_the_fallback_attempt_goes_to_the_engine_the_picker_ranks_first(gw: Stac
     # both would tie and the order would come down to the addresses).
     wait_until(lambda: running(busy) == 3, 10, "load on the busy engine")
     assert running(idle) == 0
-    time.sleep(0.3)  # several scrapes
+    # Two scrapes of the engines after the load began (one worker scrapes for all): the picker has seen
+    # it. A fixed 0.3 s was not always enough on a loaded machine, where a scrape can take longer.
+    scrapes = lambda: sum(request(u).json()["metrics_scrapes"] for u in gw.status_urls)  # noqa: E731
+    seen = scrapes()
+    wait_until(lambda: scrapes() >= seen + 2, 10, "two scrapes with the load")
     marker = uuid.uuid4().hex
     for i in range(6):
         fault_all(gw, "engine-pool", "status=503")
