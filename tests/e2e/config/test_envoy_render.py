@@ -131,7 +131,7 @@ def test_every_admitted_request_reaches_the_settlement_log(rendered: dict[str, A
     rules = filters(rendered)["envoy.filters.http.json_to_metadata"]["response_rules"]["rules"]
     assert [[s["key"] for s in r["selectors"]] for r in rules] == [
         ["usage", "prompt_tokens"], ["usage", "completion_tokens"], ["usage", "prompt_tokens_details", "cached_tokens"],
-        ["id"]]  # the upstream's own id for its answer, for the attempt's ledger record
+        ["id"], ["model"]]  # the upstream's own id for its answer and its model, for the attempt's ledger record
 
 
 def test_upstream_routes_require_extproc_metadata(rendered: dict[str, Any]) -> None:
