@@ -15,8 +15,10 @@
   own classes, the redaction settings (a policy change touching its data classes).
 - Run-time triggers, each written as a void record (evidence/voids/) that voids every record of the
   fingerprint recorded on or before its date: provider drift, workload shift, SLO regression
-  (`llmgw evidence reevaluate` from the ledger), and an engine that serves something other than its
-  fingerprint declares (`llmgw engines verify`, a loop of `llmgw up`).
+  (`llmgw evidence reevaluate` from the ledger), a hosted deployment answering with another model
+  (`model_mismatch`). An engine that serves something other than its fingerprint declares
+  (`engine_mismatch`, `llmgw engines verify`, a loop of `llmgw up`) voids every record while its void
+  exists, whatever its date: it is about the engine now.
 - A later failing record of a kind (a sampled re-run of the corpus that fails) outranks an earlier
   passing one.
 

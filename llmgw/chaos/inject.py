@@ -41,6 +41,7 @@ from extproc.names import Header
 from extproc.store import leases_key
 from llmgw.bench.kit import demo_policy
 from llmgw.chaos.checks import INVARIANTS, Arrival, Evidence, Sent, by_trace, check_all
+from llmgw.conformance.record import stamp
 from llmgw.conformance.runner import marker as fault_marker
 from llmgw.local.procs import Child, http_ok, json_at, tcp_open, wait_until
 from llmgw.local.stack import Stack, StackOptions
@@ -76,6 +77,10 @@ def chaos_policy(src: Path, work: Path, pool_route: str, fallback_route: str) ->
             route["retry"] = {"attempts": 1, "requires": "read_only_or_idempotency_key", "eligible_failures": [
                 "connect_before_send", "rate_limited", "unavailable", "no_first_byte"]}
         path.write_text(yaml.safe_dump(route))
+    # The fallback route's new retry policy voids the records earned under the old one (invariant 17):
+    # the table measures the other invariants, so its candidates get provisional records in the copy.
+    for cand in yaml.safe_load((policy / "routes" / f"{fallback_route}.yaml").read_text())["candidates"]:
+        stamp(policy, cand["deployment_ref"].partition("@")[0], date.today())
     # A key whose holder may offer tools with `write` effects (the ambiguous tool action).
     writer = "llmgw-" + secrets.token_urlsafe(24)
     entries = read_keys(policy / "keys.yaml")
