@@ -177,7 +177,9 @@ def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | N
             path = write_record(config, snap, name, snap.routes[e.route], e.record, e.corpus_digest)
             written.append(path)
             if not e.passed:
-                failed.append(f"{name} ({e.record['kind']} on {e.route})")
+                cases = [f"{c['id']}: {c.get('detail', '')}" for c in e.record.get("cases", ())
+                         if c["result"] == "fail"]
+                failed.append(f"{name} ({e.record['kind']} on {e.route}: {'; '.join(cases[:5])})")
             elif cache is not None:  # made by ensure, under its lock
                 shutil.copy(path, cache / path.name)
     if failed:

@@ -250,8 +250,23 @@ def _read_until(resp: http.client.HTTPResponse, chunks: int) -> tuple[bytes, boo
     return data, False
 
 
+# The sandbox gateway's own failure to decide (a worker just started that missed a decision on a loaded
+# machine: it fails closed), never the candidate's: such a request is sent once more before it counts.
+SANDBOX_FAULTS = ("policy_unavailable",)
+
+
 def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str],
          cancel_after: int | None = None, path: str = CHAT_PATH) -> Outcome:
+    """One request as the client sends it, and what it got (once more when the sandbox failed it)."""
+    out = _send(url, key, body, headers, cancel_after, path)
+    if out.status == 503 and out.error in SANDBOX_FAULTS:
+        time.sleep(0.5)
+        out = _send(url, key, body, headers, cancel_after, path)
+    return out
+
+
+def _send(url: str, key: str, body: dict[str, Any], headers: dict[str, str],
+          cancel_after: int | None, path: str) -> Outcome:
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=60)
     cancelled = reset = False

@@ -159,7 +159,8 @@ def test_the_cache_serves_the_same_record_and_nothing_else(bare: Path, tmp_path:
 
 def test_a_failing_run_writes_its_record_and_stops_the_start(bare: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    with pytest.raises(RuntimeError, match=r"evidence failed for demo-bedrock \(conformance on chat-bedrock\)"):
+    failing = r"evidence failed for demo-bedrock \(conformance on chat-bedrock: plain-message: "  # names the case
+    with pytest.raises(RuntimeError, match=failing):
         demo_evidence.ensure(bare, EVERY, today=TODAY, cache=cache, earner=FakeEarner(failing={"demo-bedrock"}))
     record = yaml.safe_load((bare / "evidence/demo-bedrock-conformance-chat-bedrock.yaml").read_text())
     assert record["result"] == "fail"
