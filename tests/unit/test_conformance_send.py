@@ -39,6 +39,7 @@ def url() -> Iterator[str]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+    server.server_close()
 
 
 def test_a_sandbox_that_failed_to_decide_is_asked_once_more(url: str) -> None:
