@@ -239,18 +239,26 @@ def _checked_schema(schema: Any, param: str) -> None:
 _SOUND: set[bytes] = set()  # schemas already found valid (canonical JSON)
 
 
-def _refs(schema: Any) -> Iterator[str]:
-    """Every `$ref` and `$dynamicRef` in a schema."""
+def _objects(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every JSON object in a schema, itself included, at any depth (inside objects and arrays)."""
     if isinstance(schema, list):
         for s in schema:
-            yield from _refs(s)
+            yield from _objects(s)
     elif isinstance(schema, dict):
-        for key in ("$ref", "$dynamicRef"):
-            if isinstance(schema.get(key), str):
-                yield schema[key]
+        yield schema
         for v in schema.values():
             if isinstance(v, (dict, list)):
-                yield from _refs(v)
+                yield from _objects(v)
+
+
+def _named(schema: Any, *keys: str) -> Iterator[str]:
+    """Every string value of these keywords anywhere in a schema."""
+    return (o[k] for o in _objects(schema) for k in keys if isinstance(o.get(k), str))
+
+
+def _refs(schema: Any) -> Iterator[str]:
+    """Every `$ref` and `$dynamicRef` in a schema."""
+    return _named(schema, "$ref", "$dynamicRef")
 
 
 def _resolves(schema: Any, ref: str) -> bool:
@@ -274,32 +282,16 @@ def _resolves(schema: Any, ref: str) -> bool:
 
 
 def _anchors(schema: Any) -> set[str]:
-    found: set[str] = set()
-    if isinstance(schema, list):
-        for s in schema:
-            found |= _anchors(s)
-    elif isinstance(schema, dict):
-        for key in ("$anchor", "$dynamicAnchor"):
-            if isinstance(schema.get(key), str):
-                found.add(schema[key])
-        for v in schema.values():
-            if isinstance(v, (dict, list)):
-                found |= _anchors(v)
-    return found
+    return set(_named(schema, "$anchor", "$dynamicAnchor"))
 
 
 def _patterns(schema: Any) -> Iterator[str]:
-    if isinstance(schema, list):
-        for s in schema:
-            yield from _patterns(s)
-    elif isinstance(schema, dict):
-        if isinstance(schema.get("pattern"), str):
-            yield schema["pattern"]
-        if isinstance(schema.get("patternProperties"), dict):
-            yield from schema["patternProperties"]
-        for v in schema.values():
-            if isinstance(v, (dict, list)):
-                yield from _patterns(v)
+    """Every regular expression a schema holds: `pattern` values and `patternProperties` keys."""
+    for o in _objects(schema):
+        if isinstance(o.get("pattern"), str):
+            yield o["pattern"]
+        if isinstance(o.get("patternProperties"), dict):
+            yield from o["patternProperties"]
 
 
 def schema_failure(schema: Any, strict: bool, value: Any) -> str | None:

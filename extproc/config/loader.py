@@ -112,11 +112,17 @@ class Snapshot:
         hand: it proves nothing yet, and as its kind's latest record it hides the earlier ones, so the
         kind does not pass (fail closed)."""
         latest, end = today + RECORD_DATE_GRACE, until or today
-        return {e.kind for e in self.evidence.get(deployment_ref, ())
+        return {e.kind for e in self.records_for(deployment_ref, route)
+                if e.result == "pass" and e.recorded_at <= latest and (e.expires_at is None or e.expires_at > end)}
+
+    def records_for(self, deployment_ref: str, route: Route) -> list[Evidence]:
+        """The fingerprint's records that speak for it as a candidate of `route`, passing or not:
+        earned under the route's retry and fallback policy; a quality gate, for its request class; a
+        load record, with its class among those judged."""
+        return [e for e in self.evidence.get(deployment_ref, ())
                 if e.basis is not None and e.basis.route_policy_digest == route.policy_digest
                 and (e.kind != "quality_gate" or e.request_class == route.request_class)
-                and (e.kind != "load" or (e.load is not None and route.request_class in e.load.classes))
-                and e.result == "pass" and e.recorded_at <= latest and (e.expires_at is None or e.expires_at > end)}
+                and (e.kind != "load" or (e.load is not None and route.request_class in e.load.classes))]
 
     def missing_evidence(self, route: Route, deployment_ref: str, today: date, until: date | None = None) -> set[str]:
         """The kinds a candidate of `route` still needs a passing record of (empty: qualified)."""

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from extproc.corpora import digest_of
+
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
 HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 CredentialRef = Annotated[str, StringConstraints(pattern=r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")]
@@ -752,5 +754,5 @@ class Route(Strict):
     def policy_digest(self) -> str:
         """The digest of its retry and fallback policy: evidence earned under another qualifies nothing
         here (invariant 17)."""
-        doc = {"retry": self.retry.model_dump(mode="json"), "fallback": self.fallback.model_dump(mode="json")}
-        return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+        policy = {"retry": self.retry.model_dump(mode="json"), "fallback": self.fallback.model_dump(mode="json")}
+        return digest_of(policy)

@@ -224,7 +224,6 @@ def cmd_engines_verify(args: argparse.Namespace) -> int:
     import redis
 
     from llmgw.ops import engines
-    from llmgw.ops.ledger import ledger_entries
     from llmgw.ops.store import store_url
 
     snap = snapshot_or_report(args.config)
@@ -239,10 +238,8 @@ def cmd_engines_verify(args: argparse.Namespace) -> int:
     url = store_url(args, snap.gateway.store.url)
     answered: list[engines.Finding] = []
     if url:  # hosted deployments: the models their answers of the last --answers-minutes named
-        since = time.time() - args.answers_minutes * 60
         try:
-            entries = ledger_entries(store_client(url), sorted(snap.gateway.tenants))
-            answered = engines.answer_findings(snap, [e for e in entries if float(e.get("time") or 0) >= since])
+            answered = engines.answers_since(snap, store_client(url), time.time() - args.answers_minutes * 60)
         except (redis.RedisError, OSError) as e:
             print(f"warning: the ledger was not read ({e}): hosted answers not checked", file=sys.stderr)
     for f in (*check.findings, *answered):

@@ -12,8 +12,7 @@ from typing import Any
 import redis
 
 from llmgw.cli.common import snapshot_or_report
-from llmgw.ops.ledger import ledger_entries
-from llmgw.ops.reevaluate import Bounds, evaluate, objectives_of, void_files
+from llmgw.ops.reevaluate import Bounds, evaluate, objectives_of, void_files, windows
 from llmgw.ops.store import store_client, store_url
 
 
@@ -45,15 +44,11 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
         print("error: no store: give --store-url, set store.url, or run `llmgw up`", file=sys.stderr)
         return 2
     try:
-        entries = ledger_entries(store_client(url),
-                                 sorted(snap.gateway.tenants))
+        window, before = windows(store_client(url), sorted(snap.gateway.tenants), time.time(),
+                                 args.window_hours * 3600, args.baseline_hours * 3600)
     except redis.RedisError as e:
         print(f"error: the store: {e}", file=sys.stderr)
         return 2
-    now = time.time()
-    start, baseline_start = now - args.window_hours * 3600, now - (args.window_hours + args.baseline_hours) * 3600
-    window = [e for e in entries if float(e.get("time") or 0) >= start]
-    before = [e for e in entries if baseline_start <= float(e.get("time") or 0) < start]
     bounds = Bounds(args.max_failure_share, args.ttft_p95_ms, args.e2e_p95_ms, args.max_mix_shift,
                     args.max_length_ratio, args.min_requests, objectives_of(snap.gateway))
     findings = evaluate(window, before, bounds)

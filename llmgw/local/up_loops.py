@@ -24,20 +24,11 @@ from pathlib import Path
 from extproc.config import load_snapshot
 from llmgw.local.stack import Stack
 from llmgw.ops import canary, engines, reevaluate
-from llmgw.ops.ledger import ledger_entries
 from llmgw.ops.loops import Loops
 from llmgw.ops.store import store_client
 
 WINDOW_S, BASELINE_S = 24 * 3600, 7 * 24 * 3600  # reevaluate's, as `llmgw evidence reevaluate` defaults
 ANSWERS_S = 300.0  # how far back engine_verify reads hosted answers (each run overlaps the last: voids are daily)
-
-
-def recent_answers(stack: Stack, tenants: list[str], since: float) -> list[dict[str, object]]:
-    client = store_client(str(stack.store_url))
-    try:
-        return [e for e in ledger_entries(client, tenants) if float(e.get("time") or 0) >= since]
-    finally:
-        client.close()
 
 
 def engine_verify(stack: Stack, config: Path, since: float | None = None) -> str:
@@ -48,8 +39,11 @@ def engine_verify(stack: Stack, config: Path, since: float | None = None) -> str
     check = engines.verify(snap, {p: stack.engine_urls(p) for p in sorted(pools)})
     today = datetime.now(UTC).date()
     written, removed = engines.apply(snap, check, today)
-    answered = engines.answer_findings(snap, recent_answers(stack, sorted(snap.gateway.tenants),
-                                                            since if since is not None else time.time() - ANSWERS_S))
+    client = store_client(str(stack.store_url))
+    try:
+        answered = engines.answers_since(snap, client, since if since is not None else time.time() - ANSWERS_S)
+    finally:
+        client.close()
     written += engines.model_voids(snap, answered, today)
     parts = [f"{len(check.matching)} deployment(s) serve what they declare"]
     parts += [str(f) for f in (*check.findings, *answered)]
@@ -62,12 +56,9 @@ def reevaluate_once(stack: Stack, config: Path) -> str:
     snap = load_snapshot(config)
     client = store_client(str(stack.store_url))
     try:
-        entries = ledger_entries(client, sorted(snap.gateway.tenants))
+        window, before = reevaluate.windows(client, sorted(snap.gateway.tenants), time.time(), WINDOW_S, BASELINE_S)
     finally:
         client.close()
-    now = time.time()
-    window = [e for e in entries if float(e.get("time") or 0) >= now - WINDOW_S]
-    before = [e for e in entries if now - WINDOW_S - BASELINE_S <= float(e.get("time") or 0) < now - WINDOW_S]
     findings = reevaluate.evaluate(window, before, reevaluate.Bounds(objectives=reevaluate.objectives_of(snap.gateway)))
     paths = reevaluate.void_files(findings, dict(snap.deployments), config, datetime.now(UTC).date().isoformat())
     return "; ".join([f"{len(window)} ledger entries", *(f"{f.deployment}: {f.trigger}: {f.reason}" for f in findings),

@@ -40,16 +40,12 @@ def price(snap: Snapshot, route: Route, today: date, input_tokens: float, output
         dep = snap.deployments.get(cand.deployment_name)
         if dep is None:
             continue
-        records = snap.evidence.get(dep.ref, ())
+        records = snap.records_for(dep.ref, route)
         why = snap.why_unqualified(route, dep.ref, today)
-        gates = [e for e in records if e.kind == "quality_gate" and e.result == "pass"
-                 and e.request_class == route.request_class
-                 and e.basis is not None and e.basis.route_policy_digest == route.policy_digest]
+        gates = [e for e in records if e.kind == "quality_gate" and e.result == "pass"]
         graded = snap.gateway.request_classes[route.request_class].quality is not None
         score = max((e.score or 0.0) for e in gates) if gates else (0.0 if graded else None)
-        loads = [e.load.classes[route.request_class] for e in records
-                 if e.kind == "load" and e.load is not None and route.request_class in e.load.classes
-                 and e.basis is not None and e.basis.route_policy_digest == route.policy_digest]
+        loads = [e.load.classes[route.request_class] for e in records if e.kind == "load" and e.load is not None]
         if not why and loads and not loads[-1].holds:
             why = f"{route.request_class} missed its objective at its peak rate"
         per_request = (input_tokens * dep.prices.input_per_mtok + output_tokens * dep.prices.output_per_mtok) / 1e12

@@ -44,6 +44,7 @@ import yaml
 
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
+from llmgw.ops.ledger import ledger_entries
 
 TRIGGER = "engine_mismatch"
 ANSWERS = "answers"  # a Finding's `engine` when the ledger's answers, not a probe, showed it
@@ -201,6 +202,11 @@ def answer_findings(snap: Snapshot, entries: Sequence[Mapping[str, Any]]) -> lis
                 continue
             out.setdefault(dep.deployment, Finding(dep.deployment, ANSWERS, "model", dep.served_model, model))
     return list(out.values())
+
+
+def answers_since(snap: Snapshot, client: Any, since: float) -> list[Finding]:
+    """`answer_findings` over the ledger's entries that arrived at or after `since`."""
+    return answer_findings(snap, ledger_entries(client, sorted(snap.gateway.tenants), since=since))
 
 
 def model_voids(snap: Snapshot, findings: Sequence[Finding], today: date) -> list[Path]:

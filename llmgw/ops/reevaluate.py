@@ -26,6 +26,7 @@ import yaml
 
 from extproc.config.schema import Deployment, GatewayConfig
 from llmgw.bench.stats import percentile
+from llmgw.ops.ledger import ledger_entries
 
 BROKEN = {"stream_interrupted", "upstream_error"}
 
@@ -41,6 +42,15 @@ class Bounds:
     # Per request class, from gateway.yaml (request_classes.<c>.slo): (TTFT limit ms, end-to-end limit
     # ms, the share of answers that must meet both). An answer of the class counts when within both.
     objectives: Mapping[str, tuple[float | None, float | None, float]] = field(default_factory=dict)
+
+
+def windows(client: Any, tenants: Sequence[str], now: float, window_s: float, baseline_s: float
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The ledger's entries of the last `window_s` seconds, and of the `baseline_s` before them."""
+    start = now - window_s
+    entries = ledger_entries(client, tenants, since=start - baseline_s)
+    return ([e for e in entries if float(e.get("time") or 0) >= start],
+            [e for e in entries if float(e.get("time") or 0) < start])
 
 
 def objectives_of(gateway: GatewayConfig) -> dict[str, tuple[float | None, float | None, float]]:
