@@ -43,6 +43,9 @@ class ErrorCode(StrEnum):
     BUDGET_EXHAUSTED = "budget_exhausted"
     RATE_LIMITED = "rate_limited"
     CONCURRENCY_LIMITED = "concurrency_limited"
+    # The gateway refuses what its capacity cannot take in time: a saturated pool past the class's queue
+    # TTL, or a provider quota spent (extproc/admission.py); Retry-After says when to come back.
+    OVERLOADED = "overloaded"
     UPSTREAM_ERROR = "upstream_error"
     NO_QUALIFIED_ROUTE = "no_qualified_route"
     POLICY_UNAVAILABLE = "policy_unavailable"
@@ -81,6 +84,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUDGET_EXHAUSTED: 429,
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.CONCURRENCY_LIMITED: 429,
+    ErrorCode.OVERLOADED: 429,
     ErrorCode.UPSTREAM_ERROR: 502,
     ErrorCode.NO_QUALIFIED_ROUTE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,

@@ -66,6 +66,11 @@ class Exchange:
     # trigger that voided it: `engine_mismatch`, ...): the ledger names why a request went elsewhere or nowhere.
     disqualified: str = ""  # `pool-llama-8b: engine_mismatch, evidence; other: data_class`
     canary: str = ""  # on a route with a canary: `canary` when it goes there first, else `stable`
+    # How admission (extproc/admission.py) let it through, when not at once: `queued_ms=120`,
+    # `skipped=pool-llama-8b:overloaded`, `shed=queue_timeout` (ledger, metadata); "" = admitted at once.
+    admission: str = ""
+    plan: Any = None  # the route stage's plan, for the stages after admission (stages/route.py: Planned)
+    waiting: Any = None  # admission queued it: the wait the server runs between two stages (admission.Waiting)
     shadow_of: Grant | None = None  # this request is a shadow copy: the grant it came with
     shadow: str = ""  # the shadow candidate this request is copied to ("" = not shadowed)
     shadow_grant: str = ""  # the copy's grant, for Envoy's mirror policy
@@ -148,6 +153,8 @@ class Exchange:
                 facts["idempotency_key"] = self.idempotency_key
         if self.disqualified:
             facts[Key.DISQUALIFIED.value] = self.disqualified
+        if self.admission:
+            facts[Key.ADMISSION.value] = self.admission
         if self.decision is not None:
             facts["decision"] = {"allow": self.decision.allow, "reasons": self.logged_reasons(),
                                  "policy_revision": self.decision.policy_revision, "decision_id": self.decision_id}
@@ -190,6 +197,8 @@ class Exchange:
             md[Key.DEGRADED] = self.degraded
         if self.disqualified:
             md[Key.DISQUALIFIED] = self.disqualified
+        if self.admission:
+            md[Key.ADMISSION] = self.admission
         if self.canary:
             md[Key.CANARY] = self.canary
         if self.deployment is not None:

@@ -59,6 +59,13 @@ ATTEMPTS = Counter("llmgw_attempts", "Upstream attempts, by candidate, kind (fir
 REFUSALS = Counter("llmgw_refusals", "Requests refused before any upstream, by the contract's error code",
                    ["route", "code"])
 ADMITTED = Counter("llmgw_admitted", "Requests admitted: their budgets, quotas and bulkhead reserved", ["route"])
+ADMISSIONS = Counter("llmgw_admission", "Admission decisions (extproc/admission.py) by pool or deployment, request "
+                     "class and outcome: admitted, queued_admitted (after waiting), next_candidate (the plan's "
+                     "first had no room), shed_queue_timeout, shed_queue_full (the worker's queue), shed_no_wait (no "
+                     "queue TTL or deadline left), shed_quota (a provider quota: the deployment is the target)",
+                     ["target", "request_class", "outcome"])
+QUEUE_WAIT = Histogram("llmgw_admission_queue_duration", "Time a request waited for admission (admitted or shed)",
+                       ["target", "request_class"], unit="seconds", buckets=DURATION_BUCKETS)
 RELOADS = Counter("llmgw_config_reloads", "Configuration reloads by this host's workers (each worker reloads), "
                   "by result (accepted, refused: the last known good revision stays)", ["result"])
 PICKS = Counter("llmgw_picker_decisions", "Engine picks per pool: by load, by a prefix the engine holds, or left to "
@@ -137,6 +144,14 @@ def observe_tenant(tenant: str, route: str, outcome: Mapping[str, Any]) -> None:
 def count_admitted(route: str) -> None:
     if ENABLED:
         _series(ADMITTED, (route,)).inc()
+
+
+def count_admission(target: str, request_class: str, outcome: str, waited_s: float | None = None) -> None:
+    if not ENABLED:
+        return
+    _series(ADMISSIONS, (target, request_class, outcome)).inc()
+    if waited_s is not None:
+        _series(QUEUE_WAIT, (target, request_class)).observe(waited_s)
 
 
 def count_reload(accepted: bool) -> None:

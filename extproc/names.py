@@ -111,6 +111,7 @@ class Key(StrEnum):
     LOSSES = "losses"  # per candidate, what its adapter loses or changes (JSON), for the attempt filter
     CANARY = "canary"  # on a route with a canary: `canary` (it was tried first) or `stable` (ledger)
     DISQUALIFIED = "disqualified"  # candidates the route left out and why: `dep: evidence, engine_mismatch; ...`
+    ADMISSION = "admission"  # how admission let it through when not at once: `queued_ms=120`, `skipped=...`
     SHADOW = "shadow"  # the shadow candidate a copy goes to: selects the admitted route with the mirror policy
     SHADOW_GRANT = "shadow_grant"  # the copy's grant (extproc/shadow.py), added to the copy by the mirror
     DEGRADED = "degraded"  # the route's degraded answer served it: `route:NAME` (x-llmgw-degraded, ledger)
@@ -204,7 +205,7 @@ ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.L
 # The ledger's marks of how a request was served (the route's degraded answer, a canary's side of the
 # answer, the shadow candidate the request was copied to, a token count and the shape that counted,
 # the candidates left out and why).
-LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW, Key.COUNT, Key.DISQUALIFIED)
+LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW, Key.COUNT, Key.DISQUALIFIED, Key.ADMISSION)
 # What the meter asks for at the answer's end.
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
                     f"response.headers['{Header.DEPLOYMENT}']",

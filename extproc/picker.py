@@ -237,6 +237,11 @@ class Picker:
             with contextlib.suppress(OSError):
                 (self._shared / "active").touch()
 
+    def pool_loads(self, pool: str) -> list[EngineLoad]:
+        """The fresh readings of a pool's engines (admission derives the pool's bound from them)."""
+        now = time.monotonic()
+        return [ld for ep in self.pools.get(pool, ()) if (ld := self.fresh(ep, now)) is not None]
+
     def fresh(self, endpoint: str, now: float) -> EngineLoad | None:
         load = self.loads.get(endpoint)
         return load if load is not None and now - load.at <= self.stale_after else None

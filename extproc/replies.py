@@ -8,7 +8,7 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.contract import DECISION_ID_HEADER, METADATA_NAMESPACE, REVISION_HEADER, GatewayError, degraded_body
 from extproc.exchange import Exchange
@@ -47,6 +47,14 @@ def admit(ex: Exchange) -> ep.ProcessingResponse:
                                clear_route_cache=True)
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
                                  dynamic_metadata=_metadata(ex.metadata(), ex.endpoints))
+
+
+def longer_wait(seconds: float) -> ep.ProcessingResponse:
+    """Envoy waits this long for the decision instead of its message timeout (the request is queued
+    for admission): once per message, up to the filter's max_message_timeout."""
+    wait = duration_pb2.Duration()
+    wait.FromMilliseconds(max(1, round(seconds * 1000)))
+    return ep.ProcessingResponse(override_message_timeout=wait)
 
 
 def immediate(ex: Exchange, status: int, body: bytes, details: str, headers: dict[str, str] | None = None,

@@ -38,6 +38,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
 from extproc import occupancy, tracing
+from extproc.admission import AdmissionControl
 from extproc.attempts import AttemptFilter
 from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot, load_snapshot
@@ -53,7 +54,7 @@ from extproc.picker import Picker
 from extproc.pipeline import build_stages, run_stages
 from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Sealer
-from extproc.replies import admit, degraded_answer, immediate, refuse
+from extproc.replies import admit, degraded_answer, immediate, longer_wait, refuse
 from extproc.secrets import SecretUnavailable, resolve
 from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
 from extproc.shadow import grant_key
@@ -114,7 +115,9 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         jwks = jwks or JwksCache()
         self.store = store
         self.decisions = DecisionRecorder(store)
-        self.stages = build_stages(picker, jwks, store, self.decisions)
+        self.admission = (AdmissionControl(store, picker.pool_loads if picker is not None else None)
+                          if store is not None else None)
+        self.stages = build_stages(picker, jwks, store, self.decisions, self.admission)
         self._identity = CallerIdentity(jwks)
         self.settler = Settler(store) if store is not None else None
         self.meter = (Meter(self.settler, lambda: self.live.snapshot, lambda: self.live.sealer)
@@ -184,7 +187,12 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                     ex.raw_body = first.request_body.body
                     door = door_for(ex.path)  # once: identity and intake both need it
                     ex.door = door.name if door is not None else ""
-                    await run_stages(self.stages, ex)
+                    resume = await run_stages(self.stages, ex)
+                    while resume is not None:  # admission queued it: Envoy is told to wait, then it waits
+                        waiting, ex.waiting = ex.waiting, None
+                        yield longer_wait(waiting.wait_s + ex.snapshot.gateway.envoy.extproc_message_timeout_ms / 1000)
+                        await waiting.wait()
+                        resume = await run_stages(self.stages, ex, resume)
                     yield admit(ex)
                 case "request_headers":
                     apply_headers(ex, first.request_headers.headers)
@@ -206,6 +214,11 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         except GatewayError as err:
             self._ended(ex, err)
             yield refuse(ex, err)
+        except asyncio.CancelledError:  # Envoy closed the stream (the client went away) before the decision
+            if ex.held is not None:
+                self._later(release(self.store, ex, "cancelled", 499, {"admission": ex.admission} if ex.admission
+                                    else None))
+            raise
         except Exception:  # never crash on input: fail closed with the contract's error
             _internal_errors.error("request %s: internal error", ex.request_id, exc_info=True)
             failure = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not evaluate this request")
@@ -222,7 +235,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                 **tracing.request_facts(route, ex.request_id, err.status, termination, ex.operation),
                 "error.type": err.code.value})
         if ex.held is not None:
-            self._later(release(self.store, ex, termination, err.status))
+            self._later(release(self.store, ex, termination, err.status,
+                                {"admission": ex.admission} if ex.admission else None))
         elif ex.identity is not None:  # a store that is down takes it when it is back (record_refusal)
             self._later(record_refusal(self.store, ex, termination, err.status, err.code.value))
 

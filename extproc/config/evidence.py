@@ -65,7 +65,7 @@ def basis_for(gateway: GatewayConfig, dep: Deployment, route: Route | None = Non
         shape_digest=code_digest(dep.fingerprint.adapter),
         route_policy_digest=route.policy_digest if route is not None else None,
         prices_version=dep.prices.version,
-        quota_digest=digest_of(dep.provider_quota.model_dump(mode="json") if dep.provider_quota else None),
+        quota_digest=digest_of(dep.provider_quota.agreed() if dep.provider_quota else None),
         policy_digest=digest_of({"data_classes": list(gateway.data_classes),
                                "deployment_data_classes": sorted(dep.data_classes),
                                "redaction": gateway.redaction.model_dump(mode="json")}))

@@ -259,6 +259,9 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                                       "runner, the openai-compat adapter) only"))
         for dc in set(dep.data_classes) - known_classes:
             issues.append(ConfigIssue(rel, "data_classes", f"unknown data class {dc!r}"))
+        quota = dep.provider_quota
+        for tenant in sorted(set(quota.tenant_shares) - set(gateway.tenants)) if quota is not None else ():
+            issues.append(ConfigIssue(rel, f"provider_quota.tenant_shares.{tenant}", f"unknown tenant {tenant!r}"))
         if dep.retire_at is not None and dep.retire_at <= today:
             warnings.append(f"{rel}: deployment {dep.deployment} is retired since {dep.retire_at}")
         elif dep.retire_at is not None and (dep.retire_at - today).days <= RETIRE_WARNING_DAYS:

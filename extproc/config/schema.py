@@ -143,6 +143,10 @@ class Tenant(Strict):
     regions: tuple[Name, ...] | None = None  # residency: where its requests may be served; None = any
     api_keys: tuple[ApiKey, ...] = ()
     bulkhead: Bulkhead | None = None
+    # Its share of a saturated pool against the other tenants of the same priority (admission's
+    # weighted fairness, extproc/admission.py): a tenant of weight 2 is admitted twice as often as one
+    # of weight 1 while both have requests waiting.
+    weight: float = Field(default=1.0, gt=0)
 
 
 class Scope(Strict):
@@ -216,6 +220,20 @@ class OutlierSettings(Strict):
     max_ejection_percent: int = Field(default=50, ge=1, le=100)
 
 
+class PoolAdmission(Strict):
+    """How much a pool is given at once (extproc/admission.py). The bound on its requests in flight, across
+    every worker and replica (counted in the store), is `max_in_flight`, shrunk to what the engines run
+    while they report a queue of their own (more than `waiting_per_engine` waiting each) or a KV cache past
+    `kv_usage_limit`. A request beyond the bound waits in its worker's queue (priority, then the tenants'
+    weights) for at most its class's `queue_ttl_ms` and what is left of its deadline, then gets 429
+    `overloaded` with Retry-After; a worker queues at most `max_queued` requests for the pool."""
+
+    max_in_flight: int = Field(gt=0)
+    max_queued: int = Field(default=256, ge=0)
+    waiting_per_engine: float = Field(default=1.0, ge=0)
+    kv_usage_limit: float = Field(default=0.95, gt=0, le=1)
+
+
 class Pool(Strict):
     """A set of interchangeable engine endpoints: one Envoy cluster."""
 
@@ -225,6 +243,7 @@ class Pool(Strict):
     # of 3 turned most failures after an engine died into retry overflow).
     max_retries: int = Field(default=256, ge=1)
     outlier: OutlierSettings = OutlierSettings()
+    admission: PoolAdmission | None = None  # None: the engines take whatever comes
 
 
 class EnvoySettings(Strict):
@@ -313,6 +332,10 @@ class RequestClass(Strict):
 
     slo: ClassSlo | None = None
     quality: QualityGate | None = None
+    # Admission (extproc/admission.py): a saturated pool's waiting requests of a higher priority are
+    # admitted first (interactive above batch); a request waits at most queue_ttl_ms (0: refused at once).
+    priority: int = 0
+    queue_ttl_ms: int = Field(default=1000, ge=0, le=60_000)
 
 
 class LoopSettings(Strict):
@@ -449,6 +472,23 @@ class ProviderQuota(Strict):
 
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
+    # What each tenant may take of it (a share in (0, 1]); a tenant not named may take `default_share`.
+    # Reserved in the store before dispatch across every replica (extproc/admission.py); not part of the
+    # evidence's quota digest (the agreement with the provider is the same).
+    tenant_shares: dict[Name, float] = {}
+    default_share: float = Field(default=1.0, gt=0, le=1)
+
+    @field_validator("tenant_shares")
+    @classmethod
+    def _shares(cls, v: dict[str, float]) -> dict[str, float]:
+        for tenant, share in v.items():
+            if not 0 < share <= 1:
+                raise ValueError(f"{tenant}: a share is in (0, 1], not {share}")
+        return v
+
+    def agreed(self) -> dict[str, int | None]:
+        """The agreement with the provider (what evidence was earned under), without the shares."""
+        return {"requests_per_minute": self.requests_per_minute, "tokens_per_minute": self.tokens_per_minute}
 
 
 RETIRE_WARNING_DAYS = 30  # a deployment this close to its retire_at is warned about (and checked: llmgw check)

@@ -81,6 +81,14 @@ def price_of(ex: Exchange, prompt: int, completion: int) -> tuple[int, str]:
     return micros, version
 
 
+def lease_until_ms(ex: Exchange) -> int:
+    """When what a request holds (its reservation, its pool slot) is taken to be lost: its deadline,
+    plus the stream's longest life for a stream, plus the store's grace."""
+    assert ex.route is not None
+    return (int(ex.arrived_at * 1000) + effective_deadline_ms(ex) + (ex.route.max_stream_ms if ex.stream else 0)
+            + ex.snapshot.gateway.store.lease_grace_ms)
+
+
 class BudgetReservation:
     name = "budget"
 
@@ -127,12 +135,11 @@ class BudgetReservation:
                 if q.tokens_per_minute:
                     rates.append(RateCharge(rate_key(ident.tenant, q.name, "tpm"), PERIOD_MS / q.tokens_per_minute,
                                             tokens, True))
-        lease_ms = effective_deadline_ms(ex) + (route.max_stream_ms if ex.stream else 0) + gw.store.lease_grace_ms
         bulkhead = gw.tenants[ident.tenant].bulkhead if not shadow else None
         idem = ex.idempotency_key if not ex.count else None  # a count has no outcome to replay
         reservation = Reservation(
             tenant=ident.tenant, rid=ex.request_id, now_ms=int(now * 1000),
-            lease_until_ms=int(ex.arrived_at * 1000) + lease_ms, micros=micros, tokens=tokens,
+            lease_until_ms=lease_until_ms(ex), micros=micros, tokens=tokens,
             budgets=budgets, rates=rates,
             max_in_flight=bulkhead.max_in_flight if bulkhead else None,
             max_in_flight_tokens=bulkhead.max_in_flight_tokens if bulkhead else None,

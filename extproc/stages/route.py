@@ -247,6 +247,21 @@ def count_plan(ex: Exchange, snap: Snapshot, route: Route, qualified: list[int])
         dep, body, ex.credentials, ex.credential_errors)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """The route stage's plan, for the stages after admission: the route whose candidates serve (this
+    one, or its degraded route), the indices of the plan's candidates into it, the request's facts and
+    what each candidate's adapter loses of it. Admission may drop the first candidates (no room)."""
+
+    serving: Route
+    qualified: tuple[int, ...]
+    facts: RequestFacts
+    lost: dict[str, tuple[Loss, ...]]
+
+    def starting_at(self, k: int) -> Planned:
+        return replace(self, qualified=self.qualified[k:])
+
+
 class RouteSelection:
     name = "route"
 
@@ -312,6 +327,22 @@ class RouteSelection:
             count_plan(ex, snap, serving, qualified)
             return
         ex.candidates = tuple(snap.deployments[serving.candidates[i].deployment_name] for i in qualified)
+        ex.plan = Planned(serving, tuple(qualified), facts, lost)
+
+
+class PlanRequest:
+    """The upstream request for the plan admission left: its first candidate's cluster (or the
+    composite cluster of the plan), the body as that candidate must receive it, the translation losses
+    a caller is told of, and the shadow copy."""
+
+    name = "plan"
+
+    async def run(self, ex: Exchange) -> None:
+        plan, route, snap = ex.plan, ex.route, ex.snapshot
+        if plan is None or route is None:  # a token count: planned by the route stage
+            return
+        serving, qualified, facts, lost = plan.serving, list(plan.qualified), plan.facts, plan.lost
+        door = DOORS_BY_NAME.get(ex.door)
         if ex.native:
             native_plan(ex, route.translation_loss, lost)
         # What a report-mode route lists (x-llmgw-translation-loss, the ledger), named as the caller wrote it.

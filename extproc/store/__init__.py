@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,9 +26,22 @@ from extproc.metrics import observe_store
 from extproc.store.cluster import ClusterPipe
 from extproc.store.errors import StoreUnavailable
 from extproc.store.pipe import ScriptPipe
-from extproc.store.scripts import APPEND_ONCE, ATTEMPT, DECISIONS, RESERVE, SETTLE
+from extproc.store.scripts import (
+    ADMIT,
+    APPEND_ONCE,
+    ATTEMPT,
+    DECISIONS,
+    LEAVE,
+    QUOTA,
+    QUOTA_RETURN,
+    RELEASE_SLOT,
+    RESERVE,
+    SETTLE,
+)
 
 __all__ = ["Store", "StoreUnavailable"]
+
+_log = logging.getLogger("llmgw.store")
 
 PERIOD_MS = 60_000  # quotas are per minute
 LEDGERED_TTL_S = 3_600  # how long a refusal's ledger entry is known written: longer than any retry
@@ -84,6 +98,46 @@ def rate_key(tenant: str, name: str, kind: str) -> str:
 
 def idem_key(tenant: str, key_hash: str) -> str:
     return f"{tag(tenant)}:idem:{key_hash}"
+
+
+def slots_key(pool: str) -> str:
+    """A pool's admitted requests (extproc/admission.py): its own hash tag, shared by every tenant."""
+    return f"llmgw:{{admit:{pool}}}:slots"
+
+
+def queue_keys(pool: str) -> list[str]:
+    """A pool's admission queue: its waiters in order, when each stops waiting, and the fair-queuing tags."""
+    return [f"llmgw:{{admit:{pool}}}:{k}" for k in ("waiting", "wait_ends", "tags")]
+
+
+def quota_key(deployment: str, kind: str, tenant: str = "") -> str:
+    """A provider quota's bucket (kind rpm or tpm): the deployment's, or one tenant's share of it."""
+    return f"llmgw:{{pq:{deployment}}}:{kind}" + (f":{tenant}" if tenant else "")
+
+
+@dataclass(frozen=True)
+class QuotaCharge:
+    """One bucket of a provider quota a request takes from: GCRA, like the gateway's own quotas."""
+
+    key: str
+    ms_per_unit: float  # PERIOD_MS / limit
+    cost: int  # 1 for requests, the token bound for tokens
+    per_token: bool  # what was not used of it is given back at settlement
+
+    def encode(self) -> list[Any]:
+        return [self.key, self.ms_per_unit, self.cost, int(self.per_token)]
+
+
+def returned_ms(hint: dict[str, Any], charged_tokens: int, released: bool) -> list[tuple[str, float]]:
+    """What a settled request gives back of the provider quota it held (the hint's `q`): the tokens it
+    did not use of its bound; everything when it was never dispatched (released)."""
+    out = []
+    for key, ms, cost, per_token in hint.get("q", ()):
+        if released:
+            out.append((key, ms * cost))
+        elif per_token and cost > charged_tokens >= 0:
+            out.append((key, ms * (cost - charged_tokens)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -186,7 +240,7 @@ class Store:
 
     async def prepare(self) -> None:
         """At start: the hot-path connection open and its scripts loaded (StoreUnavailable if not)."""
-        await self.pipe.load(RESERVE, SETTLE)
+        await self.pipe.load(RESERVE, SETTLE, ADMIT, QUOTA)
 
     async def close(self) -> None:
         await self.pipe.close()
@@ -219,6 +273,58 @@ class Store:
         out = await self.pipe.evalsha(RESERVE, keys, args)
         observe_store("reserve", time.perf_counter() - started)
         return ReserveResult(out[0], tuple(str(x) for x in out[1:]))
+
+    async def admit(self, pool: str, rid: str, now_ms: int, lease_until_ms: int, limit: int, priority: int,
+                    tenant: str, weight: float, wait_until_ms: int = 0) -> tuple[bool, float | None]:
+        """A slot of the pool for this request (scripts.ADMIT): (True, None) admitted; (False, None)
+        refused without waiting; (False, start tag) waiting in the pool's queue - ask again to learn
+        whether it is admitted (the same call)."""
+        started = time.perf_counter()
+        out = await self.pipe.evalsha(ADMIT, [slots_key(pool), *queue_keys(pool)],
+                                      [rid, now_ms, lease_until_ms, limit, priority, tenant, repr(weight),
+                                       wait_until_ms])
+        observe_store("admit", time.perf_counter() - started)
+        if int(out[0]) == 1:
+            return True, None
+        return False, (float(out[2]) if int(out[1]) == 1 else None)
+
+    async def leave(self, pool: str, rid: str) -> None:
+        """A waiter leaves the pool's queue (its wait ended, its client went away)."""
+        await self.pipe.evalsha(LEAVE, queue_keys(pool), [rid])
+
+    async def release_slot(self, pool: str, rid: str) -> None:
+        await self.pipe.evalsha(RELEASE_SLOT, [slots_key(pool)], [rid])
+
+    async def slots(self, pool: str) -> int:
+        """The pool's slots held now (the metrics; expired leases not yet pruned included)."""
+        return int(await self._call(self.client.zcard(slots_key(pool))))
+
+    async def reserve_quota(self, now_ms: int, charges: Sequence[QuotaCharge]) -> tuple[bool, int]:
+        """Every bucket charged, or none: (True, 0), or (False, ms until the first refusing one has room)."""
+        started = time.perf_counter()
+        out = await self.pipe.evalsha(QUOTA, [c.key for c in charges],
+                                      [now_ms, *(x for c in charges for x in (repr(c.ms_per_unit), c.cost))])
+        observe_store("quota", time.perf_counter() - started)
+        return (True, 0) if out[0] == "ok" else (False, int(out[1]))
+
+    async def _after_settling(self, items: Sequence[tuple[str, str, int, bool, bool]]) -> None:
+        """What a settlement gives back beside its reservation, each in its own slot: the pool slot and
+        what the request held of a provider quota and did not use. Items: (rid, hint, charged tokens,
+        released before dispatch, this settlement won)."""
+        slots: list[tuple[list[str], list[Any]]] = []
+        quotas: list[tuple[list[str], list[Any]]] = []
+        for rid, hint, charged, released, won in items:
+            h = orjson.loads(hint) if hint else {}
+            if h.get("a"):
+                slots.append(([h["a"]], [rid]))
+            back = returned_ms(h, charged, released) if won else []
+            if back:
+                quotas.append(([k for k, _ in back], [repr(ms) for _, ms in back]))
+        failed = [r for r in [*(await self.pipe.evalsha_many(RELEASE_SLOT, slots) if slots else []),
+                              *(await self.pipe.evalsha_many(QUOTA_RETURN, quotas) if quotas else [])]
+                  if isinstance(r, BaseException)]
+        if failed:  # a slot's lease ends by itself; a quota not given back only under-uses the provider
+            _log.warning("%d slot or quota return(s) failed: %s", len(failed), failed[0])
 
     async def holder_of(self, rid: str, tenants: Sequence[str]) -> tuple[str, str] | None:
         """The tenant holding an open reservation for request `rid`, and its hint, looked for among
@@ -262,7 +368,10 @@ class Store:
         keys, args = self._settle_call(tenant, rid, hint, outcome, charge_micros, charge_tokens, idem_status,
                                        idem_response, idem_ttl_ms)
         out = await self.pipe.evalsha(SETTLE, keys, args)
-        if not out or out[0] == 0:
+        won = bool(out) and out[0] != 0
+        if '"a"' in hint or '"q"' in hint:
+            await self._after_settling([(rid, hint, int(out[4]) if won else -1, _released(outcome), won)])
+        if not won:
             return None
         return Settled(*(int(x) for x in out[1:5]))
 
@@ -276,7 +385,12 @@ class Store:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")
-        return [bool(r) and int(r[0]) == 1 for r in results]
+        won = [bool(r) and int(r[0]) == 1 for r in results]
+        side = [(item[1], item[2], int(r[4]) if w else -1, _released(item[3]), w)
+                for item, r, w in zip(items, results, won, strict=True) if '"a"' in item[2] or '"q"' in item[2]]
+        if side:
+            await self._after_settling(side)
+        return won
 
     async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
         """One attempt of a fallback route (extproc/attempts.py); settlement puts them in the ledger."""
@@ -329,6 +443,11 @@ class Store:
         rids: list[str] = await self._call(
             self.client.zrangebyscore(leases_key(tenant), "-inf", now_ms, start=0, num=limit))
         return rids
+
+
+def _released(outcome: dict[str, Any]) -> bool:
+    """A request released before dispatch: it used nothing of a provider quota."""
+    return outcome.get("settlement") == "released"
 
 
 def ledger_entry(fields: dict[str, str]) -> dict[str, Any]:

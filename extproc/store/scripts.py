@@ -156,3 +156,105 @@ DECISIONS = """
 for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'entry', ARGV[i]) end
 return #ARGV
 """
+
+# Admission (extproc/admission.py). Every key of one pool shares the pool's hash tag.
+# KEYS: slots (request id -> lease end, ms), waiting (request id -> its place), wait ends (request id ->
+#       when it stops waiting, ms), tags (`v|<priority>|<tenant>`: the tenant's next start tag,
+#       `c|<priority>`: the priority's clock, `s|<rid>`: a waiter's start tag)
+# ARGV: rid, now_ms, lease_until_ms, limit, priority (0-100), tenant, weight, wait_until_ms (0: may not wait)
+# A slot is an open lease: a gateway that crashed holding one frees it when the lease ends. One queue for
+# every worker and replica: a waiter's place is its priority, then its start tag (start-time fair
+# queuing): a tenant's next request starts 1/weight after its last, or at its priority's clock when it
+# comes back after idling (no credit banked). With k slots free, the first k waiters are admitted, each
+# when it (its worker) asks. A newcomer that may not wait is admitted only when a slot is free and nobody
+# waits. Returns {1} admitted (again, for a retried call); {0, -1} refused without waiting;
+# {0, 1, start} waiting, with its start tag.
+ADMIT = """
+local rid, now = ARGV[1], tonumber(ARGV[2])
+local limit, prio = tonumber(ARGV[4]), tonumber(ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+for _, r in ipairs(gone) do
+  redis.call('ZREM', KEYS[2], r)
+  redis.call('HDEL', KEYS[4], 's|' .. r)
+end
+if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now) end
+if redis.call('ZSCORE', KEYS[1], rid) then return {1} end
+local free = limit - redis.call('ZCARD', KEYS[1])
+local start = redis.call('HGET', KEYS[4], 's|' .. rid)
+if not start then
+  if free > 0 and redis.call('ZCARD', KEYS[2]) == 0 then
+    redis.call('ZADD', KEYS[1], tonumber(ARGV[3]), rid)
+    return {1}
+  end
+  local wait_until = tonumber(ARGV[8])
+  if wait_until <= now then return {0, -1} end
+  local vkey, ckey = 'v|' .. prio .. '|' .. ARGV[6], 'c|' .. prio
+  local s = math.max(tonumber(redis.call('HGET', KEYS[4], vkey) or '0'),
+                     tonumber(redis.call('HGET', KEYS[4], ckey) or '0'))
+  redis.call('HSET', KEYS[4], vkey, tostring(s + 1 / tonumber(ARGV[7])), 's|' .. rid, tostring(s))
+  redis.call('ZADD', KEYS[2], (100 - prio) * 4294967296 + s, rid)
+  redis.call('ZADD', KEYS[3], wait_until, rid)
+  redis.call('PEXPIRE', KEYS[4], 3600000)
+  start = tostring(s)
+end
+if free > 0 then
+  local rank = redis.call('ZRANK', KEYS[2], rid)
+  if rank and rank < free then
+    redis.call('ZREM', KEYS[2], rid)
+    redis.call('ZREM', KEYS[3], rid)
+    redis.call('HDEL', KEYS[4], 's|' .. rid)
+    local ckey = 'c|' .. prio
+    if tonumber(start) > tonumber(redis.call('HGET', KEYS[4], ckey) or '0') then
+      redis.call('HSET', KEYS[4], ckey, start)
+    end
+    redis.call('ZADD', KEYS[1], tonumber(ARGV[3]), rid)
+    return {1}
+  end
+end
+return {0, 1, start}
+"""
+
+# KEYS: waiting, wait ends, tags. ARGV: rid. A waiter that stops waiting (its wait ran out, its client
+# went away) leaves the queue at once.
+LEAVE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return redis.call('HDEL', KEYS[3], 's|' .. ARGV[1])
+"""
+
+# KEYS: a pool's slots. ARGV: rid. Settlement (or a release) gives the slot back.
+RELEASE_SLOT = """
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+# A deployment's provider quota and its tenants' shares: token buckets of a minute's size, refilled
+# continuously (how providers count), as GCRA theoretical arrival times. Every key of one deployment
+# shares its hash tag. KEYS: the buckets. ARGV: now_ms, then per bucket: ms_per_unit, cost.
+# Returns {'ok'} with every bucket charged, or {'limited', wait_ms, bucket} with none.
+QUOTA = """
+local now = tonumber(ARGV[1])
+local tats = {}
+for i = 1, #KEYS do
+  local ms, cost = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if tat < now then tat = now end
+  local new_tat = tat + ms * cost
+  if new_tat - now > 60000 then return {'limited', tostring(math.ceil(new_tat - now - 60000)), tostring(i)} end
+  tats[i] = new_tat
+end
+for i = 1, #KEYS do
+  redis.call('SET', KEYS[i], tostring(tats[i]), 'PX', math.ceil(tats[i] - now) + 60000)
+end
+return {'ok'}
+"""
+
+# KEYS: buckets. ARGV: per bucket, the milliseconds to give back (what a request held of it and did not
+# use: the token bound less the tokens charged, or all of it for a request never dispatched).
+QUOTA_RETURN = """
+for i = 1, #KEYS do
+  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if tat > 0 then redis.call('SET', KEYS[i], tostring(tat - tonumber(ARGV[i])), 'KEEPTTL') end
+end
+return 1
+"""

@@ -152,6 +152,13 @@ def _extproc_service(role: Role | None = None) -> grpc_service_pb2.GrpcService:
     return service
 
 
+def longest_decision_ms(snap: Snapshot) -> int:
+    """The longest Envoy may be asked to wait for a decision: the longest queue TTL of a class, plus
+    the message timeout."""
+    ttl = max((c.queue_ttl_ms for c in snap.gateway.request_classes.values()), default=0)
+    return ttl + snap.gateway.envoy.extproc_message_timeout_ms
+
+
 def ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
@@ -164,6 +171,9 @@ def ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
                            response_header_mode=pm.SKIP, response_body_mode=pm.NONE),
         request_attributes=list(request_attributes(CREDENTIAL_HEADERS)),
         message_timeout=duration_ms(snap.gateway.envoy.extproc_message_timeout_ms),
+        # A request queued for admission (extproc/admission.py) asks Envoy once to wait for its decision
+        # as long as its class's queue TTL, plus the message timeout for the rest of the decision.
+        max_message_timeout=duration_ms(longest_decision_ms(snap)),
         mutation_rules=mutation_rules_pb2.HeaderMutationRules(allow_envoy=wrappers_pb2.BoolValue(value=True)),
         metadata_options=ext_proc_pb2.MetadataOptions(
             receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(

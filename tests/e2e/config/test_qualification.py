@@ -21,7 +21,7 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.corpora import quality_corpus
 from extproc.exchange import Exchange, Identity
 from extproc.reservation import Held
-from extproc.stages.route import RouteSelection, tenant_salts
+from extproc.stages.route import PlanRequest, RouteSelection, tenant_salts
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, repin, start_stack
 from tests.helpers import assert_contract_error, chat_body, request
@@ -47,8 +47,14 @@ def route(policy: Path, body: dict[str, Any], tenant: str = "acme", data_class: 
     ex = Exchange(snapshot=snap, cache_salts=tenant_salts("s", snap.gateway.tenants), body=body,
                   identity=Identity(tenant, "k", "api_key"), data_class=data_class, route=snap.routes[body["model"]],
                   held=held)
-    asyncio.run(RouteSelection().run(ex))
+    asyncio.run(plan_of(ex))
     return ex
+
+
+async def plan_of(ex: Exchange) -> None:
+    """The route stage's plan and its request (no admission: every candidate has room)."""
+    await RouteSelection().run(ex)
+    await PlanRequest().run(ex)
 
 
 def refusal(policy: Path, body: dict[str, Any] | None = None, **kw: str) -> GatewayError:

@@ -1,0 +1,253 @@
+"""Admission control: overload becomes fast, fair refusals instead of every request slowing together.
+
+Two capacities are held before dispatch, both in the store, so every worker and replica sees the same:
+
+- **A pool's slots.** A pool with `admission` takes at most its bound of requests at once: `max_in_flight`
+  (the ceiling), shrunk to what its engines run plus `waiting_per_engine` each while they report a queue
+  of their own past that, or a KV cache past `kv_usage_limit` (the picker's readings: the engines' own
+  signals). A slot is a lease in the pool's sorted set (`llmgw:{admit:<pool>}:slots`), taken by one
+  script and given back at settlement (the reservation's hint names it); a crashed gateway's slots end
+  with their leases.
+- **A hosted deployment's provider quota** (`provider_quota`: requests and tokens per minute, as agreed)
+  and each tenant's share of it: token buckets of a minute's size refilled continuously, the way
+  providers count, all charged by one script or none; the token bound is charged, and what the
+  request did not use of it is given back at settlement.
+
+The plan's candidates are tried in order: the first with room is where the request goes (`skipped=` in
+the ledger names those passed over), before any byte left. None with room: the request waits for the
+first pooled candidate in this worker's queue for that pool, at most its class's `queue_ttl_ms` and what
+is left of its deadline, then gets 429 `overloaded` with Retry-After. A plan of hosted candidates only,
+their quotas spent, gets the 429 at once, Retry-After when the first bucket has room again.
+
+The queue is one per pool, in the store, for every worker and replica: the highest priority first (the
+request class's `priority`) and, within a priority, the tenants by weight (start-time fair queuing: a
+tenant's next request starts 1/weight after its last, and a tenant that returns after idling starts at
+the priority's clock, so idling banks no credit). With k slots free the first k waiters are admitted.
+Each worker holds its own waiters' coroutines and asks the store for the first of them every POLL_S
+(the others are behind it in the same order). A waiter whose client goes away leaves the queue at once
+(its stream is cancelled); one whose worker died leaves when its wait would have ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from extproc.config.schema import PoolAdmission
+from extproc.contract import ErrorCode, GatewayError
+from extproc.picker import EngineLoad
+from extproc.store import PERIOD_MS, QuotaCharge, Store, StoreUnavailable, quota_key
+
+log = logging.getLogger("llmgw.admission")
+
+POLL_S = 0.02  # how often a worker with waiters asks the store for a slot freed elsewhere
+RATE_WINDOW_S = 10.0  # admissions over this window estimate how soon a slot frees (Retry-After)
+
+
+def derived_limit(ceiling: PoolAdmission, loads: Sequence[EngineLoad]) -> int:
+    """The pool's bound from its engines' own signals, under the configured ceiling: while they queue
+    beyond what it tolerates, or their KV cache is nearly full, only what they run (plus the tolerated
+    queue) - a queue forms in the gateway, where priority and fairness can order it, not in the engines.
+    No fresh reading: the ceiling alone."""
+    if not loads:
+        return ceiling.max_in_flight
+    tolerated = ceiling.waiting_per_engine * len(loads)
+    waiting = sum(ld.waiting for ld in loads)
+    running = sum(ld.running for ld in loads)
+    kv = sum(ld.kv_usage for ld in loads) / len(loads)
+    if waiting > tolerated or kv >= ceiling.kv_usage_limit:
+        return max(1, min(ceiling.max_in_flight, math.floor(running + tolerated)))
+    return ceiling.max_in_flight
+
+
+@dataclass(eq=False)
+class Waiter:
+    rid: str
+    tenant: str
+    weight: float
+    priority: int
+    lease_until_ms: int
+    enqueued: float  # monotonic
+    future: asyncio.Future[None]
+    start: float = 0.0  # its start tag in the pool's queue (the store's)
+
+    def place(self) -> tuple[int, float]:
+        """Its place in the pool's queue: the store's order (priority, then start tag)."""
+        return -self.priority, self.start
+
+
+class PoolGate:
+    """One pool's admission at this worker: the fast path, and the task that asks the store for the
+    first of this worker's waiters until they are admitted or gone."""
+
+    def __init__(self, pool: str, settings: PoolAdmission, store: Store):
+        self.pool, self.settings, self.store = pool, settings, store
+        self.waiters: list[Waiter] = []  # this worker's, in the queue's order
+        self.loads: Sequence[EngineLoad] = ()
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._admitted: deque[float] = deque()  # monotonic times of recent admissions (Retry-After)
+
+    def limit(self) -> int:
+        return derived_limit(self.settings, self.loads)
+
+    def _note_admitted(self) -> None:
+        now = time.monotonic()
+        self._admitted.append(now)
+        while self._admitted and now - self._admitted[0] > RATE_WINDOW_S:
+            self._admitted.popleft()
+
+    def retry_after_s(self) -> int:
+        """When a refused request may find room: the waiters here over the recent admission rate."""
+        now = time.monotonic()
+        recent = sum(1 for t in self._admitted if now - t <= RATE_WINDOW_S)
+        if not recent:
+            return 1
+        return max(1, min(60, math.ceil((len(self.waiters) + 1) / (recent / RATE_WINDOW_S))))
+
+    async def ask(self, w: Waiter, wait_until_ms: int = 0) -> tuple[bool, float | None]:
+        """The store's answer for this request: admitted, or waiting (its start tag), or neither."""
+        ok, start = await self.store.admit(self.pool, w.rid, int(time.time() * 1000), w.lease_until_ms, self.limit(),
+                                           w.priority, w.tenant, w.weight, wait_until_ms)
+        if ok:
+            self._note_admitted()
+        return ok, start
+
+    def wait(self, w: Waiter) -> bool:
+        """Hold a waiter the store queued (False: this worker holds max_queued already)."""
+        if len(self.waiters) >= self.settings.max_queued:
+            return False
+        bisect.insort(self.waiters, w, key=Waiter.place)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._serve())
+        return True
+
+    def leave(self, w: Waiter) -> None:
+        """It stops waiting: out of this worker's list now, out of the store's queue in the background."""
+        if w in self.waiters:
+            self.waiters.remove(w)
+        task = asyncio.ensure_future(self.store.leave(self.pool, w.rid))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a lost leave ends with its wait
+
+    async def _serve(self) -> None:
+        """While this worker has waiters: ask for the first; admitted, ask for the next at once; not yet,
+        ask again after POLL_S (or sooner, when a slot was given back here)."""
+        while self.waiters:
+            w = self.waiters[0]
+            try:
+                ok, _ = await self.ask(w)
+            except StoreUnavailable as e:
+                err = GatewayError(ErrorCode.POLICY_UNAVAILABLE, f"the admission store is unavailable ({e})")
+                for gone in self.waiters:
+                    if not gone.future.done():
+                        gone.future.set_exception(err)
+                self.waiters.clear()
+                return
+            if ok:
+                if w in self.waiters:
+                    self.waiters.remove(w)
+                if w.future.done():  # it left while the script ran: the slot goes back
+                    with contextlib.suppress(StoreUnavailable):
+                        await self.store.release_slot(self.pool, w.rid)
+                else:
+                    w.future.set_result(None)
+                continue
+            self._kick.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await self._kick.wait()
+
+    def freed(self) -> None:
+        """A slot of this pool was given back here: the first waiter may take it now."""
+        if self.waiters:
+            self._kick.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def quota_charges(deployment: str, rpm: int | None, tpm: int | None, share: float, tenant: str,
+                  tokens: int) -> list[QuotaCharge]:
+    """The buckets a request takes from: the deployment's, and the tenant's share of it (below 1)."""
+    out = []
+    for kind, limit, cost in (("rpm", rpm, 1), ("tpm", tpm, tokens)):
+        if limit is None:
+            continue
+        out.append(QuotaCharge(quota_key(deployment, kind), PERIOD_MS / limit, cost, kind == "tpm"))
+        if share < 1:
+            out.append(QuotaCharge(quota_key(deployment, kind, tenant), PERIOD_MS / max(1e-9, limit * share), cost,
+                                   kind == "tpm"))
+    return out
+
+
+class AdmissionControl:
+    """This worker's gates, one per pool with `admission`, made as revisions name them."""
+
+    def __init__(self, store: Store, loads: Callable[[str], Sequence[EngineLoad]] | None = None):
+        self.store = store
+        self._loads = loads  # a pool's fresh engine readings (the picker's), when it runs one
+        self.gates: dict[str, PoolGate] = {}
+
+    def gate(self, pool: str, settings: PoolAdmission | None) -> PoolGate | None:
+        if settings is None:
+            return None
+        gate = self.gates.get(pool)
+        if gate is None:
+            gate = self.gates[pool] = PoolGate(pool, settings, self.store)
+        gate.settings = settings  # a reload's
+        if self._loads is not None:
+            gate.loads = self._loads(pool)
+        return gate
+
+    def freed(self, pool: str) -> None:
+        gate = self.gates.get(pool)
+        if gate is not None:
+            gate.freed()
+
+    def status(self) -> dict[str, dict[str, int]]:
+        """Per pool: its bound now and the requests waiting here (GET /status)."""
+        return {p: {"limit": g.limit(), "waiting": len(g.waiters)} for p, g in sorted(self.gates.items())}
+
+    async def stop(self) -> None:
+        for g in self.gates.values():
+            await g.stop()
+
+
+@dataclass
+class Waiting:
+    """A request queued for a slot: what the server awaits between admission and the stages after it
+    (its stream tells Envoy first to wait this long: ProcessingResponse.override_message_timeout)."""
+
+    gate: PoolGate
+    waiter: Waiter
+    wait_s: float
+    on_admitted: Callable[[], None]
+    on_shed: Callable[[float], GatewayError]
+
+    async def wait(self) -> None:
+        """Until admitted (on_admitted runs), or the wait ends (on_shed's error is raised); a cancelled
+        waiter (its client gone) leaves at once, its slot given back when it had just been granted."""
+        fut = self.waiter.future
+        try:
+            await asyncio.wait({fut}, timeout=self.wait_s)
+        finally:
+            if not fut.done():
+                self.gate.leave(self.waiter)
+                fut.cancel()
+            elif not fut.cancelled() and fut.exception() is None:
+                self.on_admitted()
+        if fut.cancelled():
+            raise self.on_shed(time.monotonic() - self.waiter.enqueued)
+        exc = fut.exception()
+        if exc is not None:
+            raise exc
