@@ -181,6 +181,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         if attrs is not None:
             apply_attributes(ex, attrs)
         kind = first.WhichOneof("request")
+        timeout_s = ex.snapshot.gateway.envoy.extproc_message_timeout_ms / 1000
+        envoy_waits_until = ex.received_at + timeout_s  # then Envoy answers 503 itself and closes the stream
         try:
             match kind:
                 case "request_body":
@@ -190,7 +192,8 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                     resume = await run_stages(self.stages, ex)
                     while resume is not None:  # admission queued it: Envoy is told to wait, then it waits
                         waiting, ex.waiting = ex.waiting, None
-                        yield longer_wait(waiting.wait_s + ex.snapshot.gateway.envoy.extproc_message_timeout_ms / 1000)
+                        yield longer_wait(waiting.wait_s + timeout_s)
+                        envoy_waits_until = time.monotonic() + waiting.wait_s + timeout_s
                         await waiting.wait()
                         resume = await run_stages(self.stages, ex, resume)
                     yield admit(ex)
@@ -214,10 +217,15 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         except GatewayError as err:
             self._ended(ex, err)
             yield refuse(ex, err)
-        except asyncio.CancelledError:  # Envoy closed the stream (the client went away) before the decision
+        except asyncio.CancelledError:
+            # Envoy closed the stream before the decision: it stopped waiting (its 503, which the access
+            # log also releases), or the client went away (which nothing else would release before the
+            # lease expired and charged it in full). Released now either way, named as the access log would.
             if ex.held is not None:
-                self._later(release(self.store, ex, "cancelled", 499, {"admission": ex.admission} if ex.admission
-                                    else None))
+                gave_up = time.monotonic() >= envoy_waits_until - 0.05
+                termination, status = ("not_processed", 503) if gave_up else ("cancelled", 499)
+                self._later(release(self.store, ex, termination, status,
+                                    {"admission": ex.admission} if ex.admission else None))
             raise
         except Exception:  # never crash on input: fail closed with the contract's error
             _internal_errors.error("request %s: internal error", ex.request_id, exc_info=True)

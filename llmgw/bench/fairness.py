@@ -1,0 +1,77 @@
+"""What a sweep level gave each tenant (issue 33): offered and admitted rates, the share refused as
+`overloaded`, and how fair the admitted rates were.
+
+Fairness is judged against the max-min fair allocation of what was admitted (water-filling by tenant
+weight): a tenant offering less than its weighted share is owed all it offered, and the rest is split
+among the others by weight. Jain's index over each tenant's admitted rate divided by what it was owed
+is 1 when admission matched that allocation, and falls towards 1/n as one tenant takes the others'
+share. (Jain's index over raw admitted rates would call it unfair to serve a light tenant everything
+it asked while a heavy one is cut back: that is the fair outcome.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from llmgw.bench.openloop import Outcome
+from llmgw.bench.workload import TraceRecord
+
+
+@dataclass(frozen=True)
+class TenantLevel:
+    tenant: str
+    offered_rps: float
+    admitted_rps: float
+    overloaded: float  # share of its requests refused as `overloaded`
+    owed_rps: float  # its max-min fair share of the admitted rate
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index: (sum x)^2 / (n sum x^2), 1 when all are equal."""
+    if not values or not any(values):
+        return 1.0
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+def max_min_fair(offered: Mapping[str, float], capacity: float, weights: Mapping[str, float]) -> dict[str, float]:
+    """Water-filling: each tenant gets min(its offer, its weighted share of what is left), in rounds."""
+    owed = dict.fromkeys(offered, 0.0)
+    left, active = capacity, {t for t, x in offered.items() if x > 0}
+    while active and left > 1e-12:
+        total_w = sum(weights.get(t, 1.0) for t in active)
+        share = {t: left * weights.get(t, 1.0) / total_w for t in active}
+        capped = {t for t in active if offered[t] - owed[t] <= share[t]}
+        if not capped:
+            for t in active:
+                owed[t] += share[t]
+            break
+        for t in capped:
+            left -= offered[t] - owed[t]
+            owed[t] = offered[t]
+        active -= capped
+    return owed
+
+
+def tenant_levels(outcomes: Sequence[Outcome], trace: Sequence[TraceRecord], speed: float,
+                  weights: Mapping[str, float]) -> tuple[tuple[TenantLevel, ...], float]:
+    """Each tenant at one level, and Jain's index of admitted over owed."""
+    span = max((trace[-1].at - trace[0].at) / speed if len(trace) > 1 else 1.0, 1e-9)
+    tenants = sorted({r.tenant for r in trace})
+    offered = {t: sum(r.tenant == t for r in trace) / span for t in tenants}
+    admitted = {t: sum(o.admitted for o in outcomes if o.record.tenant == t) / span for t in tenants}
+    owed = max_min_fair(offered, sum(admitted.values()), weights)
+    rows = tuple(TenantLevel(t, offered[t], admitted[t],
+                             sum(o.code == "overloaded" for o in outcomes if o.record.tenant == t)
+                             / max(1, sum(o.record.tenant == t for o in outcomes)), owed[t]) for t in tenants)
+    return rows, jain([admitted[t] / owed[t] for t in tenants if owed[t] > 0])
+
+
+def tenant_table(speeds: Sequence[float], per_tenant: Sequence[tuple[tuple[TenantLevel, ...], float]]) -> str:
+    head = ["speed", "tenant", "offered req/s", "admitted req/s", "refused overloaded", "owed (max-min) req/s",
+            "Jain (admitted/owed)"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for speed, (tenants, index) in zip(speeds, per_tenant, strict=True):
+        rows += [f"| {speed:g} | {t.tenant} | {t.offered_rps:.2f} | {t.admitted_rps:.2f} | {t.overloaded:.1%} | "
+                 f"{t.owed_rps:.2f} | {index:.3f} |" for t in tenants]
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,105 @@
+"""A hosted deployment's provider quota held across two gateway replicas on one store (issue 33, items 3
+and 4): every request is reserved against the quota (and its tenant's share) in the store before any
+byte leaves; beyond it a plan goes to its next candidate, or the caller gets 429 `overloaded` with
+Retry-After; the provider never receives more than the quota, counted at the providers themselves."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmgw.local.stack import Stack
+from tests.conftest import DEMO_KEYS, POLICY, ledger_of, stamp_evidence, start_stack
+from tests.helpers import assert_contract_error, request
+
+pytestmark = pytest.mark.e2e
+RPM = 12  # the agreed requests per minute: a bucket of 12, refilled one every 5 s
+GLOBEX_SHARE = 0.25  # globex may take 3 of them
+
+
+def quota_policy(tmp: Path, store_url: str | None = None) -> Path:
+    policy = tmp / "policy"
+    shutil.copytree(POLICY, policy)
+    path = policy / "deployments/demo-anthropic.yaml"
+    dep = yaml.safe_load(path.read_text())
+    dep["provider_quota"] = {"requests_per_minute": RPM, "tokens_per_minute": 2_000_000,
+                             "tenant_shares": {"globex": GLOBEX_SHARE}}
+    path.write_text(yaml.safe_dump(dep))
+    # A plan whose first candidate is the hosted one and whose next is the pool.
+    route = yaml.safe_load((policy / "routes/chat-fallback.yaml").read_text())
+    route["route_contract"] = "chat-hosted-first"
+    route["candidates"].reverse()
+    (policy / "routes/chat-hosted-first.yaml").write_text(yaml.safe_dump(route))
+    if store_url is not None:  # the second replica: the first one's store
+        gw = yaml.safe_load((policy / "gateway.yaml").read_text())
+        gw["store"]["url"] = store_url
+        (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    stamp_evidence(policy, "demo-anthropic", "pool-llama-8b")  # the quota agreed is another one
+    return policy
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Stack]]:
+    tmp = tmp_path_factory.mktemp("provider-quota")
+    a = start_stack(tmp / "a", quota_policy(tmp / "pa"), simulate_providers=True)
+    b = None
+    try:
+        b = start_stack(tmp / "b", quota_policy(tmp / "pb", a.store_url), simulate_providers=True, with_valkey=False)
+        yield a, b
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
+
+
+def provider_url(s: Stack) -> str:
+    assert s.opts.provider_ports is not None
+    return f"http://127.0.0.1:{s.opts.provider_ports['demo-anthropic'][0]}"
+
+
+def received(stacks: tuple[Stack, ...]) -> int:
+    return sum(len(request(f"{provider_url(s)}/admin/requests").json()) for s in stacks)
+
+
+def send(s: Stack, tenant: str, route: str = "chat-anthropic") -> tuple[int, dict[str, str], bytes]:
+    r = request(f"{s.url}/v1/chat/completions", "POST",
+                {"model": route, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]},
+                {"authorization": f"Bearer {DEMO_KEYS[tenant]}"}, timeout=30)
+    if r.status != 200:
+        assert_contract_error(r, 429, "overloaded")
+        assert int(r.headers["retry-after"]) >= 1
+    return r.status, r.headers, r.body
+
+
+def test_a_provider_quota_and_a_tenant_s_share_hold_across_two_replicas(replicas: tuple[Stack, Stack]) -> None:
+    for s in replicas:
+        request(f"{provider_url(s)}/admin/requests", "DELETE")
+    started = time.monotonic()
+    # globex offers 8 through both replicas: its share is 3 of the 12.
+    globex = [send(replicas[i % 2], "globex")[0] for i in range(8)]
+    # acme offers 20 more: the 9 left of the deployment's 12.
+    acme = [send(replicas[i % 2], "acme")[0] for i in range(20)]
+    elapsed = time.monotonic() - started
+    refill = int(RPM * elapsed / 60) + 1  # what the bucket regained while the test ran (one every 5 s)
+    assert 3 <= globex.count(200) <= 3 + refill, globex
+    assert globex.count(200) + acme.count(200) <= RPM + refill, (globex, acme)
+    assert acme.count(200) >= RPM - globex.count(200), acme  # the rest of the quota was not lost
+    # The providers (one per replica) received exactly what was admitted: never more than the quota.
+    assert received(replicas) == globex.count(200) + acme.count(200)
+
+
+def test_a_spent_quota_sends_a_plan_to_its_next_candidate(replicas: tuple[Stack, Stack]) -> None:
+    a, b = replicas
+    while send(a, "acme")[0] == 200:  # spend whatever the bucket regained
+        pass
+    status, headers, body = send(b, "acme", "chat-hosted-first")
+    assert status == 200, body
+    entry = ledger_of(a, headers["x-request-id"], "acme")  # one store: the ledger is the replicas' one
+    assert entry["admission"] == "skipped=demo-anthropic:provider_quota", entry
+    assert [x["deployment"] for x in entry.get("attempts") or [{"deployment": entry.get("deployment")}]] == [
+        "pool-llama-8b"], entry

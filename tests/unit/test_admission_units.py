@@ -1,0 +1,178 @@
+"""Admission's pure parts and its store scripts against a real Valkey (extproc/admission.py): the bound
+derived from the engines' signals, the pool's one queue (priority, then start-time fair queuing by
+tenant weight), leases and waits that end by themselves, and provider quotas with what settlement
+gives back. Through Envoy: tests/e2e/budgets/test_admission_e2e.py and test_provider_quota_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from extproc.admission import derived_limit, quota_charges
+from extproc.config.schema import PoolAdmission
+from extproc.picker import EngineLoad
+from extproc.store import PERIOD_MS, QuotaCharge, Store, queue_keys, quota_key, returned_ms, slots_key
+from tests.conftest import valkey_url
+from tests.unit.test_store import reservation
+
+CEILING = PoolAdmission(max_in_flight=64, waiting_per_engine=1.0, kv_usage_limit=0.9)
+
+
+def load(waiting: float, running: float, kv: float) -> EngineLoad:
+    return EngineLoad(waiting=waiting, running=running, kv_usage=kv, at=0.0)
+
+
+@pytest.mark.parametrize(("loads", "bound"), [
+    ((), 64),  # no fresh reading: the ceiling alone
+    ((load(0, 10, 0.3), load(1, 12, 0.4)), 64),  # a queue they tolerate (1 each)
+    ((load(3, 10, 0.3), load(2, 12, 0.4)), 24),  # they queue: what they run, plus what they tolerate
+    ((load(0, 20, 0.95), load(0, 30, 0.9)), 52),  # the KV caches nearly full (mean 0.925)
+    ((load(90, 200, 0.99), load(90, 200, 0.99)), 64),  # never above the ceiling
+    ((load(5, 0, 1.0),), 1),  # never below one
+])
+def test_the_bound_follows_the_engines_signals_under_the_ceiling(loads: tuple[EngineLoad, ...], bound: int) -> None:
+    assert derived_limit(CEILING, loads) == bound
+
+
+def run(fn: Callable[[Store, str], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        store = Store(valkey_url())
+        try:
+            return await fn(store, f"p{uuid.uuid4().hex[:8]}")  # every test its own pool: its own keys
+        finally:
+            await store.close()
+    return asyncio.run(main())
+
+
+NOW = 1_000_000_000
+
+
+def test_a_slot_while_the_pool_holds_fewer_than_its_bound_and_nobody_waits() -> None:
+    async def go(store: Store, pool: str) -> list[Any]:
+        a = [await store.admit(pool, f"r{i}", NOW, NOW + 60_000, 2, 0, "t", 1.0) for i in range(3)]
+        again = await store.admit(pool, "r0", NOW, NOW + 60_000, 2, 0, "t", 1.0)  # a retried call
+        await store.release_slot(pool, "r0")
+        after = await store.admit(pool, "r2", NOW, NOW + 60_000, 2, 0, "t", 1.0)
+        return [a, again, after]
+
+    (first, second, third), again, after = run(go)
+    assert first == (True, None) and second == (True, None) and third == (False, None)  # may not wait: refused
+    assert again == (True, None) and after == (True, None)
+
+
+def test_a_crashed_gateway_s_slots_end_with_their_leases() -> None:
+    async def go(store: Store, pool: str) -> tuple[Any, Any]:
+        await store.admit(pool, "held", NOW, NOW + 1_000, 1, 0, "t", 1.0)
+        before = await store.admit(pool, "next", NOW + 999, NOW + 60_000, 1, 0, "t", 1.0)
+        after = await store.admit(pool, "next", NOW + 1_001, NOW + 60_000, 1, 0, "t", 1.0)
+        return before, after
+
+    assert run(go) == ((False, None), (True, None))
+
+
+def order_of_admission(arrivals: list[tuple[str, int, float]], slots_freed: int) -> list[str]:
+    """Every arrival (tenant, priority, weight) waits in a full pool of one slot; then slots free one by
+    one, and each time every waiter asks (as their workers do): who is admitted, in order."""
+    async def go(store: Store, pool: str) -> list[str]:
+        await store.admit(pool, "holder", NOW, NOW + 600_000, 1, 0, "x", 1.0)
+        rids = []
+        for i, (tenant, prio, weight) in enumerate(arrivals):
+            rid = f"{tenant}-{i}"
+            ok, start = await store.admit(pool, rid, NOW, NOW + 600_000, 1, prio, tenant, weight, NOW + 60_000)
+            assert not ok and start is not None
+            rids.append((rid, prio, tenant, weight))
+        out: list[str] = []
+        holder = "holder"
+        for _ in range(slots_freed):
+            await store.release_slot(pool, holder)
+            for rid, prio, tenant, weight in rids:
+                if rid not in out and (await store.admit(pool, rid, NOW, NOW + 600_000, 1, prio, tenant, weight))[0]:
+                    out.append(rid)
+                    holder = rid
+                    break
+        return out
+
+    return [rid.split("-")[0] for rid in run(go)]
+
+
+def test_within_a_priority_equal_weights_alternate_however_many_one_tenant_sends() -> None:
+    arrivals = [("a", 0, 1.0)] * 10 + [("b", 0, 1.0)] * 3
+    assert order_of_admission(arrivals, 8) == ["a", "b", "a", "b", "a", "b", "a", "a"]
+
+
+def test_a_tenant_of_weight_two_is_admitted_twice_as_often() -> None:
+    arrivals = [("a", 0, 2.0)] * 8 + [("b", 0, 1.0)] * 8
+    assert Counter(order_of_admission(arrivals, 9)) == {"a": 6, "b": 3}
+
+
+def test_a_higher_priority_waiter_goes_first_whenever_it_came() -> None:
+    arrivals = [("batch", 0, 1.0)] * 3 + [("chat", 10, 1.0)] * 2
+    assert order_of_admission(arrivals, 5) == ["chat", "chat", "batch", "batch", "batch"]
+
+
+def test_a_waiter_that_leaves_or_whose_worker_died_is_out_of_the_queue() -> None:
+    async def go(store: Store, pool: str) -> list[Any]:
+        await store.admit(pool, "holder", NOW, NOW + 600_000, 1, 0, "x", 1.0)
+        await store.admit(pool, "left", NOW, NOW + 600_000, 1, 0, "t", 1.0, NOW + 60_000)
+        await store.admit(pool, "dead", NOW, NOW + 600_000, 1, 0, "u", 1.0, NOW + 1_000)
+        await store.admit(pool, "last", NOW, NOW + 600_000, 1, 0, "v", 1.0, NOW + 60_000)
+        await store.leave(pool, "left")
+        await store.release_slot(pool, "holder")
+        # "dead" waits until NOW + 1000 and is first then; after that, "last" is.
+        return [await store.admit(pool, "last", NOW + 500, NOW + 600_000, 1, 0, "v", 1.0),
+                await store.admit(pool, "last", NOW + 1_001, NOW + 600_000, 1, 0, "v", 1.0)]
+
+    assert run(go) == [(False, 0.0), (True, None)]
+
+
+def test_the_queue_s_keys_share_the_pool_s_slot() -> None:
+    tags = {k.split("{")[1].split("}")[0] for k in [slots_key("p"), *queue_keys("p")]}
+    assert tags == {"admit:p"}
+    assert {k.split("{")[1].split("}")[0] for k in (quota_key("d", "rpm"), quota_key("d", "tpm", "acme"))} == {"pq:d"}
+
+
+def test_a_provider_quota_and_a_tenant_s_share_are_charged_together_or_not_at_all() -> None:
+    dep = f"d{uuid.uuid4().hex[:8]}"
+
+    async def go(store: Store, _: str) -> list[Any]:
+        def charges(tenant: str, share: float) -> list[QuotaCharge]:
+            return quota_charges(dep, 10, 10_000, share, tenant, 100)
+        out = [await store.reserve_quota(NOW, charges("small", 0.2)) for _ in range(3)]  # its share: 2 a minute
+        out += [await store.reserve_quota(NOW, charges("big", 1.0)) for _ in range(9)]  # the rest of the 10
+        return out
+
+    out = run(go)
+    assert [ok for ok, _ in out[:3]] == [True, True, False]
+    assert [ok for ok, _ in out[3:]] == [True] * 8 + [False]  # 2 + 8 = the deployment's 10
+    assert out[2][1] > 0 and out[-1][1] > 0  # how long until there is room: Retry-After
+
+
+def test_settlement_gives_back_what_a_request_did_not_use_of_a_provider_quota() -> None:
+    dep = f"d{uuid.uuid4().hex[:8]}"
+    charges = quota_charges(dep, 100, 6_000, 1.0, "t", 1_000)
+    hint = orjson.loads(orjson.dumps({"q": [c.encode() for c in charges]}))
+    # 200 of the 1000 reserved tokens used: 800 tokens' worth of milliseconds back; released: all of it.
+    assert returned_ms(hint, 200, False) == [(quota_key(dep, "tpm"), 800 * PERIOD_MS / 6_000)]
+    assert returned_ms(hint, 0, True) == [(quota_key(dep, "rpm"), PERIOD_MS / 100),
+                                          (quota_key(dep, "tpm"), 1_000 * PERIOD_MS / 6_000)]
+
+    async def go(store: Store, _: str) -> tuple[float, float]:
+        await store.reserve_quota(NOW, charges)
+        r = redis.Redis.from_url(valkey_url(), decode_responses=True)
+        before = float(r.get(quota_key(dep, "tpm")) or 0)
+        t = f"t{uuid.uuid4().hex[:8]}"
+        held = reservation(t, "rid", tokens=1_000, limit_tokens=None)
+        assert (await store.reserve(held)).outcome == "ok"
+        settled_hint = orjson.dumps({**orjson.loads(held.hint), **hint}).decode()
+        await store.settle(t, "rid", {"termination": "complete"}, 10, 200, hint=settled_hint)
+        return before, float(r.get(quota_key(dep, "tpm")) or 0)
+
+    before, after = run(go)
+    assert before - after == pytest.approx(800 * PERIOD_MS / 6_000)
