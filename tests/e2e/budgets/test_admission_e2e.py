@@ -29,6 +29,7 @@ from extproc.store import ledger_entry, ledger_key, queue_keys, slots_key
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, start_stack
 from tests.helpers import Response, assert_contract_error, inject_fault, request, unique_marker
+from tests.promtext import scrape, value
 
 pytestmark = pytest.mark.e2e
 POOL = "engine-pool"
@@ -108,6 +109,12 @@ def test_a_saturated_pool_sheds_after_the_class_queue_ttl_with_retry_after(gw: S
         assert shed == "shed=queue_timeout" and int(queued.split("=")[1]) >= INTERACTIVE_TTL_MS - 100, entry
         assert all(f.result().status == 200 for f in held)
     idle(gw)
+    # The decisions in the metrics, and each worker's bound in its status.
+    metrics = scrape(gw.metrics_url.removesuffix("/metrics"))
+    assert value(metrics, "llmgw_admission_total", target=POOL, outcome="shed_queue_timeout") >= 1
+    assert value(metrics, "llmgw_admission_total", target=POOL, outcome="admitted") >= 2
+    assert value(metrics, "llmgw_admission_queue_duration_seconds_count", target=POOL) >= 1
+    assert all(request(u).json()["admission"].get(POOL, {}).get("limit") in (None, 2) for u in gw.status_urls)
 
 
 def test_a_queued_request_is_admitted_when_a_slot_frees(gw: Stack) -> None:
