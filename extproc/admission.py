@@ -47,7 +47,7 @@ from extproc.store import PERIOD_MS, QuotaCharge, Store, StoreUnavailable, quota
 
 log = logging.getLogger("llmgw.admission")
 
-POLL_S = 0.02  # how often a worker with waiters asks the store for a slot freed elsewhere
+POLL_S = 0.02  # how often a worker with waiters asks the store whether the first of them is admitted
 RATE_WINDOW_S = 10.0  # admissions over this window estimate how soon a slot frees (Retry-After)
 
 
@@ -91,7 +91,6 @@ class PoolGate:
         self.pool, self.settings, self.store = pool, settings, store
         self.waiters: list[Waiter] = []  # this worker's, in the queue's order
         self.loads: Sequence[EngineLoad] = ()
-        self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._admitted: deque[float] = deque()  # monotonic times of recent admissions (Retry-After)
 
@@ -138,7 +137,7 @@ class PoolGate:
 
     async def _serve(self) -> None:
         """While this worker has waiters: ask for the first; admitted, ask for the next at once; not yet,
-        ask again after POLL_S (or sooner, when a slot was given back here)."""
+        ask again after POLL_S."""
         while self.waiters:
             w = self.waiters[0]
             try:
@@ -159,15 +158,7 @@ class PoolGate:
                 else:
                     w.future.set_result(None)
                 continue
-            self._kick.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_S):
-                    await self._kick.wait()
-
-    def freed(self) -> None:
-        """A slot of this pool was given back here: the first waiter may take it now."""
-        if self.waiters:
-            self._kick.set()
+            await asyncio.sleep(POLL_S)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -209,11 +200,6 @@ class AdmissionControl:
             gate.loads = self._loads(pool)
         return gate
 
-    def freed(self, pool: str) -> None:
-        gate = self.gates.get(pool)
-        if gate is not None:
-            gate.freed()
-
     def status(self) -> dict[str, dict[str, int]]:
         """Per pool: its bound now and the requests waiting here (GET /status)."""
         return {p: {"limit": g.limit(), "waiting": len(g.waiters)} for p, g in sorted(self.gates.items())}
@@ -241,13 +227,19 @@ class Waiting:
         try:
             await asyncio.wait({fut}, timeout=self.wait_s)
         finally:
-            if not fut.done():
-                self.gate.leave(self.waiter)
-                fut.cancel()
-            elif not fut.cancelled() and fut.exception() is None:
-                self.on_admitted()
+            self.abandon()
         if fut.cancelled():
             raise self.on_shed(time.monotonic() - self.waiter.enqueued)
         exc = fut.exception()
         if exc is not None:
             raise exc
+
+    def abandon(self) -> None:
+        """The wait is over, whatever ended it: a waiter not yet admitted leaves the queue (the task
+        serving it gives back a slot granted meanwhile); one just admitted holds its slot (on_admitted)."""
+        fut = self.waiter.future
+        if not fut.done():
+            self.gate.leave(self.waiter)
+            fut.cancel()
+        elif not fut.cancelled() and fut.exception() is None:
+            self.on_admitted()

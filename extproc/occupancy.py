@@ -1,5 +1,6 @@
 """What the store holds right now, as Prometheus gauges read at scrape time: open reservations and
-in-flight tokens, and each budget's reserved amount and what remains of it in its current window.
+in-flight tokens, each budget's reserved amount and what remains of it in its current window, and each
+admission-controlled pool's slots held and requests waiting.
 
 These are the store's facts, shared by every worker and every host, so they are read from the store
 when `/metrics` is scraped (one pipelined round trip, bounded by the store's timeout) instead of
@@ -42,6 +43,15 @@ def families(snap: Snapshot, held: Occupancy | None, tenant_label: bool) -> list
     tokens = GaugeMetricFamily("llmgw_inflight_tokens", "Tokens reserved by the requests in flight (their bounds)",
                                value=sum(held.inflight_tokens.values()))
     out: list[Metric] = [up, leases, tokens]
+    if held.slots:
+        slots = GaugeMetricFamily("llmgw_admission_slots", "Requests admitted to a pool with admission and not yet "
+                                  "settled, across every worker and replica", labels=["pool"])
+        waiting = GaugeMetricFamily("llmgw_admission_waiting", "Requests waiting in a pool's admission queue, across "
+                                    "every worker and replica", labels=["pool"])
+        for p in sorted(held.slots):
+            slots.add_metric([p], held.slots[p])
+            waiting.add_metric([p], held.waiting.get(p, 0))
+        out += [slots, waiting]
     if tenant_label:
         per = GaugeMetricFamily("llmgw_tenant_reservations_open", "Reservations held now, per tenant "
                                 "(metrics.tenant_label)", labels=["tenant"])
@@ -71,7 +81,8 @@ async def read(store: Store | None, snap: Snapshot) -> Occupancy | None:
     now = datetime.now(UTC)
     keys = [budget_key(b.tenant, b.name, window_id(b.window, now)[0]) for b in snap.gateway.budgets]
     try:
-        return await store.occupancy(sorted(snap.gateway.tenants), keys)
+        pools = sorted(p for p, pool in snap.gateway.pools.items() if pool.admission is not None)
+        return await store.occupancy(sorted(snap.gateway.tenants), keys, pools)
     except StoreUnavailable:
         return None
 

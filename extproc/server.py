@@ -192,7 +192,12 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                     resume = await run_stages(self.stages, ex)
                     while resume is not None:  # admission queued it: Envoy is told to wait, then it waits
                         waiting, ex.waiting = ex.waiting, None
-                        yield longer_wait(waiting.wait_s + timeout_s)
+                        try:
+                            yield longer_wait(waiting.wait_s + timeout_s)
+                        except GeneratorExit:  # the stream closed while the reply was on its way
+                            waiting.abandon()
+                            self._release_undecided(ex, gave_up=False)
+                            raise
                         envoy_waits_until = time.monotonic() + waiting.wait_s + timeout_s
                         await waiting.wait()
                         resume = await run_stages(self.stages, ex, resume)
@@ -218,20 +223,22 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             self._ended(ex, err)
             yield refuse(ex, err)
         except asyncio.CancelledError:
-            # Envoy closed the stream before the decision: it stopped waiting (its 503, which the access
-            # log also releases), or the client went away (which nothing else would release before the
-            # lease expired and charged it in full). Released now either way, named as the access log would.
-            if ex.held is not None:
-                gave_up = time.monotonic() >= envoy_waits_until - 0.05
-                termination, status = ("not_processed", 503) if gave_up else ("cancelled", 499)
-                self._later(release(self.store, ex, termination, status,
-                                    {"admission": ex.admission} if ex.admission else None))
+            self._release_undecided(ex, gave_up=time.monotonic() >= envoy_waits_until - 0.05)
             raise
         except Exception:  # never crash on input: fail closed with the contract's error
             _internal_errors.error("request %s: internal error", ex.request_id, exc_info=True)
             failure = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not evaluate this request")
             self._ended(ex, failure)
             yield refuse(ex, failure)
+
+    def _release_undecided(self, ex: Exchange, gave_up: bool) -> None:
+        """Envoy closed the stream before the decision: it stopped waiting (`gave_up`: its 503, which the
+        access log also releases), or the client went away (which nothing else would release before the
+        lease expired and charged it in full). Released now either way, named as the access log would."""
+        if ex.held is not None:
+            termination, status = ("not_processed", 503) if gave_up else ("cancelled", 499)
+            self._later(release(self.store, ex, termination, status,
+                                {"admission": ex.admission} if ex.admission else None))
 
     def _ended(self, ex: Exchange, err: GatewayError) -> None:
         """A refused request: release what it reserved, or record the refusal in the ledger."""
@@ -488,6 +495,8 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if sweeper is not None:
         await sweeper
     await server.stop(grace=2)
+    if processor.admission is not None:
+        await processor.admission.stop()
     tracing.shutdown()
     if runner is not None:
         await runner.cleanup()

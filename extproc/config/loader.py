@@ -274,6 +274,10 @@ def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
                 issues.append(ConfigIssue(rel, "serves", f"pool {dep.pool!r} serves chat and embeddings: an engine "
                                           "is a generating or a pooling runner, not both"))
     for name, rc in gateway.request_classes.items():
+        if rc.slo is not None and rc.slo.ttft_ms is not None and rc.queue_ttl_ms >= rc.slo.ttft_ms:
+            warnings.append(f"gateway.yaml: request_classes.{name}: queue_ttl_ms {rc.queue_ttl_ms} is not below "
+                            f"slo.ttft_ms {rc.slo.ttft_ms}: a request admitted after its full wait cannot meet its "
+                            "time to first token")
         if rc.quality is not None and not quality_corpus(rc.quality.corpus, root).is_file():
             issues.append(ConfigIssue("gateway.yaml", f"request_classes.{name}.quality.corpus",
                                       f"no corpus {rc.quality.corpus!r} (shipped: {', '.join(shipped_quality())}; "

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -216,6 +216,8 @@ class Occupancy:
     leases: dict[str, int]  # tenant -> open reservations
     inflight_tokens: dict[str, int]  # tenant -> tokens reserved by them
     budgets: dict[str, BudgetUse]  # budget key (current window) -> its use
+    slots: dict[str, int] = field(default_factory=dict)  # pool with admission -> slots held (leases unexpired)
+    waiting: dict[str, int] = field(default_factory=dict)  # pool with admission -> requests in its queue
 
 
 class Store:
@@ -294,10 +296,6 @@ class Store:
 
     async def release_slot(self, pool: str, rid: str) -> None:
         await self.pipe.evalsha(RELEASE_SLOT, [slots_key(pool)], [rid])
-
-    async def slots(self, pool: str) -> int:
-        """The pool's slots held now (the metrics; expired leases not yet pruned included)."""
-        return int(await self._call(self.client.zcard(slots_key(pool))))
 
     async def reserve_quota(self, now_ms: int, charges: Sequence[QuotaCharge]) -> tuple[bool, int]:
         """Every bucket charged, or none: (True, 0), or (False, ms until the first refusing one has room)."""
@@ -423,21 +421,29 @@ class Store:
                     pipe.hincrby(dry_run_key(revision), name, n)
             await self._call(pipe.execute())
 
-    async def occupancy(self, tenants: Sequence[str], budget_keys: Sequence[str]) -> Occupancy:
+    async def occupancy(self, tenants: Sequence[str], budget_keys: Sequence[str],
+                        pools: Sequence[str] = ()) -> Occupancy:
         """What is held right now (for the metrics, at scrape time): per tenant, open leases and
-        in-flight tokens; per budget key, reserved and settled micros and tokens. One pipeline."""
+        in-flight tokens; per budget key, reserved and settled micros and tokens; per pool with
+        admission, its slots and waiters. One pipeline."""
+        now_ms = int(time.time() * 1000)
         pipe = self.client.pipeline(transaction=False)
         for t in tenants:
             pipe.zcard(leases_key(t))
             pipe.hget(inflight_key(t), "tokens")
         for k in budget_keys:
             pipe.hmget(k, "reserved_micros", "settled_micros", "reserved_tokens", "settled_tokens")
+        for p in pools:
+            pipe.zcount(slots_key(p), now_ms, "+inf")
+            pipe.zcount(queue_keys(p)[1], now_ms, "+inf")
         out = await self._call(pipe.execute())
-        n = len(tenants)
+        n, b = len(tenants), len(budget_keys)
         return Occupancy(
             leases={t: int(out[2 * i]) for i, t in enumerate(tenants)},
             inflight_tokens={t: int(out[2 * i + 1] or 0) for i, t in enumerate(tenants)},
-            budgets={k: BudgetUse(*(int(v or 0) for v in out[2 * n + i])) for i, k in enumerate(budget_keys)})
+            budgets={k: BudgetUse(*(int(v or 0) for v in out[2 * n + i])) for i, k in enumerate(budget_keys)},
+            slots={p: int(out[2 * n + b + 2 * i]) for i, p in enumerate(pools)},
+            waiting={p: int(out[2 * n + b + 2 * i + 1]) for i, p in enumerate(pools)})
 
     async def expired_leases(self, tenant: str, now_ms: int, limit: int = 100) -> list[str]:
         rids: list[str] = await self._call(

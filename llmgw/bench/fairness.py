@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from llmgw.bench.openloop import Outcome
+from llmgw.bench.slo import Gate, Sample, within
 from llmgw.bench.workload import TraceRecord
 
 
@@ -25,6 +26,8 @@ class TenantLevel:
     admitted_rps: float
     overloaded: float  # share of its requests refused as `overloaded`
     owed_rps: float  # its max-min fair share of the admitted rate
+    good_rps: float  # admitted and within its class's objective (every limit at once)
+    good_owed_rps: float  # its max-min fair share of the good rate
 
 
 def jain(values: Sequence[float]) -> float:
@@ -53,25 +56,41 @@ def max_min_fair(offered: Mapping[str, float], capacity: float, weights: Mapping
     return owed
 
 
+TenantLevels = tuple[tuple[TenantLevel, ...], float, float]  # the tenants, Jain admitted/owed, Jain within/owed
+
+
 def tenant_levels(outcomes: Sequence[Outcome], trace: Sequence[TraceRecord], speed: float,
-                  weights: Mapping[str, float]) -> tuple[tuple[TenantLevel, ...], float]:
-    """Each tenant at one level, and Jain's index of admitted over owed."""
+                  weights: Mapping[str, float], gates: Mapping[str, Gate]) -> TenantLevels:
+    """Each tenant at one level, and Jain's index of admitted over owed, and of good over owed: when
+    everything is admitted (no admission control) the first is 1 by construction, and what the engines'
+    slowdown took from each tenant shows in the second."""
     span = max((trace[-1].at - trace[0].at) / speed if len(trace) > 1 else 1.0, 1e-9)
     tenants = sorted({r.tenant for r in trace})
     offered = {t: sum(r.tenant == t for r in trace) / span for t in tenants}
     admitted = {t: sum(o.admitted for o in outcomes if o.record.tenant == t) / span for t in tenants}
+
+    def good(o: Outcome) -> bool:
+        gate = gates.get(o.record.request_class)
+        return o.admitted and gate is not None and within(
+            Sample(True, o.ttft_s if o.record.stream else None, o.tpot_s, o.e2e_s), gate)
+
+    good_rps = {t: sum(good(o) for o in outcomes if o.record.tenant == t) / span for t in tenants}
     owed = max_min_fair(offered, sum(admitted.values()), weights)
+    good_owed = max_min_fair(offered, sum(good_rps.values()), weights)
     rows = tuple(TenantLevel(t, offered[t], admitted[t],
                              sum(o.code == "overloaded" for o in outcomes if o.record.tenant == t)
-                             / max(1, sum(o.record.tenant == t for o in outcomes)), owed[t]) for t in tenants)
-    return rows, jain([admitted[t] / owed[t] for t in tenants if owed[t] > 0])
+                             / max(1, sum(o.record.tenant == t for o in outcomes)), owed[t],
+                             good_rps[t], good_owed[t]) for t in tenants)
+    return (rows, jain([admitted[t] / owed[t] for t in tenants if owed[t] > 0]),
+            jain([good_rps[t] / good_owed[t] for t in tenants if good_owed[t] > 0]))
 
 
-def tenant_table(speeds: Sequence[float], per_tenant: Sequence[tuple[tuple[TenantLevel, ...], float]]) -> str:
+def tenant_table(speeds: Sequence[float], per_tenant: Sequence[TenantLevels]) -> str:
     head = ["speed", "tenant", "offered req/s", "admitted req/s", "refused overloaded", "owed (max-min) req/s",
-            "Jain (admitted/owed)"]
+            "Jain (admitted/owed)", "within objective req/s", "owed of those", "Jain (within/owed)"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for speed, (tenants, index) in zip(speeds, per_tenant, strict=True):
+    for speed, (tenants, index, good_index) in zip(speeds, per_tenant, strict=True):
         rows += [f"| {speed:g} | {t.tenant} | {t.offered_rps:.2f} | {t.admitted_rps:.2f} | {t.overloaded:.1%} | "
-                 f"{t.owed_rps:.2f} | {index:.3f} |" for t in tenants]
+                 f"{t.owed_rps:.2f} | {index:.3f} | {t.good_rps:.2f} | {t.good_owed_rps:.2f} | {good_index:.3f} |"
+                 for t in tenants]
     return "\n".join(rows) + "\n"

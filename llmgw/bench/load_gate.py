@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, timedelta
 from typing import Any
 
@@ -22,6 +22,7 @@ from extproc.config import Snapshot
 from extproc.config.evidence import objectives_digest
 from llmgw.bench.openloop import Outcome
 from llmgw.bench.slo import Gate, Sample, evaluate
+from llmgw.bench.stats import percentile
 from llmgw.bench.workload import TraceRecord
 
 SOURCE = "llmgw bench sweep"
@@ -34,6 +35,9 @@ class ClassLevel:
     attainment: float
     admission: float
     holds: bool
+    ttft_p99_s: float | None = None  # of its admitted streams
+    tpot_p99_s: float | None = None
+    overloaded: float = 0.0  # the share of its requests refused as `overloaded` (admission control)
 
 
 def class_gates(snap: Snapshot, classes: Sequence[str]) -> dict[str, Gate]:
@@ -62,8 +66,12 @@ def measure_classes(outcomes: Sequence[Outcome], trace: Sequence[TraceRecord], s
         offered = sum(r.request_class == name for r in trace) / max(span, 1e-9)
         v = evaluate(gate, [Sample(o.admitted, o.ttft_s if o.record.stream else None, o.tpot_s, o.e2e_s)
                             for o in mine])
+        ttft = [o.ttft_s for o in mine if o.e2e_s is not None and o.ttft_s is not None and o.record.stream]
+        tpot = [o.tpot_s for o in mine if o.e2e_s is not None and o.tpot_s is not None]
         out.append(ClassLevel(name, offered, v.attainment, v.admission_rate,
-                              v.eligible and v.admission_rate >= min_admission))
+                              v.eligible and v.admission_rate >= min_admission,
+                              percentile(ttft, 99) if ttft else None, percentile(tpot, 99) if tpot else None,
+                              sum(o.code == "overloaded" for o in mine) / max(1, len(mine))))
     return tuple(out)
 
 
@@ -78,7 +86,7 @@ def at_peaks(levels: Sequence[tuple[ClassLevel, ...]], peaks: Mapping[str, float
             continue
         reached = [(i, c) for i, c in seen if c.offered_rps >= peak]
         i, c = reached[0] if reached else seen[-1]
-        out[name] = (i, c if reached else ClassLevel(name, c.offered_rps, c.attainment, c.admission, False))
+        out[name] = (i, c if reached else replace(c, holds=False))
     return out
 
 

@@ -35,10 +35,14 @@ LENGTH_OPTIONS = {"input_median": int, "input_sigma": float, "output_median": in
 
 def cmd_trace(args: argparse.Namespace) -> int:
     lengths = {k: getattr(args, k) for k in LENGTH_OPTIONS if getattr(args, k) is not None}
-    classes = tuple(ClassShape(name, float(share), route=args.route, **lengths)
-                    for name, _, share in (c.partition("=") for c in args.classes.split(",")))
-    shape = TraceShape(rate_rps=args.rate, duration_s=args.duration, arrivals=args.arrivals, classes=classes,
-                       tenants={t: 1.0 for t in args.tenants.split(",")}, prefix_share=args.prefix_share,
+    classes = []
+    for item in args.classes.split(","):
+        name, _, rest = item.partition("=")
+        share, _, route = rest.partition("@")
+        classes.append(ClassShape(name, float(share), route=route or args.route, **lengths))
+    tenants = {t: float(w or 1) for t, _, w in (x.partition("=") for x in args.tenants.split(","))}
+    shape = TraceShape(rate_rps=args.rate, duration_s=args.duration, arrivals=args.arrivals, classes=tuple(classes),
+                       tenants=tenants, prefix_share=args.prefix_share,
                        cancel_share=args.cancel_share)
     n = write(generate(shape, args.seed), Path(args.output))
     print(f"wrote {n} requests to {args.output} (seed {args.seed})", file=sys.stderr)
@@ -164,9 +168,10 @@ def register(bsub: Any) -> None:
     t.add_argument("--rate", type=float, default=5.0, help="mean arrivals per second")
     t.add_argument("--duration", type=float, default=60.0)
     t.add_argument("--arrivals", choices=["poisson", "bursty"], default="poisson")
-    t.add_argument("--classes", default="read_only_chat=1", help="name=share,... (each with the default shapes)")
+    t.add_argument("--classes", default="read_only_chat=1",
+                   help="name=share[@route],... (each with the default shapes; the route: --route's by default)")
     t.add_argument("--route", default="chat-default")
-    t.add_argument("--tenants", default="acme")
+    t.add_argument("--tenants", default="acme", help="name[=share],... (equal shares by default)")
     t.add_argument("--prefix-share", type=float, default=0.5)
     t.add_argument("--cancel-share", type=float, default=0.02)
     for name, kind in LENGTH_OPTIONS.items():

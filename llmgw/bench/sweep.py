@@ -24,6 +24,7 @@ from typing import Any
 
 from extproc.config import ConfigError, Snapshot, load_snapshot
 from extproc.corpora import digest_of
+from llmgw.bench.fairness import TenantLevels, tenant_levels, tenant_table
 from llmgw.bench.load_gate import ClassLevel, at_peaks, class_gates, measure_classes
 from llmgw.bench.load_gate import record as load_record
 from llmgw.bench.openloop import Outcome, replay
@@ -176,6 +177,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     url = f"{up['url']}/v1/chat/completions"
     levels = []
     per_class: list[tuple[ClassLevel, ...]] = []  # with --config: every class at each level (the gate is joint)
+    per_tenant: list[TenantLevels] = []  # what each tenant got, and Jain's indices
+    weights = {t: v.weight for t, v in snap.gateway.tenants.items()} if snap is not None else {}
     served: list[set[str]] = []  # the candidates that answered at each level
     raw: list[list[dict[str, Any]]] = []  # each level's requests, for a second look at the figures
     for speed in (float(s) for s in args.speeds.split(",")):
@@ -189,8 +192,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         lv = replace(lv, holds=lv.holds and all(c.holds for c in classes))
         levels.append(lv)
         per_class.append(classes)
+        per_tenant.append(tenant_levels(outcomes, trace, speed, weights, gates or {gate.request_class: gate}))
         served.append({o.deployment for o in outcomes if o.deployment})
-        raw.append([{"at": o.record.at, "late_s": o.late_s, "status": o.status, "code": o.code, "ttft_s": o.ttft_s,
+        raw.append([{"at": o.record.at, "tenant": o.record.tenant, "request_class": o.record.request_class,
+                     "late_s": o.late_s, "status": o.status, "code": o.code, "ttft_s": o.ttft_s,
                      "tpot_s": o.tpot_s, "e2e_s": o.e2e_s, "output_tokens": o.output_tokens} for o in outcomes])
         print(f"speed {speed:g}: offered {lv.offered_rps:.1f} req/s, completed {lv.completed_rps:.1f}/s, "
               f"attainment {lv.attainment:.1%}, admission {lv.admission:.1%}", file=sys.stderr)
@@ -203,7 +208,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     plot(levels, gate, at_knee, out / "sweep.png")
     route = trace[0].route
     (out / "sweep.json").write_text(json.dumps({
-        "gate": asdict(gate), "levels": [asdict(lv) for lv in levels], "requests": raw, "mu_rps": mu,
+        "gate": asdict(gate), "levels": [asdict(lv) for lv in levels], "requests": raw,
+        "classes": [[asdict(c) for c in cs] for cs in per_class],
+        "tenants": [{"jain": j, "jain_within_objective": g, "tenants": [asdict(t) for t in ts]}
+                    for ts, j, g in per_tenant], "mu_rps": mu,
         "knee_rps": at_knee.offered_rps if at_knee else None,
         "slo_utilization": {route: util} if util is not None else {}}, indent=2))
     text = (f"# Sweep of {args.trace} on route {route} ({len(trace)} requests per level)\n\n"
@@ -217,6 +225,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if gates:
         text += ("\nper request class (the gate holds at a level when every class does):\n\n"
                  + class_table(levels, per_class))
+    if len({r.tenant for r in trace}) > 1:
+        text += ("\nper tenant (admitted against its max-min fair share of what was admitted, by weight):\n\n"
+                 + tenant_table([lv.speed for lv in levels], per_tenant))
     if args.evidence and snap is not None:
         text += _write_load_evidence(args, snap, trace, peaks, per_class, served, mu,
                                      at_knee.offered_rps if at_knee else None)
@@ -226,10 +237,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def class_table(levels: Sequence[Level], per_class: Sequence[tuple[ClassLevel, ...]]) -> str:
-    rows = ["| level offered req/s | class | offered req/s | admitted | joint attainment | gate |", "|" + "---|" * 6]
+    head = ["level offered req/s", "class", "offered req/s", "admitted", "refused overloaded", "joint attainment",
+            "TTFT p99 ms", "TPOT p99 ms", "gate"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for lv, classes in zip(levels, per_class, strict=True):
         rows += [f"| {lv.offered_rps:.1f} | {c.request_class} | {c.offered_rps:.2f} | {c.admission:.1%} | "
-                 f"{c.attainment:.1%} | {'holds' if c.holds else 'MISSED'} |" for c in classes]
+                 f"{c.overloaded:.1%} | {c.attainment:.1%} | {_s(c.ttft_p99_s)} | {_s(c.tpot_p99_s)} | "
+                 f"{'holds' if c.holds else 'MISSED'} |" for c in classes]
     return "\n".join(rows) + "\n"
 
 

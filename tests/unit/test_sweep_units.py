@@ -65,3 +65,18 @@ def test_every_class_is_gated_jointly_and_judged_at_its_peak() -> None:
     assert at_peaks(levels, {"chat": 1.0}) == {"chat": (0, levels[0][0])}
     (i, never), = at_peaks(levels, {"chat": 8.0}).values()
     assert (i, never.offered_rps, never.holds) == (2, 4.0, False)  # the busiest level, failing
+
+
+def test_max_min_fair_shares_and_jain_s_index() -> None:
+    from llmgw.bench.fairness import jain, max_min_fair
+
+    # A light tenant is owed all it offers; the heavy one the rest.
+    assert max_min_fair({"a": 10.0, "b": 2.0}, 6.0, {}) == {"a": 4.0, "b": 2.0}
+    # Both above their share: split by weight.
+    assert max_min_fair({"a": 10.0, "b": 10.0}, 6.0, {"a": 2.0}) == {"a": 4.0, "b": 2.0}
+    # Everything offered fits: everyone owed its offer.
+    assert max_min_fair({"a": 1.0, "b": 2.0}, 3.0, {}) == {"a": 1.0, "b": 2.0}
+    assert jain([1.0, 1.0, 1.0]) == 1.0
+    assert jain([1.0, 0.0]) == 0.5
+    # First come, first served with five times the load: admitted 5:1 against owed 1:1.
+    assert round(jain([5 / 3, 1 / 3]), 3) == 0.692

@@ -96,6 +96,7 @@ def idle(gw: Stack) -> None:
 def test_a_saturated_pool_sheds_after_the_class_queue_ttl_with_retry_after(gw: Stack) -> None:
     with ThreadPoolExecutor(4) as pool:
         held = hold_slots(gw, pool, 3500)
+        assert value(scrape(gw.metrics_url.removesuffix("/metrics")), "llmgw_admission_slots", pool=POOL) == 2
         sent = time.monotonic()
         r = send(gw, "beyond the pool's bound")
         waited = time.monotonic() - sent

@@ -1,21 +1,25 @@
-"""A hosted deployment's provider quota held across two gateway replicas on one store (issue 33, items 3
-and 4): every request is reserved against the quota (and its tenant's share) in the store before any
-byte leaves; beyond it a plan goes to its next candidate, or the caller gets 429 `overloaded` with
-Retry-After; the provider never receives more than the quota, counted at the providers themselves."""
+"""Admission held across two gateway replicas on one store (issue 33, items 3 and 4): a hosted
+deployment's provider quota - every request is reserved against it (and its tenant's share) in the
+store before any byte leaves; beyond it a plan goes to its next candidate, or the caller gets 429
+`overloaded` with Retry-After; the provider never receives more than the quota, counted at the
+providers themselves - and a pool's bound, whichever replica admits."""
 
 from __future__ import annotations
 
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
+from extproc.store import slots_key
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, stamp_evidence, start_stack
-from tests.helpers import assert_contract_error, request
+from tests.helpers import assert_contract_error, inject_fault, request
 
 pytestmark = pytest.mark.e2e
 RPM = 12  # the agreed requests per minute: a bucket of 12, refilled one every 5 s
@@ -35,10 +39,12 @@ def quota_policy(tmp: Path, store_url: str | None = None) -> Path:
     route["route_contract"] = "chat-hosted-first"
     route["candidates"].reverse()
     (policy / "routes/chat-hosted-first.yaml").write_text(yaml.safe_dump(route))
+    gw = yaml.safe_load((policy / "gateway.yaml").read_text())
+    gw["pools"]["engine-pool"]["admission"] = {"max_in_flight": 2}
+    gw["request_classes"]["read_only_chat"]["queue_ttl_ms"] = 1000
     if store_url is not None:  # the second replica: the first one's store
-        gw = yaml.safe_load((policy / "gateway.yaml").read_text())
         gw["store"]["url"] = store_url
-        (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
     stamp_evidence(policy, "demo-anthropic", "pool-llama-8b")  # the quota agreed is another one
     return policy
 
@@ -103,3 +109,27 @@ def test_a_spent_quota_sends_a_plan_to_its_next_candidate(replicas: tuple[Stack,
     assert entry["admission"] == "skipped=demo-anthropic:provider_quota", entry
     assert [x["deployment"] for x in entry.get("attempts") or [{"deployment": entry.get("deployment")}]] == [
         "pool-llama-8b"], entry
+
+
+def test_a_pool_s_bound_holds_whichever_replica_admits(replicas: tuple[Stack, Stack]) -> None:
+    a, b = replicas
+    store = redis.Redis.from_url(str(a.store_url), decode_responses=True)
+
+    def chat(s: Stack, content: str) -> tuple[int, dict[str, str], bytes]:
+        r = request(f"{s.url}/v1/chat/completions", "POST",
+                    {"model": "chat-default", "max_tokens": 4, "messages": [{"role": "user", "content": content}]},
+                    {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30)
+        return r.status, r.headers, r.body
+
+    with ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(chat, s, inject_fault(s.engine_urls("engine-pool"), "delay_ms=2500")) for s in replicas]
+        deadline = time.monotonic() + 10
+        while store.zcard(slots_key("engine-pool")) < 2:  # one slot taken through each replica
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status, headers, body = chat(a, "a third, through the first replica")
+        assert status == 429 and headers["retry-after"], body
+        assert b"overloaded" in body
+        assert all(f.result()[0] == 200 for f in held)
+    waited = chat(b, "after both are done")
+    assert waited[0] == 200
