@@ -210,8 +210,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     (out / "sweep.json").write_text(json.dumps({
         "gate": asdict(gate), "levels": [asdict(lv) for lv in levels], "requests": raw,
         "classes": [[asdict(c) for c in cs] for cs in per_class],
-        "tenants": [{"jain": j, "jain_within_objective": g, "tenants": [asdict(t) for t in ts]}
-                    for ts, j, g in per_tenant], "mu_rps": mu,
+        "tenants": [[{"request_class": c, "jain": j, "jain_within_objective": g, "tenants": [asdict(t) for t in ts]}
+                     for c, ts, j, g in level] for level in per_tenant], "mu_rps": mu,
         "knee_rps": at_knee.offered_rps if at_knee else None,
         "slo_utilization": {route: util} if util is not None else {}}, indent=2))
     text = (f"# Sweep of {args.trace} on route {route} ({len(trace)} requests per level)\n\n"
@@ -226,7 +226,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         text += ("\nper request class (the gate holds at a level when every class does):\n\n"
                  + class_table(levels, per_class))
     if len({r.tenant for r in trace}) > 1:
-        text += ("\nper tenant (admitted against its max-min fair share of what was admitted, by weight):\n\n"
+        text += ("\nper request class and tenant (admitted against its max-min fair share of what the class was "
+                 "admitted, by weight):\n\n"
                  + tenant_table([lv.speed for lv in levels], per_tenant))
     if args.evidence and snap is not None:
         text += _write_load_evidence(args, snap, trace, peaks, per_class, served, mu,

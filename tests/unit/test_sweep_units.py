@@ -3,6 +3,9 @@ gate per level, and the knee - the highest load below the first level where the 
 
 from __future__ import annotations
 
+import pytest
+
+from llmgw.bench.fairness import jain, max_min_fair, tenant_levels, tenant_table
 from llmgw.bench.openloop import Outcome
 from llmgw.bench.slo import Gate
 from llmgw.bench.sweep import Level, knee, measure
@@ -68,8 +71,6 @@ def test_every_class_is_gated_jointly_and_judged_at_its_peak() -> None:
 
 
 def test_max_min_fair_shares_and_jain_s_index() -> None:
-    from llmgw.bench.fairness import jain, max_min_fair
-
     # A light tenant is owed all it offers; the heavy one the rest.
     assert max_min_fair({"a": 10.0, "b": 2.0}, 6.0, {}) == {"a": 4.0, "b": 2.0}
     # Both above their share: split by weight.
@@ -80,3 +81,33 @@ def test_max_min_fair_shares_and_jain_s_index() -> None:
     assert jain([1.0, 0.0]) == 0.5
     # First come, first served with five times the load: admitted 5:1 against owed 1:1.
     assert round(jain([5 / 3, 1 / 3]), 3) == 0.692
+
+
+def test_fairness_is_judged_per_class_against_the_max_min_share() -> None:
+    def rec(i: int, tenant: str, cls: str) -> TraceRecord:
+        return TraceRecord(at=float(i), request_class=cls, route="r", tenant=tenant, data_class="internal",
+                           input_tokens=10, output_tokens=10)
+
+    # One class: a offers 9 (5 admitted, one of them too slow), b offers 3 (all admitted); 10 s long.
+    trace = [rec(i, "a" if i % 4 else "b", "chat") for i in range(12)]
+    served = {"a": 0}
+
+    def outcome(r: TraceRecord) -> Outcome:
+        if r.tenant == "a":
+            served["a"] += 1
+            if served["a"] > 5:
+                return Outcome(r, 0.0, 429, "overloaded", "", None, None, None, 0, 0, False)
+            slow = served["a"] == 5
+            return Outcome(r, 0.0, 200, "", "", 0.1, 0.01, 9.0 if slow else 1.0, 10, 1, False)
+        return Outcome(r, 0.0, 200, "", "", 0.1, 0.01, 1.0, 10, 1, False)
+
+    outcomes = [outcome(r) for r in trace]
+    ((cls, rows, index, good_index),) = tenant_levels(outcomes, trace, 1.0, {}, {"chat": Gate("chat", 1, 1, 5, 0.9)})
+    a, b = rows
+    assert cls == "chat" and (a.tenant, b.tenant) == ("a", "b")
+    assert round(a.offered_rps * 11, 6) == 9 and round(a.admitted_rps * 11, 6) == 5 and a.overloaded == 4 / 9
+    # 8 admitted in all: b is owed its 3, a the other 5 - admitted as owed.
+    assert round(b.owed_rps * 11, 6) == 3 and round(a.owed_rps * 11, 6) == 5 and index == pytest.approx(1.0)
+    # 7 within the objective: b owed 3 and got 3, a owed 4 and got 4.
+    assert round(a.good_rps * 11, 6) == 4 and good_index == pytest.approx(1.0)
+    assert "| 1 | chat | a |" in tenant_table([1.0], [((cls, rows, index, good_index),)])

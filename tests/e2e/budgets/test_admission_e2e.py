@@ -205,6 +205,7 @@ def test_equal_weight_tenants_share_a_saturated_pool_while_one_offers_five_times
             f.result()
     share = served["globex"] / (served["acme"] + served["globex"])
     jain = (served["acme"] + served["globex"]) ** 2 / (2 * (served["acme"] ** 2 + served["globex"] ** 2))
+    print(f"fairness: served {dict(served)}, shed {dict(shed)}, globex share {share:.3f}, Jain {jain:.3f}")
     # First come, first served would give globex 2 of every 12 slots (share 0.17, Jain 0.66).
     assert 0.4 <= share <= 0.6 and jain >= 0.95, (served, shed, share, jain)
     idle(gw)
