@@ -91,6 +91,8 @@ def test_a_provider_quota_and_a_tenant_s_share_hold_across_two_replicas(replicas
     # acme offers 20 more: the 9 left of the deployment's 12.
     acme = [send(replicas[i % 2], "acme")[0] for i in range(20)]
     elapsed = time.monotonic() - started
+    print(f"provider quota: globex admitted {globex.count(200)} of 8, acme {acme.count(200)} of 20, "
+          f"providers received {received(replicas)}, in {elapsed:.1f} s")
     refill = int(RPM * elapsed / 60) + 1  # what the bucket regained while the test ran (one every 5 s)
     assert 3 <= globex.count(200) <= 3 + refill, globex
     assert globex.count(200) + acme.count(200) <= RPM + refill, (globex, acme)
