@@ -8,6 +8,7 @@ one slot, so the scripts also run on Redis Cluster. A store that cannot answer w
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -305,20 +306,20 @@ class Store:
         observe_store("quota", time.perf_counter() - started)
         return (True, 0) if out[0] == "ok" else (False, int(out[1]))
 
-    async def _after_settling(self, items: Sequence[tuple[str, str, int, bool, bool]]) -> None:
-        """What a settlement gives back beside its reservation, each in its own slot: the pool slot and
-        what the request held of a provider quota and did not use. Items: (rid, hint, charged tokens,
-        released before dispatch, this settlement won)."""
-        slots: list[tuple[list[str], list[Any]]] = []
+    async def _after_settling(self, items: Sequence[tuple[str, str, int, bool, bool]], slots: bool = True) -> None:
+        """What a settlement gives back beside its reservation, each in its own slot: the pool slot
+        (unless given back already) and what the request held of a provider quota and did not use.
+        Items: (rid, hint, charged tokens, released before dispatch, this settlement won)."""
+        freed: list[tuple[list[str], list[Any]]] = []
         quotas: list[tuple[list[str], list[Any]]] = []
         for rid, hint, charged, released, won in items:
             h = orjson.loads(hint) if hint else {}
-            if h.get("a"):
-                slots.append(([h["a"]], [rid]))
+            if slots and h.get("a"):
+                freed.append(([h["a"]], [rid]))
             back = returned_ms(h, charged, released) if won else []
             if back:
                 quotas.append(([k for k, _ in back], [repr(ms) for _, ms in back]))
-        failed = [r for r in [*(await self.pipe.evalsha_many(RELEASE_SLOT, slots) if slots else []),
+        failed = [r for r in [*(await self.pipe.evalsha_many(RELEASE_SLOT, freed) if freed else []),
                               *(await self.pipe.evalsha_many(QUOTA_RETURN, quotas) if quotas else [])]
                   if isinstance(r, BaseException)]
         if failed:  # a slot's lease ends by itself; a quota not given back only under-uses the provider
@@ -377,17 +378,22 @@ class Store:
         """Many settlements, pipelined on the one connection; each is still its own script. Returns,
         per item, whether this was its settlement (False: an earlier one had won)."""
         calls = [self._settle_call(*item) for item in items]
+        # The pool slots they held go back in the same write as the settlements (nothing waits on those).
+        slots = [([slot], [item[1]]) for item in items if (slot := _slot_of(item[2]))]
         started = time.perf_counter()
-        results = await self.pipe.evalsha_many(SETTLE, calls)
+        results, freed = await asyncio.gather(self.pipe.evalsha_many(SETTLE, calls),
+                                              self.pipe.evalsha_many(RELEASE_SLOT, slots) if slots else _none())
         observe_store("settle_batch", time.perf_counter() - started)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")
+        if any(isinstance(r, BaseException) for r in freed):  # a slot's lease ends by itself
+            _log.warning("%d slot return(s) failed", sum(isinstance(r, BaseException) for r in freed))
         won = [bool(r) and int(r[0]) == 1 for r in results]
-        side = [(item[1], item[2], int(r[4]) if w else -1, _released(item[3]), w)
-                for item, r, w in zip(items, results, won, strict=True) if '"a"' in item[2] or '"q"' in item[2]]
-        if side:
-            await self._after_settling(side)
+        quotas = [(item[1], item[2], int(r[4]) if w else -1, _released(item[3]), w)
+                  for item, r, w in zip(items, results, won, strict=True) if w and '"q"' in item[2]]
+        if quotas:  # what they did not use of a provider quota: known once their charges are
+            await self._after_settling(quotas, slots=False)
         return won
 
     async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
@@ -449,6 +455,15 @@ class Store:
         rids: list[str] = await self._call(
             self.client.zrangebyscore(leases_key(tenant), "-inf", now_ms, start=0, num=limit))
         return rids
+
+
+def _slot_of(hint: str) -> str:
+    """The pool slot a reservation's hint names ("" when none: no admission-controlled pool)."""
+    return str(orjson.loads(hint).get("a") or "") if '"a"' in hint else ""
+
+
+async def _none() -> list[Any]:
+    return []
 
 
 def _released(outcome: dict[str, Any]) -> bool:
