@@ -204,7 +204,7 @@ ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.L
                       metadata_path(Key.PLAN_STREAM), metadata_path(Key.TRACE), "request.id")
 # The ledger's marks of how a request was served (the route's degraded answer, a canary's side of the
 # answer, the shadow candidate the request was copied to, a token count and the shape that counted,
-# the candidates left out and why).
+# the candidates left out and why, how admission let it through).
 LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW, Key.COUNT, Key.DISQUALIFIED, Key.ADMISSION)
 # What the meter asks for at the answer's end.
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
