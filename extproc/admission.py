@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from extproc.config.schema import PoolAdmission
 from extproc.contract import ErrorCode, GatewayError
 from extproc.picker import EngineLoad
-from extproc.store import PERIOD_MS, QuotaCharge, Store, StoreUnavailable, quota_key
+from extproc.store import PERIOD_MS, RateCharge, Store, StoreUnavailable, quota_key
 
 log = logging.getLogger("llmgw.admission")
 
@@ -168,15 +168,15 @@ class PoolGate:
 
 
 def quota_charges(deployment: str, rpm: int | None, tpm: int | None, share: float, tenant: str,
-                  tokens: int) -> list[QuotaCharge]:
+                  tokens: int) -> list[RateCharge]:
     """The buckets a request takes from: the deployment's, and the tenant's share of it (below 1)."""
     out = []
     for kind, limit, cost in (("rpm", rpm, 1), ("tpm", tpm, tokens)):
         if limit is None:
             continue
-        out.append(QuotaCharge(quota_key(deployment, kind), PERIOD_MS / limit, cost, kind == "tpm"))
+        out.append(RateCharge(quota_key(deployment, kind), PERIOD_MS / limit, cost, kind == "tpm"))
         if share < 1:
-            out.append(QuotaCharge(quota_key(deployment, kind, tenant), PERIOD_MS / max(1e-9, limit * share), cost,
+            out.append(RateCharge(quota_key(deployment, kind, tenant), PERIOD_MS / max(1e-9, limit * share), cost,
                                    kind == "tpm"))
     return out
 

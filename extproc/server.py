@@ -237,8 +237,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         lease expired and charged it in full). Released now either way, named as the access log would."""
         if ex.held is not None:
             termination, status = ("not_processed", 503) if gave_up else ("cancelled", 499)
-            self._later(release(self.store, ex, termination, status,
-                                {"admission": ex.admission} if ex.admission else None))
+            self._later(release(self.store, ex, termination, status))
 
     def _ended(self, ex: Exchange, err: GatewayError) -> None:
         """A refused request: release what it reserved, or record the refusal in the ledger."""
@@ -250,8 +249,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                 **tracing.request_facts(route, ex.request_id, err.status, termination, ex.operation),
                 "error.type": err.code.value})
         if ex.held is not None:
-            self._later(release(self.store, ex, termination, err.status,
-                                {"admission": ex.admission} if ex.admission else None))
+            self._later(release(self.store, ex, termination, err.status))
         elif ex.identity is not None:  # a store that is down takes it when it is back (record_refusal)
             self._later(record_refusal(self.store, ex, termination, err.status, err.code.value))
 

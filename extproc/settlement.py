@@ -99,6 +99,8 @@ async def release(store: Store | None, ex: Exchange, termination: str, status: i
         return
     outcome = {"termination": termination, "status": status, "settlement": "released", "usage": None,
                "attempts": [], **(extra or {})}
+    if ex.admission:  # how admission let it through, or why it shed it (ledger_facts holds it for the rest)
+        outcome["admission"] = ex.admission
     try:
         await store.settle(ex.identity.tenant, ex.request_id, outcome, 0, 0, hint=ex.held.hint)
     except StoreUnavailable:

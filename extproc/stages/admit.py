@@ -37,6 +37,12 @@ def with_hint(ex: Exchange, **extra: Any) -> None:
     ex.held = replace(ex.held, hint=orjson.dumps({**orjson.loads(ex.held.hint), **extra}).decode())
 
 
+def _start_at(ex: Exchange, k: int) -> None:
+    """The plan starts at candidate k: the ones before it (no room) are never sent anything."""
+    if k:
+        ex.candidates, ex.plan = ex.candidates[k:], ex.plan.starting_at(k)
+
+
 class Admission:
     name = "admission"
 
@@ -111,8 +117,8 @@ class Admission:
         """Candidate k has room: the plan starts there; what it holds is named in the hint."""
         assert ex.route is not None
         dep = ex.candidates[k]
+        _start_at(ex, k)
         if k:
-            ex.candidates, ex.plan = ex.candidates[k:], ex.plan.starting_at(k)
             ex.admission = "skipped=" + ",".join(skipped)
         if gate is not None:
             with_hint(ex, a=slots_key(gate.pool))
@@ -122,8 +128,7 @@ class Admission:
     def _queued(self, ex: Exchange, k: int, gate: PoolGate, w: Waiter) -> None:
         assert ex.route is not None
         waited = time.monotonic() - w.enqueued
-        if k:
-            ex.candidates, ex.plan = ex.candidates[k:], ex.plan.starting_at(k)
+        _start_at(ex, k)
         ex.admission = f"queued_ms={round(waited * 1000)}"
         with_hint(ex, a=slots_key(gate.pool))
         count_admission(gate.pool, ex.route.request_class, "queued_admitted", waited)

@@ -116,19 +116,6 @@ def quota_key(deployment: str, kind: str, tenant: str = "") -> str:
     return f"llmgw:{{pq:{deployment}}}:{kind}" + (f":{tenant}" if tenant else "")
 
 
-@dataclass(frozen=True)
-class QuotaCharge:
-    """One bucket of a provider quota a request takes from: GCRA, like the gateway's own quotas."""
-
-    key: str
-    ms_per_unit: float  # PERIOD_MS / limit
-    cost: int  # 1 for requests, the token bound for tokens
-    per_token: bool  # what was not used of it is given back at settlement
-
-    def encode(self) -> list[Any]:
-        return [self.key, self.ms_per_unit, self.cost, int(self.per_token)]
-
-
 def returned_ms(hint: dict[str, Any], charged_tokens: int, released: bool) -> list[tuple[str, float]]:
     """What a settled request gives back of the provider quota it held (the hint's `q`): the tokens it
     did not use of its bound; everything when it was never dispatched (released)."""
@@ -151,10 +138,16 @@ class BudgetCharge:
 
 @dataclass(frozen=True)
 class RateCharge:
+    """One bucket a request takes from (GCRA, scripts.GCRA): a quota of the gateway's, or a provider's."""
+
     key: str
     ms_per_unit: float  # PERIOD_MS / limit
     cost: int  # 1 for requests, the token bound for tokens
     per_token: bool  # corrected to actual tokens at settlement
+
+    def encode(self) -> list[Any]:
+        """As a provider quota's hold travels in the hint (`q`, read by returned_ms)."""
+        return [self.key, self.ms_per_unit, self.cost, int(self.per_token)]
 
 
 @dataclass(frozen=True)
@@ -298,7 +291,7 @@ class Store:
     async def release_slot(self, pool: str, rid: str) -> None:
         await self.pipe.evalsha(RELEASE_SLOT, [slots_key(pool)], [rid])
 
-    async def reserve_quota(self, now_ms: int, charges: Sequence[QuotaCharge]) -> tuple[bool, int]:
+    async def reserve_quota(self, now_ms: int, charges: Sequence[RateCharge]) -> tuple[bool, int]:
         """Every bucket charged, or none: (True, 0), or (False, ms until the first refusing one has room)."""
         started = time.perf_counter()
         out = await self.pipe.evalsha(QUOTA, [c.key for c in charges],
@@ -306,24 +299,15 @@ class Store:
         observe_store("quota", time.perf_counter() - started)
         return (True, 0) if out[0] == "ok" else (False, int(out[1]))
 
-    async def _after_settling(self, items: Sequence[tuple[str, str, int, bool, bool]], slots: bool = True) -> None:
-        """What a settlement gives back beside its reservation, each in its own slot: the pool slot
-        (unless given back already) and what the request held of a provider quota and did not use.
-        Items: (rid, hint, charged tokens, released before dispatch, this settlement won)."""
-        freed: list[tuple[list[str], list[Any]]] = []
-        quotas: list[tuple[list[str], list[Any]]] = []
-        for rid, hint, charged, released, won in items:
-            h = orjson.loads(hint) if hint else {}
-            if slots and h.get("a"):
-                freed.append(([h["a"]], [rid]))
-            back = returned_ms(h, charged, released) if won else []
-            if back:
-                quotas.append(([k for k, _ in back], [repr(ms) for _, ms in back]))
-        failed = [r for r in [*(await self.pipe.evalsha_many(RELEASE_SLOT, freed) if freed else []),
-                              *(await self.pipe.evalsha_many(QUOTA_RETURN, quotas) if quotas else [])]
+    async def _return_quotas(self, items: Sequence[tuple[str, int, bool]]) -> None:
+        """What settled requests held of a provider quota and did not use, given back (each bucket is in
+        its deployment's slot, not the tenant's). Items: (hint, charged tokens, released before dispatch)."""
+        calls = [([k for k, _ in back], [repr(ms) for _, ms in back]) for hint, charged, released in items
+                 if (back := returned_ms(orjson.loads(hint), charged, released))]
+        failed = [r for r in (await self.pipe.evalsha_many(QUOTA_RETURN, calls) if calls else [])
                   if isinstance(r, BaseException)]
-        if failed:  # a slot's lease ends by itself; a quota not given back only under-uses the provider
-            _log.warning("%d slot or quota return(s) failed: %s", len(failed), failed[0])
+        if failed:  # a quota not given back only under-uses the provider
+            _log.warning("%d quota return(s) failed: %s", len(failed), failed[0])
 
     async def holder_of(self, rid: str, tenants: Sequence[str]) -> tuple[str, str] | None:
         """The tenant holding an open reservation for request `rid`, and its hint, looked for among
@@ -364,37 +348,40 @@ class Store:
             if not held:
                 return None
             hint = held.get("hint", "")
-        keys, args = self._settle_call(tenant, rid, hint, outcome, charge_micros, charge_tokens, idem_status,
-                                       idem_response, idem_ttl_ms)
-        out = await self.pipe.evalsha(SETTLE, keys, args)
-        won = bool(out) and out[0] != 0
-        if '"a"' in hint or '"q"' in hint:
-            await self._after_settling([(rid, hint, int(out[4]) if won else -1, _released(outcome), won)])
-        if not won:
+        (out,) = await self._settle_batch([(tenant, rid, hint, outcome, charge_micros, charge_tokens, idem_status,
+                                            idem_response, idem_ttl_ms)])
+        if isinstance(out, BaseException):
+            raise out
+        if not out or int(out[0]) != 1:
             return None
         return Settled(*(int(x) for x in out[1:5]))
 
     async def settle_many(self, items: list[Settlement]) -> list[bool]:
         """Many settlements, pipelined on the one connection; each is still its own script. Returns,
         per item, whether this was its settlement (False: an earlier one had won)."""
-        calls = [self._settle_call(*item) for item in items]
-        # The pool slots they held go back in the same write as the settlements (nothing waits on those).
-        slots = [([slot], [item[1]]) for item in items if (slot := _slot_of(item[2]))]
         started = time.perf_counter()
-        results, freed = await asyncio.gather(self.pipe.evalsha_many(SETTLE, calls),
-                                              self.pipe.evalsha_many(RELEASE_SLOT, slots) if slots else _none())
+        results = await self._settle_batch(items)
         observe_store("settle_batch", time.perf_counter() - started)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise StoreUnavailable(f"{len(failed)} settlement(s) failed: {failed[0]}")
+        return [bool(r) and int(r[0]) == 1 for r in results]
+
+    async def _settle_batch(self, items: Sequence[Settlement]) -> list[Any]:
+        """The settlements' scripts, with the pool slots they held given back in the same write (nothing
+        waits on those), then what the ones that won held of a provider quota and did not use (known
+        once their charges are). Each item's result, or its exception."""
+        calls = [self._settle_call(*item) for item in items]
+        slots = [([slot], [item[1]]) for item in items if (slot := _slot_of(item[2]))]
+        results, freed = await asyncio.gather(self.pipe.evalsha_many(SETTLE, calls),
+                                              self.pipe.evalsha_many(RELEASE_SLOT, slots) if slots else _none())
         if any(isinstance(r, BaseException) for r in freed):  # a slot's lease ends by itself
             _log.warning("%d slot return(s) failed", sum(isinstance(r, BaseException) for r in freed))
-        won = [bool(r) and int(r[0]) == 1 for r in results]
-        quotas = [(item[1], item[2], int(r[4]) if w else -1, _released(item[3]), w)
-                  for item, r, w in zip(items, results, won, strict=True) if w and '"q"' in item[2]]
-        if quotas:  # what they did not use of a provider quota: known once their charges are
-            await self._after_settling(quotas, slots=False)
-        return won
+        quotas = [(item[2], int(r[4]), _released(item[3])) for item, r in zip(items, results, strict=True)
+                  if '"q"' in item[2] and not isinstance(r, BaseException) and r and int(r[0]) == 1]
+        if quotas:
+            await self._return_quotas(quotas)
+        return results
 
     async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
         """One attempt of a fallback route (extproc/attempts.py); settlement puts them in the ledger."""

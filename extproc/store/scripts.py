@@ -2,11 +2,35 @@
 they are loaded once and called by SHA (extproc/store/pipe.py loads them again after a restart).
 All keys of one call share the tenant's hash tag, so they also run on Redis Cluster."""
 
+# Token buckets of a minute's size as GCRA theoretical arrival times (the gateway's quotas, providers'
+# quotas): prepended to each script that charges or corrects one, so both kinds of bucket are one piece.
+GCRA = """
+-- The time a charge of `cost` units at `ms` per unit moves the bucket to; nil and how long until it has
+-- room when that is more than a minute (the bucket's size) ahead of now.
+local function gcra_charge(key, now, ms, cost)
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  local new_tat = tat + ms * cost
+  if new_tat - now > 60000 then return nil, math.ceil(new_tat - now - 60000) end
+  return new_tat
+end
+
+local function gcra_set(key, now, tat)
+  redis.call('SET', key, tostring(tat), 'PX', math.ceil(tat - now) + 60000)
+end
+
+-- Give back `ms` of a charge (what it did not use); an expired bucket has nothing left to correct.
+local function gcra_return(key, ms)
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat > 0 then redis.call('SET', key, tostring(tat - ms), 'KEEPTTL') end
+end
+"""
+
 # KEYS: res, leases, inflight, idem, ledgered marker (APPEND_ONCE's), budgets..., rates...
 # ARGV: rid, now_ms, lease_until_ms, micros, tokens, max_inflight, max_inflight_tokens, n_budgets, n_rates,
 #       idem_body_hash, idem_ttl_ms, record_json, hint (the keys settlement touches: Reservation.hint),
 #       then per budget: limit_micros, limit_tokens, expire_at_s; then per rate: ms_per_unit, cost
-RESERVE = """
+RESERVE = GCRA + """
 local rid, now, lease_until = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local micros, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_inflight, max_tokens = tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -35,14 +59,9 @@ if max_tokens >= 0 and ntok + tokens > max_tokens then return {'concurrency_limi
 local a = 14 + 3 * nb
 local new_tats = {}
 for r = 1, nr do
-  local ms_per_unit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local new_tat, wait = gcra_charge(KEYS[5 + nb + r], now, tonumber(ARGV[a]), tonumber(ARGV[a + 1]))
   a = a + 2
-  local tat = tonumber(redis.call('GET', KEYS[5 + nb + r]) or '0')
-  if tat < now then tat = now end
-  local new_tat = tat + ms_per_unit * cost
-  if new_tat - now > 60000 then
-    return {'rate_limited', tostring(math.ceil(new_tat - now - 60000)), tostring(r)}
-  end
+  if not new_tat then return {'rate_limited', tostring(wait), tostring(r)} end
   new_tats[r] = new_tat
 end
 
@@ -65,7 +84,7 @@ for b = 1, nb do
   if expire_at > 0 and fresh then redis.call('EXPIREAT', key, expire_at) end
 end
 for r = 1, nr do
-  redis.call('SET', KEYS[5 + nb + r], tostring(new_tats[r]), 'PX', math.ceil(new_tats[r] - now) + 60000)
+  gcra_set(KEYS[5 + nb + r], now, new_tats[r])
 end
 redis.call('HINCRBY', KEYS[3], 'tokens', tokens)
 redis.call('ZADD', KEYS[2], lease_until, rid)
@@ -84,7 +103,7 @@ return {'ok'}
 # The ledger entry: the admission facts stored with the reservation, the outcome, and the amounts
 # (a charge above the reservation is cut to it: invariant 3 holds whatever an upstream reports).
 # Returns {1, reserved_micros, reserved_tokens, charged_micros, charged_tokens}, or {0} when already settled.
-SETTLE = """
+SETTLE = GCRA + """
 local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem', 'record', 'att:1')
 if not res[1] then return {0} end
 local rm, rt = tonumber(res[1]), tonumber(res[2])
@@ -100,11 +119,7 @@ for b = 1, nb do
   redis.call('HINCRBY', key, 'settled_tokens', ct)
 end
 for r = 1, nt do
-  local key = KEYS[5 + nb + r]
-  local tat = tonumber(redis.call('GET', key) or '0')
-  if tat > 0 then  -- an expired key has nothing left to correct
-    redis.call('SET', key, tostring(tat - (rt - ct) * tonumber(ARGV[9 + r])), 'KEEPTTL')
-  end
+  gcra_return(KEYS[5 + nb + r], (rt - ct) * tonumber(ARGV[9 + r]))
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'tokens', -rt)
@@ -229,32 +244,24 @@ return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
 # A deployment's provider quota and its tenants' shares: token buckets of a minute's size, refilled
-# continuously (how providers count), as GCRA theoretical arrival times. Every key of one deployment
-# shares its hash tag. KEYS: the buckets. ARGV: now_ms, then per bucket: ms_per_unit, cost.
+# continuously (how providers count), charged as the gateway's own quotas are (GCRA). Every key of one
+# deployment shares its hash tag. KEYS: the buckets. ARGV: now_ms, then per bucket: ms_per_unit, cost.
 # Returns {'ok'} with every bucket charged, or {'limited', wait_ms, bucket} with none.
-QUOTA = """
+QUOTA = GCRA + """
 local now = tonumber(ARGV[1])
 local tats = {}
 for i = 1, #KEYS do
-  local ms, cost = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
-  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
-  if tat < now then tat = now end
-  local new_tat = tat + ms * cost
-  if new_tat - now > 60000 then return {'limited', tostring(math.ceil(new_tat - now - 60000)), tostring(i)} end
-  tats[i] = new_tat
+  local tat, wait = gcra_charge(KEYS[i], now, tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1]))
+  if not tat then return {'limited', tostring(wait), tostring(i)} end
+  tats[i] = tat
 end
-for i = 1, #KEYS do
-  redis.call('SET', KEYS[i], tostring(tats[i]), 'PX', math.ceil(tats[i] - now) + 60000)
-end
+for i = 1, #KEYS do gcra_set(KEYS[i], now, tats[i]) end
 return {'ok'}
 """
 
 # KEYS: buckets. ARGV: per bucket, the milliseconds to give back (what a request held of it and did not
 # use: the token bound less the tokens charged, or all of it for a request never dispatched).
-QUOTA_RETURN = """
-for i = 1, #KEYS do
-  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
-  if tat > 0 then redis.call('SET', KEYS[i], tostring(tat - tonumber(ARGV[i])), 'KEEPTTL') end
-end
+QUOTA_RETURN = GCRA + """
+for i = 1, #KEYS do gcra_return(KEYS[i], tonumber(ARGV[i])) end
 return 1
 """

@@ -18,7 +18,7 @@ import redis
 from extproc.admission import derived_limit, quota_charges
 from extproc.config.schema import PoolAdmission
 from extproc.picker import EngineLoad
-from extproc.store import PERIOD_MS, QuotaCharge, Store, queue_keys, quota_key, returned_ms, slots_key
+from extproc.store import PERIOD_MS, RateCharge, Store, queue_keys, quota_key, returned_ms, slots_key
 from tests.conftest import valkey_url
 from tests.unit.test_store import reservation
 
@@ -142,7 +142,7 @@ def test_a_provider_quota_and_a_tenant_s_share_are_charged_together_or_not_at_al
     dep = f"d{uuid.uuid4().hex[:8]}"
 
     async def go(store: Store, _: str) -> list[Any]:
-        def charges(tenant: str, share: float) -> list[QuotaCharge]:
+        def charges(tenant: str, share: float) -> list[RateCharge]:
             return quota_charges(dep, 10, 10_000, share, tenant, 100)
         out = [await store.reserve_quota(NOW, charges("small", 0.2)) for _ in range(3)]  # its share: 2 a minute
         out += [await store.reserve_quota(NOW, charges("big", 1.0)) for _ in range(9)]  # the rest of the 10
