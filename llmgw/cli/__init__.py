@@ -294,7 +294,7 @@ COMMAND_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 # `llmgw bench ...` beyond `overhead`, registered by their modules likewise: each has `register(bsub)`.
 BENCH_MODULES: tuple[str, ...] = (
     "llmgw.bench.picker", "llmgw.bench.policy", "llmgw.bench.stream", "llmgw.bench.idle", "llmgw.bench.telemetry",
-    "llmgw.bench.translated", "llmgw.bench.run", "llmgw.bench.sweep", "llmgw.bench.compare",
+    "llmgw.bench.translated", "llmgw.bench.run", "llmgw.bench.sweep", "llmgw.bench.compare", "llmgw.bench.ablate",
 )
 BUILT_IN = ("check", "envoy", "up", "demo-evidence", "engines", "bench")
 KNOWN_COMMANDS = frozenset(BUILT_IN).union(*(names for _, names in COMMAND_MODULES))

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import WORKER_HEALTH_PATH
@@ -106,6 +108,10 @@ class StackOptions:
     # The simulators' answer quality, an operator's setting (enginesim/oracle.py): right on this share
     # of the tasks of the policy's quality corpora. None: none right (seeded words, as ever).
     sim_quality: float | None = None
+    # Benchmarks only (`llmgw bench ablate`): the module the workers run (one that wraps extproc's
+    # with decision stages left out), and an edit of the rendered bootstrap (a filter taken out).
+    extproc_module: str = "extproc"
+    bootstrap_edit: Callable[[bootstrap_pb2.Bootstrap], None] | None = None
 
     @classmethod
     def on_free_ports(cls, config_dir: Path, state_dir: Path, snap: Snapshot, **kw: object) -> StackOptions:
@@ -262,7 +268,10 @@ class Stack:
             ready += self._start_extprocs()
             # As binary protobuf, which Envoy reads by its .pb name: writing it as YAML took a second
             # of this process's time per boot (`llmgw envoy render` writes the same bootstrap as YAML).
-            config = render_bootstrap(self.snapshot, self.render).SerializeToString()
+            boot = render_bootstrap(self.snapshot, self.render)
+            if self.opts.bootstrap_edit is not None:
+                self.opts.bootstrap_edit(boot)
+            config = boot.SerializeToString()
             for check, what, child, wait in ready:
                 wait_until(check, max(timeout, wait), what, child)
             self._start_envoy(config, timeout)
@@ -411,7 +420,7 @@ class Stack:
                 Path(host.removeprefix(UNIX)).unlink(missing_ok=True)
             listen = host if host.startswith(UNIX) else f"{host}:{port}"
             self.extprocs.append(Child(f"extproc-{port}", python_module(
-                "extproc", "--config", str(self.snapshot.directory), "--listen", listen, *pools,
+                self.opts.extproc_module, "--config", str(self.snapshot.directory), "--listen", listen, *pools,
                 "--status-listen", f"127.0.0.1:{status}", "--admin-token-file", str(token),
                 "--loops-state", str(self.loops_state),
                 *tls_args, *self._store_args(),
