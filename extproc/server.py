@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import functools
 import hmac
 import json
@@ -23,7 +24,7 @@ import re
 import signal
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,26 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         async for resp in handler(first, rest):
             yield resp
 
+    async def Decide(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+                     context: grpc.aio.ServicerContext) -> ep.ProcessingResponse:
+        """The decision filter's stream, answered as a unary response: the decision, the gRPC status and
+        the initial metadata go to Envoy in one batch (one write, one completion) instead of a message
+        and then a status. A reply before it (admission's `longer_wait`) is written on its own."""
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no ProcessingRequest")
+        self.messages[DECISION] += 1
+        async with contextlib.aclosing(self.decide(first, request_iterator)) as replies:
+            async for reply in replies:
+                if not reply.HasField("override_message_timeout"):
+                    return reply
+                # grpc.aio applies no response serializer to a write in a unary-response handler
+                await context.write(reply.SerializeToString())
+        # decide() answers every request it can read; a message of another kind has no decision
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the decision filter sent no request body or headers")
+        raise AssertionError("unreachable: abort raises")
+
     async def _counted(self, role: str, messages: AsyncIterator[ep.ProcessingRequest]) -> (
             AsyncIterator[ep.ProcessingRequest]):
         """The messages after the first, counted (the decision's stream has no more)."""
@@ -167,7 +188,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             yield m
 
     async def decide(self, first: ep.ProcessingRequest,
-                     _rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
+                     _rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncGenerator[ep.ProcessingResponse, None]:
         """The decision filter. One message decides: Envoy sends the buffered body (or, for the model
         list, the headers) and nothing after it. The stream is closed as soon as the decision is sent,
         so an admitted request no longer depends on this worker: Envoy ignores a processor that closed
@@ -284,16 +305,30 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         return immediate(ex, 200, orjson.dumps(doc), "llmgw_models")
 
 
-def add_services(server: grpc.aio.Server, processor: ep_grpc.ExternalProcessorServicer,
+class ExtProcHandlers(grpc.GenericRpcHandler):
+    """ext_proc's one method, handled by the stream's role (gRPC metadata the rendered filter sets):
+    the decision filter's streams (no role) as stream-unary, every other filter's as bidirectional."""
+
+    METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+    def __init__(self, processor: Processor):
+        parse, serialize = lenient_parser(ep.ProcessingRequest), ep.ProcessingResponse.SerializeToString
+        self.decision = grpc.stream_unary_rpc_method_handler(processor.Decide, parse, serialize)
+        self.filters = grpc.stream_stream_rpc_method_handler(processor.Process, parse, serialize)
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if details.method != self.METHOD:
+            return None
+        role = any(k == ROLE_KEY for k, _ in details.invocation_metadata or ())
+        return self.filters if role else self.decision
+
+
+def add_services(server: grpc.aio.Server, processor: Processor,
                  access_log: als_grpc.AccessLogServiceServicer | None) -> None:
     """ext_proc and the access log, as the generated `add_*_to_server` would register them, but with
     a lenient request parser: a client's non-UTF-8 header bytes must not end the gRPC stream
     (extproc/wire.py)."""
-    methods = {"Process": grpc.stream_stream_rpc_method_handler(
-        processor.Process, request_deserializer=lenient_parser(ep.ProcessingRequest),
-        response_serializer=ep.ProcessingResponse.SerializeToString)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "envoy.service.ext_proc.v3.ExternalProcessor", methods),))
+    server.add_generic_rpc_handlers((ExtProcHandlers(processor),))
     if access_log is not None:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             "envoy.service.accesslog.v3.AccessLogService", {"StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
