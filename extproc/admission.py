@@ -39,8 +39,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from extproc.config.schema import PoolAdmission
+from extproc.config.schema import GatewayConfig, PoolAdmission
 from extproc.contract import ErrorCode, GatewayError
 from extproc.picker import EngineLoad
 from extproc.store import PERIOD_MS, RateCharge, Store, StoreUnavailable, quota_key
@@ -78,9 +79,23 @@ class Waiter:
     future: asyncio.Future[None]
     start: float = 0.0  # its start tag in the pool's queue (the store's)
 
+    @classmethod
+    def of(cls, gw: GatewayConfig, request_class: str, tenant: str, rid: str, lease_until_ms: int) -> Waiter:
+        """A request asking now: its class's priority, its tenant's weight."""
+        rc = gw.request_classes.get(request_class)
+        weight = gw.tenants[tenant].weight if tenant in gw.tenants else 1.0
+        return cls(rid, tenant, weight, rc.priority if rc is not None else 0, lease_until_ms, time.monotonic(),
+                   asyncio.get_running_loop().create_future())
+
     def place(self) -> tuple[int, float]:
         """Its place in the pool's queue: the store's order (priority, then start tag)."""
         return -self.priority, self.start
+
+
+def _background(coro: Any) -> None:
+    """A store call nothing waits for; its failure is left to the lease that ends what it would free."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 class PoolGate:
@@ -119,6 +134,11 @@ class PoolGate:
             self._note_admitted()
         return ok, start
 
+    def give_back(self, rid: str) -> None:
+        """A slot granted to a request that will not use it, returned in the background (a lost return
+        ends with the slot's lease)."""
+        _background(self.store.release_slot(self.pool, rid))
+
     def wait(self, w: Waiter) -> bool:
         """Hold a waiter the store queued (False: this worker holds max_queued already)."""
         if len(self.waiters) >= self.settings.max_queued:
@@ -132,8 +152,7 @@ class PoolGate:
         """It stops waiting: out of this worker's list now, out of the store's queue in the background."""
         if w in self.waiters:
             self.waiters.remove(w)
-        task = asyncio.ensure_future(self.store.leave(self.pool, w.rid))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a lost leave ends with its wait
+        _background(self.store.leave(self.pool, w.rid))  # a lost leave ends with its wait
 
     async def _serve(self) -> None:
         """While this worker has waiters: ask for the first; admitted, ask for the next at once; not yet,

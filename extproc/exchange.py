@@ -70,6 +70,9 @@ class Exchange:
     # `skipped=pool-llama-8b:overloaded`, `shed=queue_timeout` (ledger, metadata); "" = admitted at once.
     admission: str = ""
     plan: Any = None  # the route stage's plan, for the stages after admission (stages/route.py: Planned)
+    # A pool slot asked for in the reservation's write (stages/budget.py), for the route's first candidate:
+    # (its pool, whether the store granted it). Admission uses the answer instead of asking again.
+    early_slot: tuple[str, bool] | None = None
     waiting: Any = None  # admission queued it: the wait the server runs between two stages (admission.Waiting)
     shadow_of: Grant | None = None  # this request is a shadow copy: the grant it came with
     shadow: str = ""  # the shadow candidate this request is copied to ("" = not shadowed)

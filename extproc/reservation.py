@@ -3,7 +3,10 @@ the stream guard and settlement read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,3 +21,9 @@ class Held:
     price_version: str
     hint: str  # the keys settlement touches (extproc.store.Reservation.hint), for the meter
     idempotent: bool
+
+    def with_hint(self, **extra: Any) -> Held:
+        """The same reservation with what settlement also gives back (a pool slot, a provider quota's
+        hold) named in its hint; a key given None is taken out."""
+        hint = {**orjson.loads(self.hint), **extra}
+        return replace(self, hint=orjson.dumps({k: v for k, v in hint.items() if v is not None}).decode())

@@ -11,13 +11,9 @@ their own budgets: neither is admitted here.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-from dataclasses import replace
 from typing import Any
-
-import orjson
 
 from extproc.admission import AdmissionControl, PoolGate, Waiter, Waiting, quota_charges
 from extproc.config.schema import Deployment
@@ -34,7 +30,7 @@ ANSWER_MARGIN_S = 0.05  # of the deadline, kept for the rest of the decision aft
 def with_hint(ex: Exchange, **extra: Any) -> None:
     """What settlement gives back beside the reservation, added to the hint Envoy's metadata carries."""
     assert ex.held is not None
-    ex.held = replace(ex.held, hint=orjson.dumps({**orjson.loads(ex.held.hint), **extra}).decode())
+    ex.held = ex.held.with_hint(**extra)
 
 
 def _start_at(ex: Exchange, k: int) -> None:
@@ -55,22 +51,27 @@ class Admission:
             return
         gw = ex.snapshot.gateway
         rc = gw.request_classes.get(route.request_class)
-        priority, ttl_ms = (rc.priority, rc.queue_ttl_ms) if rc is not None else (0, 0)
+        ttl_ms = rc.queue_ttl_ms if rc is not None else 0
         lease = lease_until_ms(ex)
         tenant = ex.identity.tenant if ex.identity is not None else ""
-        weight = gw.tenants[tenant].weight if tenant in gw.tenants else 1.0
 
         def waiter() -> Waiter:
-            return Waiter(ex.request_id, tenant, weight, priority, lease, time.monotonic(),
-                          asyncio.get_running_loop().create_future())
+            return Waiter.of(gw, route.request_class, tenant, ex.request_id, lease)
 
         skipped: list[str] = []
         quota_wait_ms: list[int] = []
+        early, ex.early_slot = ex.early_slot, None
+        if early is not None and early[1] and (not ex.candidates or ex.candidates[0].pool != early[0]):
+            # The plan does not start at the pool the reservation's write asked a slot of: it goes back.
+            with_hint(ex, a=None)
+            control.gates[early[0]].give_back(ex.request_id)
         try:
             for k, dep in enumerate(ex.candidates):
                 gate = control.gate(dep.pool, gw.pools[dep.pool].admission) if dep.pool is not None else None
                 if gate is not None:
-                    if (await gate.ask(waiter()))[0]:  # room now, and nobody waits for it
+                    asked = (early[1] if early is not None and k == 0 and early[0] == gate.pool
+                             else (await gate.ask(waiter()))[0])
+                    if asked:  # room now, and nobody waits for it
                         self._admitted(ex, k, skipped, gate)
                         return
                     skipped.append(f"{dep.deployment}:overloaded")

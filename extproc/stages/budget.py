@@ -12,6 +12,7 @@ the stream's maximum length for streams, plus grace); a sweeper charges expired 
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import functools
 import hashlib
@@ -19,6 +20,7 @@ import math
 import time
 from datetime import UTC, date, datetime
 
+from extproc.admission import AdmissionControl, PoolGate, Waiter
 from extproc.bounds import candidate_deployments
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange
@@ -31,11 +33,13 @@ from extproc.store import (
     BudgetCharge,
     RateCharge,
     Reservation,
+    ReserveResult,
     Store,
     StoreUnavailable,
     budget_key,
     idem_key,
     rate_key,
+    slots_key,
 )
 
 # The share of Envoy's wait for a decision after which a worker no longer reserves for it: what is left
@@ -92,8 +96,41 @@ def lease_until_ms(ex: Exchange) -> int:
 class BudgetReservation:
     name = "budget"
 
-    def __init__(self, store: Store | None = None):
+    def __init__(self, store: Store | None = None, admission: AdmissionControl | None = None):
         self.store = store
+        self.admission = admission
+
+    def _early_gate(self, ex: Exchange) -> PoolGate | None:
+        """The gate of the pool admission would ask first (the route's first candidate's), when it has
+        one: its slot is asked for in the reservation's write, one store round trip instead of two."""
+        assert ex.route is not None
+        if self.admission is None or ex.shadow_of is not None or not ex.route.candidates:
+            return None
+        pool = ex.snapshot.deployments[ex.route.candidates[0].deployment_name].pool
+        if pool is None:
+            return None
+        return self.admission.gate(pool, ex.snapshot.gateway.pools[pool].admission)
+
+    async def _reserve(self, ex: Exchange, reservation: Reservation) -> ReserveResult:
+        """The reservation, and with it (one write) the first pool's slot. A slot the request will not
+        use (the reservation refused, or failed) goes back; the admission stage uses the answer
+        (ex.early_slot), and the slot, once granted, rides in the hint like one admission grants."""
+        assert self.store is not None and ex.route is not None
+        gate = self._early_gate(ex)
+        if gate is None:
+            return await self.store.reserve(reservation)
+        waiter = Waiter.of(ex.snapshot.gateway, ex.route.request_class, reservation.tenant, ex.request_id,
+                           reservation.lease_until_ms)
+        result, asked = await asyncio.gather(self.store.reserve(reservation), gate.ask(waiter),
+                                             return_exceptions=True)
+        granted = not isinstance(asked, BaseException) and asked[0]
+        if granted and (isinstance(result, BaseException) or result.outcome != "ok"):
+            gate.give_back(ex.request_id)
+        if isinstance(result, BaseException):
+            raise result
+        if not isinstance(asked, BaseException):  # a failed ask: admission asks again, and fails closed
+            ex.early_slot = (gate.pool, granted)
+        return result
 
     async def run(self, ex: Exchange) -> None:
         route, ident, bound = ex.route, ex.identity, ex.bound
@@ -155,7 +192,7 @@ class BudgetReservation:
             # was charged in full. Refused instead, reserving nothing.
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the decision took longer than Envoy waits for it")
         try:
-            result = await self.store.reserve(reservation)
+            result = await self._reserve(ex, reservation)
         except StoreUnavailable as e:
             # The script may have run before its reply was lost (a failover, a timeout): the refusal's
             # ledger entry releases what it may hold (settlement.record_refusal).
@@ -169,6 +206,8 @@ class BudgetReservation:
                 count_admitted(route.route_contract)
                 ex.held = Held(micros, tokens, prompt, bound.per_choice, ex.n, version, reservation.hint,
                                idem is not None)
+                if ex.early_slot is not None and ex.early_slot[1]:
+                    ex.held = ex.held.with_hint(a=slots_key(ex.early_slot[0]))
             case "budget_exhausted":
                 name = budgets[int(result.detail[0]) - 1].key.rsplit(":", 2)[1]
                 raise GatewayError(ErrorCode.BUDGET_EXHAUSTED, f"budget {name!r} cannot hold this request's "

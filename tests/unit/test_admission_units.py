@@ -18,6 +18,7 @@ import redis
 from extproc.admission import derived_limit, quota_charges
 from extproc.config.schema import PoolAdmission
 from extproc.picker import EngineLoad
+from extproc.reservation import Held
 from extproc.store import PERIOD_MS, RateCharge, Store, queue_keys, quota_key, returned_ms, slots_key
 from tests.conftest import valkey_url
 from tests.unit.test_store import reservation
@@ -176,3 +177,11 @@ def test_settlement_gives_back_what_a_request_did_not_use_of_a_provider_quota() 
 
     before, after = run(go)
     assert before - after == pytest.approx(800 * PERIOD_MS / 6_000)
+
+
+def test_a_hint_names_what_settlement_gives_back_and_loses_what_is_taken_out() -> None:
+    held = Held(10, 4, 2, 2, 1, "v1", '{"b":["k"]}', False)
+    with_slot = held.with_hint(a="llmgw:{admit:p}:slots")
+    assert orjson.loads(with_slot.hint) == {"b": ["k"], "a": "llmgw:{admit:p}:slots"}
+    assert orjson.loads(with_slot.with_hint(a=None).hint) == {"b": ["k"]}
+    assert with_slot.micros == held.micros and held.hint == '{"b":["k"]}'  # a new value; the old one unchanged

@@ -223,3 +223,26 @@ def test_a_full_pool_sends_a_fallback_plan_to_its_next_candidate(gw: Stack) -> N
         assert [a["deployment"] for a in entry["attempts"]] == ["demo-anthropic"], entry
         assert all(f.result().status == 200 for f in held)
     idle(gw)
+
+
+def test_a_slot_asked_beside_a_refused_reservation_goes_back(gw: Stack) -> None:
+    """The first pool's slot is asked for in the reservation's write (stages/budget.py): when the
+    reservation is refused (here a second request with an Idempotency-Key in flight), the slot it was
+    granted goes back at once, not when its lease ends."""
+    idle(gw)
+    marker = inject_fault(gw.engine_urls(POOL), "delay_ms=2500", count=1)
+    body = {"model": "chat-default", "max_tokens": 4, "messages": [{"role": "user", "content": marker}]}
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}", "idempotency-key": marker}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(request, f"{gw.url}/v1/chat/completions", "POST", body, headers, timeout=30)
+        until(lambda: store(gw).zcard(slots_key(POOL)) == 1, what="the first request holds its slot")
+        holder = store(gw).zrange(slots_key(POOL), 0, -1)
+        second = request(f"{gw.url}/v1/chat/completions", "POST", body, headers, timeout=30)
+        assert_contract_error(second, 409, "idempotency_conflict")
+        # Given back in the background, right after the refusal: well within the first one's delay.
+        until(lambda: store(gw).zrange(slots_key(POOL), 0, -1) == holder, within_s=1.0,
+              what="only the first request's slot held")
+        time.sleep(0.2)
+        assert store(gw).zrange(slots_key(POOL), 0, -1) == holder
+        assert first.result().status == 200
+    idle(gw)
