@@ -5,6 +5,7 @@ parsing, the sandbox policy with the evidence `llmgw up` earns, LiteLLM as the p
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -171,12 +172,17 @@ def _ms(text: str) -> float:
 
 
 def run_wrk(url: str, script: Path, connections: int, duration: float) -> Result:
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script), url]
+    # A slow peer (LiteLLM at 32 connections) may take longer than wrk's default 2 s timeout per request.
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "10s", "--latency",
+            "-s", str(script), url]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60).stdout
     lat = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return Result(rps, _ms(lat["50"]), _ms(lat["99"]), int(bad.group(1)) if bad else 0)
+    timeouts = re.search(r"timeout (\d+)", out)
+    # No answer at all within the run: no percentiles (nan), every try counted as failed.
+    return Result(rps, _ms(lat["50"]) if "50" in lat else math.nan, _ms(lat["99"]) if "99" in lat else math.nan,
+                  (int(bad.group(1)) if bad else 0) + (int(timeouts.group(1)) if timeouts else 0))
 
 
 def measured_wrk(url: str, script: Path, connections: int, duration: float,
