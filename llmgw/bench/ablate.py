@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,21 +30,11 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 
-from extproc.config import load_snapshot
 from extproc.names import METADATA_NAMESPACE, POOL_CLUSTER_PREFIX, Filter, Key
-from llmgw.bench.kit import (
-    POOL_ROUTE,
-    WRK_LUA,
-    bare_bootstrap,
-    demo_policy,
-    report,
-    start_envoy,
-    upstream_bootstrap,
-    without_quotas,
-)
+from llmgw.bench.kit import POOL_ROUTE, WRK_LUA, Beside, report, wrk_missing
 from llmgw.bench.kit import measured_wrk as _measured
-from llmgw.local.procs import Child, free_port, wakeups
-from llmgw.local.stack import Stack, StackOptions, gateway_processes
+from llmgw.local.procs import Child, wakeups
+from llmgw.local.stack import Stack, gateway_processes
 from llmgw.render.bootstrap import render_bootstrap
 from llmgw.render.common import pack
 
@@ -68,51 +56,43 @@ class Variant:
 
 
 def _hcm(boot: bootstrap_pb2.Bootstrap) -> tuple[Any, hcm_pb2.HttpConnectionManager]:
-    """The gateway listener's connection manager (decoded; `_store` writes it back)."""
+    """The gateway listener's connection manager, decoded (`_editing` packs it back)."""
     f = boot.static_resources.listeners[0].filter_chains[0].filters[0]
     hcm = hcm_pb2.HttpConnectionManager()
     f.typed_config.Unpack(hcm)
     return f, hcm
 
 
-def _store(f: Any, hcm: hcm_pb2.HttpConnectionManager) -> None:
-    f.typed_config.Pack(hcm)
+def _editing(change: Callable[[hcm_pb2.HttpConnectionManager], None]) -> Edit:
+    def edit(boot: bootstrap_pb2.Bootstrap) -> None:
+        f, hcm = _hcm(boot)
+        change(hcm)
+        f.typed_config.Pack(hcm)
+    return edit
+
+
+def _replace(field: Any, items: list[Any]) -> None:
+    del field[:]
+    field.extend(items)
 
 
 def without_filter(name: str) -> Edit:
-    def edit(boot: bootstrap_pb2.Bootstrap) -> None:
-        f, hcm = _hcm(boot)
-        kept = [h for h in hcm.http_filters if h.name != name]
-        del hcm.http_filters[:]
-        hcm.http_filters.extend(kept)
-        _store(f, hcm)
-    return edit
+    return _editing(lambda hcm: _replace(hcm.http_filters, [h for h in hcm.http_filters if h.name != name]))
 
 
 def without_access_log(name: str) -> Edit:
-    def edit(boot: bootstrap_pb2.Bootstrap) -> None:
-        f, hcm = _hcm(boot)
-        kept = [a for a in hcm.access_log if a.name != name]
-        del hcm.access_log[:]
-        hcm.access_log.extend(kept)
-        _store(f, hcm)
-    return edit
+    return _editing(lambda hcm: _replace(hcm.access_log, [a for a in hcm.access_log if a.name != name]))
 
 
 def decision_stand_in(cluster: str) -> Edit:
     """The decision's ext_proc replaced by a Lua filter that names the cluster and has the route matched
     again: routed, nothing decided, reserved or settled."""
-    def edit(boot: bootstrap_pb2.Bootstrap) -> None:
-        f, hcm = _hcm(boot)
-        lua = (f'function envoy_on_request(h) h:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", '
-               f'"{Key.CLUSTER}", "{cluster}") h:clearRouteCache() end')
-        stand_in = hcm_pb2.HttpFilter(name="llmgw.bench.decision_stand_in", typed_config=pack(
-            lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua))))
-        chain = [stand_in if h.name == Filter.EXT_PROC else h for h in hcm.http_filters]
-        del hcm.http_filters[:]
-        hcm.http_filters.extend(chain)
-        _store(f, hcm)
-    return edit
+    lua = (f'function envoy_on_request(h) h:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", '
+           f'"{Key.CLUSTER}", "{cluster}") h:clearRouteCache() end')
+    stand_in = hcm_pb2.HttpFilter(name="llmgw.bench.decision_stand_in", typed_config=pack(
+        lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=lua))))
+    return _editing(lambda hcm: _replace(hcm.http_filters, [stand_in if h.name == Filter.EXT_PROC else h
+                                                             for h in hcm.http_filters]))
 
 
 def variants(boot: bootstrap_pb2.Bootstrap, cluster: str) -> list[Variant]:
@@ -198,35 +178,29 @@ def measure(conditions: list[Condition], script: Path, concurrency: int, rounds:
 
 
 def run_ablate(args: argparse.Namespace) -> int:
-    if shutil.which("wrk") is None:
-        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+    if wrk_missing():
         return 2
-    work = Path(tempfile.mkdtemp(prefix="llmgw-ablate-"))
-    up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
-    config, keys = demo_policy(Path(args.config), work / "policy")
-    without_quotas(config)
-    snap = load_snapshot(config)
+    beside = Beside.start(Path(args.config), "llmgw-ablate-")
+    work, snap = beside.work, beside.snap
     pool = snap.deployments[snap.routes[POOL_ROUTE].candidates[0].deployment_name].pool
     assert pool is not None, f"{POOL_ROUTE}'s first candidate is not a pool's"
-    upstream = start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin)
-    bare = start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)
     doc: dict[str, Any] = {"model": POOL_ROUTE, "max_tokens": 16,
                            "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]}
     if args.stream:
         doc["stream"] = True
     script = work / "req.lua"
-    script.write_text(WRK_LUA.format(body=json.dumps(doc), key=keys["acme"]))
+    script.write_text(WRK_LUA.format(body=json.dumps(doc), key=beside.keys["acme"]))
     rows: list[Row] = []
     times = work / "times-full.json"
-    full = _stack(config, work / "full", snap, args, up_port, None, times)
+    full = _stack(beside, work / "full", args, None, times)
     try:
         full.start()
         chosen = variants(render_bootstrap(snap, full.render), POOL_CLUSTER_PREFIX + pool)
         if args.only:
             chosen = [v for v in chosen if any(o in v.name for o in args.only.split(","))]
         for i, v in enumerate(chosen):
-            stack = _stack(config, work / f"gw-{i}", snap, args, up_port, v)
-            conditions = [Condition(f"http://127.0.0.1:{bare_port}/v1/chat/completions", {"envoy": [bare]}),
+            stack = _stack(beside, work / f"gw-{i}", args, v)
+            conditions = [Condition(beside.bare_url, {"envoy": [beside.bare]}),
                           Condition(f"{full.url}/v1/chat/completions", gateway_processes(full))]
             try:
                 stack.start()
@@ -238,18 +212,15 @@ def run_ablate(args: argparse.Namespace) -> int:
             print(_line(rows[-1]), flush=True)
     finally:
         full.stop()
-        upstream.stop()
-        bare.stop()
+        beside.stop()
     t: dict[str, Any] = json.loads(times.read_text()) if times.exists() else {"decisions": 0, "stage_us": {}}
     stage_us = {k: us / max(1, t["decisions"]) for k, us in t["stage_us"].items()}
     return report(_table(rows, stage_us, args), args.output)
 
 
-def _stack(config: Path, state: Path, snap: Any, args: argparse.Namespace, upstream: int, v: Variant | None,
+def _stack(beside: Beside, state: Path, args: argparse.Namespace, v: Variant | None,
            times: Path | None = None) -> Stack:
-    opts = StackOptions.on_free_ports(config, state, snap, workers=args.workers, start_engines=False,
-                                      envoy_concurrency=1)
-    opts.engine_ports = {p: (upstream,) for p in snap.gateway.pools}
+    opts = beside.gateway_options(state, args.workers)
     opts.extproc_module = "llmgw.bench.ablated_extproc"
     opts.extproc_env = {**dict(v.env if v else ()), **({"LLMGW_ABLATE_TIMES": str(times)} if times else {})}
     opts.bootstrap_edit = v.edit if v else None

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +24,12 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import json_format
 
-from extproc.config import load_snapshot
+from extproc.config import Snapshot, load_snapshot
 from extproc.names import Filter
 from llmgw.conformance import demo_evidence
 from llmgw.local.procs import Child, cpu_seconds, envoy_binary, envoy_env, free_port, http_ok, wait_until
 from llmgw.local.sandbox import sandbox_policy
+from llmgw.local.stack import StackOptions
 from llmgw.render.bootstrap import duration_ms, pack, socket_address, static_cluster
 
 COMPLETION = json.dumps({
@@ -218,6 +221,55 @@ def without_quotas(dst: Path) -> Path:
     doc["quotas"] = []
     (dst / "gateway.yaml").write_text(yaml.safe_dump(doc))
     return dst
+
+
+@dataclass
+class Beside:
+    """What a served-path benchmark measures the gateway beside: the fake engine (`upstream`), a bare
+    Envoy in front of it, and the sandbox policy (without the per-minute quotas: a benchmark's rate is
+    far above them and would measure 429s), in a work directory of its own."""
+
+    work: Path
+    config: Path
+    keys: dict[str, str]
+    snap: Snapshot
+    upstream: Child
+    bare: Child
+    up_port: int
+    bare_port: int
+
+    @classmethod
+    def start(cls, config_src: Path, prefix: str) -> Beside:
+        work = Path(tempfile.mkdtemp(prefix=prefix))
+        up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
+        config, keys = demo_policy(config_src, work / "policy")
+        without_quotas(config)
+        upstream = start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin)
+        bare = start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)
+        return cls(work, config, keys, load_snapshot(config), upstream, bare, up_port, bare_port)
+
+    @property
+    def bare_url(self) -> str:
+        return f"http://127.0.0.1:{self.bare_port}/v1/chat/completions"
+
+    def gateway_options(self, state: Path, workers: int) -> StackOptions:
+        """A gateway on free ports whose pools are the fake engine: the whole pipeline, budgets included
+        (so the store runs)."""
+        opts = StackOptions.on_free_ports(self.config, state, self.snap, workers=workers, start_engines=False,
+                                          envoy_concurrency=1)
+        opts.engine_ports = {p: (self.up_port,) for p in self.snap.gateway.pools}
+        return opts
+
+    def stop(self) -> None:
+        self.upstream.stop()
+        self.bare.stop()
+
+
+def wrk_missing() -> bool:
+    if shutil.which("wrk") is None:
+        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+        return True
+    return False
 
 
 LITELLM = "litellm[proxy]==1.108.7"  # the peer measured beside the gateway, in its own environment

@@ -13,54 +13,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from extproc.config import load_snapshot
 from llmgw.bench.kit import (
     BENCH_TOOL,
     LITELLM,
     LITELLM_KEY,
     POOL_ROUTE,
     WRK_LUA,
+    Beside,
     Result,
-    bare_bootstrap,
-    demo_policy,
     litellm_proxy,
     report,
     run_wrk,
-    start_envoy,
-    upstream_bootstrap,
-    without_quotas,
+    wrk_missing,
 )
-from llmgw.local.procs import Child, cpu_seconds, free_port, wakeups
-from llmgw.local.stack import Stack, StackOptions, gateway_processes
+from llmgw.local.procs import Child, cpu_seconds, wakeups
+from llmgw.local.stack import Stack, gateway_processes
 
 
 def run_overhead(args: argparse.Namespace) -> int:
-    if shutil.which("wrk") is None:
-        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+    if wrk_missing():
         return 2
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-    up_port, up_admin, bare_port, bare_admin = (free_port() for _ in range(4))
-    config, keys = demo_policy(Path(args.config), work / "policy")
-    without_quotas(config)
-    snap = load_snapshot(config)
-    children = [start_envoy("upstream", upstream_bootstrap(up_port, up_admin), work, up_admin),
-                start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)]
-    # The whole pipeline, budgets included (so the store runs); only the demo tenant's per-minute
-    # quota is dropped: a benchmark's rate is far above it and would measure 429s.
-    opts = StackOptions.on_free_ports(config, work / "gw", snap, workers=args.workers,
-                                      start_engines=False, envoy_concurrency=1)
-    opts.engine_ports = {p: (up_port,) for p in snap.gateway.pools}
-    stack = Stack(opts)
+    beside = Beside.start(Path(args.config), "llmgw-bench-")
+    work, keys, snap, up_port = beside.work, beside.keys, beside.snap, beside.up_port
+    children = [beside.upstream, beside.bare]
+    stack = Stack(beside.gateway_options(work / "gw", args.workers))
     rows: list[str] = []
     try:
         stack.start()
-        urls = {"bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions",
+        urls = {"bare": beside.bare_url,
                 "gateway": f"{stack.url}/v1/chat/completions"}
         procs: dict[str, dict[str, list[Child]]] = {"bare": {"envoy": [children[1]]},
                                                      "gateway": gateway_processes(stack)}

@@ -6,6 +6,7 @@ gives back. Through Envoy: tests/e2e/budgets/test_admission_e2e.py and test_prov
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -15,12 +16,15 @@ import orjson
 import pytest
 import redis
 
-from extproc.admission import derived_limit, quota_charges
+from extproc.admission import AdmissionControl, Waiter, derived_limit, quota_charges
+from extproc.config import load_snapshot
 from extproc.config.schema import PoolAdmission
+from extproc.exchange import Exchange, Identity
 from extproc.picker import EngineLoad
 from extproc.reservation import Held
+from extproc.stages.admit import Admission
 from extproc.store import PERIOD_MS, RateCharge, Store, queue_keys, quota_key, returned_ms, slots_key
-from tests.conftest import valkey_url
+from tests.conftest import POLICY, valkey_url
 from tests.unit.test_store import reservation
 
 CEILING = PoolAdmission(max_in_flight=64, waiting_per_engine=1.0, kv_usage_limit=0.9)
@@ -185,3 +189,33 @@ def test_a_hint_names_what_settlement_gives_back_and_loses_what_is_taken_out() -
     assert orjson.loads(with_slot.hint) == {"b": ["k"], "a": "llmgw:{admit:p}:slots"}
     assert orjson.loads(with_slot.with_hint(a=None).hint) == {"b": ["k"]}
     assert with_slot.micros == held.micros and held.hint == '{"b":["k"]}'  # a new value; the old one unchanged
+
+
+def test_a_slot_asked_for_a_pool_the_plan_does_not_start_at_goes_back() -> None:
+    """The reservation's write asked the route's first candidate's pool for a slot (stages/budget.py),
+    but the plan starts at a hosted candidate (the pool's did not qualify): admission gives the slot
+    back at once and takes it out of the hint, instead of holding it while the other candidate serves."""
+    snap = load_snapshot(POLICY)
+
+    async def go(store: Store, pool: str) -> tuple[int, dict[str, Any]]:
+        control = AdmissionControl(store)
+        gate = control.gate(pool, PoolAdmission(max_in_flight=4))
+        assert gate is not None
+        w = Waiter.of(snap.gateway, "read_only_chat", "acme", "r1", int(time.time() * 1000) + 60_000)
+        assert (await gate.ask(w))[0]  # the slot the reservation's write was granted
+        held = Held(100, 64, 32, 32, 1, "v1", orjson.dumps({"b": [], "a": slots_key(pool)}).decode(), False)
+        ex = Exchange(snapshot=snap, route=snap.routes["chat-fallback"], request_id="r1", held=held,
+                      identity=Identity("acme", "k1", "api_key"), early_slot=(pool, True),
+                      candidates=(snap.deployments["demo-anthropic"],))
+        ex.plan = "the plan"  # admission reads only that there is one when it starts at candidate 0
+        await Admission(control).run(ex)
+        for _ in range(50):  # given back in the background
+            if not await store.client.zcard(slots_key(pool)):
+                break
+            await asyncio.sleep(0.01)
+        assert ex.held is not None
+        return await store.client.zcard(slots_key(pool)), orjson.loads(ex.held.hint)
+
+    held_slots, hint = run(go)
+    assert held_slots == 0
+    assert "a" not in hint and "q" in hint  # the hosted candidate's quota is held instead
