@@ -269,9 +269,12 @@ class EngineServer:
 
     @web.middleware
     async def _cancellations(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A request whose client went away is logged `cancelled`, however the server learned it: its
+        handler cancelled (the connection closed while it waited), or a write failing on the closed
+        connection (it closed while the handler was about to write: seen under load)."""
         try:
             return await handler(request)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError):  # aiohttp's ClientConnectionResetError too
             rid = request.headers.get("X-Request-Id")
             for entry in reversed(self.requests) if rid else ():
                 if entry["request_id"] == rid:

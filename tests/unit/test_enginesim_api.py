@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
-from enginesim.server import DEV_MODE_ENV
+from enginesim.server import DEV_MODE_ENV, EngineServer, build_engine
 from llmgw.bench.run import reset_prefix_caches
 from llmgw.local.procs import Child, free_port, http_ok, python_module, wait_until
 from tests.helpers import chat_body, request
@@ -296,3 +300,20 @@ def test_n_completions_like_vllm(engine: str) -> None:
     content = [c["index"] for e in events for c in e["choices"] if c["delta"].get("content")]
     assert sorted(content) == [0] * 4 + [1] * 4
     assert events[-1]["usage"]["completion_tokens"] == 8 and sse_events(r.body)[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("gone", [asyncio.CancelledError(), aiohttp.ClientConnectionResetError("closing transport")])
+def test_a_client_gone_is_logged_cancelled_however_the_server_learned_it(gone: BaseException) -> None:
+    """Its handler cancelled, or a write failing on the closed connection (the client closed while the
+    handler was about to write: seen under load in a conformance run): either way the request's log
+    entry says `cancelled`, which the conformance corpus's stream-cancelled case reads."""
+    server = EngineServer(build_engine("llama-3-8b@h100", 0.02, True), MODEL)
+    server.requests.append({"request_id": "rid-1"})
+
+    async def handler(_: web.Request) -> web.StreamResponse:
+        raise gone
+
+    with pytest.raises(type(gone)):
+        asyncio.run(server._cancellations(make_mocked_request("POST", "/", headers={"X-Request-Id": "rid-1"}),
+                                          handler))
+    assert server.requests[-1].get("cancelled") is True
