@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.config.schema import GatewayConfig, PoolAdmission
+from extproc.config.schema import Deployment, GatewayConfig, PoolAdmission
 from extproc.contract import ErrorCode, GatewayError
 from extproc.picker import EngineLoad
 from extproc.store import PERIOD_MS, RateCharge, Store, StoreUnavailable, quota_key
@@ -218,6 +218,10 @@ class AdmissionControl:
         if self._loads is not None:
             gate.loads = self._loads(pool)
         return gate
+
+    def gate_of(self, gw: GatewayConfig, dep: Deployment) -> PoolGate | None:
+        """The gate of a candidate's pool, when it is a pool's and the pool has admission."""
+        return self.gate(dep.pool, gw.pools[dep.pool].admission) if dep.pool is not None else None
 
     def status(self) -> dict[str, dict[str, int]]:
         """Per pool: its bound now and the requests waiting here (GET /status)."""

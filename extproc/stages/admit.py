@@ -67,7 +67,7 @@ class Admission:
             control.gates[early[0]].give_back(ex.request_id)
         try:
             for k, dep in enumerate(ex.candidates):
-                gate = control.gate(dep.pool, gw.pools[dep.pool].admission) if dep.pool is not None else None
+                gate = control.gate_of(gw, dep)
                 if gate is not None:
                     asked = (early[1] if early is not None and k == 0 and early[0] == gate.pool
                              else (await gate.ask(waiter()))[0])

@@ -106,10 +106,8 @@ class BudgetReservation:
         assert ex.route is not None
         if self.admission is None or ex.shadow_of is not None or not ex.route.candidates:
             return None
-        pool = ex.snapshot.deployments[ex.route.candidates[0].deployment_name].pool
-        if pool is None:
-            return None
-        return self.admission.gate(pool, ex.snapshot.gateway.pools[pool].admission)
+        first = ex.snapshot.deployments[ex.route.candidates[0].deployment_name]
+        return self.admission.gate_of(ex.snapshot.gateway, first)
 
     async def _reserve(self, ex: Exchange, reservation: Reservation) -> ReserveResult:
         """The reservation, and with it (one write) the first pool's slot. A slot the request will not

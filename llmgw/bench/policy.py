@@ -48,6 +48,7 @@ from llmgw.bench.kit import (
     run_wrk,
     start_envoy,
     upstream_bootstrap,
+    wrk_missing,
 )
 from llmgw.conformance.record import stamp
 from llmgw.local.procs import cpu_seconds, free_port
@@ -160,7 +161,7 @@ def compare(variants: dict[str, Variant], body: str, key: str, args: argparse.Na
 
 
 def run_policy_bench(args: argparse.Namespace) -> int:
-    if _wrk_missing():
+    if wrk_missing():
         return 2
     config = Path(args.config).resolve()
     micro = _micro(config)
@@ -207,17 +208,10 @@ def _micro_note(micro: dict[str, Any]) -> str:
             f"p99 {micro['redact_32k_p99_ms']:.2f} ms.\n")
 
 
-def _wrk_missing() -> bool:
-    if shutil.which("wrk") is None:
-        print("error: wrk not found; install it (Debian: apt-get install wrk)")
-        return True
-    return False
-
-
 def run_budget_bench(args: argparse.Namespace) -> int:
     """Reservation (one Lua script before dispatch) + settlement (the meter filter, off the response
     path) over the same gateway without budgets."""
-    if _wrk_missing():
+    if wrk_missing():
         return 2
     config = Path(args.config).resolve()
     scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-budget-"))
@@ -265,7 +259,7 @@ def _with_second_candidate(dst: Path) -> Path:
 def run_fallback_bench(args: argparse.Namespace) -> int:
     """What being ready to fall back costs a healthy request: a route of two candidates (the composite
     cluster and the attempt filter on every request) against the same route with one."""
-    if _wrk_missing():
+    if wrk_missing():
         return 2
     config = Path(args.config).resolve()
     scratch = Path(tempfile.mkdtemp(prefix="llmgw-bench-fallback-"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ from llmgw.bench.kit import (
     start_envoy,
     upstream_bootstrap,
     without_quotas,
+    wrk_missing,
 )
 from llmgw.local.procs import free_port
 from llmgw.local.stack import Stack, StackOptions, gateway_processes
@@ -38,8 +38,7 @@ MODES = {"telemetry on": True, "telemetry off": False}
 
 
 def run_telemetry_bench(args: argparse.Namespace) -> int:
-    if shutil.which("wrk") is None:
-        print("error: wrk not found; install it (Debian: apt-get install wrk)")
+    if wrk_missing():
         return 2
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-telemetry-"))
     up_port, up_admin = free_port(), free_port()
