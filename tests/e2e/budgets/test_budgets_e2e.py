@@ -261,11 +261,16 @@ def test_sigkill_extproc_mid_stream_loses_nothing(tmp_path: Path) -> None:
     runs on, and its end (here Envoy cutting a stall at max_stream_ms) settles from the access log at
     the restarted worker, charged for what was generated. (A stream whose settlement is lost
     altogether is charged in full when its lease expires: test_hardening_e2e.)"""
-    s = start_stack(tmp_path / "state", make_policy(tmp_path, deadline_ms=1500, max_stream_ms=1500))
+    # The stream must outlast the worker's restart: an access-log entry Envoy sends while no worker
+    # listens is lost (the lease then charges in full, test_hardening_e2e), and a restart on a loaded
+    # 2-core CI machine took longer than 1.5 s once.
+    max_stream_ms = 8000
+    s = start_stack(tmp_path / "state", make_policy(tmp_path, deadline_ms=1500, max_stream_ms=max_stream_ms))
     try:
         host, port = s.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         marker = inject_fault(s.engine_urls(), "stall_after=2")
+        sent_at = time.monotonic()
         conn.request("POST", "/v1/chat/completions", json.dumps(chat_body(content=marker, max_tokens=50, stream=True)),
                      {"authorization": f"Bearer {KEYS['steady']}", "content-type": "application/json"})
         resp = conn.getresponse()
@@ -277,8 +282,13 @@ def test_sigkill_extproc_mid_stream_loses_nothing(tmp_path: Path) -> None:
         (ext,) = s.extprocs
         ext.signal(signal.SIGKILL)
         ext.proc.wait(5)
-        restarted = Child(ext.name, ext.argv, ext.log_path, env=ext.env).start()  # as a supervisor would
+        restarted = Child(ext.name, ext.argv, ext.log_path, env=ext.env, probe=ext.probe).start()  # a supervisor
         s.extprocs[0] = restarted
+        assert ext.probe is not None
+        wait_until(ext.probe, 30, "the restarted worker", restarted)
+        restart_s = time.monotonic() - sent_at
+        # Otherwise this test proves nothing about the stream outliving its worker: say so, not flake.
+        assert restart_s < max_stream_ms / 1000 - 1, f"the worker took {restart_s:.1f} s to come back"
         deadline = time.monotonic() + 15
         mine: list[dict[str, Any]] = []
         while time.monotonic() < deadline and not mine:
