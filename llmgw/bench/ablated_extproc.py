@@ -4,6 +4,8 @@ stack runs `python -m llmgw.bench.ablated_extproc` with the worker's own argumen
 LLMGW_ABLATE_STAGES: stage names (`extproc/stages`' `name`s), comma-separated, that are not built.
 LLMGW_ABLATE_FIXED_REPLY: when set, the first decision is made in full and its reply, less the key
 that sends it to settlement, answers every later request: what the ext_proc round trip costs alone.
+LLMGW_ABLATE_SCRAPE_S: the engine picker's scrape interval while traffic runs (its idle pace, 1 s,
+prices the scraping's share of a slow stream's cost).
 LLMGW_ABLATE_TIMES: a file the worker writes at exit, each stage's summed wall time in the decision
 (microseconds, awaits included) and the number of decisions: every stage's in-place cost.
 
@@ -17,10 +19,11 @@ import os
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc import server
+from extproc import picker, server
 from extproc.exchange import Exchange
 from extproc.names import METADATA_NAMESPACE, Key
 from extproc.pipeline import build_stages, run_stages
@@ -73,6 +76,14 @@ def _write_times() -> None:
 
 if os.environ.get("LLMGW_ABLATE_FIXED_REPLY"):
     server.Processor.decide = _fixed_reply  # type: ignore[method-assign]
+if os.environ.get("LLMGW_ABLATE_SCRAPE_S"):
+    _SCRAPE_S = float(os.environ["LLMGW_ABLATE_SCRAPE_S"])
+
+    class _SlowerPicker(picker.Picker):
+        def __init__(self, pools: Any, **kw: Any) -> None:
+            super().__init__(pools, **{**kw, "interval": _SCRAPE_S})
+
+    server.Picker = _SlowerPicker  # type: ignore[misc,assignment]
 server.build_stages = _built
 server.run_stages = _timed
 atexit.register(_write_times)

@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import load_snapshot
+from extproc.names import POOL_CLUSTER_PREFIX
+from llmgw.bench.ablate import Variant, variants
 from llmgw.bench.kit import METRICS, POOL_ROUTE, bare_bootstrap, demo_policy, report, start_envoy, without_quotas
 from llmgw.local.procs import Child, cpu_seconds, free_port, http_ok, wait_until
 from llmgw.local.stack import Stack, StackOptions, gateway_processes
+from llmgw.render.bootstrap import render_bootstrap
 
 
 def serve_upstream(port: int, tokens: int, gap_ms: float) -> None:
@@ -120,53 +123,163 @@ def _pct(xs: list[float], q: int) -> float:
 
 
 def run_stream_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "ablate", False):
+        return report(ablate_token_streams(args), args.output)
     return report(measure_token_streams(args), args.output)
+
+
+@dataclass
+class Streamed:
+    """One proxy the streams go to, and its processes whose CPU is read around each round."""
+
+    url: str
+    procs: dict[str, list[Child]]
+    run: StreamRun = field(default_factory=StreamRun)
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    def round(self, body: bytes, headers: dict[str, str], streams: int, concurrency: int) -> None:
+        before = cpu_seconds(self.procs)
+        got = asyncio.run(_streams(self.url, body, headers, streams, concurrency))
+        for proc, sec in cpu_seconds(self.procs).items():
+            self.cpu[proc] = self.cpu.get(proc, 0.0) + sec - before.get(proc, 0.0)
+        self.run.ttft_ms += got.ttft_ms
+        self.run.tpot_ms += got.tpot_ms
+        self.run.tokens += got.tokens
+        self.run.failed += got.failed
+
+    def per_token_us(self) -> dict[str, float]:
+        return {proc: sec / max(1, self.run.tokens) * 1e6 for proc, sec in self.cpu.items()}
+
+
+def _rounds(proxies: list[Streamed], body: bytes, headers: dict[str, str], args: argparse.Namespace) -> None:
+    """A warm-up for each, then rounds in which each proxy gets its share of the streams in turn (the
+    order rotated each round, so none always follows another)."""
+    for p in proxies:
+        asyncio.run(_streams(p.url, body, headers, args.concurrency, args.concurrency))
+    for i in range(args.rounds):
+        for p in proxies[i % len(proxies):] + proxies[:i % len(proxies)]:
+            p.round(body, headers, args.streams // args.rounds, args.concurrency)
+
+
+@dataclass
+class _Setup:
+    """The fixed-gap upstream, a bare Envoy in front of it, and what a gateway on it is started from."""
+
+    work: Path
+    config: Path
+    snap: Any
+    keys: dict[str, str]
+    upstream: Child
+    up_port: int
+    bare: Child
+    bare_url: str
+
+    @classmethod
+    def start(cls, args: argparse.Namespace) -> _Setup:
+        work = Path(tempfile.mkdtemp(prefix="llmgw-bench-stream-"))
+        up_port, bare_port, bare_admin = free_port(), free_port(), free_port()
+        config, keys = demo_policy(Path(args.config), work / "policy")
+        without_quotas(config)
+        upstream = Child("upstream", [sys.executable, "-m", "llmgw.bench.stream", "--serve", str(up_port),
+                                      "--tokens", str(args.tokens), "--gap-ms", str(args.gap_ms)],
+                         work / "upstream.log").start()
+        try:
+            wait_until(lambda: http_ok(f"http://127.0.0.1:{up_port}/health"), 30, "upstream", upstream)
+            bare = start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)
+        except BaseException:
+            upstream.stop()
+            raise
+        return cls(work, config, load_snapshot(config), keys, upstream, up_port, bare,
+                   f"http://127.0.0.1:{bare_port}/v1/chat/completions")
+
+    def gateway(self, name: str, args: argparse.Namespace, variant: Variant | None = None) -> Stack:
+        opts = StackOptions.on_free_ports(self.config, self.work / name, self.snap, workers=args.workers,
+                                          start_engines=False, envoy_concurrency=1)
+        opts.engine_ports = {p: (self.up_port,) for p in self.snap.gateway.pools}
+        if variant is not None:
+            opts.extproc_module = "llmgw.bench.ablated_extproc"
+            opts.extproc_env = dict(variant.env)
+            opts.bootstrap_edit = variant.edit
+        return Stack(opts)
+
+    def request(self, args: argparse.Namespace) -> tuple[bytes, dict[str, str]]:
+        body = json.dumps({"model": POOL_ROUTE, "max_tokens": args.tokens, "stream": True,
+                           "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]})
+        return body.encode(), {"content-type": "application/json", "authorization": f"Bearer {self.keys['acme']}"}
+
+    def stop(self) -> None:
+        self.bare.stop()
+        self.upstream.stop()
 
 
 def measure_token_streams(args: argparse.Namespace) -> str:
     """Both proxies in alternating rounds: the markdown table of the figures."""
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-stream-"))
-    up_port, bare_port, bare_admin = free_port(), free_port(), free_port()
-    config, keys = demo_policy(Path(args.config), work / "policy")
-    without_quotas(config)
-    snap = load_snapshot(config)
-    upstream = Child("upstream", [sys.executable, "-m", "llmgw.bench.stream", "--serve", str(up_port),
-                                  "--tokens", str(args.tokens), "--gap-ms", str(args.gap_ms)],
-                     work / "upstream.log").start()
-    wait_until(lambda: http_ok(f"http://127.0.0.1:{up_port}/health"), 30, "upstream", upstream)
-    bare = start_envoy("bare", bare_bootstrap(bare_port, bare_admin, up_port), work, bare_admin)
-    opts = StackOptions.on_free_ports(config, work / "gw", snap, workers=args.workers,
-                                      start_engines=False, envoy_concurrency=1)
-    opts.engine_ports = {p: (up_port,) for p in snap.gateway.pools}
-    stack = Stack(opts)
-    body = json.dumps({"model": POOL_ROUTE, "max_tokens": args.tokens, "stream": True,
-                       "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]}).encode()
-    headers = {"content-type": "application/json", "authorization": f"Bearer {keys['acme']}"}
-    runs: dict[str, StreamRun] = {"bare": StreamRun(), "gateway": StreamRun()}
-    cpu: dict[str, dict[str, float]] = {"bare": {}, "gateway": {}}
+    setup = _Setup.start(args)
+    stack = setup.gateway("gw", args)
+    body, headers = setup.request(args)
     try:
         stack.start()
-        urls = {"bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions",
-                "gateway": f"{stack.url}/v1/chat/completions"}
-        procs = {"bare": {"envoy": [bare]}, "gateway": gateway_processes(stack)}
-        for name in urls:  # warm-up
-            asyncio.run(_streams(urls[name], body, headers, args.concurrency, args.concurrency))
-        for _ in range(args.rounds):
-            for name, url in urls.items():
-                before = cpu_seconds(procs[name])
-                got = asyncio.run(_streams(url, body, headers, args.streams // args.rounds, args.concurrency))
-                for proc, sec in cpu_seconds(procs[name]).items():
-                    cpu[name][proc] = cpu[name].get(proc, 0.0) + sec - before.get(proc, 0.0)
-                run = runs[name]
-                run.ttft_ms += got.ttft_ms
-                run.tpot_ms += got.tpot_ms
-                run.tokens += got.tokens
-                run.failed += got.failed
+        bare = Streamed(setup.bare_url, {"envoy": [setup.bare]})
+        gw = Streamed(f"{stack.url}/v1/chat/completions", gateway_processes(stack))
+        _rounds([bare, gw], body, headers, args)
     finally:
         stack.stop()
-        bare.stop()
-        upstream.stop()
-    return _table(runs, cpu, args)
+        setup.stop()
+    return _table({"bare": bare.run, "gateway": gw.run}, {"bare": bare.cpu, "gateway": gw.cpu}, args)
+
+
+def ablate_token_streams(args: argparse.Namespace) -> str:
+    """Per streamed token, what each piece costs: for each variant of `llmgw bench ablate` (a filter, an
+    access log or a decision stage taken out; the engine picker's scraping slowed to its idle pace),
+    rounds of bare Envoy, the full gateway and the variant, and the full gateway's CPU per token less
+    the variant's."""
+    setup = _Setup.start(args)
+    full = setup.gateway("full", args)
+    body, headers = setup.request(args)
+    lines = ["| without | CPU us/token (Envoy / ext_proc / store) | /bare | the piece's us/token "
+             "(Envoy / ext_proc / store) | the piece's us/token | full gateway /bare, same rounds | failed |",
+             "|---|---|---|---|---|---|---|"]
+    try:
+        full.start()
+        pool = setup.snap.deployments[setup.snap.routes[POOL_ROUTE].candidates[0].deployment_name].pool
+        chosen = variants(render_bootstrap(setup.snap, full.render), POOL_CLUSTER_PREFIX + str(pool))
+        chosen.append(Variant("the picker scraping at its idle pace (1 s)", "stage",
+                              env=(("LLMGW_ABLATE_SCRAPE_S", "1.0"),)))
+        if args.only:
+            chosen = [v for v in chosen if any(o in v.name for o in args.only.split(","))]
+        for i, v in enumerate(chosen):
+            stack = setup.gateway(f"gw-{i}", args, v)
+            try:
+                stack.start()
+                proxies = [Streamed(setup.bare_url, {"envoy": [setup.bare]}),
+                           Streamed(f"{full.url}/v1/chat/completions", gateway_processes(full)),
+                           Streamed(f"{stack.url}/v1/chat/completions", gateway_processes(stack))]
+                _rounds(proxies, body, headers, args)
+            finally:
+                stack.stop()
+            b, f, a = (p.per_token_us() for p in proxies)
+            if proxies[2].run.failed:  # streams fail without it: its cost is not measured by its absence
+                lines.append(f"| {v.name} | needed: without it, {proxies[2].run.failed} streams failed | | | | "
+                             f"| {sum(f.values()) / sum(b.values()):.2f}x | {proxies[2].run.failed} |")
+                print(lines[-1], flush=True)
+                continue
+            piece = {k: f.get(k, 0.0) - a.get(k, 0.0) for k in ("envoy", "ext_proc", "store")}
+            lines.append(f"| {v.name} | {_split(a)} | {sum(a.values()) / sum(b.values()):.2f}x | {_split(piece)} "
+                         f"| {sum(piece.values()):+.1f} | {sum(f.values()) / sum(b.values()):.2f}x "
+                         f"| {proxies[2].run.failed} |")
+            print(lines[-1], flush=True)
+    finally:
+        full.stop()
+        setup.stop()
+    lines.append(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; per variant {args.rounds} rounds in "
+                 f"which bare Envoy, the full gateway and the variant each get {args.streams // args.rounds} "
+                 f"streams of {args.tokens} tokens ({args.gap_ms} ms apart, {args.concurrency} at a time), the "
+                 "order rotated; CPU from /proc over all rounds.")
+    return "\n".join(lines) + "\n"
+
+
+def _split(us: dict[str, float]) -> str:
+    return " / ".join(f"{us.get(k, 0.0):.1f}" for k in ("envoy", "ext_proc", "store"))
 
 
 def _table(runs: dict[str, StreamRun], cpu: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
@@ -210,6 +323,9 @@ def register(bsub: Any) -> None:
     b.add_argument("--concurrency", type=int, default=8)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--workers", type=int, default=1, help="ext_proc worker processes")
+    b.add_argument("--ablate", action="store_true",
+                   help="price each piece per token: every variant of `bench ablate` in turn beside the full gateway")
+    b.add_argument("--only", help="with --ablate: only the variants whose names hold one of these substrings")
     b.add_argument("--output")
     b.set_defaults(func=run_stream_bench)
 
