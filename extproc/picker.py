@@ -197,7 +197,9 @@ class Picker:
                 await asyncio.shield(self._refresh)
 
     async def _scrape_all(self, publish: bool = True) -> None:
-        endpoints = [ep for eps in self.pools.values() for ep in eps]
+        # An engine in two pools (one engine serving two routes' pools) is scraped once a round: its
+        # page is the same, and its reading is kept by endpoint.
+        endpoints = dict.fromkeys(ep for eps in self.pools.values() for ep in eps)
         await asyncio.gather(*(self._scrape(ep) for ep in endpoints))
         if self._shared is not None and publish:
             doc = {ep: asdict(ld) for ep, ld in self.loads.items()}

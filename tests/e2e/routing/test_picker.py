@@ -216,6 +216,21 @@ def test_idle_scraping_slows_down_and_a_pick_wakes_it() -> None:
     asyncio.run(scenario())
 
 
+def test_an_engine_in_two_pools_is_scraped_once_a_round() -> None:
+    async def scenario() -> None:
+        engines = MetricsServer(2)
+        await engines.start()
+        shared, own = engines.endpoints
+        p = Picker({"a": [shared, own], "b": [shared]}, interval=60, idle_interval=60)
+        await p.start()
+        await asyncio.sleep(0.3)  # the first round, at start
+        assert engines.hits == {shared: 1, own: 1}, engines.hits
+        assert p.pick("b", "s", MSGS) == [shared]  # its reading serves both pools
+        await p.stop()
+        await engines.stop()
+    asyncio.run(scenario())
+
+
 def test_workers_on_one_host_share_one_scraper(tmp_path: Path) -> None:
     async def scenario() -> None:
         engines = MetricsServer(4)
