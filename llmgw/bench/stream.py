@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.config import load_snapshot
+from extproc.config import Snapshot, load_snapshot
 from extproc.names import POOL_CLUSTER_PREFIX
 from llmgw.bench.ablate import Variant, variants
 from llmgw.bench.kit import METRICS, POOL_ROUTE, bare_bootstrap, demo_policy, report, start_envoy, without_quotas
@@ -167,7 +167,7 @@ class _Setup:
 
     work: Path
     config: Path
-    snap: Any
+    snap: Snapshot
     keys: dict[str, str]
     upstream: Child
     up_port: int
@@ -242,7 +242,8 @@ def ablate_token_streams(args: argparse.Namespace) -> str:
     try:
         full.start()
         pool = setup.snap.deployments[setup.snap.routes[POOL_ROUTE].candidates[0].deployment_name].pool
-        chosen = variants(render_bootstrap(setup.snap, full.render), POOL_CLUSTER_PREFIX + str(pool))
+        assert pool is not None, f"{POOL_ROUTE}'s first candidate is not a pool's"
+        chosen = variants(render_bootstrap(setup.snap, full.render), POOL_CLUSTER_PREFIX + pool)
         chosen.append(Variant("the picker scraping at its idle pace (1 s)", "stage",
                               env=(("LLMGW_ABLATE_SCRAPE_S", "1.0"),)))
         if args.only:
