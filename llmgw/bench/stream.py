@@ -258,16 +258,8 @@ def ablate_token_streams(args: argparse.Namespace) -> str:
                 _rounds(proxies, body, headers, args)
             finally:
                 stack.stop()
-            b, f, a = (p.per_token_us() for p in proxies)
-            if proxies[2].run.failed:  # streams fail without it: its cost is not measured by its absence
-                lines.append(f"| {v.name} | needed: without it, {proxies[2].run.failed} streams failed | | | | "
-                             f"| {sum(f.values()) / sum(b.values()):.2f}x | {proxies[2].run.failed} |")
-                print(lines[-1], flush=True)
-                continue
-            piece = {k: f.get(k, 0.0) - a.get(k, 0.0) for k in ("envoy", "ext_proc", "store")}
-            lines.append(f"| {v.name} | {_split(a)} | {sum(a.values()) / sum(b.values()):.2f}x | {_split(piece)} "
-                         f"| {sum(piece.values()):+.1f} | {sum(f.values()) / sum(b.values()):.2f}x "
-                         f"| {proxies[2].run.failed} |")
+            bare, whole, ablated = (p.per_token_us() for p in proxies)
+            lines.append(ablation_row(v.name, bare, whole, ablated, proxies[2].run.failed))
             print(lines[-1], flush=True)
     finally:
         full.stop()
@@ -277,6 +269,19 @@ def ablate_token_streams(args: argparse.Namespace) -> str:
                  f"streams of {args.tokens} tokens ({args.gap_ms} ms apart, {args.concurrency} at a time), the "
                  "order rotated; CPU from /proc over all rounds.")
     return "\n".join(lines) + "\n"
+
+
+def ablation_row(name: str, bare: dict[str, float], full: dict[str, float], ablated: dict[str, float],
+                 failed: int) -> str:
+    """A variant's row: its CPU per token by process and against bare, and the piece's (the full
+    gateway's less the variant's, from the same rounds); a variant whose streams failed names the
+    piece as needed, its cost not measured by its absence."""
+    ratio = f"{sum(full.values()) / sum(bare.values()):.2f}x"
+    if failed:
+        return f"| {name} | needed: without it, {failed} streams failed | | | | | {ratio} | {failed} |"
+    piece = {k: full.get(k, 0.0) - ablated.get(k, 0.0) for k in ("envoy", "ext_proc", "store")}
+    return (f"| {name} | {_split(ablated)} | {sum(ablated.values()) / sum(bare.values()):.2f}x | {_split(piece)} "
+            f"| {sum(piece.values()):+.1f} | {ratio} | 0 |")
 
 
 def _split(us: dict[str, float]) -> str:

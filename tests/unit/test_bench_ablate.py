@@ -1,5 +1,5 @@
 """`llmgw bench ablate`'s variants: each takes exactly its piece out of the rendered configuration, and
-Envoy accepts every one of them."""
+Envoy accepts every one of them; `llmgw bench stream --ablate`'s rows price a piece per token."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from envoy.config.bootstrap.v3 import bootstrap_pb2
 from extproc.config import load_snapshot
 from extproc.names import Filter
 from llmgw.bench.ablate import OPTIONAL_STAGES, _hcm, variants
+from llmgw.bench.stream import ablation_row
 from llmgw.local.procs import envoy_binary, envoy_env
 from llmgw.render.bootstrap import RenderOptions, render_bootstrap
 from tests.conftest import POLICY
@@ -65,3 +66,18 @@ def test_envoy_accepts_the_decision_stand_in(tmp_path: Path) -> None:
     out = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)], env=envoy_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_stream_ablation_row_prices_the_piece_as_the_full_gateway_less_the_variant() -> None:
+    bare = {"envoy": 80.0}
+    full = {"envoy": 140.0, "ext_proc": 40.0, "store": 4.0}
+    ablated = {"envoy": 100.0, "ext_proc": 15.0, "store": 4.0}
+    cells = [c.strip() for c in ablation_row("- the piece", bare, full, ablated, 0).strip("|").split("|")]
+    assert cells == ["- the piece", "100.0 / 15.0 / 4.0", "1.49x", "40.0 / 25.0 / 0.0", "+65.0", "2.30x", "0"]
+
+
+def test_a_stream_ablation_row_whose_streams_failed_names_the_piece_needed() -> None:
+    # Over zero tokens the variant's figures are meaningless (the run that printed 60,000 us per token):
+    # the row says the piece is needed and prices nothing.
+    row = ablation_row("- buffer", {"envoy": 80.0}, {"envoy": 160.0}, {"envoy": 60000.0}, 32)
+    assert "needed: without it, 32 streams failed" in row and "60000" not in row and "2.00x" in row
