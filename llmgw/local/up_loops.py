@@ -15,9 +15,7 @@ next reload (within a second). The loops read the policy as it is at each run.
 
 from __future__ import annotations
 
-import io
 import time
-from contextlib import redirect_stdout
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -67,14 +65,16 @@ def reevaluate_once(stack: Stack, config: Path) -> str:
 
 def canary_watch(stack: Stack, config: Path) -> str:
     client = store_client(str(stack.store_url))
-    said = io.StringIO()
+    said: list[str] = []
     try:
-        with redirect_stdout(said):  # watch_once says what it saw per route; the loop's state keeps it
-            rolled = canary.watch_once(client, config, stack.status_urls,
-                                       token=stack.admin_token_file.read_text().strip())
+        # What it saw per route goes to the loop's state. (Not by redirecting stdout: that is the
+        # process's, and `llmgw up`'s own lines printed meanwhile - its banner, with the demo keys -
+        # went into this loop's state instead of the terminal.)
+        rolled = canary.watch_once(client, config, stack.status_urls,
+                                   token=stack.admin_token_file.read_text().strip(), say=said.append)
     finally:
         client.close()
-    return "; ".join(said.getvalue().splitlines() + [f"rolled back: {r}" for r in rolled]) or "no canary"
+    return "; ".join(said + [f"rolled back: {r}" for r in rolled]) or "no canary"
 
 
 def start(stack: Stack, config: Path) -> Loops:

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,8 +79,10 @@ def without_canary(directory: Path, route: str, work: Path) -> Path:
 
 
 def watch_once(client: Any, directory: Path, status_urls: list[str], now: float | None = None,
-               token: str = "") -> list[str]:
-    """Check every canary once; roll back the ones that regressed. Returns what was rolled back, why."""
+               token: str = "", say: Callable[[str], None] = print) -> list[str]:
+    """Check every canary once; roll back the ones that regressed. Returns what was rolled back, why.
+    `say` gets a line per route (what it saw, the verdict): the command prints them; `llmgw up`'s
+    loop keeps them in its state."""
     snap = load_snapshot(directory)
     now = now or time.time()
     entries = ledger_entries(client, sorted(snap.gateway.tenants))
@@ -93,9 +95,9 @@ def watch_once(client: Any, directory: Path, status_urls: list[str], now: float 
         c, s = side([e for e in recent if e.get("canary") == "canary"]), side([e for e in recent
                                                                              if e.get("canary") == "stable"])
         why = verdict(c, s, cfg)
-        print(f"route {name}: canary {cfg.deployment} {c.requests} requests, {c.error_rate:.1%} errors, TTFT p95 "
-              f"{c.ttft_p95_ms or 0:.0f} ms; stable {s.requests}, {s.error_rate:.1%}, {s.ttft_p95_ms or 0:.0f} ms"
-              f" -> {'ROLL BACK: ' + why if why else 'holds'}")
+        say(f"route {name}: canary {cfg.deployment} {c.requests} requests, {c.error_rate:.1%} errors, TTFT p95 "
+            f"{c.ttft_p95_ms or 0:.0f} ms; stable {s.requests}, {s.error_rate:.1%}, {s.ttft_p95_ms or 0:.0f} ms"
+            f" -> {'ROLL BACK: ' + why if why else 'holds'}")
         if why is None:
             continue
         with tempfile.TemporaryDirectory(prefix="llmgw-canary-") as tmp:
