@@ -13,7 +13,9 @@ that order from the `envoy.lb` metadata and falls back to least-request when the
 Workers on one host share one scraper (`shared_dir`): the worker holding the directory's lock scrapes
 and publishes the readings in a file the others read on the same schedule; a worker that picks marks
 the directory active, so the scraper keeps the fast pace while any worker has traffic. When the
-scraper's worker dies its lock is released and another worker takes over within one interval.
+scraper's worker dies its lock is released and another worker takes over within one interval. A
+worker that reads the file marks the directory too, and the scraper writes the file only while some
+worker has marked it lately: the only worker on its host (a sidecar's) writes nothing nobody reads.
 
 Prefix affinity is keyed by tenant: block hashes of the prompt chain from the tenant's cache salt, so
 one tenant's traffic never steers towards blocks another tenant cached (invariant 10).
@@ -46,6 +48,7 @@ AFFINITY_ENTRIES = 100_000
 IDLE_TICK_S = 0.25  # how often an idle picker checks whether the host has traffic again
 FIRST_PICK_WAIT_S = 0.05  # the longest a pick waits for fresh readings after a quiet spell
 PENDING_TAU_S = 0.025  # a pick not yet in metrics counts exp(-age / tau): likely still in flight
+MARK_EVERY_S = 0.5  # the most often a worker touches a mark in the shared directory, or a scraper reads one
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ class Picker:
         self._last_pick = 0.0
         self._read_at = 0.0  # when this worker last read the shared scraper's readings
         self._marked_active = 0.0  # when this worker last told the shared scraper it has traffic
+        self._marked_reading = 0.0  # when this worker last told the shared scraper it reads its file
+        self._readers_seen = (-math.inf, False)  # when the scraper last looked for readers, and its answer
         self._woken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._refresh: asyncio.Future[None] | None = None  # a round started for a pick (ensure_fresh)
@@ -201,7 +206,7 @@ class Picker:
         # page is the same, and its reading is kept by endpoint.
         endpoints = dict.fromkeys(ep for eps in self.pools.values() for ep in eps)
         await asyncio.gather(*(self._scrape(ep) for ep in endpoints))
-        if self._shared is not None and publish:
+        if self._shared is not None and publish and self._has_readers():
             doc = {ep: asdict(ld) for ep, ld in self.loads.items()}
             tmp = self._shared / f"loads.{os.getpid()}.tmp"
             tmp.write_bytes(orjson.dumps(doc))
@@ -218,15 +223,40 @@ class Picker:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("scrape %s failed: %s", endpoint, e)
 
+    def _has_readers(self) -> bool:
+        """Whether a worker has read the shared readings lately (its mark within two idle rounds):
+        writing the file costs a write and a rename each round (221 us of CPU here, 16% of a worker's
+        profile under slow streams), wasted where nobody reads it. Looked at twice a second at most."""
+        assert self._shared is not None
+        now = time.monotonic()
+        looked, seen = self._readers_seen
+        if now - looked >= MARK_EVERY_S:
+            try:
+                age = time.time() - (self._shared / "readers").stat().st_mtime
+                seen = age < 2 * self.idle_interval + MARK_EVERY_S
+            except OSError:
+                seen = False
+            self._readers_seen = (now, seen)
+        return seen
+
     def _read_shared(self) -> None:
-        """The shared scraper's readings (monotonic times are host-wide on Linux)."""
+        """The shared scraper's readings (monotonic times are host-wide on Linux). Each engine keeps
+        the newer of its reading here and the file's: a worker that scraped for itself (a new reader,
+        before the scraper has seen its mark and written the file) keeps what it scraped."""
         assert self._shared is not None
         self._read_at = time.monotonic()
+        if self._read_at - self._marked_reading > MARK_EVERY_S:
+            self._marked_reading = self._read_at
+            with contextlib.suppress(OSError):
+                (self._shared / "readers").touch()
         try:
             doc = orjson.loads((self._shared / "loads.json").read_bytes())
         except (OSError, orjson.JSONDecodeError):
-            return  # no scraper yet: readings stay as they are and go stale
-        self.loads = {ep: EngineLoad(**ld) for ep, ld in doc.items()}
+            return  # no file yet: readings stay as they are and go stale
+        for ep, ld in doc.items():
+            mine = self.loads.get(ep)
+            if mine is None or ld["at"] > mine.at:
+                self.loads[ep] = EngineLoad(**ld)
 
     def _note_pick(self, now: float) -> None:
         """A pick after a quiet spell wakes the scraping at once; a shared scraper learns of traffic
@@ -234,7 +264,7 @@ class Picker:
         if now - self._last_pick >= self.active_for:
             self._woken.set()
         self._last_pick = now
-        if self._shared is not None and now - self._marked_active > 0.5:
+        if self._shared is not None and now - self._marked_active > MARK_EVERY_S:
             self._marked_active = now
             with contextlib.suppress(OSError):
                 (self._shared / "active").touch()

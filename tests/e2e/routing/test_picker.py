@@ -216,6 +216,43 @@ def test_idle_scraping_slows_down_and_a_pick_wakes_it() -> None:
     asyncio.run(scenario())
 
 
+def test_a_scraper_writes_the_shared_file_only_while_a_worker_reads_it(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engines = MetricsServer(1)
+        await engines.start()
+        pools, shared = {"pool": engines.endpoints}, tmp_path / "picker"
+        alone = Picker(pools, interval=0.05, idle_interval=0.05, shared_dir=shared)
+        await alone.start()
+        await asyncio.sleep(0.4)
+        assert alone.scrapes >= 4 and not (shared / "loads.json").exists()  # the only worker: no file
+        reader = Picker(pools, interval=0.05, idle_interval=0.05, shared_dir=shared)  # the lock is taken
+        await reader.start()
+        await asyncio.sleep(0.8)  # its mark is seen within half a second, the file written the round after
+        assert (shared / "loads.json").exists()
+        assert reader.scrapes == 0 and reader.pick("pool", "s", MSGS) == engines.endpoints
+        await reader.stop()
+        await alone.stop()
+        await engines.stop()
+    asyncio.run(scenario())
+
+
+def test_a_reader_keeps_its_own_newer_reading_over_the_files(tmp_path: Path) -> None:
+    shared = tmp_path / "picker"
+    shared.mkdir()
+    (shared / "loads.json").write_text(json.dumps(
+        {"e:1": {"waiting": 9.0, "running": 9.0, "kv_usage": 0.9, "at": time.monotonic() - 1.0}}))
+    reader = Picker({"pool": ["e:1"]}, shared_dir=shared)
+    mine = EngineLoad(0.0, 1.0, 0.1, at=time.monotonic())  # scraped for itself, before the file was rewritten
+    reader.loads = {"e:1": mine}
+    reader._read_shared()
+    assert reader.loads == {"e:1": mine}
+    (shared / "loads.json").write_text(json.dumps(
+        {"e:1": {"waiting": 2.0, "running": 2.0, "kv_usage": 0.2, "at": time.monotonic()}}))
+    reader._read_shared()
+    assert reader.loads["e:1"].waiting == 2.0  # the file's newer reading replaces it
+    assert (shared / "readers").exists()  # and the scraper learns it has a reader
+
+
 def test_an_engine_in_two_pools_is_scraped_once_a_round() -> None:
     async def scenario() -> None:
         engines = MetricsServer(2)
