@@ -225,8 +225,9 @@ class Picker:
 
     def _has_readers(self) -> bool:
         """Whether a worker has read the shared readings lately (its mark within two idle rounds):
-        writing the file costs a write and a rename each round (221 us of CPU here, 16% of a worker's
-        profile under slow streams), wasted where nobody reads it. Looked at twice a second at most."""
+        writing the file costs a write and a rename each round (about 0.2 ms of CPU, 16% of a worker's
+        profile under slow streams: docs/BENCHMARKS.md), wasted where nobody reads it. Looked at twice
+        a second at most."""
         assert self._shared is not None
         now = time.monotonic()
         looked, seen = self._readers_seen
