@@ -38,10 +38,13 @@ def _access_log(stack: Stack, request_ids: set[str]) -> dict[str, dict]:  # type
 
 def _picker_sees(stack: Stack, busy: str, idle: str, deadline: float) -> bool:
     """Whether the workers' shared readings (monotonic times, host-wide) show both engines within the
-    last second and `busy` running the load."""
+    last second and `busy` running the load. The test reads them as another worker would, so it marks
+    itself a reader: the scraper writes the file only while someone reads it (extproc/picker.py)."""
+    shared = stack.opts.state_dir / "picker"
     while time.monotonic() < deadline:
+        (shared / "readers").touch()
         try:
-            loads = json.loads((stack.opts.state_dir / "picker" / "loads.json").read_bytes())
+            loads = json.loads((shared / "loads.json").read_bytes())
         except (OSError, ValueError):
             loads = {}
         now = time.monotonic()
