@@ -20,7 +20,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +30,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 
+from extproc.config import Snapshot
 from extproc.names import METADATA_NAMESPACE, POOL_CLUSTER_PREFIX, Filter, Key
 from llmgw.bench.kit import POOL_ROUTE, WRK_LUA, Beside, report, wrk_missing
 from llmgw.bench.kit import measured_wrk as _measured
 from llmgw.local.procs import Child, wakeups
-from llmgw.local.stack import Stack, gateway_processes
-from llmgw.render.bootstrap import render_bootstrap
+from llmgw.local.stack import Stack, StackOptions, gateway_processes
+from llmgw.render.bootstrap import RenderOptions, render_bootstrap
 from llmgw.render.common import pack
 
 # The stages a variant may leave out: the rest of the decision runs without each of them.
@@ -110,6 +111,25 @@ def variants(boot: bootstrap_pb2.Bootstrap, cluster: str) -> list[Variant]:
     return out
 
 
+def chosen_variants(snap: Snapshot, render: RenderOptions, only: str | None,
+                    extra: Sequence[Variant] = ()) -> list[Variant]:
+    """The variants of the full gateway's configuration (and `extra`), those whose names hold one of
+    `only`'s comma-separated substrings when it is given."""
+    pool = snap.deployments[snap.routes[POOL_ROUTE].candidates[0].deployment_name].pool
+    assert pool is not None, f"{POOL_ROUTE}'s first candidate is not a pool's"
+    chosen = [*variants(render_bootstrap(snap, render), POOL_CLUSTER_PREFIX + pool), *extra]
+    return [v for v in chosen if any(o in v.name for o in only.split(","))] if only else chosen
+
+
+def with_variant(opts: StackOptions, v: Variant | None) -> StackOptions:
+    """A gateway's options run through the ablated worker, with the variant's piece taken out (none:
+    the full gateway)."""
+    opts.extproc_module = "llmgw.bench.ablated_extproc"
+    opts.extproc_env = dict(v.env if v else ())
+    opts.bootstrap_edit = v.edit if v else None
+    return opts
+
+
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
@@ -182,8 +202,6 @@ def run_ablate(args: argparse.Namespace) -> int:
         return 2
     beside = Beside.start(Path(args.config), "llmgw-ablate-")
     work, snap = beside.work, beside.snap
-    pool = snap.deployments[snap.routes[POOL_ROUTE].candidates[0].deployment_name].pool
-    assert pool is not None, f"{POOL_ROUTE}'s first candidate is not a pool's"
     doc: dict[str, Any] = {"model": POOL_ROUTE, "max_tokens": 16,
                            "messages": [{"role": "user", "content": "How many tokens does this prompt take?"}]}
     if args.stream:
@@ -195,10 +213,7 @@ def run_ablate(args: argparse.Namespace) -> int:
     full = _stack(beside, work / "full", args, None, times)
     try:
         full.start()
-        chosen = variants(render_bootstrap(snap, full.render), POOL_CLUSTER_PREFIX + pool)
-        if args.only:
-            chosen = [v for v in chosen if any(o in v.name for o in args.only.split(","))]
-        for i, v in enumerate(chosen):
+        for i, v in enumerate(chosen_variants(snap, full.render, args.only)):
             stack = _stack(beside, work / f"gw-{i}", args, v)
             conditions = [Condition(beside.bare_url, {"envoy": [beside.bare]}),
                           Condition(f"{full.url}/v1/chat/completions", gateway_processes(full))]
@@ -220,10 +235,9 @@ def run_ablate(args: argparse.Namespace) -> int:
 
 def _stack(beside: Beside, state: Path, args: argparse.Namespace, v: Variant | None,
            times: Path | None = None) -> Stack:
-    opts = beside.gateway_options(state, args.workers)
-    opts.extproc_module = "llmgw.bench.ablated_extproc"
-    opts.extproc_env = {**dict(v.env if v else ()), **({"LLMGW_ABLATE_TIMES": str(times)} if times else {})}
-    opts.bootstrap_edit = v.edit if v else None
+    opts = with_variant(beside.gateway_options(state, args.workers), v)
+    if times:
+        opts.extproc_env["LLMGW_ABLATE_TIMES"] = str(times)
     return Stack(opts)
 
 

@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import Snapshot, load_snapshot
-from extproc.names import POOL_CLUSTER_PREFIX
-from llmgw.bench.ablate import Variant, variants
+from llmgw.bench.ablate import Variant, chosen_variants, with_variant
 from llmgw.bench.kit import METRICS, POOL_ROUTE, bare_bootstrap, demo_policy, report, start_envoy, without_quotas
 from llmgw.local.procs import Child, cpu_seconds, free_port, http_ok, wait_until
 from llmgw.local.stack import Stack, StackOptions, gateway_processes
-from llmgw.render.bootstrap import render_bootstrap
 
 
 def serve_upstream(port: int, tokens: int, gap_ms: float) -> None:
@@ -196,11 +194,7 @@ class _Setup:
         opts = StackOptions.on_free_ports(self.config, self.work / name, self.snap, workers=args.workers,
                                           start_engines=False, envoy_concurrency=1)
         opts.engine_ports = {p: (self.up_port,) for p in self.snap.gateway.pools}
-        if variant is not None:
-            opts.extproc_module = "llmgw.bench.ablated_extproc"
-            opts.extproc_env = dict(variant.env)
-            opts.bootstrap_edit = variant.edit
-        return Stack(opts)
+        return Stack(with_variant(opts, variant) if variant is not None else opts)
 
     def request(self, args: argparse.Namespace) -> tuple[bytes, dict[str, str]]:
         body = json.dumps({"model": POOL_ROUTE, "max_tokens": args.tokens, "stream": True,
@@ -241,14 +235,9 @@ def ablate_token_streams(args: argparse.Namespace) -> str:
              "|---|---|---|---|---|---|---|"]
     try:
         full.start()
-        pool = setup.snap.deployments[setup.snap.routes[POOL_ROUTE].candidates[0].deployment_name].pool
-        assert pool is not None, f"{POOL_ROUTE}'s first candidate is not a pool's"
-        chosen = variants(render_bootstrap(setup.snap, full.render), POOL_CLUSTER_PREFIX + pool)
-        chosen.append(Variant("the picker scraping at its idle pace (1 s)", "stage",
-                              env=(("LLMGW_ABLATE_SCRAPE_S", "1.0"),)))
-        if args.only:
-            chosen = [v for v in chosen if any(o in v.name for o in args.only.split(","))]
-        for i, v in enumerate(chosen):
+        slower_scrapes = Variant("the picker scraping at its idle pace (1 s)", "stage",
+                                 env=(("LLMGW_ABLATE_SCRAPE_S", "1.0"),))
+        for i, v in enumerate(chosen_variants(setup.snap, full.render, args.only, (slower_scrapes,))):
             stack = setup.gateway(f"gw-{i}", args, v)
             try:
                 stack.start()
