@@ -136,11 +136,25 @@ class Picker:
         """Traffic within `active_for`: here, or (shared) at any worker on this host."""
         if now - self._last_pick < self.active_for:
             return True
-        if self._shared is None:
-            return False
+        return self._shared is not None and self._mark_age("active") < self.active_for
+
+    def _mark_age(self, name: str) -> float:
+        """Seconds since a worker last touched the shared directory's mark `name` (infinite: never)."""
+        assert self._shared is not None
+        try:
+            return time.time() - (self._shared / name).stat().st_mtime
+        except OSError:
+            return math.inf
+
+    def _mark(self, name: str, last: float, now: float) -> float:
+        """The shared directory's mark `name` touched, unless this worker did so within MARK_EVERY_S
+        (`last`): when it was last touched."""
+        assert self._shared is not None
+        if now - last <= MARK_EVERY_S:
+            return last
         with contextlib.suppress(OSError):
-            return time.time() - (self._shared / "active").stat().st_mtime < self.active_for
-        return False
+            (self._shared / name).touch()
+        return now
 
     def _scraper(self) -> bool:
         """Whether this worker scrapes: always when not shared, else while it holds the lock."""
@@ -232,11 +246,7 @@ class Picker:
         now = time.monotonic()
         looked, seen = self._readers_seen
         if now - looked >= MARK_EVERY_S:
-            try:
-                age = time.time() - (self._shared / "readers").stat().st_mtime
-                seen = age < 2 * self.idle_interval + MARK_EVERY_S
-            except OSError:
-                seen = False
+            seen = self._mark_age("readers") < 2 * self.idle_interval + MARK_EVERY_S
             self._readers_seen = (now, seen)
         return seen
 
@@ -246,10 +256,7 @@ class Picker:
         before the scraper has seen its mark and written the file) keeps what it scraped."""
         assert self._shared is not None
         self._read_at = time.monotonic()
-        if self._read_at - self._marked_reading > MARK_EVERY_S:
-            self._marked_reading = self._read_at
-            with contextlib.suppress(OSError):
-                (self._shared / "readers").touch()
+        self._marked_reading = self._mark("readers", self._marked_reading, self._read_at)
         try:
             doc = orjson.loads((self._shared / "loads.json").read_bytes())
         except (OSError, orjson.JSONDecodeError):
@@ -265,10 +272,8 @@ class Picker:
         if now - self._last_pick >= self.active_for:
             self._woken.set()
         self._last_pick = now
-        if self._shared is not None and now - self._marked_active > MARK_EVERY_S:
-            self._marked_active = now
-            with contextlib.suppress(OSError):
-                (self._shared / "active").touch()
+        if self._shared is not None:
+            self._marked_active = self._mark("active", self._marked_active, now)
 
     def pool_loads(self, pool: str) -> list[EngineLoad]:
         """The fresh readings of a pool's engines (admission derives the pool's bound from them)."""
