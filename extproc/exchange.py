@@ -61,6 +61,7 @@ class Exchange:
     n: int = 1  # completions asked for: each may run to the completion bound (invariant 3)
     deadline_ms: int | None = None  # x-llmgw-deadline-ms, parsed by intake
     idempotency_key: str | None = None
+    replied: bool = False  # the decision answered it itself (refusal, degraded answer): Settle.DECIDED
     degraded: str = ""  # `route:NAME` when the route's degraded route serves it (no candidate of its own qualified)
     # Candidates the route stage left out, with every check each failed (`evidence`, and the run-time
     # trigger that voided it: `engine_mismatch`, ...): the ledger names why a request went elsewhere or nowhere.
@@ -266,6 +267,8 @@ class Exchange:
         keeps what the client received for replay: ext_proc's stream guard; any other stream: the Lua
         stream guard in Envoy, with no round trip per chunk. An answer to check: the ext_proc filters,
         which read what came back before the client does (and keep it when idempotent)."""
+        if self.replied:  # no upstream is reached: the deciding worker releases what it reserved
+            return Settle.DECIDED
         idempotent = self.held is not None and self.held.idempotent
         if self.answer_checks is not None:
             return Settle.CHECKED_STREAM if self.stream else Settle.CHECKED

@@ -186,6 +186,9 @@ class Settle(StrEnum):
     # tool calls; both fail closed, and keep the answer for replay when the request is idempotent.
     CHECKED = "checked"
     CHECKED_STREAM = "checked_stream"
+    # The decision answered the request itself (a refusal after it reserved, the route's degraded answer):
+    # its worker releases the reservation; the access log settles it only as the backstop, the same way.
+    DECIDED = "decided"
 
 
 class StreamEnd(StrEnum):

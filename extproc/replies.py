@@ -57,8 +57,17 @@ def longer_wait(seconds: float) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(override_message_timeout=wait)
 
 
+# The response code details of the decision's own answers (Envoy's access log carries them): a refusal's
+# is the prefix and its contract code; the settlement backstop names the ledger's entry from them.
+REPLY_PREFIX = "llmgw_"
+DEGRADED_DETAILS = REPLY_PREFIX + "degraded"
+
+
 def immediate(ex: Exchange, status: int, body: bytes, details: str, headers: dict[str, str] | None = None,
               content_type: str = "application/json") -> ep.ProcessingResponse:
+    """The decision's own answer, in place of an upstream's: whatever the request reserved, its worker
+    releases (server.py), and the access log settles it only as the backstop (Settle.DECIDED)."""
+    ex.replied = True
     hdrs = [_JSON if content_type == "application/json" else _header("content-type", content_type),
             _header(REVISION_HEADER, ex.snapshot.revision)]
     hdrs += [_header(k, v) for k, v in (headers or {}).items()]
@@ -82,7 +91,7 @@ def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     ex.cluster = ""
     if ex.door:  # in the caller's shape, the contract's code inside
         body = DOORS_BY_NAME[ex.door].error(err.status, body)
-    return immediate(ex, err.status, body, f"llmgw_{err.code.value}", headers)
+    return immediate(ex, err.status, body, REPLY_PREFIX + err.code.value, headers)
 
 
 def refuse_answer(err: GatewayError, body: bytes, decision_id: str, revision: str) -> ep.ProcessingResponse:
@@ -108,5 +117,5 @@ def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:
     options = ex.body.get("stream_options")
     body = degraded_body(ex.route.route_contract, text, ex.request_id, int(time.time()), ex.stream,
                          bool(ex.door) or (isinstance(options, dict) and options.get("include_usage") is True))
-    return immediate(ex, 200, body, "llmgw_degraded", {Header.DEGRADED: "response"},
+    return immediate(ex, 200, body, DEGRADED_DETAILS, {Header.DEGRADED: "response"},
                      content_type="text/event-stream" if ex.stream else "application/json")

@@ -57,7 +57,16 @@ from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Sealer
 from extproc.replies import admit, degraded_answer, immediate, longer_wait, refuse
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import Meter, SettlementLog, Settler, Sweeper, record_refusal, release
+from extproc.settlement import (
+    DEGRADED_RELEASE,
+    Meter,
+    SettlementLog,
+    Settler,
+    Sweeper,
+    record_refusal,
+    refused_termination,
+    release,
+)
 from extproc.shadow import grant_key
 from extproc.shapes.registry import door_for, models_door
 from extproc.stages.budget import Replay
@@ -237,7 +246,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                             {Header.IDEMPOTENT_REPLAY: "true"}, content_type=answer.content_type)
         except Degraded as degraded:  # no candidate qualified: the route's fixed answer, nothing spent
             ex.degraded = "response"
-            self._later(release(self.store, ex, "degraded", 200, {"degraded": "response"}) if ex.held is not None
+            self._later(release(self.store, ex, DEGRADED_RELEASE[0], 200, DEGRADED_RELEASE[1]) if ex.held is not None
                         else record_refusal(self.store, ex, "degraded", 200, ""))
             yield degraded_answer(ex, degraded.text)
         except GatewayError as err:
@@ -262,7 +271,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
 
     def _ended(self, ex: Exchange, err: GatewayError) -> None:
         """A refused request: release what it reserved, or record the refusal in the ledger."""
-        termination = "denied" if err.code is ErrorCode.FORBIDDEN else "refused"
+        termination = refused_termination(err.code.value)
         route = ex.route.route_contract if ex.route is not None else ""
         count_refusal(route, err.code.value)
         if ex.trace_id and ex.identity is not None:  # a request the ledger records: its span too

@@ -71,7 +71,7 @@ from extproc.answer_checks import (
 from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
-from extproc.contract import METADATA_NAMESPACE
+from extproc.contract import METADATA_NAMESPACE, ErrorCode
 from extproc.envoy_msgs import attr, count_attr, md_attr, with_first
 from extproc.exchange import Exchange
 from extproc.metrics import observe_settlement, observe_tenant
@@ -79,7 +79,7 @@ from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, Filter, Header, Key, Set
 from extproc.ratelimit import RateLimitedLog
 from extproc.redact import plain_id
 from extproc.replay import Answer, Sealer
-from extproc.replies import overwrite_header, refuse_answer
+from extproc.replies import DEGRADED_DETAILS, REPLY_PREFIX, overwrite_header, refuse_answer
 from extproc.shapes.registry import DOORS_BY_NAME
 from extproc.sse import StreamUsage
 from extproc.store import Settlement, Store, StoreUnavailable
@@ -92,15 +92,34 @@ BATCH_WAIT_S = 0.002
 RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, sent again
 
 
+def released(termination: str, status: int, admission: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settlement of a reserved request that ended before dispatch: nothing spent, no attempt; how
+    admission let it through, or why it shed it (ledger_facts holds it for the rest)."""
+    return {"termination": termination, "status": status, "settlement": "released", "usage": None,
+            "attempts": [], **(extra or {}), **({"admission": admission} if admission else {})}
+
+
+def refused_termination(code: str) -> str:
+    """A refusal's termination in the ledger: `denied` by policy, `refused` for every other reason."""
+    return "denied" if code == ErrorCode.FORBIDDEN.value else "refused"
+
+
+DEGRADED_RELEASE = ("degraded", {"degraded": "response"})  # the route's degraded answer: released, marked
+
+
+def decided_release(details: str) -> tuple[str, dict[str, Any]]:
+    """The termination (and marks) of the decision's own answer, from the details it gave Envoy."""
+    if details == DEGRADED_DETAILS:
+        return DEGRADED_RELEASE
+    return refused_termination(details.removeprefix(REPLY_PREFIX)), {}
+
+
 async def release(store: Store | None, ex: Exchange, termination: str, status: int,
                   extra: dict[str, Any] | None = None) -> None:
     """A reserved request ended before dispatch: nothing was spent."""
     if store is None or ex.held is None or ex.identity is None:
         return
-    outcome = {"termination": termination, "status": status, "settlement": "released", "usage": None,
-               "attempts": [], **(extra or {})}
-    if ex.admission:  # how admission let it through, or why it shed it (ledger_facts holds it for the rest)
-        outcome["admission"] = ex.admission
+    outcome = released(termination, status, ex.admission, extra)
     try:
         await store.settle(ex.identity.tenant, ex.request_id, outcome, 0, 0, hint=ex.held.hint)
     except StoreUnavailable:
@@ -492,6 +511,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         # A client that hung up once its stream's guard had passed [DONE] got the whole stream.
         cut = any(getattr(flags, name) for name in _CUT_FIELDS
                   if not (name == "downstream_connection_termination" and passed_done(md)))
+        if attr(md, Key.SETTLE) == Settle.DECIDED:
+            # The decision answered it itself (a refusal, a degraded answer): the worker that decided it
+            # releases it. This is the backstop for a worker that died first, and it writes the same
+            # entry, so the ledger says one thing whichever settles it (the first settlement wins).
+            asyncio.get_running_loop().call_later(BACKSTOP_S, self._release_decided, entry, md, tenant, hint, rid)
+            return
         if attr(md, Key.SETTLE) in _OWN_FILTER_SETTLES and 200 <= status < 300 and not cut:
             # An idempotent answer or stream that ended normally: its ext_proc filter settles it. This
             # is the backstop for a filter that could not (its worker died); the first settlement wins.
@@ -520,6 +545,11 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         if held is not None:
             tenant, hint = held
             self.settler.submit((tenant, rid, hint, dict(NOT_PROCESSED), 0, 0, "", "", 0))
+
+    def _release_decided(self, entry: Any, md: Any, tenant: str, hint: str, rid: str) -> None:
+        termination, extra = decided_release(entry.response.response_code_details)
+        outcome = released(termination, entry.response.response_code.value, attr(md, Key.ADMISSION), extra)
+        self.settler.submit((tenant, rid, hint, outcome, 0, 0, "", "", 0))
 
     def _settle(self, entry: Any, md: Any, tenant: str, hint: str, rid: str, backstop: bool) -> None:
         common = entry.common_properties
