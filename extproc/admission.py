@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -102,15 +103,19 @@ class PoolGate:
     """One pool's admission at this worker: the fast path, and the task that asks the store for the
     first of this worker's waiters until they are admitted or gone."""
 
-    def __init__(self, pool: str, settings: PoolAdmission, store: Store):
+    def __init__(self, pool: str, settings: PoolAdmission, store: Store,
+                 loads: Callable[[], Sequence[EngineLoad]] = tuple):
         self.pool, self.settings, self.store = pool, settings, store
         self.waiters: list[Waiter] = []  # this worker's, in the queue's order
-        self.loads: Sequence[EngineLoad] = ()
+        # The pool's fresh engine readings, read at every ask: a waiter's poll sees the engines' queue
+        # drain as it drains (a bound kept from the last decision held a lone waiter to its TTL and shed
+        # it while the engines had room again: the bulkhead test in the clean-clone CI).
+        self.loads = loads
         self._task: asyncio.Task[None] | None = None
         self._admitted: deque[float] = deque()  # monotonic times of recent admissions (Retry-After)
 
     def limit(self) -> int:
-        return derived_limit(self.settings, self.loads)
+        return derived_limit(self.settings, self.loads())
 
     def _note_admitted(self) -> None:
         now = time.monotonic()
@@ -213,10 +218,10 @@ class AdmissionControl:
             return None
         gate = self.gates.get(pool)
         if gate is None:
-            gate = self.gates[pool] = PoolGate(pool, settings, self.store)
+            loads = self._loads
+            gate = self.gates[pool] = PoolGate(pool, settings, self.store,
+                                               tuple if loads is None else functools.partial(loads, pool))
         gate.settings = settings  # a reload's
-        if self._loads is not None:
-            gate.loads = self._loads(pool)
         return gate
 
     def gate_of(self, gw: GatewayConfig, dep: Deployment) -> PoolGate | None:

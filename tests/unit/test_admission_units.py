@@ -219,3 +219,35 @@ def test_a_slot_asked_for_a_pool_the_plan_does_not_start_at_goes_back() -> None:
     held_slots, hint = run(go)
     assert held_slots == 0
     assert "a" not in hint and "q" in hint  # the hosted candidate's quota is held instead
+
+
+def test_a_waiter_is_admitted_when_the_engines_queue_drains_with_no_other_request() -> None:
+    """The bound is read from the engines' readings at every ask, a waiting request's polls included: a
+    lone waiter queued while the engines queued is admitted once they drain, without another decision
+    refreshing the gate (a bound kept from the last decision held it to its TTL and shed it)."""
+    snap = load_snapshot(POLICY)
+    readings = {"now": (load(5, 1, 0.1),)}  # one engine, queueing: the bound is what it runs plus 1
+
+    async def go(store: Store, pool: str) -> tuple[int, bool, float]:
+        control = AdmissionControl(store, lambda p: readings["now"] if p == pool else ())
+        gate = control.gate(pool, PoolAdmission(max_in_flight=8))
+        assert gate is not None
+        lease = int(time.time() * 1000) + 60_000
+        for rid in ("h1", "h2"):  # the two in flight fill the derived bound of 2
+            assert (await gate.ask(Waiter.of(snap.gateway, "read_only_chat", "acme", rid, lease)))[0]
+        bound = gate.limit()
+        w = Waiter.of(snap.gateway, "read_only_chat", "acme", "w", lease)
+        ok, start = await gate.ask(w, int(time.time() * 1000) + 5_000)
+        assert not ok and start is not None
+        w.start = start
+        assert gate.wait(w)
+        await asyncio.sleep(0.2)
+        still_waiting = not w.future.done()
+        readings["now"] = (load(0, 2, 0.1),)  # the engine's queue drained: the ceiling again
+        sent = time.monotonic()
+        await asyncio.wait_for(w.future, 2.0)
+        return bound, still_waiting, time.monotonic() - sent
+
+    bound, still_waiting, admitted_after = run(go)
+    assert bound == 2 and still_waiting
+    assert admitted_after < 0.5, admitted_after
