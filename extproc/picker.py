@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -274,6 +275,22 @@ class Picker:
         self._last_pick = now
         if self._shared is not None:
             self._marked_active = self._mark("active", self._marked_active, now)
+
+    def status(self) -> dict[str, Any]:
+        """Each pool's engines as this worker reads them (GET /status): the three gauges and how old the
+        reading is; `fresh`: a pick may use it (younger than stale_after). An engine never read shows
+        none: a pool whose engines all show none is left to Envoy's own balancing."""
+        now = time.monotonic()
+
+        def reading(ep: str) -> dict[str, Any]:
+            load = self.loads.get(ep)
+            if load is None:
+                return {"endpoint": ep, "reading": None, "fresh": False}
+            return {"endpoint": ep, "waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage,
+                    "age_s": round(now - load.at, 3), "fresh": now - load.at <= self.stale_after}
+
+        return {"scrapes": self.scrapes, "shared": self._shared is not None,
+                "pools": {pool: [reading(ep) for ep in eps] for pool, eps in sorted(self.pools.items())}}
 
     def pool_loads(self, pool: str) -> list[EngineLoad]:
         """The fresh readings of a pool's engines (admission derives the pool's bound from them)."""

@@ -435,6 +435,7 @@ async def status_app(reloader: Reloader, listen: str, processor: Processor | Non
         counts = {"extproc_messages": dict(processor.messages) if processor is not None else {},
                   "access_log_entries": access_log.entries if access_log is not None else 0,
                   "metrics_scrapes": picker.scrapes if picker is not None else 0,
+                  "picker": picker.status() if picker is not None else None,
                   "admission": processor.admission.status() if processor is not None and processor.admission else {},
                   **(processor.decisions.status() if processor is not None else {})}
         return web.json_response({**reloader.status, **counts, "loops": _loops(loops_state)})

@@ -146,6 +146,10 @@ def test_requests_avoid_the_busy_engine(slow_stack: Stack) -> None:
     served = {url: sum(marker in json.dumps(e["messages"]) for e in request(f"{url}/admin/requests").json())
               for url in (busy, idle)}
     assert served == {busy: 0, idle: 6}, served
+    # What the workers' GET /status says of it: the busy engine's queue, read fresh.
+    readings = [e for u in slow_stack.status_urls for pool in request(u).json()["picker"]["pools"].values()
+                for e in pool if f"http://{e['endpoint']}" == busy and e["fresh"]]
+    assert readings and max(e["waiting"] + e["running"] for e in readings) >= 1, readings
 
 
 def test_a_trickle_of_earlier_picks_is_not_load() -> None:
@@ -251,6 +255,24 @@ def test_a_reader_keeps_its_own_newer_reading_over_the_files(tmp_path: Path) -> 
     reader._read_shared()
     assert reader.loads["e:1"].waiting == 2.0  # the file's newer reading replaces it
     assert (shared / "readers").exists()  # and the scraper learns it has a reader
+
+
+def test_status_shows_each_engines_reading_and_its_age() -> None:
+    """What a worker's GET /status says of its picker: per pool, each engine's gauges, how old the
+    reading is and whether a pick may use it; an engine never read shows none."""
+    p = Picker({"b": ["e2:1"], "a": ["e1:1", "e3:1"]}, stale_after=2.0)
+    now = time.monotonic()
+    p.loads = {"e1:1": EngineLoad(3.0, 5.0, 0.4, at=now - 0.5), "e2:1": EngineLoad(0.0, 1.0, 0.1, at=now - 5.0)}
+    p.scrapes = 7
+    st = p.status()
+    assert st["scrapes"] == 7 and st["shared"] is False and list(st["pools"]) == ["a", "b"]
+    e1, e3 = st["pools"]["a"]
+    assert (e1["endpoint"], e1["waiting"], e1["running"], e1["kv_usage"], e1["fresh"]) == ("e1:1", 3.0, 5.0, 0.4, True)
+    assert 0.5 <= e1["age_s"] < 1.5
+    assert e3 == {"endpoint": "e3:1", "reading": None, "fresh": False}
+    (e2,) = st["pools"]["b"]
+    assert e2["fresh"] is False and e2["age_s"] >= 5.0  # stale: picks leave this pool to Envoy
+    assert p.pick("b", "salt", [{"role": "user", "content": "x"}]) == []
 
 
 def test_an_engine_in_two_pools_is_scraped_once_a_round() -> None:
