@@ -1,5 +1,6 @@
 """Admission control through the real Envoy, two ext_proc workers and one store (extproc/admission.py):
-a saturated pool queues, then sheds with 429 `overloaded` and Retry-After; a waiter whose client goes
+a saturated pool queues, then sheds with 429 `overloaded` and Retry-After (which the SDKs' own retries
+honour, and each SDK reads as its rate-limit error); a waiter whose client goes
 away leaves at once; a higher priority is admitted first whichever worker holds it; equal-weight
 tenants get equal shares while one offers five times the other's load; a full pool sends a fallback
 plan's request to its next candidate before any byte.
@@ -21,9 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anthropic
+import openai
 import pytest
 import redis
 import yaml
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types as genai_types
 
 from extproc.store import ledger_entry, ledger_key, queue_keys, slots_key
 from llmgw.local.stack import Stack
@@ -245,4 +251,86 @@ def test_a_slot_asked_beside_a_refused_reservation_goes_back(gw: Stack) -> None:
         time.sleep(0.2)
         assert store(gw).zrange(slots_key(POOL), 0, -1) == holder
         assert first.result().status == 200
+    idle(gw)
+
+
+def probe_entries(gw: Stack, tag: str, tenant: str, n: int) -> list[dict[str, Any]]:
+    """The ledger entries of the requests that carried `metadata.probe == tag`, once there are n."""
+    found: list[dict[str, Any]] = []
+
+    def ledgered() -> bool:
+        found[:] = [e for _, f in store(gw).xrange(ledger_key(tenant))
+                    if (e := ledger_entry(f)).get("metadata", {}).get("probe") == tag]
+        return len(found) >= n
+
+    until(ledgered, within_s=5, what=f"{n} ledger entries of {tag}")
+    return found
+
+
+def test_the_openai_sdks_default_retries_honour_retry_after_and_take_the_freed_slot(gw: Stack) -> None:
+    """A caller of the OpenAI SDK with its defaults (two retries, the server's Retry-After honoured): its
+    request is shed after its class's queue TTL, the SDK waits what Retry-After says and asks again, and
+    the retry is admitted once the slots have freed. The ledger holds each: a shed one released at
+    nothing, the served one charged."""
+    tag = unique_marker("sdk-retry")
+    wire: list[tuple[float, int, str]] = []  # what the SDK sent and got: (when, status or 0 for a request, retry-after)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=DEMO_KEYS["acme"], http_client=openai.DefaultHttpxClient(
+        event_hooks={"request": [lambda _: wire.append((time.monotonic(), 0, ""))],
+                     "response": [lambda r: wire.append((time.monotonic(), r.status_code,
+                                                         r.headers.get("retry-after", "")))]}))
+    with ThreadPoolExecutor(4) as pool:
+        held = hold_slots(gw, pool, 2500)
+        raw = client.chat.completions.with_raw_response.create(
+            model="chat-default", max_tokens=4, metadata={"probe": tag},
+            messages=[{"role": "user", "content": "retried by the SDK"}])
+        assert all(f.result().status == 200 for f in held)
+    assert raw.http_response.status_code == 200 and raw.parse().choices[0].message.content
+    assert raw.retries_taken >= 1  # it was shed first: the SDK's own retry served it
+    (sent, _, _), (shed_at, status, retry_after) = wire[:2]
+    assert status == 429 and shed_at - sent >= INTERACTIVE_TTL_MS / 1000 - 0.1  # after its class's queue TTL
+    retried_at = wire[2][0]
+    assert retried_at - shed_at >= int(retry_after) - 0.05, wire  # the SDK waited what Retry-After said
+    entries = probe_entries(gw, tag, "acme", raw.retries_taken + 1)
+    shed = [e for e in entries if str(e.get("admission", "")).startswith("shed=queue_timeout")]
+    served = [e for e in entries if e["status"] == 200]
+    assert len(shed) == raw.retries_taken and len(served) == 1, entries
+    assert all(e["status"] == 429 and e["settlement"] == "released" and e["charged_micros"] == 0 for e in shed)
+    assert served[0]["charged_micros"] > 0
+    idle(gw)
+
+
+def test_each_sdk_reads_a_shed_as_its_own_rate_limit_error_with_retry_after(gw: Stack) -> None:
+    """The shed in each SDK's own terms (retries off, to see the first answer): OpenAI's and Anthropic's
+    RateLimitError and google-genai's RESOURCE_EXHAUSTED, each with the contract's code `overloaded`
+    and a Retry-After their retries honour."""
+    oa = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=DEMO_KEYS["acme"], max_retries=0)
+    an = anthropic.Anthropic(base_url=gw.url, api_key=DEMO_KEYS["acme"], max_retries=0)
+    gg = genai.Client(api_key=DEMO_KEYS["acme"], http_options=genai_types.HttpOptions(
+        base_url=gw.url, retry_options=genai_types.HttpRetryOptions(attempts=1)))
+    ask = [{"role": "user", "content": "shed in the caller's shape"}]
+    calls: dict[str, Callable[[], Any]] = {
+        "openai": lambda: oa.chat.completions.create(model="chat-default", max_tokens=4, messages=ask),
+        "anthropic": lambda: an.messages.create(model="chat-default", max_tokens=4, messages=ask),
+        "genai": lambda: gg.models.generate_content(model="chat-default", contents="shed in the caller's shape"),
+    }
+
+    def raised(call: Callable[[], Any]) -> BaseException | None:
+        try:
+            call()
+        except Exception as e:  # the SDK's exception is what the test reads
+            return e
+        return None
+
+    with ThreadPoolExecutor(6) as pool:
+        held = hold_slots(gw, pool, 4000)
+        errors = {name: pool.submit(raised, call) for name, call in calls.items()}
+        got = {name: f.result() for name, f in errors.items()}
+        assert all(f.result().status == 200 for f in held)
+    o, a, g = got["openai"], got["anthropic"], got["genai"]
+    assert isinstance(o, openai.RateLimitError) and o.code == "overloaded", repr(o)
+    assert isinstance(a, anthropic.RateLimitError) and a.body["error"]["code"] == "overloaded", repr(a)
+    assert isinstance(g, genai_errors.ClientError) and (g.code, g.status) == (429, "RESOURCE_EXHAUSTED"), repr(g)
+    assert g.details["error"]["details"][0]["reason"] == "overloaded"
+    assert int(o.response.headers["retry-after"]) >= 1 and int(a.response.headers["retry-after"]) >= 1
+    assert int(g.response.headers["retry-after"]) >= 1
     idle(gw)
