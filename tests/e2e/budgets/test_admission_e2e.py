@@ -1,12 +1,13 @@
 """Admission control through the real Envoy, two ext_proc workers and one store (extproc/admission.py):
 a saturated pool queues, then sheds with 429 `overloaded` and Retry-After (which the SDKs' own retries
-honour, and each SDK reads as its rate-limit error); a waiter whose client goes
-away leaves at once; a higher priority is admitted first whichever worker holds it; equal-weight
-tenants get equal shares while one offers five times the other's load; a full pool sends a fallback
-plan's request to its next candidate before any byte.
+honour, and each SDK reads as its rate-limit error); a waiter whose client goes away leaves at once; a
+higher priority is admitted first whichever worker holds it; equal-weight tenants get equal shares while
+one offers five times the other's load; a full pool sends a fallback plan's request to its next
+candidate before any byte.
 
-The pool here takes two requests at once (`max_in_flight: 2`); requests hold their slot by carrying a
-marker the engines delay (the operator's fault API)."""
+The pool here takes two requests at once (`max_in_flight: 2`). `chat-default` is the interactive class
+(priority 10, 1.5 s queue TTL), `chat-patient` the same priority with 8 s, `chat-batch` priority 0 with
+8 s. Requests hold their slot by carrying a marker the engines delay (the operator's fault API)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,15 @@ def admission_policy(tmp: Path) -> Path:
     gw["pools"][POOL]["admission"] = {"max_in_flight": 2, "max_queued": 64}
     gw["request_classes"]["read_only_chat"].update(priority=10, queue_ttl_ms=INTERACTIVE_TTL_MS)
     gw["request_classes"]["batch_chat"] = {"priority": 0, "queue_ttl_ms": 8000}
+    # The interactive priority with room to wait: the priority test's requests must outlast the holders
+    # by a margin a loaded machine keeps (the 1.5 s class shed one there, its holders being 1.5 s too).
+    gw["request_classes"]["patient_chat"] = {"priority": 10, "queue_ttl_ms": 8000}
     gw["tenants"]["globex"]["bulkhead"] = None
     (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
-    route = yaml.safe_load((policy / "routes/chat-default.yaml").read_text())
-    route.update(route_contract="chat-batch", request_class="batch_chat")
-    (policy / "routes/chat-batch.yaml").write_text(yaml.safe_dump(route))
+    for name, request_class in (("chat-batch", "batch_chat"), ("chat-patient", "patient_chat")):
+        route = yaml.safe_load((policy / "routes/chat-default.yaml").read_text())
+        route.update(route_contract=name, request_class=request_class)
+        (policy / f"routes/{name}.yaml").write_text(yaml.safe_dump(route))
     return policy
 
 
@@ -174,7 +179,7 @@ def test_a_higher_priority_is_admitted_first_whichever_worker_holds_it(gw: Stack
         held = hold_slots(gw, pool, 1500)
         batch = [pool.submit(send, gw, marker, "chat-batch", "globex") for _ in range(3)]
         until(lambda: store(gw).zcard(queue_keys(POOL)[0]) == 3, what="three batch requests waiting")
-        interactive = [pool.submit(send, gw, marker, "chat-default", "acme") for _ in range(2)]
+        interactive = [pool.submit(send, gw, marker, "chat-patient", "acme") for _ in range(2)]
         waits = {}
         for kind, futures, tenant in (("batch", batch, "globex"), ("interactive", interactive, "acme")):
             for f in futures:
