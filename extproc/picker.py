@@ -287,7 +287,7 @@ class Picker:
             if load is None:
                 return {"endpoint": ep, "reading": None, "fresh": False}
             return {"endpoint": ep, "waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage,
-                    "age_s": round(now - load.at, 3), "fresh": now - load.at <= self.stale_after}
+                    "age_s": round(now - load.at, 3), "fresh": self.fresh(ep, now) is not None}
 
         return {"scrapes": self.scrapes, "shared": self._shared is not None,
                 "pools": {pool: [reading(ep) for ep in eps] for pool, eps in sorted(self.pools.items())}}

@@ -469,8 +469,6 @@ def answer_span_facts(outcome: Mapping[str, Any]) -> dict[str, Any]:
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
 
 
-NOT_PROCESSED = {"termination": "not_processed", "status": 503, "settlement": "released", "usage": None,
-                 "attempts": []}
 
 
 class SettlementLog(als_grpc.AccessLogServiceServicer):
@@ -544,7 +542,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             return
         if held is not None:
             tenant, hint = held
-            self.settler.submit((tenant, rid, hint, dict(NOT_PROCESSED), 0, 0, "", "", 0))
+            self.settler.submit((tenant, rid, hint, released("not_processed", 503, ""), 0, 0, "", "", 0))
 
     def _release_decided(self, entry: Any, md: Any, tenant: str, hint: str, rid: str) -> None:
         termination, extra = decided_release(entry.response.response_code_details)

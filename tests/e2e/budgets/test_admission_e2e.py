@@ -104,6 +104,19 @@ def idle(gw: Stack) -> None:
           within_s=20, what="slots and queue empty")
 
 
+def probe_entries(gw: Stack, tag: str, tenant: str, n: int, within_s: float = 5) -> list[dict[str, Any]]:
+    """The ledger entries of the requests that carried `metadata.probe == tag`, once there are n."""
+    found: list[dict[str, Any]] = []
+
+    def ledgered() -> bool:
+        found[:] = [e for _, f in store(gw).xrange(ledger_key(tenant))
+                    if (e := ledger_entry(f)).get("metadata", {}).get("probe") == tag]
+        return len(found) >= n
+
+    until(ledgered, within_s=within_s, what=f"{n} ledger entries of {tag}")
+    return found
+
+
 def test_a_saturated_pool_sheds_after_the_class_queue_ttl_with_retry_after(gw: Stack) -> None:
     with ThreadPoolExecutor(4) as pool:
         held = hold_slots(gw, pool, 3500)
@@ -158,15 +171,7 @@ def test_a_waiter_whose_client_goes_away_leaves_the_queue_at_once(gw: Stack) -> 
         until(lambda: store(gw).zcard(queue_keys(POOL)[0]) == 0, within_s=1.0, what="the waiter gone")
         assert time.monotonic() - gone < 1.0
         # Its reservation is released at once (not left to its lease), and the ledger says why.
-        found: list[dict[str, Any]] = []
-
-        def ledgered() -> bool:
-            found[:] = [e for _, f in store(gw).xrange(ledger_key("acme"))
-                        if (e := ledger_entry(f)).get("metadata", {}).get("probe") == tag]
-            return bool(found)
-
-        until(ledgered, within_s=3, what="the cancelled request's ledger entry")
-        (entry,) = found
+        (entry,) = probe_entries(gw, tag, "acme", 1, within_s=3)
         assert entry["termination"] == "cancelled" and entry["settlement"] == "released", entry
         assert entry["charged_micros"] == 0 and entry["attempts"] == []
         assert all(f.result().status == 200 for f in held)
@@ -257,19 +262,6 @@ def test_a_slot_asked_beside_a_refused_reservation_goes_back(gw: Stack) -> None:
         assert store(gw).zrange(slots_key(POOL), 0, -1) == holder
         assert first.result().status == 200
     idle(gw)
-
-
-def probe_entries(gw: Stack, tag: str, tenant: str, n: int) -> list[dict[str, Any]]:
-    """The ledger entries of the requests that carried `metadata.probe == tag`, once there are n."""
-    found: list[dict[str, Any]] = []
-
-    def ledgered() -> bool:
-        found[:] = [e for _, f in store(gw).xrange(ledger_key(tenant))
-                    if (e := ledger_entry(f)).get("metadata", {}).get("probe") == tag]
-        return len(found) >= n
-
-    until(ledgered, within_s=5, what=f"{n} ledger entries of {tag}")
-    return found
 
 
 def test_the_openai_sdks_default_retries_honour_retry_after_and_take_the_freed_slot(gw: Stack) -> None:
