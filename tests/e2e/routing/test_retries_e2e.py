@@ -60,10 +60,14 @@ def chat(stack: Stack, body: dict[str, Any] | None = None, key: str = WRITER, **
 
 
 def test_a_503_before_the_first_byte_is_retried_on_another_engine(gw: Stack) -> None:
-    first, other = gw.engine_urls("engine-pool")
+    engines = gw.engine_urls("engine-pool")
     seen = None
-    for i in range(8):  # until a request's first attempt meets the fault on `first`
-        faults(gw, "status=503", [first])
+    # Until a request's first attempt meets the fault. The engine faulted alternates: these prompts share
+    # their first characters, so the picker's prefix affinity sends each to the engine the last one went
+    # to, and a fault always on the same engine could be missed every time (a clean-clone CI run was).
+    for i in range(8):
+        faulted, other = engines[i % 2], engines[1 - i % 2]
+        faults(gw, "status=503", [faulted])
         faults(gw, None, [other])
         clear_engine_logs(gw)
         r = chat(gw, chat_body(max_tokens=4, content=f"retry me {i} {unique_marker('r')}"))
@@ -73,7 +77,7 @@ def test_a_503_before_the_first_byte_is_retried_on_another_engine(gw: Stack) -> 
             break
     assert seen is not None, "no first attempt ever met the fault"
     log = engine_log(gw)
-    assert [(e["engine"], e["status"]) for e in log] == [(first, 503), (other, 200)]
+    assert [(e["engine"], e["status"]) for e in log] == [(faulted, 503), (other, 200)]
     assert seen.headers["x-llmgw-deployment"] == "pool-llama-8b"
 
 
