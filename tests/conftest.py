@@ -6,14 +6,17 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import yaml
+from hypothesis import HealthCheck, settings
 
 from extproc.config import load_snapshot
+from extproc.config.earned import ENV as EVIDENCE_ENV
 from extproc.store import ledger_entry, ledger_key
 from llmgw.conformance import demo_evidence
 from llmgw.conformance.demo_evidence import simulated_by_up
@@ -27,6 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ[PORT_SLICE_ENV] = (f"{int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw'))}/"
                                   f"{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
+# Hypothesis under the suite's own load. Its `too_slow` health check and its deadline time a test in
+# wall-clock seconds; `make test` runs three workers and their gateways on two cores, where the same
+# strategy takes several times as long as alone, and a clean clone's suite failed a door test on
+# `too_slow` that passes alone in a second. Under parallel workers (pytest-xdist) the deadline is 10x
+# Hypothesis' default and `too_slow` is left to the runs without them (a module run alone, the Lua
+# tier's serial runs), where a strategy that really is slow still fails it; every other health check
+# stays on everywhere.
+settings.register_profile("parallel", deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
+if "PYTEST_XDIST_WORKER" in os.environ:
+    settings.load_profile("parallel")
+
+# The suite's policies keep their earned evidence in their own evidence/ (extproc/config/earned.py): a
+# shell that exported a gateway's evidence folder must not lend it to every test.
+os.environ.pop(EVIDENCE_ENV, None)
 EXAMPLE_POLICY = ROOT / "policy"  # as committed: its tenants have no keys until `llmgw up` makes demo ones
 EARNED = ("*-conformance-*.yaml", "*-quality-gate-*.yaml")  # what `llmgw up` may have written into policy/evidence
 

@@ -14,13 +14,16 @@
   what decides which data reaches the deployment - the data classes in their order, the deployment's
   own classes, the redaction settings (a policy change touching its data classes).
 - Run-time triggers, each written as a void record (evidence/voids/) that voids every record of the
-  fingerprint recorded on or before its date: provider drift, workload shift, SLO regression
-  (`llmgw evidence reevaluate` from the ledger), a hosted deployment answering with another model
-  (`model_mismatch`). An engine that serves something other than its fingerprint declares
-  (`engine_mismatch`, `llmgw engines verify`, a loop of `llmgw up`) voids every record while its void
-  exists, whatever its date: it is about the engine now.
-- A later failing record of a kind (a sampled re-run of the corpus that fails) outranks an earlier
-  passing one.
+  fingerprint earned before it fired: provider drift, workload shift, SLO regression (`llmgw evidence
+  reevaluate` from the ledger), a hosted deployment answering with another model (`model_mismatch`). A
+  record earned after it lifts it: the candidate comes back by earning again, the same day included
+  (records and voids carry the moment, not only the day; one dated by its day alone was earned at the
+  day's start, and fired at its end). An engine that serves something other than its fingerprint
+  declares (`engine_mismatch`, `llmgw engines verify`, a loop of `llmgw up`) voids every record while
+  its void exists, whatever its date: it is about the engine now, and the check removes it once the
+  engine serves what it declares.
+- The latest record of a kind outranks the earlier ones: a failing re-run voids a passing record, and
+  a passing run replaces a failed one (a record dated by its day alone loses a tie to a failing one).
 
 A voided record is left out of qualification, so its candidate leaves routing; `llmgw check` and the
 `llmgw_evidence_voided` gauge say which and why.
@@ -112,13 +115,20 @@ def static_voids(record: Evidence, dep: Deployment, gateway: GatewayConfig, poli
     return out
 
 
+def voids_record(void: EvidenceVoid, record: Evidence) -> bool:
+    """Whether a run-time void holds against a record: one of its fingerprint earned before it fired
+    (an engine mismatch: any, while it exists)."""
+    return void.deployment_ref == record.deployment_ref and (
+        void.trigger == "engine_mismatch" or void.moment() >= record.moment())
+
+
 def latest_per_kind(records: Iterable[Evidence]) -> list[Evidence]:
-    """Of each kind (for one route policy and request class: Evidence.key), the latest record (on the
-    same day a failing one outranks a passing one)."""
+    """Of each kind (for one route policy and request class: Evidence.key), the latest record (at the
+    same moment a failing one outranks a passing one)."""
     best: dict[tuple[str, str, str], Evidence] = {}
     for r in records:
         held = best.get(r.key())
-        if held is None or (r.recorded_at, r.result == "fail") > (held.recorded_at, held.result == "fail"):
+        if held is None or (r.moment(), r.result == "fail") > (held.moment(), held.result == "fail"):
             best[r.key()] = r
     return list(best.values())
 
@@ -137,10 +147,9 @@ def sift(records: Mapping[str, Sequence[Evidence]], deployments: Mapping[str, De
         keep, why = [], []
         for r in latest_per_kind(recs):
             reasons = static_voids(r, dep, gateway, policy_dir) if dep is not None else []
-            # A run-time trigger voids what was earned on or before its day; an engine mismatch is
-            # about the engine now, so it voids every record while its void exists (llmgw/ops/engines.py).
-            fired = [v for v in voids if v.deployment_ref == ref
-                     and (v.trigger == "engine_mismatch" or v.recorded_at >= r.recorded_at)]
+            # A run-time trigger voids what was earned before it fired; an engine mismatch is about
+            # the engine now, so it voids every record while its void exists (llmgw/ops/engines.py).
+            fired = [v for v in voids if voids_record(v, r)]
             reasons += [f"{v.trigger.replace('_', ' ')}: {v.reason} ({v.recorded_at})" for v in fired]
             if fired:
                 triggered[ref] = triggered.get(ref, frozenset()) | {v.trigger for v in fired}

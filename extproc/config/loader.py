@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from yaml.nodes import Node
 
 from extproc.config import positions
+from extproc.config.earned import VOIDS, evidence_dirs
 from extproc.config.evidence import sift
 from extproc.config.policy import CompiledPolicy, PolicyCompileError
 from extproc.config.schema import (
@@ -99,6 +100,10 @@ class Snapshot:
     evidence: Mapping[str, tuple[Evidence, ...]] = field(default_factory=dict)  # by deployment_ref, still valid
     voided: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # deployment_ref -> why records were voided
     void_triggers: Mapping[str, frozenset[str]] = field(default_factory=dict)  # the run-time triggers among them
+    voids: tuple[EvidenceVoid, ...] = ()  # every run-time void read, fired or not
+    # deployment_ref -> when its newest record was earned, counted or not: what the ledger says of it
+    # from before then (drift, SLO regression) is about what that record replaced.
+    earned: Mapping[str, datetime] = field(default_factory=dict)
     policy: CompiledPolicy | None = None  # None only for snapshots built without their Rego
     dry_run_policy: CompiledPolicy | None = None  # gateway.yaml policy_dry_run's candidate, never enforced
     policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
@@ -169,8 +174,13 @@ Trees = dict[str, Node | None]  # each file's YAML node tree, by path relative t
 UNREADABLE = object()  # a file whose problem is already reported: nothing more to say of its content
 
 
+def _rel(path: Path, root: Path) -> str:
+    """A file's name as issues print it: under the policy directory, else as it is (earned evidence)."""
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
 def _read_yaml(path: Path, root: Path, issues: list[ConfigIssue], trees: Trees) -> Any:
-    rel = str(path.relative_to(root))
+    rel = _rel(path, root)
     try:
         data, trees[rel] = positions.read(path.read_text(encoding="utf-8"))
         return data
@@ -382,8 +392,12 @@ def _compile(modules: dict[str, str], data: dict[str, Any], revision: str, prefi
         raise ConfigError([ConfigIssue(f"{prefix}*.rego", "", f"policy does not compile: {e}")]) from None
 
 
-def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
-    """Load and cross-check a policy directory. Raises ConfigError listing every problem."""
+def load_snapshot(directory: str | Path, today: date | None = None, earned: Path | None = None,
+                  unless: frozenset[str] = frozenset()) -> Snapshot:
+    """Load and cross-check a policy directory (with the evidence earned at run time in `earned`, else
+    where the environment keeps it: extproc/config/earned.py). `unless`: run-time triggers whose voids
+    are left out (what earning would find missing once they are lifted). Raises ConfigError listing
+    every problem."""
     root = Path(directory).resolve()
     issues: list[ConfigIssue] = []
     trees: Trees = {}
@@ -396,20 +410,21 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
     deployments = _load_named(root, "deployments", Deployment, "deployment", issues, trees)
     routes = _load_named(root, "routes", Route, "route_contract", issues, trees)
 
+    # The policy's own records, then those of the earned state (extproc/config/earned.py).
     evidence: dict[str, list[Evidence]] = {}
-    for path in sorted((root / "evidence").glob("*.yaml")):
-        rel = str(path.relative_to(root))
-        record = _parse(Evidence, _read_yaml(path, root, issues, trees), rel, issues)
-        if record is not None:
-            evidence.setdefault(record.deployment_ref, []).append(record)
+    voids: list[EvidenceVoid] = []
+    for folder in evidence_dirs(root, earned):
+        for path in sorted(folder.glob("*.yaml")):
+            record = _parse(Evidence, _read_yaml(path, root, issues, trees), _rel(path, root), issues)
+            if record is not None:
+                evidence.setdefault(record.deployment_ref, []).append(record)
+        for path in sorted((folder / VOIDS).glob("*.yaml")):
+            void = _parse(EvidenceVoid, _read_yaml(path, root, issues, trees), _rel(path, root), issues)
+            if void is not None and void.trigger not in unless:
+                voids.append(void)
     current_refs = {d.ref for _, d in deployments.values()}
     for ref in sorted(set(evidence) - current_refs):
         warnings.append(f"evidence for {ref} matches no current fingerprint; it qualifies nothing")
-    voids: list[EvidenceVoid] = []
-    for path in sorted((root / "evidence" / "voids").glob("*.yaml")):
-        void = _parse(EvidenceVoid, _read_yaml(path, root, issues, trees), str(path.relative_to(root)), issues)
-        if void is not None:
-            voids.append(void)
 
     # A dry-run candidate's Rego is evaluated beside the enforced policy, never as part of it.
     dry = gateway.policy_dry_run if gateway is not None else None
@@ -461,6 +476,8 @@ def load_snapshot(directory: str | Path, today: date | None = None) -> Snapshot:
         evidence=MappingProxyType(counted),
         voided=MappingProxyType(voided),
         void_triggers=MappingProxyType(triggered),
+        voids=tuple(voids),
+        earned=MappingProxyType({ref: max(r.moment() for r in recs) for ref, recs in evidence.items()}),
         directory=root,
         gateway=gateway,
         routes=MappingProxyType(plain_routes),

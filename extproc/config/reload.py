@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extproc.config.earned import evidence_dirs
 from extproc.config.loader import ConfigError, Snapshot, load_snapshot
 from extproc.config.policy_tests import run_isolated
 from extproc.metrics import count_reload
@@ -42,15 +43,17 @@ class Live:
 
 
 def directory_signature(root: Path) -> tuple[tuple[str, int, int], ...]:
-    """Names, sizes and mtimes of every file: cheap enough to poll every second."""
+    """Names, sizes and mtimes of every file of the policy and of its earned evidence kept elsewhere
+    (extproc/config/earned.py): cheap enough to poll every second."""
     out = []
-    for p in sorted(root.rglob("*")):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        if p.is_file():
-            out.append((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
+    for folder in (root, *(d for d in evidence_dirs(root) if not d.is_relative_to(root.resolve()))):
+        for p in sorted(folder.rglob("*")):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            if p.is_file():
+                out.append((str(p), st.st_size, st.st_mtime_ns))
     return tuple(out)
 
 

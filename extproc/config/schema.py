@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from datetime import date
+from datetime import UTC, date, datetime, time
 from functools import cached_property
 from typing import Annotated, Literal
 
@@ -582,13 +582,18 @@ class EvidenceBasis(Strict):
 
 class EvidenceVoid(Strict):
     """A re-evaluation trigger that fired at run time (`llmgw evidence reevaluate` writes them to
-    evidence/voids/): every record of this fingerprint is void from `recorded_at` until evidence is
-    earned again after it."""
+    evidence/voids/): every record of this fingerprint earned before it is void; a record earned after
+    it lifts it (an engine mismatch excepted: it holds while its file exists, extproc/config/evidence.py)."""
 
     deployment_ref: DeploymentRef
     trigger: Literal["provider_drift", "workload_shift", "slo_regression", "engine_mismatch", "model_mismatch"]
     reason: str
     recorded_at: date
+    voided_at: datetime | None = None  # when it fired (UTC); a void without one fired at the end of its day
+
+    def moment(self) -> datetime:
+        """When it fired: a void dated by its day only voids every record of that day."""
+        return _aware(self.voided_at) if self.voided_at else datetime.combine(self.recorded_at, time.max, UTC)
 
 
 class ClassLoad(Strict):
@@ -621,6 +626,7 @@ class Evidence(Strict):
     kind: Literal["conformance", "quality_gate", "load"]
     result: Literal["pass", "fail"]
     recorded_at: date
+    earned_at: datetime | None = None  # when its run ended (UTC); a record without one was earned at its day's start
     expires_at: date | None = None
     source: str = ""
     adapter: str = ""
@@ -647,10 +653,19 @@ class Evidence(Strict):
             raise ValueError("result: pass, but a class missed its objective at its peak rate")
         return self
 
+    def moment(self) -> datetime:
+        """When it was earned: a record dated by its day only counts as earned at that day's start."""
+        return _aware(self.earned_at) if self.earned_at else datetime.combine(self.recorded_at, time.min, UTC)
+
     def key(self) -> tuple[str, str, str]:
         """What a later record of the same key replaces: its kind, for the same route policy and class."""
         policy = self.basis.route_policy_digest if self.basis is not None else None
         return self.kind, policy or "", self.request_class
+
+
+def _aware(moment: datetime) -> datetime:
+    """A timestamp read without an offset is UTC, as the gateway writes them."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def required_evidence(gateway: GatewayConfig, route: Route) -> frozenset[str]:

@@ -13,7 +13,7 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from extproc.config import ConfigError, Snapshot, load_snapshot
+from extproc.config import ConfigError, Snapshot, earned, load_snapshot
 from llmgw.cli.common import snapshot_or_report
 from llmgw.ops import deprecations
 from llmgw.ops.store import store_client
@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from llmgw.ops.requalify import fix_command
+
     try:
-        snap = load_snapshot(args.dir)
+        snap = load_snapshot(args.dir, earned=Path(args.state_dir) / "evidence" if args.state_dir else None)
     except ConfigError as e:
         for issue in e.issues:  # `path:line:col: error: ...`, the form editors and CI annotators jump from
             print(f"{issue.where}: error: {issue.what}", file=sys.stderr)
@@ -42,6 +44,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             why = snap.why_unqualified(route, cand.deployment_ref, today)
             state = f"NOT ELIGIBLE: {why}" if why else "qualified"
             print(f"route {name}: candidate {cand.deployment_name}: {state}")
+            if why:
+                print(f"  to qualify it: {fix_command(snap, route, cand.deployment_name, today, args.dir)}")
     failed = False
     for f in deprecations.findings(snap, today):
         print(f"{'error' if f.error else 'warning'}: {f.text}", file=sys.stderr)
@@ -124,6 +128,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                   simulate_providers=not args.no_simulated_providers, traces=True, region=args.region,
                   sim_quality=args.sim_quality)
     config_dir, state_dir = Path(args.config), Path(args.state_dir)
+    # What this gateway earns and voids at run time is kept in its state directory, not the policy's
+    # (extproc/config/earned.py): this process's loops and earning, and every process it starts, agree.
+    evidence_dir = Path(os.environ.get(earned.ENV) or state_dir / "evidence").resolve()
+    os.environ[earned.ENV] = str(evidence_dir)
+    chosen["evidence_dir"] = evidence_dir
     try:
         snap = load_snapshot(config_dir)  # its deployments and pools: earned evidence changes neither
         if not args.no_demo_evidence:
@@ -149,6 +158,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     except RuntimeError as e:  # the demo's evidence could not be earned
         print(f"error: the gateway did not start: {e}", file=sys.stderr)
+        print(f"  to fix: see why in `llmgw check {args.config} --state-dir {args.state_dir}`, then earn it again: "
+              f"`llmgw up` (or `LLMGW_EVIDENCE_DIR={evidence_dir} llmgw demo-evidence --config {args.config}`)",
+              file=sys.stderr)
         return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -159,7 +171,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError, OSError) as e:
         print(f"error: the gateway did not start: {e}", file=sys.stderr)
         return 1
-    up_json = stack.write_up_json()
+    try:
+        if checked := up_loops.settle(stack, config_dir):
+            print(f"llmgw: engine check: {checked}")
+        up_json = stack.write_up_json()
+    except (RuntimeError, TimeoutError, OSError) as e:
+        stack.stop()
+        print(f"error: the gateway did not start: {e}", file=sys.stderr)
+        return 1
     _record_start(stack, args)
     loops = up_loops.start(stack, config_dir)
     print(f"llmgw is up in {time.monotonic() - t0:.1f}s (revision {stack.snapshot.revision})")
@@ -170,6 +189,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         shown = key if tenant in stack.new_demo_keys else f"(demo key in {up_json})"
         print(f"  tenant {tenant:<8} api key: {shown}")
     print(f"  routes:   {', '.join(sorted(stack.snapshot.routes))}")
+    for line in up_loops.unqualified(config_dir, args.config):
+        print(f"  {line}")
     print(f"  metrics:  {stack.metrics_url}   traces: {stack.traces_file}")
     print(f"  report:   llmgw report --state-dir {args.state_dir} -o {Path(args.state_dir) / 'report.html'}"
           "   (the ledger and the metrics as one page)")
@@ -249,12 +270,12 @@ def cmd_engines_verify(args: argparse.Namespace) -> int:
     for name in check.matching:
         print(f"{name}: every answering engine serves what its fingerprint declares")
     if not args.dry_run:
-        written, removed = engines.apply(snap, check, datetime.now(UTC).date())
+        written, removed = engines.apply(snap, check, datetime.now(UTC))
         for path in written:
             print(f"wrote {path} (its evidence is void while the engines differ: the candidate leaves routing)")
         for path in removed:
             print(f"removed {path} (the engines serve what the fingerprint declares again)")
-        for path in engines.model_voids(snap, answered, datetime.now(UTC).date()):
+        for path in engines.model_voids(snap, answered, datetime.now(UTC)):
             print(f"wrote {path} (answers named another model: its evidence is void until earned again)")
     return 1 if check.findings or answered else 0
 
@@ -307,6 +328,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate a policy directory and print its revision")
     c.add_argument("dir", nargs="?", default="policy")
+    c.add_argument("--state-dir", help="also count the evidence a gateway started with this state directory earned "
+                                      "(`llmgw up --state-dir`, default .llmgw: its evidence/); default: "
+                                      "$LLMGW_EVIDENCE_DIR, else the policy's own only")
     c.set_defaults(func=cmd_check)
 
     e = sub.add_parser("envoy", help="Envoy configuration")

@@ -16,19 +16,25 @@ from typing import Any
 from llmgw.cli.common import snapshot_or_report
 from llmgw.conformance.corpus import corpus_for, load_corpus
 from llmgw.conformance.record import write_record
-from llmgw.conformance.runner import run
+from llmgw.conformance.runner import not_recorded, run, sandbox_faults
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
     snap = snapshot_or_report(args.config)
     if snap is None:
         return 2
+    if not (args.route or args.deployment):
+        print("error: name --route, --deployment or both", file=sys.stderr)
+        return 2
     if args.route:
         route = snap.routes.get(args.route)
         if route is None:
             print(f"error: no route {args.route!r}", file=sys.stderr)
             return 2
-        names = [c.deployment_name for c in route.candidates]
+        names = [c.deployment_name for c in route.candidates if args.deployment in (None, c.deployment_name)]
+        if not names:
+            print(f"error: {args.deployment!r} is not a candidate of {args.route}", file=sys.stderr)
+            return 2
     else:
         names = [args.deployment]
     unknown = [n for n in names if n not in snap.deployments]
@@ -59,7 +65,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         lost = f"; reported lost: {', '.join(sorted(result.losses))}" if result.losses else ""
         print("  " + ", ".join(f"{v} {k}" for k, v in counts.items()) + lost)
         failed |= not result.passed
-        if not args.dry_run:
+        if faults := sandbox_faults(result.results):
+            print(not_recorded(faults))
+        elif not args.dry_run:
             path = write_record(Path(args.config), snap, name, snap.routes[result.route],
                                 result.evidence(today, args.valid_days), result.corpus_digest)
             print(f"  wrote {path}")
@@ -69,9 +77,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     c = sub.add_parser("conformance", help="run the conformance corpus against candidates and write their evidence")
     c.add_argument("--config", default="policy", help="policy directory")
-    which = c.add_mutually_exclusive_group(required=True)
-    which.add_argument("--route", help="every candidate of this route")
-    which.add_argument("--deployment", help="this deployment")
+    c.add_argument("--route", help="every candidate of this route, under its retry and fallback policy")
+    c.add_argument("--deployment", help="this deployment (with --route: this candidate of it; alone: under the "
+                                        "first route that has it)")
     c.add_argument("--corpus", help="the corpus file (default: the gateway's own for what the deployment serves: "
                                     "chat completions, or embeddings)")
     c.add_argument("--case", action="append",

@@ -15,7 +15,7 @@ from typing import Any
 from extproc.corpora import quality_corpus
 from llmgw.cli.common import snapshot_or_report
 from llmgw.conformance.record import write_record
-from llmgw.conformance.runner import session
+from llmgw.conformance.runner import not_recorded, sandbox_faults, session
 from llmgw.quality.corpus import load_quality
 from llmgw.quality.evaluate import evaluate_in
 
@@ -53,7 +53,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         verdict = "PASS" if result.passed else "FAIL"
         print(f"  score {result.score:.4f} against threshold {result.threshold}: {verdict}")
         failed |= not result.passed
-        if not args.dry_run:
+        if faults := sandbox_faults(result.results):
+            print(not_recorded(faults))
+        elif not args.dry_run:
             path = write_record(Path(args.config), snap, name, route, result.evidence(today, args.valid_days),
                                 corpus.digest)
             print(f"  wrote {path}")

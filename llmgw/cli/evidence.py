@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from llmgw.cli.common import snapshot_or_report
-from llmgw.ops.reevaluate import Bounds, evaluate, objectives_of, void_files, windows
+from llmgw.ops.reevaluate import Bounds, after_earning, evaluate, objectives_of, void_files, windows
 from llmgw.ops.store import store_client, store_url
 
 
@@ -51,6 +51,7 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
         return 2
     bounds = Bounds(args.max_failure_share, args.ttft_p95_ms, args.e2e_p95_ms, args.max_mix_shift,
                     args.max_length_ratio, args.min_requests, objectives_of(snap.gateway))
+    window = after_earning(window, snap)
     findings = evaluate(window, before, bounds)
     print(f"{len(window)} ledger entries in the last {args.window_hours:g} h, {len(before)} in the "
           f"{args.baseline_hours:g} h before")
@@ -61,7 +62,6 @@ def cmd_reevaluate(args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         return 1
-    today = datetime.now(UTC).date().isoformat()
-    for path in void_files(findings, dict(snap.deployments), Path(args.config), today):
+    for path in void_files(findings, dict(snap.deployments), Path(args.config), datetime.now(UTC)):
         print(f"  wrote {path} (its evidence is void: the candidate leaves routing until re-earned)")
     return 1

@@ -35,17 +35,24 @@ from typing import Any, TextIO
 import yaml
 
 from extproc.config import Snapshot, load_snapshot
+from extproc.config.evidence import voids_record
 from extproc.config.loader import RECORD_DATE_GRACE
 from extproc.config.schema import Evidence, EvidenceBasis, Route
 from extproc.corpora import quality_corpus
 from llmgw.conformance.corpus import corpus_for
 from llmgw.conformance.record import basis, record_path, write_record
-from llmgw.conformance.runner import run_corpus, session
+from llmgw.conformance.runner import run_corpus, sandbox_faults, session
+from llmgw.ops.engines import TRIGGER as ENGINE_MISMATCH
 from llmgw.quality.corpus import load_quality
 from llmgw.quality.evaluate import evaluate_in
 
 VALID_DAYS = 90  # how long a record written here stays valid
 RENEW_DAYS = 14  # a record closer than this to its expiry is earned again
+SANDBOX_TRIES = 3  # runs of a candidate's earning while its sandbox fails cases itself (a loaded machine)
+
+
+class SandboxNotReady(RuntimeError):
+    """The sandbox never served a run whole: nothing is known of the candidate, and nothing was written."""
 
 
 def today_utc() -> date:
@@ -61,6 +68,7 @@ class Earned:
     record: dict[str, Any]
     corpus_digest: str
     passed: bool
+    sandbox_faults: tuple[str, ...] = ()  # cases the sandbox failed: the run says nothing of the candidate
 
 
 def wanted(snap: Snapshot, simulated: Iterable[str], today: date) -> dict[str, dict[str, set[str]]]:
@@ -87,14 +95,16 @@ def wanted(snap: Snapshot, simulated: Iterable[str], today: date) -> dict[str, d
 
 def _reusable(cached: Path, snap: Snapshot, name: str, route: Route, kind: str, today: date, horizon: date) -> bool:
     """Whether a cached record is the one a run now would write: same fingerprint, passing, bound to
-    the same corpus, shape code, route policy and configuration, not dated after today (a cache filled
-    under a clock that ran ahead is earned again) and valid past the horizon."""
+    the same corpus, shape code, route policy and configuration, earned after every void of the
+    policy's, not dated after today (a cache filled under a clock that ran ahead is earned again) and
+    valid past the horizon."""
     try:
         record = Evidence.model_validate(yaml.safe_load(cached.read_text()))
     except (OSError, ValueError, yaml.YAMLError):
         return False
     dep = snap.deployments[name]
-    return (record.deployment_ref == dep.ref and record.kind == kind and record.result == "pass"
+    return (not any(voids_record(v, record) for v in snap.voids)
+            and record.deployment_ref == dep.ref and record.kind == kind and record.result == "pass"
             and record.basis == EvidenceBasis.model_validate(basis(snap, dep, route, kind))
             and record.recorded_at <= today + RECORD_DATE_GRACE
             and record.expires_at is not None and record.expires_at > horizon)
@@ -117,12 +127,13 @@ def earn(config: Path, name: str, plan: dict[str, set[str]], work: Path, time_sc
             if "conformance" in plan[route.route_contract]:
                 run = run_corpus(s, conformance, route.route_contract)
                 out.append(Earned(route.route_contract, run.evidence(today, VALID_DAYS), run.corpus_digest,
-                                  run.passed))
+                                  run.passed, tuple(sandbox_faults(run.results))))
             if "quality_gate" in plan[route.route_contract]:
                 corpus = qualities[route.route_contract]
                 threshold = snap.gateway.request_classes[route.request_class].quality.threshold  # type: ignore[union-attr]
                 ev = evaluate_in(s, corpus, route, threshold)
-                out.append(Earned(route.route_contract, ev.evidence(today, VALID_DAYS), corpus.digest, ev.passed))
+                out.append(Earned(route.route_contract, ev.evidence(today, VALID_DAYS), corpus.digest, ev.passed,
+                                  tuple(sandbox_faults(ev.results))))
     return out
 
 
@@ -142,7 +153,9 @@ def ensure(config: Path, simulated: Iterable[str], today: date | None = None, ca
 
 def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | None, out: TextIO,
             time_scale: float, sim_quality: float | None, earner: Callable[..., list[Earned]]) -> list[Path]:
-    snap = load_snapshot(config)
+    # An engine mismatch is lifted by the engine check, not by earning (a run against engines that serve
+    # another thing proves nothing of the fingerprint): what is missing is judged without its voids.
+    snap = load_snapshot(config, unless=frozenset({ENGINE_MISMATCH}))
     horizon = today + timedelta(days=RENEW_DAYS)
     written: list[Path] = []
     to_run: dict[str, dict[str, set[str]]] = {}
@@ -158,16 +171,26 @@ def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | N
                     to_run.setdefault(name, {}).setdefault(route_name, set()).add(kind)
     if not to_run:
         return written
-    print(f"llmgw: earning evidence for {', '.join(sorted(to_run))} (conformance and quality corpora through a "
-          "sandboxed gateway each; once, then again before it expires)", file=out, flush=True)
+    reasons = ", ".join(f"{n} ({why_earning(snap, n, to_run[n], today)})" for n in sorted(to_run))
+    print(f"llmgw: earning evidence for {reasons} (conformance and quality corpora through a sandboxed gateway each)",
+          file=out, flush=True)
 
     def run_one(name: str) -> tuple[str, list[Earned]]:
-        with tempfile.TemporaryDirectory(prefix="llmgw-evidence-") as work:
-            result = earner(config, name, to_run[name], Path(work), time_scale, sim_quality, today)
-        # The run's compiled policies (regorus engines, bound to the thread that made them) are
-        # collected here rather than by a later collection on another thread, which refuses them.
-        gc.collect()
-        return name, result
+        for attempt in range(SANDBOX_TRIES):
+            with tempfile.TemporaryDirectory(prefix="llmgw-evidence-") as work:
+                result = earner(config, name, to_run[name], Path(work), time_scale, sim_quality, today)
+            # The run's compiled policies (regorus engines, bound to the thread that made them) are
+            # collected here rather than by a later collection on another thread, which refuses them.
+            gc.collect()
+            faults = sorted({c for e in result for c in e.sandbox_faults})
+            if not faults:
+                return name, result
+            print(f"llmgw: the sandbox for {name} was not ready for {', '.join(faults[:5])} (a loaded machine, not a "
+                  f"verdict on the candidate); {'earning again' if attempt + 1 < SANDBOX_TRIES else 'giving up'}",
+                  file=out, flush=True)
+        raise SandboxNotReady(f"the sandbox that earns {name}'s evidence did not serve it in {SANDBOX_TRIES} runs "
+                              f"(cases {', '.join(faults[:5])}); nothing was recorded - try again on a quieter "
+                              "machine: `llmgw demo-evidence`")
 
     with ThreadPoolExecutor(max_workers=len(to_run)) as pool:
         results = list(pool.map(run_one, sorted(to_run)))
@@ -185,6 +208,23 @@ def _ensure(config: Path, simulated: Iterable[str], today: date, cache: Path | N
     if failed:
         raise RuntimeError(f"evidence failed for {', '.join(failed)} (see evidence/*.yaml)")
     return written
+
+
+def why_earning(snap: Snapshot, name: str, plan: dict[str, set[str]], today: date) -> str:
+    """Why a candidate's evidence is earned now, in a few words: voided (and by what), its latest run
+    failed, expiring, or never earned."""
+    dep = snap.deployments[name]
+    if triggers := snap.void_triggers.get(dep.ref):
+        return "voided: " + ", ".join(sorted(t.replace("_", " ") for t in triggers))
+    if snap.voided.get(dep.ref):
+        return "voided: " + snap.voided[dep.ref][0].split(": ", 1)[1][:80]
+    routes = [snap.routes[r] for r in plan]
+    held = [e for r in routes for e in snap.records_for(dep.ref, r) if e.kind in plan[r.route_contract]]
+    if any(e.result == "fail" for e in held):
+        return "its last run failed"
+    if held:
+        return f"expires within {RENEW_DAYS} days"
+    return "none yet"
 
 
 def simulated_by_up(snap: Snapshot, engine: str, simulate_providers: bool) -> set[str]:

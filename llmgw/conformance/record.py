@@ -4,13 +4,14 @@ extproc/config/evidence.py), and the provisional records a sandbox gives its can
 
 from __future__ import annotations
 
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from extproc.config import Snapshot, load_snapshot
+from extproc.config.earned import earned_dir
 from extproc.config.evidence import basis_for, corpus_path
 from extproc.config.schema import Deployment, Route, required_evidence
 
@@ -26,9 +27,10 @@ QUALITY_HEADER = (
 
 
 def record_path(config: Path, deployment: str, kind: str, route: str) -> Path:
-    """`evidence/<deployment>-<kind>-<route>.yaml`: one record per route it was earned on (a record
-    qualifies every route with the same retry and fallback policy; a quality gate, of the same class)."""
-    return config / "evidence" / f"{deployment}-{kind.replace('_', '-')}-{route}.yaml"
+    """`<deployment>-<kind>-<route>.yaml` where the policy at `config` keeps what is earned
+    (extproc/config/earned.py): one record per route it was earned on (a record qualifies every route
+    with the same retry and fallback policy; a quality gate, of the same class)."""
+    return earned_dir(config) / f"{deployment}-{kind.replace('_', '-')}-{route}.yaml"
 
 
 def basis(snap: Snapshot, dep: Deployment, route: Route, kind: str) -> dict[str, Any]:
@@ -56,12 +58,13 @@ def write_record(config: Path, snap: Snapshot, deployment: str, route: Route, re
                  corpus_digest: str) -> Path:
     """`record` (a run's, without its basis) written with the basis it was earned under: the digest of
     the corpus it ran (a corpus other than the one its kind needs now leaves it void), this code's
-    shape, `route`'s policy."""
+    shape, `route`'s policy - and the moment it was earned (a void that fired before it is lifted)."""
     kind = record["kind"]
     path = record_path(config, deployment, kind, route.route_contract)
     earned = {**basis(snap, snap.deployments[deployment], route, kind), "corpus_digest": corpus_digest}
-    doc = {**record, "route": route.route_contract, "basis": earned}
-    path.parent.mkdir(exist_ok=True)
+    doc = {**record, "earned_at": record.get("earned_at") or datetime.now(UTC).isoformat(timespec="seconds"),
+           "route": route.route_contract, "basis": earned}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text((CONFORMANCE_HEADER if kind == "conformance" else QUALITY_HEADER)
                     + yaml.safe_dump(doc, sort_keys=False))
     return path

@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import shutil
 import socket
 import string
 import time
@@ -53,6 +54,20 @@ class CaseResult:
     id: str
     result: str  # pass | fail | lost | not_run
     detail: str = ""
+    # The sandbox gateway, not the candidate, failed it (SANDBOX_FAULTS, still after the retries): the
+    # run says nothing of the candidate and is never written as its record (demo_evidence.ensure).
+    sandbox_fault: bool = False
+
+
+def sandbox_faults(results: Iterable[CaseResult]) -> list[str]:
+    """The cases of a run that the sandbox failed: a run with any says nothing of its candidate."""
+    return [r.id for r in results if r.result == "fail" and r.sandbox_fault]
+
+
+def not_recorded(faults: Sequence[str]) -> str:
+    """What `llmgw conformance` and `llmgw evaluate` say of a run the sandbox failed: no record."""
+    return (f"  not recorded: the sandbox gateway failed {', '.join(faults[:5])} itself (it was not ready: a loaded "
+            "machine), which says nothing of the candidate; run it again")
 
 
 @dataclass
@@ -122,9 +137,14 @@ def sandbox(config: Path, deployment: str, work: Path, routes: Sequence[Route],
     small machine)."""
     snap = load_snapshot(config)
     dep = snap.deployments[deployment]
-    policy, keys = sandbox_policy(config, work / "policy")  # its own provisional records below
+    policy, keys = sandbox_policy(config, work / "policy")
+    # Only its own provisional records below: whatever the policy holds of this candidate - a record
+    # that failed, a void, a record earned under a clock that ran ahead - is what the run is to
+    # replace, and must not stand between the sandbox and the candidate (nor may the earned state of
+    # the gateway that started it: the sandbox's processes read their own, Stack._extproc_env).
+    shutil.rmtree(policy / "evidence", ignore_errors=True)
+    (policy / "evidence").mkdir()
     today = datetime.now(UTC).date()
-    (policy / "evidence").mkdir(exist_ok=True)
     for i, real in enumerate(routes, 1):
         for purpose, loss in (("conformance", "report"), ("evaluate", real.translation_loss)):
             route = {
@@ -250,17 +270,27 @@ def _read_until(resp: http.client.HTTPResponse, chunks: int) -> tuple[bytes, boo
     return data, False
 
 
-# The sandbox gateway's own failure to decide (a worker just started that missed a decision on a loaded
-# machine: it fails closed), never the candidate's: such a request is sent once more before it counts.
-SANDBOX_FAULTS = ("policy_unavailable",)
+# The sandbox gateway's own failures, never the candidate's: a worker just started that missed a
+# decision on a loaded machine (it fails closed), and no qualified route - the sandbox's routes have one
+# candidate, with records the sandbox wrote itself, and no case of a corpus expects the refusal, so it
+# means the gateway was not ready for it (its workers not yet serving the sandbox's revision, the
+# candidate's upstream marked down by a fault case before it). Such a request is sent again, backing off.
+SANDBOX_FAULTS = ("policy_unavailable", "no_qualified_route")
+SANDBOX_RETRIES_S = (0.5, 1.0, 2.0, 4.0)
+
+
+def sandbox_failed(out: Outcome) -> bool:
+    return out.status == 503 and out.error in SANDBOX_FAULTS
 
 
 def send(url: str, key: str, body: dict[str, Any], headers: dict[str, str],
          cancel_after: int | None = None, path: str = CHAT_PATH) -> Outcome:
-    """One request as the client sends it, and what it got (once more when the sandbox failed it)."""
+    """One request as the client sends it, and what it got (again, backing off, while the sandbox failed it)."""
     out = _send(url, key, body, headers, cancel_after, path)
-    if out.status == 503 and out.error in SANDBOX_FAULTS:
-        time.sleep(0.5)
+    for pause in SANDBOX_RETRIES_S:
+        if not sandbox_failed(out):
+            break
+        time.sleep(pause)
         out = _send(url, key, body, headers, cancel_after, path)
     return out
 
@@ -336,7 +366,8 @@ def run_case(case: Case, gw: Gateway, context_window: int, upstreams: Upstreams,
     if lost:
         return CaseResult(case.id, "lost", f"the adapter does not carry {', '.join(lost)}"), losses
     bad = check(case, outcomes)
-    return CaseResult(case.id, "fail" if bad else "pass", "; ".join(bad)), losses
+    return CaseResult(case.id, "fail" if bad else "pass", "; ".join(bad),
+                      sandbox_fault=any(sandbox_failed(o) for o in outcomes)), losses
 
 
 @dataclass
@@ -365,7 +396,7 @@ def session(config: Path, deployment: str, work: Path, routes: Sequence[Route],
     (`engine="vllm"`); with `simulate_providers`, a simulated provider for each hosted deployment on
     loopback (as `llmgw up` does)."""
     sb = sandbox(config, deployment, work, routes, requests, one_engine=engine == "vllm")
-    snap = load_snapshot(sb.policy)
+    snap = load_snapshot(sb.policy, earned=work / "gateway" / "evidence")
     dep = snap.deployments[deployment]
     opts = StackOptions.on_free_ports(sb.policy, work / "gateway", snap, time_scale=time_scale, workers=1,
                                       envoy_concurrency=1, engine_args=engine_args,

@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 
-from extproc.config import Snapshot, load_snapshot
+from extproc.config import Snapshot, earned, load_snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import WORKER_HEALTH_PATH
 from extproc.corpora import quality_corpus
@@ -104,6 +105,10 @@ class StackOptions:
     provider_ports: dict[str, tuple[int, ...]] | None = None  # per deployment; None: its own endpoints
     traces: bool = False  # the workers' spans into <state>/traces.jsonl (llmgw up)
     extproc_env: dict[str, str] = field(default_factory=dict)  # more environment for the workers (OTLP)
+    # Where the workers read the evidence earned at run time besides the policy's own
+    # (extproc/config/earned.py); None: <state_dir>/evidence. Never the environment's: a sandbox started
+    # inside `llmgw up` reads its own, not the gateway's that started it.
+    evidence_dir: Path | None = None
     region: str = ""  # where this gateway runs (ext_proc --region); "" = not declared
     # The simulators' answer quality, an operator's setting (enginesim/oracle.py): right on this share
     # of the tasks of the policy's quality corpora. None: none right (seeded words, as ever).
@@ -148,7 +153,7 @@ class Stack:
         self.opts.state_dir = self.opts.state_dir.resolve()
         self._demo_keys, self.new_demo_keys = (ensure_demo_keys(self.opts.config_dir, self.opts.state_dir)
                                                if self.opts.demo_keys else ({}, []))
-        self.snapshot = load_snapshot(self.opts.config_dir)
+        self.snapshot = load_snapshot(self.opts.config_dir, earned=self.evidence_dir)
         o, env = self.opts, self.snapshot.gateway.envoy
         listen_host = env.listen.rsplit(":", 1)[0]
         overrides: dict[str, object] = {}
@@ -379,6 +384,11 @@ class Stack:
         return env
 
     @property
+    def evidence_dir(self) -> Path:
+        """The evidence this stack's gateway earned at run time (extproc/config/earned.py)."""
+        return (self.opts.evidence_dir or self.opts.state_dir / "evidence").resolve()
+
+    @property
     def admin_token_file(self) -> Path:
         """The token the workers' status servers want for POST /reload."""
         return self.opts.state_dir / "admin.token"
@@ -402,6 +412,7 @@ class Stack:
         shutil.rmtree(metrics, ignore_errors=True)
         metrics.mkdir(parents=True)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
+        env[earned.ENV] = str(self.evidence_dir)
         if self.opts.traces:
             env["LLMGW_TRACES_FILE"] = str(self.traces_file)
         env.update(self.opts.extproc_env)
@@ -466,9 +477,27 @@ class Stack:
         """Where `llmgw up`'s supervised loops write their state (llmgw/ops/loops.py); the workers serve it."""
         return self.opts.state_dir / "loops.json"
 
-    def write_up_json(self) -> Path:
+    def advertised_answer(self) -> bool:
+        """Whether every endpoint up.json advertises answers now: the listener, Envoy's admin, each
+        worker's status and the metrics, the store, the engines and simulated providers."""
+        host, port = self.render.listen
+        store = urllib.parse.urlsplit(self.store_url or "")
+        return (tcp_open(host, port) and answers(f"{self.admin_url}/ready") and answers(self.metrics_url)
+                and all(answers(u) for u in self.status_urls)
+                and (not store.hostname or tcp_open(store.hostname, store.port or 6379))
+                and all(answers(f"http://{h}:{p}/health") for h, p in self.engine_addresses()))
+
+    def engine_addresses(self) -> list[tuple[str, int]]:
+        """The engines and simulated providers this stack started."""
+        return [hp(addr) for addr in self.engines]
+
+    def write_up_json(self, timeout: float = 30.0) -> Path:
+        """up.json, written once every endpoint it advertises answers (a client that reads it at once
+        finds each of them serving), atomically (never half a file)."""
+        wait_until(self.advertised_answer, timeout, "the endpoints up.json advertises", self.envoy)
         path = self.opts.state_dir / "up.json"
-        path.write_text(json.dumps({
+        part = path.with_suffix(".json.part")
+        part.write_text(json.dumps({
             "url": self.url, "admin_url": self.admin_url, "revision": self.snapshot.revision,
             "tenants": {t: {"api_key": k} for t, k in self.demo_keys().items()},
             "engines": self.engine_urls(), "logs": str(self.logs), "extproc_status": self.status_urls,
@@ -478,6 +507,7 @@ class Stack:
             **({"traces_file": str(self.traces_file)} if self.opts.traces else {}),
             **({"ca_file": str(self.opts.state_dir / "tls" / "ca.crt")} if self.render.tls.listener else {}),
         }, indent=2) + "\n")
+        part.replace(path)
         return path
 
 

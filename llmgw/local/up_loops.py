@@ -9,8 +9,8 @@ trigger fires without an operator: each at its interval in gateway.yaml `loops` 
 - canary_watch: each route's canary against its stable candidates; a regression rolls it back as an
   audited revision (llmgw/ops/canary.py).
 
-Voids land in the policy directory, which the workers watch: the candidate leaves routing at their
-next reload (within a second). The loops read the policy as it is at each run.
+Voids land in the earned state (extproc/config/earned.py), which the workers watch: the candidate
+leaves routing at their next reload (within a second). The loops read the policy as it is at each run.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from extproc.config import load_snapshot
+from llmgw.local.procs import json_at, wait_until
 from llmgw.local.stack import Stack
 from llmgw.ops import canary, engines, reevaluate
 from llmgw.ops.loops import Loops
+from llmgw.ops.requalify import fix_command
 from llmgw.ops.store import store_client
 
 WINDOW_S, BASELINE_S = 24 * 3600, 7 * 24 * 3600  # reevaluate's, as `llmgw evidence reevaluate` defaults
@@ -35,14 +37,14 @@ def engine_verify(stack: Stack, config: Path, since: float | None = None) -> str
     snap = load_snapshot(config)
     pools = {d.pool for d in snap.deployments.values() if d.pool}
     check = engines.verify(snap, {p: stack.engine_urls(p) for p in sorted(pools)})
-    today = datetime.now(UTC).date()
-    written, removed = engines.apply(snap, check, today)
+    now = datetime.now(UTC)
+    written, removed = engines.apply(snap, check, now)
     client = store_client(str(stack.store_url))
     try:
         answered = engines.answers_since(snap, client, since if since is not None else time.time() - ANSWERS_S)
     finally:
         client.close()
-    written += engines.model_voids(snap, answered, today)
+    written += engines.model_voids(snap, answered, now)
     parts = [f"{len(check.matching)} deployment(s) serve what they declare"]
     parts += [str(f) for f in (*check.findings, *answered)]
     parts += [f"unreachable: {', '.join(check.unreachable)}"] if check.unreachable else []
@@ -57,8 +59,9 @@ def reevaluate_once(stack: Stack, config: Path) -> str:
         window, before = reevaluate.windows(client, sorted(snap.gateway.tenants), time.time(), WINDOW_S, BASELINE_S)
     finally:
         client.close()
+    window = reevaluate.after_earning(window, snap)
     findings = reevaluate.evaluate(window, before, reevaluate.Bounds(objectives=reevaluate.objectives_of(snap.gateway)))
-    paths = reevaluate.void_files(findings, dict(snap.deployments), config, datetime.now(UTC).date().isoformat())
+    paths = reevaluate.void_files(findings, dict(snap.deployments), config, datetime.now(UTC))
     return "; ".join([f"{len(window)} ledger entries", *(f"{f.deployment}: {f.trigger}: {f.reason}" for f in findings),
                       *(f"void written: {p.name}" for p in paths)])
 
@@ -75,6 +78,37 @@ def canary_watch(stack: Stack, config: Path) -> str:
     finally:
         client.close()
     return "; ".join(said + [f"rolled back: {r}" for r in rolled]) or "no canary"
+
+
+def settle(stack: Stack, config: Path, timeout: float = 20.0) -> str:
+    """Before `llmgw up` says it is up: the engine check once (a void an earlier run left - another
+    engine served then - is lifted, or one written, before the first request rather than a loop
+    interval later), and the workers serving the revision that leaves. What the check did, when it
+    changed anything ("" otherwise)."""
+    if stack.snapshot.gateway.loops.engine_verify_s <= 0 or not stack.render.pools:
+        return ""
+    said = engine_verify(stack, config)
+    current = load_snapshot(config, earned=stack.evidence_dir)
+    if current.revision == stack.snapshot.revision:
+        return ""
+    wait_until(lambda: all(json_at(u).get("revision") == current.revision for u in stack.status_urls),
+               timeout, f"the workers reloading after the engine check ({said})")
+    stack.snapshot = current
+    return said
+
+
+def unqualified(config: Path, shown: str) -> list[str]:
+    """A line per route candidate that does not serve for want of evidence: why, and the command that
+    brings it back (llmgw/ops/requalify.py)."""
+    snap = load_snapshot(config)
+    today = datetime.now(UTC).date()
+    out = []
+    for name, route in sorted(snap.routes.items()):
+        for cand in route.candidates:
+            if why := snap.why_unqualified(route, cand.deployment_ref, today):
+                out.append(f"not serving: route {name} candidate {cand.deployment_name}: {why}; to qualify it: "
+                           f"{fix_command(snap, route, cand.deployment_name, today, shown)}")
+    return out
 
 
 def start(stack: Stack, config: Path) -> Loops:

@@ -17,11 +17,12 @@ A hosted deployment is not probed (a request to a provider costs money); its ans
 the ledger keeps the model each answer named (`upstream_model`), which must be the deployment's
 `served_model` or a dated version of it (`gpt-4o` answered as `gpt-4o-2024-08-06`; a model whose name
 merely extends it, `gpt-4o-mini`, passes too: the rule cannot tell). A Bedrock answer names no model.
-An answer that names another writes `evidence/voids/<deployment>-model_mismatch-<date>.yaml`, a
-run-time trigger like the ledger's others: it voids the records earned on or before its day, so the
-candidate is back once its evidence is earned again, against the provider as it now answers.
+An answer that names another writes `voids/<deployment>-model_mismatch-<date>.yaml` (in the earned
+state, extproc/config/earned.py), a run-time trigger like the ledger's others: it voids the records
+earned before it fired, so the candidate is back once its evidence is earned again, against the
+provider as it now answers (the answers before that record count no more).
 
-A mismatch writes a void record, `evidence/voids/<deployment>-engine_mismatch.yaml`, which voids every
+A mismatch writes a void record, `voids/<deployment>-engine_mismatch.yaml`, which voids every
 record of the fingerprint while it exists (the candidate leaves routing at the workers' next reload);
 the check removes it once every engine of the deployment serves what it declares again: the records
 were earned by that very fingerprint. `llmgw engines verify` runs it once; `llmgw up` every
@@ -35,7 +36,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import date
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,8 +44,10 @@ from urllib.parse import urlsplit
 import yaml
 
 from extproc.config import Snapshot
+from extproc.config.earned import voids_dir
 from extproc.config.schema import Deployment
 from llmgw.ops.ledger import ledger_entries
+from llmgw.ops.reevaluate import after_earning, write_void
 
 TRIGGER = "engine_mismatch"
 ANSWERS = "answers"  # a Finding's `engine` when the ledger's answers, not a probe, showed it
@@ -205,31 +208,32 @@ def answer_findings(snap: Snapshot, entries: Sequence[Mapping[str, Any]]) -> lis
 
 
 def answers_since(snap: Snapshot, client: Any, since: float) -> list[Finding]:
-    """`answer_findings` over the ledger's entries that arrived at or after `since`."""
-    return answer_findings(snap, ledger_entries(client, sorted(snap.gateway.tenants), since=since))
+    """`answer_findings` over the ledger's entries that arrived at or after `since`, each answered
+    after its deployment's newest record was earned (what came before is about the candidate it replaced)."""
+    return answer_findings(snap, after_earning(ledger_entries(client, sorted(snap.gateway.tenants), since=since),
+                                               snap))
 
 
-def model_voids(snap: Snapshot, findings: Sequence[Finding], today: date) -> list[Path]:
-    """A `model_mismatch` void per deployment whose answers named another model (one a day)."""
+def model_voids(snap: Snapshot, findings: Sequence[Finding], now: datetime) -> list[Path]:
+    """A `model_mismatch` void per deployment whose answers named another model: one a day, unless
+    evidence was earned again since the day's void fired."""
     written = []
     for f in findings:
-        path = snap.directory / "evidence" / "voids" / f"{f.deployment}-model_mismatch-{today.isoformat()}.yaml"
-        if path.exists():
+        dep = snap.deployments[f.deployment]
+        name = f"{f.deployment}-model_mismatch-{now.date().isoformat()}.yaml"
+        held = next((v for v in snap.voids if v.deployment_ref == dep.ref and v.trigger == "model_mismatch"
+                     and v.recorded_at == now.date()), None)
+        if held is not None and (dep.ref not in snap.earned or held.moment() >= snap.earned[dep.ref]):
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump({
-            "deployment_ref": snap.deployments[f.deployment].ref, "trigger": "model_mismatch",
-            "reason": str(f),
-            "recorded_at": today.isoformat()}, sort_keys=False))
-        written.append(path)
+        written.append(write_void(snap.directory, name, dep.ref, "model_mismatch", str(f), now))
     return written
 
 
 def void_path(directory: Path, deployment: str) -> Path:
-    return directory / "evidence" / "voids" / f"{deployment}-{TRIGGER}.yaml"
+    return voids_dir(directory) / f"{deployment}-{TRIGGER}.yaml"
 
 
-def apply(snap: Snapshot, check: Check, today: date) -> tuple[list[Path], list[Path]]:
+def apply(snap: Snapshot, check: Check, now: datetime) -> tuple[list[Path], list[Path]]:
     """The check's consequences in the policy directory: a void per mismatched deployment (rewritten
     only when its reason changed, so the workers reload once), and the voids of deployments that match
     again removed. Returns (written, removed)."""
@@ -240,19 +244,16 @@ def apply(snap: Snapshot, check: Check, today: date) -> tuple[list[Path], list[P
         by_dep.setdefault(f.deployment, []).append(f)
     for name, found in sorted(by_dep.items()):
         path = void_path(directory, name)
-        doc: dict[str, Any] = {"deployment_ref": snap.deployments[name].ref, "trigger": TRIGGER,
-                               "reason": "; ".join(str(f) for f in found)[:1000], "recorded_at": today.isoformat()}
+        ref, reason = snap.deployments[name].ref, "; ".join(str(f) for f in found)[:1000]
         try:
             held = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
             held = None
-        if isinstance(held, dict) and held.get("reason") == doc["reason"] \
-                and held.get("deployment_ref") == doc["deployment_ref"]:
+        if isinstance(held, dict) and held.get("reason") == reason and held.get("deployment_ref") == ref:
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# Written by the engine check (llmgw/ops/engines.py): removed when the engines serve what\n"
-                        "# the fingerprint declares again.\n" + yaml.safe_dump(doc, sort_keys=False))
-        written.append(path)
+        written.append(write_void(directory, path.name, ref, TRIGGER, reason, now, header=(
+            "# Written by the engine check (llmgw/ops/engines.py): removed when the engines serve what\n"
+            "# the fingerprint declares again.\n")))
     for name in check.matching:
         path = void_path(directory, name)
         if name not in by_dep and path.exists():

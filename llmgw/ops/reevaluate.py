@@ -9,9 +9,13 @@ Over the last `window` of ledger entries, per deployment that answered them:
 - workload shift: the request-class mix moved (total variation distance between this window and the
   one before it) or the prompt lengths' p95 grew beyond a ratio - the evidence was earned for another
   workload.
-Each finding is written as a void record (evidence/voids/), which the loader applies to every
-evidence record of that fingerprint recorded on or before its date: the candidate leaves routing
-until evidence is earned again (extproc/config/evidence.py). Too few requests decide nothing.
+Each finding is written as a void record (evidence/voids/ of the earned state), which the loader
+applies to every evidence record of that fingerprint earned before it fired: the candidate leaves
+routing until evidence is earned again (extproc/config/evidence.py). Too few requests decide nothing.
+
+A deployment's window begins after its newest record was earned: the answers before it are about the
+candidate that record replaced (yesterday's engine faults do not void the evidence earned this
+morning, and a candidate earned again after a void is not voided at once by the answers that fired it).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from extproc.config import Snapshot
+from extproc.config.earned import voids_dir
 from extproc.config.schema import Deployment, GatewayConfig
 from llmgw.bench.stats import percentile
 from llmgw.ops.ledger import ledger_entries
@@ -51,6 +58,12 @@ def windows(client: Any, tenants: Sequence[str], now: float, window_s: float, ba
     entries = ledger_entries(client, tenants, since=start - baseline_s)
     return ([e for e in entries if float(e.get("time") or 0) >= start],
             [e for e in entries if float(e.get("time") or 0) < start])
+
+
+def after_earning(entries: Iterable[dict[str, Any]], snap: Snapshot) -> list[dict[str, Any]]:
+    """The entries answered after the answering deployment's newest record was earned (Snapshot.earned)."""
+    since = {name: snap.earned[d.ref].timestamp() for name, d in snap.deployments.items() if d.ref in snap.earned}
+    return [e for e in entries if float(e.get("time") or 0) > since.get(_answered_by(e), 0.0)]
 
 
 def objectives_of(gateway: GatewayConfig) -> dict[str, tuple[float | None, float | None, float]]:
@@ -140,15 +153,26 @@ def evaluate(window: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]],
 
 
 def void_files(findings: Iterable[Finding], deployments: dict[str, Deployment], directory: Path,
-               today: str) -> list[Path]:
+               now: datetime) -> list[Path]:
+    """Each finding as a void of its deployment, one file a trigger a day (a later finding the same day
+    rewrites it with its own moment)."""
     written = []
-    (directory / "evidence" / "voids").mkdir(parents=True, exist_ok=True)
     for f in findings:
         dep = deployments.get(f.deployment)
         if dep is None:
             continue
-        path = directory / "evidence" / "voids" / f"{f.deployment}-{f.trigger}-{today}.yaml"
-        path.write_text(yaml.safe_dump({"deployment_ref": dep.ref, "trigger": f.trigger, "reason": f.reason,
-                                        "recorded_at": today}, sort_keys=False))
-        written.append(path)
+        written.append(write_void(directory, f"{f.deployment}-{f.trigger}-{now.date().isoformat()}.yaml",
+                                  dep.ref, f.trigger, f.reason, now))
     return written
+
+
+def write_void(directory: Path, name: str, ref: str, trigger: str, reason: str, now: datetime,
+               header: str = "") -> Path:
+    """A run-time void for the policy at `directory`, in its earned state (extproc/config/earned.py),
+    dated by its day and the moment it fired."""
+    path = voids_dir(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump({"deployment_ref": ref, "trigger": trigger, "reason": reason,
+                                             "recorded_at": now.date().isoformat(),
+                                             "voided_at": now.isoformat(timespec="seconds")}, sort_keys=False))
+    return path

@@ -10,7 +10,7 @@ from datetime import date, timedelta
 from typing import Any
 
 from extproc.config.schema import Route
-from llmgw.conformance.runner import CaseResult, Session, send
+from llmgw.conformance.runner import CaseResult, Session, sandbox_failed, send
 from llmgw.quality.corpus import QualityCorpus
 from llmgw.quality.scorers import grade
 
@@ -55,7 +55,8 @@ def evaluate_in(s: Session, corpus: QualityCorpus, route: Route, threshold: floa
                      threshold)
     for task in corpus.tasks:
         body = {**json.loads(json.dumps(task.request)), "model": gw.route}
-        g = grade(task, send(gw.url, gw.key, body, {}))
+        answer = send(gw.url, gw.key, body, {})
+        g = grade(task, answer)
         out.results.append(CaseResult(task.id, "pass" if g.right else "fail", f"{task.kind}: {g.detail}" if g.detail
-                                      else ""))
+                                      else "", sandbox_fault=sandbox_failed(answer)))
     return out

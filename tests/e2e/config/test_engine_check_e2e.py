@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from datetime import date
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -67,9 +67,9 @@ def test_a_mismatched_engine_voids_the_evidence_and_moves_routing(gw: Stack) -> 
     check = engines.verify(load_snapshot(policy), {"engine-pool": gw.engine_urls("engine-pool")})
     assert {(f.field, f.declared, f.served) for f in check.findings} == {("max_model_len", "131072", str(WINDOW))}
     assert len(check.findings) == 2 and not check.unreachable  # both engines of the pool
-    written, _ = engines.apply(load_snapshot(policy), check, date.today())
+    written, _ = engines.apply(load_snapshot(policy), check, datetime.now(UTC))
     assert [p.name for p in written] == ["pool-llama-8b-engine_mismatch.yaml"]
-    assert engines.apply(load_snapshot(policy), check, date.today()) == ([], [])  # the same finding: no rewrite
+    assert engines.apply(load_snapshot(policy), check, datetime.now(UTC)) == ([], [])  # the same finding: no rewrite
     serving_directory(gw)
 
     status, _, body = chat(gw, "chat-default")  # its only candidate
@@ -106,7 +106,7 @@ def test_the_void_is_lifted_when_the_engines_serve_what_is_declared_again(gw: St
     assert engines.void_path(policy, "pool-llama-8b").exists()
     snap = load_snapshot(policy)
     matching = engines.Check((), (), ("pool-llama-8b",))  # what verify says of engines that match
-    _, removed = engines.apply(snap, matching, date.today())
+    _, removed = engines.apply(snap, matching, datetime.now(UTC))
     assert removed == [engines.void_path(policy, "pool-llama-8b")]
     serving_directory(gw)
     status, headers, _ = chat(gw, "chat-fallback")

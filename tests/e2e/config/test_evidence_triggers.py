@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.config import load_snapshot
+from extproc.config.schema import Evidence
 from extproc.occupancy import _Fixed, families
 from llmgw.ops.reevaluate import Bounds, evaluate, objectives_of, void_files
 from tests.conftest import POLICY
@@ -82,10 +83,17 @@ def test_a_static_trigger_voids_the_evidence_and_the_candidate_leaves_routing(
 
 def test_a_later_failing_record_outranks_an_earlier_pass(policy: Path) -> None:
     rec = yaml.safe_load((policy / "evidence/demo-gemini-conformance-chat-gemini.yaml").read_text())
-    later = {**rec, "result": "fail", "recorded_at": (TODAY + timedelta(days=1)).isoformat(), "cases": []}
+    later = {**rec, "result": "fail", "recorded_at": (TODAY + timedelta(days=1)).isoformat(), "cases": [],
+             "earned_at": (datetime.now(UTC) + timedelta(days=1)).isoformat()}
     (policy / "evidence/demo-gemini-conformance-rerun.yaml").write_text(yaml.safe_dump(later))
     assert not qualified(policy, "demo-gemini")
-    earlier = {**later, "recorded_at": "2026-01-01"}  # an old failure the pass superseded
+    # An old failure the pass superseded; and one earned the same day, a second before the pass.
+    earlier = {**later, "recorded_at": "2026-01-01", "earned_at": "2026-01-01T09:00:00+00:00"}
+    (policy / "evidence/demo-gemini-conformance-rerun.yaml").write_text(yaml.safe_dump(earlier))
+    assert qualified(policy, "demo-gemini")
+    passed = Evidence.model_validate(rec).moment()
+    earlier = {**later, "recorded_at": passed.date().isoformat(),
+               "earned_at": (passed - timedelta(seconds=1)).isoformat()}
     (policy / "evidence/demo-gemini-conformance-rerun.yaml").write_text(yaml.safe_dump(earlier))
     assert qualified(policy, "demo-gemini")
 
@@ -137,18 +145,23 @@ def test_a_void_record_takes_the_candidate_out_and_the_metrics_say_so(policy: Pa
     snap = load_snapshot(policy)
     from llmgw.ops.reevaluate import Finding
 
+    fired = datetime.now(UTC)
     void_files([Finding("demo-bedrock", "provider_drift", "12.0% of 80 answers failed or broke (bound 5%)")],
-               dict(snap.deployments), policy, TODAY.isoformat())
+               dict(snap.deployments), policy, fired)
     assert not qualified(policy, "demo-bedrock") and qualified(policy, "demo-anthropic")
     snap = load_snapshot(policy)
     assert "provider drift: 12.0% of 80 answers" in " ".join(snap.voided[snap.deployments["demo-bedrock"].ref])
     registry = CollectorRegistry()
     registry.register(_Fixed(families(snap, None, False)))
     assert 'llmgw_evidence_voided{deployment="demo-bedrock"} 2.0' in generate_latest(registry).decode()
-    # Evidence earned after the trigger counts again.
+    # Evidence earned after the trigger counts again, the same day too: by the moment, not the day.
     for kind in ("conformance", "quality-gate"):
         path = policy / f"evidence/demo-bedrock-{kind}-chat-bedrock.yaml"
-        edit(path, lambda d: d.update(recorded_at=(TODAY + timedelta(days=1)).isoformat()))
+        edit(path, lambda d: d.update(earned_at=(fired - timedelta(seconds=1)).isoformat()))
+    assert not qualified(policy, "demo-bedrock")  # earned a second before it fired: still void
+    for kind in ("conformance", "quality-gate"):
+        path = policy / f"evidence/demo-bedrock-{kind}-chat-bedrock.yaml"
+        edit(path, lambda d: d.update(earned_at=(fired + timedelta(seconds=1)).isoformat()))
     assert qualified(policy, "demo-bedrock")
 
 
@@ -167,8 +180,8 @@ def test_the_reevaluate_command_reads_the_ledger_and_voids_what_drifted(policy: 
     client.flushdb()
     try:
         now = time.time()
-        for i in range(60):  # the last hour: 10 of 60 Bedrock answers failed upstream
-            e = entry("demo-bedrock", now - 3600 + i, status=502 if i < 10 else 200,
+        for i in range(60):  # the last half minute (after its evidence was earned): 10 of 60 Bedrock answers failed
+            e = entry("demo-bedrock", now - 30 + i / 2, status=502 if i < 10 else 200,
                       termination="upstream_error" if i < 10 else "complete")
             record = {k: v for k, v in e.items() if k in ("time", "request_class", "stream")}
             outcome = {k: v for k, v in e.items() if k not in record}
