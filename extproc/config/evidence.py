@@ -115,11 +115,15 @@ def static_voids(record: Evidence, dep: Deployment, gateway: GatewayConfig, poli
     return out
 
 
+# The engine check's trigger (llmgw/ops/engines.py): it holds while its void exists, whatever the records' age.
+ENGINE_MISMATCH = "engine_mismatch"
+
+
 def voids_record(void: EvidenceVoid, record: Evidence) -> bool:
     """Whether a run-time void holds against a record: one of its fingerprint earned before it fired
     (an engine mismatch: any, while it exists)."""
     return void.deployment_ref == record.deployment_ref and (
-        void.trigger == "engine_mismatch" or void.moment() >= record.moment())
+        void.trigger == ENGINE_MISMATCH or void.moment() >= record.moment())
 
 
 def latest_per_kind(records: Iterable[Evidence]) -> list[Evidence]:

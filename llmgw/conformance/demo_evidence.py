@@ -35,14 +35,13 @@ from typing import Any, TextIO
 import yaml
 
 from extproc.config import Snapshot, load_snapshot
-from extproc.config.evidence import voids_record
+from extproc.config.evidence import ENGINE_MISMATCH, voids_record
 from extproc.config.loader import RECORD_DATE_GRACE
 from extproc.config.schema import Evidence, EvidenceBasis, Route
 from extproc.corpora import quality_corpus
 from llmgw.conformance.corpus import corpus_for
 from llmgw.conformance.record import basis, record_path, write_record
 from llmgw.conformance.runner import run_corpus, sandbox_faults, session
-from llmgw.ops.engines import TRIGGER as ENGINE_MISMATCH
 from llmgw.quality.corpus import load_quality
 from llmgw.quality.evaluate import evaluate_in
 

@@ -45,11 +45,12 @@ import yaml
 
 from extproc.config import Snapshot
 from extproc.config.earned import voids_dir
+from extproc.config.evidence import ENGINE_MISMATCH
 from extproc.config.schema import Deployment
 from llmgw.ops.ledger import ledger_entries
 from llmgw.ops.reevaluate import after_earning, write_void
 
-TRIGGER = "engine_mismatch"
+TRIGGER = ENGINE_MISMATCH
 ANSWERS = "answers"  # a Finding's `engine` when the ledger's answers, not a probe, showed it
 
 

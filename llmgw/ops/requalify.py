@@ -15,8 +15,8 @@ from __future__ import annotations
 from datetime import date
 
 from extproc.config import Snapshot
+from extproc.config.evidence import ENGINE_MISMATCH
 from extproc.config.schema import Route
-from llmgw.ops.engines import TRIGGER as ENGINE_MISMATCH
 
 
 def fix_command(snap: Snapshot, route: Route, deployment: str, today: date, config: str) -> str:
