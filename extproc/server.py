@@ -83,6 +83,7 @@ Handler = Callable[[ep.ProcessingRequest, AsyncIterator[ep.ProcessingRequest]], 
 # the log with tracebacks, so at most one per interval, with a count of the rest.
 _internal_errors = RateLimitedLog(log, every_s=10.0)
 DECISION = "decision"  # the decision filter's streams carry no role
+GAVE_UP_MARGIN_S = 0.05  # a decision this close to Envoy's message timeout is taken to be too late
 
 
 def apply_attributes(ex: Exchange, attrs: struct_pb2.Struct) -> None:
@@ -213,6 +214,10 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         kind = first.WhichOneof("request")
         timeout_s = ex.snapshot.gateway.envoy.extproc_message_timeout_ms / 1000
         envoy_waits_until = ex.received_at + timeout_s  # then Envoy answers 503 itself and closes the stream
+
+        def gave_up() -> bool:
+            """Envoy has stopped waiting: whatever this decision says, the caller got Envoy's own 503."""
+            return time.monotonic() >= envoy_waits_until - GAVE_UP_MARGIN_S
         try:
             match kind:
                 case "request_body":
@@ -246,19 +251,22 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                             {Header.IDEMPOTENT_REPLAY: "true"}, content_type=answer.content_type)
         except Degraded as degraded:  # no candidate qualified: the route's fixed answer, nothing spent
             ex.degraded = "response"
-            self._later(release(self.store, ex, DEGRADED_RELEASE[0], 200, DEGRADED_RELEASE[1]) if ex.held is not None
-                        else record_refusal(self.store, ex, "degraded", 200, ""))
+            if gave_up():
+                self._ended(ex, too_late(), gave_up=True)
+            else:
+                self._later(release(self.store, ex, DEGRADED_RELEASE[0], 200, DEGRADED_RELEASE[1])
+                            if ex.held is not None else record_refusal(self.store, ex, "degraded", 200, ""))
             yield degraded_answer(ex, degraded.text)
         except GatewayError as err:
-            self._ended(ex, err)
+            self._ended(ex, err, gave_up())
             yield refuse(ex, err)
         except asyncio.CancelledError:
-            self._release_undecided(ex, gave_up=time.monotonic() >= envoy_waits_until - 0.05)
+            self._release_undecided(ex, gave_up=gave_up())
             raise
         except Exception:  # never crash on input: fail closed with the contract's error
             _internal_errors.error("request %s: internal error", ex.request_id, exc_info=True)
             failure = GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the gateway could not evaluate this request")
-            self._ended(ex, failure)
+            self._ended(ex, failure, gave_up())
             yield refuse(ex, failure)
 
     def _release_undecided(self, ex: Exchange, gave_up: bool) -> None:
@@ -269,9 +277,14 @@ class Processor(ep_grpc.ExternalProcessorServicer):
             termination, status = ("not_processed", 503) if gave_up else ("cancelled", 499)
             self._later(release(self.store, ex, termination, status))
 
-    def _ended(self, ex: Exchange, err: GatewayError) -> None:
-        """A refused request: release what it reserved, or record the refusal in the ledger."""
-        termination = refused_termination(err.code.value)
+    def _ended(self, ex: Exchange, err: GatewayError, gave_up: bool) -> None:
+        """A refused request: release what it reserved, or record the refusal in the ledger. A refusal
+        decided after Envoy stopped waiting never reached the caller, who got Envoy's 503: its ledger
+        entry says that (`not_processed`), as the access log's release of it does, so whichever of the
+        two settles first the ledger says one thing."""
+        if gave_up:
+            err = too_late()
+        termination = "not_processed" if gave_up else refused_termination(err.code.value)
         route = ex.route.route_contract if ex.route is not None else ""
         count_refusal(route, err.code.value)
         if ex.trace_id and ex.identity is not None:  # a request the ledger records: its span too
@@ -379,6 +392,11 @@ def _peer_gone(record: logging.LogRecord) -> bool:
         record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
         record.msg, record.args = "a stream's final status was not sent: Envoy had closed the stream", ()
     return True
+
+
+def too_late() -> GatewayError:
+    """What the caller of a decision that came after Envoy's message timeout got: Envoy's own 503."""
+    return GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the decision came after Envoy stopped waiting")
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -14,7 +14,7 @@ import yaml
 
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, repin
-from tests.helpers import assert_contract_error, request, unique_marker
+from tests.helpers import Response, assert_contract_error, request, unique_marker
 
 pytestmark = pytest.mark.e2e
 
@@ -41,14 +41,20 @@ def slow_decisions(tmp: Path) -> Path:
 gw = module_stack("not-processed", slow_decisions, workers=1)
 
 
-def test_a_decision_envoy_gave_up_on_is_released_at_once(gw: Stack) -> None:
-    marker = unique_marker("late")
-    content = marker + " write to a.b@example.com now" * 100_000  # ~3 MB: redaction outlasts the timeout
-    sent = time.monotonic()
+def send_late(gw: Stack, marker: str, headers: dict[str, str] | None = None) -> Response:
+    """A prompt of ~3 MB of addresses to redact after its reservation: the decision outlasts the timeout."""
+    content = marker + " write to a.b@example.com now" * 100_000
     r = request(f"{gw.url}/v1/chat/completions", "POST", {
         "model": "chat-default", "max_tokens": 4, "messages": [{"role": "user", "content": content}]},
-        {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=60)
+        {"authorization": f"Bearer {DEMO_KEYS['acme']}", **(headers or {})}, timeout=60)
     assert_contract_error(r, 503, "policy_unavailable")
+    return r
+
+
+def test_a_decision_envoy_gave_up_on_is_released_at_once(gw: Stack) -> None:
+    marker = unique_marker("late")
+    sent = time.monotonic()
+    r = send_late(gw, marker)
     entry = ledger_of(gw, r.headers["x-request-id"], "acme")  # waits up to 5 s: the lease is 10 s or more
     assert time.monotonic() - sent < 10
     assert entry["termination"] == "not_processed" and entry["settlement"] == "released", entry
@@ -56,3 +62,13 @@ def test_a_decision_envoy_gave_up_on_is_released_at_once(gw: Stack) -> None:
     arrived = [q for e in gw.engine_urls() for q in request(f"{e}/admin/requests").json()
                if marker in str(q.get("messages"))]
     assert arrived == []  # no upstream saw it
+
+
+def test_a_refusal_decided_after_envoy_gave_up_says_not_processed(gw: Stack) -> None:
+    """The worker goes on deciding after Envoy's 503 and refuses (the caller's 300 ms deadline ran out
+    while it redacted). The caller never saw that refusal: the worker's own release and the access
+    log's both write `not_processed`, so the ledger says what the caller got whichever is first."""
+    r = send_late(gw, unique_marker("late-refusal"), {"x-llmgw-deadline-ms": "300"})
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert entry["termination"] == "not_processed" and entry["settlement"] == "released", entry
+    assert entry["status"] == 503 and entry["charged_micros"] == 0 and entry["attempts"] == [], entry
