@@ -1,5 +1,6 @@
 -- The front doors' answers, in Envoy (LuaJIT): what a door's caller receives, in its own API's shape
--- (each shape's door.py in extproc/shapes/: Anthropic's Messages, Gemini's generateContent). First in the chain after the
+-- (each shape's door.py in extproc/shapes/: Anthropic's Messages, Gemini's generateContent, OpenAI's
+-- Responses). First in the chain after the
 -- header mutation, so on the way out it runs last: json_to_metadata, the stream guards, the meter and
 -- the attempt filter have read the internal shape, and settlement is untouched. The renderer
 -- (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names, each door's
@@ -136,17 +137,17 @@ local function door_event(door, st, data, out)
   end
   local doc = decode_all(data)
   if not is_object(doc) then
-    out[#out + 1] = door.error_event("the stream is malformed")
+    out[#out + 1] = door.error_event("the stream is malformed", st)
     return true
   end
   if doc.error ~= nil then  -- the contract's stream_interrupted (or an upstream's error event)
     local message = is_object(doc.error) and text_of(doc.error.message, nil)
-    out[#out + 1] = door.error_event(message or "the stream was interrupted")
+    out[#out + 1] = door.error_event(message or "the stream was interrupted", st)
     return true
   end
   local ok = walk_chunk(door, st, doc, out)
   if ok ~= true then
-    out[#out + 1] = door.error_event(ok or "the stream is malformed")
+    out[#out + 1] = door.error_event(ok or "the stream is malformed", st)
     return true
   end
   return false
@@ -164,11 +165,11 @@ local function translate_stream(h, door)
     end
     if not ended and held > CONFIG.max_event_bytes then
       ended = true
-      out[#out + 1] = door.error_event("an event of the stream exceeds 1 MiB")
+      out[#out + 1] = door.error_event("an event of the stream exceeds 1 MiB", st)
     end
     if not ended and at_end then
       ended = true
-      out[#out + 1] = door.error_event("the stream ended before its end")
+      out[#out + 1] = door.error_event("the stream ended before its end", st)
     end
     return concat(out), ended
   end)

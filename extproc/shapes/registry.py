@@ -31,6 +31,7 @@ from extproc.shapes.gemini import adapter as gemini
 from extproc.shapes.gemini import door as gemini_door
 from extproc.shapes.loss import LossTable
 from extproc.shapes.openai import adapter as openai
+from extproc.shapes.openai import door as openai_door
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ class Shape:
 SHAPES: tuple[Shape, ...] = (
     Shape("openai", openai.OPENAI, {"openai (vLLM pool)": openai.TABLES["vllm"],
                                     "openai (OpenAI, Azure)": openai.TABLES["openai"]},
-          ("api-key",), frozenset({"kind", "deployment", "api_version"}), lua_answers=True, count_field="count",
+          ("api-key",), frozenset({"kind", "deployment", "api_version"}), door=openai_door.DOOR, lua_answers=True,
+          count_field="count",
+          door_tables={"error_types": openai_door.ERROR_TYPES, "incomplete": openai_door.INCOMPLETE},
           simulator_apis={"azure": "azure"}),
     Shape("anthropic", anthropic.ANTHROPIC, {"anthropic": anthropic.LOSS_TABLE}, ("x-api-key", "anthropic-version"),
           door=anthropic_door.DOOR, lua_answers=True, lua_streams=True, count_field="input_tokens",

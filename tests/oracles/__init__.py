@@ -12,7 +12,7 @@ from typing import Any
 
 from extproc.shapes.base import Adapter
 from extproc.shapes.door import Door
-from tests.oracles import anthropic, anthropic_door, bedrock, gemini, gemini_door, openai
+from tests.oracles import anthropic, anthropic_door, bedrock, gemini, gemini_door, openai, openai_door
 from tests.oracles.base import Oracle
 
 ORACLES: dict[str, Oracle] = {o.adapter.name: o for o in (anthropic.ANTHROPIC, bedrock.BEDROCK, gemini.GEMINI,
@@ -33,7 +33,8 @@ class DoorOracle:
 
 
 DOOR_ORACLES = {"anthropic": DoorOracle(anthropic_door.answer, anthropic_door.MessagesStream),
-                "gemini": DoorOracle(gemini_door.answer, gemini_door.GenerateContentStream)}
+                "gemini": DoorOracle(gemini_door.answer, gemini_door.GenerateContentStream),
+                "responses": DoorOracle(openai_door.answer, openai_door.ResponsesStream)}
 
 
 def door_oracle(door: Door) -> DoorOracle:

@@ -32,10 +32,10 @@ ROUTES = ("chat-default", "chat-anthropic", "chat-gemini", "chat-bedrock", "chat
 DEPLOYMENT = {"chat-default": "pool-llama-8b", "chat-anthropic": "demo-anthropic", "chat-gemini": "demo-gemini",
               "chat-bedrock": "demo-bedrock", "chat-fallback": "pool-llama-8b"}
 NO_STRUCTURED_OUTPUT = {"chat-bedrock"}  # Converse has no JSON output mode: the route refuses (reject)
-DOORS = ("openai", "anthropic", "gemini")
+DOORS = ("openai", "anthropic", "gemini", "responses")  # (responses: the openai SDK's Responses API)
 # Where each door's caller writes structured output: the refusal names it so.
 STRUCTURED_FIELD = {"openai": "response_format", "anthropic": "output_config.format",
-                    "gemini": "generationConfig.responseMimeType"}
+                    "gemini": "generationConfig.responseMimeType", "responses": "text.format"}
 
 
 class Answer(BaseModel):
@@ -82,6 +82,13 @@ def json_answer(stack: Stack, door: str, route: str) -> tuple[str, str, int]:
         c = raw.parse()
         assert c.choices[0].finish_reason == "length" and c.usage is not None
         return c.choices[0].message.content or "", raw.headers["x-request-id"], c.usage.completion_tokens
+    if door == "responses":
+        raw_r = openai_client(stack).responses.with_raw_response.create(model=route, max_output_tokens=8,
+                                                                         input=f"hello {route}")
+        r = raw_r.parse()
+        assert r.status == "incomplete" and r.incomplete_details is not None
+        assert r.incomplete_details.reason == "max_output_tokens" and r.id.startswith("resp_") and r.usage is not None
+        return r.output_text, raw_r.headers["x-request-id"], r.usage.output_tokens
     if door == "anthropic":
         m = anthropic_client(stack).messages.create(model=route, max_tokens=8, messages=ask(f"hello {route}"))
         assert m.stop_reason == "max_tokens" and m.id.startswith("msg_") and not m.id.startswith("msg_msg_")
@@ -115,6 +122,15 @@ def streamed(stack: Stack, door: str, route: str) -> tuple[str, int]:
         usage = chunks[-1].usage
         assert usage is not None
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), usage.completion_tokens
+    if door == "responses":
+        events = list(openai_client(stack).responses.create(model=route, max_output_tokens=9, stream=True,
+                                                            input=f"stream {route}"))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        last = events[-1]
+        assert last.type == "response.incomplete" and last.response.usage is not None
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert last.response.output_text == text
+        return text, last.response.usage.output_tokens
     if door == "anthropic":
         with anthropic_client(stack).messages.stream(model=route, max_tokens=9, messages=ask(f"stream {route}")) as s:
             text = "".join(s.text_stream)
@@ -176,6 +192,26 @@ def tool_loop(stack: Stack, door: str, route: str) -> tuple[list[str], str]:
             messages.append({"role": "user", "content": results})
             choice = {"type": "auto"}
             assert len(ran) < 4, "the loop never ended"
+    if door == "responses":  # Codex's loop: run each function call, send the whole conversation back
+        client = openai_client(stack)
+        items: list[Any] = [{"role": "user", "content": "use search_docs to find budgets"}]
+        fn: Any = [{"type": "function", "name": "search_docs", "parameters": SCHEMA, "strict": False}]
+        forced: Any = {"type": "function", "name": "search_docs"}
+        while True:
+            *_, last = client.responses.create(model=route, max_output_tokens=120, input=items, tools=fn,
+                                               tool_choice=forced, stream=True)
+            assert last.type in ("response.completed", "response.incomplete"), last  # (incomplete: a long answer)
+            r = last.response
+            calls = [o for o in r.output if o.type == "function_call"]
+            if not calls:
+                return ran, r.output_text
+            items += [o.model_dump(exclude_none=True) for o in r.output]  # as returned, reasoning included
+            for call in calls:
+                query = json.loads(call.arguments)["query"]
+                ran.append(query)
+                items.append({"type": "function_call_output", "call_id": call.call_id, "output": search_docs(query)})
+            forced = "auto"
+            assert len(ran) < 4, "the loop never ended"
     if door == "openai":  # a forced function, its result, the answer
         client = openai_client(stack)
         msgs: list[Any] = ask("use search_docs to find budgets")
@@ -211,6 +247,11 @@ def test_tools(up: Stack, door: str, route: str) -> None:
 # -- structured output --------------------------------------------------------------------------------
 
 def structured(stack: Stack, door: str, route: str) -> Answer:
+    if door == "responses":
+        r = openai_client(stack).responses.parse(model=route, max_output_tokens=60, input="the weather plan",
+                                                 text_format=Answer)
+        assert r.output_parsed is not None
+        return r.output_parsed
     if door == "openai":
         c = openai_client(stack).chat.completions.parse(model=route, max_tokens=60, response_format=Answer,
                                                         messages=ask("the weather plan"))
@@ -237,8 +278,8 @@ def status_and_body(e: BaseException) -> tuple[int, str]:
 
 
 ERRORS: dict[str, tuple[type[BaseException], ...]] = {
-    "openai": (openai.BadRequestError,), "anthropic": (anthropic.BadRequestError,),
-    "gemini": (genai_errors.ClientError,)}
+    "openai": (openai.BadRequestError,), "responses": (openai.BadRequestError,),
+    "anthropic": (anthropic.BadRequestError,), "gemini": (genai_errors.ClientError,)}
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -264,6 +305,9 @@ FORBIDDEN: dict[str, Callable[[Stack, str], Any]] = {
     "anthropic": lambda s, route: anthropic_client(s).messages.create(
         model=route, max_tokens=4, messages=ask("x"),
         tools=[{"name": "wire_money", "input_schema": SCHEMA}]),
+    "responses": lambda s, route: openai_client(s).responses.create(
+        model=route, max_output_tokens=4, input="x",
+        tools=[{"type": "function", "name": "wire_money", "parameters": SCHEMA, "strict": False}]),
     "gemini": lambda s, route: genai_client(s).models.generate_content(
         model=route, contents="x", config=types.GenerateContentConfig(
             max_output_tokens=4, tools=[types.Tool(function_declarations=[types.FunctionDeclaration(
@@ -271,7 +315,8 @@ FORBIDDEN: dict[str, Callable[[Stack, str], Any]] = {
             automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))),
 }
 FORBIDDEN_CLASS: dict[str, type[BaseException]] = {
-    "openai": openai.PermissionDeniedError, "anthropic": anthropic.PermissionDeniedError,
+    "openai": openai.PermissionDeniedError, "responses": openai.PermissionDeniedError,
+    "anthropic": anthropic.PermissionDeniedError,
     "gemini": genai_errors.ClientError}
 
 
@@ -697,3 +742,58 @@ def test_hostile_model_lookups_get_the_doors_answer(up: Stack, path: str) -> Non
     assert r.status < 500, (r.status, r.body[:300])
     if r.status >= 400:
         _door_error("gemini", r.status, r.body)
+
+
+# -- the Responses API: what Codex and the Agents SDK read besides the matrix ---------------------------
+
+def test_a_responses_stream_is_the_event_sequence_codex_reads(up: Stack) -> None:
+    from tests.helpers import request
+    r = request(f"{up.url}/v1/responses", "POST", {"model": "chat-default", "max_output_tokens": 3, "stream": True,
+                                                   "input": "raw"}, {"authorization": f"Bearer {KEY}"})
+    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [(e.split("\n", 1)[0].removeprefix("event: "), json.loads(e.split("\n", 1)[1].removeprefix("data: ")))
+              for e in r.body.decode().split("\n\n") if e]
+    assert [kind for kind, _ in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert all(data["type"] == kind for kind, data in events)
+    final = events[-1][1]["response"]
+    assert final["usage"]["output_tokens"] == 3 and final["output"][0]["type"] == "message"
+    assert b"[DONE]" not in r.body and b"chat.completion" not in r.body
+
+
+def test_an_agent_s_tool_loop_is_metered_turn_by_turn(up: Stack) -> None:
+    """Each turn of a Responses tool loop is one request with one ledger entry: the usage the SDK read,
+    the deployment that answered."""
+    client = openai_client(up)
+    fn: Any = [{"type": "function", "name": "search_docs", "parameters": SCHEMA, "strict": False}]
+    raw = client.responses.with_raw_response.create(model="chat-anthropic", max_output_tokens=120, tools=fn,
+                                                    input="use search_docs", tool_choice="required")
+    first = raw.parse()
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    items: list[Any] = ["use search_docs", *first.output]
+    items[0] = {"role": "user", "content": items[0]}
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "found it"})
+    raw2 = client.responses.with_raw_response.create(model="chat-anthropic", max_output_tokens=40, tools=fn,
+                                                     input=[i if isinstance(i, dict) else i.model_dump(
+                                                         exclude_none=True) for i in items])
+    second = raw2.parse()
+    assert second.output_text
+    for r, resp in ((raw, first), (raw2, second)):
+        entry = ledger_of(up, r.headers["x-request-id"], "acme")
+        assert resp.usage is not None and entry["usage"]["completion_tokens"] == resp.usage.output_tokens
+        assert entry["attempts"][-1]["deployment"] == "demo-anthropic" and entry["settlement"] == "actual"
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+])
+def test_what_the_stateless_responses_door_does_not_serve_is_refused_by_name(up: Stack, kw: dict[str, Any],
+                                                                             param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client(up).responses.create(model="chat-default", max_output_tokens=3, input="x", **kw)
+    assert e.value.code == "unsupported_field" and e.value.param == param

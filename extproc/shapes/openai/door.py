@@ -1,0 +1,364 @@
+"""The Responses front door: `POST /v1/responses` as OpenAI's Responses API takes it, so the openai
+SDK's `responses.*`, Codex, the Agents SDK and the frameworks' Responses models work with their base
+URL at the gateway.
+
+Stateless: the gateway keeps no responses. A request is served when it carries its whole conversation
+(`store` absent or false); `store: true`, `previous_response_id`, `conversation`, `background` and
+item references are refused by name (400 `unsupported_field`), since serving them would need a store
+of other tenants' conversations the gateway does not keep (docs/FIELDS.md).
+
+Request: checked against the Responses shape (pydantic, strict about what it does not know) and
+turned into the internal chat completion request: `instructions` and `system`/`developer` messages
+as system turns; `input_text`/`output_text`/`input_image` parts; `function_call` items as the
+assistant's tool calls and `function_call_output` items as tool turns; earlier `reasoning` items
+dropped (the internal contract carries no reasoning back to a model; their encrypted content is the
+provider's and none of this gateway's upstreams takes it); function tools (built-in tools such as
+`web_search` are refused by name); `text.format` as `response_format`; `reasoning.effort` as
+`reasoning_effort`; `max_output_tokens` as `max_tokens`. From there every stage runs as for a chat
+completion. A stream always asks for usage: `response.completed` carries it.
+
+Answer (the internal chat completion -> a Response): output items in order - the reasoning (as a
+summary), the message (`output_text`), each function call; `status` `completed`, or `incomplete` with
+its reason (`max_output_tokens`, `content_filter`); usage with cached and reasoning tokens. Stream:
+`response.created`, `response.in_progress`, each item's `output_item.added`, its deltas and `.done`
+events, `response.completed` (or `response.incomplete`) with the whole response; every event numbered
+(`sequence_number`). An interruption is `response.failed` carrying the contract's code. Errors are
+OpenAI's shape already (the contract's). The translation of answers runs in Envoy
+(extproc/shapes/openai/door.lua); its Python twin is tests/oracles/openai_door.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from extproc import chat
+from extproc.contract import ErrorCode, GatewayError
+from extproc.shapes.door import Door, null_is_absent
+
+NAME = "responses"
+PATH = "/v1/responses"
+# What `include` may ask for: encrypted reasoning to replay (the gateway's upstreams return none, and a
+# replayed reasoning item is dropped), so asking for it is harmless.
+INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+STATELESS = ("this gateway keeps no responses: send `store: false` (or leave it out) and the whole "
+             "conversation as `input`")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    _null_is_absent = model_validator(mode="before")(null_is_absent)
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    """An earlier answer's text, replayed as the SDK returned it."""
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputImage(_Strict):
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class InputFile(_Strict):
+    type: Literal["input_file"]
+    file_id: str | None = None
+    file_data: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+
+
+class Refusal(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+Part = Annotated[InputText | OutputText | InputImage | InputFile | Refusal, Field(discriminator="type")]
+
+
+class Message(_Strict):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCall(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[Annotated[InputText | InputImage | InputFile, Field(discriminator="type")]]
+    id: str | None = None
+    status: str | None = None
+
+
+class Reasoning(_Strict):
+    """An earlier answer's reasoning, replayed: dropped (see the module's docstring)."""
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = []
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+def _item_kind(v: Any) -> str:
+    return str(v.get("type") or "message") if isinstance(v, dict) else "message"
+
+
+ITEM_MODELS: dict[str, type[_Strict]] = {"message": Message, "function_call": FunctionCall,
+                                         "function_call_output": FunctionCallOutput, "reasoning": Reasoning}
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ReasoningConfig(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # How much of the reasoning to summarise: the gateway returns what the model reasoned, as it is.
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class PlainFormat(_Strict):
+    type: Literal["text", "json_object"]
+
+
+class TextConfig(_Strict):
+    format: Annotated[JsonSchemaFormat | PlainFormat, Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class StreamOptions(_Strict):
+    include_obfuscation: bool | None = None  # padding against length side channels: nothing to pad here
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    store: bool | None = None
+    include: list[str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None  # the caller's tags: the ledger keeps them
+    client_metadata: dict[str, Any] | None = None  # a client's own tags (Codex): not the model's concern
+    prompt_cache_key: str | None = None  # the gateway's prompt cache is keyed per tenant (cache_salt)
+    service_tier: Literal["auto", "default"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    # Refused by name below: they need a store of responses.
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    def tag(p: Any) -> bool:
+        return isinstance(p, str) and (p[:1].isupper() or p.startswith(("list[", "str", "function-", "literal")))
+    return ".".join(str(p) for p in loc if not tag(p))
+
+
+def _validate(model: type[_Strict], doc: Any, at: tuple[Any, ...] = ()) -> Any:
+    try:
+        return model.model_validate(doc)
+    except ValidationError as e:
+        # A field the gateway does not carry is named first: it is why the rest does not fit either.
+        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
+        param = _param((*at, *err["loc"]))
+        if err["type"] == "extra_forbidden":
+            raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's "
+                               "Responses API", param) from None
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
+
+
+def _refuse(param: str, why: str) -> GatewayError:
+    return GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not served: {why}", param)
+
+
+def _content(parts: str | list[Any], param: str) -> str:
+    """A message's content as the internal contract's text: parts joined, an earlier answer's refusal
+    as the text it was; an image is refused by name (no deployment here takes other inputs)."""
+    if isinstance(parts, str):
+        return parts
+    texts = []
+    for j, p in enumerate(parts):
+        if isinstance(p, (InputImage, InputFile)):
+            raise _refuse(f"{param}.{j}", "no deployment behind this gateway takes images or files")
+        texts.append(p.refusal if isinstance(p, Refusal) else p.text)
+    return "".join(texts)
+
+
+def _messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """Input items as the internal messages: consecutive function calls are one assistant turn (joined
+    to the assistant's text just before them), each output a tool turn."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    for i, raw in enumerate(items):
+        kind = _item_kind(raw)
+        if kind == "item_reference":
+            raise _refuse(f"input.{i}", "an item reference names a stored response; " + STATELESS)
+        model = ITEM_MODELS.get(kind)
+        if model is None:
+            raise _refuse(f"input.{i}.type", f"`{kind}` items are not carried by this gateway's Responses API")
+        item = _validate(model, raw, ("input", i))
+        if isinstance(item, Message):
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _content(item.content, f"input.{i}.content")})
+        elif isinstance(item, FunctionCall):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutput):
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _content(item.output, f"input.{i}.output")})
+        # a Reasoning item: dropped
+    return out
+
+
+def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, raw in enumerate(tools):
+        kind = str(raw.get("type", "")) if isinstance(raw, dict) else ""
+        if kind != "function":
+            raise _refuse(f"tools.{i}", f"the built-in tool `{kind}` is not offered by this gateway: "
+                          "describe it as a function tool the caller runs")
+        tool = _validate(FunctionTool, raw, ("tools", i))
+        fn = tool.model_dump(exclude_none=True, exclude={"type"})
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def request(raw: bytes) -> dict[str, Any]:
+    """A Responses request as the internal chat completion request (GatewayError on bad input)."""
+    native: ResponsesRequest = _validate(ResponsesRequest, chat.parse_json(raw))
+    if native.store:
+        raise _refuse("store", STATELESS)
+    for name in ("previous_response_id", "conversation"):
+        if getattr(native, name) is not None:
+            raise _refuse(name, STATELESS)
+    if native.background:
+        raise _refuse("background", "a response is answered while its request waits")
+    if native.truncation == "auto":
+        raise _refuse("truncation", "the gateway never drops a caller's turns (`disabled` is accepted)")
+    for j, extra in enumerate(native.include or ()):
+        if extra not in INCLUDABLE:
+            raise _refuse(f"include.{j}", f"`{extra}` is not produced by this gateway")
+    items = [{"role": "user", "content": native.input}] if isinstance(native.input, str) else native.input
+    body: dict[str, Any] = {"model": native.model, "messages": _messages(items, native.instructions)}
+    if not body["messages"]:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "`input` holds no message", "input")
+    if native.tools:
+        body["tools"] = _tools(native.tools)
+    if isinstance(native.tool_choice, FunctionChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": native.tool_choice.name}}
+    elif native.tool_choice is not None:
+        body["tool_choice"] = native.tool_choice
+    # The same fields in both APIs; the ones the gateway answers itself (store, metadata, the cache key,
+    # the tier, the end user's identifier) are taken at intake as for any chat completion (client_fields.py).
+    same = {"parallel_tool_calls", "temperature", "top_p", "store", "metadata", "prompt_cache_key",
+            "service_tier", "user", "safety_identifier"}
+    body.update(native.model_dump(exclude_none=True, include=same))
+    if native.max_output_tokens is not None:
+        body["max_tokens"] = native.max_output_tokens
+    if native.reasoning is not None and native.reasoning.effort is not None:
+        body["reasoning_effort"] = native.reasoning.effort
+    if native.text is not None:
+        if native.text.verbosity is not None:
+            body["verbosity"] = native.text.verbosity
+        fmt = native.text.format
+        if isinstance(fmt, JsonSchemaFormat):
+            schema = fmt.model_dump(exclude_none=True, by_alias=True, exclude={"type"})
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        elif fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+    if native.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}  # response.completed carries usage
+    return body
+
+
+# Internal request field -> the Responses field it came from (those whose name differs).
+FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "verbosity": "text.verbosity",
+          "reasoning_effort": "reasoning.effort", "messages": "input"}
+
+
+# -- answers and errors: the tables the Lua door filter renders in (its Python twin: tests/oracles/) ----
+
+# A chat completion's finish -> the Response's incomplete reason (any other finish: completed).
+INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"),
+                                 "param": param, "code": code}}).encode()
+
+
+def error(status: int, body: bytes) -> bytes:
+    """A contract error (or any non-2xx body) in OpenAI's shape: the contract's own is kept."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        return body
+    return error_body(status, f"the gateway answered {status}", ErrorCode.UPSTREAM_ERROR.value)
+
+
+DOOR = Door(NAME, re.escape(PATH), lambda raw, _path: request(raw), error, fields=FIELDS)
