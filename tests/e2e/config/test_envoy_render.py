@@ -93,19 +93,24 @@ def test_response_filters_are_off_unless_a_chat_route_turns_them_on(rendered: di
     counts = [r for r in routes.values() if r["name"].startswith("admitted_") and r["name"].endswith("_count")]
     assert {r["route"]["cluster"] for r in counts} == {"pool_engine-pool", "dep_demo-anthropic", "dep_demo-bedrock",
                                                        "dep_demo-gemini"}
-    for name in ("anthropic", "gemini"):
-        door, count = routes[f"{name}_without_body"], routes[f"{name}_without_body_count"]
+    names = tuple(DOORS_BY_NAME)
+    assert set(names) == {"anthropic", "gemini", "responses"}
+    for name in names:
+        door = routes[f"{name}_without_body"]
         assert door["match"] == {"safe_regex": {"regex": DOORS_BY_NAME[name].path}}
-        assert count["match"] == {"safe_regex": {"regex": DOORS_BY_NAME[name].count_path}}
+        own = [door]
+        if DOORS_BY_NAME[name].count_path:  # (the Responses door counts nothing)
+            own.append(routes[f"{name}_without_body_count"])
+            assert own[-1]["match"] == {"safe_regex": {"regex": DOORS_BY_NAME[name].count_path}}
         admitted = [r for r in routes.values()
                     if r["name"].startswith("admitted_") and r["name"].endswith(f"_{name}")]
         assert admitted
-        for r in (door, count, *admitted, *counts):
+        for r in (*own, *admitted, *counts):
             on = r["typed_per_filter_config"]["llmgw.lua_doors"]
             assert not on.get("disabled", False) and on["config"]["name"] == "doors", r["name"]
     assert not [r["name"] for r in routes.values() if "llmgw.lua_doors" in r.get("typed_per_filter_config", {})
-                and not r["name"].endswith(("_anthropic", "_gemini"))
-                and r not in counts and not r["name"].startswith(("anthropic_without_body", "gemini_without_body"))]
+                and not r["name"].endswith(tuple(f"_{n}" for n in names))
+                and r not in counts and not r["name"].startswith(tuple(f"{n}_without_body" for n in names))]
     on = routes["chat_without_body"]["typed_per_filter_config"]
     assert {"llmgw.meter", "llmgw.streams", "llmgw.lua_streams", "llmgw.lua_answers"} <= set(on)
     assert all(not on[f].get("disabled", False) for f in ("llmgw.meter", "llmgw.streams", "llmgw.lua_streams"))
