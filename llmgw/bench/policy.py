@@ -226,15 +226,20 @@ def run_budget_bench(args: argparse.Namespace) -> int:
 
 
 def add_candidate(policy: Path, deployment: str, pool: str, endpoint: str, fingerprint: dict[str, str],
-                  candidate: dict[str, Any] | None = None, **fields: Any) -> str:
-    """Give the policy's (only) route another candidate: a copy of its first candidate's deployment,
+                  candidate: dict[str, Any] | None = None, route_name: str = "", **fields: Any) -> str:
+    """Give the policy's route `route_name` (by default its only one: a policy of several must name it,
+    never the first a directory listing gives, whose order differs between file systems) another
+    candidate: a copy of its first candidate's deployment,
     named `deployment`, on a pool of its own at `endpoint`, its fingerprint and fields changed as given,
     with passing evidence from today, appended to the route's candidates with `candidate`'s changes.
     Returns the new deployment's reference. (Benchmarks and tests build their variants with it.)"""
     gw = yaml.safe_load((policy / "gateway.yaml").read_text())
     gw["pools"][pool] = {"endpoints": [endpoint]}
     (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
-    route_path = next((policy / "routes").glob("*.yaml"))
+    if route_name:
+        route_path = policy / "routes" / f"{route_name}.yaml"
+    else:
+        (route_path,) = (policy / "routes").glob("*.yaml")  # (a policy of several routes names one)
     route = yaml.safe_load(route_path.read_text())
     first = route["candidates"][0]
     dep = yaml.safe_load((policy / "deployments" / f"{first['deployment_ref'].split('@')[0]}.yaml").read_text())

@@ -23,7 +23,7 @@ def two_pool_policy(root: Path) -> Path:
     shutil.copytree(POLICY, dst)
     add_candidate(dst, "pool-llama-8b-long", "long-pool", "127.0.0.1:8111",
                   {"batching_policy": "continuous,max-num-seqs-32,max-batched-tokens-32768"},
-                  {"min_prompt_tokens": LIMIT + 1})
+                  {"min_prompt_tokens": LIMIT + 1}, route_name="chat-default")
     route = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
     route["candidates"][0]["max_prompt_tokens"] = LIMIT
     (dst / "routes/chat-default.yaml").write_text(yaml.safe_dump(route))

@@ -49,7 +49,7 @@ def fallback_policy(root: Path) -> Path:
     shutil.copytree(POLICY, dst)
     add_candidate(dst, BACKUP, "backup-pool", "127.0.0.1:8121", {"model_digest": "sha256:" + "ab" * 32},
                   {"data_classes": ["public", "internal"]}, served_model=BACKUP_MODEL, context_window=32768,
-                  data_classes=["public", "internal"], prices=BACKUP_PRICES)
+                  data_classes=["public", "internal"], prices=BACKUP_PRICES, route_name="chat-default")
     gw = yaml.safe_load((dst / "gateway.yaml").read_text())
     gw["pools"]["backup-pool"]["endpoints"].append("127.0.0.1:8122")  # two engines: the picker chooses
     (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
