@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from llmgw.bench.policy import add_candidate
+from llmgw.local.procs import free_port
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, module_stack
 from tests.helpers import chat_body, request
@@ -21,7 +22,7 @@ LIMIT = 600  # prompt tokens (bound) the short pool takes
 def two_pool_policy(root: Path) -> Path:
     dst = root / "policy"
     shutil.copytree(POLICY, dst)
-    add_candidate(dst, "pool-llama-8b-long", "long-pool", "127.0.0.1:8111",
+    add_candidate(dst, "pool-llama-8b-long", "long-pool", f"127.0.0.1:{free_port()}",  # (beside `make up`'s 8111)
                   {"batching_policy": "continuous,max-num-seqs-32,max-batched-tokens-32768"},
                   {"min_prompt_tokens": LIMIT + 1}, route_name="chat-default")
     route = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())

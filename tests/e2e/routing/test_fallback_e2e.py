@@ -29,7 +29,7 @@ import yaml
 
 from extproc.picker import parse_load
 from llmgw.bench.policy import add_candidate
-from llmgw.local.procs import wait_until
+from llmgw.local.procs import free_port, wait_until
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, module_stack, stamp_evidence, start_stack
 from tests.conftest import ledger_of as conftest_ledger_of
@@ -47,11 +47,12 @@ BACKUP_PRICES = {"version": "2026-11-b", "currency": "USD", "input_per_mtok": 40
 def fallback_policy(root: Path) -> Path:
     dst = root / "policy"
     shutil.copytree(POLICY, dst)
-    add_candidate(dst, BACKUP, "backup-pool", "127.0.0.1:8121", {"model_digest": "sha256:" + "ab" * 32},
+    # Free ports, never fixed ones: the suite runs beside an operator's `make up` (issue 43).
+    add_candidate(dst, BACKUP, "backup-pool", f"127.0.0.1:{free_port()}", {"model_digest": "sha256:" + "ab" * 32},
                   {"data_classes": ["public", "internal"]}, served_model=BACKUP_MODEL, context_window=32768,
                   data_classes=["public", "internal"], prices=BACKUP_PRICES, route_name="chat-default")
     gw = yaml.safe_load((dst / "gateway.yaml").read_text())
-    gw["pools"]["backup-pool"]["endpoints"].append("127.0.0.1:8122")  # two engines: the picker chooses
+    gw["pools"]["backup-pool"]["endpoints"].append(f"127.0.0.1:{free_port()}")  # two engines: the picker chooses
     (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
     # Candidate 1 takes a credential of its own (a hosted provider would); candidate 2 none.
     (dst / "pool.key").write_text(POOL_CREDENTIAL)
