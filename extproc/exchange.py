@@ -220,9 +220,6 @@ class Exchange:
             md[Key.ANSWER_SHAPE], md[Key.ANSWER_MODEL] = self.answer_shape, self.deployment.served_model
             if self.stream:
                 md[Key.PLAN_STREAM] = "1"
-            lost = self.translation_losses.get(self.deployment.deployment)
-            if lost:
-                md[Key.TRANSLATION_LOSS] = ", ".join(map(str, lost))
         elif (self.cluster.startswith(POOL_CLUSTER_PREFIX) and self.operation == "chat" and not self.count
               and self.settled_by() is Settle.ACCESS_LOG):  # (a JSON answer: a stream settles otherwise)
             # A pool engine's JSON answer is read by Envoy's Lua answer filter as the OpenAI shape: a 2xx
@@ -236,6 +233,12 @@ class Exchange:
             if self.translation_losses:
                 md[Key.LOSSES] = orjson.dumps({d: ", ".join(map(str, x)) for d, x in self.translation_losses.items()
                                                }).decode()
+        if Key.PLAN not in md and self.deployment is not None:
+            # One candidate, no attempt filter: what translating to it lost, for the answer's
+            # x-llmgw-translation-loss (the route's response headers) and the ledger.
+            lost = self.translation_losses.get(self.deployment.deployment)
+            if lost:
+                md[Key.TRANSLATION_LOSS] = ", ".join(map(str, lost))
         if self.remaining_ms:
             # Read by the request-side header mutation after the buffer filter (Envoy's router).
             md[Key.PER_TRY_TIMEOUT_MS if self.stream else Key.RQ_TIMEOUT_MS] = str(self.remaining_ms)

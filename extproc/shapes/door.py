@@ -51,6 +51,11 @@ class Door:
     # regular expression, as `path`) and its request as the internal contract.
     count_path: str = ""
     count_request: Callable[[bytes, str], dict[str, Any]] | None = None
+    # Of the door's own fields (NATIVE), the hints: how hard to think, whether to show the thinking,
+    # how to manage the context. A candidate of another shape is served without them and they are
+    # reported as lost, whatever the route's loss rule (extproc/stages/route.py native_plan): a hint
+    # changes how an answer is made, never what the caller may rely on, and every agent sends them.
+    hints: frozenset[str] = frozenset()
 
     def field_name(self, internal: str) -> str:
         return self.fields.get(internal, internal)

@@ -218,9 +218,11 @@ def native_plan(ex: Exchange, loss_rule: str, lost: dict[str, tuple[Loss, ...]])
     if not foreign:
         return
     names = list(ex.native)  # as the caller wrote them (a nested one dotted: generationConfig.thinkingConfig)
-    if loss_rule == "reject":
-        raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{names[0]}` is {ex.door}'s own and reaches only a "
-                           f"{ex.door} candidate; this route may try {foreign[0].deployment}", names[0])
+    door = DOORS_BY_NAME[ex.door]
+    contracts = [n for n in names if n not in door.hints]  # a hint is dropped and reported whatever the rule
+    if loss_rule == "reject" and contracts:
+        raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{contracts[0]}` is {ex.door}'s own and reaches only a "
+                           f"{ex.door} candidate; this route may try {foreign[0].deployment}", contracts[0])
     for d in foreign:
         lost[d.deployment] = (*lost.get(d.deployment, ()),
                               *(Loss(k, Support.UNSUPPORTED, f"{ex.door}'s own") for k in names))

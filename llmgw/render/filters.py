@@ -60,7 +60,10 @@ ANSWER_HEADERS: tuple[tuple[str, str], ...] = (
     (Header.ATTEMPTS, "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
     # Only on an answer the route's degraded route gave (empty, so left out, otherwise).
     (Header.DEGRADED, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.DEGRADED})%"),
+    # What translating to a lone candidate lost (the attempt filter names it for a plan of several).
+    (Header.TRANSLATION_LOSS, f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{Key.TRANSLATION_LOSS})%"),
 )
+ADDED_IF_ABSENT = (Header.DEPLOYMENT, Header.TRANSLATION_LOSS)  # the attempt filter's, where it ran
 
 
 def upstream_answer_headers(errors: bool = False) -> list[base_pb2.HeaderValueOption]:
@@ -70,8 +73,8 @@ def upstream_answer_headers(errors: bool = False) -> list[base_pb2.HeaderValueOp
     x-llmgw-degraded: the ledger says it, and the copies would grow Envoy's config by a tenth."""
     hvo = base_pb2.HeaderValueOption
     return [hvo(header=base_pb2.HeaderValue(key=k, value=v),
-                append_action=hvo.ADD_IF_ABSENT if k == Header.DEPLOYMENT else hvo.OVERWRITE_IF_EXISTS_OR_ADD)
-            for k, v in ANSWER_HEADERS if not (errors and k == Header.DEGRADED)]
+                append_action=hvo.ADD_IF_ABSENT if k in ADDED_IF_ABSENT else hvo.OVERWRITE_IF_EXISTS_OR_ADD)
+            for k, v in ANSWER_HEADERS if not (errors and k in (Header.DEGRADED, Header.TRANSLATION_LOSS))]
 
 
 

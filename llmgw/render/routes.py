@@ -275,7 +275,8 @@ def admitted_route(name: str, match: route_components_pb2.RouteMatch, cluster: s
         # The caller's gateway credential never travels upstream (the header allow-list drops
         # it too; this holds even where a mesh operator leaves that filter out).
         request_headers_to_remove=[h for h in ("authorization", *CREDENTIAL_HEADERS) if h not in shape_sets],
-        response_headers_to_remove=[] if cluster.startswith("fallback_") else [Header.DEPLOYMENT],
+        response_headers_to_remove=[] if cluster.startswith("fallback_") else [Header.DEPLOYMENT,
+                                                                                Header.TRANSLATION_LOSS],
         typed_per_filter_config={**per_route,
                                  **(_door_on() if door is not None else {})})
 

@@ -19,6 +19,7 @@ from extproc.shapes.anthropic.door import error, request
 from extproc.shapes.gemini.door import DOOR as GEMINI_DOOR
 from extproc.shapes.gemini.door import error as gemini_error
 from extproc.shapes.gemini.door import request as gemini_request
+from extproc.shapes.loss import NATIVE
 from extproc.shapes.registry import door_for, models_door
 from tests.oracles.anthropic_door import MessagesStream, answer
 from tests.oracles.gemini_door import GenerateContentStream
@@ -69,7 +70,8 @@ def test_a_request_becomes_the_internal_contract() -> None:
      "max_tokens"),
     (native(max_tokens=0), ErrorCode.INVALID_REQUEST, "max_tokens"),
     (native(messages=[]), ErrorCode.INVALID_REQUEST, "messages"),
-    (native(messages=[{"role": "system", "content": "x"}]), ErrorCode.INVALID_REQUEST, "messages.0.role"),
+    (native(messages=[{"role": "tool", "content": "x"}]), ErrorCode.INVALID_REQUEST, "messages.0.role"),
+    (native(output_config={"effort": "extreme"}), ErrorCode.INVALID_REQUEST, "output_config.effort"),
     (native(temperature=1.5), ErrorCode.INVALID_REQUEST, "temperature"),
     (native(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), ErrorCode.INVALID_REQUEST,
      "messages.0.content"),
@@ -81,6 +83,19 @@ def test_bad_requests_are_refused_naming_the_field(raw: bytes, code: ErrorCode, 
     assert e.value.code is code
     if param is not None:
         assert (e.value.param or "").startswith(param)
+
+
+def test_claude_code_s_fields_become_the_contract_and_its_hints() -> None:
+    """A system turn inside the conversation is a system message where it stands; the effort and the
+    context management are Anthropic's own, and hints (to another shape: dropped and reported)."""
+    edits = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1000}}]}
+    body = request(native(output_config={"effort": "medium"}, context_management=edits, messages=[
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "system", "content": [{"type": "text", "text": "files changed"}]}, {"role": "user", "content": "c"}]))
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "system", "user"]
+    assert body["messages"][2]["content"] == "files changed"
+    assert body[NATIVE] == {"context_management": edits, "output_config.effort": "medium"}
+    assert set(body[NATIVE]) <= ANTHROPIC_DOOR.hints and "response_format" not in body
 
 
 def completion(message: dict[str, Any], finish: str, stop_reason: Any = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import openai
 import yaml
 
 from tests.conftest import POLICY
+from tests.e2e.operations.test_season_e2e import CHAT_ROUTES, Run, Season
 from tests.e2e.operations.test_up import wait_up
 from tests.vllm.conftest import without_pool
 
@@ -42,3 +43,35 @@ def test_up_with_real_vllm_streams(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
+
+
+def test_real_vllm_and_the_simulated_engines_take_turns_on_one_state_directory(tmp_path: Path) -> None:
+    """The season's engine step with the real engine (issue 43): one policy and one state directory
+    through `llmgw up` (simulated engines), `llmgw up --engine vllm` (another window, version and block
+    size than the demo's fingerprint: the engine check voids the pool's evidence) and `llmgw up` again,
+    which must serve every chat route - the void lifted by the engines that match again - while the
+    policy directory receives nothing (what the runs earn and void stays in the state directory)."""
+    season = Season(tmp_path)
+    doc = yaml.safe_load((season.policy / "gateway.yaml").read_text())
+    doc["pools"]["engine-pool"]["endpoints"] = doc["pools"]["engine-pool"]["endpoints"][:1]  # one engine: 2 cores
+    (season.policy / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    without_pool(season.policy, "embed-pool")
+    own = season.evidence_files()
+
+    def chat_routes_serve(run: Run) -> None:
+        client = run.client()
+        for route in CHAT_ROUTES:
+            c = client.chat.completions.create(model=route, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+            assert c.choices[0].message.content is not None, route
+
+    with season.up() as run:
+        chat_routes_serve(run)
+    with season.up("--engine", "vllm", within_s=600) as run:
+        client = run.client()
+        c = client.chat.completions.create(model="chat-default", max_tokens=3,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert c.usage is not None and c.usage.completion_tokens == 3
+    assert list((season.state / "evidence").rglob("*engine_mismatch*")), "the real engine was not checked"
+    with season.up() as run:
+        chat_routes_serve(run)
+    assert season.evidence_files() == own  # the checkout stays as its operator wrote it

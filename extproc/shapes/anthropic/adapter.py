@@ -214,6 +214,10 @@ def internal_body(native: Mapping[str, Any]) -> dict[str, Any]:
         content = turn["content"]
         blocks: list[dict[str, Any]] = ([{"type": "text", "text": content}] if isinstance(content, str)
                                         else list(content))
+        if turn["role"] == "system":  # a system turn where it stands (its text blocks)
+            messages.append({"role": "system", "content": _collapse([_text_part(b) for b in blocks
+                                                                     if b.get("type") == "text"])})
+            continue
         if turn["role"] == "assistant":
             calls = [{"id": b["id"], "type": "function",
                       "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}}

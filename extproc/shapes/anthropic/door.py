@@ -93,7 +93,8 @@ Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | Thin
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    # A system turn inside the conversation (Claude Code sends them): a system message where it stands.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -133,6 +134,19 @@ class OutputFormat(_Strict):
 
 class OutputConfig(_Strict):
     format: OutputFormat | None = None
+    # How much effort the model spends (thinking, tool calls, length): Anthropic's own, a hint.
+    effort: Literal["low", "medium", "high", "max"] | None = None
+
+
+class ContextEdit(_Strict):
+    """One of Anthropic's context-management edits (clearing old tool results or thinking): the
+    provider's own, passed as it came; its parameters are the provider's to check."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+class ContextManagement(_Strict):
+    edits: list[ContextEdit] = []
 
 
 class MessagesRequest(_Strict):
@@ -152,6 +166,13 @@ class MessagesRequest(_Strict):
     # Anthropic's own: sent unchanged to a plan of Anthropic-shaped candidates only (extproc/shapes/door.py).
     service_tier: Literal["auto", "standard_only"] | None = None
     thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
+
+
+# Anthropic's own fields that are hints (extproc/shapes/door.py Door.hints): to another shape's candidate
+# they are dropped and reported.
+HINTS = frozenset({"thinking", "output_config.effort", "context_management"})
+OWN = ("service_tier", "thinking", "context_management")
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -198,8 +219,10 @@ def request(raw: bytes) -> dict[str, Any]:
             and native.thinking.budget_tokens >= native.max_tokens:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "max_tokens must be greater than thinking.budget_tokens",
                            "thinking.budget_tokens")
-    body = internal_body(native.model_dump(exclude_none=True, by_alias=True, exclude={"service_tier", "thinking"}))
-    own = native.model_dump(exclude_none=True, include={"service_tier", "thinking"})
+    body = internal_body(native.model_dump(exclude_none=True, by_alias=True, exclude=set(OWN)))
+    own = native.model_dump(exclude_none=True, include=set(OWN))
+    if native.output_config is not None and native.output_config.effort is not None:
+        own["output_config.effort"] = native.output_config.effort
     if own:
         body[NATIVE] = own
     if native.tool_choice is not None and native.tool_choice.type == "tool" and not native.tool_choice.name:
@@ -268,4 +291,5 @@ def error(status: int, body: bytes) -> bytes:
 
 DOOR = Door(NAME, re.escape(MESSAGES_PATH), lambda raw, _path: request(raw), error, ("x-api-key",),
             fields=FIELDS, model_object=model_object, model_list=model_list, models_header="anthropic-version",
+            hints=HINTS,
             count_path=re.escape(MESSAGES_PATH + "/count_tokens"), count_request=lambda raw, _path: count_request(raw))

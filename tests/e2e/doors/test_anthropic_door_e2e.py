@@ -96,10 +96,10 @@ def test_errors_are_anthropics_with_the_contracts_code(stack: Stack) -> None:
     assert nf.value.body["error"] == {"type": "not_found_error", "message": "no route named 'no-such-route'",  # type: ignore[index]
                                       "code": "route_not_found", "param": "model"}
     with pytest.raises(anthropic.BadRequestError) as bad:
-        client(stack).messages.create(model="chat-default", max_tokens=2000, messages=ask("x"),  # Anthropic's own
-                                      thinking={"type": "enabled", "budget_tokens": 1024})
+        client(stack).messages.create(model="chat-default", max_tokens=2000, messages=ask("x"),  # Anthropic's own,
+                                      service_tier="auto")  # and no hint: refused where it cannot reach
     assert bad.value.body["error"]["code"] == "unsupported_field"  # type: ignore[index]
-    assert bad.value.body["error"]["param"] == "thinking"  # type: ignore[index]
+    assert bad.value.body["error"]["param"] == "service_tier"  # type: ignore[index]
     r = request(f"{stack.url}/v1/messages", "POST", {"model": "chat-default", "messages": ask("no max_tokens")},
                 {"x-api-key": KEY})
     assert r.status == 400 and r.json()["error"]["param"] == "max_tokens" and r.json()["type"] == "error"

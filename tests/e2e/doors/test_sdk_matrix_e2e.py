@@ -541,19 +541,48 @@ def test_a_doors_own_field_is_refused_where_the_plan_may_try_another_shape(up: S
 
 
 @pytest.mark.parametrize("door, route, field", [("gemini", "chat-default", "generationConfig.thinkingConfig"),
-                                                ("anthropic", "chat-fallback", "thinking")])
-def test_a_thinking_switch_is_refused_where_the_plan_may_try_another_shape(up: Stack, door: str, route: str,
-                                                                           field: str) -> None:
-    """A nested own field is named by its path as the caller wrote it."""
-    with pytest.raises(ERRORS[door]) as e:
-        if door == "gemini":
-            genai_client(up).models.generate_content(model=route, contents="x", config=types.GenerateContentConfig(
-                max_output_tokens=3, thinking_config=types.ThinkingConfig(include_thoughts=True, thinking_budget=64)))
-        else:
-            anthropic_client(up).messages.create(model=route, max_tokens=2000, messages=ask("x"),
-                                                 thinking={"type": "enabled", "budget_tokens": 1024})
-    status, body = status_and_body(e.value)
-    assert status == 400 and "unsupported_field" in body and f"`{field}`" in body
+                                                ("anthropic", "chat-fallback", "thinking"),
+                                                ("anthropic", "chat-gemini", "output_config.effort"),
+                                                ("anthropic", "chat-default", "context_management")])
+def test_a_hint_is_dropped_and_reported_where_the_plan_may_try_another_shape(up: Stack, door: str, route: str,
+                                                                             field: str) -> None:
+    """A door's own hint (a thinking switch, the effort, context management: what Gemini CLI and Claude
+    Code send on every request) never refuses a request, even on a `reject` route: a candidate of
+    another shape is served without it, and the answer and the ledger name it, as the caller wrote it."""
+    if door == "gemini":
+        r = genai_client(up).models.generate_content(model=route, contents="x", config=types.GenerateContentConfig(
+            max_output_tokens=3, thinking_config=types.ThinkingConfig(include_thoughts=True, thinking_budget=64)))
+        assert r.sdk_http_response is not None
+        headers = r.sdk_http_response.headers or {}
+    else:
+        own: dict[str, Any] = {
+            "thinking": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "output_config.effort": {"output_config": {"effort": "low"}},
+            # (a beta field: this SDK sends it only as an extra field, as Claude Code writes its body)
+            "context_management": {"extra_body": {"context_management": {
+                "edits": [{"type": "clear_tool_uses_20250919"}]}}}}[field]
+        raw = anthropic_client(up).messages.with_raw_response.create(model=route, max_tokens=2000,
+                                                                     messages=ask("x"), **own)
+        assert raw.parse().content
+        headers = dict(raw.headers)
+    assert f"{field} (unsupported" in headers["x-llmgw-translation-loss"], headers
+    entry = ledger_of(up, headers["x-request-id"], "acme")
+    assert any(x.startswith(f"{field} (unsupported") for x in entry["attempts"][-1]["translation_loss"]), entry
+
+
+def test_claude_code_s_own_fields_reach_an_anthropic_candidate_unchanged(up: Stack) -> None:
+    """The effort and context management as Claude Code sends them, and a system turn inside the
+    conversation, to an Anthropic-shaped candidate: as they came (the turn hoisted into `system`)."""
+    marker = "effort-escape-23"
+    m = anthropic_client(up).messages.create(
+        model="chat-anthropic", max_tokens=50, output_config={"effort": "high"},
+        extra_body={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+        messages=[{"role": "user", "content": marker}, {"role": "assistant", "content": "ok"},
+                  {"role": "system", "content": "The user's files changed."},  # type: ignore[misc,list-item]
+                  {"role": "user", "content": "go on"}])
+    assert m.content
+    sent = provider_fields(up, "demo-anthropic", marker)
+    assert {"output_config", "context_management", "system"} <= set(sent)
 
 
 # -- prompt caching: a breakpoint reaches the provider that caches only when asked -----------------------
