@@ -130,6 +130,14 @@ local function walk_chunk(door, st, obj, out)
 end
 
 -- One internal event's data: its events added to `out`; true once the stream has ended.
+-- The route the caller asked for, where the answer names its model: a client that replays an earlier
+-- answer (Claude Code's signed thinking) compares that name with the one it asked for. The served
+-- model stays in x-llmgw-deployment and the ledger. (Route names are JSON-safe: [a-z0-9._-].)
+local function route_of(md)
+  local route = md[K.route]
+  return (type(route) == "string" and route ~= "") and route or nil
+end
+
 local function door_event(door, st, data, out)
   if find(data, DONE) then
     door.done(st, out)
@@ -145,6 +153,7 @@ local function door_event(door, st, data, out)
     out[#out + 1] = door.error_event(message or "the stream was interrupted", st)
     return true
   end
+  if st.route and type(doc.model) == "string" then doc.model = st.route end
   local ok = walk_chunk(door, st, doc, out)
   if ok ~= true then
     out[#out + 1] = door.error_event(ok or "the stream is malformed", st)
@@ -153,8 +162,9 @@ local function door_event(door, st, data, out)
   return false
 end
 
-local function translate_stream(h, door)
+local function translate_stream(h, door, route)
   local st, split = door.stream(), event_splitter()
+  st.route = route
   rewrite_chunks(h, function(bytes, at_end)
     local out, ended, events = {}, false, {}
     local held = split(bytes, events)
@@ -204,7 +214,7 @@ function envoy_on_response(h)
   local rid = door.request_id_header and md[K.request_id]
   if type(rid) == "string" then headers:replace(door.request_id_header, rid) end
   if status == 200 and find(headers:get("content-type") or "", "^%s*text/event%-stream") then
-    translate_stream(h, door)
+    translate_stream(h, door, route_of(md))
     return
   end
   local body = h:body()
@@ -213,7 +223,8 @@ function envoy_on_response(h)
   if status >= 200 and status < 300 and md[K.count] ~= nil then
     out, broken = door_count(h, door, md, text)
   elseif status >= 200 and status < 300 then
-    local doc = decode_all(text)
+    local doc, route = decode_all(text), route_of(md)
+    if route and is_object(doc) and type(doc.model) == "string" then doc.model = route end
     out = is_object(doc) and door.answer(doc)
     if not out then
       out, broken = door.error_body(502, "the upstream's answer could not be read", UPSTREAM_ERROR), true

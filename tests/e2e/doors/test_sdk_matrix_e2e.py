@@ -88,16 +88,18 @@ def json_answer(stack: Stack, door: str, route: str) -> tuple[str, str, int]:
         r = raw_r.parse()
         assert r.status == "incomplete" and r.incomplete_details is not None
         assert r.incomplete_details.reason == "max_output_tokens" and r.id.startswith("resp_") and r.usage is not None
+        assert r.model == route  # the route asked for; the served model is in x-llmgw-deployment
         return r.output_text, raw_r.headers["x-request-id"], r.usage.output_tokens
     if door == "anthropic":
         m = anthropic_client(stack).messages.create(model=route, max_tokens=8, messages=ask(f"hello {route}"))
         assert m.stop_reason == "max_tokens" and m.id.startswith("msg_") and not m.id.startswith("msg_msg_")
+        assert m.model == route  # (Claude Code keeps its signed thinking only for the model it asked)
         assert m._request_id  # the SDK's `request-id`
         return m.content[0].text, m._request_id, m.usage.output_tokens
     r = genai_client(stack).models.generate_content(model=route, contents=f"hello {route}",
                                                     config=types.GenerateContentConfig(max_output_tokens=8, top_k=5))
     assert r.candidates and r.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
-    assert r.usage_metadata is not None and r.sdk_http_response is not None
+    assert r.usage_metadata is not None and r.sdk_http_response is not None and r.model_version == route
     rid = (r.sdk_http_response.headers or {})["x-request-id"]
     return r.text or "", rid, r.usage_metadata.candidates_token_count or 0
 
