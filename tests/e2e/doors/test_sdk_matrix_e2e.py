@@ -828,3 +828,15 @@ def test_what_the_stateless_responses_door_does_not_serve_is_refused_by_name(up:
     with pytest.raises(openai.BadRequestError) as e:
         openai_client(up).responses.create(model="chat-default", max_output_tokens=3, input="x", **kw)
     assert e.value.code == "unsupported_field" and e.value.param == param
+
+
+@pytest.mark.parametrize("route", ["chat-anthropic", "chat-bedrock", "chat-gemini"])
+def test_a_request_the_size_of_claude_code_s_first_fits_every_hosted_route(up: Stack, route: str) -> None:
+    """The demo's hosted deployments have their providers' windows (200k tokens for the Anthropic- and
+    Bedrock-shaped, about a million for the Gemini-shaped): Claude Code's first request (~22k tokens of
+    system prompt and tools, `max_tokens: 32000`) is served, not refused for its size."""
+    system = "You are a coding agent. Follow the repository's conventions. " * 2_000  # ~22k tokens
+    with anthropic_client(up).messages.stream(model=route, max_tokens=32_000, system=system, messages=ask("hi"),
+                                              stop_sequences=["."]) as s:  # (streamed, as Claude Code asks)
+        m = s.get_final_message()
+    assert m.content and m.usage.input_tokens > 15_000, m.usage
