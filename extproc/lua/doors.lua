@@ -80,6 +80,21 @@ local function without_prefix(id)  -- an internal id without its `chatcmpl-`
   return (sub(id, 1, 9) == "chatcmpl-") and sub(id, 10) or id
 end
 
+-- An internal chat completion's id, model, first choice, its message, the message's text and tool
+-- calls (the doors have no `n`: they answer the first choice); nil when the answer is not one.
+local function first_message(doc)
+  local choices = list_of(doc.choices)
+  local id, model = text_of(doc.id, ""), text_of(doc.model, "")
+  if choices == nil or id == nil or model == nil then return nil end
+  local choice = choices[1] or {}
+  if choices[1] ~= nil and not is_object(choice) then return nil end
+  local msg = object_of(choice.message)
+  if msg == nil then return nil end
+  local text, calls = message_text(msg), list_of(msg.tool_calls)
+  if text == nil or calls == nil then return nil end
+  return id, model, choice, msg, text, calls
+end
+
 local DONE = "^%s*%[DONE%]%s*$"
 
 -- Each door's translators, by door name.

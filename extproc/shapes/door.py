@@ -18,6 +18,8 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import BaseModel, ConfigDict, model_validator
+
 
 def null_is_absent(data: Any) -> Any:
     """A request object without its null fields: a field sent as null asks for nothing. The SDKs'
@@ -26,6 +28,14 @@ def null_is_absent(data: Any) -> Any:
     door model's `mode="before"` validator: a field the door does not carry is refused only when it
     holds a value.)"""
     return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StrictModel(BaseModel):
+    """A door's request model: strict about types, a field it does not know refused (by name, at the
+    door), a field sent as null absent."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    _null_is_absent = model_validator(mode="before")(null_is_absent)
 
 
 @dataclass(frozen=True)

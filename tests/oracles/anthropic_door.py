@@ -9,7 +9,7 @@ from typing import Any
 
 from extproc.contract import ErrorCode
 from extproc.shapes.anthropic.door import STOP_REASONS
-from tests.oracles.door_stream import InternalStream, reasoning_of
+from tests.oracles.door_stream import InternalStream, first_deltas, reasoning_of
 from tests.oracles.openai import OPENAI
 
 
@@ -114,10 +114,7 @@ class MessagesStream(InternalStream):
         out = [] if self.started else self._start(obj)
         if isinstance(obj.get("usage"), dict):
             self.usage = _usage(obj["usage"])
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
+        for choice, delta in first_deltas(obj):
             reasoning, signature = reasoning_of(delta), delta.get("reasoning_signature")
             for kind, value in (("thinking", reasoning), ("signature", signature)):
                 if not isinstance(value, str) or not value:

@@ -6,6 +6,7 @@ without `[DONE]` become the door's error event, and nothing follows it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from extproc.names import MAX_EVENT_BYTES
@@ -19,6 +20,13 @@ def reasoning_of(msg: dict[str, Any]) -> str | None:
     if r is None:
         r = msg.get("reasoning_content")
     return r if isinstance(r, str) and r else None
+
+
+def first_deltas(obj: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """An internal chunk's first choice (a door has no `n`) and its delta, as the Lua's walk_chunk reads them."""
+    for choice in obj.get("choices") or ():
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            yield choice, choice.get("delta") or {}
 
 
 class InternalStream:

@@ -9,7 +9,7 @@ from typing import Any
 
 from extproc.contract import ErrorCode
 from extproc.shapes.gemini.door import FINISH, error_body
-from tests.oracles.door_stream import InternalStream, reasoning_of
+from tests.oracles.door_stream import InternalStream, first_deltas, reasoning_of
 from tests.oracles.openai import OPENAI
 
 
@@ -91,10 +91,7 @@ class GenerateContentStream(InternalStream):
         if isinstance(obj.get("usage"), dict):
             self.usage = _usage(obj["usage"])
         out: list[bytes] = []
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
+        for choice, delta in first_deltas(obj):
             if reasoning := reasoning_of(delta):
                 out.append(self._frame(self._response([{"text": reasoning, "thought": True}])))
             if delta.get("content"):

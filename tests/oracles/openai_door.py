@@ -9,7 +9,7 @@ from typing import Any
 
 from extproc.contract import ErrorCode
 from extproc.shapes.openai.door import INCOMPLETE
-from tests.oracles.door_stream import InternalStream, reasoning_of
+from tests.oracles.door_stream import InternalStream, first_deltas, reasoning_of
 from tests.oracles.openai import OPENAI
 
 
@@ -165,10 +165,7 @@ class ResponsesStream(InternalStream):
         out = [] if self.started else self._start(obj)
         if isinstance(obj.get("usage"), dict):
             self.usage = _usage(obj["usage"])
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
+        for choice, delta in first_deltas(obj):
             reasoning = reasoning_of(delta)
             if reasoning:
                 out += self._delta("reasoning", "rs", "response.reasoning_summary_text.delta", reasoning,

@@ -45,15 +45,8 @@ end
 
 -- An internal chat completion as a Message (its first choice: the Messages API has no `n`).
 local function anthropic_answer(doc)
-  local choices = list_of(doc.choices)
-  local id, model = text_of(doc.id, ""), text_of(doc.model, "")
-  if choices == nil or id == nil or model == nil then return nil end
-  local choice = choices[1] or {}
-  if choices[1] ~= nil and not is_object(choice) then return nil end
-  local msg = object_of(choice.message)
-  if msg == nil then return nil end
-  local text, calls = message_text(msg), list_of(msg.tool_calls)
-  if text == nil or calls == nil then return nil end
+  local id, model, choice, msg, text, calls = first_message(doc)
+  if id == nil then return nil end
   local content, reasoning = {}, reasoning_of(msg)
   if reasoning then  -- first, as the model thought before it answered; signed when the provider signed it
     content[1] = concat({'{"type":"thinking","thinking":', str(reasoning), ',"signature":',

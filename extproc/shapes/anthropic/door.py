@@ -22,44 +22,38 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.anthropic.adapter import internal_body
-from extproc.shapes.door import Door, null_is_absent
+from extproc.shapes.door import Door, StrictModel
 from extproc.shapes.loss import NATIVE
 
 MESSAGES_PATH = "/v1/messages"
 NAME = "anthropic"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    _null_is_absent = model_validator(mode="before")(null_is_absent)
-
-
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # a provider's caching hint: the gateway's cache is its own
 
 
-class ImageSource(_Strict):
+class ImageSource(StrictModel):
     type: Literal["base64", "url"]
     media_type: str | None = None
     data: str | None = None
     url: str | None = None
 
 
-class ImageBlock(_Strict):
+class ImageBlock(StrictModel):
     type: Literal["image"]
     source: ImageSource
     cache_control: dict[str, Any] | None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -67,7 +61,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
@@ -75,7 +69,7 @@ class ToolResultBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(StrictModel):
     """An earlier answer's reasoning, replayed with the provider's signature over it (a tool loop with
     thinking on replays it)."""
     type: Literal["thinking"]
@@ -83,7 +77,7 @@ class ThinkingBlock(_Strict):
     signature: str
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(StrictModel):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -92,30 +86,30 @@ Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | Thin
                   Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     # A system turn inside the conversation (Claude Code sends them): a system message where it stands.
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: dict[str, Any] | None = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Metadata(_Strict):
+class Metadata(StrictModel):
     user_id: str | None = None
 
 
-class Thinking(_Strict):
+class Thinking(StrictModel):
     """Anthropic's own thinking switch: sent unchanged to a plan of Anthropic-shaped candidates only."""
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1024)
@@ -127,29 +121,29 @@ class Thinking(_Strict):
         return self
 
 
-class OutputFormat(_Strict):
+class OutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(StrictModel):
     format: OutputFormat | None = None
     # How much effort the model spends (thinking, tool calls, length): Anthropic's own, a hint.
     effort: Literal["low", "medium", "high", "max"] | None = None
 
 
-class ContextEdit(_Strict):
+class ContextEdit(StrictModel):
     """One of Anthropic's context-management edits (clearing old tool results or thinking): the
     provider's own, passed as it came; its parameters are the provider's to check."""
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
 
 
-class ContextManagement(_Strict):
+class ContextManagement(StrictModel):
     edits: list[ContextEdit] = []
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(StrictModel):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
@@ -183,7 +177,7 @@ def _param(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not tag(p))
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(StrictModel):
     """`POST /v1/messages/count_tokens`: what the prompt of a Messages request would count."""
 
     model: str
@@ -193,7 +187,7 @@ class CountTokensRequest(_Strict):
     tool_choice: ToolChoice | None = None
 
 
-def _validated(model: type[_Strict], raw: bytes) -> Any:
+def _validated(model: type[StrictModel], raw: bytes) -> Any:
     doc = chat.parse_json(raw)
     try:
         return model.model_validate(doc)

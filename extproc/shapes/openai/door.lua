@@ -66,15 +66,8 @@ end
 
 -- An internal chat completion as a Response (its first choice: the Responses API has no `n`).
 local function responses_answer(doc)
-  local choices = list_of(doc.choices)
-  local id, model = text_of(doc.id, ""), text_of(doc.model, "")
-  if choices == nil or id == nil or model == nil then return nil end
-  local choice = choices[1] or {}
-  if choices[1] ~= nil and not is_object(choice) then return nil end
-  local msg = object_of(choice.message)
-  if msg == nil then return nil end
-  local text, calls = message_text(msg), list_of(msg.tool_calls)
-  if text == nil or calls == nil then return nil end
+  local id, model, choice, msg, text, calls = first_message(doc)
+  if id == nil then return nil end
   local bare, items, reasoning = without_prefix(id), {}, reasoning_of(msg)
   if reasoning then items[#items + 1] = reasoning_item(item_id("rs", bare, #items), reasoning) end
   if text ~= "" then items[#items + 1] = message_item(item_id("msg", bare, #items), text) end

@@ -33,11 +33,11 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
-from extproc.shapes.door import Door, null_is_absent
+from extproc.shapes.door import Door, StrictModel
 
 NAME = "responses"
 PATH = "/v1/responses"
@@ -48,18 +48,12 @@ STATELESS = ("this gateway keeps no responses: send `store: false` (or leave it 
              "conversation as `input`")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    _null_is_absent = model_validator(mode="before")(null_is_absent)
-
-
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Strict):
+class OutputText(StrictModel):
     """An earlier answer's text, replayed as the SDK returned it."""
     type: Literal["output_text"]
     text: str
@@ -67,13 +61,13 @@ class OutputText(_Strict):
     logprobs: list[Any] | None = None
 
 
-class InputImage(_Strict):
+class InputImage(StrictModel):
     type: Literal["input_image"]
     image_url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class InputFile(_Strict):
+class InputFile(StrictModel):
     type: Literal["input_file"]
     file_id: str | None = None
     file_data: str | None = None
@@ -81,7 +75,7 @@ class InputFile(_Strict):
     filename: str | None = None
 
 
-class Refusal(_Strict):
+class Refusal(StrictModel):
     type: Literal["refusal"]
     refusal: str
 
@@ -89,7 +83,7 @@ class Refusal(_Strict):
 Part = Annotated[InputText | OutputText | InputImage | InputFile | Refusal, Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Part]
@@ -97,7 +91,7 @@ class Message(_Strict):
     status: str | None = None
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -106,7 +100,7 @@ class FunctionCall(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutput(_Strict):
+class FunctionCallOutput(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[Annotated[InputText | InputImage | InputFile, Field(discriminator="type")]]
@@ -114,7 +108,7 @@ class FunctionCallOutput(_Strict):
     status: str | None = None
 
 
-class Reasoning(_Strict):
+class Reasoning(StrictModel):
     """An earlier answer's reasoning, replayed: dropped (see the module's docstring)."""
     type: Literal["reasoning"]
     id: str | None = None
@@ -128,11 +122,11 @@ def _item_kind(v: Any) -> str:
     return str(v.get("type") or "message") if isinstance(v, dict) else "message"
 
 
-ITEM_MODELS: dict[str, type[_Strict]] = {"message": Message, "function_call": FunctionCall,
+ITEM_MODELS: dict[str, type[StrictModel]] = {"message": Message, "function_call": FunctionCall,
                                          "function_call_output": FunctionCallOutput, "reasoning": Reasoning}
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -140,19 +134,19 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class ReasoningConfig(_Strict):
+class ReasoningConfig(StrictModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # How much of the reasoning to summarise: the gateway returns what the model reasoned, as it is.
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     type: Literal["json_schema"]
     name: str
     schema_: dict[str, Any] = Field(alias="schema")
@@ -160,20 +154,20 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class PlainFormat(_Strict):
+class PlainFormat(StrictModel):
     type: Literal["text", "json_object"]
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: Annotated[JsonSchemaFormat | PlainFormat, Field(discriminator="type")] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # padding against length side channels: nothing to pad here
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -208,7 +202,7 @@ def _param(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not tag(p))
 
 
-def _validate(model: type[_Strict], doc: Any, at: tuple[Any, ...] = ()) -> Any:
+def _validate(model: type[StrictModel], doc: Any, at: tuple[Any, ...] = ()) -> Any:
     try:
         return model.model_validate(doc)
     except ValidationError as e:
