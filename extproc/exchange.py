@@ -104,6 +104,7 @@ class Exchange:
     candidates: tuple[Deployment, ...] = ()  # every qualified candidate, in the route's order
     # deployment -> what its adapter changes or loses of this request (extproc/shapes/loss.py)
     translation_losses: dict[str, tuple[Loss, ...]] = field(default_factory=dict)
+    refused_field: str = ""  # the field the decision's own refusal names
     cluster: str = ""
     cache_salt: str = ""  # the tenant's prefix-cache salt, set with the route
     endpoints: list[str] = field(default_factory=list)  # the picker's order within the pool, best first
@@ -195,6 +196,8 @@ class Exchange:
                     md[Key.WITHHOLD_USAGE] = "1"
         if self.route is not None:
             md[Key.ROUTE] = self.route.route_contract
+        if self.refused_field:
+            md[Key.REFUSED_FIELD] = self.refused_field
         if self.door:
             md[Key.DOOR] = self.door
         if self.degraded:

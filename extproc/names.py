@@ -125,6 +125,7 @@ class Key(StrEnum):
     ANSWER_SHAPE = "answer_shape"
     ANSWER_MODEL = "answer_model"
     TRANSLATION_LOSS = "translation_loss"
+    REFUSED_FIELD = "refused_field"  # the field the decision's own refusal names (the ledger's `field`)
     RQ_TIMEOUT_MS = "rq_timeout_ms"
     PER_TRY_TIMEOUT_MS = "per_try_timeout_ms"
     TRACE = "trace"  # the request's trace: `trace_id:span_id:parent_span_id` (extproc/tracing.py)

@@ -89,6 +89,7 @@ def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     # Refused after routing chose a cluster (the completion left no room, no cache salt): no upstream
     # is reached, and custom_response must not take this reply for an upstream's error and rewrite it.
     ex.cluster = ""
+    ex.refused_field = err.param or ""  # for the access log's backstop settlement (the ledger's `field`)
     if ex.door:  # in the caller's shape, the contract's code inside
         body = DOORS_BY_NAME[ex.door].error(err.status, body)
     return immediate(ex, err.status, body, REPLY_PREFIX + err.code.value, headers)

@@ -64,7 +64,7 @@ from extproc.settlement import (
     Settler,
     Sweeper,
     record_refusal,
-    refused_termination,
+    refusal,
     release,
 )
 from extproc.shadow import grant_key
@@ -284,7 +284,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         two settles first the ledger says one thing."""
         if gave_up:
             err = too_late()
-        termination = "not_processed" if gave_up else refused_termination(err.code.value)
+        termination, marks = ("not_processed", {}) if gave_up else refusal(err.code.value, err.param)
         route = ex.route.route_contract if ex.route is not None else ""
         count_refusal(route, err.code.value)
         if ex.trace_id and ex.identity is not None:  # a request the ledger records: its span too
@@ -292,9 +292,10 @@ class Processor(ep_grpc.ExternalProcessorServicer):
                 **tracing.request_facts(route, ex.request_id, err.status, termination, ex.operation),
                 "error.type": err.code.value})
         if ex.held is not None:
-            self._later(release(self.store, ex, termination, err.status))
+            self._later(release(self.store, ex, termination, err.status, marks))
         elif ex.identity is not None:  # a store that is down takes it when it is back (record_refusal)
-            self._later(record_refusal(self.store, ex, termination, err.status, err.code.value))
+            self._later(record_refusal(self.store, ex, termination, err.status, err.code.value,
+                                       None if gave_up else err.param))
 
     async def _models(self, ex: Exchange) -> ep.ProcessingResponse:
         """GET /v1/models and /v1/models/{route} (and a door's own model paths) are sent with their

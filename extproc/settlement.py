@@ -107,11 +107,18 @@ def refused_termination(code: str) -> str:
 DEGRADED_RELEASE = ("degraded", {"degraded": "response"})  # the route's degraded answer: released, marked
 
 
-def decided_release(details: str) -> tuple[str, dict[str, Any]]:
-    """The termination (and marks) of the decision's own answer, from the details it gave Envoy."""
+def refusal(code: str, field: str | None) -> tuple[str, dict[str, Any]]:
+    """A refusal's termination and what its ledger entry says of it: the contract's code, and the
+    field it names as the caller wrote it (an unsupported or invalid one), where it names one."""
+    return refused_termination(code), {"error": code, **({"field": field} if field else {})}
+
+
+def decided_release(details: str, field: str) -> tuple[str, dict[str, Any]]:
+    """The termination (and marks) of the decision's own answer, from the details it gave Envoy and the
+    field its metadata names."""
     if details == DEGRADED_DETAILS:
         return DEGRADED_RELEASE
-    return refused_termination(details.removeprefix(REPLY_PREFIX)), {}
+    return refusal(details.removeprefix(REPLY_PREFIX), field)
 
 
 async def release(store: Store | None, ex: Exchange, termination: str, status: int,
@@ -127,14 +134,15 @@ async def release(store: Store | None, ex: Exchange, termination: str, status: i
                           ex.request_id)
 
 
-async def record_refusal(store: Store | None, ex: Exchange, termination: str, status: int, code: str) -> None:
+async def record_refusal(store: Store | None, ex: Exchange, termination: str, status: int, code: str,
+                         field: str | None = None) -> None:
     """The ledger entry of an authenticated request that holds no reservation (denied, refused). A store
     that does not answer is tried again every RETRY_EVERY_S for RETRY_FOR_S, as settlements are; the
     append is once-only, so a retry after a lost reply adds nothing."""
     if store is None or ex.identity is None or ex.held is not None:
         return
-    outcome = {"termination": termination, "status": status, "error": code, "settlement": "none",
-               "usage": None, "attempts": []}
+    outcome: dict[str, Any] = {"termination": termination, "status": status, "error": code, "settlement": "none",
+               "usage": None, "attempts": [], **({"field": field} if field else {})}
     facts, tenant = ex.ledger_facts(), ex.identity.tenant
     give_up = time.monotonic() + RETRY_FOR_S
     while True:
@@ -545,7 +553,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             self.settler.submit((tenant, rid, hint, released("not_processed", 503, ""), 0, 0, "", "", 0))
 
     def _release_decided(self, entry: Any, md: Any, tenant: str, hint: str, rid: str) -> None:
-        termination, extra = decided_release(entry.response.response_code_details)
+        termination, extra = decided_release(entry.response.response_code_details, attr(md, Key.REFUSED_FIELD))
         outcome = released(termination, entry.response.response_code.value, attr(md, Key.ADMISSION), extra)
         self.settler.submit((tenant, rid, hint, outcome, 0, 0, "", "", 0))
 

@@ -245,14 +245,20 @@ def ledger_of(store_url: str, tenant: str, rid: str, wait: float = 5.0) -> dict[
     return None
 
 
+# More tokens than the window in as few bytes as a tokenizer allows (a letter and a space: a token
+# each): a million-token window's filler stays inside the gateway's 4 MiB body limit, so the case meets
+# the window's refusal, not the body limit's 413.
+OVER_CONTEXT_WORD = "a "
+
+
 def _body(case: Case, route: str, context_window: int, mark: str | None) -> dict[str, Any]:
     body = json.loads(json.dumps(case.request))
     body["model"] = route
     if body.get("input") == OVER_CONTEXT:  # an embeddings case's
-        body["input"] = "word " * (context_window + 64)
+        body["input"] = OVER_CONTEXT_WORD * (context_window + 64)
     for m in body.get("messages") or ():
         if m.get("content") == OVER_CONTEXT:
-            m["content"] = "word " * (context_window + 64)
+            m["content"] = OVER_CONTEXT_WORD * (context_window + 64)
     if mark:
         last = next(m for m in reversed(body["messages"]) if m.get("role") == "user")
         last["content"] = f"{last['content']} {mark}"

@@ -82,6 +82,8 @@ def settled_both_ways(ex: Exchange, reply: Any, termination: str, status: int,
     (GatewayError(ErrorCode.OVERLOADED, "pool 'p' is at capacity", headers={"retry-after": "2"}), "refused"),
     (GatewayError(ErrorCode.FORBIDDEN, "data class not allowed"), "denied"),
     (GatewayError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "the completion leaves no room"), "refused"),
+    # a route's refusal of a field its candidate cannot carry: the entry names the field (issue 44)
+    (GatewayError(ErrorCode.UNSUPPORTED_FIELD, "`text.format` cannot be carried", "text.format"), "refused"),
 ])
 def test_a_refusal_after_reserving_is_ledgered_the_same_whoever_settles_it(
         monkeypatch: pytest.MonkeyPatch, err: GatewayError, termination: str) -> None:
@@ -90,11 +92,14 @@ def test_a_refusal_after_reserving_is_ledgered_the_same_whoever_settles_it(
     reply = refuse(ex, err)
     md = reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value
     assert md[Key.SETTLE] == Settle.DECIDED and md[Key.HOLD] == ex.held.hint  # type: ignore[union-attr]
-    mine, backstop, early = settled_both_ways(ex, reply, termination, err.status)
+    named, marks = settlement.refusal(err.code.value, err.param)  # what the worker releases it with
+    assert named == termination
+    mine, backstop, early = settled_both_ways(ex, reply, termination, err.status, marks)
     assert not early, "the access log settled the decision's own refusal before its backstop time"
     assert mine == backstop
     assert mine[2] == {"termination": termination, "status": err.status, "settlement": "released",
-                       "usage": None, "attempts": [], "admission": "shed=queue_timeout;queued_ms=1500"}
+                       "usage": None, "attempts": [], "admission": "shed=queue_timeout;queued_ms=1500",
+                       "error": err.code.value, **({"field": err.param} if err.param else {})}
     assert mine[3:5] == (0, 0)
 
 

@@ -840,3 +840,22 @@ def test_a_request_the_size_of_claude_code_s_first_fits_every_hosted_route(up: S
                                               stop_sequences=["."]) as s:  # (streamed, as Claude Code asks)
         m = s.get_final_message()
     assert m.content and m.usage.input_tokens > 15_000, m.usage
+
+
+@pytest.mark.parametrize("door, route, body, field", [
+    # refused at intake, before anything is reserved
+    ("responses", "chat-default", {"input": "x", "store": True}, "store"),
+    # refused by the route after the budget stage reserved: released, and the entry still names it
+    ("responses", "chat-bedrock", {"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "A", "schema": SCHEMA}}}, "text.format"),
+    ("anthropic", "chat-gemini", {"messages": ask("x"), "metadata": {"user_id": "u-1"}}, "metadata.user_id"),
+])
+def test_a_refusal_s_ledger_entry_names_the_field(up: Stack, door: str, route: str, body: dict[str, Any],
+                                                  field: str) -> None:
+    from tests.helpers import request
+    path = {"responses": "/v1/responses", "anthropic": "/v1/messages"}[door]
+    r = request(f"{up.url}{path}", "POST", {"model": route, "max_tokens" if door == "anthropic" else
+                                            "max_output_tokens": 5, **body}, {"authorization": f"Bearer {KEY}"})
+    assert r.status == 400, r.body
+    entry = ledger_of(up, r.headers["x-request-id"], "acme")
+    assert entry["error"] == "unsupported_field" and entry["field"] == field, entry
