@@ -294,8 +294,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         if ex.held is not None:
             self._later(release(self.store, ex, termination, err.status, marks))
         elif ex.identity is not None:  # a store that is down takes it when it is back (record_refusal)
-            self._later(record_refusal(self.store, ex, termination, err.status, err.code.value,
-                                       None if gave_up else err.param))
+            self._later(record_refusal(self.store, ex, termination, err.status, err.code.value, err.param))
 
     async def _models(self, ex: Exchange) -> ep.ProcessingResponse:
         """GET /v1/models and /v1/models/{route} (and a door's own model paths) are sent with their

@@ -107,10 +107,15 @@ def refused_termination(code: str) -> str:
 DEGRADED_RELEASE = ("degraded", {"degraded": "response"})  # the route's degraded answer: released, marked
 
 
+def refusal_marks(code: str, field: str | None) -> dict[str, Any]:
+    """What a refusal's ledger entry says of it: the contract's code, and the field it names as the
+    caller wrote it (an unsupported or invalid one), where it names one."""
+    return {"error": code, **({"field": field} if field else {})}
+
+
 def refusal(code: str, field: str | None) -> tuple[str, dict[str, Any]]:
-    """A refusal's termination and what its ledger entry says of it: the contract's code, and the
-    field it names as the caller wrote it (an unsupported or invalid one), where it names one."""
-    return refused_termination(code), {"error": code, **({"field": field} if field else {})}
+    """A refusal's termination and its marks (refusal_marks)."""
+    return refused_termination(code), refusal_marks(code, field)
 
 
 def decided_release(details: str, field: str) -> tuple[str, dict[str, Any]]:
@@ -141,8 +146,8 @@ async def record_refusal(store: Store | None, ex: Exchange, termination: str, st
     append is once-only, so a retry after a lost reply adds nothing."""
     if store is None or ex.identity is None or ex.held is not None:
         return
-    outcome: dict[str, Any] = {"termination": termination, "status": status, "error": code, "settlement": "none",
-               "usage": None, "attempts": [], **({"field": field} if field else {})}
+    outcome = {"termination": termination, "status": status, **refusal_marks(code, field), "settlement": "none",
+               "usage": None, "attempts": []}
     facts, tenant = ex.ledger_facts(), ex.identity.tenant
     give_up = time.monotonic() + RETRY_FOR_S
     while True:

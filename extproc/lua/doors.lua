@@ -144,7 +144,6 @@ local function walk_chunk(door, st, obj, out)
   return true
 end
 
--- One internal event's data: its events added to `out`; true once the stream has ended.
 -- The route the caller asked for, where the answer names its model: a client that replays an earlier
 -- answer (Claude Code's signed thinking) compares that name with the one it asked for. The served
 -- model stays in x-llmgw-deployment and the ledger. (Route names are JSON-safe: [a-z0-9._-].)
@@ -153,6 +152,12 @@ local function route_of(md)
   return (type(route) == "string" and route ~= "") and route or nil
 end
 
+-- An internal answer (or chunk) naming `route` as its model, where it names one.
+local function as_route(doc, route)
+  if route and type(doc.model) == "string" then doc.model = route end
+end
+
+-- One internal event's data: its events added to `out`; true once the stream has ended.
 local function door_event(door, st, data, out)
   if find(data, DONE) then
     door.done(st, out)
@@ -168,7 +173,7 @@ local function door_event(door, st, data, out)
     out[#out + 1] = door.error_event(message or "the stream was interrupted", st)
     return true
   end
-  if st.route and type(doc.model) == "string" then doc.model = st.route end
+  as_route(doc, st.route)
   local ok = walk_chunk(door, st, doc, out)
   if ok ~= true then
     out[#out + 1] = door.error_event(ok or "the stream is malformed", st)
@@ -238,8 +243,8 @@ function envoy_on_response(h)
   if status >= 200 and status < 300 and md[K.count] ~= nil then
     out, broken = door_count(h, door, md, text)
   elseif status >= 200 and status < 300 then
-    local doc, route = decode_all(text), route_of(md)
-    if route and is_object(doc) and type(doc.model) == "string" then doc.model = route end
+    local doc = decode_all(text)
+    if is_object(doc) then as_route(doc, route_of(md)) end
     out = is_object(doc) and door.answer(doc)
     if not out then
       out, broken = door.error_body(502, "the upstream's answer could not be read", UPSTREAM_ERROR), true

@@ -18,7 +18,9 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from extproc.contract import ErrorCode, GatewayError
 
 
 def null_is_absent(data: Any) -> Any:
@@ -36,6 +38,28 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     _null_is_absent = model_validator(mode="before")(null_is_absent)
+
+
+def validation_param(loc: tuple[Any, ...]) -> str:
+    """pydantic's location of an error as the field path a client recognises (`messages.0.content`),
+    without the union members' and validators' tags."""
+    def tag(p: Any) -> bool:
+        return isinstance(p, str) and (p[:1].isupper() or p.startswith(("list[", "str", "function-", "literal")))
+    return ".".join(str(p) for p in loc if not tag(p))
+
+
+def validated(model: type[StrictModel], doc: Any, api: str, at: tuple[Any, ...] = ()) -> Any:
+    """`doc` as the door's `model` (`at`: where it stands in the request); else the contract's 400 naming
+    the field. A field the gateway does not carry is named first: it is why the rest does not fit either."""
+    try:
+        return model.model_validate(doc)
+    except ValidationError as e:
+        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
+        param = validation_param((*at, *err["loc"]))
+        if err["type"] == "extra_forbidden":
+            raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's {api}",
+                               param) from None
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.anthropic.adapter import internal_body
-from extproc.shapes.door import Door, StrictModel
+from extproc.shapes.door import Door, StrictModel, validated
 from extproc.shapes.loss import NATIVE
 
 MESSAGES_PATH = "/v1/messages"
@@ -169,14 +169,6 @@ HINTS = frozenset({"thinking", "output_config.effort", "context_management"})
 OWN = ("service_tier", "thinking", "context_management")
 
 
-def _param(loc: tuple[Any, ...]) -> str:
-    """pydantic's location as the field path a client recognises (`messages.0.content`), without the
-    union members' tags."""
-    def tag(p: Any) -> bool:
-        return isinstance(p, str) and (p[:1].isupper() or p.startswith(("list[", "str")))
-    return ".".join(str(p) for p in loc if not tag(p))
-
-
 class CountTokensRequest(StrictModel):
     """`POST /v1/messages/count_tokens`: what the prompt of a Messages request would count."""
 
@@ -188,17 +180,7 @@ class CountTokensRequest(StrictModel):
 
 
 def _validated(model: type[StrictModel], raw: bytes) -> Any:
-    doc = chat.parse_json(raw)
-    try:
-        return model.model_validate(doc)
-    except ValidationError as e:
-        # A field the gateway does not carry is named first: it is why the rest does not fit either.
-        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
-        param = _param(err["loc"])
-        if err["type"] == "extra_forbidden":
-            raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's "
-                               "Messages API", param) from None
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
+    return validated(model, chat.parse_json(raw), "Messages API")
 
 
 def request(raw: bytes) -> dict[str, Any]:

@@ -33,11 +33,11 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
-from extproc.shapes.door import Door, StrictModel
+from extproc.shapes.door import Door, StrictModel, validated
 
 NAME = "responses"
 PATH = "/v1/responses"
@@ -196,23 +196,8 @@ class ResponsesRequest(StrictModel):
     background: bool | None = None
 
 
-def _param(loc: tuple[Any, ...]) -> str:
-    def tag(p: Any) -> bool:
-        return isinstance(p, str) and (p[:1].isupper() or p.startswith(("list[", "str", "function-", "literal")))
-    return ".".join(str(p) for p in loc if not tag(p))
-
-
-def _validate(model: type[StrictModel], doc: Any, at: tuple[Any, ...] = ()) -> Any:
-    try:
-        return model.model_validate(doc)
-    except ValidationError as e:
-        # A field the gateway does not carry is named first: it is why the rest does not fit either.
-        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
-        param = _param((*at, *err["loc"]))
-        if err["type"] == "extra_forbidden":
-            raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{param}` is not carried by this gateway's "
-                               "Responses API", param) from None
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
+def _validated(model: type[StrictModel], doc: Any, at: tuple[Any, ...] = ()) -> Any:
+    return validated(model, doc, "Responses API", at)
 
 
 def _refuse(param: str, why: str) -> GatewayError:
@@ -243,7 +228,7 @@ def _messages(items: list[dict[str, Any]], instructions: str | None) -> list[dic
         model = ITEM_MODELS.get(kind)
         if model is None:
             raise _refuse(f"input.{i}.type", f"`{kind}` items are not carried by this gateway's Responses API")
-        item = _validate(model, raw, ("input", i))
+        item = _validated(model, raw, ("input", i))
         if isinstance(item, Message):
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": _content(item.content, f"input.{i}.content")})
@@ -269,7 +254,7 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind != "function":
             raise _refuse(f"tools.{i}", f"the built-in tool `{kind}` is not offered by this gateway: "
                           "describe it as a function tool the caller runs")
-        tool = _validate(FunctionTool, raw, ("tools", i))
+        tool = _validated(FunctionTool, raw, ("tools", i))
         fn = tool.model_dump(exclude_none=True, exclude={"type"})
         out.append({"type": "function", "function": fn})
     return out
@@ -277,7 +262,7 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def request(raw: bytes) -> dict[str, Any]:
     """A Responses request as the internal chat completion request (GatewayError on bad input)."""
-    native: ResponsesRequest = _validate(ResponsesRequest, chat.parse_json(raw))
+    native: ResponsesRequest = _validated(ResponsesRequest, chat.parse_json(raw))
     if native.store:
         raise _refuse("store", STATELESS)
     for name in ("previous_response_id", "conversation"):
