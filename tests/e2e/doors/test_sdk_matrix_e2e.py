@@ -727,6 +727,8 @@ def _door_error(door: str, status: int, body: bytes) -> None:
     doc = json.loads(body)
     if door == "anthropic":
         assert doc["type"] == "error" and set(doc["error"]) >= {"type", "message", "code"}, doc
+    elif door == "responses":  # OpenAI's shape, the contract's own
+        assert set(doc["error"]) >= {"type", "message", "code", "param"}, doc
     else:
         err = doc["error"]
         assert err["code"] == status and err["status"] and err["details"][0]["reason"], doc
@@ -742,12 +744,17 @@ HOSTILE_BODIES = st.one_of(
                           optional={"contents": json_values.map(json.loads),
                                     "generateContentRequest": json_values.map(json.loads),
                                     "safetySettings": json_values.map(json.loads),
-                                    "service_tier": json_values.map(json.loads)}).map(lambda d: json.dumps(d).encode()))
+                                    "service_tier": json_values.map(json.loads),
+                                    # the Responses door's
+                                    "input": json_values.map(json.loads), "tools": json_values.map(json.loads),
+                                    "text": json_values.map(json.loads), "reasoning": json_values.map(json.loads)}
+                          ).map(lambda d: json.dumps(d).encode()))
 NEW_PATHS = [("anthropic", "POST", "/v1/messages/count_tokens", "x-api-key"),
              ("gemini", "POST", "/v1beta/models/chat-default:countTokens", "x-goog-api-key"),
              ("gemini", "POST", "/v1/models/chat-default:countTokens", "x-goog-api-key"),
              ("gemini", "POST", "/v1/models/chat-default:generateContent", "x-goog-api-key"),
-             ("gemini", "POST", "/v1alpha/models/chat-gemini:generateContent", "x-goog-api-key")]
+             ("gemini", "POST", "/v1alpha/models/chat-gemini:generateContent", "x-goog-api-key"),
+             ("responses", "POST", "/v1/responses", "authorization")]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -759,7 +766,8 @@ def test_hostile_bytes_on_the_new_paths_get_the_doors_4xx(up: Stack, where: tupl
     served or refused in the door's shape with a 4xx - never a 5xx, never a traceback."""
     from tests.helpers import request
     door, method, path, key_header = where
-    r = request(f"{up.url}{path}", method, data, {key_header: KEY}, timeout=20)
+    key = f"Bearer {KEY}" if key_header == "authorization" else KEY
+    r = request(f"{up.url}{path}", method, data, {key_header: key}, timeout=20)
     assert r.status < 500, (r.status, r.body[:300])
     if r.status >= 400:
         _door_error(door, r.status, r.body)
