@@ -37,6 +37,7 @@ from extproc.chat import invalid
 from extproc.config.rego_engine import PolicyEvaluationError
 from extproc.contract import ErrorCode, GatewayError
 from extproc.redact import log_safe
+from extproc.tool_catalog import ToolFacts
 
 CheckMode = Literal["enforce", "report"]
 ANSWER_REJECTED = ErrorCode.ANSWER_REJECTED.value  # the ledger's termination of an answer the checks refused
@@ -124,7 +125,7 @@ class CheckSpec:
 
 
 def spec_for(body: Mapping[str, Any], mode: CheckMode, caller: Caller,
-             catalog: Mapping[str, Any]) -> CheckSpec | None:
+             offered: Mapping[str, ToolFacts]) -> CheckSpec | None:
     """The checks a chat request's answer gets: None when it offers no tools and asks for no JSON.
     A tool's parameters or a response schema that is not a JSON Schema is the caller's 400 here,
     before anything is spent."""
@@ -134,9 +135,9 @@ def spec_for(body: Mapping[str, Any], mode: CheckMode, caller: Caller,
         params = fn.get("parameters")
         schema = {} if params is None else params
         _checked_schema(schema, f"tools[{i}].function.parameters")
-        entry = catalog.get(fn["name"])  # the gateway's tool catalog: its entries name their effects
-        tools[fn["name"]] = Tool(fn["name"], schema, fn.get("strict") is True, entry is not None,
-                                 tuple(entry.effects) if entry is not None else ())
+        # As the offer was authorized (extproc/tool_catalog.py); every offered name is resolved there.
+        facts = offered.get(fn["name"]) or ToolFacts(fn["name"], False, (), None)
+        tools[fn["name"]] = Tool(fn["name"], schema, fn.get("strict") is True, facts.known, facts.effects)
     fmt = body.get("response_format") or {}
     kind = fmt.get("type", "text")
     schema, strict = None, False

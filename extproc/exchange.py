@@ -92,6 +92,7 @@ class Exchange:
     embedding: Embedding | None = None  # an embeddings request's own options (extproc/embeddings.py)
     native: dict[str, Any] | None = None  # a door's provider-only fields, for a plan of its shape (loss.NATIVE)
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
+    client: str | None = None  # the agent a tool pack recognised by its User-Agent (extproc/tool_catalog.py)
     answer_checks: CheckSpec | None = None  # what its answer is checked against (tools, a JSON format)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     decision_id: str = ""  # this request's decision (a UUID): error body, access log, ledger, decision log

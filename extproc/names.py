@@ -67,6 +67,7 @@ HOST_CLUSTER = f"xds.upstream_host_metadata.filter_metadata['{METADATA_NAMESPACE
 
 
 REQUEST_HEADER = "request.headers['"  # the CEL path of a request header: this, its name, "']"
+USER_AGENT = "user-agent"  # the client's name for itself: the tool packs recognise agents by it
 
 
 def metadata_path(key: str) -> str:
@@ -79,7 +80,7 @@ def request_attributes(credential_headers: tuple[str, ...]) -> tuple[str, ...]:
     serializable): the request's own attributes and the headers ext_proc reads, the front doors'
     credential headers among them."""
     headers = ("authorization", *credential_headers, Header.DATA_CLASS, "idempotency-key", Header.DEADLINE_MS,
-               "traceparent", "tracestate", Header.SHADOW_GRANT)
+               "traceparent", "tracestate", Header.SHADOW_GRANT, USER_AGENT)
     return ("request.id", "request.path", "request.method", "request.time",
             *(f"{REQUEST_HEADER}{h}']" for h in headers))
 

@@ -3,8 +3,8 @@
 # the call is complete and its arguments satisfy the offered tool's schema.
 #
 # input    identity (as for authz), request.route / request_class / data_class, and the call:
-#          call.name, call.known (in the tool catalog), call.effects (the catalog's), call.arguments
-#          (the model's arguments, parsed)
+#          call.name, call.known (listed in the tool catalog), call.effects (its entry's, or the
+#          unlisted rule's defaults it was offered with), call.arguments (the model's arguments, parsed)
 # data     data.gateway, as for authz
 # decision {"allow": bool, "reasons": [string]}
 #
@@ -26,13 +26,11 @@ allow if count(reasons) == 0
 reasons contains msg if {
 	some effect in input.call.effects
 	not effect in input.identity.effects
-	msg := sprintf("the call to %s needs the %s effect, which the caller is not granted", [input.call.name, effect])
+	msg := sprintf("the call to %s needs the %s effect, which the caller is not granted (rule: effect grants)", [input.call.name, effect])
 }
 
-reasons contains msg if {
-	not input.call.known
-	msg := sprintf("tool %s is not in the tool catalog", [input.call.name])
-}
+# (An unlisted tool was decided when the request offered it, by authz.rego's unlisted rule: the call
+# carries the default effects it was admitted with, checked above.)
 
 # Refunds: a known currency, a positive amount, and at most the currency's limit.
 reasons contains "a refund must name a currency with a limit" if {

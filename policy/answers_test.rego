@@ -40,7 +40,7 @@ test_a_negative_or_textual_amount_is_refused if {
 }
 
 test_the_effect_needs_the_callers_grant if {
-	decision.reasons == {"the call to issue_refund needs the payment effect, which the caller is not granted"} with input as refund(10, "EUR", [])
+	decision.reasons == {"the call to issue_refund needs the payment effect, which the caller is not granted (rule: effect grants)"} with input as refund(10, "EUR", [])
 }
 
 test_other_tools_are_allowed_with_their_effects if {
@@ -50,9 +50,15 @@ test_other_tools_are_allowed_with_their_effects if {
 	}
 }
 
-test_a_tool_outside_the_catalog_is_refused if {
+# An unlisted tool reaches an answer only when the offer's unlisted rule admitted it: the call is held
+# to the default effects it was admitted with.
+test_an_admitted_unlisted_tool_keeps_its_default_effects if {
+	decision.allow with input as {
+		"identity": {"effects": ["execute"]},
+		"call": {"name": "run_query", "known": false, "effects": ["execute"], "arguments": {}},
+	}
 	not decision.allow with input as {
 		"identity": {"effects": []},
-		"call": {"name": "rm_rf", "known": false, "effects": [], "arguments": {}},
+		"call": {"name": "run_query", "known": false, "effects": ["execute"], "arguments": {}},
 	}
 }

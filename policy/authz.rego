@@ -52,19 +52,44 @@ any_candidate_serves if {
 	region in tenant.regions
 }
 
-# Every requested tool must be in the catalog ...
+# Tools and their effects. Each offered tool arrives resolved by the catalog for the request's client
+# (gateway.yaml `tools` and `tool_packs`): `known` when an entry lists it, with that entry's effects;
+# an unlisted one with the unlisted rule's default effects when that rule admits it. Every refusal
+# names the tool and the rule that refused it.
+#
+# Effects: read, edit, execute, network, delegate (the tool packs' classes), write, payment (this
+# policy's business tools), or an operator's own.
+
+# Rule "unlisted tools": a tool no entry lists is refused where the tenant's (or route's) rule says so.
 reasons contains msg if {
 	some tool in input.request.tools
 	not tool.known
-	msg := sprintf("tool %s is not in the tool catalog", [tool.name])
+	input.request.unlisted_tools.rule == "refuse"
+	msg := sprintf("tool %s is not in the tool catalog, and %s refuses unlisted tools (rule: unlisted tools)", [tool.name, input.request.unlisted_tools.set_by])
 }
 
-# ... and every effect it has must be granted to the caller.
+# Rule "effect grants": every effect of every tool must be granted to the caller (its key's or JWT
+# groups' grants, and its tenant's tool_effects).
 reasons contains msg if {
 	some tool in input.request.tools
 	some effect in tool.effects
 	not effect in input.identity.effects
-	msg := sprintf("tool %s needs the %s effect, which the caller is not granted", [tool.name, effect])
+	msg := sprintf("tool %s needs the %s effect, which the caller is not granted (rule: effect grants)", [tool.name, effect])
+}
+
+# Rule "effects by data class": what a data class may reach, whoever the caller. Confidential data is
+# never given to a tool that runs commands, reaches the network or hands it to another agent;
+# restricted data only to tools that read.
+barred_effects := {
+	"confidential": {"execute", "network", "delegate"},
+	"restricted": {"edit", "execute", "network", "delegate", "write", "payment"},
+}
+
+reasons contains msg if {
+	some tool in input.request.tools
+	some effect in tool.effects
+	effect in barred_effects[input.request.data_class]
+	msg := sprintf("tool %s has the %s effect, which %s data may not reach (rule: effects by data class)", [tool.name, effect, input.request.data_class])
 }
 
 # Redact personal data and secrets from requests at or above the configured data class.

@@ -8,7 +8,10 @@ import data.llmgw.authz
 
 acme := {"tenant": "acme", "subject": "k", "kind": "api_key", "groups": [], "effects": []}
 
-chat := {"route": "chat-default", "data_class": "internal", "tools": [], "stream": false}
+chat := {
+	"route": "chat-default", "data_class": "internal", "tools": [], "stream": false, "client": null,
+	"unlisted_tools": {"rule": "refuse", "effects": [], "set_by": "tenant acme"},
+}
 
 allowed := {
 	"identity": acme,
@@ -59,7 +62,7 @@ write_tool := [{"name": "update_ticket", "known": true, "effects": ["write"]}]
 test_write_tool_without_grant if {
 	d := authz.decision with input as with_request({"tools": write_tool})
 	not d.allow
-	"tool update_ticket needs the write effect, which the caller is not granted" in d.reasons
+	"tool update_ticket needs the write effect, which the caller is not granted (rule: effect grants)" in d.reasons
 }
 
 test_write_tool_with_grant if {
@@ -69,7 +72,40 @@ test_write_tool_with_grant if {
 test_unknown_tool_denied if {
 	d := authz.decision with input as with_request({"tools": [{"name": "rm_rf", "known": false, "effects": []}]})
 	not d.allow
-	"tool rm_rf is not in the tool catalog" in d.reasons
+	"tool rm_rf is not in the tool catalog, and tenant acme refuses unlisted tools (rule: unlisted tools)" in d.reasons
+}
+
+# An unlisted tool admitted by its rule is held to the rule's default effects, like a listed one.
+admitted_unlisted := {"unlisted_tools": {"rule": "admit", "effects": ["execute"], "set_by": "route chat-default"}}
+
+test_an_admitted_unlisted_tool_needs_its_default_effects if {
+	tool := {"name": "run_query", "known": false, "effects": ["execute"]}
+	d := authz.decision with input as with_request(object.union(admitted_unlisted, {"tools": [tool]}))
+	d.reasons == {"tool run_query needs the execute effect, which the caller is not granted (rule: effect grants)"}
+	authz.allow with input as object.union(with_request(object.union(admitted_unlisted, {"tools": [tool]})),
+		{"identity": {"effects": ["execute"]}})
+}
+
+agent_tools := [
+	{"name": "Read", "known": true, "effects": ["read"]},
+	{"name": "Bash", "known": true, "effects": ["execute"]},
+	{"name": "WebFetch", "known": true, "effects": ["network"]},
+]
+
+coder := {"identity": {"effects": ["read", "execute", "network"]}}
+
+test_an_agent_with_granted_effects_on_internal_data if {
+	authz.allow with input as object.union(with_request({"tools": agent_tools}), coder)
+}
+
+test_confidential_data_never_reaches_execution_or_the_network if {
+	doc := object.union(with_request({"tools": agent_tools, "data_class": "confidential"}), coder)
+	d := authz.decision with input as doc
+	d.reasons == {
+		"tool Bash has the execute effect, which confidential data may not reach (rule: effects by data class)",
+		"tool WebFetch has the network effect, which confidential data may not reach (rule: effects by data class)",
+	}
+	authz.allow with input as object.union(with_request({"tools": [agent_tools[0]], "data_class": "confidential"}), coder)
 }
 
 test_internal_is_redacted if {

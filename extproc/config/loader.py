@@ -34,11 +34,15 @@ from extproc.config.schema import (
     KeysFile,
     Prices,
     Route,
+    Tool,
+    ToolPack,
     required_evidence,
 )
 from extproc.corpora import quality_corpus, shipped_quality
 from extproc.names import POOL_CLUSTER_PREFIX
 from extproc.shapes.registry import check_options
+from extproc.tool_catalog import Entry, Pack, ToolCatalog
+from extproc.tool_packs import shipped, shipped_names
 
 M = TypeVar("M", bound=BaseModel)
 RECORD_DATE_GRACE = timedelta(days=1)  # how far past `today` an evidence record may be dated
@@ -107,6 +111,7 @@ class Snapshot:
     policy: CompiledPolicy | None = None  # None only for snapshots built without their Rego
     dry_run_policy: CompiledPolicy | None = None  # gateway.yaml policy_dry_run's candidate, never enforced
     policy_data: Mapping[str, Any] = field(default_factory=dict)  # data.gateway, for `llmgw policy test`
+    tools: ToolCatalog = field(default_factory=ToolCatalog)  # gateway.yaml's tools and its tool packs
 
     def passing_evidence(self, deployment_ref: str, route: Route, today: date, until: date | None = None) -> set[str]:
         """Kinds of evidence that pass for exactly this fingerprint as a candidate of `route`: earned
@@ -222,8 +227,9 @@ def _parse(model: type[M], data: Any, rel: str, issues: list[ConfigIssue]) -> M 
 
 def _revision(gateway: GatewayConfig, routes: dict[str, Route], deployments: dict[str, Deployment],
               rego: dict[str, str], evidence: dict[str, list[Evidence]], keys: list[Any],
-              voids: list[EvidenceVoid]) -> str:
+              voids: list[EvidenceVoid], packs: list[ToolPack]) -> str:
     doc = {
+        **({"tool_packs": [p.model_dump(mode="json") for p in packs]} if packs else {}),
         "keys": keys,
         **({"evidence_voids": [v.model_dump(mode="json") for v in voids]} if voids else {}),
         "evidence": {k: [e.model_dump(mode="json") for e in v] for k, v in sorted(evidence.items())},
@@ -236,18 +242,59 @@ def _revision(gateway: GatewayConfig, routes: dict[str, Route], deployments: dic
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def policy_data(gateway: GatewayConfig) -> dict[str, Any]:
+def policy_data(gateway: GatewayConfig, catalog: ToolCatalog | None = None) -> dict[str, Any]:
     """The static facts Rego sees as `data.gateway`: baked into the bundle, not sent per request."""
     return {
         "data_classes": list(gateway.data_classes),
         "class_rank": {c: i for i, c in enumerate(gateway.data_classes)},
         "tenants": {name: {"allowed_data_classes": list(t.allowed_data_classes),
-                           "regions": list(t.regions) if t.regions is not None else None}
+                           "regions": list(t.regions) if t.regions is not None else None,
+                           "tool_effects": list(t.tool_effects)}
                     for name, t in gateway.tenants.items()},
-        "tools": {name: {"effects": list(t.effects)} for name, t in gateway.tools.items()},
+        # Every catalog entry, `pattern [clients]` -> its effects and where it is written (requests carry
+        # each offered tool's resolved facts: extproc/stages/authorize.py).
+        "tools": dict((catalog or tool_catalog(gateway, [])).listed()),
         "redaction": {"entities": list(gateway.redaction.entities),
                       "from_data_class": gateway.redaction.from_data_class},
     }
+
+
+def _entries(tools: Mapping[str, Tool], listed_by: str, clients: tuple[str, ...] = ()) -> tuple[Entry, ...]:
+    return tuple(Entry(name, t.effects, t.clients or clients, listed_by) for name, t in tools.items())
+
+
+def _tool_packs(gateway: GatewayConfig, root: Path, issues: list[ConfigIssue]) -> list[ToolPack]:
+    """gateway.yaml's `tool_packs`: a shipped pack by name, or a .yaml file in the policy directory."""
+    packs: list[ToolPack] = []
+    for i, ref in enumerate(gateway.tool_packs):
+        path = (root / ref) if ref.endswith((".yaml", ".yml")) else shipped(ref)
+        if path is None or not path.is_file():
+            issues.append(ConfigIssue("gateway.yaml", f"tool_packs.{i}", f"no tool pack {ref!r}: a shipped one "
+                                      f"({', '.join(shipped_names())}) or a .yaml file in the policy directory"))
+            continue
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as e:
+            issues.append(ConfigIssue("gateway.yaml", f"tool_packs.{i}", f"{ref}: {e}"))
+            continue
+        pack = _parse(ToolPack, data, f"tool pack {ref}", issues)
+        if pack is not None:
+            packs.append(pack)
+    clients = [p.client for p in packs]
+    for c in {c for c in clients if clients.count(c) > 1}:
+        issues.append(ConfigIssue("gateway.yaml", "tool_packs", f"two packs for client {c!r}"))
+    for name, tool in gateway.tools.items():
+        for c in set(tool.clients) - set(clients):
+            issues.append(ConfigIssue("gateway.yaml", f"tools.{name}.clients",
+                                      f"no tool pack names client {c!r}: a request is recognised as a client "
+                                      "by its pack's user_agents"))
+    return packs
+
+
+def tool_catalog(gateway: GatewayConfig, packs: list[ToolPack]) -> ToolCatalog:
+    return ToolCatalog(_entries(gateway.tools, "gateway.yaml"),
+                       tuple(Pack(p.client, p.user_agents, _entries(p.tools, f"pack {p.client}", (p.client,)))
+                             for p in packs))
 
 
 def _cross_check(gateway: GatewayConfig, routes: dict[str, tuple[str, Route]],
@@ -447,6 +494,7 @@ def load_snapshot(directory: str | Path, today: date | None = None, earned: Path
             managed = keys_file.keys
             managed_owner = {k.sha256: k.tenant for k in keys_file.keys}
 
+    packs = _tool_packs(gateway, root, issues) if gateway is not None else []
     if gateway is not None:
         _cross_check(gateway, routes, deployments, today or date.today(), issues, warnings, root)
         for i, k in enumerate(managed):
@@ -462,11 +510,12 @@ def load_snapshot(directory: str | Path, today: date | None = None, earned: Path
     keys.update({k.sha256: KeyOwner(managed_owner[k.sha256], k) for k in managed})
     all_rego = {**rego, **{f"dry-run:{k}": v for k, v in candidate.items()}}
     revision = _revision(gateway, plain_routes, plain_deps, all_rego, evidence,
-                         [k.model_dump(mode="json") for k in managed], voids)
+                         [k.model_dump(mode="json") for k in managed], voids, packs)
     counted, voided, triggered = sift(evidence, plain_deps, gateway, voids, root)
     for ref, why in sorted(voided.items()):
         warnings.append(f"evidence for {ref} voided: {'; '.join(why)}")
-    data = policy_data(gateway)
+    catalog = tool_catalog(gateway, packs)
+    data = policy_data(gateway, catalog)
     try:
         policy = _compile(rego, data, revision, "")
         dry_run = _compile(candidate, data, f"{revision}+dry-run", f"{dry.directory}/") if dry is not None else None
@@ -489,4 +538,5 @@ def load_snapshot(directory: str | Path, today: date | None = None, earned: Path
         policy=policy,
         dry_run_policy=dry_run,
         policy_data=MappingProxyType(data),
+        tools=catalog,
     )

@@ -88,9 +88,36 @@ class JwtIssuer(Strict):
 
 
 class Tool(Strict):
-    """A tool callers may offer the model; `effects` name what calling it can change."""
+    """A catalog entry (extproc/tool_catalog.py): a tool callers may offer the model, by name or by
+    pattern; `effects` name what calling it can do (read, edit, execute, network, delegate, write,
+    payment, or the operator's own: policy/README.md); `clients` narrow it to some clients' requests."""
 
     effects: tuple[Name, ...] = ()
+    clients: tuple[Name, ...] = ()  # () any client; else the tool packs' client names
+
+
+class ToolPack(Strict):
+    """A client's own tools with their effects (extproc/tool_packs/*.yaml, or the operator's file):
+    its entries apply to requests whose User-Agent matches one of `user_agents`."""
+
+    client: Name
+    checked_against: str  # the client version whose tools were read to write the pack
+    user_agents: tuple[str, ...] = Field(min_length=1)  # fnmatch patterns over the User-Agent header
+    tools: dict[str, Tool]
+
+
+class UnlistedTools(Strict):
+    """What a tool no catalog entry lists gets: refused, or admitted taken to have `effects` (policy
+    then reasons over those as over a listed tool's)."""
+
+    rule: Literal["refuse", "admit"] = "refuse"
+    effects: tuple[Name, ...] = ()
+
+    @model_validator(mode="after")
+    def _effects_only_when_admitted(self) -> UnlistedTools:
+        if self.effects and self.rule == "refuse":
+            raise ValueError("effects: only an `admit` rule takes default effects")
+        return self
 
 
 EntityType = Literal["email", "phone", "payment_card", "iban", "us_ssn", "ip_address", "secret"]
@@ -147,6 +174,9 @@ class Tenant(Strict):
     # weighted fairness, extproc/admission.py): a tenant of weight 2 is admitted twice as often as one
     # of weight 1 while both have requests waiting.
     weight: float = Field(default=1.0, gt=0)
+    # Tool effects every caller of the tenant holds, beside its key's or JWT groups' grants.
+    tool_effects: tuple[Name, ...] = ()
+    unlisted_tools: UnlistedTools = UnlistedTools()  # a route may set its own
 
 
 class Scope(Strict):
@@ -356,7 +386,9 @@ class GatewayConfig(Strict):
     limits: Limits = Limits()
     jwt_issuers: tuple[JwtIssuer, ...] = ()
     group_effects: dict[str, tuple[Name, ...]] = {}  # JWT group -> tool effects its members may use
-    tools: dict[str, Tool] = {}  # the tool catalog; a tool not listed here is unknown to policy
+    tools: dict[str, Tool] = {}  # the operator's catalog entries: names or patterns (extproc/tool_catalog.py)
+    # Client tool packs: a shipped one's name (claude-code, codex, gemini-cli) or a .yaml path here.
+    tool_packs: tuple[str, ...] = ()
     request_classes: dict[Name, RequestClass] = {}  # every route names one of these
     loops: LoopSettings = LoopSettings()
     redaction: RedactionSettings = RedactionSettings()
@@ -783,6 +815,8 @@ class Route(Strict):
     # A field a candidate's adapter cannot carry (extproc/shapes/): refuse the request (400
     # unsupported_field naming it) or serve it and report the field (x-llmgw-translation-loss, ledger).
     translation_loss: Literal["reject", "report"] = "reject"
+    # Tools no catalog entry lists, on this route: None takes the tenant's rule (Tenant.unlisted_tools).
+    unlisted_tools: UnlistedTools | None = None
     # A returned tool call or JSON answer that fails its checks (extproc/answer_checks.py): refuse it
     # (502 answer_rejected; a stream ends with stream_interrupted before the failing call) or pass it
     # and name the failed checks (x-llmgw-answer-checks on a JSON answer; the ledger either way).

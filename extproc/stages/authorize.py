@@ -17,31 +17,40 @@ from extproc.config.schema import Route
 from extproc.contract import ErrorCode, GatewayError
 from extproc.decisions import DecisionRecorder, differences, log_entry, new_decision_id, result_of, sampled
 from extproc.exchange import Exchange
-from extproc.names import Header
+from extproc.names import USER_AGENT, Header
+from extproc.tool_catalog import ToolFacts, UnlistedRule
 
 
-def requested_tools(ex: Exchange) -> list[dict[str, Any]]:
-    """Each tool the request offers, with its effects from the catalog (unknown: `known` false).
-    `tools` is the only field that offers tools: intake refuses the legacy `functions`."""
-    catalog = ex.snapshot.gateway.tools
-    out = []
-    for tool in ex.body.get("tools") or ():
-        name = tool["function"]["name"]
-        entry = catalog.get(name)
-        out.append({"name": name, "known": entry is not None, "effects": list(entry.effects) if entry else []})
-    return out
+def unlisted_rule(ex: Exchange, route: Route) -> UnlistedRule:
+    """The route's rule for tools no catalog entry lists, else the tenant's."""
+    assert ex.identity is not None
+    if route.unlisted_tools is not None:
+        rule, by = route.unlisted_tools, f"route {route.route_contract}"
+    else:
+        rule, by = ex.snapshot.gateway.tenants[ex.identity.tenant].unlisted_tools, f"tenant {ex.identity.tenant}"
+    return UnlistedRule(rule.rule, rule.effects, by)
+
+
+def requested_tools(ex: Exchange, route: Route) -> list[ToolFacts]:
+    """Each tool the request offers as the catalog resolves it for the request's client (unlisted: `known`
+    false, with the unlisted rule's default effects when it admits). `tools` is the only field that
+    offers tools: intake refuses the legacy `functions`."""
+    catalog, rule = ex.snapshot.tools, unlisted_rule(ex, route)
+    return [catalog.facts(t["function"]["name"], ex.client, rule) for t in ex.body.get("tools") or ()]
 
 
 def policy_input(ex: Exchange, data_class: str, on: Route | None = None) -> dict[str, Any]:
     """The policy's input for this request on its route (or on `on`, another route)."""
     assert ex.identity is not None and ex.route is not None
     ident, route = ex.identity, on or ex.route
+    tools = requested_tools(ex, route)
     return {
         "identity": {"tenant": ident.tenant, "subject": ident.subject, "kind": ident.kind,
                      "groups": list(ident.groups), "effects": list(ident.effects)},
         "request": {
             "route": route.route_contract, "request_class": route.request_class, "data_class": data_class,
-            "model": ex.body["model"], "tools": requested_tools(ex), "stream": ex.stream,
+            "model": ex.body["model"], "tools": [t.as_input() for t in tools], "stream": ex.stream,
+            "client": ex.client, "unlisted_tools": unlisted_rule(ex, route).as_input(),
             "max_tokens": requested_max_tokens(ex.body, route.max_tokens_cap,
                                                ex.snapshot.gateway.limits.default_max_tokens),
             "idempotency_key": ex.idempotency_key is not None,
@@ -92,6 +101,7 @@ class Authorization:
         if data_class not in snap.gateway.data_classes:
             raise GatewayError(ErrorCode.INVALID_REQUEST, "unknown data class", Header.DATA_CLASS)
         ex.data_class = data_class
+        ex.client = snap.tools.client_of(ex.headers.get(USER_AGENT))
         if snap.policy is None:
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "no authorization policy is loaded")
         doc = policy_input(ex, data_class)
@@ -114,7 +124,7 @@ class Authorization:
             ident = ex.identity
             ex.answer_checks = spec_for(ex.body, route.answer_checks, Caller(
                 ident.tenant, ident.subject, ident.kind, tuple(ident.groups), tuple(ident.effects), data_class,
-                route.route_contract, route.request_class), snap.gateway.tools)
+                route.route_contract, route.request_class), {t.name: t for t in requested_tools(ex, route)})
 
     @staticmethod
     def _record(ex: Exchange, doc: dict[str, Any], key: bytes, failure: str, recorder: DecisionRecorder) -> None:

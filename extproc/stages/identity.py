@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -128,7 +129,10 @@ class CallerIdentity:
                 ex.identity = shadow_identity(ex, ex.headers[Header.SHADOW_GRANT])
                 return
             token = credential(ex.headers, ex.path, DOORS_BY_NAME.get(ex.door))
-            ex.identity = await self._jwt(ex, token) if looks_like_jwt(token) else api_key_identity(ex, token)
+            ident = await self._jwt(ex, token) if looks_like_jwt(token) else api_key_identity(ex, token)
+            # Effects every caller of the tenant holds join the key's or groups' own grants.
+            held = ex.snapshot.gateway.tenants[ident.tenant].tool_effects
+            ex.identity = replace(ident, effects=tuple(sorted({*ident.effects, *held}))) if held else ident
         except Unauthenticated as e:
             _refusals.info("request %s unauthenticated: %s", ex.request_id, e.why)
             raise

@@ -26,9 +26,11 @@ from extproc.answer_checks import (
 from extproc.config.policy import CompiledPolicy
 from extproc.contract import GatewayError
 from extproc.stream_checks import AnswerFacts, StreamChecker
+from extproc.tool_catalog import ToolFacts
 
 CALLER = Caller("acme", "k1", "api_key", (), ("payment",), "internal", "chat-default", "read_only_chat")
-CATALOG = {"search_docs": SimpleNamespace(effects=()), "issue_refund": SimpleNamespace(effects=("payment",))}
+CATALOG = {"search_docs": ToolFacts("search_docs", True, (), "gateway.yaml"),
+           "issue_refund": ToolFacts("issue_refund", True, ("payment",), "gateway.yaml")}
 SEARCH = {"type": "function", "function": {"name": "search_docs", "parameters": {
     "type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z ]+$"}}, "required": ["q"]}}}
 REFUND = {"type": "function", "function": {"name": "issue_refund", "parameters": {
@@ -38,7 +40,7 @@ POLICY_DIR = Path(__file__).resolve().parents[2] / "policy"
 
 
 def spec(mode: str = "enforce", **body: Any) -> CheckSpec:
-    made = spec_for(body, mode, CALLER, CATALOG)  # type: ignore[arg-type]
+    made = spec_for(body, mode, CALLER, CATALOG)
     assert made is not None
     return made
 

@@ -49,7 +49,9 @@ def identify(snap: Any, authorization: str) -> Exchange:
 def test_jwt_claims_map_to_identity(jwt_policy: Path) -> None:
     snap = load_snapshot(jwt_policy)
     ex = identify(snap, "Bearer " + IDP.token("ec-1", sub="svc-a", groups=["ticket-writers", "x"]))
-    assert ex.identity == Identity("acme", "svc-a", "jwt", ("ticket-writers", "x"), ("write",))
+    # The group's grant (write) beside what every acme caller holds (gateway.yaml tool_effects).
+    assert ex.identity == Identity("acme", "svc-a", "jwt", ("ticket-writers", "x"),
+                                   ("delegate", "edit", "execute", "network", "read", "write"))
 
 
 def test_jwks_unreachable_without_cached_key_fails_closed_503(jwt_policy: Path) -> None:

@@ -25,13 +25,14 @@ def modules_and_data(policy: Path) -> tuple[dict[str, str], dict[str, object]]:
 
 def test_the_idiomatic_tests_pass_and_fail_when_the_rule_they_test_breaks(policy: Path) -> None:
     out = llmgw("policy", "test", str(policy))
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS: 20/20"), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS: 23/23"), out.stdout + out.stderr
     authz = policy / "authz.rego"
     authz.write_text(authz.read_text().replace("not effect in input.identity.effects", "false"))
     out = llmgw("policy", "test", str(policy))
     assert out.returncode == 2, out.stdout + out.stderr  # opa test's code for a failing test
     assert "data.llmgw.authz_test.test_write_tool_without_grant: FAIL" in out.stdout
-    assert out.stdout.strip().splitlines()[-2:] == ["PASS: 19/20", "FAIL: 1/20"]
+    assert "data.llmgw.authz_test.test_an_admitted_unlisted_tool_needs_its_default_effects: FAIL" in out.stdout
+    assert out.stdout.strip().splitlines()[-2:] == ["PASS: 21/23", "FAIL: 2/23"]
 
 
 def test_with_data_replaces_gateway_facts_only_inside_the_test(policy: Path) -> None:

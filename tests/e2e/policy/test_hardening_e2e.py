@@ -396,7 +396,9 @@ def test_usage_no_engine_would_report_is_charged_as_unknown(gw: Stack, path: str
 
 def test_client_chosen_strings_in_denials_are_kept_out_of_logs(gw: Stack) -> None:
     card = "4111111111111111"  # a valid function name, and a card number
-    r = chat(gw, chat_body(max_tokens=2, tools=[{"type": "function", "function": {"name": card}}]))
+    # An unlisted tool on confidential data: acme admits it taken to run commands, which that class bars.
+    r = chat(gw, chat_body(max_tokens=2, tools=[{"type": "function", "function": {"name": card}}]),
+             {"x-llmgw-data-class": "confidential"})
     assert_contract_error(r, 403, "forbidden")
     entry = ledger_of(gw, r.headers["x-request-id"], "acme")
     assert card not in json.dumps(entry) and any("[PAYMENT_CARD_1]" in x for x in entry["decision"]["reasons"])

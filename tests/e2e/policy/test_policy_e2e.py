@@ -174,8 +174,40 @@ def test_write_tool_needs_the_write_effect(gw: Stack, idp: Idp) -> None:
     assert chat(gw, WRITER_KEY, body).status == 200  # an API key granted the effect
     assert chat(gw, idp.token(groups=["ticket-writers"]), body).status == 200  # a JWT group granted it
     assert chat(gw, DEMO_KEYS["acme"], chat_body(max_tokens=4, tools=[_tool("search_docs")])).status == 200
-    err = assert_contract_error(chat(gw, WRITER_KEY, chat_body(tools=[_tool("rm_rf")])), 403, "forbidden")
-    assert "not in the tool catalog" in err["message"]
+    # A tool no entry lists meets its tenant's rule: globex refuses it, naming the tool and the rule.
+    err = assert_contract_error(chat(gw, DEMO_KEYS["globex"], chat_body(tools=[_tool("rm_rf")])), 403, "forbidden")
+    assert err["message"].startswith("forbidden: tool rm_rf is not in the tool catalog, and tenant globex "
+                                     "refuses unlisted tools (rule: unlisted tools)")
+
+
+CLAUDE_CODE = {"user-agent": "claude-cli/2.1.197 (external, sdk-cli)"}
+READ_ONLY = ("Read", "Glob", "Grep", "TaskList")  # Claude Code's tools that read or change nothing
+
+
+def test_agents_read_only_tools_are_admitted_and_execution_is_kept_from_confidential_data(gw: Stack) -> None:
+    """The demo policy (gateway.yaml tool_packs, tool_effects, unlisted_tools; authz.rego): acme's agents
+    may offer their tools on internal data; on confidential data only tools that read, and a refusal
+    names the tool and the rule. The same names from a caller no pack recognises are unlisted tools."""
+    clear_engine_logs(gw)
+    key, confidential = DEMO_KEYS["acme"], {"x-llmgw-data-class": "confidential"}
+    every = chat_body(max_tokens=4, tools=[_tool(n) for n in (*READ_ONLY, "Bash", "WebFetch", "Agent", "Edit")])
+    assert chat(gw, key, every, **CLAUDE_CODE).status == 200
+    read_only = chat_body(max_tokens=4, tools=[_tool(n) for n in READ_ONLY])
+    r = chat(gw, key, read_only, **CLAUDE_CODE, **confidential)
+    assert r.status == 200, r.body[:300]
+    err = assert_contract_error(chat(gw, key, every, **CLAUDE_CODE, **confidential), 403, "forbidden")
+    for tool, effect in (("Bash", "execute"), ("WebFetch", "network"), ("Agent", "delegate")):
+        assert (f"tool {tool} has the {effect} effect, which confidential data may not reach "
+                "(rule: effects by data class)") in err["message"]
+    assert "Read" not in err["message"] and "Edit" not in err["message"]
+    # Without Claude Code's User-Agent its names are unlisted: acme admits them taken to run commands.
+    err = assert_contract_error(chat(gw, key, read_only, **confidential), 403, "forbidden")
+    assert "tool Read has the execute effect, which confidential data may not reach" in err["message"]
+    # globex holds only `read`: Claude Code's reading tools pass, its shell does not.
+    assert chat(gw, DEMO_KEYS["globex"], read_only, **CLAUDE_CODE).status == 200
+    err = assert_contract_error(chat(gw, DEMO_KEYS["globex"], every, **CLAUDE_CODE), 403, "forbidden")
+    assert "tool Bash needs the execute effect, which the caller is not granted (rule: effect grants)" in err["message"]
+    assert len(engine_log(gw)) == 3  # the refused requests never reached an engine
 
 
 def test_redaction_sends_placeholders_and_records_counts_only(gw: Stack) -> None:

@@ -22,7 +22,7 @@ from tests.conftest import DEMO_KEYS, POLICY, start_stack
 from tests.helpers import Response, assert_contract_error, chat_body, inject_fault, request
 
 pytestmark = pytest.mark.e2e
-AUTH = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
+AUTH = {"authorization": f"Bearer {DEMO_KEYS['globex']}"}  # globex refuses tools no entry lists
 TOOL = [{"type": "function", "function": {"name": "search_docs"}}]
 
 
