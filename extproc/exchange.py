@@ -93,6 +93,7 @@ class Exchange:
     native: dict[str, Any] | None = None  # a door's provider-only fields, for a plan of its shape (loss.NATIVE)
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
     client: str | None = None  # the agent a tool pack recognised by its User-Agent (extproc/tool_catalog.py)
+    tool_namespaces: tuple[str, ...] = ()  # the Responses door's namespaces of tools (Key.NAMESPACES)
     answer_checks: CheckSpec | None = None  # what its answer is checked against (tools, a JSON format)
     decision: Decision | None = None  # the authorization decision, recorded for the ledger
     decision_id: str = ""  # this request's decision (a UUID): error body, access log, ledger, decision log
@@ -201,6 +202,8 @@ class Exchange:
             md[Key.REFUSED_FIELD] = self.refused_field
         if self.door:
             md[Key.DOOR] = self.door
+            if self.tool_namespaces:
+                md[Key.NAMESPACES] = ",".join(self.tool_namespaces)
         if self.degraded:
             md[Key.DEGRADED] = self.degraded
         if self.disqualified:

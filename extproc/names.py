@@ -105,6 +105,9 @@ class Key(StrEnum):
     WITHHOLD_USAGE = "withhold_usage"  # "1": the usage chunk was asked for on the client's behalf
     ROUTE = "route"
     DOOR = "door"  # the front door the client used (extproc/shapes/*/door.py), for the door filter
+    # The Responses door's tool namespaces (comma-separated): a call to `ns__fn` is answered as
+    # `fn` in namespace `ns` (extproc/shapes/openai/door.py).
+    NAMESPACES = "namespaces"
     COUNT = "count"  # a token count: the shape of the upstream that counts (its answer's field), for the door filter
     DEPLOYMENT = "deployment"
     CLUSTER = "cluster"  # the cluster the request was admitted to (routes match on it)
@@ -218,7 +221,8 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                                                  Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
                                                  *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS, Key.CHECKS, Key.DOOR,
                                                  Key.DECISION_ID, Key.UPSTREAM_STATUS, Key.NATIVE_FINISH_REASON,
-                                                 Key.UPSTREAM_REQUEST_ID, Key.UPSTREAM_MODEL)))
+                                                 Key.UPSTREAM_REQUEST_ID, Key.UPSTREAM_MODEL,
+                                                 Key.TRANSLATION_LOSS)))
 # The attempt filter's processing modes (Envoy's enum names): its own, for an attempt whose body is
 # rewritten (another served model, another API shape: the request body comes through ext_proc, an
 # answer body never does), and the one an attempt switches to when its body needs no rewrite (the

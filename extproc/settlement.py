@@ -390,6 +390,8 @@ class Meter:
         for key in (Key.NATIVE_FINISH_REASON, Key.UPSTREAM_REQUEST_ID):  # what Envoy's Lua filters read of it
             if value := md_attr(attrs, key):
                 outcome["attempts"][-1][key.value] = plain_id(value)
+        if lost := md_attr(attrs, Key.TRANSLATION_LOSS):  # translated by the decision: what it lost
+            outcome["attempts"][-1]["translation_loss"] = lost.split(", ")
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,

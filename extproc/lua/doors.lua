@@ -152,6 +152,15 @@ local function route_of(md)
   return (type(route) == "string" and route ~= "") and route or nil
 end
 
+-- The Responses door's tool namespaces (K.namespaces, comma-separated): a set, or nil.
+local function namespaces_of(md)
+  local list = md[K.namespaces]
+  if type(list) ~= "string" or list == "" then return nil end
+  local set = {}
+  for ns in string.gmatch(list, "[^,]+") do set[ns] = true end
+  return set
+end
+
 -- An internal answer (or chunk) naming `route` as its model, where it names one.
 local function as_route(doc, route)
   if route and type(doc.model) == "string" then doc.model = route end
@@ -182,9 +191,9 @@ local function door_event(door, st, data, out)
   return false
 end
 
-local function translate_stream(h, door, route)
+local function translate_stream(h, door, route, namespaces)
   local st, split = door.stream(), event_splitter()
-  st.route = route
+  st.route, st.namespaces = route, namespaces
   rewrite_chunks(h, function(bytes, at_end)
     local out, ended, events = {}, false, {}
     local held = split(bytes, events)
@@ -234,7 +243,7 @@ function envoy_on_response(h)
   local rid = door.request_id_header and md[K.request_id]
   if type(rid) == "string" then headers:replace(door.request_id_header, rid) end
   if status == 200 and find(headers:get("content-type") or "", "^%s*text/event%-stream") then
-    translate_stream(h, door, route_of(md))
+    translate_stream(h, door, route_of(md), namespaces_of(md))
     return
   end
   local body = h:body()
@@ -245,7 +254,7 @@ function envoy_on_response(h)
   elseif status >= 200 and status < 300 then
     local doc = decode_all(text)
     if is_object(doc) then as_route(doc, route_of(md)) end
-    out = is_object(doc) and door.answer(doc)
+    out = is_object(doc) and door.answer(doc, namespaces_of(md))
     if not out then
       out, broken = door.error_body(502, "the upstream's answer could not be read", UPSTREAM_ERROR), true
     end

@@ -89,7 +89,11 @@ class Door:
     # how to manage the context. A candidate of another shape is served without them and they are
     # reported as lost, whatever the route's loss rule (extproc/stages/route.py native_plan): a hint
     # changes how an answer is made, never what the caller may rely on, and every agent sends them.
+    # A name stands for itself and for what it holds (`tools`: each of `tools.N`).
     hints: frozenset[str] = frozenset()
+
+    def is_hint(self, name: str) -> bool:
+        return name in self.hints or name.split(".", 1)[0] in self.hints
 
     def field_name(self, internal: str) -> str:
         return self.fields.get(internal, internal)

@@ -64,6 +64,8 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
 # them as they came (extproc/shapes/door.py). Only a door sets it, after its request was checked. A
 # field inside an object is named by its dotted path (`generationConfig.thinkingConfig`).
 NATIVE = "llmgw_native"
+# Where the Responses door leaves the namespaces of its tools for intake (extproc/exchange.py Key.NAMESPACES).
+NAMESPACES = "llmgw_namespaces"
 # Fields every adapter handles because the gateway itself owns them (never sent by the client as such).
 GATEWAY_FIELDS = frozenset({"model", "messages", NATIVE})
 

@@ -9,7 +9,7 @@ from extproc import chat, client_fields, embeddings, headers, tracing
 from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH, ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.names import Header
-from extproc.shapes.loss import NATIVE
+from extproc.shapes.loss import NAMESPACES, NATIVE
 from extproc.shapes.registry import DOORS_BY_NAME
 
 
@@ -43,6 +43,7 @@ class Intake:
             ex.client_metadata = client_fields.take(doc).metadata
             if door is not None:  # a door's own fields: the route decides whether a plan can take them
                 ex.native = doc.pop(NATIVE, None)
+                ex.tool_namespaces = tuple(doc.pop(NAMESPACES, ()))
         ex.body = chat.validate(doc, limits.max_messages, limits.max_n)
         ex.stream = ex.body.get("stream") is True
         ex.n = ex.body.get("n") or 1

@@ -219,7 +219,7 @@ def native_plan(ex: Exchange, loss_rule: str, lost: dict[str, tuple[Loss, ...]])
         return
     names = list(ex.native)  # as the caller wrote them (a nested one dotted: generationConfig.thinkingConfig)
     door = DOORS_BY_NAME[ex.door]
-    contracts = [n for n in names if n not in door.hints]  # a hint is dropped and reported whatever the rule
+    contracts = [n for n in names if not door.is_hint(n)]  # a hint is dropped and reported whatever the rule
     if loss_rule == "reject" and contracts:
         raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{contracts[0]}` is {ex.door}'s own and reaches only a "
                            f"{ex.door} candidate; this route may try {foreign[0].deployment}", contracts[0])

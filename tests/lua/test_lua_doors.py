@@ -329,3 +329,39 @@ def test_the_answer_names_the_route_asked_for_not_the_served_model(lua: Any, doo
         ":status": "200", "content-type": "text/event-stream"}), lua.table_from(frames))
     streamed = b"".join(outs[i] for i in range(1, len(frames) + 1))
     assert b"served/model-8b" not in streamed and b"chat-anthropic" in streamed
+
+
+def test_a_call_in_a_namespace_is_answered_with_its_namespace(lua: Any) -> None:
+    """The Responses door sends a namespace's functions as `namespace__function` (extproc/shapes/openai/
+    door.py); a call to one is answered as the function in its namespace, JSON and stream, as Codex reads
+    it. A name with `__` that is no namespace of the request (an MCP tool's) is left as it is."""
+    def call(i: int, name: str) -> dict[str, Any]:
+        return {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+    names = ["multi_agent_v1__spawn_agent", "mcp__docs__search"]
+    body = json.dumps({"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls",
+                       "message": {"role": "assistant", "content": None,
+                                   "tool_calls": [call(i, n) for i, n in enumerate(names)]}}],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+    md = {Key.DOOR: "responses", Key.NAMESPACES: "multi_agent_v1,other"}
+    out, _, _ = lua.globals().run_response(lua_table(lua, md), lua_table(lua, {
+        ":status": "200", "content-type": "application/json"}), body)
+    items = json.loads(out)["output"]
+    assert [(i["name"], i.get("namespace")) for i in items] == [("spawn_agent", "multi_agent_v1"),
+                                                                ("mcp__docs__search", None)]
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    frames = [chunk({**head, "choices": [{"index": 0, "delta": {"tool_calls": [call(0, names[0])]},
+                                          "finish_reason": None}]}),
+              chunk({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+              b"data: [DONE]\n\n", b""]
+    outs, _ = lua.globals().run_stream(lua_table(lua, md), lua_table(lua, {
+        ":status": "200", "content-type": "text/event-stream"}), lua.table_from(frames))
+    events = [json.loads(line[6:]) for line in b"".join(outs[i] for i in range(1, len(frames) + 1)).decode(
+        ).splitlines() if line.startswith("data: ")]
+    added = next(e for e in events if e["type"] == "response.output_item.added")
+    done = next(e for e in events if e["type"] == "response.output_item.done")
+    for item in (added["item"], done["item"]):
+        assert (item["name"], item["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    # Without the request's namespaces, nothing is split.
+    out, _, _ = lua.globals().run_response(lua_table(lua, {Key.DOOR: "responses"}), lua_table(lua, {
+        ":status": "200", "content-type": "application/json"}), body)
+    assert [i["name"] for i in json.loads(out)["output"]] == names

@@ -12,7 +12,7 @@ import pytest
 
 from extproc import chat, client_fields
 from extproc.contract import ErrorCode, GatewayError
-from extproc.shapes.openai.door import request
+from extproc.shapes.openai.door import DOOR, request
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
 
@@ -98,7 +98,7 @@ def test_structured_output_and_text_parts() -> None:
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f", "parameters": SCHEMA, "defer_loading": True}]},
      "tools.0.defer_loading"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
@@ -114,6 +114,31 @@ def test_what_needs_a_store_or_a_tool_the_gateway_does_not_run_is_refused_by_nam
                                                                                    param: str) -> None:
     err = refused(**{"input": "hi", **doc})
     assert err.code == ErrorCode.UNSUPPORTED_FIELD and err.param == param, err
+
+
+def test_codex_tools_a_namespace_of_functions_and_a_built_in_one() -> None:
+    """Codex's tools as it sends them: functions, `multi_agent_v1` (a namespace of functions) and the
+    built-in `web_search`. The namespace's functions are `namespace__function` inside the gateway (the
+    history's calls too); the built-in tool is left for the route to drop and report (a hint)."""
+    spawn = {"type": "function", "name": "spawn_agent", "description": "start one", "parameters": SCHEMA}
+    body = request(json.dumps({"model": "chat-default", "tools": [
+        {"type": "function", "name": "exec_command", "parameters": SCHEMA},
+        {"type": "namespace", "name": "multi_agent_v1", "description": "agents", "tools": [
+            spawn, {**spawn, "name": "wait_agent"}]},
+        {"type": "web_search", "external_web_access": False}],
+        "input": [{"role": "user", "content": "go"},
+                  {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "multi_agent_v1",
+                   "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "started"}]}).encode())
+    assert [t["function"]["name"] for t in body["tools"]] == [
+        "exec_command", "multi_agent_v1__spawn_agent", "multi_agent_v1__wait_agent"]
+    assert body["tools"][1]["function"]["description"] == "start one"
+    assert body["messages"][1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+    assert body["llmgw_namespaces"] == ["multi_agent_v1"]
+    assert body["llmgw_native"] == {"tools.2": "web_search"}
+    assert DOOR.is_hint("tools.2") and not DOOR.is_hint("text.format")
+    err = refused(input="hi", tools=[{"type": "namespace", "name": "bad name", "tools": [spawn]}])
+    assert err.code == ErrorCode.INVALID_REQUEST and err.param == "tools.0.name", err
 
 
 def test_a_request_without_a_message_is_invalid() -> None:

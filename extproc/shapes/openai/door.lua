@@ -52,9 +52,15 @@ local function message_item(id, text)  -- text nil: the item as it opens
                  text and ('{"type":"output_text","text":' .. str(text) .. ',"annotations":[]}') or "", "]}"})
 end
 
-local function call_item(id, call_id, name, arguments, status)
+-- A call to `ns__fn` where `ns` is one of the request's namespaces: `fn` in namespace `ns`.
+local function call_item(id, call_id, name, arguments, status, namespaces)
+  local namespace = ""
+  local ns, fn = string.match(name, "^(.-)__(.+)$")
+  if namespaces and ns and namespaces[ns] then
+    name, namespace = fn, ',"namespace":' .. str(ns)
+  end
   return concat({'{"type":"function_call","id":', str(id), ',"call_id":', str(call_id), ',"name":', str(name),
-                 ',"arguments":', str(arguments), ',"status":"', status, '"}'})
+                 namespace, ',"arguments":', str(arguments), ',"status":"', status, '"}'})
 end
 
 local function responses_object(bare, created, model, status, items, usage, reason, err)
@@ -65,7 +71,7 @@ local function responses_object(bare, created, model, status, items, usage, reas
 end
 
 -- An internal chat completion as a Response (its first choice: the Responses API has no `n`).
-local function responses_answer(doc)
+local function responses_answer(doc, namespaces)
   local id, model, choice, msg, text, calls = first_message(doc)
   if id == nil then return nil end
   local bare, items, reasoning = without_prefix(id), {}, reasoning_of(msg)
@@ -76,7 +82,7 @@ local function responses_answer(doc)
     local call_id, name, arguments = fn and text_of(call.id, ""), fn and text_of(fn.name, ""),
       fn and text_of(fn.arguments, "")
     if not (call_id and name and arguments) then return nil end
-    items[#items + 1] = call_item(item_id("fc", bare, #items), call_id, name, arguments, "completed")
+    items[#items + 1] = call_item(item_id("fc", bare, #items), call_id, name, arguments, "completed", namespaces)
   end
   local usage = responses_usage(doc.usage)
   if usage == nil then return nil end
@@ -125,7 +131,7 @@ local function responses_close(st, out)
                                     .. ',"content_index":0,"part":{"type":"output_text","text":' .. str(text)
                                     .. ',"annotations":[]}')
   else
-    item = call_item(st.item_id, st.call_id, st.call_name, text, "completed")
+    item = call_item(st.item_id, st.call_id, st.call_name, text, "completed", st.namespaces)
     out[#out + 1] = responses_event(st, "response.function_call_arguments.done", at .. ',"arguments":' .. str(text))
   end
   st.output[#st.output + 1] = item
@@ -147,7 +153,7 @@ local function responses_open(st, out, kind, prefix, call_id, name)
                                     .. ',"content_index":0,"part":{"type":"output_text","text":"","annotations":[]}')
   else
     out[#out + 1] = responses_event(st, "response.output_item.added", added
-                                    .. call_item(st.item_id, call_id, name, "", "in_progress"))
+                                    .. call_item(st.item_id, call_id, name, "", "in_progress", st.namespaces))
   end
 end
 

@@ -12,8 +12,12 @@ turned into the internal chat completion request: `instructions` and `system`/`d
 as system turns; `input_text`/`output_text`/`input_image` parts; `function_call` items as the
 assistant's tool calls and `function_call_output` items as tool turns; earlier `reasoning` items
 dropped (the internal contract carries no reasoning back to a model; their encrypted content is the
-provider's and none of this gateway's upstreams takes it); function tools (built-in tools such as
-`web_search` are refused by name); `text.format` as `response_format`; `reasoning.effort` as
+provider's and none of this gateway's upstreams takes it); function tools, and a `namespace` of them
+(Codex's `multi_agent_v1`) as functions named `namespace__function` inside the gateway (the tool
+catalog sees that name; answers name the namespace and the function apart again, Key.NAMESPACES);
+built-in tools (`web_search`, `file_search`, ...) are hints: no upstream here hosts them, so they are
+dropped and reported (x-llmgw-translation-loss, the ledger), the model never told of them - unless
+`tool_choice` demands one, which is refused by name; `text.format` as `response_format`; `reasoning.effort` as
 `reasoning_effort`; `max_output_tokens` as `max_tokens`. From there every stage runs as for a chat
 completion. A stream always asks for usage: `response.completed` carries it.
 
@@ -38,6 +42,7 @@ from pydantic import Field
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
 from extproc.shapes.door import Door, StrictModel, validated
+from extproc.shapes.loss import NAMESPACES, NATIVE
 
 NAME = "responses"
 PATH = "/v1/responses"
@@ -96,6 +101,7 @@ class FunctionCall(StrictModel):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # a function of a namespace tool
     id: str | None = None
     status: str | None = None
 
@@ -132,6 +138,22 @@ class FunctionTool(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class NamespaceTool(StrictModel):
+    type: Literal["namespace"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+
+# The separator of a namespace and its function's name inside the gateway: `_` and `-` are the only
+# punctuation every provider's tool names allow.
+NAMESPACE_SEP = "__"
+
+
+def namespaced(namespace: str | None, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
 
 
 class FunctionChoice(StrictModel):
@@ -172,7 +194,8 @@ class ResponsesRequest(StrictModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    # (any other object names a built-in tool: refused by name below)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -234,7 +257,7 @@ def _messages(items: list[dict[str, Any]], instructions: str | None) -> list[dic
             out.append({"role": role, "content": _content(item.content, f"input.{i}.content")})
         elif isinstance(item, FunctionCall):
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": namespaced(item.namespace, item.name), "arguments": item.arguments}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -247,17 +270,29 @@ def _messages(items: list[dict[str, Any]], instructions: str | None) -> list[dic
     return out
 
 
-def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+def _function(tool: FunctionTool, namespace: str | None = None) -> dict[str, Any]:
+    fn = tool.model_dump(exclude_none=True, exclude={"type"})
+    fn["name"] = namespaced(namespace, tool.name)
+    return {"type": "function", "function": fn}
+
+
+def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+    """The function tools (a namespace's flattened), the namespaces, and the built-in tools by where
+    the caller wrote them (`tools.8`), which the route drops and reports."""
+    out, namespaces, builtin = [], [], {}
     for i, raw in enumerate(tools):
         kind = str(raw.get("type", "")) if isinstance(raw, dict) else ""
-        if kind != "function":
-            raise _refuse(f"tools.{i}", f"the built-in tool `{kind}` is not offered by this gateway: "
-                          "describe it as a function tool the caller runs")
-        tool = _validated(FunctionTool, raw, ("tools", i))
-        fn = tool.model_dump(exclude_none=True, exclude={"type"})
-        out.append({"type": "function", "function": fn})
-    return out
+        if kind == "function":
+            out.append(_function(_validated(FunctionTool, raw, ("tools", i))))
+        elif kind == "namespace":
+            ns = _validated(NamespaceTool, raw, ("tools", i))
+            namespaces.append(ns.name)
+            out.extend(_function(t, ns.name) for t in ns.tools)
+        elif kind:
+            builtin[f"tools.{i}"] = kind
+        else:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"tools.{i}: a tool needs its `type`", f"tools.{i}")
+    return out, namespaces, builtin
 
 
 def request(raw: bytes) -> dict[str, Any]:
@@ -280,7 +315,16 @@ def request(raw: bytes) -> dict[str, Any]:
     if not body["messages"]:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "`input` holds no message", "input")
     if native.tools:
-        body["tools"] = _tools(native.tools)
+        tools, namespaces, builtin = _tools(native.tools)
+        if tools:
+            body["tools"] = tools
+        if namespaces:
+            body[NAMESPACES] = namespaces
+        if builtin:
+            body[NATIVE] = builtin
+    if isinstance(native.tool_choice, dict):
+        raise _refuse("tool_choice", f"it demands the built-in tool `{native.tool_choice.get('type')}`, which no "
+                      "upstream behind this gateway hosts")
     if isinstance(native.tool_choice, FunctionChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": native.tool_choice.name}}
     elif native.tool_choice is not None:
@@ -340,4 +384,5 @@ def error(status: int, body: bytes) -> bytes:
     return error_body(status, f"the gateway answered {status}", ErrorCode.UPSTREAM_ERROR.value)
 
 
-DOOR = Door(NAME, re.escape(PATH), lambda raw, _path: request(raw), error, fields=FIELDS)
+# Built-in tools (`tools.N`) are hints: dropped and reported wherever they would go (no upstream here hosts them).
+DOOR = Door(NAME, re.escape(PATH), lambda raw, _path: request(raw), error, fields=FIELDS, hints=frozenset({"tools"}))

@@ -53,16 +53,16 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 _keep: list[Any] = []  # a genai Client closes its connection pool when collected
 
 
-def openai_client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
+def openai_client(stack: Stack, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
 
 
-def anthropic_client(stack: Stack) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=stack.url, api_key=KEY, max_retries=0)
+def anthropic_client(stack: Stack, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.url, api_key=key, max_retries=0)
 
 
-def genai_client(stack: Stack) -> genai.Client:
-    c = genai.Client(api_key=KEY, http_options=types.HttpOptions(
+def genai_client(stack: Stack, key: str = KEY) -> genai.Client:
+    c = genai.Client(api_key=key, http_options=types.HttpOptions(
         base_url=stack.url, retry_options=types.HttpRetryOptions(attempts=1)))
     _keep.append(c)
     return c
@@ -299,18 +299,20 @@ def test_structured_output(up: Stack, door: str, route: str) -> None:
 
 # -- errors, in each SDK's own classes ----------------------------------------------------------------
 
+GLOBEX = DEMO_KEYS["globex"]
 FORBIDDEN: dict[str, Callable[[Stack, str], Any]] = {
-    # A tool the catalog does not list: the policy refuses it (403 forbidden) on every route.
-    "openai": lambda s, route: openai_client(s).chat.completions.create(
+    # A tool the catalog does not list, from a tenant whose rule refuses unlisted tools: the policy
+    # refuses it (403 forbidden) on every route.
+    "openai": lambda s, route: openai_client(s, GLOBEX).chat.completions.create(
         model=route, max_tokens=4, messages=ask("x"),
         tools=[{"type": "function", "function": {"name": "wire_money", "parameters": SCHEMA}}]),
-    "anthropic": lambda s, route: anthropic_client(s).messages.create(
+    "anthropic": lambda s, route: anthropic_client(s, GLOBEX).messages.create(
         model=route, max_tokens=4, messages=ask("x"),
         tools=[{"name": "wire_money", "input_schema": SCHEMA}]),
-    "responses": lambda s, route: openai_client(s).responses.create(
+    "responses": lambda s, route: openai_client(s, GLOBEX).responses.create(
         model=route, max_output_tokens=4, input="x",
         tools=[{"type": "function", "name": "wire_money", "parameters": SCHEMA, "strict": False}]),
-    "gemini": lambda s, route: genai_client(s).models.generate_content(
+    "gemini": lambda s, route: genai_client(s, GLOBEX).models.generate_content(
         model=route, contents="x", config=types.GenerateContentConfig(
             max_output_tokens=4, tools=[types.Tool(function_declarations=[types.FunctionDeclaration(
                 name="wire_money", parameters_json_schema=SCHEMA)])],
@@ -829,13 +831,44 @@ def test_an_agent_s_tool_loop_is_metered_turn_by_turn(up: Stack) -> None:
 @pytest.mark.parametrize("kw, param", [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
 ])
 def test_what_the_stateless_responses_door_does_not_serve_is_refused_by_name(up: Stack, kw: dict[str, Any],
                                                                              param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         openai_client(up).responses.create(model="chat-default", max_output_tokens=3, input="x", **kw)
     assert e.value.code == "unsupported_field" and e.value.param == param
+
+
+@pytest.mark.parametrize("route", ["chat-default", "chat-anthropic"])
+def test_codex_s_tools_a_namespace_and_a_built_in_search(up: Stack, route: str) -> None:
+    """Codex's tools as it sends them, to a pool and a provider: a call to a function of its
+    `multi_agent_v1` namespace comes back named in its namespace (JSON and stream), and `web_search`,
+    which no upstream here hosts, is dropped and reported - never a refusal."""
+    spawn = {"type": "function", "name": "spawn_agent", "parameters": {
+        "type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}}
+    tools: Any = [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+                  {"type": "namespace", "name": "multi_agent_v1", "description": "sub-agents", "tools": [spawn]},
+                  {"type": "web_search"}]
+    codex = {"User-Agent": "codex_exec/0.171.0 (Debian 12.0.0; x86_64) xterm (codex_exec; 0.171.0)"}
+    client = openai_client(up).with_options(default_headers=codex)
+    ask = "start multi_agent_v1__spawn_agent"  # (the simulated model calls the tools a turn names)
+    raw = client.responses.with_raw_response.create(model=route, max_output_tokens=60, input=ask, tools=tools)
+    (call,) = [i for i in raw.parse().output if i.type == "function_call"]
+    assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1"), call
+    assert "tools.2 (unsupported" in raw.headers["x-llmgw-translation-loss"], dict(raw.headers)
+    entry = ledger_of(up, raw.headers["x-request-id"], "acme")
+    assert any(x.startswith("tools.2 (unsupported") for x in entry["attempts"][-1]["translation_loss"]), entry
+    events = list(client.responses.create(model=route, max_output_tokens=60, input=ask, tools=tools, stream=True))
+    (done,) = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert (done.name, done.namespace) == ("spawn_agent", "multi_agent_v1")
+    # The call goes back as Codex sends it: named in its namespace.
+    back = client.responses.create(model=route, max_output_tokens=400, tools=tools, input=[
+        {"role": "user", "content": ask},
+        {"type": "function_call", "call_id": call.call_id, "name": "spawn_agent", "namespace": "multi_agent_v1",
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "started"}])
+    assert back.status == "completed" and back.output_text
 
 
 @pytest.mark.parametrize("route", ["chat-anthropic", "chat-bedrock", "chat-gemini"])
