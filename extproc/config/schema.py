@@ -815,6 +815,10 @@ class Route(Strict):
     # A field a candidate's adapter cannot carry (extproc/shapes/): refuse the request (400
     # unsupported_field naming it) or serve it and report the field (x-llmgw-translation-loss, ledger).
     translation_loss: Literal["reject", "report"] = "reject"
+    # One field's rule, over the default above and over a hint's `report` (extproc/shapes/loss.py):
+    # an internal field name (`user`, `response_format`) or a door's own as its caller writes it
+    # (`thinking`, `generationConfig.thinkingConfig`).
+    translation_loss_fields: dict[str, Literal["reject", "report"]] = {}
     # Tools no catalog entry lists, on this route: None takes the tenant's rule (Tenant.unlisted_tools).
     unlisted_tools: UnlistedTools | None = None
     # A returned tool call or JSON answer that fails its checks (extproc/answer_checks.py): refuse it

@@ -4,9 +4,15 @@ completion request of extproc/chat.py), declared as data, and the loss list of o
   supported    carried as it is (or renamed, with the same meaning)
   transformed  carried with a different shape whose meaning is the same for the values allowed
   emulated     not sent; the gateway produces the effect itself
-  unsupported  cannot be carried: the route's `translation_loss` decides (reject: 400
+  unsupported  cannot be carried: the field's loss rule decides (reject: 400
                `unsupported_field` naming it; report: served, the field listed in
                `x-llmgw-translation-loss` and the ledger)
+
+The loss rule is per field. A contract (`response_format`, `tool_choice`, `n`, `logprobs`, ...) is
+something the caller relies on: the route's `translation_loss` rules it (reject by default). A hint
+(HINT_FIELDS: the end user's id, how hard to think, how long to write) changes how an answer is made,
+never what the caller may rely on, and agents send them on every request: dropped and reported
+whatever the route's rule. A route may set any field's rule (`translation_loss_fields`).
 
 A field can also be lost for some values only (a temperature above the provider's range, `n` above
 1): a `Conditional` names the condition. A field absent from the request, or present with its
@@ -41,6 +47,10 @@ class Conditional:
 
 Rule = Support | Conditional
 LossTable = Mapping[str, Rule]  # top-level request field -> what the adapter does with it
+
+
+# The request fields that are hints (see the module's docstring); a door's own hints are its Door.hints.
+HINT_FIELDS = frozenset({"user", "reasoning_effort", "verbosity"})
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,16 @@ from extproc.exchange import Exchange
 from extproc.names import Settle
 from extproc.picker import Picker
 from extproc.shadow import Grant, issue, shadow_bucket
-from extproc.shapes.loss import CACHE_CONTROL, NATIVE, Loss, Support, cache_hinted, losses, without_cache_hints
+from extproc.shapes.loss import (
+    CACHE_CONTROL,
+    HINT_FIELDS,
+    NATIVE,
+    Loss,
+    Support,
+    cache_hinted,
+    losses,
+    without_cache_hints,
+)
 from extproc.shapes.registry import DOORS_BY_NAME, loss_table, shape_of
 from extproc.stages.authorize import authorized_on
 
@@ -111,12 +120,23 @@ def disqualifications(snap: Snapshot, route: Route, cand: Candidate, req: Reques
     return failed
 
 
-def translation_check(dep: Deployment, body: dict[str, Any], mode: str) -> tuple[tuple[Loss, ...], set[str]]:
+def rejects(route: Route, field: str, hint: bool) -> bool:
+    """Whether losing `field` refuses the request on `route`: the route's rule for that field, else a
+    hint's `report`, else the route's `translation_loss` (extproc/shapes/loss.py)."""
+    rule = route.translation_loss_fields.get(field) or ("report" if hint else route.translation_loss)
+    return rule == "reject"
+
+
+def refused_losses(route: Route, lost: Iterable[Loss]) -> list[Loss]:
+    """The unsupported fields this route refuses rather than reports."""
+    return [x for x in lost if x.support is Support.UNSUPPORTED and rejects(route, x.field, x.field in HINT_FIELDS)]
+
+
+def translation_check(dep: Deployment, body: dict[str, Any], route: Route) -> tuple[tuple[Loss, ...], set[str]]:
     """What this candidate's adapter loses of the request, and whether that disqualifies it
-    (invariant 13): an unsupported field under `translation_loss: reject`."""
+    (invariant 13): an unsupported field whose loss rule is `reject`."""
     lost = tuple(losses(body, loss_table(dep.fingerprint.adapter, dep.fingerprint.adapter_options)))
-    return lost, {"translation_loss"} if mode == "reject" and any(x.support is Support.UNSUPPORTED for x in lost) \
-        else set()
+    return lost, {"translation_loss"} if refused_losses(route, lost) else set()
 
 
 class Degraded(Exception):  # an outcome, like Replay, not an error
@@ -127,7 +147,7 @@ class Degraded(Exception):  # an outcome, like Replay, not an error
         self.text = text
 
 
-def qualify(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, Any], loss_rule: str) -> tuple[
+def qualify(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, Any], rules: Route) -> tuple[
         list[int], dict[str, set[str]], dict[str, tuple[Loss, ...]]]:
     """(indices of the route's qualified candidates, each refused one's reasons, what each qualified
     one's adapter loses of the request)."""
@@ -138,7 +158,7 @@ def qualify(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[str, A
         failed = disqualifications(snap, route, cand, facts)
         dep = snap.deployments.get(cand.deployment_name)
         if dep is not None and not failed:
-            lost[dep.deployment], why = translation_check(dep, body, loss_rule)
+            lost[dep.deployment], why = translation_check(dep, body, rules)
             failed |= why
         if failed:
             refused[cand.deployment_name] = failed
@@ -156,7 +176,7 @@ def shadow_plan(snap: Snapshot, route: Route, facts: RequestFacts, body: dict[st
     if at is None or dep is None:
         return [], {deployment: {"not_a_candidate"}}, {}
     failed = disqualifications(snap, route, route.candidates[at], facts) - {"evidence"}
-    lost, why = translation_check(dep, body, route.translation_loss)
+    lost, why = translation_check(dep, body, route)
     if failed | why:
         return [], {deployment: failed | why}, {}
     return [at], {}, {deployment: lost}
@@ -208,10 +228,10 @@ def canary_order(ex: Exchange, route: Route, qualified: list[int]) -> list[int]:
     return stable or qualified
 
 
-def native_plan(ex: Exchange, loss_rule: str, lost: dict[str, tuple[Loss, ...]]) -> None:
+def native_plan(ex: Exchange, route: Route, lost: dict[str, tuple[Loss, ...]]) -> None:
     """A door's provider-only fields reach a plan only when every candidate it may try speaks the
-    door's shape (they are sent as they came); otherwise the route's loss rule: `reject` refuses the
-    request naming the first of them, `report` serves it without them and lists them as lost for each
+    door's shape (they are sent as they came); otherwise each field's loss rule (rejects): `reject`
+    refuses the request naming the first of them, `report` serves it without them and lists them as lost for each
     candidate of another shape."""
     assert ex.native is not None
     foreign = [d for d in ex.candidates if shape_of(d.fingerprint.adapter).name != ex.door]
@@ -219,8 +239,8 @@ def native_plan(ex: Exchange, loss_rule: str, lost: dict[str, tuple[Loss, ...]])
         return
     names = list(ex.native)  # as the caller wrote them (a nested one dotted: generationConfig.thinkingConfig)
     door = DOORS_BY_NAME[ex.door]
-    contracts = [n for n in names if not door.is_hint(n)]  # a hint is dropped and reported whatever the rule
-    if loss_rule == "reject" and contracts:
+    contracts = [n for n in names if rejects(route, n, door.is_hint(n))]  # a hint: dropped and reported
+    if contracts:
         raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{contracts[0]}` is {ex.door}'s own and reaches only a "
                            f"{ex.door} candidate; this route may try {foreign[0].deployment}", contracts[0])
     for d in foreign:
@@ -289,7 +309,7 @@ class RouteSelection:
         if ex.shadow_of is not None:
             qualified, refused, lost = shadow_plan(snap, route, facts, ex.body, ex.shadow_of.deployment)
         else:
-            qualified, refused, lost = qualify(snap, route, facts, ex.body, route.translation_loss)
+            qualified, refused, lost = qualify(snap, route, facts, ex.body, route)
         ex.disqualified = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
         if not qualified and ex.shadow_of is not None:
             raise GatewayError(ErrorCode.NO_QUALIFIED_ROUTE, f"the shadow candidate does not qualify ({refused})")
@@ -300,7 +320,7 @@ class RouteSelection:
                                    "prompt and max_tokens exceed every eligible candidate's context window",
                                    "messages")
             if all(f == {"translation_loss"} for f in refused.values()):
-                first = next(x for x in lost[route.candidates[0].deployment_name] if x.support is Support.UNSUPPORTED)
+                first = refused_losses(route, lost[route.candidates[0].deployment_name])[0]
                 field = door.field_name(first.field) if door is not None else first.field
                 raise GatewayError(ErrorCode.UNSUPPORTED_FIELD, f"`{field}` cannot be carried to this route's "
                                    f"provider ({first.note or 'no equivalent'})", field)
@@ -311,7 +331,7 @@ class RouteSelection:
                 serving = snap.routes[degraded.route]
                 # The same checks for the request: the policy allows it on that route, and its candidates
                 # qualify for this data class, region, evidence, context and loss rule.
-                qualified, more, lost = qualify(snap, serving, facts, ex.body, route.translation_loss) \
+                qualified, more, lost = qualify(snap, serving, facts, ex.body, route) \
                     if authorized_on(ex, serving) else ([], {degraded.route: {"forbidden"}}, {})
                 refused |= more
                 ex.disqualified = reasons = "; ".join(f"{name}: {', '.join(sorted(f))}" for name, f in refused.items())
@@ -346,7 +366,7 @@ class PlanRequest:
         serving, qualified, facts, lost = plan.serving, list(plan.qualified), plan.facts, plan.lost
         door = DOORS_BY_NAME.get(ex.door)
         if ex.native:
-            native_plan(ex, route.translation_loss, lost)
+            native_plan(ex, route, lost)
         # What a report-mode route lists (x-llmgw-translation-loss, the ledger), named as the caller wrote it.
         ex.translation_losses = {d.deployment: tuple(replace(x, field=door.field_name(x.field)) for x in found)
                                  if door is not None else found

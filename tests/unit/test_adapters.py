@@ -5,6 +5,7 @@ of the stream translator (nothing but UpstreamBroken ever escapes it)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,6 +68,30 @@ def test_conditional_losses_depend_on_the_value() -> None:
     assert json.loads(req.body)["output_config"] == {"format": {"type": "json_schema", "schema": {"type": "object"}}}
     assert internal_body(json.loads(req.body))["response_format"] == schema
     assert json.loads(ANTHROPIC.request({**base, "temperature": 1.5}, Target("c")).body)["temperature"] == 1
+
+
+@pytest.mark.parametrize(("route_rule", "fields", "refused"), [
+    # a contract follows the route's rule; a hint is reported whatever the route's rule
+    ("reject", {}, ["n"]),
+    ("report", {}, []),
+    # a route may rule any one field: a hint made a contract, a contract reported
+    ("reject", {"reasoning_effort": "reject", "n": "report"}, ["reasoning_effort"]),
+    ("report", {"user": "reject"}, ["user"]),
+])
+def test_a_loss_is_ruled_per_field(route_rule: str, fields: dict[str, str], refused: list[str]) -> None:
+    """Gemini's adapter carries neither `n` above 1 nor the hints (an end user's id, the effort):
+    which of them refuses the request is each field's rule."""
+    from extproc.config.schema import Route
+    from extproc.shapes.gemini.adapter import LOSS_TABLE as GEMINI
+    from extproc.stages.route import refused_losses
+    body = {"model": "r", "messages": [{"role": "user", "content": "hi"}], "n": 2, "user": "u-1",
+            "reasoning_effort": "low"}
+    lost = losses(body, GEMINI)
+    assert {x.field for x in lost if x.support is Support.UNSUPPORTED} >= {"n", "user", "reasoning_effort"}
+    import yaml
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "policy/routes/chat-gemini.yaml").read_text())
+    route = Route.model_validate({**doc, "translation_loss": route_rule, "translation_loss_fields": fields})
+    assert sorted(x.field for x in refused_losses(route, lost)) == sorted(refused)
 
 
 # -- requests --------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from enginesim.sigv4 import SignatureError, verify
 from extproc.contract import ErrorCode
 from extproc.shapes.base import Target
 from extproc.shapes.bedrock.adapter import LOSS_TABLE, internal_body, native_body
-from extproc.shapes.loss import Support
+from extproc.shapes.loss import HINT_FIELDS, Support
 from extproc.shapes.registry import adapter_for, check_options
 from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route, add_route_of
 from llmgw.local.procs import Child, free_port, python_module, wait_until
@@ -442,7 +442,8 @@ def test_a_bedrock_stream_is_translated_in_envoy_and_metered(gw: Stack, provider
     assert attempts_through_the_filter(gw, "bedrock-sim") == before
 
 
-UNSUPPORTED = [f for f, rule in LOSS_TABLE.items() if rule is Support.UNSUPPORTED]
+# (Hints are dropped and reported on every route: tested by test_sdk_matrix_e2e.py.)
+UNSUPPORTED = [f for f, rule in LOSS_TABLE.items() if rule is Support.UNSUPPORTED and f not in HINT_FIELDS]
 VALUES = {"seed": 7, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"1": 1}, "logprobs": True,
           "top_logprobs": 2, "response_format": {"type": "json_object"}, "parallel_tool_calls": False, "min_p": 0.1,
           "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True, "skip_special_tokens": False,
@@ -453,6 +454,7 @@ VALUES = {"seed": 7, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_b
 @pytest.mark.e2e
 @pytest.mark.parametrize("field", UNSUPPORTED)
 def test_what_bedrock_cannot_carry_is_refused_before_it_is_sent(gw: Stack, provider: str, field: str) -> None:
+    """Every contract Converse cannot carry, on a `reject` route: refused naming it, never sent."""
     marker = f"never sent {field.replace('_', ' ')}"
     body: dict[str, Any] = {"model": "chat-bedrock", "max_tokens": 4, field: VALUES[field],
                             "messages": [{"role": "user", "content": marker}]}

@@ -365,7 +365,6 @@ def test_a_stop_sequence_is_reported_as_anthropic_reports_it(up: Stack, route: s
 
 
 @pytest.mark.parametrize("door, route, call, field", [
-    ("anthropic", "chat-gemini", {"metadata": {"user_id": "u-1"}}, "metadata.user_id"),
     ("anthropic", "chat-bedrock", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
                                    "tools": [{"name": "search_docs", "input_schema": SCHEMA}]},
      "tool_choice.disable_parallel_tool_use"),
@@ -411,9 +410,8 @@ def test_what_the_gateway_answers_itself_never_reaches_an_engine(up: Stack) -> N
 @pytest.mark.parametrize("route, kw, field", [
     ("chat-default", {"store": True}, "store"),
     ("chat-default", {"service_tier": "priority"}, "service_tier"),
-    ("chat-default", {"verbosity": "low"}, "verbosity"),  # vLLM has no such field
-    ("chat-anthropic", {"reasoning_effort": "low"}, "reasoning_effort"),  # thinking is another setting
     ("chat-default", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("chat-gemini", {"n": 2}, "n"),  # a contract: the caller relies on two choices
 ])
 def test_a_field_no_candidate_honours_is_refused_naming_it(up: Stack, route: str, kw: dict[str, Any],
                                                            field: str) -> None:
@@ -547,19 +545,31 @@ def test_a_doors_own_field_is_refused_where_the_plan_may_try_another_shape(up: S
 @pytest.mark.parametrize("door, route, field", [("gemini", "chat-default", "generationConfig.thinkingConfig"),
                                                 ("anthropic", "chat-fallback", "thinking"),
                                                 ("anthropic", "chat-gemini", "output_config.effort"),
-                                                ("anthropic", "chat-default", "context_management")])
+                                                ("anthropic", "chat-default", "context_management"),
+                                                # (hints of the contract itself: extproc/shapes/loss.py)
+                                                ("anthropic", "chat-gemini", "metadata.user_id"),
+                                                ("openai", "chat-anthropic", "reasoning_effort"),
+                                                ("openai", "chat-default", "verbosity")])
 def test_a_hint_is_dropped_and_reported_where_the_plan_may_try_another_shape(up: Stack, door: str, route: str,
                                                                              field: str) -> None:
-    """A door's own hint (a thinking switch, the effort, context management: what Gemini CLI and Claude
-    Code send on every request) never refuses a request, even on a `reject` route: a candidate of
-    another shape is served without it, and the answer and the ledger name it, as the caller wrote it."""
+    """A hint (a thinking switch, the effort, context management, an end user's id, the verbosity: what
+    Gemini CLI and Claude Code send on every request) never refuses a request, even on a `reject` route: a
+    candidate that cannot carry it is served without it, and the answer and the ledger name it, as the
+    caller wrote it."""
     if door == "gemini":
         r = genai_client(up).models.generate_content(model=route, contents="x", config=types.GenerateContentConfig(
             max_output_tokens=3, thinking_config=types.ThinkingConfig(include_thoughts=True, thinking_budget=64)))
         assert r.sdk_http_response is not None
         headers = r.sdk_http_response.headers or {}
+    elif door == "openai":
+        hint: dict[str, Any] = {"reasoning_effort": {"reasoning_effort": "low"}, "verbosity": {"verbosity": "low"}}
+        raw_chat = openai_client(up).chat.completions.with_raw_response.create(
+            model=route, max_tokens=2000, messages=ask("x"), **hint[field])
+        assert raw_chat.parse().choices[0].message.content
+        headers = dict(raw_chat.headers)
     else:
         own: dict[str, Any] = {
+            "metadata.user_id": {"metadata": {"user_id": "u-1"}},
             "thinking": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
             "output_config.effort": {"output_config": {"effort": "low"}},
             # (a beta field: this SDK sends it only as an extra field, as Claude Code writes its body)
@@ -889,7 +899,9 @@ def test_a_request_the_size_of_claude_code_s_first_fits_every_hosted_route(up: S
     # refused by the route after the budget stage reserved: released, and the entry still names it
     ("responses", "chat-bedrock", {"input": "x", "text": {"format": {
         "type": "json_schema", "name": "A", "schema": SCHEMA}}}, "text.format"),
-    ("anthropic", "chat-gemini", {"messages": ask("x"), "metadata": {"user_id": "u-1"}}, "metadata.user_id"),
+    ("anthropic", "chat-bedrock", {"messages": ask("x"), "tools": [{"name": "search_docs", "input_schema": SCHEMA}],
+                                   "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+     "tool_choice.disable_parallel_tool_use"),
 ])
 def test_a_refusal_s_ledger_entry_names_the_field(up: Stack, door: str, route: str, body: dict[str, Any],
                                                   field: str) -> None:
