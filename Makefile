@@ -53,6 +53,14 @@ $(MESH_SCHEMAS): deploy/mesh/package-lock.json
 	npm ci --prefix deploy/mesh --no-audit --no-fund --silent
 	touch $@
 
+# The agentic CLIs as their users install them (npm), pinned: Claude Code, Gemini CLI and Codex run
+# headless against the gateway in tests/e2e/clients/ (their install scripts are not run: npm leaves
+# them off, and none of the three needs them).
+AGENT_CLIS := tests/clients/node_modules/.installed-stamp
+$(AGENT_CLIS): tests/clients/package-lock.json
+	npm ci --prefix tests/clients --no-audit --no-fund --silent
+	touch $@
+
 # Debian packages the suite runs for real: a Prometheus scrapes the gateway's metrics
 # (tests/e2e/operations/test_metrics_e2e.py), headless Chromium renders `llmgw report`'s page (tests/e2e/operations/test_report_e2e.py),
 # libfaketime runs `llmgw up` two years ahead (tests/e2e/operations/test_clock_ahead_e2e.py).
@@ -81,7 +89,7 @@ TEST_WORKERS ?= 3
 # processes keep busy (I/O pressure: 8% of the time fully stalled over five minutes), and a worker
 # just started there missed decisions for seconds (docs/ARCHITECTURE.md, "Fail closed, twice").
 TEST_TMP := $(shell [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm/llmgw-test || echo $${TMPDIR:-/tmp})
-test: system-deps lint typecheck $(FOCUS_VENV)/.installed-stamp $(MESH_SCHEMAS)
+test: system-deps lint typecheck $(FOCUS_VENV)/.installed-stamp $(MESH_SCHEMAS) $(AGENT_CLIS)
 	mkdir -p $(TEST_TMP)
 	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -m "not vllm and not serial" -n $(TEST_WORKERS) --dist loadfile
 	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -m "serial and not vllm"
@@ -110,4 +118,4 @@ bench: $(STAMP)
 	$(BIN)/llmgw bench overhead --output docs/bench-overhead.md
 
 clean:
-	rm -rf $(VENV) $(FOCUS_VENV) deploy/mesh/node_modules .llmgw .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FOCUS_VENV) deploy/mesh/node_modules tests/clients/node_modules .llmgw .pytest_cache .mypy_cache .ruff_cache

@@ -5,12 +5,14 @@ The engine core only times tokens (enginesim/engine.py); this module says what e
 rules are deterministic so that a conformance case states its expected outcome:
 
 - `tools` with `tool_choice` "none": text. "auto" (the default when tools are given): tool calls when
-  the last message is the user's (a tool result last: the model answers in text). "required": tool
+  the last turn is the user's (a tool result last: the model answers in text). System turns after it
+  (an agent's reminders between turns, as Claude Code sends them) are instructions, not a turn. "required": tool
   calls. A named function: that one call.
 - Which tools: those whose names the last user message mentions, in order (all of them when
   `parallel_tool_calls` is not false, else the first); none mentioned: the first tool.
-- Arguments: a JSON object generated from the function's parameter schema (required properties,
-  types, enums, nested objects and arrays), seeded like the text.
+- Arguments: a JSON object generated from the function's parameter schema (its required properties
+  only, where it names them, as models leave optional ones to their defaults; types, enums, nested
+  objects and arrays), seeded like the text.
 - `response_format` json_object: a small JSON object; json_schema: a document matching the schema.
 - `stop`: the text ends before the first stop string, finish_reason "stop", `stop_reason` the string.
 - finish_reason as vLLM reports it: "tool_calls" for auto and required, "stop" for a named function,
@@ -20,6 +22,7 @@ rules are deterministic so that a conformance case states its expected outcome:
 from __future__ import annotations
 
 import json
+import math
 import random
 import zlib
 from dataclasses import dataclass, field
@@ -161,8 +164,10 @@ def check(body: dict[str, Any]) -> None:
 
 
 def _last_user_text(messages: list[Any]) -> str | None:
-    """The last message's text when it is the user's; None when it is not (a tool result, ...)."""
-    last = messages[-1] if messages else None
+    """The last turn's text when it is the user's (system turns after it are not turns); None when it
+    is not (a tool result, ...)."""
+    turns = [m for m in messages if not (isinstance(m, dict) and m.get("role") in ("system", "developer"))]
+    last = turns[-1] if turns else None
     if not isinstance(last, dict) or last.get("role") != "user":
         return None
     content = last.get("content")
@@ -186,7 +191,11 @@ def from_schema(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         props = schema.get("properties") or {}
         if depth > 4:
             return {}
-        return {k: from_schema(v, rng, depth + 1) for k, v in props.items()}
+        # The required properties, as models fill a tool's arguments (an optional one is left to its
+        # default); a schema that names none required has all of them written.
+        required = schema.get("required")
+        wanted = required if isinstance(required, list) else list(props)
+        return {k: from_schema(v, rng, depth + 1) for k, v in props.items() if k in wanted}
     if kind == "array":
         n = max(int(schema.get("minItems", 1)), 1)
         return [from_schema(schema.get("items") or {}, rng, depth + 1) for _ in range(n)]
@@ -194,8 +203,11 @@ def from_schema(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         low, high = int(schema.get("minimum", 0)), int(schema.get("maximum", 100))
         return rng.randint(low, max(low, high))
     if kind == "number":
+        # A whole number, as models write counts and sizes (`timeout_ms: 16`): a client may read a
+        # `number` field into an integer type (Codex's `yield_time_ms`), and a whole number is a number.
         lo, hi = float(schema.get("minimum", 0)), float(schema.get("maximum", 100))
-        return round(rng.uniform(lo, max(lo, hi)), 2)
+        whole = rng.randint(math.ceil(lo), max(math.ceil(lo), math.floor(hi)))
+        return whole if lo <= whole <= max(lo, hi) else lo
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "null":

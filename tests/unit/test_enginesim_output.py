@@ -73,6 +73,20 @@ def test_a_tool_result_last_is_answered_in_text(client: openai.OpenAI) -> None:
     assert r.choices[0].message.tool_calls in (None, []) and r.choices[0].message.content
 
 
+def test_a_system_reminder_after_the_user_s_turn_is_no_turn(client: openai.OpenAI) -> None:
+    """Claude Code puts system turns after the user's (reminders): the model still answers the user's
+    turn, calling the tool it names; after a tool result, it answers in text."""
+    reminder = {"role": "system", "content": "Available agent types: general."}
+    r = client.chat.completions.create(model=MODEL, messages=[*ask("get_weather please"), reminder],  # type: ignore[list-item]
+                                       tools=[WEATHER, TIME], max_tokens=200)  # type: ignore[list-item]
+    assert [c.function.name for c in r.choices[0].message.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]
+    messages = [*ask("weather?"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, reminder]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=50)  # type: ignore[arg-type, list-item]
+    assert r.choices[0].message.tool_calls in (None, []) and r.choices[0].message.content
+
+
 @pytest.mark.parametrize("choice, finish", [("required", "tool_calls"),
                                             ({"type": "function", "function": {"name": "get_time"}}, "stop")])
 def test_required_and_named_tool_choice(client: openai.OpenAI, choice: Any, finish: str) -> None:

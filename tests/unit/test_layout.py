@@ -14,9 +14,14 @@ from extproc.names import EXTPROC_CLUSTER, SHADOW_CLUSTER, Filter
 from tests.conftest import ROOT
 
 
+def house_modules(package: str) -> list[Path]:
+    """The package's Python files, not what npm installed beside its tests (tests/clients/node_modules)."""
+    return [p for p in (ROOT / package).rglob("*.py") if "node_modules" not in p.parts]
+
+
 def imported_packages(package: str) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
-    for path in (ROOT / package).rglob("*.py"):
+    for path in house_modules(package):
         tree = ast.parse(path.read_text(), str(path))
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
@@ -31,7 +36,7 @@ def module_files() -> dict[str, Path]:
     """Every module of the house (and its tests) by dotted name; a package by its own name."""
     out = {}
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
+        for path in house_modules(package):
             parts = path.relative_to(ROOT).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
