@@ -28,7 +28,8 @@ def test_keys_create_prints_once_stores_hash_and_revoke_works(policy: Path) -> N
     assert key.startswith("sk-llmgw-") and key not in (policy / "keys.yaml").read_text()
     ex = Exchange(snapshot=load_snapshot(policy), headers={"authorization": f"Bearer {key}"})
     asyncio.run(CallerIdentity().run(ex))
-    assert ex.identity is not None and (ex.identity.tenant, ex.identity.effects) == ("globex", ("write",))
+    # the key's grant, beside what every globex caller holds (gateway.yaml tool_effects)
+    assert ex.identity is not None and (ex.identity.tenant, ex.identity.effects) == ("globex", ("read", "write"))
     assert llmgw("keys", "revoke", "globex-ci", "--config", str(policy)).returncode == 0
     snap = load_snapshot(policy)
     assert [o.key.revoked for o in snap.keys_by_hash.values() if o.key.id == "globex-ci"] == [True]
