@@ -12,6 +12,7 @@ settlement to the access log.
   finish, and is recorded as `stream_interrupted`.
 - A stream longer than its route's `max_stream_ms` ends the same way; at its next chunk the exchange
   is reset, so the engine stops generating.
+- Each chunk names the route the caller asked for as its `model` (as the Lua guard does).
 - With an Idempotency-Key, what the client received is kept for replay (extproc/replay.py): the last
   chunk is held until it is recorded and settled, so a repeat of the key is replayed, never run again.
 - A stream Envoy cuts (reset, idle timeout, client gone) ends this exchange without an end of stream:
@@ -50,6 +51,13 @@ def is_chunk(obj: Any) -> bool:
     return isinstance(obj, dict) and (isinstance(obj.get("choices"), list) or "usage" in obj)
 
 
+def as_route(event: bytes, obj: Any, route: str) -> bytes:
+    """A chunk naming the route the caller asked for as its model (the served one is in the ledger)."""
+    if not route or not isinstance(obj, dict) or not isinstance(obj.get("model"), str) or obj["model"] == route:
+        return event
+    return b"data: " + orjson.dumps({**obj, "model": route}) + b"\n\n"
+
+
 class StreamGuard:
     def __init__(self, meter: Meter):
         self.meter = meter  # settles the same way the meter does
@@ -58,6 +66,7 @@ class StreamGuard:
                     rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
         attrs = first.attributes.get(Filter.EXT_PROC) if first.attributes else None
         tenant, rid, hint = md_attr(attrs, Key.TENANT), attr(attrs, "request.id"), md_attr(attrs, Key.HOLD)
+        route = md_attr(attrs, Key.ROUTE)
         withhold = md_attr(attrs, Key.WITHHOLD_USAGE) == "1"
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
@@ -122,6 +131,7 @@ class StreamGuard:
                         if rejected is not None or (
                                 withhold and isinstance(obj, dict) and obj.get("usage") and not obj.get("choices")):
                             continue  # the usage chunk the client did not ask for, or after a refusal
+                        event = as_route(event, obj, route)
                         if checker is not None:
                             passed, failure = checker.feed(event, obj)
                             if failure is not None and checker.hold:

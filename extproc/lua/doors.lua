@@ -144,14 +144,6 @@ local function walk_chunk(door, st, obj, out)
   return true
 end
 
--- The route the caller asked for, where the answer names its model: a client that replays an earlier
--- answer (Claude Code's signed thinking) compares that name with the one it asked for. The served
--- model stays in x-llmgw-deployment and the ledger. (Route names are JSON-safe: [a-z0-9._-].)
-local function route_of(md)
-  local route = md[K.route]
-  return (type(route) == "string" and route ~= "") and route or nil
-end
-
 -- The Responses door's tool namespaces (K.namespaces, comma-separated): a set, or nil.
 local function namespaces_of(md)
   local list = md[K.namespaces]
@@ -159,11 +151,6 @@ local function namespaces_of(md)
   local set = {}
   for ns in string.gmatch(list, "[^,]+") do set[ns] = true end
   return set
-end
-
--- An internal answer (or chunk) naming `route` as its model, where it names one.
-local function as_route(doc, route)
-  if route and type(doc.model) == "string" then doc.model = route end
 end
 
 -- One internal event's data: its events added to `out`; true once the stream has ended.
@@ -182,7 +169,6 @@ local function door_event(door, st, data, out)
     out[#out + 1] = door.error_event(message or "the stream was interrupted", st)
     return true
   end
-  as_route(doc, st.route)
   local ok = walk_chunk(door, st, doc, out)
   if ok ~= true then
     out[#out + 1] = door.error_event(ok or "the stream is malformed", st)
@@ -191,9 +177,9 @@ local function door_event(door, st, data, out)
   return false
 end
 
-local function translate_stream(h, door, route, namespaces)
+local function translate_stream(h, door, namespaces)
   local st, split = door.stream(), event_splitter()
-  st.route, st.namespaces = route, namespaces
+  st.namespaces = namespaces
   rewrite_chunks(h, function(bytes, at_end)
     local out, ended, events = {}, false, {}
     local held = split(bytes, events)
@@ -243,7 +229,7 @@ function envoy_on_response(h)
   local rid = door.request_id_header and md[K.request_id]
   if type(rid) == "string" then headers:replace(door.request_id_header, rid) end
   if status == 200 and find(headers:get("content-type") or "", "^%s*text/event%-stream") then
-    translate_stream(h, door, route_of(md), namespaces_of(md))
+    translate_stream(h, door, namespaces_of(md))
     return
   end
   local body = h:body()
@@ -253,7 +239,6 @@ function envoy_on_response(h)
     out, broken = door_count(h, door, md, text)
   elseif status >= 200 and status < 300 then
     local doc = decode_all(text)
-    if is_object(doc) then as_route(doc, route_of(md)) end
     out = is_object(doc) and door.answer(doc, namespaces_of(md))
     if not out then
       out, broken = door.error_body(502, "the upstream's answer could not be read", UPSTREAM_ERROR), true

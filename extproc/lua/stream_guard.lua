@@ -15,13 +15,17 @@
 -- - Past the stream's end time (max_stream_ms, from its admission) the next chunk is replaced by the
 --   `stream_interrupted` event; Envoy's own timer, set by ext_proc a little later, then resets the
 --   exchange so the engine stops generating.
+-- - Each chunk names the route the caller asked for as its `model`, and so does a JSON answer (on the
+--   admitted JSON routes the guard's script runs for that alone): a client that replays an earlier
+--   answer (Claude Code's signed thinking) compares that name with the one it asked for. The served
+--   model was recorded first (upstream_model); it stays in x-llmgw-deployment and the ledger.
 
 local find, sub, byte, concat = string.find, string.sub, string.byte, table.concat
 local K, EVENT, MAX_EVENT, NS = CONFIG.keys, CONFIG.events, CONFIG.max_event_bytes, CONFIG.namespace
 
 -- The index after the JSON value at (or after whitespace from) i, or nil when the text there is not
 -- JSON. For the top-level object, `fields` gets the text of the values of `error`, `usage`,
--- `choices` and `id` (the only fields the guard reads).
+-- `choices`, `model` and `id` (the only fields the guard reads), and `model_at` where the model's is.
 local value
 value = function(s, i, depth, fields)
   if depth > MAX_DEPTH then return nil end
@@ -41,7 +45,10 @@ value = function(s, i, depth, fields)
       local from = skip(s, i + 1)
       i = value(s, from, depth + 1, nil)
       if i == nil then return nil end
-      if name ~= nil then fields[name] = sub(s, from, i - 1) end
+      if name ~= nil then
+        fields[name] = sub(s, from, i - 1)
+        if name == "model" then fields.model_at = from end
+      end
       i, c = skip(s, i)
       if c == 125 then return i + 1 end
       if c ~= 44 then return nil end  -- ,
@@ -127,13 +134,46 @@ local function finish_reason(choices)
   return v
 end
 
+-- The route the caller asked for as JSON text, or nil (route names are JSON-safe: [a-z0-9._-]).
+local function route_model(md)
+  local route = md[K.route]
+  if type(route) ~= "string" or route == "" or find(route, '["\\]') then return nil end
+  return '"' .. route .. '"'
+end
+
+-- `data`, a JSON object whose top-level fields are `fields`, naming `model` (JSON text) as its model;
+-- nil when it names no model or already that one.
+local function as_model(data, fields, model)
+  local named = fields.model
+  if model == nil or named == nil or named == model or byte(named, 1) ~= 34 then return nil end
+  local at = fields.model_at
+  return sub(data, 1, at - 1) .. model .. sub(data, at + #named)
+end
+
+-- A 2xx JSON answer naming the route as its model (its body read whole; one that is no JSON object
+-- passes as it came, for the filters after this to judge).
+local function json_answer(h, md)
+  local model = route_model(md)
+  if model == nil then return end
+  local headers = h:headers()
+  local status = tonumber(headers:get(":status")) or 0
+  if status < 200 or status >= 300 or not find(headers:get("content-type") or "", "json", 1, true) then return end
+  local body = h:body()
+  if body == nil then return end
+  local text = body:getBytes(0, body:length())
+  local fields = object_fields(text)
+  local renamed = fields and as_model(text, fields, model)
+  if renamed then body:setBytes(renamed) end
+end
+
 local function metadata(h, key, v)
   h:streamInfo():dynamicMetadata():set(NS, key, v)
 end
 
 function envoy_on_response(h)
   local md = h:streamInfo():dynamicMetadata():get(NS)
-  if md == nil or md[K.settle] ~= CONFIG.settle_stream then return end
+  if md == nil then return end
+  if md[K.settle] ~= CONFIG.settle_stream then return json_answer(h, md) end
   local headers = h:headers()
   local status = tonumber(headers:get(":status")) or 0
   if status < 200 or status >= 300 then return end  -- an error status: already in the contract's shape
@@ -146,6 +186,7 @@ function envoy_on_response(h)
   local sse = find(headers:get("content-type") or "", "^%s*text/event%-stream") ~= nil
   if not sse then headers:replace("content-type", "text/event-stream") end
   local withhold = md[K.withhold_usage] == "1"
+  local asked = route_model(md)  -- the model each chunk names: the route's
   local ends_at = tonumber(md[K.stream_ends_at_ms] or "")
   local split, held, chunks, counted, ended, done, done_marked = event_splitter(), 0, 0, 0, nil, false, false
   local named = false  -- the upstream's id for its answer is recorded
@@ -167,11 +208,11 @@ function envoy_on_response(h)
       held = split(came, events)
       for _, event in ipairs(events) do
         local data = event_data(event)
-        local keep = true
+        local keep, fields = true, nil
         if data == "[DONE]" or (data ~= nil and byte(data, skip(data, 1)) == 91 and find(data, "^%s*%[DONE%]%s*$")) then
           done = true
         elseif data ~= nil then
-          local fields = object_fields(data)
+          fields = object_fields(data)
           if fields == nil then
             ended = "malformed"
           elseif fields.error ~= nil then
@@ -200,7 +241,12 @@ function envoy_on_response(h)
           end
         end
         if ended ~= nil then break end
-        if keep then out[#out + 1] = event end
+        local renamed = keep and fields ~= nil and as_model(data, fields, asked)
+        if renamed then
+          out[#out + 1] = "data: " .. renamed .. "\n\n"
+        elseif keep then
+          out[#out + 1] = event
+        end
       end
       if ended == nil and held > MAX_EVENT then ended = "oversized" end
       if ended == nil and at_end and not done then ended = "unfinished" end

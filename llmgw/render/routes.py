@@ -145,9 +145,10 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
         for kind in (Settle.STREAM, Settle.KEPT_STREAM, Settle.CHECKED_STREAM, Settle.METERED, Settle.CHECKED,
                      Settle.ACCESS_LOG):
             # Idempotent (or checked) streams: ext_proc's stream guard. Idempotent (or checked) JSON: the
-            # meter. Streams: the Lua stream guard only (it reads `settle` itself). Other JSON: none of
-            # them. On a deployment the decision translates for, JSON and streams also run the Lua answer
-            # filter. A checked answer's filter fails closed: unchecked, it never reaches the client.
+            # meter. Streams: the Lua stream guard only (it reads `settle` itself). Every JSON answer: the
+            # Lua guard's script too, which names the route as its model. On a deployment the decision
+            # translates for, JSON and streams also run the Lua answer filter. A checked answer's filter
+            # fails closed: unchecked, it never reaches the client.
             no_meter: dict[str, any_pb2.Any] = {Filter.METER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
             off = pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))
             per_route: dict[str, any_pb2.Any] = {
@@ -157,6 +158,8 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
                 Settle.METERED: _no_stream_guard(),
                 Settle.CHECKED: {**_no_stream_guard(), Filter.METER: _fail_closed(whole_answer=True)},
             }.get(kind, _no_meter())
+            if kind in (Settle.METERED, Settle.CHECKED, Settle.ACCESS_LOG):
+                per_route = {k: v for k, v in per_route.items() if k != Filter.LUA_STREAM_GUARD}
             pool_json = kind is Settle.ACCESS_LOG and cluster.startswith(POOL_CLUSTER_PREFIX)
             if cluster in composites_translating or pool_json:
                 # every answer of such a plan passes the Lua answer filter; so does a pool's JSON answer

@@ -304,31 +304,30 @@ def test_a_count_that_cannot_be_read_is_the_doors_502(lua: Any, door: str, body:
     assert got[b":status"] == b"502" and sets[Key.ANSWER_BROKEN.encode()] == b"1"
 
 
-# Where each door's answer names its model: the route the caller asked for, never the served model.
+# Where each door's answer names its model.
 MODEL_OF: dict[str, Any] = {"anthropic": lambda doc: doc["model"], "gemini": lambda doc: doc["modelVersion"],
                             "responses": lambda doc: doc["model"]}
 
 
 @pytest.mark.parametrize("door", DOORS)
-def test_the_answer_names_the_route_asked_for_not_the_served_model(lua: Any, door: str) -> None:
-    """Claude Code drops its signed thinking when the answering model's name differs from the one it
-    asked for: every door's answer and stream name the route (the served model is in
-    x-llmgw-deployment and the ledger)."""
-    body = json.dumps({"id": "chatcmpl-1", "model": "served/model-8b", "choices": [{"index": 0, "finish_reason": "stop",
+def test_the_answer_names_the_model_the_guard_left(lua: Any, door: str) -> None:
+    """The stream guard names the route the caller asked for as the internal answer's model (tests/lua/
+    test_lua_stream_guard.py); every door's answer and stream carry that name where its shape has one."""
+    body = json.dumps({"id": "chatcmpl-1", "model": "chat-anthropic", "choices": [{"index": 0, "finish_reason": "stop",
                        "message": {"role": "assistant", "content": "hi"}}],
                        "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
     md = {Key.DOOR: door, Key.ROUTE: "chat-anthropic"}
     out, _, _ = lua.globals().run_response(lua_table(lua, md), lua_table(lua, {
         ":status": "200", "content-type": "application/json"}), body)
     assert MODEL_OF[door](json.loads(out)) == "chat-anthropic"
-    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "served/model-8b"}
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "chat-anthropic"}
     frames = [chunk({**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}),
               chunk({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
               b"data: [DONE]\n\n", b""]
     outs, _ = lua.globals().run_stream(lua_table(lua, md), lua_table(lua, {
         ":status": "200", "content-type": "text/event-stream"}), lua.table_from(frames))
     streamed = b"".join(outs[i] for i in range(1, len(frames) + 1))
-    assert b"served/model-8b" not in streamed and b"chat-anthropic" in streamed
+    assert b"chat-anthropic" in streamed
 
 
 def test_a_call_in_a_namespace_is_answered_with_its_namespace(lua: Any) -> None:

@@ -35,6 +35,11 @@ function run_guard(chunks, md, status, now, content_type)
     end,
     timestamp = function(self) return now end,
     bodyChunks = function(self) return body_chunks(chunks, outs) end,
+    body = function(self)  -- a JSON answer read whole: the chunks joined
+      local whole = table.concat(chunks)
+      return {length = function(self) return #whole end, getBytes = function(self, i, n) return whole end,
+              setBytes = function(self, b) outs.body = b end}
+    end,
   }
   envoy_on_response(h)
   return outs, sets, hdrs
@@ -52,15 +57,18 @@ def lua() -> Any:
 
 def guard(lua: Any, chunks: list[bytes], *, withhold: bool = False, status: str = "200", now: int = 0,
           ends_at: int | None = None, settle: str = "stream", content_type: str = "text/event-stream",
-          headers: dict[str, str] | None = None) -> tuple[bytes, dict[str, Any]]:
+          headers: dict[str, str] | None = None, route: str = "") -> tuple[bytes, dict[str, Any]]:
     """What the client receives and the metadata the guard set; `headers` gets the response headers
     as the guard left them."""
     md = {Key.SETTLE: settle, **({Key.WITHHOLD_USAGE: "1"} if withhold else {}),
+          **({Key.ROUTE: route} if route else {}),
           **({Key.STREAM_ENDS_AT_MS: str(ends_at)} if ends_at is not None else {})}
     outs, sets, hdrs = lua.globals().run_guard(lua.table_from(chunks), lua.table_from(
         {k.encode(): v.encode() for k, v in md.items()}), status.encode(), now, content_type.encode())
     if headers is not None:
         headers.update({k.decode(): v.decode() for k, v in hdrs.items()})
+    if outs[b"body"] is not None:  # a JSON answer the script rewrote whole
+        return outs[b"body"], {k.decode(): v for k, v in sets.items()}
     # A chunk the script never took (it returned at once) passes as it came.
     out = b"".join(chunks[i - 1] if outs[i] is None else outs[i] for i in range(1, len(chunks) + 1))
     return out, {k.decode(): v.decode() if isinstance(v, bytes) else v for k, v in sets.items()}
@@ -273,3 +281,35 @@ def test_an_answer_that_is_not_a_stream_ends_as_one(lua: Any) -> None:
     assert headers == {":status": "200", "content-type": "text/event-stream"}
     _, sets = guard(lua, [STREAM, b""], content_type="text/event-stream; charset=utf-8", headers=headers)
     assert sets[Key.STREAM_END] == StreamEnd.DONE
+
+
+def test_every_chunk_names_the_route_asked_for(lua: Any) -> None:
+    """A client that replays an earlier answer (Claude Code's signed thinking) compares its model with
+    the one it asked for: each chunk names the route; the served model is kept for the ledger."""
+    stream = token("a") + STREAM
+    out, sets = guard(lua, [stream, b""], route="chat-default")
+    assert out == stream.replace(b'"model":"m"', b'"model":"chat-default"') and out != stream
+    assert sets[Key.UPSTREAM_MODEL] == "m"
+
+
+@pytest.mark.parametrize("settle", ["als", "metered", "checked"])
+def test_a_json_answer_names_the_route_asked_for(lua: Any, settle: str) -> None:
+    answer = {"id": "c", "object": "chat.completion", "created": 0, "model": "served/model-8b",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": '"model": "x"', "model": "y"},
+                           "finish_reason": "stop"}], "usage": {"prompt_tokens": 1}}
+    body = json.dumps(answer, indent=1).encode()  # (any spacing)
+    out, _ = guard(lua, [body, b""], settle=settle, route="chat-default", content_type="application/json")
+    assert json.loads(out) == {**answer, "model": "chat-default"}  # the top-level model only
+    assert out == body.replace(b'"served/model-8b"', b'"chat-default"')
+
+
+@pytest.mark.parametrize(("body", "status", "route"), [
+    (b'{"id": "c", "choices": []}', "200", "r"),  # no model
+    (b'{"model": "m", "choices": [}', "200", "r"),  # no JSON
+    (b'{"model": 7, "choices": []}', "200", "r"),  # no model name
+    (b'{"model": "m", "choices": []}', "200", ""),  # no route
+    (b'{"error": {"message": "m", "model": "m"}}', "400", "r"),  # no answer
+])
+def test_what_names_no_route_passes_as_it_came(lua: Any, body: bytes, status: str, route: str) -> None:
+    out, _ = guard(lua, [body, b""], settle="als", status=status, route=route, content_type="application/json")
+    assert out == body

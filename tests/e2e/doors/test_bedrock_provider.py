@@ -362,7 +362,7 @@ def test_the_openai_sdk_is_answered_by_the_bedrock_provider(gw: Stack, provider:
     r = raw.parse()
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
     assert r.usage and r.usage.completion_tokens == 6
-    assert r.model == MODEL  # Converse names no model: the gateway names the one it served
+    assert r.model == "chat-bedrock"  # the route asked for (Converse names no model)
     assert raw.headers["x-llmgw-deployment"] == "bedrock-sim"
     (sent,) = sent_to(provider, "hello bedrock")
     assert sent["status"] == 200  # the simulator verified the gateway's signature
@@ -385,7 +385,7 @@ def test_a_stream_and_a_tool_call_split_across_chunks_from_the_bedrock_provider(
         chunks = list(raw.parse())
     assert chunks[-1].usage and chunks[-1].usage.completion_tokens == 8
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert {c.model for c in chunks} == {MODEL}
+    assert {c.model for c in chunks} == {"chat-bedrock"}
     stream = sdk(gw).chat.completions.create(model="chat-bedrock", max_tokens=200, tools=[SEARCH],  # type: ignore[list-item]
                                              stream=True, messages=[{"role": "user",
                                                                      "content": "use search_docs for bedrock"}])

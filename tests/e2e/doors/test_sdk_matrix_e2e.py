@@ -81,6 +81,7 @@ def json_answer(stack: Stack, door: str, route: str) -> tuple[str, str, int]:
             model=route, max_tokens=8, messages=ask(f"hello {route}"))
         c = raw.parse()
         assert c.choices[0].finish_reason == "length" and c.usage is not None
+        assert c.model == route  # the route asked for; the served model is in x-llmgw-deployment
         return c.choices[0].message.content or "", raw.headers["x-request-id"], c.usage.completion_tokens
     if door == "responses":
         raw_r = openai_client(stack).responses.with_raw_response.create(model=route, max_output_tokens=8,
@@ -122,7 +123,7 @@ def streamed(stack: Stack, door: str, route: str) -> tuple[str, int]:
             model=route, max_tokens=9, stream=True, stream_options={"include_usage": True},
             messages=ask(f"stream {route}")))
         usage = chunks[-1].usage
-        assert usage is not None
+        assert usage is not None and all(c.model == route for c in chunks)  # usage chunk too
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), usage.completion_tokens
     if door == "responses":
         events = list(openai_client(stack).responses.create(model=route, max_output_tokens=9, stream=True,

@@ -297,7 +297,7 @@ def test_an_idempotent_retry_right_after_the_answer_is_replayed(gw: Stack) -> No
     headers = {"idempotency-key": f"k-{marker}"}
     first = chat(gw, body, headers)
     second = chat(gw, body, headers)  # at once: the answer was recorded before the client had it
-    assert first.status == second.status == 200
+    assert first.status == second.status == 200 and first.json()["model"] == body["model"]  # the route's name
     assert second.headers.get("x-llmgw-idempotent-replay") == "true" and second.body == first.body
     assert len(engine_entries(gw, marker)) == 1
 
@@ -308,6 +308,8 @@ def test_a_repeated_stream_is_replayed_not_run_again(gw: Stack) -> None:
     headers = {**AUTH, "idempotency-key": f"k-{marker}"}
     status, rid, first = stream_raw(f"{gw.url}/v1/chat/completions", body, headers)
     assert status == 200 and first.rstrip().endswith(b"data: [DONE]")
+    chunks = [json.loads(e[6:]) for e in first.decode().split("\n\n") if e.startswith("data: {")]
+    assert chunks and all(c["model"] == body["model"] for c in chunks)  # named in ext_proc's guard too
     again = request(f"{gw.url}/v1/chat/completions", "POST", body, headers)
     assert again.status == 200 and again.headers["content-type"].startswith("text/event-stream")
     assert again.headers.get("x-llmgw-idempotent-replay") == "true" and again.body == first
