@@ -166,6 +166,9 @@ class Key(StrEnum):
     # Lua filter nearest the router before anything else in Envoy sees or replaces them: settlement
     # charges a 2xx as the work it was, whatever Envoy did to the answer afterwards.
     UPSTREAM_STATUS = "upstream_status"
+    # Why an upstream refused the request as invalid or too large, as its answer said it (secrets
+    # redacted, bounded): the caller's error carries it, and the attempt's ledger record.
+    UPSTREAM_MESSAGE = "upstream_message"
 
 
 # Where providers name their request (Anthropic's `request-id`, AWS's `x-amzn-requestid`, OpenAI's and
@@ -222,7 +225,7 @@ METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.
                                                  *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS, Key.CHECKS, Key.DOOR,
                                                  Key.DECISION_ID, Key.UPSTREAM_STATUS, Key.NATIVE_FINISH_REASON,
                                                  Key.UPSTREAM_REQUEST_ID, Key.UPSTREAM_MODEL,
-                                                 Key.TRANSLATION_LOSS)))
+                                                 Key.TRANSLATION_LOSS, Key.UPSTREAM_MESSAGE)))
 # The attempt filter's processing modes (Envoy's enum names): its own, for an attempt whose body is
 # rewritten (another served model, another API shape: the request body comes through ext_proc, an
 # answer body never does), and the one an attempt switches to when its body needs no rewrite (the

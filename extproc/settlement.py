@@ -77,7 +77,7 @@ from extproc.exchange import Exchange
 from extproc.metrics import observe_settlement, observe_tenant
 from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, Filter, Header, Key, Settle, StreamEnd
 from extproc.ratelimit import RateLimitedLog
-from extproc.redact import plain_id
+from extproc.redact import log_safe, plain_id
 from extproc.replay import Answer, Sealer
 from extproc.replies import DEGRADED_DETAILS, REPLY_PREFIX, overwrite_header, refuse_answer
 from extproc.shapes.registry import DOORS_BY_NAME
@@ -89,6 +89,7 @@ _store_down = RateLimitedLog(log)  # per-request lines while the store is down: 
 MAX_JSON_BODY = 8 << 20
 BATCH_MAX = 128
 BATCH_WAIT_S = 0.002
+REASON_LIMIT = 600  # an upstream's reason in the ledger (Envoy's filter bounds it to 500 bytes; escaping grows it)
 RETRY_EVERY_S, RETRY_FOR_S = 0.5, 60.0  # settlements the store could not take, sent again
 
 
@@ -392,6 +393,8 @@ class Meter:
                 outcome["attempts"][-1][key.value] = plain_id(value)
         if lost := md_attr(attrs, Key.TRANSLATION_LOSS):  # translated by the decision: what it lost
             outcome["attempts"][-1]["translation_loss"] = lost.split(", ")
+        if reason := md_attr(attrs, Key.UPSTREAM_MESSAGE):  # why the upstream refused it (no entity kept)
+            outcome["attempts"][-1][Key.UPSTREAM_MESSAGE.value] = log_safe(reason, REASON_LIMIT)
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, duration, first,
@@ -594,7 +597,10 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                     if x.answered and (v := attr(md, k))},
                                  # translated by the decision (extproc/direct.py): what the translation lost
                                  **({"translation_loss": lost.split(", ")}
-                                    if (lost := attr(md, Key.TRANSLATION_LOSS)) else {})},
+                                    if (lost := attr(md, Key.TRANSLATION_LOSS)) else {}),
+                                 # why it refused the request (every entity redacted: the ledger keeps none)
+                                 **({Key.UPSTREAM_MESSAGE.value: log_safe(reason, REASON_LIMIT)}
+                                    if x.answered and (reason := attr(md, Key.UPSTREAM_MESSAGE)) else {})},
                              duration, first, marks)
         if x.count and x.usage:  # a token count: the number the caller got, beside (not as) usage
             outcome["counted_tokens"] = x.usage["prompt_tokens"]

@@ -48,7 +48,7 @@ from llmgw.render.clusters import (
     worker_health_checks,
 )
 from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
-from llmgw.render.errors import local_reply_config, upstream_errors_filter
+from llmgw.render.errors import local_reply_config, upstream_errors_filter, upstream_refusals
 from llmgw.render.filters import (
     FORWARDED_HEADERS,
     ext_proc_filter,
@@ -165,8 +165,9 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             # on the routes of those candidates and of their plans' composite clusters.
             *([http_filter(Filter.LUA_ANSWERS, lua_answers(), disabled=True)] if answers_translated(snap) else []),
             http_filter(Filter.CUSTOM_RESPONSE, upstream_errors_filter()),
-            # The upstream's own status, before any filter above changes or replaces the answer.
-            *([http_filter(Filter.UPSTREAM_STATUS, upstream_status())] if meters(snap) else []),
+            # The upstream's own status, before any filter above changes or replaces the answer; an
+            # upstream's refusal with its reason in the contract's error.
+            http_filter(Filter.UPSTREAM_STATUS, upstream_status(upstream_refusals())),
             http_filter(Filter.ROUTER, router_pb2.Router()),
         ],
     )

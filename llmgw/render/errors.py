@@ -154,6 +154,25 @@ UPSTREAM_ERROR_RULES: tuple[tuple[int, int, ErrorCode, str], ...] = (
 )
 
 
+# The upstream refused the request itself (invalid, too large): its reason is the caller's to read. The
+# filter nearest the router writes it into the contract's error (extproc/lua/upstream_status.lua) and
+# says so in the metadata; custom_response answers these statuses only where it did not.
+REFUSAL_STATUSES = frozenset(upstream for upstream, _, code, _ in UPSTREAM_ERROR_RULES
+                             if code is ErrorCode.INVALID_REQUEST)
+_REASON = "@@llmgw-upstream-reason@@"  # where the reason goes in the rendered body
+
+
+def upstream_refusals() -> dict[int, tuple[int, str, str]]:
+    """Each refusal status -> the status the caller gets and the contract's error body around the
+    upstream's reason (its JSON-escaped text goes between the two)."""
+    out = {}
+    for upstream, status, code, message in UPSTREAM_ERROR_RULES:
+        if upstream in REFUSAL_STATUSES:
+            before, after = GatewayError(code, f"{message}: {_REASON}").body().decode().split(_REASON)
+            out[upstream] = (status, before, after)
+    return out
+
+
 # What an upstream's 2xx answer may be: JSON, an SSE stream, or Bedrock's event stream (the Lua answer
 # filter translates the last two). Anything else - a proxy's HTML page - is not an answer at all. (A
 # safe_regex must match the whole value.)
@@ -186,6 +205,13 @@ def _not_an_answer(door: Door | None) -> matcher_pb2.Matcher.OnMatch:
             predicate=Predicate(not_matcher=answer_like), on_match=_policy("not_an_answer", *NOT_AN_ANSWER, door))])))
 
 
+def _unless_reasoned(policy: matcher_pb2.Matcher.OnMatch) -> matcher_pb2.Matcher.OnMatch:
+    """`policy`, unless the upstream's refusal already reached the contract with its reason."""
+    return matcher_pb2.Matcher.OnMatch(matcher=matcher_pb2.Matcher(matcher_list=matcher_pb2.Matcher.MatcherList(
+        matchers=[matcher_pb2.Matcher.MatcherList.FieldMatcher(
+            predicate=Predicate(not_matcher=_metadata_is(Key.UPSTREAM_MESSAGE, None)), on_match=policy)])))
+
+
 def _status_rules(door: Door | None) -> matcher_pb2.Matcher:
     """Upstream error statuses -> contract errors, in the caller's shape (a front door's, or the
     contract's own); a 200 that is no answer -> the contract's 502."""
@@ -194,7 +220,8 @@ def _status_rules(door: Door | None) -> matcher_pb2.Matcher:
     return matcher_pb2.Matcher(matcher_tree=matcher_pb2.Matcher.MatcherTree(
         input=status_input,
         exact_match_map=matcher_pb2.Matcher.MatcherTree.MatchMap(map={
-            **{str(upstream): _policy(f"upstream_{upstream}", status, code, message, door)
+            **{str(upstream): _unless_reasoned(_policy(f"upstream_{upstream}", status, code, message, door))
+               if upstream in REFUSAL_STATUSES else _policy(f"upstream_{upstream}", status, code, message, door)
                for upstream, status, code, message in UPSTREAM_ERROR_RULES},
             "200": _not_an_answer(door)})))
 

@@ -411,31 +411,25 @@ def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
 
 
 
-def upstream_status_lua() -> str:
-    """The status of the answer's headers as the upstream sent them, into the request's metadata:
-    nearest the router, so no other filter (custom_response, a Lua translation, a buffer that
-    overflows) has changed or replaced them yet; settlement reads it (extproc/accounting.py). Only
-    the first status is kept: Envoy's own reply after them (a body too large to read) passes here
-    too. With it, the upstream's own request id (UPSTREAM_REQUEST_ID_HEADERS), for the ledger."""
-    names = "{" + ", ".join(_lua_string(n) for n in UPSTREAM_REQUEST_ID_HEADERS) + "}"
-    return (f"local NS, KEY = {_lua_string(METADATA_NAMESPACE)}, {_lua_string(Key.UPSTREAM_STATUS)}\n"
-            f"local RID, NAMES = {_lua_string(Key.UPSTREAM_REQUEST_ID)}, {names}\n"
-            "function envoy_on_response(h)\n"
-            "  local dm = h:streamInfo():dynamicMetadata()\n"
-            "  local md = dm:get(NS)\n"
-            "  if md ~= nil and md[KEY] ~= nil then return end\n"
-            "  local headers = h:headers()\n"
-            "  dm:set(NS, KEY, headers:get(\":status\") or \"\")\n"
-            "  -- the upstream's own request id, before Envoy puts its own x-request-id in the answer\n"
-            "  for _, name in ipairs(NAMES) do\n"
-            "    local v = headers:get(name)\n"
-            "    if v ~= nil and #v <= 128 and not string.find(v, '[^%w%-_.:]') then dm:set(NS, RID, v) break end\n"
-            "  end\n"
-            "end\n")
+MAX_REASON_BYTES = 500  # an upstream's reason for refusing, as the caller and the ledger get it
+MAX_REFUSAL_BYTES = 64 * 1024  # an upstream's refusal larger than this is no error document: its reason is not read
 
 
-def upstream_status() -> lua_pb2.Lua:
-    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=upstream_status_lua()))
+def upstream_status_lua(refusals: Mapping[int, tuple[int, str, str]]) -> str:
+    """The Lua filter nearest the router (extproc/lua/upstream_status.lua): the upstream's own status
+    and request id (UPSTREAM_REQUEST_ID_HEADERS) into the metadata, and an upstream's refusal's reason
+    into the contract's error (`refusals`: each status -> the caller's, and the error body around it)."""
+    table = "{" + ", ".join(f"[ {_lua_string(str(upstream))} ] = {{status = {_lua_string(str(status))}, "
+                            f"before = {_lua_string(before)}, after = {_lua_string(after)}}}"
+                            for upstream, (status, before, after) in sorted(refusals.items())) + "}"
+    return _lua_script("upstream_status.lua", {
+        "request_id_headers": _lua_names(UPSTREAM_REQUEST_ID_HEADERS), "refusals": table,
+        "max_reason_bytes": str(MAX_REASON_BYTES), "max_refusal_bytes": str(MAX_REFUSAL_BYTES)},
+        helpers=("values.lua",))
+
+
+def upstream_status(refusals: Mapping[int, tuple[int, str, str]]) -> lua_pb2.Lua:
+    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=upstream_status_lua(refusals)))
 
 
 DOORS_SCRIPT = "doors"  # its script's name: the routes that run it name it (LuaPerRoute.name)
