@@ -89,6 +89,7 @@ class Exchange:
     client_metadata: dict[str, str] = field(default_factory=dict)  # the request's `metadata` (client_fields.py)
     count: bool = False  # a door's token count (count_tokens, countTokens): counted upstream, nothing generated
     operation: str = "chat"  # or "embeddings" (POST /v1/embeddings): each input a message, nothing generated
+    unserved: bool = False  # asked on a path the gateway does not serve: the ledger names the endpoint
     embedding: Embedding | None = None  # an embeddings request's own options (extproc/embeddings.py)
     native: dict[str, Any] | None = None  # a door's provider-only fields, for a plan of its shape (loss.NATIVE)
     effects: tuple[str, ...] = ()  # effects of the tools the request offers (from the catalog)
@@ -144,6 +145,8 @@ class Exchange:
         }
         if self.operation != "chat":  # what was asked of the upstream: embeddings generate nothing
             facts["operation"] = self.operation
+        if self.unserved:  # what the caller asked for instead (its query string aside: a key may be in it)
+            facts["endpoint"] = log_safe(f"{self.method} {self.path.split('?', 1)[0]}")
         if self.region:
             facts["region"] = self.region
         if self.identity is not None:

@@ -68,7 +68,7 @@ from extproc.settlement import (
     release,
 )
 from extproc.shadow import grant_key
-from extproc.shapes.registry import door_for, models_door
+from extproc.shapes.registry import ENDPOINTS, door_for, models_door
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import Degraded, tenant_salts
@@ -298,14 +298,18 @@ class Processor(ep_grpc.ExternalProcessorServicer):
 
     async def _models(self, ex: Exchange) -> ep.ProcessingResponse:
         """GET /v1/models and /v1/models/{route} (and a door's own model paths) are sent with their
-        headers: answered from the routes, in the shape of the SDK that asked."""
+        headers: answered from the routes, in the shape of the SDK that asked. So is every path the
+        gateway does not serve: its caller, once identified, is told what it does serve, in the shape
+        its SDK's headers say, and the refusal is ledgered."""
         path = ex.path.split("?", 1)[0]
-        door = models_door(path, ex.headers) if ex.method == "GET" else None
+        door = models_door(path, ex.headers)
         own = door is not None and door.models_path and re.fullmatch(door.models_path, path)
-        if ex.method != "GET" or not (own or path == MODELS_PATH or path.startswith(MODELS_PATH + "/")):
-            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, f"no such endpoint: {ex.method} {path}")
         ex.door = door.name if door is not None else ""  # its errors in the door's shape too
         await self._identity.run(ex)
+        if ex.method != "GET" or not (own or path == MODELS_PATH or path.startswith(MODELS_PATH + "/")):
+            ex.unserved = True
+            raise GatewayError(ErrorCode.ROUTE_NOT_FOUND,
+                               f"no such endpoint: {ex.method} {path}; this gateway serves {', '.join(ENDPOINTS)}")
         name = urllib.parse.unquote(path.rstrip("/").partition("/models")[2].lstrip("/"))
         snap = ex.snapshot
         if name and name not in snap.routes:

@@ -91,6 +91,9 @@ class Door:
     # changes how an answer is made, never what the caller may rely on, and every agent sends them.
     # A name stands for itself and for what it holds (`tools`: each of `tools.N`).
     hints: frozenset[str] = frozenset()
+    # What the door serves, as its callers write it ("POST /v1/messages"): a request on a path the
+    # gateway does not serve is answered with every door's list.
+    endpoints: tuple[str, ...] = ()
 
     def is_hint(self, name: str) -> bool:
         return name in self.hints or name.split(".", 1)[0] in self.hints

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH, MODELS_PATH
 from extproc.shapes.anthropic import adapter as anthropic
 from extproc.shapes.anthropic import door as anthropic_door
 from extproc.shapes.base import Adapter
@@ -141,6 +142,11 @@ def models_door(path: str, headers: Mapping[str, str]) -> Door | None:
         if door.models_path and re.fullmatch(door.models_path, bare):
             return door
     return next((d for d in DOORS if d.models_header and d.models_header in headers), None)
+
+
+# Every endpoint the gateway serves, as a caller writes it: the chat completions API's, then each door's.
+ENDPOINTS = (f"POST {CHAT_PATH}", f"POST {EMBEDDINGS_PATH}", f"GET {MODELS_PATH}",
+             *(e for door in DOORS for e in door.endpoints))
 
 
 def door_for(path: str) -> Door | None:

@@ -204,11 +204,13 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
             direct_response=direct(400, ErrorCode.INVALID_REQUEST, "a JSON request body is required", door),
             response_headers_to_add=own, typed_per_filter_config={**_response_filters_on(snap), **_door_on()})
           for door in DOORS for path in door.paths),
-        # Everything else, /v1/* included: no such endpoint, answered without asking ext_proc.
+        # Everything else, /v1/* included: no such endpoint. ext_proc takes its headers as a model
+        # lookup's: it identifies the caller, answers with the endpoints the gateway serves, and
+        # ledgers the refusal; this is never reached.
         route_components_pb2.Route(
             name="not_found", match=route_components_pb2.RouteMatch(prefix="/"),
             direct_response=direct(404, ErrorCode.ROUTE_NOT_FOUND, "no such endpoint"),
-            response_headers_to_add=own, typed_per_filter_config=_ext_proc_disabled()),
+            response_headers_to_add=own, typed_per_filter_config=ext_proc_by_headers),
     ]
     return route_pb2.RouteConfiguration(name="llmgw", virtual_hosts=[route_components_pb2.VirtualHost(
         name="llmgw", domains=["*"], routes=routes, include_attempt_count_in_response=True,

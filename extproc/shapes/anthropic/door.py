@@ -267,5 +267,5 @@ def error(status: int, body: bytes) -> bytes:
 
 DOOR = Door(NAME, re.escape(MESSAGES_PATH), lambda raw, _path: request(raw), error, ("x-api-key",),
             fields=FIELDS, model_object=model_object, model_list=model_list, models_header="anthropic-version",
-            hints=HINTS,
+            hints=HINTS, endpoints=(f"POST {MESSAGES_PATH}", f"POST {MESSAGES_PATH}/count_tokens"),
             count_path=re.escape(MESSAGES_PATH + "/count_tokens"), count_request=lambda raw, _path: count_request(raw))

@@ -337,4 +337,7 @@ def error(status: int, body: bytes) -> bytes:
 DOOR = Door(NAME, PATH_REGEX, request, error, ("x-goog-api-key",), "key", fields=FIELDS,
             model_object=model_object, model_list=model_list, models_path=MODELS_PATH.pattern,
             models_header="x-goog-api-key", count_path=COUNT_PATH.pattern, count_request=count_request,
-            hints=frozenset({"generationConfig.thinkingConfig"}))  # Gemini CLI sends includeThoughts always
+            hints=frozenset({"generationConfig.thinkingConfig"}),  # Gemini CLI sends includeThoughts always
+            endpoints=(*(f"POST /v1beta/models/{{model}}:{method}"
+                         for method in ("generateContent", "streamGenerateContent", "countTokens")),
+                       "GET /v1beta/models"))

@@ -385,4 +385,5 @@ def error(status: int, body: bytes) -> bytes:
 
 
 # Built-in tools (`tools.N`) are hints: dropped and reported wherever they would go (no upstream here hosts them).
-DOOR = Door(NAME, re.escape(PATH), lambda raw, _path: request(raw), error, fields=FIELDS, hints=frozenset({"tools"}))
+DOOR = Door(NAME, re.escape(PATH), lambda raw, _path: request(raw), error, fields=FIELDS, hints=frozenset({"tools"}),
+            endpoints=(f"POST {PATH}",))

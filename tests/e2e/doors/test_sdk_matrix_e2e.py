@@ -435,6 +435,19 @@ def test_google_genai_models_get_and_list(up: Stack, version: str) -> None:
     assert e.value.code == 404 and e.value.details["error"]["details"][0]["reason"] == "route_not_found"
 
 
+def test_an_endpoint_the_gateway_does_not_serve_is_named_in_each_sdks_error(up: Stack) -> None:
+    """The SDKs' other APIs (Anthropic's batches, OpenAI's legacy completions): a 404 in the SDK's own
+    shape that says what the gateway does serve."""
+    with pytest.raises(anthropic.NotFoundError) as a:
+        anthropic_client(up).messages.batches.list()
+    assert a.value.body["type"] == "error" and a.value.body["error"]["type"] == "not_found_error"
+    assert a.value.body["error"]["message"].startswith("no such endpoint: GET /v1/messages/batches; this gateway "
+                                                       "serves POST /v1/chat/completions")
+    with pytest.raises(openai.NotFoundError) as o:
+        openai_client(up).completions.create(model="chat-default", prompt="hi")
+    assert o.value.code == "route_not_found" and "POST /v1/responses" in o.value.message
+
+
 def test_anthropic_and_openai_models_retrieve_and_list(up: Stack) -> None:
     a = anthropic_client(up).models.retrieve("chat-anthropic")
     assert a.type == "model" and a.id == "chat-anthropic" and a.display_name == "chat-anthropic"

@@ -213,11 +213,20 @@ def test_an_impossible_size_is_400_before_budget_and_bulkhead(gw: Stack) -> None
 
 # -- paths and Envoy's own answers ----------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["/v1/foo", "/v1/chat", "/v1/chat/completions/x", "/v1", "/other"])
-def test_unknown_paths_are_404_route_not_found(gw: Stack, path: str) -> None:
-    r = request(f"{gw.url}{path}", "GET", headers=AUTH)
-    assert_contract_error(r, 404, "route_not_found")
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/foo"), ("POST", "/v1/chat"), ("GET", "/v1/chat/completions/x"), ("GET", "/v1"), ("DELETE", "/other"),
+    ("POST", "/v1/completions")])
+def test_unknown_paths_are_404_naming_what_is_served_and_ledgered(gw: Stack, method: str, path: str) -> None:
+    r = request(f"{gw.url}{path}?key=secret", method, {"prompt": "x"} if method == "POST" else None, AUTH)
+    message = assert_contract_error(r, 404, "route_not_found")["message"]
+    assert message.startswith(f"no such endpoint: {method} {path}; this gateway serves POST /v1/chat/completions, ")
+    assert "POST /v1/responses" in message and "POST /v1/messages" in message and "secret" not in message
     assert r.headers["x-llmgw-route-revision"] == gw.snapshot.revision
+    entry = ledger_of(gw, r.headers["x-request-id"], "acme")
+    assert (entry["status"], entry["error"], entry["endpoint"], entry.get("route")) == (
+        404, "route_not_found", f"{method} {path}", None)
+    # who is asking comes first: an unknown caller learns nothing else
+    assert_contract_error(request(f"{gw.url}{path}", method), 401, "unauthenticated")
 
 
 def test_models_retrieve_through_the_sdk(gw: Stack) -> None:
