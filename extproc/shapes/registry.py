@@ -76,7 +76,7 @@ SHAPES: tuple[Shape, ...] = (
     Shape("bedrock", bedrock.BEDROCK, {"bedrock": bedrock.LOSS_TABLE},
           ("x-amz-date", "x-amz-security-token", "x-amz-content-sha256"),
           frozenset({"region", "host"}), lua_answers=True, lua_streams=True, count_field="inputTokens",
-          answer_tables={"bedrock_stop": bedrock.STOP_REASONS}),
+          answer_tables={"bedrock_stop": bedrock.STOP_REASONS, "bedrock_output": {"tool": bedrock.OUTPUT_TOOL}}),
 )
 BY_NAME: Mapping[str, Shape] = MappingProxyType({s.name: s for s in SHAPES})
 ALIASES = MappingProxyType({"openai-compat": "openai"})  # the name deployments used before adapters had modules

@@ -157,6 +157,27 @@ def test_tool_calls_keep_their_arguments_exactly_as_the_provider_wrote_them(lua:
     assert comparable(doc) == comparable(python_answer(body))
 
 
+@pytest.mark.parametrize("with_call", [False, True])
+def test_a_bedrock_answer_given_as_the_schema_asked_is_its_content(lua: Any, with_call: bool) -> None:
+    """A response_format schema goes to Converse as a tool the model must call (extproc/shapes/bedrock):
+    that call's input, as the provider wrote it, is the answer's content; its stop is the answer's end."""
+    given = b'{"day": "friday", "owner": {"name": "ana", "n": [1, 2.5e3]}}'
+    call = (b',{"toolUse":{"toolUseId":"t2","name":"search","input":{"q":"x"}}}' if with_call else b"")
+    body = (b'{"output":{"message":{"role":"assistant","content":[{"toolUse":{"toolUseId":"t1","name":"'
+            + bedrock.OUTPUT_TOOL.encode() + b'","input":' + given + b"}}" + call + b']}},"stopReason":"tool_use",'
+            b'"usage":{"inputTokens":3,"outputTokens":6}}')
+    out, _ = answer(lua, body, shape="bedrock")
+    doc = json.loads(out or b"")
+    choice = doc["choices"][0]
+    assert choice["message"]["content"] == given.decode()
+    called = [c["function"]["name"] for c in choice["message"].get("tool_calls") or ()]
+    assert called == (["search"] if with_call else [])
+    assert choice["finish_reason"] == ("tool_calls" if with_call else "stop")
+    python = python_answer(body, BEDROCK)
+    assert json.loads(python["choices"][0]["message"]["content"]) == json.loads(given)
+    assert python["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
 BROKEN = [b"", b"not json", b"[1,2]", b'{"type":"error","error":{"type":"api_error"}}',
           b'{"type":"message","content":{"type":"text"}}', b'{"type":"message","content":["text"]}',
           b'{"type":"message","content":[{"type":"tool_use","name":"f","input":{}}]}',
@@ -459,8 +480,9 @@ def bedrock_streams(draw: st.DrawFn) -> list[tuple[str, dict[str, Any]]]:
     events: list[tuple[str, dict[str, Any]]] = [("messageStart", {"role": "assistant"})]
     for i, kind in enumerate(draw(st.lists(st.sampled_from(["text", "reasoning", "tool"]), max_size=4))):
         if kind == "tool":
+            # (a response_format schema's tool among them: its input is the answer's content)
             events.append(("contentBlockStart", {"contentBlockIndex": i, "start": {
-                "toolUse": {"toolUseId": draw(text), "name": draw(text)}}}))
+                "toolUse": {"toolUseId": draw(text), "name": draw(text | st.just(bedrock.OUTPUT_TOOL))}}}))
             args = json.dumps(draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)))
             cuts = sorted(draw(st.lists(st.integers(0, len(args)), max_size=3)))
             events += [("contentBlockDelta", {"contentBlockIndex": i, "delta": {"toolUse": {"input": args[a:b]}}})

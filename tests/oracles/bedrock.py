@@ -13,7 +13,7 @@ from extproc.contract import ErrorCode
 from extproc.names import MAX_EVENT_BYTES
 from extproc.shapes.base import tool_arguments
 from extproc.shapes.bedrock.adapter import BEDROCK as _BEDROCK
-from extproc.shapes.bedrock.adapter import STOP_REASONS
+from extproc.shapes.bedrock.adapter import OUTPUT_TOOL, STOP_REASONS
 from tests.oracles.base import (
     Failure,
     NativeStream,
@@ -35,6 +35,11 @@ def _usage(native: Mapping[str, Any]) -> Usage:
     return Usage(token_count(native["inputTokens"]) + read + written, read, token_count(native["outputTokens"]))
 
 
+def _finish(reason: Any, calls: int) -> str:
+    """A stop for the output tool's call alone (the answer given as the schema asked) is the answer's end."""
+    return "stop" if reason == "tool_use" and not calls else STOP_REASONS.get(str(reason), "stop")
+
+
 def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
     text: list[str] = []
     reasoning: list[str] = []
@@ -44,12 +49,17 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
             text.append(str(block["text"]))
         elif "toolUse" in block:
             use = block["toolUse"]
+            if use["name"] == OUTPUT_TOOL:  # the answer, as the response_format's schema asked
+                if not isinstance(use.get("input"), dict):
+                    raise TypeError("the output tool's input is not an object")
+                text.append(json.dumps(use["input"]))
+                continue
             calls.append({"id": str(use["toolUseId"]), "type": "function",
                           "function": {"name": str(use["name"]), "arguments": tool_arguments(use.get("input"))}})
         elif "reasoningContent" in block:
             reasoning.append(str((block["reasoningContent"].get("reasoningText") or {}).get("text", "")))
     return completion_of(uuid.uuid4().hex[:24], "", text, reasoning, calls,
-                         STOP_REASONS.get(str(doc.get("stopReason")), "stop"), _usage(doc["usage"]), stop_sequence(doc))
+                         _finish(doc.get("stopReason"), len(calls)), _usage(doc["usage"]), stop_sequence(doc))
 
 
 def stop_sequence(doc: Mapping[str, Any]) -> str | None:
@@ -70,6 +80,7 @@ class BedrockStream(NativeStream):
         self.frames = EventStreamBuffer()
         self.pending = 0  # bytes fed that no whole message has used yet
         self.calls: dict[int, int] = {}  # content block index -> tool call index
+        self.output_block: int | None = None  # the output tool's block: its input is the content
         self.stopped = False  # messageStop came
         self.ended = False  # metadata came: nothing may follow
 
@@ -111,6 +122,9 @@ class BedrockStream(NativeStream):
             return [self._chunk({"role": "assistant", "content": ""})]
         if kind == "contentBlockStart":
             use = ev["start"]["toolUse"]
+            if use["name"] == OUTPUT_TOOL:
+                self.output_block = int(ev["contentBlockIndex"])
+                return []
             n = self.calls[int(ev["contentBlockIndex"])] = len(self.calls)
             return [self._chunk({"tool_calls": [{"index": n, "id": str(use["toolUseId"]), "type": "function",
                                                  "function": {"name": str(use["name"]), "arguments": ""}}]})]
@@ -118,6 +132,9 @@ class BedrockStream(NativeStream):
             delta = ev["delta"]
             if "text" in delta:
                 return [self._chunk({"content": str(delta["text"])})]
+            answering = self.output_block is not None and ev.get("contentBlockIndex") == self.output_block
+            if "toolUse" in delta and answering:
+                return [self._chunk({"content": str(delta["toolUse"]["input"])})]
             if "toolUse" in delta:
                 n = self.calls[int(ev["contentBlockIndex"])]
                 return [self._chunk({"tool_calls": [{"index": n, "function": {
@@ -127,7 +144,7 @@ class BedrockStream(NativeStream):
             return []  # citations and what the API adds later: nothing to carry
         if kind == "messageStop":
             self.stopped = True
-            return [self._chunk({}, STOP_REASONS.get(str(ev.get("stopReason")), "stop"), stop_sequence(ev))]
+            return [self._chunk({}, _finish(ev.get("stopReason"), len(self.calls)), stop_sequence(ev))]
         if kind == "metadata":
             if not self.stopped:
                 raise UpstreamBroken("the metadata event came before messageStop")

@@ -7,7 +7,11 @@ wants them alternating); text becomes content blocks; an assistant's `tool_calls
 blocks (input as an object) and `tool` messages `toolResult` blocks of a user turn; tools become
 `toolConfig.tools[].toolSpec` with `inputSchema.json`, `tool_choice` `toolChoice` (`auto`, `any`,
 `tool`); `max_tokens`, `temperature`, `top_p` and `stop` go into `inferenceConfig`, `top_k` into
-`additionalModelRequestFields` (the model family's own field), `user` into `requestMetadata`.
+`additionalModelRequestFields` (the model family's own field), `user` into `requestMetadata`. A
+`response_format` JSON schema (its root an object) becomes a tool of its own, OUTPUT_TOOL, whose input
+schema it is, and the model must call a tool: that one alone (`toolChoice.tool`), or, beside the
+caller's tools, any (`toolChoice.any`, unless the caller named one). Converse has no other way to ask
+for a schema; the answer's call of OUTPUT_TOOL is its content.
 
 Signing: the credential reference resolves to `ACCESS_KEY_ID:SECRET_ACCESS_KEY[:SESSION_TOKEN]`; the
 request is signed for the service `bedrock` in the deployment's `region` (adapter option) and its
@@ -18,7 +22,8 @@ would sign every attempt of a composite cluster (a pool attempt too) with one cr
 whole Envoy, where here each deployment has its own credential reference, resolved like the others.
 
 Answer and stream (Converse -> internal): text blocks join into `content`, `toolUse` blocks become
-`tool_calls`, `reasoningContent` becomes `reasoning`; `stopReason` maps to `finish_reason`
+`tool_calls` (OUTPUT_TOOL's input becomes `content`, the answer's JSON, and its `tool_use` stop
+`stop`), `reasoningContent` becomes `reasoning`; `stopReason` maps to `finish_reason`
 (`guardrail_intervened` and `content_filtered` are `content_filter`). Converse answers carry no id or
 model: the id is made here. Usage: `inputTokens` counts what was not read from or written to the
 prompt cache, so the internal input is the sum of the three (cache reads as cached). The stream is
@@ -49,6 +54,20 @@ SERVICE = "bedrock"
 S = Support
 
 
+# The tool a `response_format` schema is asked for by (the Lua answer filter knows the name: a call of
+# it is the answer's content). A caller's tool of this name would be read as the answer.
+OUTPUT_TOOL = "llmgw_json_output"
+
+
+def _output_schema(response_format: Any) -> dict[str, Any] | None:
+    """The JSON schema a `response_format` asks the answer to follow, when Converse can carry it: a
+    json_schema whose root is an object (a tool's input is one)."""
+    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+        return None
+    schema = (response_format.get("json_schema") or {}).get("schema")
+    return schema if isinstance(schema, dict) and schema.get("type") == "object" else None
+
+
 def _over_one(v: Any) -> bool:
     return isinstance(v, (int, float)) and v > 1
 
@@ -76,7 +95,9 @@ LOSS_TABLE: LossTable = {
     "logit_bias": S.UNSUPPORTED,
     "logprobs": S.UNSUPPORTED,
     "top_logprobs": S.UNSUPPORTED,
-    "response_format": S.UNSUPPORTED,
+    "response_format": Conditional(lambda v: _output_schema(v) is None,
+                                   "other than a json_schema whose root is an object (carried as a forced tool)",
+                                   otherwise=S.TRANSFORMED),
     # a reasoning model's thinking switch: the provider's own (thinking, thinkingConfig) has another
     # meaning and range, not carried from this one
     "reasoning_effort": S.UNSUPPORTED,
@@ -180,9 +201,10 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
         native["inferenceConfig"] = config
     if body.get("top_k") is not None:
         native["additionalModelRequestFields"] = {"top_k": body["top_k"]}
-    if body.get("tools"):
+    output = _output_schema(body.get("response_format"))
+    if body.get("tools") or output is not None:
         tools = []
-        for t in body["tools"]:
+        for t in body.get("tools") or ():
             spec: dict[str, Any] = {"name": t["function"]["name"], "inputSchema": {
                 "json": t["function"].get("parameters") or {"type": "object", "properties": {}}}}
             if t["function"].get("description"):
@@ -190,6 +212,12 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
             tools += [{"toolSpec": spec}, *([CACHE_POINT] if t.get("cache_control") else [])]
         native["toolConfig"] = {"tools": tools}
         choice = body.get("tool_choice")
+        if output is not None:
+            described = (body["response_format"].get("json_schema") or {}).get("description")
+            tools.append({"toolSpec": {"name": OUTPUT_TOOL, "inputSchema": {"json": output}, "description": (
+                described or "Give the answer: its input is the answer, following this schema.")}})
+            if not isinstance(choice, dict):  # the answer or a call of the caller's tools: some tool
+                choice = "required" if len(tools) > 1 else {"function": {"name": OUTPUT_TOOL}}
         if choice in ("auto", "required"):
             native["toolConfig"]["toolChoice"] = {"auto": {}} if choice == "auto" else {"any": {}}
         elif isinstance(choice, dict):

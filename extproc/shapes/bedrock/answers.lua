@@ -20,7 +20,13 @@ local function bedrock_stop_sequence(doc)
 end
 
 -- Bedrock's Converse answer (extproc/shapes/bedrock/adapter.py `completion`), named after the request's id.
-local BEDROCK_STOP = CONFIG.bedrock_stop
+-- A call of the adapter's OUTPUT_TOOL (a response_format schema, asked for as a tool) is the answer's
+-- content: its input, the JSON the schema describes; the stop for it is the answer's end.
+local BEDROCK_STOP, OUTPUT_TOOL = CONFIG.bedrock_stop, CONFIG.bedrock_output.tool
+local function bedrock_finish(reason, calls)
+  if reason == "tool_use" and calls == 0 then return "stop" end
+  return type(reason) == "string" and BEDROCK_STOP[reason] or "stop"
+end
 local function bedrock(body, model, request_id)
   local doc = decode_all(body)
   if not is_object(doc) or doc.output == nil then return nil end
@@ -36,9 +42,15 @@ local function bedrock(body, model, request_id)
     elseif block.toolUse ~= nil then
       local use = block.toolUse
       if not is_object(use) or type(use.toolUseId) ~= "string" or type(use.name) ~= "string" then return nil end
-      local call = call_json(use.toolUseId, use.name, use.input, body)
-      if call == nil then return nil end
-      calls[#calls + 1] = call
+      if use.name == OUTPUT_TOOL then
+        if not is_object(use.input) then return nil end
+        local span = SPAN[use.input]
+        text[#text + 1] = as_string(sub(body, span[1], span[2]))
+      else
+        local call = call_json(use.toolUseId, use.name, use.input, body)
+        if call == nil then return nil end
+        calls[#calls + 1] = call
+      end
     elseif block.reasoningContent ~= nil then
       local said = is_object(block.reasoningContent) and object_of(block.reasoningContent.reasoningText)
       local t = said and text_of(said.text, "")
@@ -48,7 +60,7 @@ local function bedrock(body, model, request_id)
   end
   local prompt, read, output = bedrock_usage(doc.usage)
   if prompt == nil then return nil end
-  local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
+  local stop = bedrock_finish(doc.stopReason, #calls)
   native_finish(doc.stopReason, stop)
   return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0), nil,
                     bedrock_stop_sequence(doc))
@@ -71,7 +83,11 @@ local function bedrock_event(st, kind, doc, out)
         or type(doc.contentBlockIndex) ~= "number" then
       return false
     end
-    out[#out + 1] = open_call(st, doc.contentBlockIndex, use.toolUseId, use.name)
+    if use.name == OUTPUT_TOOL then  -- the answer itself: its input arrives as the content
+      st.output_block = doc.contentBlockIndex
+    else
+      out[#out + 1] = open_call(st, doc.contentBlockIndex, use.toolUseId, use.name)
+    end
   elseif kind == "contentBlockDelta" then
     local delta = doc.delta
     if not is_object(delta) then return false end
@@ -81,9 +97,15 @@ local function bedrock_event(st, kind, doc, out)
     elseif delta.toolUse ~= nil then
       local n = type(doc.contentBlockIndex) == "number" and st.calls[doc.contentBlockIndex]
       local use = delta.toolUse
-      if not n or not is_object(use) or type(use.input) ~= "string" then return false end
-      out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"function":{"arguments":"',
-                                       use.input, '"}}]}'}))
+      if not is_object(use) or type(use.input) ~= "string" then return false end
+      if doc.contentBlockIndex ~= nil and doc.contentBlockIndex == st.output_block then
+        out[#out + 1] = chunk(st, '{"content":"' .. use.input .. '"}')
+      elseif not n then
+        return false
+      else
+        out[#out + 1] = chunk(st, concat({'{"tool_calls":[{"index":', format("%d", n), ',"function":{"arguments":"',
+                                         use.input, '"}}]}'}))
+      end
     elseif delta.reasoningContent ~= nil then
       local said = is_object(delta.reasoningContent) and delta.reasoningContent
       local t = said and text_of(said.text, "")
@@ -92,7 +114,7 @@ local function bedrock_event(st, kind, doc, out)
     end
   elseif kind == "messageStop" then
     st.stopped = true
-    local stop = type(doc.stopReason) == "string" and BEDROCK_STOP[doc.stopReason] or "stop"
+    local stop = bedrock_finish(doc.stopReason, st.ncalls)
     native_finish(doc.stopReason, stop)
     out[#out + 1] = chunk(st, "{}", stop, bedrock_stop_sequence(doc))
   elseif kind == "metadata" then

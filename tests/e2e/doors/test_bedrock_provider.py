@@ -26,12 +26,13 @@ from botocore.eventstream import EventStreamBuffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
+from pydantic import BaseModel
 
 from enginesim import eventstream
 from enginesim.sigv4 import SignatureError, verify
 from extproc.contract import ErrorCode
 from extproc.shapes.base import Target
-from extproc.shapes.bedrock.adapter import LOSS_TABLE, internal_body, native_body
+from extproc.shapes.bedrock.adapter import LOSS_TABLE, OUTPUT_TOOL, internal_body, native_body
 from extproc.shapes.loss import HINT_FIELDS, Support
 from extproc.shapes.registry import adapter_for, check_options
 from llmgw.bench.translated import PROVIDER_PRICES, add_provider_route, add_route_of
@@ -86,6 +87,38 @@ def test_each_unsupported_field_is_reported_and_never_sent(field: str, value: An
     assert (field, Support.UNSUPPORTED) in {(x.field, x.support) for x in req.losses}
     without = {k: v for k, v in body.items() if k != field}
     assert req.body == BEDROCK.request(without, target(credential="")).body  # nothing of it was sent
+
+
+PLAN = {"type": "object", "required": ["day", "owner"], "additionalProperties": False,
+        "properties": {"day": {"type": "string"}, "owner": {"type": "string"}}}
+AS_PLAN = {"type": "json_schema", "json_schema": {"name": "plan", "strict": True, "schema": PLAN}}
+
+
+@pytest.mark.parametrize(("tools", "choice", "converse_choice"), [
+    ([], None, {"tool": {"name": OUTPUT_TOOL}}),  # the answer must be given as the schema asks
+    ([SEARCH], None, {"any": {}}),  # the answer, or a call of the caller's tools
+    ([SEARCH], "auto", {"any": {}}),
+    ([SEARCH], {"type": "function", "function": {"name": "search_docs"}}, {"tool": {"name": "search_docs"}}),
+])
+def test_a_json_schema_answer_is_asked_for_as_a_tool_the_model_must_call(
+        tools: list[Any], choice: Any, converse_choice: dict[str, Any]) -> None:
+    body = {"model": "r", "messages": [{"role": "user", "content": "plan it"}], "response_format": AS_PLAN,
+            **({"tools": tools} if tools else {}), **({"tool_choice": choice} if choice else {})}
+    req = BEDROCK.request(body, target(credential=""))
+    config = json.loads(req.body)["toolConfig"]
+    assert [t["toolSpec"]["name"] for t in config["tools"]] == [*(t["function"]["name"] for t in tools), OUTPUT_TOOL]
+    assert config["tools"][-1]["toolSpec"]["inputSchema"] == {"json": PLAN}
+    assert config["toolChoice"] == converse_choice
+    assert ("response_format", Support.TRANSFORMED) in {(x.field, x.support) for x in req.losses}
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "array"}}}])
+def test_a_format_converse_cannot_ask_for_is_reported_and_never_sent(response_format: dict[str, Any]) -> None:
+    body = {"model": "r", "messages": [{"role": "user", "content": "hi"}], "response_format": response_format}
+    req = BEDROCK.request(body, target(credential=""))
+    assert ("response_format", Support.UNSUPPORTED) in {(x.field, x.support) for x in req.losses}
+    assert "toolConfig" not in json.loads(req.body)
 
 
 def test_a_tool_conversation_becomes_converse_blocks() -> None:
@@ -374,6 +407,31 @@ def test_the_openai_sdk_is_answered_by_the_bedrock_provider(gw: Stack, provider:
                 + 6 * PROVIDER_PRICES["output_per_mtok"]) // 1_000_000
     assert abs(entry["charged_micros"] - expected) <= 1, entry  # the provider's prices
     assert SECRET not in json.dumps(entry)
+
+
+class Plan(BaseModel):
+    day: str
+    owner: str
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_openai_sdk_gets_a_json_schema_answer_from_the_bedrock_provider(gw: Stack, provider: str,
+                                                                          stream: bool) -> None:
+    """response_format reaches Converse as a tool the model must call; the answer is its input, as content."""
+    ask = [{"role": "user", "content": f"plan the launch (stream {stream})"}]
+    if stream:
+        with sdk(gw).chat.completions.stream(model="chat-bedrock", max_tokens=200, response_format=Plan,
+                                             messages=ask) as s:  # type: ignore[arg-type]
+            done = s.get_final_completion()
+    else:
+        done = sdk(gw).chat.completions.parse(model="chat-bedrock", max_tokens=200, response_format=Plan,
+                                              messages=ask)  # type: ignore[arg-type]
+    choice = done.choices[0]
+    assert isinstance(choice.message.parsed, Plan) and choice.message.parsed.day, choice.message
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    (sent,) = sent_to(provider, f"plan the launch (stream {stream})")
+    assert sent["status"] == 200
 
 
 @pytest.mark.e2e
