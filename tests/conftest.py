@@ -173,6 +173,19 @@ def ledger_of(stack: Stack, rid: str, tenant: str) -> dict[str, Any]:
     raise AssertionError(f"no ledger entry for {rid}")
 
 
+def ledger_head(stack: Stack, tenant: str = "acme") -> str:
+    """The id of the tenant's latest ledger entry ("0-0" when none): where ledger_since starts."""
+    r = redis.Redis.from_url(str(stack.store_url), decode_responses=True)
+    last = r.xrevrange(ledger_key(tenant), count=1)
+    return last[0][0] if last else "0-0"
+
+
+def ledger_since(stack: Stack, start: str, tenant: str = "acme") -> list[dict[str, Any]]:
+    """The tenant's ledger entries written after `start` (a ledger_head)."""
+    r = redis.Redis.from_url(str(stack.store_url), decode_responses=True)
+    return [ledger_entry(f) for _, f in r.xrange(ledger_key(tenant), min=f"({start}")]
+
+
 def serving_directory(stack: Stack, within_s: float = 15.0) -> None:
     """Until every worker serves the revision the stack's policy directory holds now (the workers poll
     it: a test that changed it waits here for the reload)."""

@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from extproc.store import ledger_entry, ledger_key
 from llmgw.local.stack import Stack
-from tests.conftest import DEMO_KEYS, ROOT, start_stack
+from tests.conftest import DEMO_KEYS, ROOT, ledger_head, ledger_since, start_stack
 
 pytestmark = pytest.mark.e2e
 BIN = ROOT / "tests/clients/node_modules/.bin"
@@ -93,17 +91,6 @@ def environment(cli: str, home: Path, url: str, key: str) -> dict[str, str]:
     else:
         env |= {"LLMGW_API_KEY": key}
     return env
-
-
-def ledger_since(stack: Stack, start: str) -> list[dict[str, Any]]:
-    r = redis.Redis.from_url(str(stack.store_url), decode_responses=True)
-    return [ledger_entry(f) for _, f in r.xrange(ledger_key("acme"), min=f"({start}")]
-
-
-def ledger_head(stack: Stack) -> str:
-    r = redis.Redis.from_url(str(stack.store_url), decode_responses=True)
-    last = r.xrevrange(ledger_key("acme"), count=1)
-    return last[0][0] if last else "0-0"
 
 
 def run(stack: Stack, cli: str, route: str, kind: str, work: Path) -> tuple[str, list[dict[str, Any]]]:
