@@ -3,7 +3,10 @@ dropped when the stream ends; every stage reads and writes it, nothing else hold
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +26,7 @@ from extproc.replay import Sealer
 from extproc.reservation import Held
 from extproc.shadow import Grant
 from extproc.shapes.loss import Loss
+from extproc.shapes.registry import DOORS_BY_NAME
 from extproc.tracing import context_value
 
 MAX_LOGGED_REASONS = 8
@@ -123,6 +127,24 @@ class Exchange:
     max_retries: int = 0
     stage_us: dict[str, float] = field(default_factory=dict)
 
+    def route_asked(self) -> str:
+        """The route a request names, once it was routed or where a refusal came first: its body's
+        `model` (read again from the raw body when intake refused it before parsing it whole), or a
+        Gemini caller's path. Only a route of the snapshot: a refusal's ledger entry and metrics are
+        counted per route, and a name the caller made up is none."""
+        if self.route is not None:
+            return self.route.route_contract
+        name: Any = self.body.get("model")
+        if name is None:
+            door = DOORS_BY_NAME.get(self.door)
+            named = door and re.fullmatch(door.path, self.path.split("?", 1)[0])
+            if named and named.groups():
+                name = urllib.parse.unquote(named.group(1))
+            elif self.raw_body[:1] == b"{":
+                with contextlib.suppress(ValueError):
+                    name = orjson.loads(self.raw_body).get("model")
+        return name if isinstance(name, str) and name in self.snapshot.routes else ""
+
     def logged_reasons(self) -> list[str]:
         """The decision's reasons as logs and the ledger keep them: a policy may quote what the client
         sent (a tool's name), so each is made log-safe (extproc/redact.py) and there are at most 8."""
@@ -153,6 +175,8 @@ class Exchange:
             facts.update(tenant=self.identity.tenant, subject=self.identity.subject, identity_kind=self.identity.kind)
         if self.route is not None:
             facts.update(route=self.route.route_contract, request_class=self.route.request_class)
+        elif asked := self.route_asked():  # refused before routing: the route it asked for, if one
+            facts["route"] = asked
         if self.client_metadata:  # the caller's own tags (OpenAI's `metadata`), made log-safe
             facts["metadata"] = {log_safe(k): log_safe(v) for k, v in self.client_metadata.items()}
         if self.shadow_of is not None:  # a shadow copy: the request it copies

@@ -285,7 +285,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         if gave_up:
             err = too_late()
         termination, marks = ("not_processed", {}) if gave_up else refusal(err.code.value, err.param)
-        route = ex.route.route_contract if ex.route is not None else ""
+        route = ex.route_asked()
         count_refusal(route, err.code.value)
         if ex.trace_id and ex.identity is not None:  # a request the ledger records: its span too
             tracing.request_span(ex.trace_context, route, ex.arrived_at, time.time(), {

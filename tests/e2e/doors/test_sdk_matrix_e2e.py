@@ -910,9 +910,13 @@ def test_a_request_the_size_of_claude_code_s_first_fits_every_hosted_route(up: S
 @pytest.mark.parametrize("door, route, body, field", [
     # refused at intake, before anything is reserved
     ("responses", "chat-default", {"input": "x", "store": True}, "store"),
+    ("gemini", "chat-gemini", {"contents": [{"role": "user", "parts": [{"text": "x"}]}],
+                               "generationConfig": {"logprobs": 3}}, "generationConfig.logprobs"),
     # refused by the route after the budget stage reserved: released, and the entry still names it
+    # (Converse takes a schema only as a tool's input: an object)
     ("responses", "chat-bedrock", {"input": "x", "text": {"format": {
-        "type": "json_schema", "name": "A", "schema": SCHEMA}}}, "text.format"),
+        "type": "json_schema", "name": "A", "schema": {"type": "array", "items": {"type": "string"}}}}},
+     "text.format"),
     ("anthropic", "chat-bedrock", {"messages": ask("x"), "tools": [{"name": "search_docs", "input_schema": SCHEMA}],
                                    "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
      "tool_choice.disable_parallel_tool_use"),
@@ -920,9 +924,13 @@ def test_a_request_the_size_of_claude_code_s_first_fits_every_hosted_route(up: S
 def test_a_refusal_s_ledger_entry_names_the_field(up: Stack, door: str, route: str, body: dict[str, Any],
                                                   field: str) -> None:
     from tests.helpers import request
-    path = {"responses": "/v1/responses", "anthropic": "/v1/messages"}[door]
-    r = request(f"{up.url}{path}", "POST", {"model": route, "max_tokens" if door == "anthropic" else
-                                            "max_output_tokens": 5, **body}, {"authorization": f"Bearer {KEY}"})
+    if door == "gemini":  # the route is in the path
+        r = request(f"{up.url}/v1beta/models/{route}:generateContent", "POST", body, {"x-goog-api-key": KEY})
+    else:
+        path = {"responses": "/v1/responses", "anthropic": "/v1/messages"}[door]
+        r = request(f"{up.url}{path}", "POST", {"model": route, "max_tokens" if door == "anthropic" else
+                                                "max_output_tokens": 5, **body}, {"authorization": f"Bearer {KEY}"})
     assert r.status == 400, r.body
     entry = ledger_of(up, r.headers["x-request-id"], "acme")
     assert entry["error"] == "unsupported_field" and entry["field"] == field, entry
+    assert entry["route"] == route  # the route it asked for, refused at intake or by the route
