@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -62,6 +61,17 @@ def validated(model: type[StrictModel], doc: Any, api: str, at: tuple[Any, ...] 
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"{param}: {err['msg']}", param or None) from None
 
 
+def path_of(target: str) -> str:
+    """A request's path without its query, as Envoy matched its routes on it. Not urllib's urlsplit:
+    a path that starts with `//` would be read as a host and the rest (a client chooses both), and
+    one with `//[` raises."""
+    return target.split("?", 1)[0]
+
+
+def query_of(target: str) -> str:
+    return target.partition("?")[2]
+
+
 @dataclass(frozen=True)
 class Door:
     name: str
@@ -102,7 +112,7 @@ class Door:
         return self.fields.get(internal, internal)
 
     def matches(self, path: str) -> bool:
-        bare = urlsplit(path).path  # (once: every request's path is tried against every door)
+        bare = path_of(path)  # (once: every request's path is tried against every door)
         return any(re.fullmatch(p, bare) is not None for p in self.paths)
 
     @property
@@ -113,4 +123,4 @@ class Door:
 
     def counts(self, path: str) -> bool:
         """Whether `path` asks this door for a token count."""
-        return bool(self.count_path) and re.fullmatch(self.count_path, urlsplit(path).path) is not None
+        return bool(self.count_path) and re.fullmatch(self.count_path, path_of(path)) is not None

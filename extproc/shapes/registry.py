@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit
 
 from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH, MODELS_PATH
 from extproc.shapes.anthropic import adapter as anthropic
 from extproc.shapes.anthropic import door as anthropic_door
 from extproc.shapes.base import Adapter
 from extproc.shapes.bedrock import adapter as bedrock
-from extproc.shapes.door import Door
+from extproc.shapes.door import Door, path_of
 from extproc.shapes.gemini import adapter as gemini
 from extproc.shapes.gemini import door as gemini_door
 from extproc.shapes.loss import LossTable
@@ -137,7 +136,7 @@ def check_options(ref: str, options: Mapping[str, str]) -> str:
 def models_door(path: str, headers: Mapping[str, str]) -> Door | None:
     """The door whose shape a model lookup (GET) is answered in: one with a models path of its own,
     or the one whose SDK's header the request carries; None: OpenAI's shape."""
-    bare = urlsplit(path).path
+    bare = path_of(path)
     for door in DOORS:
         if door.models_path and re.fullmatch(door.models_path, bare):
             return door

@@ -12,7 +12,7 @@ import logging
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 import jwt
 
@@ -23,7 +23,7 @@ from extproc.jwks import JwksCache, JwksUnavailable
 from extproc.names import Header
 from extproc.ratelimit import RateLimitedLog
 from extproc.shadow import InvalidGrant, verify
-from extproc.shapes.door import Door
+from extproc.shapes.door import Door, query_of
 from extproc.shapes.registry import DOORS_BY_NAME
 
 log = logging.getLogger("llmgw.identity")
@@ -52,7 +52,7 @@ def credential(headers: dict[str, str], path: str, door: Door | None) -> str:
     tokens = {bearer} if bearer is not None else set()
     given = [headers.get(name, "") for name in door.credential_headers] if door is not None else []
     if door is not None and door.credential_query:
-        given += parse_qs(urlsplit(path).query).get(door.credential_query, [])
+        given += parse_qs(query_of(path)).get(door.credential_query, [])
     for key in given:
         if len(key.strip()) > _MAX_TOKEN:
             raise Unauthenticated("credential too long")

@@ -22,14 +22,14 @@ from __future__ import annotations
 import json
 import re
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from extproc import chat
 from extproc.contract import ErrorCode, GatewayError
-from extproc.shapes.door import Door, null_is_absent
+from extproc.shapes.door import Door, null_is_absent, path_of, query_of
 from extproc.shapes.gemini.adapter import internal_body
 from extproc.shapes.gemini.schema import Schema, either
 from extproc.shapes.loss import NATIVE
@@ -215,7 +215,7 @@ COUNT_PATH = re.compile(r"/(?:v1|v1beta|v1alpha)/models/([^/:]+):countTokens")
 
 def route_of(path: str) -> tuple[str, bool] | None:
     """(the route named in the path, whether it streams), or None for another path."""
-    m = PATH.fullmatch(urlsplit(path).path)
+    m = PATH.fullmatch(path_of(path))
     return (unquote(m.group(1)), m.group(2) == "streamGenerateContent") if m else None
 
 
@@ -225,7 +225,7 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
     if where is None:
         raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, "no such endpoint")
     route, stream = where
-    if stream and parse_qs(urlsplit(path).query).get("alt") != ["sse"]:
+    if stream and parse_qs(query_of(path)).get("alt") != ["sse"]:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "streamGenerateContent takes alt=sse (server-sent events)", "alt")
     native = _validated(GenerateContentRequest, raw)
     config = native.generation_config
@@ -248,7 +248,7 @@ def request(raw: bytes, path: str) -> dict[str, Any]:
 def count_request(raw: bytes, path: str) -> dict[str, Any]:
     """A countTokens request as the internal request whose prompt is counted (one token to generate:
     the contract asks for a bound, and counting generates nothing)."""
-    m = COUNT_PATH.fullmatch(urlsplit(path).path)
+    m = COUNT_PATH.fullmatch(path_of(path))
     if m is None:
         raise GatewayError(ErrorCode.ROUTE_NOT_FOUND, "no such endpoint")
     native = _validated(CountTokensRequest, raw)
