@@ -178,6 +178,19 @@ def test_a_bedrock_answer_given_as_the_schema_asked_is_its_content(lua: Any, wit
     assert python["choices"][0]["finish_reason"] == choice["finish_reason"]
 
 
+def test_a_bedrock_answer_cut_inside_its_schema_is_the_text_written_so_far(lua: Any) -> None:
+    """max_tokens cut the output tool's input: the JSON so far is the content, as an OpenAI model's
+    cut document would be, and the finish is `length`."""
+    body = (b'{"output":{"message":{"role":"assistant","content":[{"toolUse":{"toolUseId":"t1","name":"'
+            + bedrock.OUTPUT_TOOL.encode() + b'","input":"{\\"day\\": \\"fri"}}]}},"stopReason":"max_tokens",'
+            b'"usage":{"inputTokens":3,"outputTokens":6}}')
+    out, _ = answer(lua, body, shape="bedrock")
+    choice = json.loads(out or b"")["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ('{"day": "fri', "length")
+    python = python_answer(body, BEDROCK)["choices"][0]
+    assert (python["message"]["content"], python["finish_reason"]) == ('{"day": "fri', "length")
+
+
 BROKEN = [b"", b"not json", b"[1,2]", b'{"type":"error","error":{"type":"api_error"}}',
           b'{"type":"message","content":{"type":"text"}}', b'{"type":"message","content":["text"]}',
           b'{"type":"message","content":[{"type":"tool_use","name":"f","input":{}}]}',

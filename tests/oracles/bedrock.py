@@ -50,9 +50,13 @@ def completion(doc: Mapping[str, Any]) -> dict[str, Any]:
         elif "toolUse" in block:
             use = block["toolUse"]
             if use["name"] == OUTPUT_TOOL:  # the answer, as the response_format's schema asked
-                if not isinstance(use.get("input"), dict):
-                    raise TypeError("the output tool's input is not an object")
-                text.append(json.dumps(use["input"]))
+                given = use.get("input")
+                if isinstance(given, dict):
+                    text.append(json.dumps(given))
+                elif isinstance(given, str):  # cut by max_tokens: the text written so far
+                    text.append(given)
+                elif given is not None:
+                    raise TypeError("the output tool's input is neither an object nor text")
                 continue
             calls.append({"id": str(use["toolUseId"]), "type": "function",
                           "function": {"name": str(use["name"]), "arguments": tool_arguments(use.get("input"))}})

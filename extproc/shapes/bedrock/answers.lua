@@ -42,10 +42,15 @@ local function bedrock(body, model, request_id)
     elseif block.toolUse ~= nil then
       local use = block.toolUse
       if not is_object(use) or type(use.toolUseId) ~= "string" or type(use.name) ~= "string" then return nil end
-      if use.name == OUTPUT_TOOL then
-        if not is_object(use.input) then return nil end
-        local span = SPAN[use.input]
-        text[#text + 1] = as_string(sub(body, span[1], span[2]))
+      if use.name == OUTPUT_TOOL then  -- (an input cut by max_tokens comes as the text written so far)
+        if is_object(use.input) then
+          local span = SPAN[use.input]
+          text[#text + 1] = as_string(sub(body, span[1], span[2]))
+        elseif type(use.input) == "string" then
+          text[#text + 1] = use.input
+        elseif not absent(use.input) then
+          return nil
+        end
       else
         local call = call_json(use.toolUseId, use.name, use.input, body)
         if call == nil then return nil end

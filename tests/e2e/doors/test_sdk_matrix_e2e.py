@@ -31,7 +31,6 @@ KEY = DEMO_KEYS["acme"]
 ROUTES = ("chat-default", "chat-anthropic", "chat-gemini", "chat-bedrock", "chat-fallback")
 DEPLOYMENT = {"chat-default": "pool-llama-8b", "chat-anthropic": "demo-anthropic", "chat-gemini": "demo-gemini",
               "chat-bedrock": "demo-bedrock", "chat-fallback": "pool-llama-8b"}
-NO_STRUCTURED_OUTPUT = {"chat-bedrock"}  # Converse has no JSON output mode: the route refuses (reject)
 DOORS = ("openai", "anthropic", "gemini", "responses")  # (responses: the openai SDK's Responses API)
 # Where each door's caller writes structured output: the refusal names it so.
 STRUCTURED_FIELD = {"openai": "response_format", "anthropic": "output_config.format",
@@ -288,12 +287,34 @@ ERRORS: dict[str, tuple[type[BaseException], ...]] = {
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("door", DOORS)
 def test_structured_output(up: Stack, door: str, route: str) -> None:
-    if route not in NO_STRUCTURED_OUTPUT:
-        out = structured(up, door, route)
-        assert out.city and isinstance(out.days, int)
-        return
-    with pytest.raises(ERRORS[door]) as e:  # refused, naming the field as this caller wrote it
-        structured(up, door, route)
+    """Every route answers as the schema asks (Bedrock's through a tool the model must call)."""
+    out = structured(up, door, route)
+    assert out.city and isinstance(out.days, int)
+
+
+LIST_OF_CITIES = {"type": "array", "items": {"type": "string"}}
+AS_A_LIST: dict[str, Callable[[Stack], Any]] = {  # a schema whose root is no object, as each door's caller asks
+    "responses": lambda s: openai_client(s).responses.create(
+        model="chat-bedrock", max_output_tokens=60, input="cities",
+        text={"format": {"type": "json_schema", "name": "cities", "schema": LIST_OF_CITIES}}),
+    "openai": lambda s: openai_client(s).chat.completions.create(
+        model="chat-bedrock", max_tokens=60, messages=ask("cities"), response_format={
+            "type": "json_schema", "json_schema": {"name": "cities", "schema": LIST_OF_CITIES}}),
+    "anthropic": lambda s: anthropic_client(s).messages.create(
+        model="chat-bedrock", max_tokens=60, messages=ask("cities"),
+        output_config={"format": {"type": "json_schema", "schema": LIST_OF_CITIES}}),
+    "gemini": lambda s: genai_client(s).models.generate_content(
+        model="chat-bedrock", contents="cities", config=types.GenerateContentConfig(
+            max_output_tokens=60, response_mime_type="application/json", response_json_schema=LIST_OF_CITIES)),
+}
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_schema_bedrock_cannot_take_is_refused_naming_the_callers_field(up: Stack, door: str) -> None:
+    """Converse takes a schema only as a tool's input, an object: the route refuses (reject) a list,
+    naming the field as this caller wrote it."""
+    with pytest.raises(ERRORS[door]) as e:
+        AS_A_LIST[door](up)
     status, body = status_and_body(e.value)
     assert status == 400 and "unsupported_field" in body and f"`{STRUCTURED_FIELD[door]}`" in body
 
