@@ -151,11 +151,15 @@ class HeldStream(web.StreamResponse):
     def __init__(self, **kw: Any):
         super().__init__(**kw)
         self._held: list[bytes] = []
+        self._ended = False
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         self._held.append(bytes(data))
 
     async def write_eof(self, data: bytes = b"") -> None:
+        if self._ended:  # aiohttp ends a handler's response again once the handler returns it
+            return
+        self._ended = True
         await super().write(b"".join(self._held) + data)
         self._held.clear()
         await super().write_eof()
