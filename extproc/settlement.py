@@ -309,8 +309,10 @@ class Meter:
             return Verdict(spec, (), broken=spec is not None)
         policy = call_policy(self.snapshot().policy) if spec is not None else None
         failures = check_completion(doc, spec, policy) if spec is not None else []
+        # (Not the body's model: the Lua guard has named the route there; settlement takes the
+        # upstream's from the metadata json_to_metadata wrote.)
         return Verdict(spec, tuple(failures), finish=finish_reasons(doc), upstream_id=str(doc.get("id") or ""),
-                       upstream_model=str(doc.get("model") or ""), run=checks_run(spec, policy))
+                       run=checks_run(spec, policy))
 
     @staticmethod
     def _checked_reply(verdict: Verdict | None, attrs: Any) -> ep.ProcessingResponse:
@@ -388,7 +390,10 @@ class Meter:
         outcome["attempts"][-1]["status"] = int(recorded) if recorded.isdigit() else upstream_status
         if verdict is not None:
             checked(outcome, verdict)
-        for key in (Key.NATIVE_FINISH_REASON, Key.UPSTREAM_REQUEST_ID):  # what Envoy's Lua filters read of it
+        # What Envoy's filters read of the answer as the upstream sent it: the model it named among them
+        # (json_to_metadata, before the Lua guard named the route instead in the body this filter reads;
+        # the engine check holds a hosted deployment to it).
+        for key in (Key.NATIVE_FINISH_REASON, Key.UPSTREAM_REQUEST_ID, Key.UPSTREAM_MODEL):
             if value := md_attr(attrs, key):
                 outcome["attempts"][-1][key.value] = plain_id(value)
         if lost := md_attr(attrs, Key.TRANSLATION_LOSS):  # translated by the decision: what it lost

@@ -144,10 +144,11 @@ class StreamChecker:
 
 @dataclass
 class AnswerFacts:
-    """What the ledger keeps of a stream's answer, read from its chunks: the upstream's own id for it
-    and each choice's finish reason."""
+    """What the ledger keeps of a stream's answer, read from its chunks: the upstream's own id for it,
+    the model it named, and each choice's finish reason."""
 
     upstream_id: str = ""
+    upstream_model: str = ""
     finish: dict[int, str] = field(default_factory=dict)
 
     def observe(self, obj: Any) -> None:
@@ -155,6 +156,8 @@ class AnswerFacts:
             return
         if not self.upstream_id and isinstance(obj.get("id"), str):
             self.upstream_id = obj["id"]
+        if not self.upstream_model and isinstance(obj.get("model"), str):  # (before the route renames it)
+            self.upstream_model = obj["model"]
         for c in obj.get("choices") or ():
             if isinstance(c, dict) and c.get("finish_reason") and isinstance(c.get("index", 0), int):
                 self.finish[c.get("index", 0)] = str(c["finish_reason"])
@@ -163,4 +166,5 @@ class AnswerFacts:
         """The stream's verdict: its checker's (None: a stream read but not checked) and these facts."""
         return Verdict(checker.spec if checker else None, tuple(checker.failures) if checker else (),
                        finish=tuple(self.finish[i] for i in sorted(self.finish)), upstream_id=self.upstream_id,
+                       upstream_model=self.upstream_model,
                        run=checks_run(checker.spec, checker.policy) if checker else ())

@@ -55,6 +55,7 @@ class Notes:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("frameworks"), simulate_providers=True)
+    s.started_at = time.time()  # type: ignore[attr-defined]
     yield s
     s.stop()
 
@@ -170,3 +171,17 @@ def test_each_framework_at_its_defaults_over_every_route(up: Stack, framework: s
     entries = settled_since(up, start)
     assert [(e["route"], e["status"]) for e in entries] == [(route, 200)] * len(entries), entries
     assert len(entries) >= (2 if kind == "tool_loop" else 1), entries
+
+
+def test_the_run_left_every_hosted_candidate_qualified(up: Stack) -> None:
+    """After the matrix (same module, same stack): the engine check that `llmgw up` runs every 30 s
+    finds every hosted answer naming the model its deployment declares, so it would void nothing. (The
+    callers read the route's name as the model; the ledger keeps the provider's.)"""
+    from llmgw.ops import engines
+    from llmgw.ops.store import store_client
+    client = store_client(str(up.store_url))
+    try:
+        found = engines.answers_since(up.snapshot, client, up.started_at)  # type: ignore[attr-defined]
+    finally:
+        client.close()
+    assert found == [], [str(f) for f in found]

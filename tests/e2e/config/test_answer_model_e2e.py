@@ -45,6 +45,26 @@ def chat(stack: Stack, **extra: object) -> tuple[int, dict[str, str], bytes]:
     return r.status, r.headers, r.body
 
 
+SEARCH = {"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("settles", "extra", "idempotent"), [
+    ("checked", {"tools": [SEARCH]}, False),  # the meter holds it for the answer checks
+    ("metered", {}, True),  # the meter records it for replay
+    ("checked_stream", {"tools": [SEARCH], "stream": True}, False),  # ext_proc's stream guard
+    ("kept_stream", {"stream": True}, True),
+])
+def test_the_ledger_keeps_the_model_the_upstream_named_on_every_settling_path(
+        gw: Stack, settles: str, extra: dict[str, object], idempotent: bool) -> None:
+    """The caller reads the route's name as the answer's model; the ledger keeps the provider's, which
+    the engine check holds to the fingerprint (a route's name there voided honest providers)."""
+    r = request(f"{gw.url}/v1/chat/completions", "POST", chat_body("chat-swapped", max_tokens=4, **extra),
+                headers={"authorization": f"Bearer {KEY}",
+                         **({"idempotency-key": f"answer-model-{settles}"} if idempotent else {})}, timeout=30)
+    assert r.status == 200 and b"chat-swapped" in r.body, r.body
+    assert ledger_of(gw, r.headers["x-request-id"], "acme")["attempts"][-1]["upstream_model"] == SWAPPED
+
+
 def test_a_dated_version_is_the_declared_model() -> None:
     assert engines.names_model("gpt-4o-2024-08-06", "gpt-4o") and engines.names_model("claude-sim-1", "claude-sim-1")
     assert not engines.names_model("claude-other-2", "claude-sim-1") and not engines.names_model("gpt-4", "gpt-4o")
