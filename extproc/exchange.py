@@ -25,6 +25,7 @@ from extproc.redact import log_safe
 from extproc.replay import Sealer
 from extproc.reservation import Held
 from extproc.shadow import Grant
+from extproc.shapes.door import path_of
 from extproc.shapes.loss import Loss
 from extproc.shapes.registry import DOORS_BY_NAME
 from extproc.tracing import context_value
@@ -137,7 +138,7 @@ class Exchange:
         name: Any = self.body.get("model")
         if name is None:
             door = DOORS_BY_NAME.get(self.door)
-            named = door and re.fullmatch(door.path, self.path.split("?", 1)[0])
+            named = door and re.fullmatch(door.path, path_of(self.path))
             if named and named.groups():
                 name = urllib.parse.unquote(named.group(1))
             elif self.raw_body[:1] == b"{":
@@ -168,7 +169,7 @@ class Exchange:
         if self.operation != "chat":  # what was asked of the upstream: embeddings generate nothing
             facts["operation"] = self.operation
         if self.unserved:  # what the caller asked for instead (its query string aside: a key may be in it)
-            facts["endpoint"] = log_safe(f"{self.method} {self.path.split('?', 1)[0]}")
+            facts["endpoint"] = log_safe(f"{self.method} {path_of(self.path)}")
         if self.region:
             facts["region"] = self.region
         if self.identity is not None:

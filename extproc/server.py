@@ -68,6 +68,7 @@ from extproc.settlement import (
     release,
 )
 from extproc.shadow import grant_key
+from extproc.shapes.door import path_of
 from extproc.shapes.registry import ENDPOINTS, door_for, models_door
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
@@ -301,7 +302,7 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         headers: answered from the routes, in the shape of the SDK that asked. So is every path the
         gateway does not serve: its caller, once identified, is told what it does serve, in the shape
         its SDK's headers say, and the refusal is ledgered."""
-        path = ex.path.split("?", 1)[0]
+        path = path_of(ex.path)
         door = models_door(path, ex.headers)
         own = door is not None and door.models_path and re.fullmatch(door.models_path, path)
         ex.door = door.name if door is not None else ""  # its errors in the door's shape too

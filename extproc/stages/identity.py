@@ -23,7 +23,7 @@ from extproc.jwks import JwksCache, JwksUnavailable
 from extproc.names import Header
 from extproc.ratelimit import RateLimitedLog
 from extproc.shadow import InvalidGrant, verify
-from extproc.shapes.door import Door, query_of
+from extproc.shapes.door import Door, path_of, query_of
 from extproc.shapes.registry import DOORS_BY_NAME
 
 log = logging.getLogger("llmgw.identity")
@@ -104,7 +104,7 @@ def _claims_identity(ex: Exchange, issuer: JwtIssuer, claims: dict[str, Any]) ->
 def shadow_identity(ex: Exchange, token: str) -> Identity:
     """A shadow copy Envoy mirrored (extproc/shadow.py): the tenant and subject of the request it copies,
     on the chat path only, with the copied request's data class (the copy does not carry its headers)."""
-    if ex.door or ex.path.split("?", 1)[0] != CHAT_PATH or len(token) > _MAX_TOKEN:
+    if ex.door or path_of(ex.path) != CHAT_PATH or len(token) > _MAX_TOKEN:
         raise Unauthenticated("shadow grant outside a chat completion")
     try:
         grant = verify(ex.shadow_key, token)

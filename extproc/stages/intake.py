@@ -9,6 +9,7 @@ from extproc import chat, client_fields, embeddings, headers, tracing
 from extproc.contract import CHAT_PATH, EMBEDDINGS_PATH, ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.names import Header
+from extproc.shapes.door import path_of
 from extproc.shapes.loss import NAMESPACES, NATIVE
 from extproc.shapes.registry import DOORS_BY_NAME
 
@@ -18,7 +19,7 @@ class Intake:
 
     async def run(self, ex: Exchange) -> None:
         door = DOORS_BY_NAME.get(ex.door)  # set from the path when the request arrived
-        bare = ex.path.split("?", 1)[0]
+        bare = path_of(ex.path)
         path = bare if door is not None else CHAT_PATH
         if bare == EMBEDDINGS_PATH and door is None:
             path, ex.operation = EMBEDDINGS_PATH, "embeddings"
