@@ -212,6 +212,12 @@ def _unless_reasoned(policy: matcher_pb2.Matcher.OnMatch) -> matcher_pb2.Matcher
             predicate=Predicate(not_matcher=_metadata_is(Key.UPSTREAM_MESSAGE, None)), on_match=policy)])))
 
 
+def _upstream_rule(upstream: int, status: int, code: ErrorCode, message: str,
+                   door: Door | None) -> matcher_pb2.Matcher.OnMatch:
+    policy = _policy(f"upstream_{upstream}", status, code, message, door)
+    return _unless_reasoned(policy) if upstream in REFUSAL_STATUSES else policy
+
+
 def _status_rules(door: Door | None) -> matcher_pb2.Matcher:
     """Upstream error statuses -> contract errors, in the caller's shape (a front door's, or the
     contract's own); a 200 that is no answer -> the contract's 502."""
@@ -220,8 +226,7 @@ def _status_rules(door: Door | None) -> matcher_pb2.Matcher:
     return matcher_pb2.Matcher(matcher_tree=matcher_pb2.Matcher.MatcherTree(
         input=status_input,
         exact_match_map=matcher_pb2.Matcher.MatcherTree.MatchMap(map={
-            **{str(upstream): _unless_reasoned(_policy(f"upstream_{upstream}", status, code, message, door))
-               if upstream in REFUSAL_STATUSES else _policy(f"upstream_{upstream}", status, code, message, door)
+            **{str(upstream): _upstream_rule(upstream, status, code, message, door)
                for upstream, status, code, message in UPSTREAM_ERROR_RULES},
             "200": _not_an_answer(door)})))
 

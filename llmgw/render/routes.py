@@ -151,15 +151,15 @@ def route_config(snap: Snapshot, clusters: Iterable[str]) -> route_pb2.RouteConf
             # fails closed: unchecked, it never reaches the client.
             no_meter: dict[str, any_pb2.Any] = {Filter.METER: pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
             off = pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))
+            json_answer = {Filter.STREAMS: off, **_no_lua_answers()}  # (the Lua guard's script stays on)
             per_route: dict[str, any_pb2.Any] = {
                 Settle.STREAM: {**no_meter, Filter.STREAMS: off, **_no_lua_answers()},
                 Settle.KEPT_STREAM: {**no_meter, **_no_lua_guard()},
                 Settle.CHECKED_STREAM: {**no_meter, **_no_lua_guard(), Filter.STREAMS: _fail_closed()},
-                Settle.METERED: _no_stream_guard(),
-                Settle.CHECKED: {**_no_stream_guard(), Filter.METER: _fail_closed(whole_answer=True)},
-            }.get(kind, _no_meter())
-            if kind in (Settle.METERED, Settle.CHECKED, Settle.ACCESS_LOG):
-                per_route = {k: v for k, v in per_route.items() if k != Filter.LUA_STREAM_GUARD}
+                Settle.METERED: json_answer,
+                Settle.CHECKED: {**json_answer, Filter.METER: _fail_closed(whole_answer=True)},
+                Settle.ACCESS_LOG: {**no_meter, **json_answer},
+            }[kind]
             pool_json = kind is Settle.ACCESS_LOG and cluster.startswith(POOL_CLUSTER_PREFIX)
             if cluster in composites_translating or pool_json:
                 # every answer of such a plan passes the Lua answer filter; so does a pool's JSON answer

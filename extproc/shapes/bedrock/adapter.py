@@ -217,7 +217,7 @@ def native_body(body: Mapping[str, Any]) -> dict[str, Any]:
             tools.append({"toolSpec": {"name": OUTPUT_TOOL, "inputSchema": {"json": output}, "description": (
                 described or "Give the answer: its input is the answer, following this schema.")}})
             if not isinstance(choice, dict):  # the answer or a call of the caller's tools: some tool
-                choice = "required" if len(tools) > 1 else {"function": {"name": OUTPUT_TOOL}}
+                choice = "required" if body.get("tools") else {"function": {"name": OUTPUT_TOOL}}
         if choice in ("auto", "required"):
             native["toolConfig"]["toolChoice"] = {"auto": {}} if choice == "auto" else {"any": {}}
         elif isinstance(choice, dict):
