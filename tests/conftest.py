@@ -186,6 +186,18 @@ def ledger_since(stack: Stack, start: str, tenant: str = "acme") -> list[dict[st
     return [ledger_entry(f) for _, f in r.xrange(ledger_key(tenant), min=f"({start}")]
 
 
+def settled_since(stack: Stack, start: str) -> list[dict[str, Any]]:
+    """The ledger entries written since `start`, once settlement has written them all (a stream's
+    entry comes when settlement has read its end): until none has come for half a second."""
+    deadline, entries, quiet = time.time() + 5, ledger_since(stack, start), time.time() + 0.5
+    while time.time() < deadline and (not entries or time.time() < quiet):
+        time.sleep(0.1)
+        now = ledger_since(stack, start)
+        if len(now) != len(entries):
+            entries, quiet = now, time.time() + 0.5
+    return entries
+
+
 def serving_directory(stack: Stack, within_s: float = 15.0) -> None:
     """Until every worker serves the revision the stack's policy directory holds now (the workers poll
     it: a test that changed it waits here for the reload)."""

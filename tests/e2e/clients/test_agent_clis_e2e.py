@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 
 from llmgw.local.stack import Stack
-from tests.conftest import DEMO_KEYS, ROOT, ledger_head, ledger_since, start_stack
+from tests.conftest import DEMO_KEYS, ROOT, ledger_head, ledger_since, settled_since, start_stack
 
 pytestmark = pytest.mark.e2e
 BIN = ROOT / "tests/clients/node_modules/.bin"
@@ -100,13 +99,7 @@ def run(stack: Stack, cli: str, route: str, kind: str, work: Path) -> tuple[str,
     proc = subprocess.run(command(cli, route, kind), cwd=work, env=environment(cli, home, stack.url, DEMO_KEYS["acme"]),
                           capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    deadline, entries = time.time() + 5, []
-    while time.time() < deadline:  # a stream's entry is written when settlement has read its end
-        entries = ledger_since(stack, start)
-        if entries:
-            break
-        time.sleep(0.1)
-    return proc.stdout, entries
+    return proc.stdout, settled_since(stack, start)
 
 
 def events(stdout: str) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import pytest
 from pydantic import BaseModel
 
 from llmgw.local.stack import Stack
-from tests.conftest import DEMO_KEYS, ledger_head, ledger_since, start_stack
+from tests.conftest import DEMO_KEYS, ledger_head, settled_since, start_stack
 
 pytestmark = pytest.mark.e2e
 KEY = DEMO_KEYS["acme"]
@@ -142,18 +142,6 @@ def pydantic_ai(api: str) -> Callable[[str, str, str, Notes], Any]:
 FRAMEWORKS: dict[str, Callable[[str, str, str, Notes], Any]] = {
     "openai-agents": agents_sdk, "langchain-openai": langchain("openai"), "langchain-anthropic": langchain("anthropic"),
     "pydantic-ai-chat": pydantic_ai("chat"), "pydantic-ai-responses": pydantic_ai("responses")}
-
-
-def settled_since(stack: Stack, start: str) -> list[dict[str, Any]]:
-    """The ledger entries written since `start`, once settlement has written them all (a stream's
-    entry comes when settlement has read its end): until none has come for half a second."""
-    deadline, entries, quiet = time.time() + 5, ledger_since(stack, start), time.time() + 0.5
-    while time.time() < deadline and (not entries or time.time() < quiet):
-        time.sleep(0.1)
-        now = ledger_since(stack, start)
-        if len(now) != len(entries):
-            entries, quiet = now, time.time() + 0.5
-    return entries
 
 
 @pytest.mark.parametrize("kind", KINDS)
