@@ -14,6 +14,9 @@ end
 -- The text a JSON string's content (as the decoder keeps it: still escaped) stands for, as UTF-8.
 local UNESCAPES = {b = "\b", f = "\f", n = "\n", r = "\r", t = "\t"}
 local function utf8(code)
+  -- A surrogate left unpaired (`\ud800` alone) is no character: UTF-8 cannot hold it, and the text is
+  -- passed on as UTF-8 (an answer, a reason, metadata). It becomes U+FFFD, as a decoder would read it.
+  if code >= 0xD800 and code <= 0xDFFF then code = 0xFFFD end
   if code < 0x80 then return char(code) end
   if code < 0x800 then return char(0xC0 + floor(code / 64), 0x80 + code % 64) end
   if code < 0x10000 then

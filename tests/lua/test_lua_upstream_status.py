@@ -65,8 +65,9 @@ def reason(body: bytes) -> str:
     ({"detail": "temperature must be at most 2"}, "temperature must be at most 2"),
     ({"detail": [{"loc": ["body", "n"], "msg": "Input should be less than 9", "type": "less_than"}]},
      "Input should be less than 9"),
-    # escapes and whitespace as the caller reads them
+    # escapes and whitespace as the caller reads them; a surrogate left unpaired is no character
     ({"error": {"message": "tool \"search\"\n  has no\tschema \u00e9"}}, 'tool "search" has no schema \u00e9'),
+    ({"message": "bad \ud800 here \ud83d\ude00"}, "bad \ufffd here \U0001f600"),
 ])
 def test_an_upstreams_reason_reaches_the_caller_and_the_metadata(lua: Any, body: dict[str, Any], said: str) -> None:
     status, out, sets = answer(lua, 400, json.dumps(body).encode())
@@ -152,3 +153,20 @@ def test_any_reason_is_bounded_whole_characters_and_valid_json(lua: Any, said: s
     text = reason(out)  # the body parses: every character escaped as JSON requires
     assert len(text.encode()) <= MAX_REASON_BYTES + 3 and text == sets[Key.UPSTREAM_MESSAGE]
     text.encode().decode("utf-8")  # cut between characters
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the runtime holds no state between answers
+@given(body=st.binary(max_size=600) | st.builds(
+    lambda said, key: json.dumps({key: said}).encode(),
+    st.text(st.characters(exclude_categories=()) | st.characters(  # lone surrogates among them
+        min_codepoint=0xD800, max_codepoint=0xDFFF, exclude_categories=()), max_size=200) | st.integers() | st.none(),
+    st.sampled_from(["message", "detail", "error"])), status=st.sampled_from([400, 413, 422]))
+def test_any_bytes_an_upstream_refuses_with_pass_or_become_the_contracts_error(lua: Any, body: bytes,
+                                                                              status: int) -> None:
+    """A provider's refusal body is not the gateway's to trust: whatever it holds, the filter never
+    fails (Envoy would answer 500), and the caller gets it as it came or the contract's error."""
+    got, out, sets = answer(lua, status, body)
+    if Key.UPSTREAM_MESSAGE in sets:
+        assert reason(out) == sets[Key.UPSTREAM_MESSAGE]
+    else:
+        assert (got, out) == (status, body)
