@@ -26,13 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import logging
 import math
 import os
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ AFFINITY_ENTRIES = 100_000
 IDLE_TICK_S = 0.25  # how often an idle picker checks whether the host has traffic again
 FIRST_PICK_WAIT_S = 0.05  # the longest a pick waits for fresh readings after a quiet spell
 PENDING_TAU_S = 0.025  # a pick not yet in metrics counts exp(-age / tau): likely still in flight
+RESOLVED_FOR_S = 5.0  # how long an engine's name resolved to an address is used before resolving it again
 MARK_EVERY_S = 0.5  # the most often a worker touches a mark in the shared directory, or a scraper reads one
 
 
@@ -58,6 +61,10 @@ class EngineLoad:
     running: float
     kv_usage: float
     at: float  # monotonic time of the scrape
+    # Where the page was read: the engine's IP:port. Envoy's override_host matches a host by its address,
+    # so an endpoint given by name (docker-compose's service names, a Kubernetes headless Service) is
+    # picked by the address its name resolved to when it was read.
+    address: str = ""
 
 
 _WANTED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
@@ -81,7 +88,15 @@ def parse_load(text: str, at: float) -> EngineLoad:
         seen.add(name)
     if len(seen) < len(_WANTED):
         raise ValueError(f"metrics page lacks {sorted(set(_WANTED) - seen)}")
-    return EngineLoad(at=at, **found)
+    return EngineLoad(waiting=found["waiting"], running=found["running"], kv_usage=found["kv_usage"], at=at)
+
+
+def is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def prompt_blocks(salt: str, messages: object) -> list[int]:
@@ -115,6 +130,7 @@ class Picker:
         self._session: aiohttp.ClientSession | None = None
         self._shared = shared_dir
         self._lock_fd: int | None = None
+        self._resolved: dict[str, tuple[str, float]] = {}  # endpoint -> (IP:port, when resolved)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
@@ -231,12 +247,30 @@ class Picker:
         assert self._session is not None
         self.scrapes += 1
         try:
-            async with self._session.get(f"http://{endpoint}/metrics") as r:
+            address = await self._address(endpoint)
+            async with self._session.get(f"http://{address}/metrics") as r:
                 if r.status == 200:
-                    self.loads[endpoint] = parse_load(await r.text(), time.monotonic())
-        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+                    load = parse_load(await r.text(), time.monotonic())
+                    self.loads[endpoint] = replace(load, address=address)
+        except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as e:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("scrape %s failed: %s", endpoint, e)
+
+    async def _address(self, endpoint: str) -> str:
+        """`endpoint` as IP:port: itself when its host is an address, else its name resolved (again
+        after RESOLVED_FOR_S, so a restarted container's new address is picked within that)."""
+        host, _, port = endpoint.rpartition(":")
+        if is_address(host):
+            return endpoint
+        known = self._resolved.get(endpoint)
+        now = time.monotonic()
+        if known is not None and now - known[1] < RESOLVED_FOR_S:
+            return known[0]
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        ip = str(infos[0][4][0])
+        address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        self._resolved[endpoint] = (address, now)
+        return address
 
     def _has_readers(self) -> bool:
         """Whether a worker has read the shared readings lately (its mark within two idle rounds):
@@ -302,7 +336,8 @@ class Picker:
         return load if load is not None and now - load.at <= self.stale_after else None
 
     def pick(self, pool: str, salt: str, messages: object, record: bool = True) -> list[str]:
-        """Endpoints of `pool`, best first; empty when no engine has fresh metrics (Envoy then picks).
+        """The addresses of `pool`'s engines, best first; empty when no engine has fresh metrics (Envoy
+        then picks).
         `record`: the first is where the request goes (its prefix affinity and a pending request are
         noted); False for a fallback candidate's pool, which only a failure sends to."""
         now = time.monotonic()
@@ -330,7 +365,7 @@ class Picker:
         if record:
             self._record(order[0], blocks, now)
             count_pick(pool, "prefix" if matched.get(order[0]) else "load")
-        return order
+        return [loads[ep].address or ep for ep in order]
 
     def _matched_blocks(self, blocks: list[int]) -> dict[str, int]:
         """For each endpoint, how many leading blocks of this prompt it served last."""

@@ -290,6 +290,27 @@ def test_an_engine_in_two_pools_is_scraped_once_a_round() -> None:
     asyncio.run(scenario())
 
 
+def test_an_engine_named_by_host_is_picked_by_the_address_it_was_read_at(tmp_path: Path) -> None:
+    """Envoy's override_host matches a host by IP:port: a pool given by names (docker-compose's
+    services) is picked by the addresses the names resolved to when read - by the scraper and by a
+    worker reading the scraper's file."""
+    async def scenario() -> None:
+        engines = MetricsServer(2)
+        await engines.start()
+        named = {"pool": [f"localhost:{port}" for port in engines.ports]}
+        scraper = Picker(named, interval=0.05, idle_interval=0.05, shared_dir=tmp_path / "picker")
+        await scraper.start()
+        reader = Picker(named, interval=0.05, idle_interval=0.05, shared_dir=tmp_path / "picker")
+        await reader.start()
+        await asyncio.sleep(0.8)
+        for p in (scraper, reader):
+            assert sorted(p.pick("pool", "s", MSGS)) == sorted(engines.endpoints)  # 127.0.0.1:port
+        await reader.stop()
+        await scraper.stop()
+        await engines.stop()
+    asyncio.run(scenario())
+
+
 def test_workers_on_one_host_share_one_scraper(tmp_path: Path) -> None:
     async def scenario() -> None:
         engines = MetricsServer(4)
