@@ -1,4 +1,9 @@
-"""Credential references (`env:NAME`, `file:PATH`), resolved at run time, never stored in config."""
+"""Credential references (`env:NAME`, `file:PATH`), resolved at run time, never stored in config.
+
+`env:NAME` also reads the file that `$NAME_FILE` names when `$NAME` is not set: container secrets
+(docker-compose's `secrets:`, Kubernetes' mounted Secrets) arrive as files, and the convention keeps a
+policy's references the same wherever it runs.
+"""
 
 from __future__ import annotations
 
@@ -14,18 +19,24 @@ def resolve(ref: str, base: Path | None = None) -> str:
     kind, _, target = ref.partition(":")
     if kind == "env":
         value = os.environ.get(target)
-        if not value:
-            raise SecretUnavailable(f"credential reference {ref} is not set")
-        return value
+        if value:
+            return value
+        if named := os.environ.get(f"{target}_FILE"):
+            return _read(ref, Path(named))
+        raise SecretUnavailable(f"credential reference {ref} is not set")
     if kind == "file":
         path = Path(target)
         if base is not None and not path.is_absolute():
             path = base / path
-        try:
-            value = path.read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise SecretUnavailable(f"credential reference {ref} cannot be read: {e.strerror}") from None
-        if not value:
-            raise SecretUnavailable(f"credential reference {ref} is empty")
-        return value
+        return _read(ref, path)
     raise SecretUnavailable(f"credential reference {ref!r} is neither env:NAME nor file:PATH")
+
+
+def _read(ref: str, path: Path) -> str:
+    try:
+        value = path.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise SecretUnavailable(f"credential reference {ref} cannot be read ({path}): {e.strerror}") from None
+    if not value:
+        raise SecretUnavailable(f"credential reference {ref} is empty ({path})")
+    return value

@@ -21,6 +21,25 @@ def test_env_and_file_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert resolve(f"file:{tmp_path / 'k'}") == "s3cret-file"
 
 
+def test_an_env_reference_reads_the_file_its_FILE_variable_names(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Container secrets arrive as files: `env:NAME` reads $NAME, else the file $NAME_FILE names."""
+    (tmp_path / "salt").write_text("from-a-file\n")
+    monkeypatch.setenv("LLMGW_TEST_SECRET_FILE", str(tmp_path / "salt"))
+    assert resolve("env:LLMGW_TEST_SECRET") == "from-a-file"
+    monkeypatch.setenv("LLMGW_TEST_SECRET", "from-the-env")
+    assert resolve("env:LLMGW_TEST_SECRET") == "from-the-env"  # the variable itself wins
+    monkeypatch.delenv("LLMGW_TEST_SECRET")
+    for content, said in (("", "is empty"), (None, "cannot be read")):
+        if content is None:
+            (tmp_path / "salt").unlink()
+        else:
+            (tmp_path / "salt").write_text(content)
+        with pytest.raises(SecretUnavailable, match=said) as e:
+            resolve("env:LLMGW_TEST_SECRET")
+        assert "from-a-file" not in str(e.value)
+
+
 @pytest.mark.parametrize("ref", ["env:LLMGW_NOT_SET_ANYWHERE", "file:/nonexistent/key", "vault:x"])
 def test_unresolvable_references(ref: str) -> None:
     with pytest.raises(SecretUnavailable) as e:
