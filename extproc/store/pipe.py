@@ -130,6 +130,9 @@ class ScriptPipe:
     def _flush(self, conn: _Replies) -> None:
         if not (self._out and self._conn is conn and conn.transport is not None):
             return
+        if conn.transport.is_closing():  # the server closed it (a refusal, a restart) before we noticed
+            self._reset(conn)
+            return
         if self.replica_acks and self._batch_ack is not None:
             if self._ack_in_flight:
                 return  # written when the previous batch's WAIT answers: a WAIT blocks the connection

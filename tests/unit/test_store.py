@@ -199,6 +199,40 @@ def test_dead_store_raises_store_unavailable_fast() -> None:
     assert asyncio.run(go()) < 0.5
 
 
+def test_a_store_that_refuses_and_closes_fails_each_call_and_raises_nothing_in_the_loop() -> None:
+    """Valkey in protected mode answers a client from another host `-DENIED ...` and closes: each call
+    fails as the store being unavailable (fail closed), with nothing raised in the event loop. (Under
+    docker-compose a batch was once flushed onto the connection after the server closed it, and uvloop
+    raised from the callback; that timing is not reproduced here, the guard in ScriptPipe._flush is.)"""
+    from extproc.store import StoreUnavailable
+    from extproc.store.pipe import ScriptPipe
+
+    async def go() -> list[Any]:
+        async def refuse(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"-DENIED Valkey is running in protected mode\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        loop_errors: list[Any] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: loop_errors.append(ctx))
+        pipe = ScriptPipe(f"redis://127.0.0.1:{port}/0", 1.0)
+        outcomes = []
+        for i in range(9):  # each at once after the last one's refusal: on a connection the server is closing
+            try:
+                outcomes.append(await pipe.evalsha(f"return {i}", [], []))
+            except StoreUnavailable as e:
+                outcomes.append(type(e))
+        server.close()
+        return [outcomes, loop_errors]
+
+    import uvloop  # the workers' event loop (extproc/server.py): its closed transport raises on write
+
+    outcomes, loop_errors = uvloop.run(go())
+    assert outcomes == [StoreUnavailable] * 9 and loop_errors == [], (outcomes, loop_errors)
+
+
 def test_a_swept_request_gets_its_request_span_and_is_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request whose worker died (SIGKILL) is settled by the sweeper: its span is made then, from
     what admission stored - the trace and the span id its attempts already named as their parent -
