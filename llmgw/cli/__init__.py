@@ -311,6 +311,7 @@ COMMAND_MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("llmgw.cli.revisions", ("apply", "rollback", "sync", "revisions")),
     ("llmgw.cli.evidence", ("evidence",)),
     ("llmgw.cli.canary", ("canary",)),
+    ("llmgw.cli.deploy", ("init", "loops")),
 )
 # `llmgw bench ...` beyond `overhead`, registered by their modules likewise: each has `register(bsub)`.
 BENCH_MODULES: tuple[str, ...] = (

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import tempfile
 import urllib.parse
@@ -45,6 +44,7 @@ from llmgw.local.procs import (
     wait_until,
 )
 from llmgw.local.tls import demo_certs
+from llmgw.ops.gateway_state import ADMIN_TOKEN, LOOPS_STATE, ensure_admin_token, ensure_own_secrets, kept_key
 from llmgw.render.bootstrap import RenderOptions, render_bootstrap, simulated_providers
 from llmgw.render.common import UNIX, hp
 
@@ -53,14 +53,6 @@ def provider_api(dep: Deployment) -> str:
     """The simulator's `--api` for a hosted deployment: its shape's front end (Azure's path for an
     OpenAI-shaped deployment of kind azure), from the shapes registry."""
     return shape_of(dep.fingerprint.adapter).simulator_api(dep.fingerprint.adapter_options)
-
-
-def new_key(api: str = "") -> str:
-    """A random key for the gateway's own secrets or a simulated provider of this API shape: a
-    Bedrock-shaped provider's is an AWS key pair (`ACCESS_KEY_ID:SECRET_ACCESS_KEY`) to sign with."""
-    if api == "bedrock":
-        return f"AKIA{secrets.token_hex(8).upper()}:{secrets.token_urlsafe(30)}"
-    return secrets.token_hex(32)
 
 
 class DemoKeysExposed(OSError):
@@ -363,24 +355,16 @@ class Stack:
         return launch
 
     def _extproc_env(self) -> dict[str, str]:
-        """The gateway's own secrets (the prefix-cache salt key, the replay key) are env references by
-        default: when the environment lacks one, use a random key kept in the state directory (0600),
-        so restarts and all workers share it."""
-        env = {}
-        gw = self.snapshot.gateway
+        """The gateway's own secrets and the simulated providers' keys the environment does not set,
+        kept in the state directory (llmgw/ops/gateway_state.py)."""
+        state = self.opts.state_dir
+        env = {name: path.read_text().strip() for name, path in ensure_own_secrets(self.snapshot, state).items()}
         # A simulated provider's key: the provider and ext_proc must agree on it.
-        providers = [(dep.credential_ref, f"provider-{name}.key", provider_api(dep))
-                     for name in self.render.providers if (dep := self.snapshot.deployments[name])]
-        for ref, file, api in ((gw.cache_salt_secret_ref, "cache-salt.key", ""),
-                               (gw.store.replay_key_ref, "replay.key", ""), *providers):
-            kind, _, name = (ref or "").partition(":")
-            if kind != "env" or os.environ.get(name):
-                continue
-            key = self.opts.state_dir / file
-            if not key.exists():
-                key.touch(mode=0o600)
-                key.write_text(new_key(api))
-            env[name] = key.read_text().strip()
+        for name in self.render.providers:
+            kind, _, var = (self.snapshot.deployments[name].credential_ref or "").partition(":")
+            if kind == "env" and not os.environ.get(var):
+                api = provider_api(self.snapshot.deployments[name])
+                env[var] = kept_key(state / f"provider-{name}.key", api).read_text().strip()
         return env
 
     @property
@@ -391,7 +375,7 @@ class Stack:
     @property
     def admin_token_file(self) -> Path:
         """The token the workers' status servers want for POST /reload."""
-        return self.opts.state_dir / "admin.token"
+        return self.opts.state_dir / ADMIN_TOKEN
 
     @property
     def store_url(self) -> str | None:
@@ -421,10 +405,7 @@ class Stack:
         mtls = self.render.tls.extproc
         tls_args = ["--tls-cert", mtls.server_cert_file, "--tls-key", mtls.server_key_file,
                     "--tls-client-ca", mtls.ca_file] if mtls else []
-        token = self.admin_token_file
-        if not token.exists():  # the status servers' POST /reload takes it (one per state directory, 0600)
-            token.touch(mode=0o600)
-            token.write_text(secrets.token_urlsafe(32))
+        token = ensure_admin_token(self.opts.state_dir)  # the status servers' POST /reload takes it
         for (host, port), status in zip(self.render.extproc, self.status_ports, strict=True):
             probe = partial(answers, f"http://127.0.0.1:{status}{WORKER_HEALTH_PATH}")
             if host.startswith(UNIX):  # one a worker left behind would refuse the bind
@@ -475,7 +456,7 @@ class Stack:
     @property
     def loops_state(self) -> Path:
         """Where `llmgw up`'s supervised loops write their state (llmgw/ops/loops.py); the workers serve it."""
-        return self.opts.state_dir / "loops.json"
+        return self.opts.state_dir / LOOPS_STATE
 
     def advertised_answer(self) -> bool:
         """Whether every endpoint up.json advertises answers now: the listener, Envoy's admin, each

@@ -1,16 +1,14 @@
-"""`llmgw up`'s loops run in threads beside its main one: what a loop says goes to its own state, and
+"""A gateway's loops run in threads beside its main one: what a loop says goes to its own state, and
 nothing it does takes the process's stdout from the main thread (whose banner carries the demo keys)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from llmgw.local import up_loops
-from llmgw.ops import canary
+from llmgw.ops import canary, gateway_loops
 
 
 def test_the_canary_loop_keeps_what_it_saw_and_leaves_stdout_to_the_process(
@@ -23,7 +21,8 @@ def test_the_canary_loop_keeps_what_it_saw_and_leaves_stdout_to_the_process(
     monkeypatch.setattr(canary, "watch_once", watched)
     token = tmp_path / "admin-token"
     token.write_text("t\n")
-    stack = SimpleNamespace(store_url="redis://127.0.0.1:1", status_urls=[], admin_token_file=token)
-    state = up_loops.canary_watch(stack, tmp_path)  # type: ignore[arg-type]
+    targets = gateway_loops.LoopTargets(config=tmp_path, store_url="redis://127.0.0.1:1", engines={},
+                                        status_urls=[], admin_token_file=token, state_file=tmp_path / "loops.json")
+    state = gateway_loops.canary_watch(targets)
     assert state == "route chat: canary c 12 requests, 0.0% errors -> holds; rolled back: chat: error rate"
     assert capsys.readouterr().out == "llmgw is up\n"  # (it went into the loop's state once)

@@ -17,7 +17,7 @@ from extproc.config import load_snapshot
 from llmgw.bench.translated import PROVIDER_MODEL, add_anthropic_route
 from llmgw.local import up_loops
 from llmgw.local.stack import Stack
-from llmgw.ops import engines
+from llmgw.ops import engines, gateway_loops
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_provider, serving_directory, start_stack
 from tests.helpers import chat_body, request
 
@@ -80,7 +80,7 @@ def test_a_provider_answering_with_another_model_leaves_routing(gw: Stack) -> No
     assert status == 200 and b"[DONE]" in body
     assert ledger_of(gw, headers["x-request-id"], "acme")["attempts"][-1]["upstream_model"] == SWAPPED
 
-    outcome = up_loops.engine_verify(gw, gw.snapshot.directory, since=t0)
+    outcome = gateway_loops.engine_verify(up_loops.targets(gw, gw.snapshot.directory), since=t0)
     assert f"its answers name model '{SWAPPED}', the fingerprint declares '{PROVIDER_MODEL}'" in outcome, outcome
     voids = sorted((gw.snapshot.directory / "evidence/voids").glob("claude-sim-model_mismatch-*.yaml"))
     assert len(voids) == 1

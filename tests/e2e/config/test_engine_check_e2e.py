@@ -16,7 +16,7 @@ import pytest
 from extproc.config import load_snapshot
 from llmgw.local import up_loops
 from llmgw.local.stack import Stack
-from llmgw.ops import engines
+from llmgw.ops import engines, gateway_loops
 from llmgw.ops.loops import Loops
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, serving_directory, start_stack
 from tests.helpers import chat_body, llmgw, request
@@ -89,7 +89,7 @@ def test_a_mismatched_engine_voids_the_evidence_and_moves_routing(gw: Stack) -> 
 
 def test_the_up_loop_runs_the_check_and_the_workers_show_its_state(gw: Stack) -> None:
     loops = Loops(gw.loops_state)
-    loops.add("engine_verify", 3600, lambda: up_loops.engine_verify(gw, gw.snapshot.directory))
+    loops.add("engine_verify", 3600, lambda: gateway_loops.engine_verify(up_loops.targets(gw, gw.snapshot.directory)))
     state = loops.run_now("engine_verify")
     assert state.runs == 1 and not state.error
     assert f"max_model_len '{WINDOW}'" in state.last_outcome

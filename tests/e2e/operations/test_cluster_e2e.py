@@ -18,8 +18,9 @@ import yaml
 from extproc.store import budget_key, leases_key, ledger_entry, ledger_key, res_key
 from extproc.store.cluster import ClusterPipe
 from extproc.store.pipe import Redirected, ScriptPipe
-from llmgw.local.stack import Stack, new_key
+from llmgw.local.stack import Stack
 from llmgw.local.store_cluster import ValkeyCluster
+from llmgw.ops.gateway_state import new_key
 from llmgw.ops.store import store_client
 from tests.conftest import start_stack
 from tests.e2e.budgets.test_budgets_e2e import KEYS, burst_holds_the_budget, idempotency_holds, make_policy

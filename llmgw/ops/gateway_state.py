@@ -1,0 +1,64 @@
+"""A gateway's own state directory: the secrets it makes for itself when its operator gave none, and
+where its earned evidence and its loops' state are kept. `llmgw up` and `llmgw init` (docker-compose's
+`init` service) prepare it the same way.
+
+The gateway's own secrets are env references by default (gateway.yaml `cache_salt_secret_ref`,
+`store.replay_key_ref`). When the environment lacks one, a random key is made once and kept in the state
+directory (mode 0600), so restarts and every worker share it: a process is given it as `$NAME`
+(`llmgw up`) or as the file `$NAME_FILE` names (containers; extproc/secrets.py).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from extproc.config import Snapshot
+
+EVIDENCE = "evidence"  # what the gateway earns and voids at run time ($LLMGW_EVIDENCE_DIR)
+LOOPS_STATE = "loops.json"
+ADMIN_TOKEN = "admin.token"  # the workers' POST /reload bearer token
+
+
+def new_key(api: str = "") -> str:
+    """A random key for the gateway's own secrets or a simulated provider of this API shape: a
+    Bedrock-shaped provider's is an AWS key pair (`ACCESS_KEY_ID:SECRET_ACCESS_KEY`) to sign with."""
+    if api == "bedrock":
+        return f"AKIA{secrets.token_hex(8).upper()}:{secrets.token_urlsafe(30)}"
+    return secrets.token_hex(32)
+
+
+def kept_key(path: Path, make: str = "") -> Path:
+    """The key kept at `path`, made (mode 0600) when absent; `make` is new_key's API shape."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(new_key(make))
+    return path
+
+
+def own_secret_refs(snap: Snapshot) -> dict[str, str]:
+    """Each of the gateway's own secrets the policy refers to by environment variable: file -> name."""
+    gw = snap.gateway
+    out = {}
+    for file, ref in (("cache-salt.key", gw.cache_salt_secret_ref), ("replay.key", gw.store.replay_key_ref)):
+        kind, _, name = (ref or "").partition(":")
+        if kind == "env":
+            out[file] = name
+    return out
+
+
+def ensure_own_secrets(snap: Snapshot, state_dir: Path) -> dict[str, Path]:
+    """The gateway's own secrets that the environment does not set, kept in `state_dir`: name -> file."""
+    return {name: kept_key(state_dir / file) for file, name in own_secret_refs(snap).items()
+            if not os.environ.get(name)}
+
+
+def ensure_admin_token(state_dir: Path) -> Path:
+    path = state_dir / ADMIN_TOKEN
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(32))
+    return path
