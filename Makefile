@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install up test check test-vllm lint typecheck unit e2e slow bench clean system-deps protos
+.PHONY: install up test check test-vllm test-compose lint typecheck unit e2e slow bench clean system-deps protos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,8 +91,8 @@ TEST_WORKERS ?= 3
 TEST_TMP := $(shell [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm/llmgw-test || echo $${TMPDIR:-/tmp})
 test: system-deps lint typecheck $(FOCUS_VENV)/.installed-stamp $(MESH_SCHEMAS) $(AGENT_CLIS)
 	mkdir -p $(TEST_TMP)
-	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -m "not vllm and not serial" -n $(TEST_WORKERS) --dist loadfile
-	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -m "serial and not vllm"
+	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -m "not vllm and not compose and not serial" -n $(TEST_WORKERS) --dist loadfile
+	TMPDIR=$(TEST_TMP) $(BIN)/python -m pytest -m "serial and not vllm and not compose"
 
 # The inner loop: lint, types, the unit and Lua tiers (well under 90 s).
 check: lint typecheck
@@ -102,6 +102,21 @@ check: lint typecheck
 test-vllm: $(STAMP)
 	$(BIN)/llmgw engines install
 	$(BIN)/python -m pytest -m vllm tests/vllm --timeout 900
+
+# docker-compose.yml for real (tests/compose/): Debian's Docker daemon (started here when none answers)
+# and docker-compose, debootstrap for a Debian base image, Prometheus for its image. As root the packages
+# are installed when missing; the images are built here (tests/compose/images.py) and kept between runs.
+COMPOSE_PACKAGES := docker.io docker-compose debootstrap prometheus
+test-compose: $(STAMP)
+	@missing=""; for p in $(COMPOSE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "make test-compose needs:$$missing (sudo apt-get install)"; exit 1; fi; \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+	@docker info >/dev/null 2>&1 || { echo "starting dockerd"; (setsid dockerd >/var/log/llmgw-dockerd.log 2>&1 &); \
+	  for i in $$(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done; docker info >/dev/null; }
+	$(BIN)/python -m pytest -m compose tests/compose --timeout 1800 -p no:xdist
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit tests/lua

@@ -514,7 +514,8 @@ def pool_endpoints(snapshot: Snapshot, overrides: list[str]) -> dict[str, list[s
 async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] | None = None,
                 status_listen: str | None = None, credentials: grpc.ServerCredentials | None = None,
                 store_url: str | None = None, picker_dir: Path | None = None,
-                admin_token: str | None = None, loops_state: Path | None = None) -> None:
+                admin_token: str | None = None, loops_state: Path | None = None,
+                socket_mode: int | None = None) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -544,6 +545,8 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if bound == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
+    if socket_mode is not None and listen.startswith("unix:"):
+        os.chmod(listen.removeprefix("unix:"), socket_mode)
     runner = (await status_app(reloader, status_listen, processor, settlement_log, picker, admin_token, loops_state)
               if status_listen else None)
     log.info("ext_proc listening on %s%s, revision %s", listen, " (mTLS)" if credentials else "",
@@ -576,6 +579,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m extproc", description="llmgw ext_proc service")
     p.add_argument("--config", required=True, help="policy directory")
     p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--socket-mode", type=lambda v: int(v, 8), metavar="OCTAL",
+                   help="with --listen unix:PATH: the socket's mode (default: the umask's). Envoy must be able to "
+                        "write to it: where it runs as another user, e.g. 666 in a directory only Envoy and ext_proc "
+                        "mount (docker-compose.yml)")
     p.add_argument("--pool", action="append", default=[], metavar="NAME=HOST:PORT,...",
                    help="a pool's engine addresses, where they differ from gateway.yaml's")
     p.add_argument("--no-picker", action="store_true", help="leave engine choice to Envoy's least-request")
@@ -630,4 +637,4 @@ def main(argv: list[str] | None = None) -> None:
     pools = None if args.no_picker else pool_endpoints(snapshot, args.pool)
     token = args.admin_token_file.read_text().strip() if args.admin_token_file else None
     asyncio.run(serve(reloader, args.listen, pools, args.status_listen, credentials, args.store_url,
-                      args.picker_dir, token or None, args.loops_state))
+                      args.picker_dir, token or None, args.loops_state, args.socket_mode))

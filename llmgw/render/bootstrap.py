@@ -47,7 +47,7 @@ from llmgw.render.clusters import (
     static_cluster,
     worker_health_checks,
 )
-from llmgw.render.common import duration_ms, hp, http_filter, pack, socket_address
+from llmgw.render.common import UNIX, duration_ms, hp, http_filter, pack, socket_address
 from llmgw.render.errors import local_reply_config, upstream_errors_filter, upstream_refusals
 from llmgw.render.filters import (
     FORWARDED_HEADERS,
@@ -76,6 +76,9 @@ __all__ = ["FORWARDED_HEADERS", "RenderOptions", "duration_ms", "fallback_cluste
            "stream_guard_lua"]
 
 
+COMPOSE_EXTPROC_SOCKET = "/run/llmgw/extproc.sock"  # docker-compose.yml's `decisions` volume
+
+
 @dataclass(frozen=True)
 class RenderOptions:
     """Where the processes of one gateway listen; defaults come from gateway.yaml's `envoy`."""
@@ -99,10 +102,12 @@ class RenderOptions:
 
     @classmethod
     def for_compose(cls, snap: Snapshot) -> RenderOptions:
-        """docker-compose.yml's topology: services reach each other by name on one network (a hosted
-        deployment on loopback is simulated there by the service of its name)."""
+        """docker-compose.yml's topology: services reach each other by name on its backend network (a
+        hosted deployment on loopback is simulated there by the service of its name), and Envoy reaches
+        ext_proc through a Unix socket on a volume only the two mount: the decision and settlement
+        port is on no network at all."""
         return cls(listen=("0.0.0.0", 8080), admin=("127.0.0.1", 9901), admin_socket="/tmp/envoy-admin.sock",
-                   extproc=(("extproc", 50051),),
+                   extproc=((UNIX + COMPOSE_EXTPROC_SOCKET, 50051),),
                    pools={name: tuple((f"{name}-{i + 1}", 8000) for i in range(len(pool.endpoints)))
                           for name, pool in snap.gateway.pools.items()},
                    providers={d.deployment: ((d.deployment, 8000),) for d in simulated_providers(snap)},
