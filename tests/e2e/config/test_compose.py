@@ -1,7 +1,12 @@
-"""docker-compose.yml agrees with what `llmgw envoy render --compose` produces (no Docker engine here)."""
+"""docker-compose.yml agrees with the policy it ships with and with what `llmgw envoy render --compose`
+produces: every address the rendered config names is a service, ext_proc and the loops are told the
+pools the renderer drew, and each simulated engine or provider serves what its deployment declares (a
+pool engine whose window differs from its fingerprint's is voided by the engine check, and its route
+stops serving: seen in the first real `docker compose up`). The composed run itself is tests/compose/."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +15,10 @@ import yaml
 
 from extproc.config import load_snapshot
 from extproc.names import EXTPROC_CLUSTER
-from llmgw.render.bootstrap import RenderOptions, render_yaml
-from tests.conftest import EARNED, EXAMPLE_POLICY, POLICY, ROOT
+from llmgw.local.stack import provider_api
+from llmgw.render.bootstrap import COMPOSE_EXTPROC_SOCKET, RenderOptions, render_yaml
+from llmgw.render.common import UNIX
+from tests.conftest import EARNED, EXAMPLE_POLICY, ROOT
 
 
 def committed_policy() -> Path:
@@ -61,33 +68,71 @@ def test_volumes_exist_and_mount_the_rendered_config(compose: dict[str, Any]) ->
     assert "/etc/envoy/envoy.yaml" in compose["services"]["envoy"]["command"]
 
 
-def _cluster_hosts(envoy_cfg: dict[str, Any], name: str) -> list[tuple[str, int]]:
-    (c,) = [c for c in envoy_cfg["static_resources"]["clusters"] if c["name"] == name]
-    assert c["type"] == "STRICT_DNS"
-    return [(e["endpoint"]["address"]["socket_address"]["address"],
-             e["endpoint"]["address"]["socket_address"]["port_value"])
-            for e in c["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+def flag(compose: dict[str, Any], service: str, name: str) -> list[str]:
+    """Every value of `--name` in a service's command (`--name value` and `--name=value`)."""
+    cmd = compose["services"][service]["command"]
+    return [cmd[i + 1] for i, a in enumerate(cmd) if a == name] + [a.split("=", 1)[1] for a in cmd
+                                                                     if a.startswith(f"{name}=")]
 
 
-def test_cluster_addresses_are_compose_services(compose: dict[str, Any], envoy_cfg: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def rendered() -> RenderOptions:
+    return RenderOptions.for_compose(load_snapshot(committed_policy()))
+
+
+def test_every_address_the_rendered_config_names_is_a_service(compose: dict[str, Any], rendered: RenderOptions) -> None:
+    hosts = {h for eps in (*rendered.pools.values(), *rendered.providers.values()) for h, _ in eps}
+    assert hosts <= set(compose["services"]), hosts - set(compose["services"])
+    assert set(compose["services"]["envoy"]["depends_on"]) >= hosts | {"extproc"}
+
+
+def test_ext_proc_listens_on_the_socket_envoy_is_rendered_to_and_only_they_mount_it(
+        compose: dict[str, Any], envoy_cfg: dict[str, Any], rendered: RenderOptions) -> None:
+    (c,) = [c for c in envoy_cfg["static_resources"]["clusters"] if c["name"] == EXTPROC_CLUSTER]
+    (endpoint,) = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == {"pipe": {"path": COMPOSE_EXTPROC_SOCKET}}
+    assert rendered.extproc == ((UNIX + COMPOSE_EXTPROC_SOCKET, 50051),)
+    assert flag(compose, "extproc", "--listen") == [UNIX + COMPOSE_EXTPROC_SOCKET]
     services = compose["services"]
-    (host, port), = _cluster_hosts(envoy_cfg, EXTPROC_CLUSTER)
-    assert host == "extproc" and f"0.0.0.0:{port}" in services["extproc"]["command"]
-    snap = load_snapshot(POLICY)
-    for dep in (d for d in snap.deployments.values() if d.pool):  # every pool's engines, each as its runner
-        for host, port in _cluster_hosts(envoy_cfg, f"pool_{dep.pool}"):
-            cmd = services[host]["command"]
-            assert cmd[cmd.index("--port") + 1] == str(port)
-            assert cmd[cmd.index("--served-model-name") + 1] == dep.served_model
-            assert ("--runner" in cmd and cmd[cmd.index("--runner") + 1] == "pooling") == (dep.serves == "embeddings")
-            assert host in services["envoy"]["depends_on"]
+    folder = COMPOSE_EXTPROC_SOCKET.rsplit("/", 1)[0]
+    mounting = {name for name, svc in services.items()
+                if any(str(v).endswith(f":{folder}") for v in svc.get("volumes", []))}
+    assert mounting == {"envoy", "extproc"}
+    assert services["envoy"]["networks"] == ["apps", "backend"]
+    assert {name for name, svc in services.items() if "apps" in svc.get("networks", [])} == {"envoy"}
+
+
+def test_ext_proc_and_the_loops_are_told_the_pools_the_renderer_drew(compose: dict[str, Any],
+                                                                       rendered: RenderOptions) -> None:
+    pools = {f"{name}={','.join(f'{h}:{p}' for h, p in eps)}" for name, eps in rendered.pools.items()}
+    assert set(flag(compose, "extproc", "--pool")) == pools
+    engines = {f"{name}=http://{h}:{p}" for name, eps in rendered.pools.items() for h, p in eps}
+    assert set(flag(compose, "loops", "--engine")) == engines
+
+
+def test_each_simulator_serves_what_its_deployment_declares(compose: dict[str, Any], rendered: RenderOptions) -> None:
+    snap = load_snapshot(committed_policy())
+    for dep in snap.deployments.values():
+        if dep.pool:
+            hosts, api = list(rendered.pools[dep.pool]), "openai"
+        elif dep.deployment in rendered.providers:
+            hosts, api = list(rendered.providers[dep.deployment]), provider_api(dep)
+        else:
+            continue
+        for service, port in hosts:
+            cmd = compose["services"][service]["command"]
+            assert flag(compose, service, "--port") == [str(port)], service
+            assert flag(compose, service, "--served-model-name") == [dep.served_model], service
+            assert flag(compose, service, "--max-model-len") == [str(dep.context_window)], service
+            assert (flag(compose, service, "--api") or ["openai"]) == [api], service
+            assert ("--runner" in cmd) == (dep.serves == "embeddings"), service
 
 
 def test_published_port_is_the_listener_on_loopback(compose: dict[str, Any], envoy_cfg: dict[str, Any]) -> None:
     listener = envoy_cfg["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listener["address"] == "0.0.0.0"  # inside its container
     (published,) = compose["services"]["envoy"]["ports"]
-    assert published == f"${{LLMGW_PUBLISH:-127.0.0.1}}:{listener['port_value']}:{listener['port_value']}"
+    assert published == f"${{LLMGW_PUBLISH:-127.0.0.1}}:${{LLMGW_PORT:-8080}}:{listener['port_value']}"
     # ext_proc is told where the gateway is published, and refuses demo keys beyond loopback.
     assert compose["services"]["extproc"]["environment"]["LLMGW_PUBLIC_ADDRESS"] == "${LLMGW_PUBLISH:-127.0.0.1}"
     for name, svc in compose["services"].items():
@@ -96,8 +141,10 @@ def test_published_port_is_the_listener_on_loopback(compose: dict[str, Any], env
 
 
 def test_images_are_pinned(compose: dict[str, Any]) -> None:
+    """Each image, as a user's copy names it: the default of its variable (`${LLMGW_IMAGE:-...}`)."""
     for name, svc in compose["services"].items():
-        image = svc["image"]
+        image = re.sub(r"^\$\{[A-Z_]+:-(.*)\}$", r"\1", svc["image"])
+        assert "$" not in image, (name, image)
         tag = image.rsplit(":", 1)[1] if ":" in image.split("/")[-1] else ""
         assert tag and "latest" not in tag, f"{name}: {image} is not pinned"
 

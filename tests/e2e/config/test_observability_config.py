@@ -53,5 +53,7 @@ def test_the_collectors_pipelines_use_what_it_defines() -> None:
     for pipeline in config["service"]["pipelines"].values():
         for kind in ("receivers", "processors", "exporters"):
             assert set(pipeline.get(kind, [])) <= set(config.get(kind) or {}), (kind, pipeline)
-    assert COMPOSE["services"]["extproc"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(":4317")
+    # Traces go to the collector when the operator names it (it runs under the `observability` profile).
+    assert COMPOSE["services"]["extproc"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${LLMGW_OTLP_ENDPOINT-}"
+    assert COMPOSE["services"]["otel-collector"]["profiles"] == ["observability"]
     assert "4317" in config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
