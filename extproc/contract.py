@@ -1,4 +1,4 @@
-"""The external contract's fixed names: error codes, headers, metadata keys (README,
+"""The external contract's fixed names: error codes, headers, metadata keys (docs/guide/clients.md,
 docs/ARCHITECTURE.md).
 
 One error tree: every refusal the gateway produces is a `GatewayError` carrying one `ErrorCode`, whose

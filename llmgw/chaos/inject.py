@@ -1,4 +1,4 @@
-"""`llmgw chaos`: failure injection (README: Operations, "Operating a change"). Starts its own gateway
+"""`llmgw chaos`: failure injection (docs/guide/operations.md, "Operating a change"). Starts its own gateway
 on free ports - Envoy, two ext_proc workers, Valkey, two simulated engines and a simulated hosted
 provider - from a copy of the policy, injects each fault of the table in turn, sends requests through
 it, and after each checks invariants 3 to 8 (docs/INVARIANTS.md) from the ledger, the engines'

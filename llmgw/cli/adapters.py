@@ -1,5 +1,5 @@
 """`llmgw adapters loss-table`: what each adapter does with each field of the request contract, as
-the markdown table the README shows (extproc/shapes/; the tables are data there)."""
+the markdown table docs/guide/providers.md shows (extproc/shapes/; the tables are data there)."""
 
 from __future__ import annotations
 

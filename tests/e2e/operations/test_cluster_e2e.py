@@ -45,7 +45,7 @@ def stacks(cluster: ValkeyCluster, tmp_path_factory: pytest.TempPathFactory) -> 
     gw["store"].update(url=cluster.url, cluster=True, replica_acks=1, replica_ack_timeout_ms=50)
     gw["budgets"].append({"name": STEADY_BUDGET, "tenant": "steady", "window": "total", "limit_tokens": 10**9})
     (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
-    # Hosts of one gateway share its own secrets (README: Operations): an idempotent answer sealed by
+    # Hosts of one gateway share its own secrets (docs/guide/operations.md): an idempotent answer sealed by
     # one stack is opened by the other, and both salt prompt caches alike.
     shared = {"LLMGW_REPLAY_KEY": new_key(), "LLMGW_CACHE_SALT_SECRET": new_key()}
     a = start_stack(tmp / "a", policy, extproc_env=shared)
