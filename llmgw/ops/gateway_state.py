@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from extproc.config import Snapshot
@@ -29,13 +30,18 @@ def new_key(api: str = "") -> str:
     return secrets.token_hex(32)
 
 
-def kept_key(path: Path, make: str = "") -> Path:
-    """The key kept at `path`, made (mode 0600) when absent; `make` is new_key's API shape."""
+def kept(path: Path, make: Callable[[], str]) -> Path:
+    """The secret kept at `path`, made with `make` (mode 0600, before anything is written) when absent."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600)
-        path.write_text(new_key(make))
+        path.write_text(make())
     return path
+
+
+def kept_key(path: Path, api: str = "") -> Path:
+    """A key of new_key's kind for this API shape, kept at `path`."""
+    return kept(path, lambda: new_key(api))
 
 
 def own_secret_refs(snap: Snapshot) -> dict[str, str]:
@@ -56,9 +62,5 @@ def ensure_own_secrets(snap: Snapshot, state_dir: Path) -> dict[str, Path]:
 
 
 def ensure_admin_token(state_dir: Path) -> Path:
-    path = state_dir / ADMIN_TOKEN
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_urlsafe(32))
-    return path
+    """The workers' POST /reload bearer token, kept in the state directory."""
+    return kept(state_dir / ADMIN_TOKEN, lambda: secrets.token_urlsafe(32))
