@@ -141,8 +141,9 @@ def test_json_answers_over_the_answer_buffer_were_met(gw: tuple[Stack, str]) -> 
 
 
 def test_a_pool_answer_too_large_for_envoy_is_charged_as_the_work_it_was(gw: tuple[Stack, str]) -> None:
-    """The probe's case (issue 27, item 3): fields the gateway allows (docs/guide/clients.md) - ignore_eos, logprobs with 20
-    alternatives - make an engine's JSON answer larger than Envoy's answer buffer; the engine answered
+    """The probe's case (issue 27, item 3): fields the gateway allows (docs/guide/clients.md) -
+    ignore_eos, logprobs with 20 alternatives - make an engine's JSON answer larger than Envoy's answer
+    buffer; the engine answered
     200 after generating it all, so the 502 the client gets is charged in full, not released."""
     stack, _ = gw
     body = {"model": "chat-default", "max_tokens": 4096, "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
