@@ -21,6 +21,10 @@ WORKER_HEALTH_PATH = "/healthz"
 REVISION_HEADER = "x-llmgw-route-revision"  # on every answer, Envoy's own included
 DECISION_ID_HEADER = "x-llmgw-decision-id"  # on a refusal made after the authorization decision
 ROLE_KEY = "x-llmgw-role"  # gRPC metadata on each ext_proc filter's stream: which handler takes it
+# On every error: whether a client's own retry can change the outcome. The openai and anthropic SDKs obey
+# it before their own rules (which retry 408, 409, 429 and every 5xx, twice by default).
+SHOULD_RETRY_HEADER = "x-should-retry"
+RETRY_AFTER_HEADER = "retry-after"
 
 
 class Role(StrEnum):
@@ -94,6 +98,30 @@ _STATUS: dict[ErrorCode, int] = {
 }
 
 
+# The refusals a retry may turn into an answer, and how many seconds to wait when the refusal names no
+# time itself: capacity that frees (a quota's window, the tenant's in-flight cap, a pool's queue) and the
+# gateway's own dependencies (the store, the policy). Every other error is final for the request as
+# sent: the gateway has already retried what its route allows, and a refusal that depends on the
+# request, its caller or the configuration is the same refusal again - while each retry an SDK sends
+# on its own is generated and charged again.
+RETRY_LATER_S: dict[ErrorCode, int] = {
+    ErrorCode.RATE_LIMITED: 1,
+    ErrorCode.CONCURRENCY_LIMITED: 1,
+    ErrorCode.OVERLOADED: 1,
+    ErrorCode.POLICY_UNAVAILABLE: 1,
+}
+
+
+def retry_advice(code: ErrorCode, retry_after: str = "") -> dict[str, str]:
+    """The headers that tell a client whether to retry this error: `retry-after` (the refusal's own, or
+    the code's default) with `x-should-retry: true` when a retry may succeed later, else `false`. A
+    refusal that names a time to come back (an Idempotency-Key still in flight) may retry whatever its code."""
+    retry_after = retry_after or (str(RETRY_LATER_S[code]) if code in RETRY_LATER_S else "")
+    if retry_after:
+        return {RETRY_AFTER_HEADER: retry_after, SHOULD_RETRY_HEADER: "true"}
+    return {SHOULD_RETRY_HEADER: "false"}
+
+
 class GatewayError(Exception):
     """A refusal that ends the exchange with the contract's JSON error."""
 
@@ -108,6 +136,10 @@ class GatewayError(Exception):
     @property
     def status(self) -> int:
         return self.code.status
+
+    def response_headers(self) -> dict[str, str]:
+        """The refusal's own headers with the retry advice (retry_advice)."""
+        return {**self.headers, **retry_advice(self.code, self.headers.get(RETRY_AFTER_HEADER, ""))}
 
     def body(self, decision_id: str = "") -> bytes:
         return error_body(self.code, self.message, self.param, decision_id)

@@ -84,7 +84,9 @@ def _immediate_response(status: int, body: bytes, details: str,
 def refuse(ex: Exchange, err: GatewayError) -> ep.ProcessingResponse:
     """End the exchange with the contract's JSON error. `details` starts with `llmgw` so Envoy's
     local-reply rewriting leaves this body alone."""
-    headers = {**err.headers, DECISION_ID_HEADER: ex.decision_id} if ex.decision_id else err.headers
+    headers = err.response_headers()
+    if ex.decision_id:
+        headers[DECISION_ID_HEADER] = ex.decision_id
     body = err.body(ex.decision_id)
     # Refused after routing chose a cluster (the completion left no room, no cache salt): no upstream
     # is reached, and custom_response must not take this reply for an upstream's error and rewrite it.
@@ -99,7 +101,8 @@ def refuse_answer(err: GatewayError, body: bytes, decision_id: str, revision: st
     """A response filter's refusal of an answer it checked (the meter): the contract's error, `body`
     already in the caller's shape, in place of the upstream's answer."""
     headers = [_JSON, _header(REVISION_HEADER, revision),
-               *((_header(DECISION_ID_HEADER, decision_id),) if decision_id else ())]
+               *((_header(DECISION_ID_HEADER, decision_id),) if decision_id else ()),
+               *(_header(k, v) for k, v in err.response_headers().items())]
     return ep.ProcessingResponse(immediate_response=_immediate_response(
         err.status, body, f"llmgw_{err.code.value}", headers))
 
@@ -108,7 +111,8 @@ def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:
     """The attempt filter's refusal (an upstream filter has no Exchange): the contract's JSON error.
     Envoy does not retry an upstream filter's own reply."""
     return ep.ProcessingResponse(immediate_response=_immediate_response(
-        err.status, err.body(), f"llmgw_{err.code.value}", [_JSON]))
+        err.status, err.body(), f"llmgw_{err.code.value}",
+        [_JSON, *(_header(k, v) for k, v in err.response_headers().items())]))
 
 
 def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:

@@ -225,6 +225,7 @@ function envoy_on_response(h)
   headers:replace("content-type", "application/json")
   if out == nil then
     headers:replace(":status", "502")
+    headers:replace(CONFIG.should_retry_header, "false")  -- the provider did the work: a retry pays again
     out = CONFIG.broken
     h:streamInfo():dynamicMetadata():set(NS, K.answer_broken, "1")  -- settlement: charged, never released
   end

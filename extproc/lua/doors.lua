@@ -249,6 +249,7 @@ function envoy_on_response(h)
   if broken then
     h:headers():replace(":status", "502")  -- (the handle taken before the body was read is out of scope)
     h:headers():replace("content-type", "application/json")
+    h:headers():replace(CONFIG.should_retry_header, "false")  -- the upstream did the work: a retry pays again
     h:streamInfo():dynamicMetadata():set(NS, K.answer_broken, "1")  -- settlement: charged, never released
   end
   body:setBytes(out)

@@ -89,6 +89,7 @@ local function refused(h, md, status, length)
   headers:remove("content-length")
   headers:replace(":status", refusal.status)
   headers:replace("content-type", "application/json")
+  headers:replace(CONFIG.should_retry_header, "false")  -- the upstream refused the request itself
   body:setBytes(refusal.before .. as_string(reason) .. refusal.after)
 end
 

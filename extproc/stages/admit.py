@@ -17,7 +17,7 @@ from typing import Any
 
 from extproc.admission import AdmissionControl, PoolGate, Waiter, Waiting, quota_charges
 from extproc.config.schema import Deployment
-from extproc.contract import ErrorCode, GatewayError
+from extproc.contract import RETRY_AFTER_HEADER, ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.metrics import count_admission
 from extproc.stages.budget import lease_until_ms
@@ -92,7 +92,8 @@ class Admission:
                 ex.admission = "skipped=" + ",".join(skipped)
                 retry = max(1, math.ceil(min(quota_wait_ms) / 1000))
                 raise GatewayError(ErrorCode.OVERLOADED, "the provider quota of every candidate of route "
-                                   f"{route.route_contract!r} is spent for now", headers={"retry-after": str(retry)})
+                                   f"{route.route_contract!r} is spent for now",
+                                   headers={RETRY_AFTER_HEADER: str(retry)})
             # None has room: wait in the first pool's queue, as long as the class allows and the deadline leaves.
             k, pool = first
             gate = control.gates[pool]
@@ -141,7 +142,7 @@ class Admission:
         count_admission(gate.pool, ex.route.request_class, f"shed_{why}", waited)
         return GatewayError(ErrorCode.OVERLOADED, f"pool {gate.pool!r} is at capacity"
                             + (f" (waited {waited:.1f} s)" if waited else ""),
-                            headers={"retry-after": str(gate.retry_after_s())})
+                            headers={RETRY_AFTER_HEADER: str(gate.retry_after_s())})
 
     async def _reserve_quota(self, ex: Exchange, dep: Deployment) -> int | None:
         """The deployment's provider quota (and the tenant's share of it) reserved: None; else how long

@@ -22,7 +22,7 @@ from datetime import UTC, date, datetime
 
 from extproc.admission import AdmissionControl, PoolGate, Waiter
 from extproc.bounds import candidate_deployments
-from extproc.contract import ErrorCode, GatewayError
+from extproc.contract import RETRY_AFTER_HEADER, ErrorCode, GatewayError
 from extproc.exchange import Exchange
 from extproc.metrics import count_admitted
 from extproc.replay import Answer
@@ -213,14 +213,15 @@ class BudgetReservation:
             case "rate_limited":
                 retry = max(1, math.ceil(int(result.detail[0]) / 1000))
                 raise GatewayError(ErrorCode.RATE_LIMITED, "quota exceeded; retry later",
-                                   headers={"retry-after": str(retry)})
+                                   headers={RETRY_AFTER_HEADER: str(retry)})
             case "concurrency_limited":
                 raise GatewayError(ErrorCode.CONCURRENCY_LIMITED,
                                    f"tenant is at its in-flight limit ({result.detail[0]})",
-                                   headers={"retry-after": "1"})
+                                   headers={RETRY_AFTER_HEADER: "1"})
             case "idempotency_conflict":
+                # Its answer will be replayed to a retry once it completes: worth coming back for.
                 raise GatewayError(ErrorCode.IDEMPOTENCY_CONFLICT, "a request with this Idempotency-Key is in flight",
-                                   "Idempotency-Key")
+                                   "Idempotency-Key", headers={RETRY_AFTER_HEADER: "1"})
             case "idempotency_key_reused":
                 raise GatewayError(ErrorCode.IDEMPOTENCY_KEY_REUSED,
                                    "this Idempotency-Key was used with a different body", "Idempotency-Key")

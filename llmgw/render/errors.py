@@ -21,7 +21,7 @@ from xds.type.matcher.v3 import matcher_pb2
 from xds.type.matcher.v3 import regex_pb2 as xds_regex_pb2
 from xds.type.matcher.v3 import string_pb2 as xds_string_pb2
 
-from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError, degraded_body
+from extproc.contract import METADATA_NAMESPACE, REVISION_HEADER, ErrorCode, GatewayError, degraded_body, retry_advice
 from extproc.names import EXTPROC_FAILED, MD, Header, Key, Settle
 from extproc.shapes.registry import DOORS, Door
 from llmgw.render.common import cel_filter, pack
@@ -118,6 +118,13 @@ def _degraded_mappers(degraded: Mapping[str, str], revision_header: base_pb2.Hea
     return out
 
 
+def _advice(code: ErrorCode) -> list[base_pb2.HeaderValueOption]:
+    """The contract's retry advice for an error of `code` (extproc/contract.py retry_advice), as headers."""
+    return [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, value=v),
+                                       append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+            for k, v in retry_advice(code).items()]
+
+
 def local_reply_config(revision: str, degraded: Mapping[str, str] | None = None) -> hcm_pb2.LocalReplyConfig:
     """Envoy's own replies in the contract's shape, naming the revision Envoy was rendered from (and
     first, each route's fixed degraded answer for when its upstreams were all down). The
@@ -132,7 +139,7 @@ def local_reply_config(revision: str, degraded: Mapping[str, str] | None = None)
             filter=cel_filter(f"{door_expr(door)} && {expr}" if door is not None else expr),
             status_code=wrappers_pb2.UInt32Value(value=status),
             body_format_override=_contract_json(code, message, status, door),
-            headers_to_add=[revision_header],
+            headers_to_add=[revision_header, *_advice(code)],
         )
           for door in (*DOORS, None)  # a door's callers first, in their shape
           for expr, status, code, message in LOCAL_REPLY_RULES),
@@ -186,7 +193,7 @@ def _policy(name: str, status: int, code: ErrorCode, message: str, door: Door | 
             status_code=wrappers_pb2.UInt32Value(value=status),
             body_format=_contract_json(code, message, status, door),
             # Its content_type is ignored in 1.40; the header is set here instead.
-            response_headers_to_add=[*upstream_answer_headers(errors=True), base_pb2.HeaderValueOption(
+            response_headers_to_add=[*upstream_answer_headers(errors=True), *_advice(code), base_pb2.HeaderValueOption(
                 header=base_pb2.HeaderValue(key="content-type", value="application/json"),
                 append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)],
         ))))

@@ -27,6 +27,7 @@ from extproc.contract import (
     METADATA_NAMESPACE,
     REVISION_HEADER,
     ROLE_KEY,
+    SHOULD_RETRY_HEADER,
     ErrorCode,
     GatewayError,
     Role,
@@ -260,8 +261,8 @@ def _lua_script(script: str, config: Mapping[str, str], helpers: tuple[str, ...]
     if parts:
         assert body.count("\n-- @shapes\n") == 1, script
         body = body.replace("\n-- @shapes\n", "\n" + "".join((SHAPES_DIR / p).read_text() for p in parts))
-    return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, max_event_bytes = {MAX_EVENT_BYTES}"
-            f"{fields},\n  keys = {{{keys}}}}}\n"
+    return (f"CONFIG = {{namespace = {_lua_string(METADATA_NAMESPACE)}, max_event_bytes = {MAX_EVENT_BYTES}, "
+            f"should_retry_header = {_lua_string(SHOULD_RETRY_HEADER)}{fields},\n  keys = {{{keys}}}}}\n"
             + "".join((LUA_DIR / name).read_text() for name in ("json.lua", "sse.lua", *helpers)) + body)
 
 
