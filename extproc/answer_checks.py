@@ -379,22 +379,30 @@ def check_completion(doc: Any, spec: CheckSpec, policy: CallPolicy | None) -> li
         for j, call in enumerate(calls if isinstance(calls, list) else ()):
             fn = call.get("function") if isinstance(call, dict) else None
             fn = fn if isinstance(fn, dict) else {}
-            failure = check_call(spec, fn.get("name"), fn.get("arguments"),
-                                 f"choices[{i}].message.tool_calls[{j}]", policy)
+            failure = cut(check_call(spec, fn.get("name"), fn.get("arguments"),
+                                     f"choices[{i}].message.tool_calls[{j}]", policy), choice.get("finish_reason"))
             if failure is not None:
-                failures.append(cut(failure, choice.get("finish_reason")))
+                failures.append(failure)
         if spec.format and not calls and choice.get("finish_reason") != "tool_calls":
-            failure = check_content(spec, message.get("content"), f"choices[{i}].message.content")
+            failure = cut(check_content(spec, message.get("content"), f"choices[{i}].message.content"),
+                          choice.get("finish_reason"))
             if failure is not None:
-                failures.append(cut(failure, choice.get("finish_reason")))
+                failures.append(failure)
     return failures
 
 
-def cut(failure: Failure, finish_reason: Any) -> Failure:
-    """A failure of an answer cut at its token limit says so: the caller's max_tokens, not the model,
-    left the JSON unfinished."""
-    if finish_reason == "length" and failure.check in (Check.TOOL_ARGUMENTS_JSON, Check.FORMAT_JSON):
-        return replace(failure, why="the answer was cut at max_tokens")
+# What a token limit leaves unfinished: the JSON of a call's arguments or of the answer's text.
+TRUNCATED = (Check.TOOL_ARGUMENTS_JSON, Check.FORMAT_JSON)
+
+
+def cut(failure: Failure | None, finish_reason: Any) -> Failure | None:
+    """None when the failure is only the answer's end at its token limit (`length`): the limit the caller
+    set (or the route's cap), not the model, left the JSON unfinished, and every provider answers that as
+    the truncation it is - the finish reason says so (`length`; a door's `max_tokens`, `MAX_TOKENS`), and
+    the partial call or text is the caller's to complete or discard. Refused as a 502 it was retried by
+    the SDKs and paid for again."""
+    if failure is not None and finish_reason == "length" and failure.check in TRUNCATED:
+        return None
     return failure
 
 

@@ -113,10 +113,10 @@ class StreamChecker:
             for k, call in choice.calls.items():
                 if call.complete and not call.checked:
                     call.checked = True
-                    failure = check_call(self.spec, call.name, "".join(call.arguments),
-                                         f"choices[{i}].message.tool_calls[{k}]", self.policy)
+                    failure = cut(check_call(self.spec, call.name, "".join(call.arguments),
+                                             f"choices[{i}].message.tool_calls[{k}]", self.policy),
+                                  choice.finish_reason)
                     if failure is not None:
-                        failure = cut(failure, choice.finish_reason)
                         self.failures.append(failure)
                         first = first or failure
         return first
@@ -124,9 +124,9 @@ class StreamChecker:
     def _check_contents(self, finishing: set[int]) -> Failure | None:
         first: Failure | None = None
         for i in sorted(finishing):
-            failure = check_content(self.spec, "".join(self._choices[i].content), f"choices[{i}].message.content")
+            failure = cut(check_content(self.spec, "".join(self._choices[i].content),
+                                        f"choices[{i}].message.content"), self._choices[i].finish_reason)
             if failure is not None:
-                failure = cut(failure, self._choices[i].finish_reason)
                 self.failures.append(failure)
                 first = first or failure
         return first

@@ -287,3 +287,29 @@ def test_references_inside_the_schema_are_followed() -> None:
             **defs, "properties": {"q": {"$ref": ref}}}}}])
         assert failed(answer(("search_docs", '{"q": "ok"}')), s) == []
         assert failed(answer(("search_docs", '{"q": 7}')), s) == ["tool_arguments_schema"]
+
+
+# -- truncation at the token limit ------------------------------------------------------------------
+
+def test_a_call_or_json_cut_at_the_token_limit_is_answered_as_the_truncation_it_is() -> None:
+    """`length`: the caller's limit (or the route's cap) left the JSON unfinished, not the model. The
+    answer passes with that finish reason, as every provider answers it; the same JSON unfinished at any
+    other finish is the model's fault and refused."""
+    tools, fmt = spec(tools=[SEARCH]), spec(response_format={"type": "json_object"})
+    assert failed(answer(("search_docs", '{"q": "ref'), finish="length"), tools) == []
+    assert failed(answer(("search_docs", '{"q": "ref'), finish="tool_calls"), tools) == ["tool_arguments_json"]
+    assert failed(answer(content='{"a": ', finish="length"), fmt) == []
+    assert failed(answer(content='{"a": ', finish="stop"), fmt) == ["format_json"]
+    # What a token limit cannot excuse: a tool nobody offered, arguments whole but against the schema.
+    assert failed(answer(("rm_rf", '{"x'), finish="length"), tools) == ["tool_offered"]
+    assert failed(answer(("search_docs", '{"q": 7}'), finish="length"), tools) == ["tool_arguments_schema"]
+
+
+def test_a_stream_cut_at_the_token_limit_releases_the_partial_call_and_its_finish() -> None:
+    cut_call = [chunk({"role": "assistant", "content": ""}), chunk(call_delta(0, "search_docs", '{"q": "re')),
+                chunk({}, "length"), None]
+    assert run(spec(tools=[SEARCH]), cut_call) == (cut_call, None)
+    cut_text = [chunk({"content": '{"a": '}), chunk({}, "length"), None]
+    assert run(spec(response_format={"type": "json_object"}), cut_text) == (cut_text, None)
+    _, failure = run(spec(tools=[SEARCH]), [*cut_call[:2], chunk({}, "tool_calls"), None])
+    assert failure is not None and failure.check is Check.TOOL_ARGUMENTS_JSON

@@ -397,3 +397,37 @@ def test_a_hostile_tool_schema_is_the_callers_400(gw: Stack, parameters: Any) ->
     _, body = ask(gw, "chat-default", "", tools)
     err = assert_contract_error(post(gw, body), 400, "invalid_request")
     assert err["param"] == "tools[0].function.parameters", err
+
+
+def test_a_call_cut_at_the_callers_max_tokens_is_answered_as_each_provider_answers_it(gw: Stack) -> None:
+    """max_tokens 4 with a tool to call: the engine's call is cut in its arguments. That is the caller's
+    limit, not the model's fault: 200 with the partial call and the truncation's finish reason in each
+    SDK's own words (`length`, `max_tokens`, `MAX_TOKENS`), never a 502 an SDK would retry and pay for."""
+    from google import genai
+    from google.genai import types
+
+    ask_ = [{"role": "user", "content": "cut: use search_docs to look up the refund policy"}]
+    oa = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
+    done = oa.chat.completions.create(model="chat-default", max_tokens=4, messages=ask_, tools=[SEARCH],
+                                      tool_choice="required")  # type: ignore[arg-type,list-item]
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls, choice
+    args = choice.message.tool_calls[0].function.arguments  # type: ignore[union-attr]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(args)  # partial, as the engine wrote it
+    chunks = list(oa.chat.completions.create(model="chat-default", max_tokens=4, messages=ask_, tools=[SEARCH],
+                                             tool_choice="required", stream=True))  # type: ignore[arg-type,list-item]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    an = anthropic.Anthropic(base_url=gw.url, api_key=KEY, max_retries=0)
+    msg = an.messages.create(model="chat-default", max_tokens=4, messages=ask_,  # type: ignore[arg-type]
+                             tools=[{"name": "search_docs", "input_schema": SEARCH["function"]["parameters"]}],
+                             tool_choice={"type": "any"})
+    assert msg.stop_reason == "max_tokens", msg
+    ge = genai.Client(api_key=KEY, http_options=types.HttpOptions(base_url=gw.url))
+    tool = types.Tool(function_declarations=[types.FunctionDeclaration(
+        name="search_docs", parameters_json_schema=SEARCH["function"]["parameters"])])
+    answer = ge.models.generate_content(model="chat-default", contents=ask_[0]["content"],
+                                        config=types.GenerateContentConfig(tools=[tool], max_output_tokens=4,
+        tool_config=types.ToolConfig(function_calling_config=types.FunctionCallingConfig(mode="ANY"))))
+    assert answer.candidates and answer.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS, answer
