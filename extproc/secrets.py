@@ -15,6 +15,12 @@ class SecretUnavailable(Exception):
     """A reference that cannot be resolved; the message names the reference, never a value."""
 
 
+def env_name(ref: str | None) -> str:
+    """The variable an `env:NAME` reference names; "" for any other reference (or none)."""
+    kind, _, name = (ref or "").partition(":")
+    return name if kind == "env" else ""
+
+
 def resolve(ref: str, base: Path | None = None) -> str:
     kind, _, target = ref.partition(":")
     if kind == "env":

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from extproc.config import ConfigError, Snapshot, earned, load_snapshot
-from llmgw.cli.common import snapshot_or_report
+from llmgw.cli.common import engines_by_pool, snapshot_or_report
 from llmgw.ops import deprecations
 from llmgw.ops.store import store_client
 
@@ -97,13 +97,17 @@ def _render_manifests(snap: Snapshot, args: argparse.Namespace) -> str:
 
 
 def cmd_demo_evidence(args: argparse.Namespace) -> int:
+    snap = snapshot_or_report(args.config)
+    return 1 if snap is None else earn_demo_evidence(Path(args.config), snap)
+
+
+def earn_demo_evidence(config: Path, snap: Snapshot) -> int:
+    """The evidence of the candidates `llmgw up` simulates, earned where it is missing or due (into
+    $LLMGW_EVIDENCE_DIR, else the policy's evidence/); what was written said. 1 when a run failed."""
     from llmgw.conformance import demo_evidence
 
-    snap = snapshot_or_report(args.config)
-    if snap is None:
-        return 1
     try:
-        written = demo_evidence.ensure(Path(args.config), demo_evidence.simulated_by_up(snap, "sim", True),
+        written = demo_evidence.ensure(config, demo_evidence.simulated_by_up(snap, "sim", True),
                                        sim_quality=DEMO_QUALITY)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -250,12 +254,7 @@ def cmd_engines_verify(args: argparse.Namespace) -> int:
     snap = snapshot_or_report(args.config)
     if snap is None:
         return 2
-    given: dict[str, list[str]] = {}
-    for spec in args.engine:
-        pool, _, url = spec.partition("=")
-        given.setdefault(pool, []).append(url)
-    urls = given or {name: [f"http://{e}" for e in pool.endpoints] for name, pool in snap.gateway.pools.items()}
-    check = engines.verify(snap, urls)
+    check = engines.verify(snap, engines_by_pool(snap, args.engine))
     url = store_url(args, snap.gateway.store.url)
     answered: list[engines.Finding] = []
     if url:  # hosted deployments: the models their answers of the last --answers-minutes named

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import earned
-from llmgw.cli.common import snapshot_or_report
+from llmgw.cli.common import engines_by_pool, snapshot_or_report
 from llmgw.ops import gateway_state
 
 
@@ -26,8 +26,7 @@ def _state(args: argparse.Namespace) -> Path:
 def cmd_init(args: argparse.Namespace) -> int:
     """The state directory made ready for the gateway's processes: its own secrets and admin token (made
     once), the demo evidence of the candidates served by simulators; refused when no tenant has a key."""
-    from llmgw.cli import DEMO_QUALITY
-    from llmgw.conformance import demo_evidence
+    from llmgw.cli import earn_demo_evidence
 
     state = _state(args)
     snap = snapshot_or_report(args.config)
@@ -41,16 +40,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     for name, path in gateway_state.ensure_own_secrets(snap, state).items():
         print(f"secret {name}: {path}")
     print(f"admin token: {gateway_state.ensure_admin_token(state)}")
-    try:
-        simulated = demo_evidence.simulated_by_up(snap, "sim", True)
-        written = demo_evidence.ensure(Path(args.config), simulated, sim_quality=DEMO_QUALITY)
-    except RuntimeError as e:
-        print(f"error: the simulated candidates' evidence was not earned: {e}", file=sys.stderr)
+    if earn_demo_evidence(Path(args.config), snap) != 0:
         return 1
-    for path in written:
-        print(f"wrote {path}")
-    print(f"state ready in {state} (evidence of {len(simulated)} simulated candidate(s) valid "
-          f"{demo_evidence.RENEW_DAYS} days more at least)")
+    print(f"state ready in {state}")
     return 0
 
 
@@ -66,14 +58,10 @@ def cmd_loops(args: argparse.Namespace) -> int:
     if not store_url:
         print("error: no store: --store-url or gateway.yaml store.url", file=sys.stderr)
         return 1
-    engines: dict[str, list[str]] = {}
-    for spec in args.engine:
-        pool, _, url = spec.partition("=")
-        engines.setdefault(pool, []).append(url)
     token = Path(args.admin_token_file) if args.admin_token_file else state / gateway_state.ADMIN_TOKEN
     targets = LoopTargets(
         config=Path(args.config), store_url=store_url,
-        engines=engines or {n: [f"http://{e}" for e in p.endpoints] for n, p in snap.gateway.pools.items()},
+        engines=engines_by_pool(snap, args.engine),
         status_urls=args.status_url, admin_token_file=token if token.exists() else None,
         state_file=state / gateway_state.LOOPS_STATE, intervals=snap.gateway.loops)
     stop = threading.Event()

@@ -24,7 +24,7 @@ from extproc.config import Snapshot, earned, load_snapshot
 from extproc.config.schema import Deployment
 from extproc.contract import WORKER_HEALTH_PATH
 from extproc.corpora import quality_corpus
-from extproc.secrets import resolve
+from extproc.secrets import env_name, resolve
 from extproc.shapes.registry import shape_of
 from llmgw.local import vllm_env
 from llmgw.local.demo_keys import ensure_demo_keys, refuse_exposed
@@ -361,8 +361,8 @@ class Stack:
         env = {name: path.read_text().strip() for name, path in ensure_own_secrets(self.snapshot, state).items()}
         # A simulated provider's key: the provider and ext_proc must agree on it.
         for name in self.render.providers:
-            kind, _, var = (self.snapshot.deployments[name].credential_ref or "").partition(":")
-            if kind == "env" and not os.environ.get(var):
+            var = env_name(self.snapshot.deployments[name].credential_ref)
+            if var and not os.environ.get(var):
                 api = provider_api(self.snapshot.deployments[name])
                 env[var] = kept_key(state / f"provider-{name}.key", api).read_text().strip()
         return env

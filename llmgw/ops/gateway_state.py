@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from extproc.config import Snapshot
+from extproc.secrets import env_name
 
 EVIDENCE = "evidence"  # what the gateway earns and voids at run time ($LLMGW_EVIDENCE_DIR)
 LOOPS_STATE = "loops.json"
@@ -47,12 +48,8 @@ def kept_key(path: Path, api: str = "") -> Path:
 def own_secret_refs(snap: Snapshot) -> dict[str, str]:
     """Each of the gateway's own secrets the policy refers to by environment variable: file -> name."""
     gw = snap.gateway
-    out = {}
-    for file, ref in (("cache-salt.key", gw.cache_salt_secret_ref), ("replay.key", gw.store.replay_key_ref)):
-        kind, _, name = (ref or "").partition(":")
-        if kind == "env":
-            out[file] = name
-    return out
+    refs = (("cache-salt.key", gw.cache_salt_secret_ref), ("replay.key", gw.store.replay_key_ref))
+    return {file: name for file, ref in refs if (name := env_name(ref))}
 
 
 def ensure_own_secrets(snap: Snapshot, state_dir: Path) -> dict[str, Path]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.secrets import SecretUnavailable, resolve
+from extproc.secrets import SecretUnavailable, env_name, resolve
 from tests.conftest import POLICY
 
 
@@ -38,6 +38,10 @@ def test_an_env_reference_reads_the_file_its_FILE_variable_names(tmp_path: Path,
         with pytest.raises(SecretUnavailable, match=said) as e:
             resolve("env:LLMGW_TEST_SECRET")
         assert "from-a-file" not in str(e.value)
+
+
+def test_env_name_is_the_variable_an_env_reference_names() -> None:
+    assert [env_name(r) for r in ("env:LLMGW_X", "file:/run/x", "vault:x", "", None)] == ["LLMGW_X", "", "", "", ""]
 
 
 @pytest.mark.parametrize("ref", ["env:LLMGW_NOT_SET_ANYWHERE", "file:/nonexistent/key", "vault:x"])
