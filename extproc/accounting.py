@@ -188,16 +188,31 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """When an answer reached its client, in seconds from the request's arrival at Envoy (None when not
+    known). A stream's time to first token is its first content's (the stream guard's stamp), not its
+    headers': an engine sends those, and an empty role chunk, before it queues and prefills."""
+
+    duration_s: float | None = None  # to the answer's last byte
+    first_byte_s: float | None = None  # to its first byte: the headers (time to headers)
+    first_token_s: float | None = None  # a stream's first content token (TTFT); None for a JSON answer
+
+    @property
+    def ledger(self) -> dict[str, float | None]:
+        return {"duration_ms": _ms(self.duration_s), "first_byte_ms": _ms(self.first_byte_s),
+                "first_token_ms": _ms(self.first_token_s)}
+
+
 def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, source: str,
                dep: Deployment | None, redactions: str, attempt: dict[str, Any],
-               duration_s: float | None = None, first_byte_s: float | None = None,
-               marks: dict[str, str] | None = None) -> dict[str, Any]:
+               timing: Timing = Timing(), marks: dict[str, str] | None = None) -> dict[str, Any]:
     """The settlement half of a ledger entry (the admission half is stored with the reservation).
-    `duration_s` and `first_byte_s` run from the request's arrival to its answer's last and first
-    byte to the client (None when not known); `llmgw report` reads its latencies from them."""
+    `timing` runs from the request's arrival to its answer's first byte, first token and last byte
+    to the client; `llmgw report` and the objectives read their latencies from it."""
     return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
             **{k: v for k, v in (marks or {}).items() if v},  # degraded, canary: what served it, and why
-            "duration_ms": _ms(duration_s), "first_byte_ms": _ms(first_byte_s),
+            **timing.ledger,
             "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,
             "attempts": [{"deployment": dep.deployment if dep else "",
                           "adapter": dep.fingerprint.adapter if dep else "", "status": status, **attempt}]}

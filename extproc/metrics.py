@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -30,6 +30,9 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+
+if TYPE_CHECKING:
+    from extproc.accounting import Timing
 
 # `LLMGW_METRICS=off`: nothing is observed (`llmgw bench telemetry` measures what observing costs).
 ENABLED = os.environ.get("LLMGW_METRICS", "on") != "off"
@@ -45,8 +48,12 @@ SERVED = ("route", "deployment", "provider")
 
 REQUEST_DURATION = Histogram("gen_ai_server_request_duration", "Time from the request's arrival to its answer's end",
                              [*SERVED, "error_type"], unit="seconds", buckets=DURATION_BUCKETS)
-TIME_TO_FIRST_TOKEN = Histogram("gen_ai_server_time_to_first_token", "Time to a stream's first byte (its first token)",
+TIME_TO_FIRST_TOKEN = Histogram("gen_ai_server_time_to_first_token",
+                                "Time to a stream's first content token (text, a tool call or reasoning)",
                                 SERVED, unit="seconds", buckets=TTFT_BUCKETS)
+# The headers come before queueing and prefill: kept as its own figure, never as the time to first token.
+TIME_TO_HEADERS = Histogram("llmgw_time_to_headers", "Time to a stream's response headers (its first byte)",
+                            SERVED, unit="seconds", buckets=TTFT_BUCKETS)
 TIME_PER_OUTPUT_TOKEN = Histogram("gen_ai_server_time_per_output_token",
                                   "A stream's time per output token after the first", SERVED, unit="seconds",
                                   buckets=TPOT_BUCKETS)
@@ -100,7 +107,7 @@ _child = functools.lru_cache(maxsize=8192)(lambda metric, labels: metric.labels(
 
 
 def observe_settlement(route: str, deployment: str, provider: str, stream: bool, status: int,
-                       outcome: Mapping[str, Any], duration_s: float | None, first_byte_s: float | None) -> None:
+                       outcome: Mapping[str, Any], timing: Timing) -> None:
     """One settled request (the settlement the store wrote)."""
     if not ENABLED:
         return
@@ -108,6 +115,7 @@ def observe_settlement(route: str, deployment: str, provider: str, stream: bool,
     termination = str(outcome.get("termination", ""))
     _series(SETTLEMENTS, (served[0], served[1], termination, str(outcome.get("settlement", "")))).inc()
     ok = 200 <= status < 300 and termination == "complete"
+    duration_s, first_token_s = timing.duration_s, timing.first_token_s
     if duration_s is not None:
         _series(REQUEST_DURATION, (*served, "" if ok else termination or str(status))).observe(duration_s)
     usage = outcome.get("usage") or {}
@@ -124,10 +132,12 @@ def observe_settlement(route: str, deployment: str, provider: str, stream: bool,
         finish = attempt.get("finish_reason") if isinstance(attempt, dict) else None
         for reason in finish if isinstance(finish, list) else ([finish] if finish else []):
             _series(FINISH_REASONS, (served[0], reason if reason in FINISH_REASON_VALUES else "other")).inc()
-    if stream and ok and first_byte_s is not None:
-        _series(TIME_TO_FIRST_TOKEN, served).observe(first_byte_s)
+    if stream and ok and timing.first_byte_s is not None:
+        _series(TIME_TO_HEADERS, served).observe(timing.first_byte_s)
+    if stream and ok and first_token_s is not None:
+        _series(TIME_TO_FIRST_TOKEN, served).observe(first_token_s)
         if duration_s is not None and output > 1:
-            _series(TIME_PER_OUTPUT_TOKEN, served).observe(max(duration_s - first_byte_s, 0.0) / (output - 1))
+            _series(TIME_PER_OUTPUT_TOKEN, served).observe(max(duration_s - first_token_s, 0.0) / (output - 1))
 
 
 def observe_tenant(tenant: str, route: str, outcome: Mapping[str, Any]) -> None:

@@ -144,6 +144,11 @@ class Key(StrEnum):
     USAGE_COMPLETION = "usage_completion"
     USAGE_CACHED = "usage_cached"
     STREAM_CHUNKS = "stream_chunks"
+    # Epoch microseconds (as text) at which a stream's first content (text, a tool call, reasoning)
+    # reached the stream guard: its time to first token. Engines send headers and an empty role chunk
+    # before queueing and prefill finish, so Envoy's first downstream byte (time to headers, kept beside
+    # it) cannot show a prefill.
+    FIRST_TOKEN_AT_US = "first_token_at_us"
     # The upstream's own id for its answer (a JSON answer's `id`, a stream's first chunk's) and a stream's
     # finish reason (the Lua stream guard): the attempt's ledger record keeps them.
     UPSTREAM_ID = "upstream_id"

@@ -45,6 +45,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc import tracing
 from extproc.accounting import (
     Logged,
+    Timing,
     Usage,
     answered_by,
     believed,
@@ -334,15 +335,16 @@ class Meter:
 
     def settle_stream(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool,
                       usage: StreamUsage, first_at: float, sent: bytes | None = None,
-                      verdict: Verdict | None = None) -> asyncio.Future[bool]:
+                      verdict: Verdict | None = None, token_at: float | None = None) -> asyncio.Future[bool]:
         """Settle a stream the stream guard saw (complete: it finished normally; first_at: when its
-        first chunk reached the guard; sent: what the client received, kept for replay when the
-        request has an Idempotency-Key)."""
-        return self._settle(tenant, rid, hint, attrs, status, complete, True, usage, sent or b"", first_at, verdict)
+        first chunk reached the guard, token_at its first content; sent: what the client received,
+        kept for replay when the request has an Idempotency-Key)."""
+        return self._settle(tenant, rid, hint, attrs, status, complete, True, usage, sent or b"", first_at, verdict,
+                            token_at)
 
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
                 stream_usage: StreamUsage, body: bytes, first_at: float,
-                verdict: Verdict | None = None) -> asyncio.Future[bool]:
+                verdict: Verdict | None = None, token_at: float | None = None) -> asyncio.Future[bool]:
         snap = self.snapshot()
         dep = answering(snap, attrs)
         held = orjson.loads(hint)
@@ -380,11 +382,12 @@ class Meter:
                                                         body), store.idempotency_max_body_bytes)
             idem_status = str(status)
         started = envoy_stamp(attr(attrs, "request.time"), time.time())
-        duration, first = (None, None) if started is None else (time.time() - started, first_at - started)
+        timing = Timing() if started is None else Timing(
+            time.time() - started, first_at - started, None if token_at is None else token_at - started)
         outcome = outcome_of(termination, status, kind, usage, source, dep, md_attr(attrs, Key.REDACTIONS),
                              {"upstream": attr(attrs, "upstream.address"),
                               "first_byte_ms": first_byte_ms(started, first_at)},
-                             duration, first, {k.value: md_attr(attrs, k) for k in LEDGER_MARKS})
+                             timing, {k.value: md_attr(attrs, k) for k in LEDGER_MARKS})
         # The attempt's status is its upstream's own (Envoy or a check may have replaced it for the client).
         recorded = md_attr(attrs, Key.UPSTREAM_STATUS)
         outcome["attempts"][-1]["status"] = int(recorded) if recorded.isdigit() else upstream_status
@@ -402,7 +405,7 @@ class Meter:
             outcome["attempts"][-1][Key.UPSTREAM_MESSAGE.value] = log_safe(reason, REASON_LIMIT)
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
-            md_attr(attrs, Key.REVISION), started, duration, first,
+            md_attr(attrs, Key.REVISION), started, timing,
             tenant if snap.gateway.metrics.tenant_label else ""))
         return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
                                     snap.gateway.store.idempotency_ttl_s * 1000), observe)
@@ -444,8 +447,7 @@ class SettledRequest:
     trace: str  # the request's trace context (metadata `trace`), "" when it had none
     revision: str
     start_s: float | None  # epoch seconds of the request's arrival
-    duration_s: float | None
-    first_byte_s: float | None  # from the arrival to the answer's first byte
+    timing: Timing
     tenant: str = ""  # set only where the per-tenant metrics are on (gateway.yaml metrics.tenant_label)
 
 
@@ -456,12 +458,12 @@ def observer(s: SettledRequest) -> Observe:
 def _observe(s: SettledRequest) -> None:
     dep = s.dep
     observe_settlement(s.route, dep.deployment if dep else "", dep.provider if dep else "", s.stream, s.status,
-                       s.outcome, s.duration_s, s.first_byte_s)
+                       s.outcome, s.timing)
     if s.tenant:
         observe_tenant(s.tenant, s.route, s.outcome)
     if s.trace and s.start_s is not None:
         usage = s.outcome.get("usage") or {}
-        tracing.request_span(s.trace, s.route, s.start_s, s.start_s + (s.duration_s or 0.0), {
+        tracing.request_span(s.trace, s.route, s.start_s, s.start_s + (s.timing.duration_s or 0.0), {
             **tracing.request_facts(s.route, s.request_id, s.status, str(s.outcome.get("termination", "")),
                                     dep.serves if dep else "chat"),
             "gen_ai.provider.name": dep.provider if dep else None,
@@ -586,7 +588,10 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         first_byte = common.time_to_first_upstream_rx_byte
         def seconds(name: str) -> float | None:
             return getattr(common, name).ToNanoseconds() / 1e9 if common.HasField(name) else None
-        duration, first = seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte")
+        start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
+        token_at = attr(md, Key.FIRST_TOKEN_AT_US)  # the stream guard's stamp of the first content
+        timing = Timing(seconds("time_to_last_downstream_tx_byte"), seconds("time_to_first_downstream_tx_byte"),
+                        max(int(token_at) / 1e6 - start, 0.0) if token_at.isdigit() and start is not None else None)
         outcome = outcome_of(c.termination, x.status, c.kind, c.usage, c.source, dep,
                              attr(md, Key.REDACTIONS), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
@@ -606,13 +611,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                                  # why it refused the request (every entity redacted: the ledger keeps none)
                                  **({Key.UPSTREAM_MESSAGE.value: log_safe(reason, REASON_LIMIT)}
                                     if x.answered and (reason := attr(md, Key.UPSTREAM_MESSAGE)) else {})},
-                             duration, first, marks)
+                             timing, marks)
         if x.count and x.usage:  # a token count: the number the caller got, beside (not as) usage
             outcome["counted_tokens"] = x.usage["prompt_tokens"]
-        start = common.start_time.ToNanoseconds() / 1e9 if common.HasField("start_time") else None
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), x.stream, x.status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
-            start, duration, first, tenant if snap.gateway.metrics.tenant_label else ""))
+            start, timing, tenant if snap.gateway.metrics.tenant_label else ""))
         self.settler.submit((tenant, rid, hint, outcome, c.micros, c.tokens, "", "", 0), observe)
 
 
@@ -663,7 +667,7 @@ def swept(rid: str, record: Mapping[str, Any], outcome: dict[str, Any]) -> Obser
     return observer(SettledRequest(
         None, str(record.get("route", "")), bool(record.get("stream")), 0, outcome, rid,
         tracing.context_value(trace_id, span_id, str(record.get("parent_span_id", ""))) if span_id else "",
-        str(record.get("route_revision", "")), start, None if start is None else time.time() - start, None))
+        str(record.get("route_revision", "")), start, Timing(None if start is None else time.time() - start)))
 
 
 class Sweeper:

@@ -71,6 +71,7 @@ class StreamGuard:
         code = attr(attrs, "response.code")
         status = int(code) if code.isdigit() else 0
         first_at = time.time()  # the first message is the stream's first chunk (headers are skipped)
+        token_at: float | None = None  # when its first content came: the time to first token
         usage, events = StreamUsage(), EventSplitter()
         broken, over, complete = "", "", False
         counted = 0
@@ -128,6 +129,8 @@ class StreamGuard:
                             break
                         usage.observe(data)
                         answer.observe(obj)
+                        if token_at is None and usage.content_chunks:
+                            token_at = time.time()
                         if rejected is not None or (
                                 withhold and isinstance(obj, dict) and obj.get("usage") and not obj.get("choices")):
                             continue  # the usage chunk the client did not ask for, or after a refusal
@@ -157,16 +160,18 @@ class StreamGuard:
                     # Recorded before the client has the end of the stream (and so before it can repeat).
                     settled = True
                     await self.meter.settle_stream(tenant, rid, hint, attrs, status, True, usage, first_at, bytes(sent),
-                                                   answer.verdict(checker))
+                                                   answer.verdict(checker), token_at)
                 passed = bytes(out) or (KEEPALIVE if not msg.response_body.end_of_stream and not usage.error else b"")
                 reply = ep.ProcessingResponse(response_body=ep.BodyResponse(
                     response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=passed))))
                 if usage.content_chunks != counted:
                     # What was generated so far, in the request's metadata: if Envoy cuts the stream,
                     # the access log settles it with this count and Envoy's reason (client gone or not).
+                    moved: dict[str, Any] = {Key.STREAM_CHUNKS: usage.content_chunks}
+                    if not counted and token_at is not None:  # the access log's TTFT, as the Lua guard's
+                        moved[Key.FIRST_TOKEN_AT_US] = str(int(token_at * 1e6))
                     counted = usage.content_chunks
-                    reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.update(
-                        {Key.STREAM_CHUNKS: counted})
+                    reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.update(moved)
                 if usage.done and not broken and not done_passed and rejected is None:
                     # The client has the whole stream once this reply goes on: a client that hangs up
                     # right after [DONE] - before the upstream's own end reaches this guard - did not
@@ -183,7 +188,7 @@ class StreamGuard:
                 whole = (complete or done_passed) and not broken
                 settle = partial(self.meter.settle_stream, tenant, rid, hint, attrs, status, whole, usage,
                                  first_at, bytes(sent) if keep and whole else None,
-                                 answer.verdict(checker))
+                                 answer.verdict(checker), token_at)
                 if complete or broken or done_passed:
                     settle()
                 else:

@@ -3,6 +3,11 @@
 
 from typing import Any
 
+# The globals Envoy gives its Lua filters that the gateway's scripts use.
+ENVOY_GLOBALS = """
+EnvoyTimestampResolution = {MILLISECOND = 0, MICROSECOND = 1}
+"""
+
 # body_chunks(chunks, outs): the iterator `bodyChunks()` returns; outs[i] gets what chunk i became (as
 # it came, unless the script replaced it). An empty chunk is the end of an HTTP/1 upstream's stream.
 BODY_CHUNKS = """
@@ -23,7 +28,7 @@ end
 
 # Envoy's handle as the script uses it: metadata get/set in one namespace, the headers, and the whole
 # body (which may be replaced). Headers taken before body() are out of scope after it, as in Envoy.
-HARNESS = BODY_CHUNKS + """
+HARNESS = ENVOY_GLOBALS + BODY_CHUNKS + """
 local function handle(md, hdrs, body)
   local sets, out, epoch = {}, {body = body}, 0
   local dm = {get = function(self, ns) return md end,
@@ -42,6 +47,7 @@ local function handle(md, hdrs, body)
               remove = function(self, k) live(); hdrs[k] = nil end}
     end,
     body = function(self) epoch = epoch + 1; return buf end,
+    timestampString = function(self, resolution) return "0" end,
   }
   return h, sets, out
 end

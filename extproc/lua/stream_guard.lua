@@ -11,7 +11,8 @@
 -- - The usage chunk the gateway asked for on the client's behalf is withheld from that client; its
 --   numbers go into the request's metadata, where the access log carries them to settlement.
 -- - The count of chunks that carried generated content is kept in the metadata as it grows, so a
---   stream Envoy cuts (client gone, reset, idle) settles from the access log with what was generated.
+--   stream Envoy cuts (client gone, reset, idle) settles from the access log with what was generated;
+--   the time the first of them came is kept too: the stream's time to first token.
 -- - Past the stream's end time (max_stream_ms, from its admission) the next chunk is replaced by the
 --   `stream_interrupted` event; Envoy's own timer, set by ext_proc a little later, then resets the
 --   exchange so the engine stops generating.
@@ -227,7 +228,13 @@ function envoy_on_response(h)
               metadata(h, K.usage_cached, usage_number(usage, "cached_tokens"))
               keep = not (withhold and (fields.choices == nil or find(fields.choices, "^%[%s*%]$")))
             end
-            if fields.choices ~= nil and content_chunk(fields.choices) then chunks = chunks + 1 end
+            if fields.choices ~= nil and content_chunk(fields.choices) then
+              chunks = chunks + 1
+              -- The first token's time (not the headers', which an engine sends before it prefills).
+              if chunks == 1 then
+                metadata(h, K.first_token_at_us, h:timestampString(EnvoyTimestampResolution.MICROSECOND))
+              end
+            end
             if not named then  -- the upstream's own id for the answer and its model, from its first chunk
               named = true
               local id = plain_string(fields.id)

@@ -28,7 +28,7 @@ import yaml
 from extproc.config import ConfigError, load_snapshot
 from extproc.config.schema import Canary
 from llmgw.bench.stats import percentile
-from llmgw.ops.ledger import ledger_entries
+from llmgw.ops.ledger import ledger_entries, ttft_ms
 from llmgw.ops.reload import admin_token, reload_workers, status_urls
 from llmgw.ops.revisions import apply
 from llmgw.ops.store import store_client, store_url
@@ -48,7 +48,7 @@ def side(entries: Sequence[dict[str, Any]]) -> Side:
         first = (e.get("attempts") or [{}])[0]
         return int(first.get("status") or 0) >= 500 or (not first.get("status") and e.get("termination") != "complete")
 
-    ttft = [float(e["first_byte_ms"]) for e in entries if e.get("first_byte_ms") is not None]
+    ttft = [t for e in entries if (t := ttft_ms(e)) is not None]
     return Side(len(entries), sum(map(failed, entries)) / len(entries) if entries else 0.0,
                 percentile(ttft, 95) if ttft else None)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from extproc.store import ledger_entry, ledger_key
@@ -27,3 +27,13 @@ def ledger_entries(client: Any, tenants: Sequence[str], since: float | None = No
 def decision_entry(fields: dict[str, str]) -> dict[str, Any]:
     entry: dict[str, Any] = json.loads(fields.get("entry") or "{}")
     return entry
+
+
+def ttft_ms(entry: Mapping[str, Any]) -> float | None:
+    """An entry's time to first token, as every objective, report and canary judges it: a stream's
+    first content token (`first_token_ms`, stamped by the stream guard; its headers came before the
+    engine queued and prefilled), a JSON answer's first byte (generated whole before its headers).
+    None when not known - and for a stream settled before the ledger had `first_token_ms`: its first
+    byte was its headers, no time to first token."""
+    value = entry.get("first_token_ms") if entry.get("stream") else entry.get("first_byte_ms")
+    return None if value is None else float(value)

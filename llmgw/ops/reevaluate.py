@@ -33,7 +33,7 @@ from extproc.config import Snapshot
 from extproc.config.earned import voids_dir
 from extproc.config.schema import Deployment, GatewayConfig
 from llmgw.bench.stats import percentile
-from llmgw.ops.ledger import ledger_entries
+from llmgw.ops.ledger import ledger_entries, ttft_ms
 
 BROKEN = {"stream_interrupted", "upstream_error"}
 
@@ -72,9 +72,9 @@ def objectives_of(gateway: GatewayConfig) -> dict[str, tuple[float | None, float
             for name, rc in gateway.request_classes.items() if rc.slo is not None}
 
 
-def _within(entry: dict[str, Any], ttft_ms: float | None, e2e_ms: float | None) -> bool:
-    first, whole = entry.get("first_byte_ms"), entry.get("duration_ms")
-    if ttft_ms is not None and entry.get("stream") and (first is None or float(first) > ttft_ms):
+def _within(entry: dict[str, Any], bound_ms: float | None, e2e_ms: float | None) -> bool:
+    first, whole = ttft_ms(entry), entry.get("duration_ms")
+    if bound_ms is not None and entry.get("stream") and (first is None or first > bound_ms):
         return False
     return e2e_ms is None or (whole is not None and float(whole) <= e2e_ms)
 
@@ -125,15 +125,15 @@ def evaluate(window: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]],
         if failed > bounds.max_failure_share:
             out.append(Finding(dep, "provider_drift", f"{failed:.1%} of {n} answers failed or broke "
                                                       f"(bound {bounds.max_failure_share:.0%})"))
-        ttft = [float(e["first_byte_ms"]) for e in entries if e.get("stream") and e.get("first_byte_ms") is not None]
+        ttft = [t for e in entries if e.get("stream") and (t := ttft_ms(e)) is not None]
         e2e = [float(e["duration_ms"]) for e in entries if not e.get("stream") and e.get("duration_ms") is not None]
         for name, values, bound in (("TTFT", ttft, bounds.ttft_p95_ms), ("E2E", e2e, bounds.e2e_p95_ms)):
             if bound is not None and len(values) >= bounds.min_requests and (p := percentile(values, 95)) > bound:
                 out.append(Finding(dep, "slo_regression", f"{name} p95 {p:.0f} ms over {len(values)} answers "
                                                           f"(bound {bound:.0f} ms)"))
-        for cls, (ttft_ms, e2e_ms, share) in sorted(bounds.objectives.items()):
+        for cls, (ttft_bound, e2e_ms, share) in sorted(bounds.objectives.items()):
             mine = [e for e in entries if e.get("request_class") == cls]
-            met = sum(_within(e, ttft_ms, e2e_ms) for e in mine) / len(mine) if mine else 1.0
+            met = sum(_within(e, ttft_bound, e2e_ms) for e in mine) / len(mine) if mine else 1.0
             if len(mine) >= bounds.min_requests and met < share:
                 out.append(Finding(dep, "slo_regression", f"{cls}: {met:.1%} of {len(mine)} answers within its "
                                                           f"objective (at least {share:.0%})"))

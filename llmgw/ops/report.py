@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.config import Snapshot
 from extproc.config.schema import Budget
 from llmgw.bench.stats import percentile
+from llmgw.ops.ledger import ttft_ms
 
 PERCENTILES = (50, 95, 99)
 TIMED_OUT = ("deadline",)
@@ -56,7 +57,7 @@ class Request:
     stream: bool
     spent_micros: int
     tokens: int
-    ttft_s: float | None  # streams that completed: arrival to first byte
+    ttft_s: float | None  # streams that completed: arrival to first content token
     tpot_s: float | None  # streams that completed with more than one output token
     e2e_s: float | None  # requests that completed: arrival to last byte
     attempt_kinds: tuple[str, ...]
@@ -70,7 +71,7 @@ def reading(entry: Mapping[str, Any]) -> Request:
     complete = entry.get("termination") == "complete"
     stream = bool(entry.get("stream"))
     duration = _seconds(entry.get("duration_ms")) if complete else None
-    first = _seconds(entry.get("first_byte_ms")) if complete and stream else None
+    first = _seconds(ttft_ms(entry)) if complete and stream else None
     tpot = (duration - first) / (output - 1) if duration is not None and first is not None and output > 1 else None
     return Request(
         time=float(entry.get("time") or 0.0), tenant=str(entry.get("tenant", "")),

@@ -16,25 +16,34 @@ from lupa import luajit21
 from extproc.contract import interrupted_event
 from extproc.names import INTERRUPTED, KEEPALIVE, Key, StreamEnd
 from llmgw.render.bootstrap import stream_guard_lua
-from tests.lua_harness import BODY_CHUNKS
+from tests.lua_harness import BODY_CHUNKS, ENVOY_GLOBALS
 
 # Envoy's handle as the script uses it: metadata get/set in one namespace, the response status, a
-# clock, and the body as chunks (each one's bytes may be replaced; an empty one ends the stream).
-HARNESS = BODY_CHUNKS + """
+# clock (`now`, epoch ms: one, or each chunk's), and the body as chunks (each one's bytes may be
+# replaced; an empty one ends the stream).
+HARNESS = ENVOY_GLOBALS + BODY_CHUNKS + """
 function run_guard(chunks, md, status, now, content_type)
   local sets, outs = {}, {}
   local hdrs = {[":status"] = status, ["content-type"] = content_type, ["content-length"] = "123"}
   local dm = {get = function(self, ns) return md end,
               set = function(self, ns, k, v) sets[k] = v; md[k] = v end}
   local si = {dynamicMetadata = function(self) return dm end}
+  local at = 0  -- the chunk being read: `now` is one time, or a list of the time each chunk came
+  local function clock() if type(now) == "number" then return now end return now[at] or 0 end
   local h = {
     streamInfo = function(self) return si end,
     headers = function(self)
       return {get = function(self, k) return hdrs[k] end, remove = function(self, k) hdrs[k] = nil end,
               replace = function(self, k, v) hdrs[k] = v end}
     end,
-    timestamp = function(self) return now end,
-    bodyChunks = function(self) return body_chunks(chunks, outs) end,
+    timestamp = function(self) return clock() end,
+    timestampString = function(self, resolution)
+      return string.format("%d", resolution == EnvoyTimestampResolution.MICROSECOND and clock() * 1000 or clock())
+    end,
+    bodyChunks = function(self)
+      local next_chunk = body_chunks(chunks, outs)
+      return function() at = at + 1; return next_chunk() end
+    end,
     body = function(self)  -- a JSON answer read whole: the chunks joined
       local whole = table.concat(chunks)
       return {length = function(self) return #whole end, getBytes = function(self, i, n) return whole end,
@@ -55,7 +64,7 @@ def lua() -> Any:
     return runtime
 
 
-def guard(lua: Any, chunks: list[bytes], *, withhold: bool = False, status: str = "200", now: int = 0,
+def guard(lua: Any, chunks: list[bytes], *, withhold: bool = False, status: str = "200", now: int | list[int] = 0,
           ends_at: int | None = None, settle: str = "stream", content_type: str = "text/event-stream",
           headers: dict[str, str] | None = None, route: str = "") -> tuple[bytes, dict[str, Any]]:
     """What the client receives and the metadata the guard set; `headers` gets the response headers
@@ -64,7 +73,8 @@ def guard(lua: Any, chunks: list[bytes], *, withhold: bool = False, status: str 
           **({Key.ROUTE: route} if route else {}),
           **({Key.STREAM_ENDS_AT_MS: str(ends_at)} if ends_at is not None else {})}
     outs, sets, hdrs = lua.globals().run_guard(lua.table_from(chunks), lua.table_from(
-        {k.encode(): v.encode() for k, v in md.items()}), status.encode(), now, content_type.encode())
+        {k.encode(): v.encode() for k, v in md.items()}), status.encode(),
+        lua.table_from(now) if isinstance(now, list) else now, content_type.encode())
     if headers is not None:
         headers.update({k.decode(): v.decode() for k, v in hdrs.items()})
     if outs[b"body"] is not None:  # a JSON answer the script rewrote whole
@@ -100,7 +110,25 @@ def test_a_whole_stream_passes_with_its_usage_in_the_metadata(lua: Any, withhold
     out, sets = guard(lua, [STREAM, b""], withhold=withhold)
     assert out == (STREAM.replace(USAGE, b"") if withhold else STREAM)
     assert sets == {Key.USAGE_PROMPT: 7, Key.USAGE_COMPLETION: 3, Key.USAGE_CACHED: 2, Key.STREAM_CHUNKS: 3,
-                    Key.STREAM_END: StreamEnd.DONE, Key.UPSTREAM_ID: "c", Key.FINISH_REASON: "stop"}
+                    Key.STREAM_END: StreamEnd.DONE, Key.UPSTREAM_ID: "c", Key.FINISH_REASON: "stop",
+                    Key.FIRST_TOKEN_AT_US: "0"}
+
+
+@pytest.mark.parametrize("first", [
+    token("a"),
+    event({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}}]}),
+    event({"id": "c", "choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}),
+])
+def test_the_first_token_is_stamped_when_the_first_content_comes_not_the_headers_or_the_role(
+        lua: Any, first: bytes) -> None:
+    """An engine sends its headers and an empty role chunk before it queues and prefills: the time to
+    first token is the first chunk with content (text, a tool call, reasoning), in microseconds."""
+    keepalive = b": keepalive\n\n"
+    _, sets = guard(lua, [ROLE, keepalive, first, token(" b"), FINISH + DONE, b""],
+                    now=[1_000, 1_200, 1_750, 1_760, 1_770, 1_780])
+    assert sets[Key.FIRST_TOKEN_AT_US] == "1750000"
+    _, sets = guard(lua, [ROLE, FINISH + DONE, b""], now=[1_000, 1_100, 1_200])
+    assert Key.FIRST_TOKEN_AT_US not in sets  # nothing generated: no first token
 
 
 @pytest.mark.parametrize(("first", "kept"), [

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import REGISTRY
 
+from extproc.accounting import Timing
 from extproc.config import load_snapshot
 from extproc.occupancy import families
 from extproc.settlement import SettledRequest, observer
@@ -18,7 +19,8 @@ from tests.conftest import POLICY
 def _settled(tenant: str) -> SettledRequest:
     outcome = {"termination": "complete", "settlement": "actual",
                "usage": {"prompt_tokens": 7, "completion_tokens": 5}}
-    return SettledRequest(None, "chat-units", False, 200, outcome, "rid", "", "rev", None, 0.1, 0.05, tenant)
+    return SettledRequest(None, "chat-units", False, 200, outcome, "rid", "", "rev", None, Timing(0.1, 0.05),
+                          tenant)
 
 
 def test_per_tenant_families_count_only_where_the_tenant_is_given() -> None:

@@ -18,19 +18,22 @@ def entry(**over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "time": NOW.timestamp() - 60, "tenant": "acme", "subject": "acme-demo", "route": "chat-default",
         "request_class": "read_only_chat", "stream": True, "termination": "complete", "settlement": "actual",
-        "usage": {"prompt_tokens": 10, "completion_tokens": 11}, "duration_ms": 1200.0, "first_byte_ms": 200.0,
+        "usage": {"prompt_tokens": 10, "completion_tokens": 11}, "duration_ms": 1200.0, "first_byte_ms": 20.0,
+        "first_token_ms": 200.0,
         "attempts": [{"deployment": "pool-llama-8b", "kind": "first"}], "charged_micros": 50, "charged_tokens": 21}
     return {**base, **over}
 
 
 def test_a_stream_s_tpot_is_the_time_after_its_first_token_per_later_token() -> None:
     r = reading(entry())
-    assert (r.ttft_s, r.e2e_s) == (0.2, 1.2)
+    assert (r.ttft_s, r.e2e_s) == (0.2, 1.2)  # the first token's, not the headers' (20 ms)
     assert r.tpot_s is not None and abs(r.tpot_s - 0.1) < 1e-9  # (1.2 - 0.2) / (11 - 1)
     answer = reading(entry(stream=False))
     assert (answer.ttft_s, answer.tpot_s, answer.e2e_s) == (None, None, 1.2)  # no token timing in a JSON answer
     cut = reading(entry(termination="stream_interrupted"))
     assert (cut.ttft_s, cut.tpot_s, cut.e2e_s) == (None, None, None)  # latencies of completed requests only
+    before = reading(entry(first_token_ms=None))
+    assert (before.ttft_s, before.tpot_s) == (None, None)  # a stream without the first token's time: none
     refused = reading({"time": 1.0, "tenant": "acme", "termination": "refused", "settlement": "none"})
     assert (refused.admitted, refused.route) == (False, "(no route)")
 

@@ -70,6 +70,10 @@ def test_rollback_verdicts_need_enough_requests_and_a_margin() -> None:
     assert verdict(Side(19, 0.9, 900.0), ok, cfg) is None  # too few to say
     first_failed = {"attempts": [{"status": 503}, {"status": 200}], "termination": "complete", "first_byte_ms": 50}
     assert side([first_failed, {"attempts": [{"status": 200}], "termination": "complete"}]).error_rate == 0.5
+    # A stream's TTFT is its first token's: its headers (5 ms) say nothing of its prefill.
+    streams = [{"attempts": [{"status": 200}], "stream": True, "first_byte_ms": 5, "first_token_ms": t}
+               for t in (300, 400)]
+    assert side(streams).ttft_p95_ms == 400
 
 
 gw = module_stack("canary", canary_policy, simulate_providers=True)
