@@ -44,6 +44,9 @@ class ErrorCode(StrEnum):
     ROUTE_NOT_FOUND = "route_not_found"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+    # The key's request ended without a known outcome (it may have run): not run again until an operator
+    # resolves the key (`llmgw ledger resolve`).
+    IDEMPOTENCY_AMBIGUOUS = "idempotency_ambiguous"
     BUDGET_EXHAUSTED = "budget_exhausted"
     RATE_LIMITED = "rate_limited"
     CONCURRENCY_LIMITED = "concurrency_limited"
@@ -85,6 +88,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.ROUTE_NOT_FOUND: 404,
     ErrorCode.IDEMPOTENCY_CONFLICT: 409,
     ErrorCode.IDEMPOTENCY_KEY_REUSED: 422,
+    ErrorCode.IDEMPOTENCY_AMBIGUOUS: 409,
     ErrorCode.BUDGET_EXHAUSTED: 429,
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.CONCURRENCY_LIMITED: 429,

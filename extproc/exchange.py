@@ -4,6 +4,7 @@ dropped when the stream ends; every stage reads and writes it, nothing else hold
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 import time
 import urllib.parse
@@ -158,6 +159,11 @@ class Exchange:
         gateway's span for the request, and the client's span, its parent ("" for a new trace)."""
         return context_value(self.trace_id, self.span_id, self.traceparent[36:52])
 
+    @property
+    def idempotency_key_sha256(self) -> str:
+        """The Idempotency-Key as the store and the ledger name it ("" without one)."""
+        return hashlib.sha256(self.idempotency_key.encode()).hexdigest() if self.idempotency_key is not None else ""
+
     def ledger_facts(self) -> dict[str, Any]:
         """What the ledger records about the request itself (invariant 8, docs/INVARIANTS.md); never content."""
         facts: dict[str, Any] = {
@@ -186,6 +192,8 @@ class Exchange:
             facts["effects"] = list(self.effects)
             if self.idempotency_key is not None:
                 facts["idempotency_key"] = self.idempotency_key
+        if self.idempotency_key_sha256:  # the store's name for the key: `llmgw ledger get` finds it by it
+            facts["idempotency_key_sha256"] = self.idempotency_key_sha256
         if self.disqualified:
             facts[Key.DISQUALIFIED.value] = self.disqualified
         if self.admission:

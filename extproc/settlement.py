@@ -83,7 +83,7 @@ from extproc.replay import Answer, Sealer
 from extproc.replies import DEGRADED_DETAILS, REPLY_PREFIX, overwrite_header, refuse_answer
 from extproc.shapes.registry import DOORS_BY_NAME
 from extproc.sse import StreamUsage
-from extproc.store import Settlement, Store, StoreUnavailable
+from extproc.store import Replayable, Settlement, Store, StoreUnavailable
 
 log = logging.getLogger("llmgw.settlement")
 _store_down = RateLimitedLog(log)  # per-request lines while the store is down: bounded
@@ -135,7 +135,7 @@ async def release(store: Store | None, ex: Exchange, termination: str, status: i
         return
     outcome = released(termination, status, ex.admission, extra)
     try:
-        await store.settle(ex.identity.tenant, ex.request_id, outcome, 0, 0, hint=ex.held.hint)
+        await store.settle(Settlement(ex.identity.tenant, ex.request_id, outcome, 0, 0, hint=ex.held.hint))
     except StoreUnavailable:
         _store_down.error("request %s: reservation not released (store unavailable); the sweeper will settle it",
                           ex.request_id)
@@ -157,8 +157,8 @@ async def record_refusal(store: Store | None, ex: Exchange, termination: str, st
             # A reserve whose reply was lost may have run: its reservation is released at nothing and
             # its settlement is the request's one entry. Otherwise the refusal's entry, once; its marker
             # also refuses a reserve of this request that runs late.
-            if ex.reserve_unknown and await store.settle(tenant, ex.request_id, {**outcome, "settlement": "released"},
-                                                         charge_micros=0, charge_tokens=0) is not None:
+            if ex.reserve_unknown and await store.settle(
+                    Settlement(tenant, ex.request_id, {**outcome, "settlement": "released"}, 0, 0)) is not None:
                 return
             await store.append_ledger(tenant, ex.request_id, facts, outcome)
             return
@@ -375,12 +375,12 @@ class Meter:
             termination, status = ("upstream_error" if verdict.broken else ANSWER_REJECTED), 502
         usage, source = believed(usage, source)
         micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
-        idem_status, kept = "", ""
+        replay = None
         if held.get("i") and termination == "complete":
             store = snap.gateway.store
-            kept = self.sealer().seal(held["i"], Answer(status, "text/event-stream" if sse else "application/json",
-                                                        body), store.idempotency_max_body_bytes)
-            idem_status = str(status)
+            replay = Replayable(status, self.sealer().seal(
+                held["i"], Answer(status, "text/event-stream" if sse else "application/json", body),
+                store.idempotency_max_body_bytes), store.idempotency_ttl_s * 1000)
         started = envoy_stamp(attr(attrs, "request.time"), time.time())
         timing = Timing() if started is None else Timing(
             time.time() - started, first_at - started, None if token_at is None else token_at - started)
@@ -407,8 +407,7 @@ class Meter:
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, timing,
             tenant if snap.gateway.metrics.tenant_label else ""))
-        return self.settler.submit((tenant, rid, hint, outcome, micros, tokens, idem_status, kept,
-                                    snap.gateway.store.idempotency_ttl_s * 1000), observe)
+        return self.settler.submit(Settlement(tenant, rid, outcome, micros, tokens, replay, hint), observe)
 
 
 def answering(snap: Snapshot, attrs: Any) -> Deployment | None:
@@ -567,12 +566,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
             return
         if held is not None:
             tenant, hint = held
-            self.settler.submit((tenant, rid, hint, released("not_processed", 503, ""), 0, 0, "", "", 0))
+            self.settler.submit(Settlement(tenant, rid, released("not_processed", 503, ""), 0, 0, hint=hint))
 
     def _release_decided(self, entry: Any, md: Any, tenant: str, hint: str, rid: str) -> None:
         termination, extra = decided_release(entry.response.response_code_details, attr(md, Key.REFUSED_FIELD))
         outcome = released(termination, entry.response.response_code.value, attr(md, Key.ADMISSION), extra)
-        self.settler.submit((tenant, rid, hint, outcome, 0, 0, "", "", 0))
+        self.settler.submit(Settlement(tenant, rid, outcome, 0, 0, hint=hint))
 
     def _settle(self, entry: Any, md: Any, tenant: str, hint: str, rid: str, backstop: bool) -> None:
         common = entry.common_properties
@@ -617,7 +616,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), x.stream, x.status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
             start, timing, tenant if snap.gateway.metrics.tenant_label else ""))
-        self.settler.submit((tenant, rid, hint, outcome, c.micros, c.tokens, "", "", 0), observe)
+        self.settler.submit(Settlement(tenant, rid, outcome, c.micros, c.tokens, hint=hint), observe)
 
 
 def logged(entry: Any, md: Any, hint: str, backstop: bool) -> Logged:
@@ -686,7 +685,7 @@ class Sweeper:
                     continue  # settled since the lease was read
                 outcome: dict[str, Any] = {"termination": "unknown", "settlement": "ambiguous", "usage": None,
                                            "attempts": [], "note": "lease expired before settlement: charged in full"}
-                if await self.store.settle(tenant, rid, outcome, -1, -1, hint=held.get("hint", "")) is not None:
+                if await self.store.settle(Settlement(tenant, rid, outcome, hint=held.get("hint", ""))) is not None:
                     settled += 1
                     log.warning("request %s (%s): lease expired; charged in full as ambiguous", rid, tenant)
                     swept(rid, orjson.loads(held.get("record") or "{}"), outcome)()

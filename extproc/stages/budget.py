@@ -180,7 +180,7 @@ class BudgetReservation:
             max_in_flight_tokens=bulkhead.max_in_flight_tokens if bulkhead else None,
             record={**ex.ledger_facts(), "prompt_bound": prompt, "max_tokens": bound.per_choice, "n": ex.n,
                     "price_version": version},
-            idem_key=idem_key(ident.tenant, hashlib.sha256(idem.encode()).hexdigest()) if idem else None,
+            idem_key=idem_key(ident.tenant, ex.idempotency_key_sha256) if idem else None,
             idem_body_hash=hashlib.sha256(ex.raw_body).hexdigest() if idem else "",
             idem_ttl_ms=gw.store.idempotency_ttl_s * 1000, prompt_bound=prompt)
         late_after = gw.envoy.extproc_message_timeout_ms / 1000 * LATE_SHARE
@@ -222,6 +222,12 @@ class BudgetReservation:
                 # Its answer will be replayed to a retry once it completes: worth coming back for.
                 raise GatewayError(ErrorCode.IDEMPOTENCY_CONFLICT, "a request with this Idempotency-Key is in flight",
                                    "Idempotency-Key", headers={RETRY_AFTER_HEADER: "1"})
+            case "idempotency_ambiguous":
+                # Dispatching it again could do twice what may have been done once (invariant 21).
+                raise GatewayError(ErrorCode.IDEMPOTENCY_AMBIGUOUS,
+                                   f"the request with this Idempotency-Key ({result.detail[0] or 'unknown'}) ended "
+                                   "without a known outcome and may have run; it is not run again until an operator "
+                                   "resolves the key (llmgw ledger resolve --idempotency-key)", "Idempotency-Key")
             case "idempotency_key_reused":
                 raise GatewayError(ErrorCode.IDEMPOTENCY_KEY_REUSED,
                                    "this Idempotency-Key was used with a different body", "Idempotency-Key")

@@ -9,6 +9,7 @@ one slot, so the scripts also run on Redis Cluster. A store that cannot answer w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -184,9 +185,42 @@ class ReserveResult:
     detail: tuple[str, ...] = ()
 
 
-# One queued settlement, as `_settle_call` takes it: tenant, request id, hint, outcome, micros, tokens,
-# idempotent status and answer, idempotency TTL (ms).
-Settlement = tuple[str, str, str, dict[str, Any], int, int, str, str, int]
+# The state an Idempotency-Key is left in when its request may have run and nothing says what it did:
+# a retry with the key is refused, naming the request, until an operator resolves it (invariant 21).
+IDEM_AMBIGUOUS = "ambiguous"
+
+
+@dataclass(frozen=True)
+class Replayable:
+    """A completed idempotent answer as the store keeps it for replay (extproc/replay.py seals it)."""
+
+    status: int
+    sealed: str
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """How one reservation ends, as settlement decided it: the SETTLE script's one input."""
+
+    tenant: str
+    rid: str
+    outcome: dict[str, Any]  # the settlement half of the ledger entry
+    micros: int = -1  # the charge; -1: the whole reservation (its outcome is not known)
+    tokens: int = -1
+    replay: Replayable | None = None  # a completed idempotent answer
+    hint: str | None = None  # the keys the reservation touched (Reservation.hint); None: read them first
+
+    @property
+    def idempotency(self) -> tuple[str, str, int]:
+        """What becomes of the request's Idempotency-Key (its status, kept answer, TTL for SETTLE): a
+        completed answer is kept for replay; a request charged in full because it may have run and
+        reported nothing (an ambiguous outcome, a lease that expired) leaves its key `ambiguous` -
+        dispatching a retry could do twice what may have been done once; any other outcome is known
+        (nothing ran, or it failed and said so), and the key is forgotten: a retry may run."""
+        if self.replay is not None:
+            return str(self.replay.status), self.replay.sealed, self.replay.ttl_ms
+        return (IDEM_AMBIGUOUS if self.micros < 0 else ""), "", 0
 
 
 @dataclass(frozen=True)
@@ -323,33 +357,30 @@ class Store:
         held: dict[str, str] = await self._call(self.client.hgetall(res_key(tenant, rid)))
         return held
 
-    def _settle_call(self, tenant: str, rid: str, hint: str, outcome: dict[str, Any], charge_micros: int,
-                     charge_tokens: int, idem_status: str, idem_response: str,
-                     idem_ttl_ms: int) -> tuple[list[str], list[Any]]:
-        h = orjson.loads(hint) if hint else {}
+    @staticmethod
+    def _settle_call(s: Settlement) -> tuple[list[str], list[Any]]:
+        assert s.hint is not None  # (settle reads it first when it was not known)
+        h = orjson.loads(s.hint) if s.hint else {}
         budgets: list[str] = h.get("b", [])
         tpm = [item.rsplit("=", 1) for item in h.get("r", [])]
-        keys = [res_key(tenant, rid), leases_key(tenant), inflight_key(tenant), ledger_key(tenant),
-                h.get("i") or f"{tag(tenant)}:idem:-", *budgets, *(k for k, _ in tpm)]
-        args: list[Any] = [rid, charge_micros, charge_tokens, packed(outcome),
-                           len(budgets), len(tpm), idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
+        keys = [res_key(s.tenant, s.rid), leases_key(s.tenant), inflight_key(s.tenant), ledger_key(s.tenant),
+                h.get("i") or f"{tag(s.tenant)}:idem:-", *budgets, *(k for k, _ in tpm)]
+        idem_status, idem_response, idem_ttl_ms = s.idempotency
+        args: list[Any] = [s.rid, s.micros, s.tokens, packed(s.outcome), len(budgets), len(tpm),
+                           idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
         return keys, args
 
-    async def settle(self, tenant: str, rid: str, outcome: dict[str, Any], charge_micros: int = -1,
-                     charge_tokens: int = -1, idem_status: str = "", idem_response: str = "",
-                     idem_ttl_ms: int = 0, hint: str | None = None) -> Settled | None:
+    async def settle(self, s: Settlement) -> Settled | None:
         """Settle once: budgets move from reserved to settled, the lease and permit are released and the
-        ledger entry is appended, in one script. None when it was already settled (by anyone). A charge
-        of -1 charges the whole reservation (the sweeper's ambiguous case). `hint` names the keys the
-        reservation touched (the meter has it from Envoy's metadata); without it, one more round trip
-        reads them."""
-        if hint is None:
-            held = await self.reservation(tenant, rid)
+        ledger entry is appended, in one script. None when it was already settled (by anyone). A
+        settlement without its hint (the keys the reservation touched, which the filters have from
+        Envoy's metadata) costs one more round trip to read them."""
+        if s.hint is None:
+            held = await self.reservation(s.tenant, s.rid)
             if not held:
                 return None
-            hint = held.get("hint", "")
-        (out,) = await self._settle_batch([(tenant, rid, hint, outcome, charge_micros, charge_tokens, idem_status,
-                                            idem_response, idem_ttl_ms)])
+            s = dataclasses.replace(s, hint=held.get("hint", ""))
+        (out,) = await self._settle_batch([s])
         if isinstance(out, BaseException):
             raise out
         if not out or int(out[0]) != 1:
@@ -371,14 +402,14 @@ class Store:
         """The settlements' scripts, with the pool slots they held given back in the same write (nothing
         waits on those), then what the ones that won held of a provider quota and did not use (known
         once their charges are). Each item's result, or its exception."""
-        calls = [self._settle_call(*item) for item in items]
-        slots = [([slot], [item[1]]) for item in items if (slot := _slot_of(item[2]))]
+        calls = [self._settle_call(item) for item in items]
+        slots = [([slot], [item.rid]) for item in items if (slot := _slot_of(item.hint or ""))]
         results, freed = await asyncio.gather(self.pipe.evalsha_many(SETTLE, calls),
                                               self.pipe.evalsha_many(RELEASE_SLOT, slots) if slots else _none())
         if any(isinstance(r, BaseException) for r in freed):  # a slot's lease ends by itself
             _log.warning("%d slot return(s) failed", sum(isinstance(r, BaseException) for r in freed))
-        quotas = [(item[2], int(r[4]), _released(item[3])) for item, r in zip(items, results, strict=True)
-                  if '"q"' in item[2] and not isinstance(r, BaseException) and r and int(r[0]) == 1]
+        quotas = [(item.hint or "", int(r[4]), _released(item.outcome)) for item, r in zip(items, results, strict=True)
+                  if '"q"' in (item.hint or "") and not isinstance(r, BaseException) and r and int(r[0]) == 1]
         if quotas:
             await self._return_quotas(quotas)
         return results

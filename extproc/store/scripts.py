@@ -42,10 +42,11 @@ local idem_hash = ARGV[10]
 if redis.call('EXISTS', KEYS[5]) == 1 then return {'abandoned'} end
 
 if idem_hash ~= '' then
-  local st = redis.call('HMGET', KEYS[4], 'body', 'state', 'status', 'response')
+  local st = redis.call('HMGET', KEYS[4], 'body', 'state', 'status', 'response', 'rid')
   if st[1] then
     if st[1] ~= idem_hash then return {'idempotency_key_reused'} end
     if st[2] == 'done' then return {'replay', st[3], st[4]} end
+    if st[2] == 'ambiguous' then return {'idempotency_ambiguous', st[5] or ''} end
     return {'idempotency_conflict'}
   end
 end
@@ -99,7 +100,9 @@ return {'ok'}
 
 # KEYS: res, leases, inflight, ledger, idem (a dummy key of the same tag when none), budgets..., tpm rates...
 # ARGV: rid, charge_micros (-1: the whole reservation), charge_tokens (-1: likewise), outcome_json, n_budgets,
-#       n_tpm, idem_status ('' = forget the key), idem_response, idem_ttl_ms, then per tpm: ms_per_token
+#       n_tpm, idem_status ('' = forget the key; 'ambiguous' = keep it refusing retries, under the TTL it
+#       was reserved with; else its answer's status: replay it), idem_response, idem_ttl_ms, then per tpm:
+#       ms_per_token
 # The ledger entry: the admission facts stored with the reservation, the outcome, and the amounts
 # (a charge above the reservation is cut to it: invariant 3 holds whatever an upstream reports).
 # Returns {1, reserved_micros, reserved_tokens, charged_micros, charged_tokens}, or {0} when already settled.
@@ -134,7 +137,9 @@ if res[5] then  -- attempts the attempt filter recorded (fallback routes): every
 end
 redis.call('XADD', KEYS[4], '*', unpack(entry))
 if res[3] and res[3] ~= '' then
-  if ARGV[7] ~= '' then
+  if ARGV[7] == 'ambiguous' then
+    redis.call('HSET', KEYS[5], 'state', 'ambiguous')
+  elseif ARGV[7] ~= '' then
     redis.call('HSET', KEYS[5], 'state', 'done', 'status', ARGV[7], 'response', ARGV[8])
     redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[9]))
   else
@@ -154,6 +159,15 @@ if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[3])) then retur
 redis.call('XADD', KEYS[1], '*', 'record', ARGV[1], 'outcome', ARGV[2],
            'reserved_micros', 0, 'reserved_tokens', 0, 'charged_micros', 0, 'charged_tokens', 0)
 return 1
+"""
+
+# KEYS: an Idempotency-Key's record. An operator's resolution of a key left `ambiguous` (its request may
+# have run): forgotten, so a retry with it runs. Returns the state it found (nothing changed unless
+# ambiguous): 'ambiguous' (now forgotten), 'inflight', 'done' or '' (no such key).
+FORGET_AMBIGUOUS = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'ambiguous' then redis.call('DEL', KEYS[1]) end
+return state or ''
 """
 
 # KEYS: res. ARGV: attempt number, record_json. An attempt of a reservation that is still open (a

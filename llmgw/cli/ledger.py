@@ -1,5 +1,6 @@
-"""`llmgw ledger tail|export`: read the ledger streams (one per tenant, `llmgw:{tenant}:ledger`), or
-with `--decisions` the decision log streams (`llmgw:{tenant}:decisions`, extproc/decisions.py).
+"""`llmgw ledger tail|export|get|resolve|reconcile`: read the ledger streams (one per tenant,
+`llmgw:{tenant}:ledger`), or with `--decisions` the decision log streams (`llmgw:{tenant}:decisions`,
+extproc/decisions.py); one request's entry; an Idempotency-Key left ambiguous, resolved.
 
 `export` reads with a consumer group and acknowledges what it wrote, so repeated exports continue
 where the last one stopped; into a file, each record is exported exactly once (cmd_export); `tail` only
@@ -22,10 +23,10 @@ from typing import Any
 
 import redis
 
-from extproc.store import decisions_key, ledger_entry, ledger_key
+from extproc.store import IDEM_AMBIGUOUS, decisions_key, ledger_entry, ledger_key
 from llmgw.cli.common import snapshot_or_report
 from llmgw.ops.focus import COLUMNS, FOCUS_VERSION, aggregate, record
-from llmgw.ops.ledger import decision_entry, ledger_entries
+from llmgw.ops.ledger import decision_entry, entries_of, forget_ambiguous, key_state, ledger_entries
 from llmgw.ops.reconcile import invoice_days, ledger_days, reconcile
 from llmgw.ops.store import store_client, store_url
 
@@ -70,6 +71,48 @@ def cmd_tail(args: argparse.Namespace) -> int:
                     print(json.dumps(decode(fields)), flush=True)
                     last[key] = eid
     return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    """One request's ledger entry (by its id), or every entry sent with an Idempotency-Key and what the
+    store holds of the key now - as JSON. Exit 1 when nothing is found."""
+    opened = open_store(args)
+    if opened is None:
+        return 1
+    client, tenants = opened
+    found = entries_of(client, tenants, args.request_id or "", args.idempotency_key or "")
+    if args.idempotency_key:
+        states = {t: state for t in tenants if (state := key_state(client, t, args.idempotency_key))}
+        print(json.dumps({"idempotency_key": states, "entries": found}, indent=2))
+        return 0 if found or states else 1
+    for entry in found:
+        print(json.dumps(entry, indent=2))
+    if not found:
+        print(f"no ledger entry for request {args.request_id}", file=sys.stderr)
+    return 0 if found else 1
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    """An Idempotency-Key left ambiguous (its request may have run, and nothing says what it did) is
+    forgotten once the operator has found out (the upstream's own records, the tools' effects): a retry
+    with it then runs. A key in any other state is not touched."""
+    opened = open_store(args)
+    if opened is None:
+        return 1
+    client, tenants = opened
+    resolved = 0
+    for tenant in tenants:
+        held = key_state(client, tenant, args.idempotency_key)
+        found = forget_ambiguous(client, tenant, args.idempotency_key)
+        if found == IDEM_AMBIGUOUS:
+            resolved += 1
+            print(f"{tenant}: the key of request {held.get('request_id', '?')} was ambiguous; forgotten: a retry "
+                  "with it runs")
+        elif found:
+            print(f"{tenant}: the key is {found} (request {held.get('request_id', '?')}): not ambiguous, left as it is")
+    if not resolved:
+        print("no ambiguous Idempotency-Key by that name", file=sys.stderr)
+    return 0 if resolved else 1
 
 
 def _sid(entry_id: str) -> tuple[int, int]:
@@ -185,16 +228,21 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     return 0 if result.agrees else 1
 
 
+def _store_options(p: argparse.ArgumentParser) -> None:
+    """Where the ledger is: the policy's store (or --store-url), every tenant's or one's."""
+    p.add_argument("--config", default="policy")
+    p.add_argument("--state-dir", default=".llmgw")
+    p.add_argument("--store-url")
+    p.add_argument("--tenant")
+
+
 def register(sub: Any) -> None:
     led = sub.add_parser("ledger", help="the ledger: one record per authenticated request")
     lsub = led.add_subparsers(dest="ledger_command", required=True)
     for name, func, helptext in (("tail", cmd_tail, "print recent records (and follow with -f)"),
                                  ("export", cmd_export, "export unexported records, acknowledging them")):
         p = lsub.add_parser(name, help=helptext)
-        p.add_argument("--config", default="policy")
-        p.add_argument("--state-dir", default=".llmgw")
-        p.add_argument("--store-url")
-        p.add_argument("--tenant")
+        _store_options(p)
         p.add_argument("--decisions", action="store_true", help="the decision log instead of the ledger")
         p.set_defaults(func=func)
         if name == "tail":
@@ -208,11 +256,17 @@ def register(sub: Any) -> None:
             p.add_argument("--period", choices=["day", "hour"], default="day", help="(focus) the charge period")
             p.add_argument("-o", "--output", default="-")
             p.add_argument("--consumer", default="cli")
+    g = lsub.add_parser("get", help="one request's entry, or every entry of an Idempotency-Key and its state")
+    which = g.add_mutually_exclusive_group(required=True)
+    which.add_argument("--request-id")
+    which.add_argument("--idempotency-key")
+    v = lsub.add_parser("resolve", help="forget an Idempotency-Key left ambiguous, so a retry with it runs")
+    v.add_argument("--idempotency-key", required=True)
+    for p, func in ((g, cmd_get), (v, cmd_resolve)):
+        _store_options(p)
+        p.set_defaults(func=func)
     r = lsub.add_parser("reconcile", help="one deployment's per-day totals against its provider's invoice")
-    r.add_argument("--config", default="policy")
-    r.add_argument("--state-dir", default=".llmgw")
-    r.add_argument("--store-url")
-    r.add_argument("--tenant")
+    _store_options(r)
     r.add_argument("--invoice", required=True,
                    help="the provider's invoice: CSV (date, model, tokens, amount) or FOCUS")
     r.add_argument("--deployment", required=True)

@@ -23,7 +23,7 @@ from extproc.exchange import Exchange, Identity
 from extproc.picker import EngineLoad
 from extproc.reservation import Held
 from extproc.stages.admit import Admission
-from extproc.store import PERIOD_MS, RateCharge, Store, queue_keys, quota_key, returned_ms, slots_key
+from extproc.store import PERIOD_MS, RateCharge, Settlement, Store, queue_keys, quota_key, returned_ms, slots_key
 from tests.conftest import POLICY, valkey_url
 from tests.unit.test_store import reservation
 
@@ -176,7 +176,7 @@ def test_settlement_gives_back_what_a_request_did_not_use_of_a_provider_quota() 
         held = reservation(t, "rid", tokens=1_000, limit_tokens=None)
         assert (await store.reserve(held)).outcome == "ok"
         settled_hint = orjson.dumps({**orjson.loads(held.hint), **hint}).decode()
-        await store.settle(t, "rid", {"termination": "complete"}, 10, 200, hint=settled_hint)
+        await store.settle(Settlement(t, "rid", {"termination": "complete"}, 10, 200, hint=settled_hint))
         return before, float(r.get(quota_key(dep, "tpm")) or 0)
 
     before, after = run(go)

@@ -18,6 +18,7 @@ from extproc.exchange import Exchange, Held, Identity
 from extproc.names import Key, Settle
 from extproc.replies import degraded_answer, refuse
 from extproc.settlement import SettlementLog, release
+from extproc.store import Settlement
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
@@ -27,15 +28,13 @@ class Captured:
     """A store and a settler that keep what they were asked to settle."""
 
     def __init__(self) -> None:
-        self.settled: list[tuple[str, str, dict[str, Any], int, int, str]] = []
+        self.settled: list[Settlement] = []
 
-    async def settle(self, tenant: str, rid: str, outcome: dict[str, Any], micros: int, tokens: int,
-                     hint: str = "") -> None:
-        self.settled.append((tenant, rid, outcome, micros, tokens, hint))
+    async def settle(self, s: Settlement) -> None:
+        self.settled.append(s)
 
-    def submit(self, item: tuple[Any, ...], observe: Any = None) -> None:
-        tenant, rid, hint, outcome, micros, tokens = item[:6]
-        self.settled.append((tenant, rid, outcome, micros, tokens, hint))
+    def submit(self, s: Settlement, observe: Any = None) -> None:
+        self.settled.append(s)
 
 
 def reserved(admission: str = "") -> Exchange:
@@ -97,10 +96,10 @@ def test_a_refusal_after_reserving_is_ledgered_the_same_whoever_settles_it(
     mine, backstop, early = settled_both_ways(ex, reply, termination, err.status, marks)
     assert not early, "the access log settled the decision's own refusal before its backstop time"
     assert mine == backstop
-    assert mine[2] == {"termination": termination, "status": err.status, "settlement": "released",
+    assert mine.outcome == {"termination": termination, "status": err.status, "settlement": "released",
                        "usage": None, "attempts": [], "admission": "shed=queue_timeout;queued_ms=1500",
                        "error": err.code.value, **({"field": err.param} if err.param else {})}
-    assert mine[3:5] == (0, 0)
+    assert (mine.micros, mine.tokens) == (0, 0)
 
 
 def test_the_degraded_answer_is_ledgered_the_same_whoever_settles_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,8 +109,8 @@ def test_the_degraded_answer_is_ledgered_the_same_whoever_settles_it(monkeypatch
     mine, backstop, early = settled_both_ways(ex, reply, settlement.DEGRADED_RELEASE[0], 200,
                                               settlement.DEGRADED_RELEASE[1])
     assert not early and mine == backstop
-    assert mine[2] == {"termination": "degraded", "status": 200, "settlement": "released", "usage": None,
-                       "attempts": [], "degraded": "response"}
+    assert mine.outcome == {"termination": "degraded", "status": 200, "settlement": "released", "usage": None,
+                           "attempts": [], "degraded": "response"}
 
 
 def test_an_admitted_request_is_not_settled_as_the_decisions_own_answer() -> None:

@@ -17,10 +17,13 @@ from prometheus_client import REGISTRY
 from extproc import tracing
 from extproc.settlement import Sweeper
 from extproc.store import (
+    IDEM_AMBIGUOUS,
     PERIOD_MS,
     BudgetCharge,
     RateCharge,
+    Replayable,
     Reservation,
+    Settlement,
     Store,
     budget_key,
     idem_key,
@@ -28,6 +31,7 @@ from extproc.store import (
     ledger_key,
     rate_key,
 )
+from llmgw.ops.ledger import forget_ambiguous, key_sha256
 from tests.conftest import valkey_url
 
 
@@ -75,10 +79,10 @@ def test_settle_exactly_once_and_the_ledger_has_one_record() -> None:
     async def go(store: Store) -> tuple[Any, Any, Any]:
         held = reservation(t, "r1")
         await store.reserve(held)
-        first = await store.settle(t, "r1", {"termination": "complete"}, 4, 40)
-        second = await store.settle(t, "r1", {"termination": "complete"}, 4, 40)
+        first = await store.settle(Settlement(t, "r1", {"termination": "complete"}, 4, 40))
+        second = await store.settle(Settlement(t, "r1", {"termination": "complete"}, 4, 40))
         # With the hint (how the access log and the stream guard settle): the script itself refuses.
-        third = await store.settle(t, "r1", {"termination": "complete"}, 4, 40, hint=held.hint)
+        third = await store.settle(Settlement(t, "r1", {"termination": "complete"}, 4, 40, hint=held.hint))
         return first, second, third
     first, second, third = run(go)
     assert first is not None and (first.charged_tokens, first.reserved_tokens) == (40, 100)
@@ -115,7 +119,7 @@ def test_bulkhead_counts_permits_and_releases_them() -> None:
 
     async def go(store: Store) -> list[str]:
         out = [(await store.reserve(reservation(t, f"r{i}", max_in_flight=2))).outcome for i in range(3)]
-        await store.settle(t, "r0", {}, 0, 0)
+        await store.settle(Settlement(t, "r0", {}, 0, 0))
         out.append((await store.reserve(reservation(t, "r3", max_in_flight=2))).outcome)
         out.append((await store.reserve(reservation(t, "big", max_in_flight=9, max_in_flight_tokens=250))).outcome)
         return out
@@ -136,7 +140,7 @@ def test_gcra_rate_limit_with_retry_after_and_token_correction() -> None:
         # tokens: three bounds of 100 fill the minute; settling one at 10 tokens frees 90
         out += [(await store.reserve(reservation(t, f"t{i}", rates=[tpm]))).outcome for i in range(4)]
         out.append((await store.reserve(reservation(t, "t8", tokens=90, rates=[tpm90]))).outcome)
-        await store.settle(t, "t0", {}, 1, 10)
+        await store.settle(Settlement(t, "t0", {}, 1, 10))
         # The correction keeps the key's expiry: a quota key never outlives its minute by more than that.
         out.append(0 < await store.client.pttl(tpm.key) <= 2 * PERIOD_MS)
         out.append((await store.reserve(reservation(t, "t9", tokens=90, rates=[tpm90]))).outcome)
@@ -153,7 +157,7 @@ def test_idempotency_states() -> None:
         r = [(await store.reserve(reservation(t, "a", idem_key=key, idem_body_hash="h1", idem_ttl_ms=60_000))).outcome,
              (await store.reserve(reservation(t, "b", idem_key=key, idem_body_hash="h1", idem_ttl_ms=60_000))).outcome,
              (await store.reserve(reservation(t, "c", idem_key=key, idem_body_hash="h2", idem_ttl_ms=60_000))).outcome]
-        await store.settle(t, "a", {}, 1, 10, idem_status="200", idem_response='{"ok":1}', idem_ttl_ms=60_000)
+        await store.settle(Settlement(t, "a", {}, 1, 10, replay=Replayable(200, '{"ok":1}', 60_000)))
         replay = await store.reserve(reservation(t, "d", idem_key=key, idem_body_hash="h1", idem_ttl_ms=60_000))
         r.append((replay.outcome, *replay.detail))
         return r
@@ -165,7 +169,7 @@ def test_a_charge_above_the_reservation_is_cut_to_it() -> None:
 
     async def go(store: Store) -> Any:
         await store.reserve(reservation(t, "r1", tokens=100, micros=10))
-        return await store.settle(t, "r1", {}, 999, 5000)
+        return await store.settle(Settlement(t, "r1", {}, 999, 5000))
     settled = run(go)
     assert (settled.charged_micros, settled.charged_tokens) == (10, 100)
 
@@ -176,9 +180,33 @@ def test_a_failed_idempotent_request_frees_its_key() -> None:
 
     async def go(store: Store) -> str:
         await store.reserve(reservation(t, "a", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))
-        await store.settle(t, "a", {"termination": "upstream_error"}, 0, 0)  # no recorded outcome
+        await store.settle(Settlement(t, "a", {"termination": "upstream_error"}, 0, 0))  # no recorded outcome
         return (await store.reserve(reservation(t, "b", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))).outcome
     assert run(go) == "ok"
+
+
+def test_an_ambiguous_outcome_keeps_its_key_refusing_until_an_operator_forgets_it() -> None:
+    """A request charged in full because it may have run and said nothing (an ambiguous outcome, a
+    lease the sweeper charged) keeps its key `ambiguous`: a retry is refused naming the request, not
+    dispatched a second time; `llmgw ledger resolve` forgets it, and a retry then runs. The key keeps
+    the TTL it was reserved with."""
+    t = tenant()
+    key = idem_key(t, key_sha256("k3"))  # as the gateway names the key `k3`
+
+    async def go(store: Store) -> list[Any]:
+        await store.reserve(reservation(t, "a", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))
+        await store.settle(Settlement(t, "a", {"termination": "unknown", "settlement": "ambiguous"}))
+        retry = await store.reserve(reservation(t, "b", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))
+        ttl = await store.client.pttl(key)
+        return [(retry.outcome, *retry.detail), 0 < ttl <= 60_000]
+    assert run(go) == [("idempotency_ambiguous", "a"), True]
+    sync = redis.Redis.from_url(valkey_url())
+    assert forget_ambiguous(sync, t, "k3") == IDEM_AMBIGUOUS
+    assert forget_ambiguous(sync, t, "k3") == ""  # nothing left to resolve
+
+    async def after(store: Store) -> str:
+        return (await store.reserve(reservation(t, "c", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))).outcome
+    assert run(after) == "ok"
 
 
 def test_dead_store_raises_store_unavailable_fast() -> None:
