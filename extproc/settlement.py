@@ -555,15 +555,22 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         """Envoy answered 503 itself: its decision never arrived (the worker was too slow, or died after
         it reserved). No upstream saw the request, so what a worker reserved for it is released now,
         not charged in full when its lease expires; the ledger entry says `not_processed`. The access
-        log knows only the request's id: its tenant is found by the reservation it holds. A worker
-        still deciding it reserves nothing once Envoy has stopped waiting (stages/budget.py)."""
+        log knows only the request's id: every tenant's reserve of it is marked refused first
+        (Store.mark_unprocessed), then its tenant is found by the reservation it holds, if it holds one -
+        a reserve still on its way when Envoy gave up holds nothing. A store that does not answer is
+        asked again every RETRY_EVERY_S for RETRY_FOR_S, as settlements are."""
         if not rid:
             return
-        try:
-            held = await self.settler.store.holder_of(rid, list(self.snapshot().gateway.tenants))
-        except StoreUnavailable:
-            _store_down.error("request %s: not released (store unavailable); its lease will expire", rid)
-            return
+        give_up = time.monotonic() + RETRY_FOR_S
+        while True:
+            try:
+                held = await self.settler.store.mark_unprocessed(rid, list(self.snapshot().gateway.tenants))
+                break
+            except StoreUnavailable:
+                if time.monotonic() >= give_up:
+                    _store_down.error("request %s: not released (store unavailable); its lease will expire", rid)
+                    return
+                await asyncio.sleep(RETRY_EVERY_S)
         if held is not None:
             tenant, hint = held
             self.settler.submit(Settlement(tenant, rid, released("not_processed", 503, ""), 0, 0, hint=hint))

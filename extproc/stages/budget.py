@@ -46,6 +46,9 @@ from extproc.store import (
 # covers the reservation's own round trip and the reply.
 LATE_SHARE = 0.75
 
+# Envoy answers a decision that outlasts its message timeout itself (503): reserving for it then is refused.
+TOO_LATE = "the decision took longer than Envoy waits for it"
+
 
 class Replay(Exception):
     """A completed request with the same Idempotency-Key and body: answer with its recorded outcome."""
@@ -188,7 +191,7 @@ class BudgetReservation:
             # Envoy stops waiting for this decision soon (or did) and answers 503 itself: a reservation
             # made now would be held for a request no upstream will see, until its lease expired and it
             # was charged in full. Refused instead, reserving nothing.
-            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the decision took longer than Envoy waits for it")
+            raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, TOO_LATE)
         try:
             result = await self._reserve(ex, reservation)
         except StoreUnavailable as e:
@@ -222,6 +225,8 @@ class BudgetReservation:
                 # Its answer will be replayed to a retry once it completes: worth coming back for.
                 raise GatewayError(ErrorCode.IDEMPOTENCY_CONFLICT, "a request with this Idempotency-Key is in flight",
                                    "Idempotency-Key", headers={RETRY_AFTER_HEADER: "1"})
+            case "not_processed":  # Envoy stopped waiting while the reservation was on its way
+                raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, TOO_LATE)
             case "idempotency_ambiguous":
                 # Dispatching it again could do twice what may have been done once (invariant 21).
                 raise GatewayError(ErrorCode.IDEMPOTENCY_AMBIGUOUS,

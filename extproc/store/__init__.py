@@ -80,6 +80,13 @@ def ledgered_key(tenant: str, rid: str) -> str:
     return f"{tag(tenant)}:ledgered:{rid}"
 
 
+def unprocessed_key(tenant: str, rid: str) -> str:
+    """Set when Envoy answered the request itself because its decision never came (`not_processed`): a
+    reserve of it still on its way is refused (RESERVE), so nothing is held for a request no upstream
+    will see - and charged in full when its lease expires."""
+    return f"{tag(tenant)}:unprocessed:{rid}"
+
+
 def decisions_key(tenant: str) -> str:
     """The decision log (gateway.yaml `decision_log`, and every dry-run difference)."""
     return f"{tag(tenant)}:decisions"
@@ -286,7 +293,7 @@ class Store:
         t = r.tenant
         idem = r.idem_key or f"{tag(t)}:idem:-"
         keys = [res_key(t, r.rid), leases_key(t), inflight_key(t), idem, ledgered_key(t, r.rid),
-                *(b.key for b in r.budgets), *(q.key for q in r.rates)]
+                *(b.key for b in r.budgets), *(q.key for q in r.rates), unprocessed_key(t, r.rid)]
         args: list[Any] = [
             r.rid, r.now_ms, r.lease_until_ms, r.micros, r.tokens,
             -1 if r.max_in_flight is None else r.max_in_flight,
@@ -342,6 +349,17 @@ class Store:
                   if isinstance(r, BaseException)]
         if failed:  # a quota not given back only under-uses the provider
             _log.warning("%d quota return(s) failed: %s", len(failed), failed[0])
+
+    async def mark_unprocessed(self, rid: str, tenants: Sequence[str]) -> tuple[str, str] | None:
+        """Envoy answered request `rid` itself (its decision never came): no tenant's reserve of it may
+        hold anything from now on, and the tenant already holding one (and its hint), if any, is
+        returned to be released. The marks come first: a reserve either ran before them (found here)
+        or is refused by them - none slips between."""
+        pipe = self.client.pipeline(transaction=False)
+        for t in tenants:
+            pipe.set(unprocessed_key(t, rid), "1", ex=LEDGERED_TTL_S)
+        await self._call(pipe.execute())
+        return await self.holder_of(rid, tenants)
 
     async def holder_of(self, rid: str, tenants: Sequence[str]) -> tuple[str, str] | None:
         """The tenant holding an open reservation for request `rid`, and its hint, looked for among

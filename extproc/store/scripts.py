@@ -26,7 +26,8 @@ local function gcra_return(key, ms)
 end
 """
 
-# KEYS: res, leases, inflight, idem, ledgered marker (APPEND_ONCE's), budgets..., rates...
+# KEYS: res, leases, inflight, idem, ledgered marker (APPEND_ONCE's), budgets..., rates..., the request's
+#       not-processed mark (Store.mark_unprocessed)
 # ARGV: rid, now_ms, lease_until_ms, micros, tokens, max_inflight, max_inflight_tokens, n_budgets, n_rates,
 #       idem_body_hash, idem_ttl_ms, record_json, hint (the keys settlement touches: Reservation.hint),
 #       then per budget: limit_micros, limit_tokens, expire_at_s; then per rate: ms_per_unit, cost
@@ -40,6 +41,8 @@ local idem_hash = ARGV[10]
 -- A request whose refusal was already recorded (its reserve's reply was lost, and the refusal released
 -- what it might have held): this late copy of the reserve must not hold anything.
 if redis.call('EXISTS', KEYS[5]) == 1 then return {'abandoned'} end
+-- Envoy already answered it itself (its decision came too late): nothing may be held for it.
+if redis.call('EXISTS', KEYS[#KEYS]) == 1 then return {'not_processed'} end
 
 if idem_hash ~= '' then
   local st = redis.call('HMGET', KEYS[4], 'body', 'state', 'status', 'response', 'rid')

@@ -209,6 +209,24 @@ def test_an_ambiguous_outcome_keeps_its_key_refusing_until_an_operator_forgets_i
     assert run(after) == "ok"
 
 
+def test_a_request_envoy_answered_itself_holds_nothing_whenever_its_reserve_lands() -> None:
+    """Envoy gave up on the decision (`not_processed`) and its access log marks the request: a
+    reservation made before the mark is found to be released; a reserve that lands after it (a worker
+    slow to reach the store) is refused and holds nothing - before, it held its reservation until the
+    lease expired and was charged in full."""
+    t = tenant()
+
+    async def go(store: Store) -> list[Any]:
+        await store.reserve(reservation(t, "before"))
+        found = await store.mark_unprocessed("before", [tenant(), t])
+        nothing = await store.mark_unprocessed("after", [t])
+        late = await store.reserve(reservation(t, "after"))
+        held = await store.reservation(t, "after")
+        other = await store.reserve(reservation(t, "another"))  # another request is not touched
+        return [found and found[0], nothing, late.outcome, held, other.outcome]
+    assert run(go) == [t, None, "not_processed", {}, "ok"]
+
+
 def test_dead_store_raises_store_unavailable_fast() -> None:
     import time
 

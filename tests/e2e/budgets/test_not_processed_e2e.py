@@ -7,19 +7,22 @@ its lease, which would expire seconds later and charge it in full as ambiguous."
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
+from extproc.store import leases_key
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, repin
-from tests.helpers import Response, assert_contract_error, request, unique_marker
+from tests.helpers import Response, assert_contract_error, request, request_quietly, unique_marker
 
 pytestmark = pytest.mark.e2e
 
 
-def slow_decisions(tmp: Path) -> Path:
+def slow_decisions(tmp: Path, message_timeout_ms: int = 200) -> Path:
     """The example policy with a 200 ms message timeout and a pool whose window holds a 3 MB prompt."""
     import shutil
     policy = tmp / "policy"
@@ -33,20 +36,25 @@ def slow_decisions(tmp: Path) -> Path:
         if str(doc.get("deployment_ref", "")).startswith("pool-llama-8b@"):
             path.write_text(yaml.safe_dump({**doc, "deployment_ref": ref}))
     gw = yaml.safe_load((policy / "gateway.yaml").read_text())
-    gw["envoy"]["extproc_message_timeout_ms"] = 200
+    gw["envoy"]["extproc_message_timeout_ms"] = message_timeout_ms
     (policy / "gateway.yaml").write_text(yaml.safe_dump(gw))
     return policy
 
 
 gw = module_stack("not-processed", slow_decisions, workers=1)
+# Two workers and time to see which one decides: the other one, left alive, takes the access log.
+two = module_stack("worker-dies", lambda tmp: slow_decisions(tmp, 5_000), workers=2)
+
+
+def late_body(marker: str) -> dict[str, object]:
+    """A prompt of ~3 MB of addresses to redact after its reservation: the decision outlasts the timeout."""
+    content = marker + " write to a.b@example.com now" * 100_000
+    return {"model": "chat-default", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
 
 
 def send_late(gw: Stack, marker: str, headers: dict[str, str] | None = None) -> Response:
-    """A prompt of ~3 MB of addresses to redact after its reservation: the decision outlasts the timeout."""
-    content = marker + " write to a.b@example.com now" * 100_000
-    r = request(f"{gw.url}/v1/chat/completions", "POST", {
-        "model": "chat-default", "max_tokens": 4, "messages": [{"role": "user", "content": content}]},
-        {"authorization": f"Bearer {DEMO_KEYS['acme']}", **(headers or {})}, timeout=60)
+    r = request(f"{gw.url}/v1/chat/completions", "POST", late_body(marker),
+                {"authorization": f"Bearer {DEMO_KEYS['acme']}", **(headers or {})}, timeout=60)
     assert_contract_error(r, 503, "policy_unavailable")
     return r
 
@@ -72,3 +80,34 @@ def test_a_refusal_decided_after_envoy_gave_up_says_not_processed(gw: Stack) -> 
     entry = ledger_of(gw, r.headers["x-request-id"], "acme")
     assert entry["termination"] == "not_processed" and entry["settlement"] == "released", entry
     assert entry["status"] == 503 and entry["charged_micros"] == 0 and entry["attempts"] == [], entry
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_worker_that_dies_after_reserving_leaves_nothing_charged(two: Stack) -> None:
+    """The worker deciding a request writes its reservation, then dies (SIGKILL) while it redacts:
+    Envoy answers the request itself, the surviving worker's access log releases the reservation at
+    nothing, and the ledger says `not_processed` - not an ambiguous full charge when the lease expires."""
+    store = redis.Redis.from_url(str(two.store_url))
+    marker = unique_marker("dies")
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(request_quietly, f"{two.url}/v1/chat/completions", "POST", late_body(marker),
+                             {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=60)
+        deadline = time.monotonic() + 5
+        while not store.zcard(leases_key("acme")):  # the reservation is written
+            assert time.monotonic() < deadline, "no reservation"
+            time.sleep(0.005)
+        procs = [w.proc for w in two.extprocs if w.proc is not None]
+        before = [cpu_ticks(p.pid) for p in procs]
+        time.sleep(0.3)
+        busy = max(range(len(procs)), key=lambda i: cpu_ticks(procs[i].pid) - before[i])  # the one redacting
+        (rid,) = [r.decode() for r in store.zrange(leases_key("acme"), 0, -1)]
+        procs[busy].kill()
+        r = answer.result(timeout=30)
+    assert r is not None and r.status >= 500, r
+    entry = ledger_of(two, rid, "acme")  # waits up to 5 s: the lease is longer
+    assert entry["termination"] == "not_processed" and entry["settlement"] == "released", entry
+    assert entry["charged_micros"] == 0 and entry["reserved_micros"] > 0, entry
