@@ -5,9 +5,12 @@ token, content_block_stop, message_delta, message_stop), with the provider's own
 Checks, as the provider makes them: `x-api-key` (when the server has one: 401 authentication_error),
 `anthropic-version` (400), `model` (404 not_found_error), `max_tokens` required (400), `messages`
 non-empty with user/assistant roles (400), a prompt beyond the window (400 "prompt is too long").
-Usage counts the prompt's cache hits as `cache_read_input_tokens` (and `input_tokens` the rest), as
-the provider bills them - for a request that marks a caching breakpoint (`cache_control`, at most
-four, `ephemeral` with a ttl of 5m or 1h) only: the provider caches nothing it was not asked to.
+Usage bills the prompt's cache as the provider does - for a request that marks a caching breakpoint
+(`cache_control`, at most four, `ephemeral` with a ttl of 5m or 1h) only: the prompt through the last
+breakpoint is read (`cache_read_input_tokens`) when that exact prefix was cached within its TTL, else
+written (`cache_creation_input_tokens`, split by TTL in `cache_creation`); `input_tokens` are the rest
+(enginesim/prompt_cache.py). The stream's `message_delta` repeats the input counts, cumulative, as the
+API sends them now.
 Extended thinking (`thinking`: `enabled` with a `budget_tokens` of at least 1024 below `max_tokens`,
 or `adaptive`) writes a thinking block first, signed over its text (a stream: `thinking_delta`s, then
 `signature_delta`); a thinking block replayed in a later turn must carry its
@@ -37,6 +40,7 @@ from aiohttp import web
 
 from enginesim.engine import Sequence
 from enginesim.output import Output
+from enginesim.prompt_cache import CacheUse, PromptCache, prefix_through
 from enginesim.server import EngineServer, Fault, garbage, stream_fault
 from enginesim.tokenizer import apply_chat_template
 
@@ -119,6 +123,24 @@ def _breakpoints(body: dict[str, Any]) -> list[Any]:
     return [b["cache_control"] for b in blocks if isinstance(b, dict) and b.get("cache_control") is not None]
 
 
+def _cache_prefix(body: dict[str, Any], prompt: list[int]) -> tuple[int, str]:
+    """The prompt's tokens through its last caching breakpoint and that breakpoint's TTL ((0, "") with
+    none): the prompt less the text of every block after the breakpoint (tools come first, then the
+    system blocks, then the messages' content)."""
+    system = body.get("system")
+    blocks: list[Any] = [*(body.get("tools") or ()), *(system if isinstance(system, list) else ())]
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        blocks += content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
+    marked = [i for i, b in enumerate(blocks) if isinstance(b, dict) and b.get("cache_control") is not None]
+    if not marked:
+        return 0, ""
+    after = "".join(_block_text(b) for b in blocks[marked[-1] + 1:])
+    control = blocks[marked[-1]]["cache_control"]
+    ttl = str(control.get("ttl") or "5m") if isinstance(control, dict) else "5m"
+    return prefix_through(prompt, after), ttl
+
+
 # The provider's thinking blocks carry a signature over their text: a block replayed in a later turn must
 # come back exactly as it was written, or the request is refused.
 _SIGNING_KEY = b"enginesim-thinking"
@@ -171,6 +193,7 @@ class MessagesFrontEnd:
     def __init__(self, server: EngineServer, api_key: str | None):
         self.server = server
         self.api_key = api_key
+        self.cache = PromptCache()  # what the provider bills as cache reads and writes
         server.app.router.add_post("/v1/messages", self.messages)
         server.app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         server.app.on_response_prepare.append(_request_id)
@@ -254,15 +277,16 @@ class MessagesFrontEnd:
         max_tokens = min(body["max_tokens"], max_len - len(prompt))
         seed = zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed
         out, seq = await srv.submit_planned(plan_body(body), seed, prompt, max_tokens, rid, fault)
-        caching = bool(_breakpoints(body))
+        cache = self.cache.use(prompt, *_cache_prefix(body, prompt))
         try:
             if body.get("stream"):
-                return await self._stream(request, seq, out, rid, fault, caching)
-            return await self._complete(seq, out, rid, fault, caching)
+                return await self._stream(request, seq, out, rid, fault, cache)
+            return await self._complete(seq, out, rid, fault, cache)
         finally:
             srv.engine.abort(seq)
-            entry.update(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens if caching else 0,
-                         output_tokens=seq.output_len, finish_reason=seq.finish_reason)
+            entry.update(prompt_tokens=len(seq.prompt), cached_tokens=cache.read, cache_write_tokens=cache.written,
+                         cache_write_1h_tokens=cache.written_1h, output_tokens=seq.output_len,
+                         finish_reason=seq.finish_reason)
 
     async def _refusal(self, request: web.Request, rid: str, prompt_tokens: int, stream: bool) -> web.StreamResponse:
         """The model's safety stop: `stop_reason: refusal`, nothing written."""
@@ -282,12 +306,15 @@ class MessagesFrontEnd:
         await resp.write_eof()
         return resp
 
-    def _usage(self, seq: Sequence, fault: Fault, caching: bool) -> dict[str, Any]:
-        """Cache reads only for a request that marks a breakpoint (`cache_control`): the provider
-        caches nothing it was not asked to."""
-        cached = seq.cached_tokens if caching else 0
-        return {"input_tokens": len(seq.prompt) - cached, "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": cached, "output_tokens": self._output(seq, fault)}
+    def _usage(self, seq: Sequence, fault: Fault, cache: CacheUse) -> dict[str, Any]:
+        """The prompt's tokens as the provider bills them: read from its cache, written to it (by TTL),
+        the rest as input."""
+        written = cache.written + cache.written_1h
+        return {"input_tokens": len(seq.prompt) - cache.read - written, "cache_creation_input_tokens": written,
+                "cache_read_input_tokens": cache.read,
+                "cache_creation": {"ephemeral_5m_input_tokens": cache.written,
+                                   "ephemeral_1h_input_tokens": cache.written_1h},
+                "output_tokens": self._output(seq, fault)}
 
     @staticmethod
     def _output(seq: Sequence, fault: Fault) -> Any:
@@ -317,24 +344,24 @@ class MessagesFrontEnd:
             blocks.append({"type": "tool_use", "id": f"toolu_{call.id[-20:]}", "name": call.name, "input": tool_input})
         return blocks
 
-    async def _complete(self, seq: Sequence, out: Output, rid: str, fault: Fault, caching: bool) -> web.Response:
+    async def _complete(self, seq: Sequence, out: Output, rid: str, fault: Fault, cache: CacheUse) -> web.Response:
         produced = 0
         while await seq.out.get() is not None:
             produced += 1
         return web.json_response({
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.answer_model,
             "content": self._blocks(out, produced), "stop_reason": self._stop_reason(seq, out),
-            "stop_sequence": out.stop_reason, "usage": self._usage(seq, fault, caching)})
+            "stop_sequence": out.stop_reason, "usage": self._usage(seq, fault, cache)})
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, rid: str,
-                      fault: Fault, caching: bool) -> web.StreamResponse:
+                      fault: Fault, cache: CacheUse) -> web.StreamResponse:
         resp = fault.stream_response({"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(kind: str, doc: dict[str, Any]) -> None:
             await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **doc})}\n\n".encode())
 
-        usage = {**self._usage(seq, Fault(), caching), "output_tokens": 1}
+        usage = {**self._usage(seq, Fault(), cache), "output_tokens": 1}
         await send("message_start", {"message": {
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "model": self.server.answer_model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
@@ -391,7 +418,7 @@ class MessagesFrontEnd:
             await send("content_block_stop", {"index": block})
         await send("message_delta", {"delta": {"stop_reason": self._stop_reason(seq, out),
                                                "stop_sequence": out.stop_reason},
-                                     "usage": {"output_tokens": self._output(seq, fault)}})
+                                     "usage": self._usage(seq, fault, cache)})
         await send("message_stop", {})
         await resp.write_eof()
         return resp

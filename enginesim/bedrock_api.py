@@ -13,7 +13,8 @@ positive, a prompt beyond the window (400 "Input is too long for requested model
 Answers: `output.message.content` (a text block, or `toolUse` blocks with their input as an object),
 `stopReason` (end_turn, tool_use, max_tokens, stop_sequence), `usage` (`inputTokens`, `outputTokens`,
 `totalTokens`; cache reads and writes only for a request that marks a `cachePoint`, as Bedrock
-reports them), `metrics.latencyMs`. The stream is AWS event-stream framing
+reports them: the prompt through the last cache point, read when cached, else written -
+enginesim/prompt_cache.py), `metrics.latencyMs`. The stream is AWS event-stream framing
 (enginesim/eventstream.py): messageStart, per token a contentBlockDelta (a tool call opens with
 contentBlockStart and streams its input JSON in pieces), contentBlockStop, messageStop, metadata.
 Faults as for the other front ends: `status=429` answers ThrottlingException, 503
@@ -37,6 +38,7 @@ from aiohttp import web
 from enginesim import eventstream
 from enginesim.engine import Sequence
 from enginesim.output import Output, RequestError, check
+from enginesim.prompt_cache import CacheUse, PromptCache, prefix_through
 from enginesim.server import EngineServer, Fault, garbage, stream_fault
 from enginesim.sigv4 import SignatureError, verify
 from enginesim.tokenizer import apply_chat_template
@@ -107,6 +109,7 @@ class ConverseFrontEnd:
         self.server = server
         key_id, _, secret = (api_key or "").partition(":")
         self.key = (key_id, secret) if api_key else None
+        self.cache = PromptCache()  # what the provider bills as cache reads and writes
         server.app.router.add_post("/model/{model}/{call}", self.converse)
         server.app.on_response_prepare.append(_request_id)
         server.refusals = True
@@ -203,14 +206,15 @@ class ConverseFrontEnd:
         seed = zlib.crc32(json.dumps(body["messages"]).encode()) ^ srv.seed  # Converse takes no seed
         started = time.monotonic()
         out, seq = await srv.submit_planned(wants, seed, prompt, max_tokens, rid, fault)
+        cache = self.cache.use(prompt, _cache_point_prefix(body, prompt))
         try:
             if call == "converse-stream":
-                return await self._stream(request, seq, out, fault, body, started)
-            return await self._complete(seq, out, body, started)
+                return await self._stream(request, seq, out, fault, body, started, cache)
+            return await self._complete(seq, out, body, started, cache)
         finally:
             srv.engine.abort(seq)
             entry.update(prompt_tokens=len(seq.prompt), output_tokens=seq.output_len, finish_reason=seq.finish_reason,
-                         cached_tokens=seq.cached_tokens if _marks_cache_point(body) else 0)
+                         cached_tokens=cache.read, cache_write_tokens=cache.written)
 
     async def _refusal(self, request: web.Request, prompt_tokens: int, stream: bool) -> web.StreamResponse:
         """The model's safety stop: `stopReason: content_filtered`, nothing written."""
@@ -226,14 +230,14 @@ class ConverseFrontEnd:
         await resp.write_eof()
         return resp
 
-    def _usage(self, seq: Sequence, body: dict[str, Any]) -> dict[str, int] | None:
+    def _usage(self, seq: Sequence, cache: CacheUse) -> dict[str, int] | None:
+        """Cache reads and writes only for a request that marks a `cachePoint` (enginesim/prompt_cache.py)."""
         if "usage" in self.server.corrupt:
             return None
-        cached = seq.cached_tokens if _marks_cache_point(body) else 0
-        usage = {"inputTokens": len(seq.prompt) - cached, "outputTokens": seq.output_len,
+        usage = {"inputTokens": len(seq.prompt) - cache.read - cache.written, "outputTokens": seq.output_len,
                  "totalTokens": len(seq.prompt) + seq.output_len}
-        if cached:
-            usage.update(cacheReadInputTokens=cached, cacheWriteInputTokens=0)
+        if cache.read or cache.written:
+            usage.update(cacheReadInputTokens=cache.read, cacheWriteInputTokens=cache.written)
         return usage
 
     @staticmethod
@@ -267,7 +271,8 @@ class ConverseFrontEnd:
                                        "input": tool_input}})
         return blocks
 
-    async def _complete(self, seq: Sequence, out: Output, body: dict[str, Any], started: float) -> web.Response:
+    async def _complete(self, seq: Sequence, out: Output, body: dict[str, Any], started: float,
+                        cache: CacheUse) -> web.Response:
         produced = 0
         while await seq.out.get() is not None:
             produced += 1
@@ -275,13 +280,13 @@ class ConverseFrontEnd:
                                "stopReason": self._stop_reason(seq, out),
                                "metrics": {"latencyMs": round((time.monotonic() - started) * 1000)}}
         doc.update(self._extra_fields(seq, out, body))
-        usage = self._usage(seq, body)
+        usage = self._usage(seq, cache)
         if usage is not None:
             doc["usage"] = usage
         return web.json_response(doc, headers={"x-amzn-RequestId": str(uuid.uuid4())})
 
     async def _stream(self, request: web.Request, seq: Sequence, out: Output, fault: Fault,
-                      body: dict[str, Any], started: float) -> web.StreamResponse:
+                      body: dict[str, Any], started: float, cache: CacheUse) -> web.StreamResponse:
         resp = fault.stream_response({"Content-Type": "application/vnd.amazon.eventstream",
                                       "x-amzn-RequestId": str(uuid.uuid4())})
         await resp.prepare(request)
@@ -322,7 +327,7 @@ class ConverseFrontEnd:
             await send("contentBlockStop", {"contentBlockIndex": block})
         await send("messageStop", {"stopReason": self._stop_reason(seq, out), **self._extra_fields(seq, out, body)})
         metadata: dict[str, Any] = {"metrics": {"latencyMs": round((time.monotonic() - started) * 1000)}}
-        usage = self._usage(seq, body)
+        usage = self._usage(seq, cache)
         if usage is not None:
             metadata["usage"] = usage
         await send("metadata", metadata)
@@ -330,8 +335,11 @@ class ConverseFrontEnd:
         return resp
 
 
-def _marks_cache_point(body: dict[str, Any]) -> bool:
-    """Whether the request asks for prompt caching (a `cachePoint` block): Bedrock reports cache reads
-    and writes only then."""
+def _cache_point_prefix(body: dict[str, Any], prompt: list[int]) -> int:
+    """The prompt's tokens through its last `cachePoint` block (0 with none): the prompt less the text of
+    every block after it (the system blocks come first, then the messages' content)."""
     blocks = [*(body.get("system") or ()), *(b for m in body["messages"] for b in m["content"])]
-    return any(isinstance(b, dict) and "cachePoint" in b for b in blocks)
+    marked = [i for i, b in enumerate(blocks) if isinstance(b, dict) and "cachePoint" in b]
+    if not marked:
+        return 0
+    return prefix_through(prompt, _text(blocks[marked[-1] + 1:]))

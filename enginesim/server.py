@@ -350,13 +350,16 @@ class EngineServer:
 
     async def invoice(self, request: web.Request) -> web.Response:
         """What this provider bills for the requests it answered, as CSV: per UTC day and model, input
-        tokens (cached included), cached input tokens, output tokens and their amount at the prices
-        in the query (`input_per_mtok`, `cached_input_per_mtok`, `output_per_mtok`: micro-units of
-        `currency` per million tokens). `discrepancy=SEED`: one day's output tokens are off by a few,
-        as a provider's bill sometimes is."""
+        tokens (cache reads and writes included), cached input tokens (reads), output tokens and their
+        amount at the prices in the query (`input_per_mtok`, `cached_input_per_mtok`, `output_per_mtok`
+        and, for cache writes, `cache_write_per_mtok` and `cache_write_1h_per_mtok`, which default to the
+        input's and the writes' rate: micro-units of `currency` per million tokens). `discrepancy=SEED`:
+        one day's output tokens are off by a few, as a provider's bill sometimes is."""
         q = request.query
         try:
-            prices = [int(q.get(k, "0")) for k in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")]
+            base = [int(q.get(k, "0")) for k in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")]
+            write = int(q.get("cache_write_per_mtok", base[0]))
+            prices = [*base, write, int(q.get("cache_write_1h_per_mtok", write))]
         except ValueError:
             return vllm_error(400, "prices are integers (micro-units per million tokens)")
         days: dict[tuple[str, str], list[int]] = {}
@@ -364,16 +367,19 @@ class EngineServer:
             if e.get("status") != 200 or e.get("prompt_tokens") is None:
                 continue
             day = time.strftime("%Y-%m-%d", time.gmtime(e["time"]))
-            row = days.setdefault((day, str(e.get("model") or self.served_model)), [0, 0, 0])
+            row = days.setdefault((day, str(e.get("model") or self.served_model)), [0, 0, 0, 0, 0])
             row[0] += int(e["prompt_tokens"])
             row[1] += int(e.get("cached_tokens") or 0)
             row[2] += int(e.get("output_tokens") or 0)
+            row[3] += int(e.get("cache_write_tokens") or 0)
+            row[4] += int(e.get("cache_write_1h_tokens") or 0)
         if q.get("discrepancy") and days:
             rng = random.Random(int(q["discrepancy"]))
             days[rng.choice(sorted(days))][2] += rng.randint(3, 40)
         lines = ["date,model,input_tokens,cached_input_tokens,output_tokens,currency,amount"]
-        for (day, model), (inp, cached, out) in sorted(days.items()):
-            micros = ((inp - cached) * prices[0] + cached * prices[1] + out * prices[2]) / 1e6
+        for (day, model), (inp, cached, out, written, written_1h) in sorted(days.items()):
+            micros = ((inp - cached - written - written_1h) * prices[0] + cached * prices[1] + out * prices[2]
+                      + written * prices[3] + written_1h * prices[4]) / 1e6
             lines.append(f"{day},{model},{inp},{cached},{out},{q.get('currency', 'USD')},{micros / 1e6:.6f}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/csv")
 

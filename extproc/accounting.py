@@ -32,15 +32,41 @@ def first_byte_ms(arrived_at: float | None, first_at: float) -> float | None:
     return None if arrived_at is None else round((first_at - arrived_at) * 1000, 1)
 
 
-def charge_of(usage: dict[str, Any], prices: Prices) -> tuple[int, int]:
-    """(micro-units, tokens) for a usage object: cached prompt tokens at the cached price."""
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    cached = min(prompt, int(details.get("cached_tokens") or 0)) if isinstance(details, dict) else 0
-    micros = math.ceil(((prompt - cached) * prices.input_per_mtok + cached * prices.cached_input_per_mtok
-                        + completion * prices.output_per_mtok) / 1e6)
-    return micros, prompt + completion
+# Every token of a usage object is in exactly one class, each priced at its own rate (Prices.per_mtok).
+TOKEN_CLASSES = ("input", "cached_input", "cache_write", "cache_write_1h", "output", "reasoning")
+
+
+def _count(doc: Any, name: str) -> int:
+    v = doc.get(name) if isinstance(doc, dict) else None
+    return int(v) if v is not None and is_count(v) else 0
+
+
+def token_classes(usage: Usage) -> dict[str, int]:
+    """A usage object's tokens by class (the internal shape, extproc/lua/answers.lua `usage_json`):
+    `prompt_tokens` holds the cache's reads (`cached_tokens`) and writes (`cache_write_tokens`,
+    `cache_write_1h_tokens`) and the rest is `input`; `completion_tokens` holds `reasoning_tokens`
+    and the rest is `output`. A part larger than its whole is cut to what is left of it: the classes
+    always sum to the prompt and completion tokens."""
+    prompt, completion = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+    details, out_details = usage.get("prompt_tokens_details"), usage.get("completion_tokens_details")
+    cached = min(prompt, _count(details, "cached_tokens"))
+    write = min(prompt - cached, _count(details, "cache_write_tokens"))
+    write_1h = min(prompt - cached - write, _count(details, "cache_write_1h_tokens"))
+    reasoning = min(completion, _count(out_details, "reasoning_tokens"))
+    return {"input": prompt - cached - write - write_1h, "cached_input": cached, "cache_write": write,
+            "cache_write_1h": write_1h, "output": completion - reasoning, "reasoning": reasoning}
+
+
+def charge_lines(usage: Usage, prices: Prices) -> list[dict[str, Any]]:
+    """The priced lines of a usage (the classes it has): tokens and the rate, as the ledger records them."""
+    return [{"class": c, "tokens": n, "per_mtok": prices.per_mtok(c)} for c, n in token_classes(usage).items() if n]
+
+
+def charge_of(usage: Usage, prices: Prices) -> tuple[int, int]:
+    """(micro-units, tokens) for a usage object: each class at its rate, rounded up once to a micro-unit."""
+    classes = token_classes(usage)
+    micros = math.ceil(sum(n * prices.per_mtok(c) for c, n in classes.items()) / 1e6)
+    return micros, sum(classes.values())
 
 
 def termination_of(status: int, complete: bool) -> str:
@@ -80,9 +106,11 @@ def failure_charge(*, stream: bool, sent: bool, answered: bool, prompt_bound: in
 def believable(usage: Usage) -> bool:
     """Whether every count in an upstream's usage is one (adapters.base.is_count); usage that is not
     is not believed (unknown)."""
-    details = usage.get("prompt_tokens_details") or {}
+    details, out_details = usage.get("prompt_tokens_details") or {}, usage.get("completion_tokens_details") or {}
     counts = [usage.get("prompt_tokens"), usage.get("completion_tokens"),
-              details.get("cached_tokens") if isinstance(details, dict) else None]
+              *(details.get(k) for k in ("cached_tokens", "cache_write_tokens", "cache_write_1h_tokens")
+                if isinstance(details, dict)),
+              out_details.get("reasoning_tokens") if isinstance(out_details, dict) else None]
     return all(c is None or is_count(c) for c in counts)
 
 
@@ -209,8 +237,10 @@ def outcome_of(termination: str, status: int, kind: str, usage: Usage | None, so
                timing: Timing = Timing(), marks: dict[str, str] | None = None) -> dict[str, Any]:
     """The settlement half of a ledger entry (the admission half is stored with the reservation).
     `timing` runs from the request's arrival to its answer's first byte, first token and last byte
-    to the client; `llmgw report` and the objectives read their latencies from it."""
+    to the client; `llmgw report` and the objectives read their latencies from it. Usage that was
+    charged is also recorded as its priced lines (charge_lines): one per token class."""
     return {"termination": termination, "status": status, "settlement": kind, "usage": usage,
+            **({"charge_lines": charge_lines(usage, dep.prices)} if usage and dep is not None else {}),
             **{k: v for k, v in (marks or {}).items() if v},  # degraded, canary: what served it, and why
             **timing.ledger,
             "usage_source": source, "price_version": dep.prices.version if dep else "", "redactions": redactions,

@@ -143,6 +143,11 @@ class Key(StrEnum):
     USAGE_PROMPT = "usage_prompt"
     USAGE_COMPLETION = "usage_completion"
     USAGE_CACHED = "usage_cached"
+    # The token classes priced apart (extproc/accounting.py `token_classes`): cache writes at the 5-minute
+    # (or only) rate and at the 1-hour rate, and reasoning among the completion tokens.
+    USAGE_CACHE_WRITE = "usage_cache_write"
+    USAGE_CACHE_WRITE_1H = "usage_cache_write_1h"
+    USAGE_REASONING = "usage_reasoning"
     STREAM_CHUNKS = "stream_chunks"
     # Epoch microseconds (as text) at which a stream's first content (text, a tool call, reasoning)
     # reached the stream guard: its time to first token. Engines send headers and an empty role chunk

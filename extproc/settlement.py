@@ -626,6 +626,23 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         self.settler.submit(Settlement(tenant, rid, outcome, c.micros, c.tokens, hint=hint), observe)
 
 
+def logged_usage(md: Any, prompt: Any) -> Usage:
+    """A usage object as Envoy's filters left it in the metadata, in the internal shape: a class the
+    upstream did not report is absent (a cache write, reasoning), a count it did not give is 0."""
+    def counted(key: Key) -> Any:
+        v = count_attr(md, key)
+        return 0 if v is None else v
+    details = {"cached_tokens": counted(Key.USAGE_CACHED),
+               **{name: v for key, name in ((Key.USAGE_CACHE_WRITE, "cache_write_tokens"),
+                                           (Key.USAGE_CACHE_WRITE_1H, "cache_write_1h_tokens"))
+                  if (v := count_attr(md, key)) is not None}}
+    usage: Usage = {"prompt_tokens": prompt, "completion_tokens": counted(Key.USAGE_COMPLETION),
+                    "prompt_tokens_details": details}
+    if (reasoning := count_attr(md, Key.USAGE_REASONING)) is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
+
+
 def logged(entry: Any, md: Any, hint: str, backstop: bool) -> Logged:
     """An access-log entry decoded: the facts settlement decides the charge from (accounting.Logged)."""
     common = entry.common_properties
@@ -633,9 +650,7 @@ def logged(entry: Any, md: Any, hint: str, backstop: bool) -> Logged:
     prompt = count_attr(md, Key.USAGE_PROMPT)  # present only when a filter found a usage object
     usage: Usage | None = None
     if prompt is not None:
-        completion, cached = count_attr(md, Key.USAGE_COMPLETION), count_attr(md, Key.USAGE_CACHED)
-        usage = {"prompt_tokens": prompt, "completion_tokens": 0 if completion is None else completion,
-                 "prompt_tokens_details": {"cached_tokens": 0 if cached is None else cached}}
+        usage = logged_usage(md, prompt)
     chunks = attr(md, Key.STREAM_CHUNKS)
     return Logged(
         status=entry.response.response_code.value, stream=attr(md, Key.STREAM) == "1",

@@ -466,13 +466,29 @@ class Fingerprint(Strict):
 
 
 class Prices(Strict):
-    """Integer micro-units of `currency` per million tokens."""
+    """Integer micro-units of `currency` per million tokens, one rate per token class
+    (extproc/accounting.py `token_classes`). The classes a provider prices like another may leave
+    their rate out: cache writes then cost input, 1-hour writes what other writes cost, and reasoning
+    costs output (as OpenAI and Gemini bill it)."""
 
     version: str
     currency: str = "USD"
     input_per_mtok: int = Field(ge=0)
-    cached_input_per_mtok: int = Field(ge=0)
+    cached_input_per_mtok: int = Field(ge=0)  # cache reads
     output_per_mtok: int = Field(ge=0)
+    cache_write_per_mtok: int | None = Field(default=None, ge=0)  # Anthropic's 5-minute writes; Bedrock's
+    cache_write_1h_per_mtok: int | None = Field(default=None, ge=0)  # Anthropic's 1-hour writes
+    reasoning_per_mtok: int | None = Field(default=None, ge=0)
+
+    def per_mtok(self, token_class: str) -> int:
+        """The rate of one token class (TOKEN_CLASSES in extproc/accounting.py)."""
+        write = self.input_per_mtok if self.cache_write_per_mtok is None else self.cache_write_per_mtok
+        return {"input": self.input_per_mtok, "cached_input": self.cached_input_per_mtok,
+                "cache_write": write,
+                "cache_write_1h": write if self.cache_write_1h_per_mtok is None else self.cache_write_1h_per_mtok,
+                "output": self.output_per_mtok,
+                "reasoning": self.output_per_mtok if self.reasoning_per_mtok is None else self.reasoning_per_mtok,
+                }[token_class]
 
 
 SYSTEM_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's bundle (ca-certificates)

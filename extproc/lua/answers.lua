@@ -32,11 +32,17 @@ function envoy_on_request(h)
   dm:set(NS, K.upstream_headers, "")
 end
 
--- The internal usage object's text (extproc/shapes/base.py `Usage.openai`).
-local function usage_json(prompt, cached, output, reasoning)
+-- The internal usage object's text (extproc/accounting.py `token_classes` prices it): `prompt` counts
+-- every input token (the cache's reads, `cached`, and writes among them), `output` every output token
+-- (`reasoning` among them). Cache writes are apart from reads: `writes` at the 5-minute (or only) rate,
+-- `writes_1h` at the 1-hour rate, each priced on its own.
+local function usage_json(prompt, cached, output, reasoning, writes, writes_1h)
+  writes, writes_1h = writes or 0, writes_1h or 0
   return concat({'{"prompt_tokens":', format("%d", prompt), ',"completion_tokens":', format("%d", output),
                  ',"total_tokens":', format("%d", prompt + output), ',"prompt_tokens_details":{"cached_tokens":',
-                 format("%d", cached), "}",
+                 format("%d", cached),
+                 writes > 0 and (',"cache_write_tokens":' .. format("%d", writes)) or "",
+                 writes_1h > 0 and (',"cache_write_1h_tokens":' .. format("%d", writes_1h)) or "", "}",
                  reasoning > 0 and (',"completion_tokens_details":{"reasoning_tokens":' .. format("%d", reasoning) .. "}")
                    or "", "}"})
 end

@@ -36,17 +36,23 @@ local function as_text(v, default)
   return default
 end
 
--- The internal usage's counts (extproc/shapes/openai/adapter.py `usage`): input, cached input, output,
--- and of the output the reasoning's (at most all of it); nil when a count is not one (the door cannot
--- carry it).
+-- The internal usage's counts (extproc/accounting.py `token_classes` reads them the same way): input
+-- (every prompt token), cache reads, output, of the output the reasoning's, and of the input the cache
+-- writes at the 5-minute and the 1-hour rate (each part at most what is left of its whole); nil when a
+-- count is not one (the door cannot carry it).
 local function internal_usage(usage)
   if not is_object(usage) then usage = {} end  -- (no usage object: no counts)
   local details, out_details = object_of(usage.prompt_tokens_details), object_of(usage.completion_tokens_details)
   if details == nil or out_details == nil then return nil end
   local input, cached, output = count(usage.prompt_tokens), count(details.cached_tokens), count(usage.completion_tokens)
-  local reasoning = count(out_details.reasoning_tokens)
-  if input == nil or cached == nil or output == nil or reasoning == nil then return nil end
-  return input, cached, output, math.min(reasoning, output)
+  local reasoning, writes, writes_1h = count(out_details.reasoning_tokens), count(details.cache_write_tokens),
+    count(details.cache_write_1h_tokens)
+  if input == nil or cached == nil or output == nil or reasoning == nil or writes == nil or writes_1h == nil then
+    return nil
+  end
+  cached = math.min(cached, input)
+  writes = math.min(writes, input - cached)
+  return input, cached, output, math.min(reasoning, output), writes, math.min(writes_1h, input - cached - writes)
 end
 
 -- A message's (or a delta's) reasoning text, as vLLM names it (`reasoning`, or the older

@@ -7,8 +7,10 @@ a few columns as it does - `InvoiceIssuer`, `Provider`, `Publisher`, `ResourceID
 follows the validator). Gateway columns carry the `x_` prefix.
 
 One row per (charge period, tenant, route, route revision, deployment, price version, token class):
-token classes are `input` (prompt tokens the cache did not serve), `cached_input` and `output`, each at
-the deployment's price for it; `ConsumedQuantity` and `PricingQuantity` are tokens. Amounts are exact
+token classes are `input` (prompt tokens the cache neither read nor wrote), `cached_input` (cache
+reads), `cache_write` and `cache_write_1h` (cache writes at the 5-minute or only rate, and at the 1-hour
+rate), `output` and `reasoning` (the output's reasoning tokens), each at the deployment's price for it;
+`ConsumedQuantity` and `PricingQuantity` are tokens. Amounts are exact
 decimals: each entry's class costs are its tokens at the list price, and the rounding the ledger
 applied (it charges whole micro-units) goes to the entry's last class, so a row's `BilledCost` sums
 to exactly what the ledger charged. An entry charged without usage (an ambiguous answer, charged its
@@ -26,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from extproc.accounting import token_classes
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 
@@ -67,17 +70,13 @@ def period_start(ts: float, period: str) -> datetime:
 
 
 def _classes(entry: Mapping[str, Any]) -> list[tuple[str, int]]:
-    usage = entry.get("usage") or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
-    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return [("input", prompt - cached), ("cached_input", cached), ("output", int(usage.get("completion_tokens") or 0))]
+    """The entry's tokens by class, as the ledger charged them (extproc/accounting.py `token_classes`)."""
+    return list(token_classes(entry.get("usage") or {}).items())
 
 
 def _price(dep: Deployment, token_class: str) -> Decimal:
     """Currency units per token."""
-    p = dep.prices
-    per_mtok = {"input": p.input_per_mtok, "cached_input": p.cached_input_per_mtok, "output": p.output_per_mtok}
-    return Decimal(per_mtok[token_class]) * MICRO / MTOK
+    return Decimal(dep.prices.per_mtok(token_class)) * MICRO / MTOK
 
 
 def aggregate(entries: Iterable[Mapping[str, Any]], snap: Snapshot, period: str = "day") -> list[Row]:

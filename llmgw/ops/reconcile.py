@@ -89,9 +89,9 @@ def invoice_days(path: Path, deployment: str, model: str) -> dict[str, DayTotals
             t = days.setdefault(r["ChargePeriodStart"][:10], DayTotals())
             qty = int(Decimal(r.get("ConsumedQuantity") or 0))
             meter = r.get("SkuMeter", "")
-            t.input += qty if meter in ("input", "cached_input") else 0
+            t.input += qty if meter in ("input", "cached_input", "cache_write", "cache_write_1h") else 0
             t.cached_input += qty if meter == "cached_input" else 0
-            t.output += qty if meter == "output" else 0
+            t.output += qty if meter in ("output", "reasoning") else 0
             t.amount += Decimal(r.get("BilledCost") or 0)
         else:
             if r.get("model") != model:

@@ -315,8 +315,11 @@ def lua_answers() -> lua_pb2.Lua:
 
 
 USAGE_FIELDS = ((Key.USAGE_PROMPT, ("usage", "prompt_tokens")), (Key.USAGE_COMPLETION, ("usage", "completion_tokens")),
-                (Key.USAGE_CACHED, ("usage", "prompt_tokens_details", "cached_tokens")), (Key.UPSTREAM_ID, ("id",)),
-                (Key.UPSTREAM_MODEL, ("model",)))
+                (Key.USAGE_CACHED, ("usage", "prompt_tokens_details", "cached_tokens")),
+                (Key.USAGE_CACHE_WRITE, ("usage", "prompt_tokens_details", "cache_write_tokens")),
+                (Key.USAGE_CACHE_WRITE_1H, ("usage", "prompt_tokens_details", "cache_write_1h_tokens")),
+                (Key.USAGE_REASONING, ("usage", "completion_tokens_details", "reasoning_tokens")),
+                (Key.UPSTREAM_ID, ("id",)), (Key.UPSTREAM_MODEL, ("model",)))
 
 
 def usage_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:

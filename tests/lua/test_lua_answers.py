@@ -153,7 +153,7 @@ def test_tool_calls_keep_their_arguments_exactly_as_the_provider_wrote_them(lua:
     (call,) = message["tool_calls"]
     assert call["function"]["arguments"] == '{"q": "a\\nb", "n": [1, 2.5e3]}'
     assert doc["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
-                            "prompt_tokens_details": {"cached_tokens": 4}}
+                            "prompt_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 5}}
     assert comparable(doc) == comparable(python_answer(body))
 
 
@@ -176,6 +176,39 @@ def test_a_bedrock_answer_given_as_the_schema_asked_is_its_content(lua: Any, wit
     python = python_answer(body, BEDROCK)
     assert json.loads(python["choices"][0]["message"]["content"]) == json.loads(given)
     assert python["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def test_cache_writes_are_their_own_classes_by_ttl_and_bedrocks_writes_too(lua: Any) -> None:
+    """Anthropic splits its writes by TTL (`cache_creation`); Bedrock has one write count. Each is its
+    own field of the internal usage, among the prompt tokens, so each is priced at its own rate."""
+    body = (b'{"type":"message","id":"m1","model":"claude","content":[{"type":"text","text":"ok"}],'
+            b'"stop_reason":"end_turn","usage":{"input_tokens":3,"cache_read_input_tokens":4,'
+            b'"cache_creation_input_tokens":50,"cache_creation":{"ephemeral_5m_input_tokens":20,'
+            b'"ephemeral_1h_input_tokens":30},"output_tokens":6}}')
+    doc = json.loads(answer(lua, body)[0] or b"")
+    assert doc["usage"]["prompt_tokens"] == 57
+    assert doc["usage"]["prompt_tokens_details"] == {"cached_tokens": 4, "cache_write_tokens": 20,
+                                                     "cache_write_1h_tokens": 30}
+    assert comparable(doc) == comparable(python_answer(body))
+    over = body.replace(b'"ephemeral_1h_input_tokens":30', b'"ephemeral_1h_input_tokens":51')
+    assert answer(lua, over)[1].get(":status") == "502"  # more 1-hour writes than writes: no usage to believe
+    bedrock_body = (b'{"output":{"message":{"role":"assistant","content":[{"text":"ok"}]}},"stopReason":"end_turn",'
+                    b'"usage":{"inputTokens":3,"outputTokens":6,"cacheReadInputTokens":4,"cacheWriteInputTokens":9}}')
+    doc = json.loads(answer(lua, bedrock_body, shape="bedrock")[0] or b"")
+    assert doc["usage"]["prompt_tokens_details"] == {"cached_tokens": 4, "cache_write_tokens": 9}
+
+
+def test_a_streams_cumulative_message_delta_replaces_the_starts_input_counts(lua: Any) -> None:
+    """The API now repeats the input counts in message_delta (cumulative): the usage chunk carries them."""
+    start = {"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant", "model": "c",
+                                                  "content": [], "usage": {"input_tokens": 1, "output_tokens": 1}}}
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {
+        "input_tokens": 5, "cache_read_input_tokens": 7, "cache_creation_input_tokens": 11,
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 11}, "output_tokens": 3}}
+    body, _ = lua_stream(lua, [b"".join(sse_event(e) for e in (start, delta, {"type": "message_stop"}))])
+    (usage,) = [e["usage"] for e in events_of(body) if isinstance(e, dict) and e.get("usage")]
+    assert usage["prompt_tokens"] == 23 and usage["completion_tokens"] == 3
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 7, "cache_write_1h_tokens": 11}
 
 
 def test_a_bedrock_answer_cut_inside_its_schema_is_the_text_written_so_far(lua: Any) -> None:
@@ -279,9 +312,20 @@ def sse_event(doc: dict[str, Any]) -> bytes:
 def anthropic_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
     """A Messages stream's events, as the API sends them: text, thinking and tool-use blocks, their
     deltas (a tool's input as pieces of its JSON), pings anywhere, the stop reason and usage."""
-    usage = draw(st.fixed_dictionaries({"input_tokens": st.integers(0, 10**6), "output_tokens": st.integers(0, 9)},
-                                        optional={"cache_read_input_tokens": counts,
-                                                  "cache_creation_input_tokens": counts}))
+    input_usage = {"input_tokens": st.integers(0, 10**6)}
+    input_optional = {"cache_read_input_tokens": counts, "cache_creation_input_tokens": counts,
+                      "cache_creation": st.fixed_dictionaries({"ephemeral_5m_input_tokens": counts,
+                                                               "ephemeral_1h_input_tokens": counts})}
+
+    def consistent(u: dict[str, Any]) -> dict[str, Any]:
+        """A split by TTL never holds more than the writes (an answer whose does is broken: tested apart)."""
+        if "cache_creation" in u:
+            written = u.get("cache_creation_input_tokens") or 0
+            hour = u["cache_creation"]["ephemeral_1h_input_tokens"] or 0
+            u["cache_creation"]["ephemeral_1h_input_tokens"] = min(hour, written)
+        return u
+    usage = consistent(draw(st.fixed_dictionaries({**input_usage, "output_tokens": st.integers(0, 9)},
+                                                  optional=input_optional)))
     events: list[dict[str, Any]] = [{"type": "message_start", "message": {
         "id": draw(text), "type": "message", "role": "assistant", "model": draw(st.text(min_size=1, max_size=10)),
         "content": [], "stop_reason": None, "usage": usage}}]
@@ -304,8 +348,10 @@ def anthropic_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
         events.append({"type": "content_block_stop", "index": i})
         if draw(st.booleans()):
             events.append({"type": "ping"})
+    # The input counts again, cumulative, as the API sends them now (or the output's alone, as it did).
+    again = consistent(draw(st.one_of(st.just({}), st.fixed_dictionaries(input_usage, optional=input_optional))))
     events.append({"type": "message_delta", "delta": {"stop_reason": draw(st.sampled_from([*STOP_REASONS, "new"]))},
-                   "usage": {"output_tokens": draw(st.integers(0, 10**6))}})
+                   "usage": {**again, "output_tokens": draw(st.integers(0, 10**6))}})
     events.append({"type": "message_stop"})
     return events
 

@@ -114,6 +114,17 @@ def test_a_whole_stream_passes_with_its_usage_in_the_metadata(lua: Any, withhold
                     Key.FIRST_TOKEN_AT_US: "0"}
 
 
+def test_the_classes_priced_apart_reach_the_metadata_when_the_usage_has_them(lua: Any) -> None:
+    """Cache writes (by TTL) and reasoning tokens, each priced at its own rate: the access log gets them."""
+    usage = event({"id": "c", "choices": [], "usage": {
+        "prompt_tokens": 70, "completion_tokens": 30, "prompt_tokens_details": {
+            "cached_tokens": 5, "cache_write_tokens": 20, "cache_write_1h_tokens": 40},
+        "completion_tokens_details": {"reasoning_tokens": 12}}})
+    _, sets = guard(lua, [ROLE + token("a") + FINISH + usage + DONE, b""], withhold=True)
+    assert (sets[Key.USAGE_PROMPT], sets[Key.USAGE_CACHED], sets[Key.USAGE_COMPLETION]) == (70, 5, 30)
+    assert (sets[Key.USAGE_CACHE_WRITE], sets[Key.USAGE_CACHE_WRITE_1H], sets[Key.USAGE_REASONING]) == (20, 40, 12)
+
+
 @pytest.mark.parametrize("first", [
     token("a"),
     event({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}}]}),

@@ -4,6 +4,7 @@ does in production (extproc/shapes/anthropic/answers.lua), and the reference the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -28,10 +29,17 @@ from tests.oracles.openai import failure_for_status
 # -- answers ----------------------------------------------------------------------------------------
 
 def _usage(native: Mapping[str, Any]) -> Usage:
+    """Cache writes split by TTL when `cache_creation` says so (every write a 5-minute one otherwise)."""
     read = token_count(native.get("cache_read_input_tokens"))
     written = token_count(native.get("cache_creation_input_tokens"))
+    split = native.get("cache_creation")
+    if split is not None and not isinstance(split, dict):
+        raise UpstreamBroken("a cache_creation that is no object")
+    hour = token_count((split or {}).get("ephemeral_1h_input_tokens"))
+    if hour > written:
+        raise UpstreamBroken("more 1-hour cache writes than cache writes")
     return Usage(token_count(native.get("input_tokens")) + read + written, read,
-                 token_count(native.get("output_tokens")))
+                 token_count(native.get("output_tokens")), cache_write=written - hour, cache_write_1h=hour)
 
 
 def completion(msg: Mapping[str, Any]) -> dict[str, Any]:
@@ -102,6 +110,8 @@ class AnthropicStream(NativeStream):
                 return [self._chunk({"tool_calls": [{"index": n, "function": {"arguments": delta["partial_json"]}}]})]
             return []  # what the API adds later: nothing to carry
         if kind == "message_delta":
+            if (ev.get("usage") or {}).get("input_tokens") is not None:  # cumulative input: it replaces the start's
+                self.input = _usage(ev["usage"])
             self.finish_reason = STOP_REASONS.get(str(ev["delta"].get("stop_reason")), "stop")
             self.output = token_count((ev.get("usage") or {}).get("output_tokens")) or self.output
             said = ev["delta"].get("stop_sequence")
@@ -109,7 +119,7 @@ class AnthropicStream(NativeStream):
             return [self._chunk({}, self.finish_reason, stop)]
         if kind == "message_stop":
             self.stopped = True
-            usage = Usage(self.input.input, self.input.cached_input, self.output)
+            usage = dataclasses.replace(self.input, output=self.output)
             return [*([self._usage_chunk(usage)] if self.include_usage else []), sse("[DONE]")]
         if kind == "error":
             err = ev.get("error") or {}

@@ -21,10 +21,14 @@ def _stop(finish: str | None, stop_reason: Any, called: bool = False) -> tuple[s
     return STOP_REASONS.get(finish or "", "end_turn"), None
 
 
-def _usage(usage: Any) -> dict[str, int]:
+def _usage(usage: Any) -> dict[str, Any]:
     u = OPENAI.usage(usage if isinstance(usage, dict) else {})  # the internal usage, normalised
-    return {"input_tokens": max(0, u.input - u.cached_input), "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": u.cached_input, "output_tokens": u.output}
+    writes = u.cache_write + u.cache_write_1h
+    return {"input_tokens": u.input - u.cached_input - writes, "cache_creation_input_tokens": writes,
+            "cache_read_input_tokens": u.cached_input,
+            "cache_creation": {"ephemeral_5m_input_tokens": u.cache_write,
+                               "ephemeral_1h_input_tokens": u.cache_write_1h},
+            "output_tokens": u.output}
 
 
 def _input(arguments: str) -> Any:
@@ -75,7 +79,7 @@ class MessagesStream(InternalStream):
         self.index = -1  # the open content block's index
         self.open: str | None = None  # "text" or the open tool call's internal index
         self.stop: tuple[str, str | None] = ("end_turn", None)
-        self.usage: dict[str, int] | None = None
+        self.usage: dict[str, Any] | None = None
         self.called = False
 
     def _error_event(self, message: str) -> bytes:

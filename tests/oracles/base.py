@@ -38,17 +38,24 @@ def token_count(value: Any) -> int:
 
 @dataclass(frozen=True)
 class Usage:
-    """Tokens, normalised: `input` includes `cached_input` (as OpenAI counts prompt tokens)."""
+    """Tokens, normalised: `input` includes `cached_input` and the cache writes (as OpenAI counts prompt
+    tokens), `output` includes `reasoning`."""
 
     input: int = 0
     cached_input: int = 0
     output: int = 0
     reasoning: int = 0
+    cache_write: int = 0  # at the 5-minute (or only) rate
+    cache_write_1h: int = 0
 
     def openai(self) -> dict[str, Any]:
+        details: dict[str, int] = {"cached_tokens": self.cached_input}
+        if self.cache_write:
+            details["cache_write_tokens"] = self.cache_write
+        if self.cache_write_1h:
+            details["cache_write_1h_tokens"] = self.cache_write_1h
         out: dict[str, Any] = {"prompt_tokens": self.input, "completion_tokens": self.output,
-                               "total_tokens": self.input + self.output,
-                               "prompt_tokens_details": {"cached_tokens": self.cached_input}}
+                               "total_tokens": self.input + self.output, "prompt_tokens_details": details}
         if self.reasoning:
             out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning}
         return out

@@ -32,7 +32,8 @@ from tests.oracles.openai import failure_for_status
 def _usage(native: Mapping[str, Any]) -> Usage:
     read = token_count(native.get("cacheReadInputTokens"))
     written = token_count(native.get("cacheWriteInputTokens"))
-    return Usage(token_count(native["inputTokens"]) + read + written, read, token_count(native["outputTokens"]))
+    return Usage(token_count(native["inputTokens"]) + read + written, read, token_count(native["outputTokens"]),
+                 cache_write=written)
 
 
 def _finish(reason: Any, calls: int) -> str:

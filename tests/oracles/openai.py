@@ -38,10 +38,16 @@ def failure(status: int, body: bytes) -> Failure:
 
 
 def usage(native: Mapping[str, Any]) -> Usage:
+    """The internal usage's counts, each part at most what is left of its whole (as
+    extproc/lua/doors.lua's `internal_usage` and extproc/accounting.py's `token_classes` read them)."""
     details = native.get("prompt_tokens_details") or {}
     out_details = native.get("completion_tokens_details") or {}
-    return Usage(token_count(native.get("prompt_tokens")), token_count(details.get("cached_tokens")),
-                 token_count(native.get("completion_tokens")), token_count(out_details.get("reasoning_tokens")))
+    prompt, output = token_count(native.get("prompt_tokens")), token_count(native.get("completion_tokens"))
+    cached = min(prompt, token_count(details.get("cached_tokens")))
+    write = min(prompt - cached, token_count(details.get("cache_write_tokens")))
+    write_1h = min(prompt - cached - write, token_count(details.get("cache_write_1h_tokens")))
+    return Usage(prompt, cached, output, min(output, token_count(out_details.get("reasoning_tokens"))),
+                 cache_write=write, cache_write_1h=write_1h)
 
 
 def failure_for_status(status: int, message: str) -> Failure:

@@ -9,18 +9,24 @@ import pytest
 from google.protobuf import struct_pb2
 
 from extproc.accounting import (
+    TOKEN_CLASSES,
     Logged,
     believed,
     charge_for,
+    charge_lines,
     charge_logged,
     charge_of,
     estimated,
     failure_charge,
     termination_of,
+    token_classes,
     upstream_succeeded,
 )
 from extproc.config import load_snapshot
+from extproc.config.schema import Prices
 from extproc.envoy_msgs import attr, count_attr
+from extproc.names import Key
+from extproc.settlement import logged_usage
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
@@ -56,6 +62,51 @@ def test_charge_of_usage(usage: dict[str, object], tokens: int, micros: float) -
     assert got_tokens == tokens and got_micros == -(-micros // 1)  # rounded up to a whole micro-unit
 
 
+# Anthropic's list prices for one model, per million tokens in micro-dollars: writes 1.25x (5 minutes)
+# and 2x (1 hour) the input, reads 0.1x; a reasoning rate of its own to tell the classes apart.
+CLASSED = Prices(version="t", input_per_mtok=3_000_000, cached_input_per_mtok=300_000, output_per_mtok=15_000_000,
+                 cache_write_per_mtok=3_750_000, cache_write_1h_per_mtok=6_000_000, reasoning_per_mtok=20_000_000)
+
+
+@pytest.mark.parametrize(("usage", "classes"), [
+    # OpenAI: cached input among the prompt tokens, reasoning among the completion tokens
+    ({"prompt_tokens": 1000, "completion_tokens": 300, "prompt_tokens_details": {"cached_tokens": 400},
+      "completion_tokens_details": {"reasoning_tokens": 200}},
+     {"input": 600, "cached_input": 400, "output": 100, "reasoning": 200}),
+    # Anthropic as the answer filter writes it: reads, 5-minute and 1-hour writes among the prompt tokens
+    ({"prompt_tokens": 1000, "completion_tokens": 10, "prompt_tokens_details": {
+        "cached_tokens": 500, "cache_write_tokens": 300, "cache_write_1h_tokens": 100}},
+     {"input": 100, "cached_input": 500, "cache_write": 300, "cache_write_1h": 100, "output": 10}),
+    # Bedrock: reads and writes (one rate); Gemini: thoughts among the output
+    ({"prompt_tokens": 50, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 20,
+                                                                           "cache_write_tokens": 30}},
+     {"cached_input": 20, "cache_write": 30, "output": 5}),
+    # a part larger than what is left of its whole is cut to it: the classes sum to the tokens
+    ({"prompt_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": {
+        "cached_tokens": 6, "cache_write_tokens": 9, "cache_write_1h_tokens": 9},
+      "completion_tokens_details": {"reasoning_tokens": 50}},
+     {"cached_input": 6, "cache_write": 4, "reasoning": 5}),
+])
+def test_every_token_is_in_one_class_priced_at_its_rate(usage: dict[str, object], classes: dict[str, int]) -> None:
+    got = token_classes(usage)
+    assert {c: n for c, n in got.items() if n} == classes
+    assert sum(got.values()) == usage["prompt_tokens"] + usage["completion_tokens"]  # type: ignore[operator]
+    lines = charge_lines(usage, CLASSED)
+    assert [(line["class"], line["tokens"]) for line in lines] == list(classes.items())
+    micros, tokens = charge_of(usage, CLASSED)
+    assert tokens == sum(classes.values())
+    assert micros == -(-sum(n * CLASSED.per_mtok(c) for c, n in classes.items()) // 1_000_000)
+    assert micros == -(-sum(line["tokens"] * line["per_mtok"] for line in lines) // 1_000_000)  # the lines add up
+
+
+def test_a_class_without_its_own_rate_costs_what_its_provider_bills_it_as() -> None:
+    """Writes cost input unless priced, 1-hour writes what other writes cost, reasoning costs output."""
+    plain = Prices(version="p", input_per_mtok=3, cached_input_per_mtok=1, output_per_mtok=15)
+    assert [plain.per_mtok(c) for c in TOKEN_CLASSES] == [3, 1, 3, 3, 15, 15]
+    writes = plain.model_copy(update={"cache_write_per_mtok": 4})
+    assert (writes.per_mtok("cache_write"), writes.per_mtok("cache_write_1h")) == (4, 4)
+
+
 @pytest.mark.parametrize(("usage", "source", "termination", "status", "kind"), [
     (estimated(10, 5), "reported", "complete", 200, "actual"),  # the usage the engine reported, at the end
     (estimated(10, 5), "estimated", "complete", 200, "partial"),  # counted by the gateway
@@ -83,6 +134,9 @@ def test_a_charge_without_usage(status: int, failed: str, charge: tuple[int, int
     {"prompt_tokens": 5, "completion_tokens": "3"},
     {"prompt_tokens": 5, "completion_tokens": True},
     {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": -1}},
+    {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cache_write_tokens": -2}},
+    {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cache_write_1h_tokens": 0.5}},
+    {"prompt_tokens": 5, "completion_tokens": 3, "completion_tokens_details": {"reasoning_tokens": "2"}},
 ])
 def test_usage_no_upstream_would_count_is_charged_as_unknown(usage: dict[str, object]) -> None:
     assert charge_for(*believed(usage, "reported"), "complete", 200, DEP) == (-1, -1, "ambiguous")
@@ -111,6 +165,22 @@ def test_a_metadata_count_is_read_as_the_upstream_wrote_it() -> None:
         usage, source = believed({"prompt_tokens": 3, "completion_tokens": count_attr(md, key)}, "reported")
         assert (usage, source) == (None, "unbelievable"), key
     assert believed({"prompt_tokens": 3, "completion_tokens": count_attr(md, "n")}, "reported")[1] == "reported"
+
+
+def test_the_access_log_decodes_every_class_the_filters_left_and_no_class_they_did_not() -> None:
+    """What settlement charges from the access log is the usage the filters read, class by class: a
+    class the upstream did not report stays absent (not a 0 that would read as reported)."""
+    md = struct_pb2.Struct()
+    md.update({Key.USAGE_COMPLETION: 30.0, Key.USAGE_CACHED: 5.0, Key.USAGE_CACHE_WRITE_1H: 40.0,
+               Key.USAGE_REASONING: 12.0})
+    usage = logged_usage(md, 70)
+    assert usage == {"prompt_tokens": 70, "completion_tokens": 30,
+                     "prompt_tokens_details": {"cached_tokens": 5, "cache_write_1h_tokens": 40},
+                     "completion_tokens_details": {"reasoning_tokens": 12}}
+    assert {c: n for c, n in token_classes(usage).items() if n} == {
+        "input": 25, "cached_input": 5, "cache_write_1h": 40, "output": 18, "reasoning": 12}
+    md.update({Key.USAGE_CACHE_WRITE: "9"})  # not a count: the whole usage is not believed
+    assert believed(logged_usage(md, 70), "reported") == (None, "unbelievable")
 
 
 @pytest.mark.parametrize(("stream", "sent", "answered", "status", "charge"), [

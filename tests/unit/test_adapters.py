@@ -188,7 +188,7 @@ def test_a_message_becomes_a_chat_completion_with_normalised_usage() -> None:
     assert choice["message"]["tool_calls"] == [{"id": "tu_1", "type": "function",
                                                 "function": {"name": "lookup", "arguments": '{"id": 7}'}}]
     assert doc["usage"] == {"prompt_tokens": 105, "completion_tokens": 12, "total_tokens": 117,
-                            "prompt_tokens_details": {"cached_tokens": 90}}
+                            "prompt_tokens_details": {"cached_tokens": 90, "cache_write_tokens": 5}}
     for broken in (b"not json", b"[]", b'{"type": "message", "content": [{"type": "tool_use"}]}'):
         with pytest.raises(UpstreamBroken):
             ANTHROPIC.response(200, broken)

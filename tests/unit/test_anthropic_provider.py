@@ -47,17 +47,30 @@ def test_the_sdk_reads_a_stream_and_its_usage(provider: str) -> None:
     assert final.stop_reason == "max_tokens"
 
 
-def test_a_repeated_prompt_marked_for_caching_is_billed_as_cache_reads(provider: str) -> None:
+def test_a_prompt_marked_for_caching_is_written_then_read(provider: str) -> None:
+    """As the provider bills its cache: the first request writes the prompt through the breakpoint
+    (`cache_creation_input_tokens`, split by TTL), a repeat within the TTL reads it; every prompt token
+    is in one of input, written and read."""
     text = {"type": "text", "text": "a long shared preamble " * 40}
     marked = [{"role": "user", "content": [{**text, "cache_control": {"type": "ephemeral"}}]}]
     first = client(provider).messages.create(model=MODEL, max_tokens=2, messages=marked)
     again = client(provider).messages.create(model=MODEL, max_tokens=2, messages=marked)
-    assert first.usage.cache_read_input_tokens == 0 and again.usage.cache_read_input_tokens > 0
-    assert (again.usage.input_tokens + again.usage.cache_read_input_tokens
-            == first.usage.input_tokens + first.usage.cache_read_input_tokens)
+    written = first.usage.cache_creation_input_tokens or 0
+    assert first.usage.cache_read_input_tokens == 0 and written > 100
+    assert first.usage.cache_creation is not None and first.usage.cache_creation.ephemeral_5m_input_tokens == written
+    assert again.usage.cache_read_input_tokens == written and again.usage.cache_creation_input_tokens == 0
+
+    def prompt(u: Any) -> int:
+        return int(u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0))
+    assert prompt(again.usage) == prompt(first.usage)
+    hour = [{"role": "user", "content": [{"type": "text", "text": "another preamble " * 40,
+                                          "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]
+    long_lived = client(provider).messages.create(model=MODEL, max_tokens=2, messages=hour).usage
+    assert long_lived.cache_creation is not None and long_lived.cache_creation.ephemeral_1h_input_tokens
+    assert long_lived.cache_creation.ephemeral_1h_input_tokens == long_lived.cache_creation_input_tokens
     # Unmarked, the provider caches nothing (it was not asked to).
     plain = client(provider).messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [text]}])
-    assert plain.usage.cache_read_input_tokens == 0
+    assert plain.usage.cache_read_input_tokens == 0 and plain.usage.cache_creation_input_tokens == 0
 
 
 def test_more_than_four_breakpoints_are_refused(provider: str) -> None:

@@ -148,6 +148,7 @@ def test_an_answer_becomes_a_message() -> None:
     assert m["id"] == "msg_abc" and m["content"] == [{"type": "text", "text": "hello"}]
     assert (m["stop_reason"], m["stop_sequence"]) == ("stop_sequence", "END")
     assert m["usage"] == {"input_tokens": 4, "cache_read_input_tokens": 6, "cache_creation_input_tokens": 0,
+                          "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
                           "output_tokens": 4}
     m = answer(completion({"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}, "tool_calls"))

@@ -1,12 +1,16 @@
 -- Anthropic's Messages answers and streams, into the internal shape (the renderer puts this into extproc/lua/answers.lua, after its shared helpers).
 
--- Anthropic's prompt tokens (cache reads and writes included) and cache reads, from a usage object
--- (extproc/shapes/anthropic/adapter.py `_usage`); nil when a count is not one.
-local function anthropic_prompt(usage)
+-- Anthropic's input from a usage object: prompt tokens (cache reads and writes included), cache reads,
+-- writes at the 5-minute rate and at the 1-hour rate (`cache_creation` splits the writes by their TTL;
+-- without it every write is a 5-minute one); nil when a count is not one or the split exceeds the writes.
+local function anthropic_input(usage)
   local input, read, written = count(usage.input_tokens), count(usage.cache_read_input_tokens),
     count(usage.cache_creation_input_tokens)
-  if input == nil or read == nil or written == nil then return nil end
-  return input + read + written, read
+  local split = object_of(usage.cache_creation)
+  if input == nil or read == nil or written == nil or split == nil then return nil end
+  local hour = count(split.ephemeral_1h_input_tokens)
+  if hour == nil or hour > written then return nil end
+  return input + read + written, read, written - hour, hour
 end
 
 -- The stop sequence that ended the text (its JSON text), carried as vLLM carries it.
@@ -42,13 +46,14 @@ local function anthropic(body, model)
       calls[#calls + 1] = call
     end
   end
-  local prompt, read = anthropic_prompt(usage)
+  local prompt, read, writes, writes_1h = anthropic_input(usage)
   local output = count(usage.output_tokens)
   if prompt == nil or output == nil then return nil end
   local stop = type(doc.stop_reason) == "string" and ANTHROPIC_STOP[doc.stop_reason] or "stop"
   native_finish(doc.stop_reason, stop)
   return completion(id, named ~= "" and named or model, text, reasoning, calls, stop,
-                    usage_json(prompt, read, output, 0), nil, stop_sequence(doc.stop_reason, doc.stop_sequence),
+                    usage_json(prompt, read, output, 0, writes, writes_1h), nil,
+                    stop_sequence(doc.stop_reason, doc.stop_sequence),
                     signature)
 end
 
@@ -64,9 +69,9 @@ local function anthropic_event(st, doc, out)
     local usage = is_object(msg) and object_of(msg.usage)
     local named = is_object(msg) and text_of(msg.model, "")
     if not usage or not named or type(msg.id) ~= "string" then return false end
-    local prompt, read = anthropic_prompt(usage)
+    local prompt, read, writes, writes_1h = anthropic_input(usage)
     if prompt == nil then return false end
-    st.id, st.prompt, st.cached, st.head = msg.id, prompt, read, nil
+    st.id, st.prompt, st.cached, st.writes, st.writes_1h, st.head = msg.id, prompt, read, writes, writes_1h, nil
     if named ~= "" then st.model = named end
     out[#out + 1] = chunk(st, '{"role":"assistant","content":""}')
   elseif kind == "content_block_start" then
@@ -104,12 +109,19 @@ local function anthropic_event(st, doc, out)
       if output == nil then return false end
       st.output = output
     end
+    if not absent(usage.input_tokens) then
+      -- The input counts again, cumulative (as the API sends them now): they replace message_start's.
+      local prompt, read, writes, writes_1h = anthropic_input(usage)
+      if prompt == nil then return false end
+      st.prompt, st.cached, st.writes, st.writes_1h = prompt, read, writes, writes_1h
+    end
     st.finish = type(delta.stop_reason) == "string" and ANTHROPIC_STOP[delta.stop_reason] or "stop"
     native_finish(delta.stop_reason, st.finish)
     out[#out + 1] = chunk(st, "{}", st.finish, stop_sequence(delta.stop_reason, delta.stop_sequence))
   elseif kind == "message_stop" then
     st.stopped = true
-    out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(st.prompt, st.cached, st.output, 0),
+    out[#out + 1] = concat({chunk_head(st), '[],"usage":',
+                            usage_json(st.prompt, st.cached, st.output, 0, st.writes, st.writes_1h),
                             "}\n\n", "data: [DONE]\n\n"})
   elseif kind == "error" then
     return false

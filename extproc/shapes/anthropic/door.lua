@@ -21,11 +21,15 @@ local function anthropic_error(status, body)
   return anthropic_error_body(status, as_text(err.message, ""), as_text(err.code, ""), param ~= "" and param or nil)
 end
 
+-- Anthropic's usage: `input_tokens` are those the cache neither read nor wrote; the writes, by TTL.
 local function anthropic_usage(usage)
-  local input, cached, output = internal_usage(usage)
+  local input, cached, output, _, writes, writes_1h = internal_usage(usage)
   if input == nil then return nil end
-  return concat({'{"input_tokens":', format("%d", input > cached and input - cached or 0),
-                 ',"cache_creation_input_tokens":0,"cache_read_input_tokens":', format("%d", cached),
+  return concat({'{"input_tokens":', format("%d", input - cached - writes - writes_1h),
+                 ',"cache_creation_input_tokens":', format("%d", writes + writes_1h),
+                 ',"cache_read_input_tokens":', format("%d", cached),
+                 ',"cache_creation":{"ephemeral_5m_input_tokens":', format("%d", writes),
+                 ',"ephemeral_1h_input_tokens":', format("%d", writes_1h), '}',
                  ',"output_tokens":', format("%d", output), "}"})
 end
 

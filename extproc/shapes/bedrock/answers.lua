@@ -1,7 +1,7 @@
 -- Bedrock's Converse answers and ConverseStream streams, into the internal shape (the renderer puts this into extproc/lua/answers.lua, after its shared helpers).
 
--- Bedrock's usage (extproc/shapes/bedrock/adapter.py `_usage`): prompt tokens (cache reads and writes
--- included), cache reads, output; nil when its two counts are not there or a count is not one.
+-- Bedrock's usage: prompt tokens (cache reads and writes included), cache reads, output, cache writes;
+-- nil when its two counts are not there or a count is not one.
 local function bedrock_usage(usage)
   if not is_object(usage) or type(usage.inputTokens) ~= "number" or type(usage.outputTokens) ~= "number" then
     return nil
@@ -9,7 +9,7 @@ local function bedrock_usage(usage)
   local input, read, written, output = count(usage.inputTokens), count(usage.cacheReadInputTokens),
     count(usage.cacheWriteInputTokens), count(usage.outputTokens)
   if input == nil or read == nil or written == nil or output == nil then return nil end
-  return input + read + written, read, output
+  return input + read + written, read, output, written
 end
 
 -- The stop sequence that ended the text (its JSON text): Converse names it only in the model family's
@@ -63,11 +63,11 @@ local function bedrock(body, model, request_id)
       reasoning[#reasoning + 1] = t
     end
   end
-  local prompt, read, output = bedrock_usage(doc.usage)
+  local prompt, read, output, writes = bedrock_usage(doc.usage)
   if prompt == nil then return nil end
   local stop = bedrock_finish(doc.stopReason, #calls)
   native_finish(doc.stopReason, stop)
-  return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0), nil,
+  return completion(request_id, model, text, reasoning, calls, stop, usage_json(prompt, read, output, 0, writes), nil,
                     bedrock_stop_sequence(doc))
 end
 
@@ -124,10 +124,10 @@ local function bedrock_event(st, kind, doc, out)
     out[#out + 1] = chunk(st, "{}", stop, bedrock_stop_sequence(doc))
   elseif kind == "metadata" then
     if not st.stopped then return false end
-    local prompt, read, output = bedrock_usage(doc.usage)
+    local prompt, read, output, writes = bedrock_usage(doc.usage)
     if prompt == nil then return false end
     st.ended = true
-    out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(prompt, read, output, 0), "}\n\n",
+    out[#out + 1] = concat({chunk_head(st), '[],"usage":', usage_json(prompt, read, output, 0, writes), "}\n\n",
                             "data: [DONE]\n\n"})
   end
   return true  -- contentBlockStop, and what the API adds later: nothing to carry

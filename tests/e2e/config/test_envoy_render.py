@@ -136,6 +136,10 @@ def test_every_admitted_request_reaches_the_settlement_log(rendered: dict[str, A
     rules = filters(rendered)["envoy.filters.http.json_to_metadata"]["response_rules"]["rules"]
     assert [[s["key"] for s in r["selectors"]] for r in rules] == [
         ["usage", "prompt_tokens"], ["usage", "completion_tokens"], ["usage", "prompt_tokens_details", "cached_tokens"],
+        # the classes priced apart (cache writes by TTL, reasoning)
+        ["usage", "prompt_tokens_details", "cache_write_tokens"],
+        ["usage", "prompt_tokens_details", "cache_write_1h_tokens"],
+        ["usage", "completion_tokens_details", "reasoning_tokens"],
         ["id"], ["model"]]  # the upstream's own id for its answer and its model, for the attempt's ledger record
 
 

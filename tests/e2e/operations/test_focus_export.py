@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from extproc.accounting import charge_of
 from extproc.config import load_snapshot
 from extproc.store import ledger_entry, ledger_key
 from llmgw.local.stack import Stack
@@ -61,6 +62,24 @@ def test_each_token_class_is_a_row_and_the_rows_sum_to_what_the_ledger_charged()
     p = DEP.prices
     assert rows[1].list_cost == Decimal(28 * p.input_per_mtok) / Decimal(10) ** 12
     assert rows[0].entries + rows[1].entries + rows[2].entries == 2  # each entry counted once
+
+
+def test_cache_writes_and_reasoning_are_rows_at_their_own_rates() -> None:
+    """An Anthropic-priced deployment: writes at 5 minutes and 1 hour, reads and reasoning each a row at
+    the deployment's rate for it; the rows still sum to what the ledger charged."""
+    dep = SNAP.deployments["demo-anthropic"]
+    usage = {"prompt_tokens": 1000, "completion_tokens": 100, "prompt_tokens_details": {
+        "cached_tokens": 500, "cache_write_tokens": 200, "cache_write_1h_tokens": 100},
+        "completion_tokens_details": {"reasoning_tokens": 40}}
+    micros = charge_of(usage, dep.prices)[0]
+    e = {**entry(micros), "usage": usage, "price_version": dep.prices.version,
+         "attempts": [{"deployment": dep.deployment}]}
+    rows = {r.key[-1]: r for r in aggregate([e], SNAP)}
+    assert {c: r.tokens for c, r in rows.items()} == {"input": 200, "cached_input": 500, "cache_write": 200,
+                                                      "cache_write_1h": 100, "output": 60, "reasoning": 40}
+    assert rows["cache_write_1h"].unit_price == Decimal(dep.prices.per_mtok("cache_write_1h")) / Decimal(10) ** 12
+    assert rows["cache_write"].unit_price != rows["input"].unit_price  # priced apart, not as input
+    assert sum(r.billed for r in rows.values()) == Decimal(micros) / 1_000_000
 
 
 def test_unmetered_and_repriced_entries_keep_their_charge() -> None:
