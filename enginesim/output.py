@@ -14,7 +14,8 @@ rules are deterministic so that a conformance case states its expected outcome:
   only, where it names them, as models leave optional ones to their defaults; types, enums, nested
   objects and arrays), seeded like the text.
 - `response_format` json_object: a small JSON object; json_schema: a document matching the schema.
-- `stop`: the text ends before the first stop string, finish_reason "stop", `stop_reason` the string.
+- `stop`: the text (a JSON document's too) ends before the first stop string, finish_reason "stop",
+  `stop_reason` the string.
 - finish_reason as vLLM reports it: "tool_calls" for auto and required, "stop" for a named function,
   "length" when max_tokens cut the output (tool arguments then do not parse, as on vLLM).
 """
@@ -216,7 +217,12 @@ def from_schema(schema: Any, rng: random.Random, depth: int = 0) -> Any:
 
 
 def _text(sampler: TextSampler, length: int, stop: list[str]) -> Output:
-    pieces = [sampler.next_piece(i) for i in range(length)]
+    return _cut_at_stop([sampler.next_piece(i) for i in range(length)], stop)
+
+
+def _cut_at_stop(pieces: list[str], stop: list[str]) -> Output:
+    """The output as written up to the first stop string (vLLM checks them on every text it writes, a
+    structured output's JSON too): finish "stop", `stop_reason` the string."""
     if not stop:
         return Output(pieces)
     text = ""
@@ -259,13 +265,13 @@ def plan(body: dict[str, Any], seed: int, natural_length: int, rid: str) -> Outp
             out.pieces += toks
             out.owner += [i] * len(toks)
         return out
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
     fmt = body.get("response_format") or {}
     if fmt.get("type") in ("json_object", "json_schema"):
         schema = (fmt.get("json_schema") or {}).get("schema") if fmt["type"] == "json_schema" else {
             "type": "object", "properties": {"answer": {"type": "string"}}}
-        return Output(_tokens(json.dumps(from_schema(schema, rng))))
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
+        return _cut_at_stop(_tokens(json.dumps(from_schema(schema, rng))), stops)
     return _text(TextSampler(seed), natural_length, stops)
 
 

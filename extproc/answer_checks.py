@@ -380,12 +380,13 @@ def check_completion(doc: Any, spec: CheckSpec, policy: CallPolicy | None) -> li
             fn = call.get("function") if isinstance(call, dict) else None
             fn = fn if isinstance(fn, dict) else {}
             failure = cut(check_call(spec, fn.get("name"), fn.get("arguments"),
-                                     f"choices[{i}].message.tool_calls[{j}]", policy), choice.get("finish_reason"))
+                                     f"choices[{i}].message.tool_calls[{j}]", policy), choice.get("finish_reason"),
+                          choice.get("stop_reason"))
             if failure is not None:
                 failures.append(failure)
         if spec.format and not calls and choice.get("finish_reason") != "tool_calls":
             failure = cut(check_content(spec, message.get("content"), f"choices[{i}].message.content"),
-                          choice.get("finish_reason"))
+                          choice.get("finish_reason"), choice.get("stop_reason"))
             if failure is not None:
                 failures.append(failure)
     return failures
@@ -395,13 +396,18 @@ def check_completion(doc: Any, spec: CheckSpec, policy: CallPolicy | None) -> li
 TRUNCATED = (Check.TOOL_ARGUMENTS_JSON, Check.FORMAT_JSON)
 
 
-def cut(failure: Failure | None, finish_reason: Any) -> Failure | None:
-    """None when the failure is only the answer's end at its token limit (`length`): the limit the caller
-    set (or the route's cap), not the model, left the JSON unfinished, and every provider answers that as
-    the truncation it is - the finish reason says so (`length`; a door's `max_tokens`, `MAX_TOKENS`), and
-    the partial call or text is the caller's to complete or discard. Refused as a 502 it was retried by
-    the SDKs and paid for again."""
-    if failure is not None and finish_reason == "length" and failure.check in TRUNCATED:
+def cut(failure: Failure | None, finish_reason: Any, stop_reason: Any = None) -> Failure | None:
+    """None when the failure is only the answer's end where the caller asked it to end: at its token
+    limit (`length`: the limit the caller set, or the route's cap) or at one of its stop sequences
+    (`stop` with the sequence or token that matched as `stop_reason`, as vLLM and the answer filters
+    name it; a natural end has none). Not the model but the caller left the JSON unfinished, and every
+    provider answers that as the truncation it is - the finish reason says so (`length`, a door's
+    `max_tokens`, `MAX_TOKENS`; `stop`, `stop_sequence`), and the partial call or text is the caller's to
+    complete or discard. Refused as a 502 it was retried by the SDKs and paid for again."""
+    asked = finish_reason == "length" or (
+        finish_reason == "stop" and isinstance(stop_reason, str | int) and not isinstance(stop_reason, bool)
+        and stop_reason != "")
+    if failure is not None and asked and failure.check in TRUNCATED:
         return None
     return failure
 

@@ -35,6 +35,7 @@ class _Choice:
     open_call: int | None = None
     content: list[str] = field(default_factory=list)
     finish_reason: str = ""
+    stop_reason: Any = None  # the stop sequence (or token) that ended it: the caller's, not the model's
 
 
 class StreamChecker:
@@ -98,6 +99,7 @@ class StreamChecker:
         if c.get("finish_reason"):
             self._complete_all(choice)
             choice.finish_reason = str(c["finish_reason"])
+            choice.stop_reason = c.get("stop_reason")  # the stop sequence that ended it, if the caller's did
             if self.spec.format and not choice.calls and choice.finish_reason != "tool_calls":
                 finishing.add(i)
 
@@ -115,7 +117,7 @@ class StreamChecker:
                     call.checked = True
                     failure = cut(check_call(self.spec, call.name, "".join(call.arguments),
                                              f"choices[{i}].message.tool_calls[{k}]", self.policy),
-                                  choice.finish_reason)
+                                  choice.finish_reason, choice.stop_reason)
                     if failure is not None:
                         self.failures.append(failure)
                         first = first or failure
@@ -125,7 +127,8 @@ class StreamChecker:
         first: Failure | None = None
         for i in sorted(finishing):
             failure = cut(check_content(self.spec, "".join(self._choices[i].content),
-                                        f"choices[{i}].message.content"), self._choices[i].finish_reason)
+                                        f"choices[{i}].message.content"), self._choices[i].finish_reason,
+                          self._choices[i].stop_reason)
             if failure is not None:
                 self.failures.append(failure)
                 first = first or failure

@@ -305,6 +305,30 @@ def test_a_call_or_json_cut_at_the_token_limit_is_answered_as_the_truncation_it_
     assert failed(answer(("search_docs", '{"q": 7}'), finish="length"), tools) == ["tool_arguments_schema"]
 
 
+def stopped(doc: dict[str, Any], stop_reason: Any) -> dict[str, Any]:
+    """The answer ended by a stop sequence: vLLM (and the answer filters) name the one that matched."""
+    for choice in doc["choices"]:
+        choice["stop_reason"] = stop_reason
+    return doc
+
+
+def test_a_call_or_json_cut_at_the_callers_stop_sequence_is_the_truncation_it_asked_for() -> None:
+    """`stop` with the stop sequence (or token) that matched: the caller's sequence ended the JSON. A
+    natural end (`stop`, no stop_reason) with the JSON unfinished is still the model's fault."""
+    tools, fmt = spec(tools=[SEARCH]), spec(response_format={"type": "json_object"})
+    assert failed(stopped(answer(content='{"a"', finish="stop"), ":"), fmt) == []
+    assert failed(stopped(answer(content='{"a"', finish="stop"), 128009), fmt) == []  # a stop token's id
+    assert failed(stopped(answer(("search_docs", '{"q'), finish="stop"), "END"), tools) == []
+    for natural in (None, "", True):
+        assert failed(stopped(answer(content='{"a"', finish="stop"), natural), fmt) == ["format_json"]
+    assert failed(stopped(answer(("rm_rf", '{"x'), finish="stop"), "END"), tools) == ["tool_offered"]
+    cut_text = [chunk({"content": '{"a"'}), {**chunk({}, "stop"), "choices": [
+        {"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": ":"}]}, None]
+    assert run(fmt, cut_text) == (cut_text, None)
+    _, failure = run(fmt, [cut_text[0], chunk({}, "stop"), None])
+    assert failure is not None and failure.check is Check.FORMAT_JSON
+
+
 def test_a_stream_cut_at_the_token_limit_releases_the_partial_call_and_its_finish() -> None:
     cut_call = [chunk({"role": "assistant", "content": ""}), chunk(call_delta(0, "search_docs", '{"q": "re')),
                 chunk({}, "length"), None]

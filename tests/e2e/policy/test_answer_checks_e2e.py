@@ -431,3 +431,33 @@ def test_a_call_cut_at_the_callers_max_tokens_is_answered_as_each_provider_answe
                                         config=types.GenerateContentConfig(tools=[tool], max_output_tokens=4,
         tool_config=types.ToolConfig(function_calling_config=types.FunctionCallingConfig(mode="ANY"))))
     assert answer.candidates and answer.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS, answer
+
+
+def test_json_cut_at_the_callers_stop_sequence_is_answered_as_the_stop_it_asked_for(gw: Stack) -> None:
+    """A stop sequence the JSON holds (`:`) ends it after its first key: the caller's own stop, answered
+    200 with the text so far and each SDK's stop (`stop`; `stop_sequence` naming the sequence) - not a
+    502 `answer_rejected`, which the SDKs would send again and pay for."""
+    ask_ = [{"role": "user", "content": "a city as JSON"}]
+    oa = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0)
+    done = oa.chat.completions.create(model="chat-default", max_tokens=40, messages=ask_,  # type: ignore[arg-type]
+                                      response_format={"type": "json_object"}, stop=[":"])
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content, choice
+    assert ":" not in choice.message.content and choice.message.content.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice.message.content)  # cut, as the caller asked
+    chunks = list(oa.chat.completions.create(model="chat-default", max_tokens=40, messages=ask_,  # type: ignore[arg-type]
+                                             response_format={"type": "json_object"}, stop=[":"], stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    an = anthropic.Anthropic(base_url=gw.url, api_key=KEY, max_retries=0)
+    msg = an.messages.create(model="chat-default", max_tokens=40, messages=ask_, stop_sequences=[":"],  # type: ignore[arg-type]
+                             extra_body={"output_config": {"format": {"type": "json_schema", "schema": {
+                                 "type": "object", "properties": {"answer": {"type": "string"}},
+                                 "required": ["answer"]}}}})
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", ":"), msg
+    # Without the stop, the same request's JSON is whole: the cut was the caller's sequence.
+    whole = oa.chat.completions.create(model="chat-default", max_tokens=40, messages=ask_,  # type: ignore[arg-type]
+                                       response_format={"type": "json_object"})
+    assert json.loads(whole.choices[0].message.content or "") and whole.choices[0].finish_reason == "stop"
