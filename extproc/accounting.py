@@ -1,8 +1,8 @@
 """Accounting as pure functions (no I/O, no Envoy types): what a settlement charges and how the
-ledger names the ending. extproc/settlement.py first decodes an access-log entry into a Logged value
-(the facts), then charge_logged decides the charge from that value alone; the meter's own path (an
-idempotent answer read by a response filter) calls the smaller pieces. tests/unit/test_accounting.py
-tables them."""
+ledger names the ending. Settlement first decodes what it saw of an exchange's end - Envoy's
+access-log entry, or a response filter's own view of an answer - into one Ending value (the facts),
+then charge_ending decides the charge from that value alone. tests/unit/test_accounting.py tables
+them."""
 
 from __future__ import annotations
 
@@ -141,20 +141,25 @@ def charge_for(usage: Usage | None, source: str, termination: str, status: int, 
 
 
 @dataclass(frozen=True)
-class Logged:
-    """What Envoy's access-log entry says of one admitted exchange, decoded before anything is decided
-    (extproc/settlement.py `logged`): the facts a charge is decided from, and nothing else."""
+class Ending:
+    """How one admitted exchange ended, decoded before anything is decided: the facts a charge is
+    decided from, and nothing else. Two places see an ending and both decode into this one record:
+    Envoy's access-log entry (extproc/settlement/access_log.py `ending_of`) and the response filter that
+    holds an answer itself - an idempotent or checked answer, an idempotent stream
+    (extproc/settlement/meter.py)."""
 
-    status: int  # the status the client got
+    status: int  # the status the client got (before the checks' refusal, `rejected`)
     stream: bool
     prompt_bound: int  # the reservation's bound on the prompt's tokens
-    usage: Usage | None = None  # the answer's usage, as json_to_metadata or the Lua stream guard read it
+    usage: Usage | None = None  # the answer's usage, as a filter read it
     chunks: int = 0  # the stream guard's count of what was generated
     stream_done: bool = False  # the stream guard passed the stream's normal end on
+    whole: bool = True  # the answer's end reached the filter (False: Envoy ended the exchange before it)
     client_closed: bool = False  # the client's connection ended (Envoy's DC flag)
     upstream_timeout: bool = False  # Envoy's per-request timeout (its UT flag)
     backstop: bool = False  # its own filter should have settled it and did not: what the client got is unknown
-    broken: bool = False  # a Lua filter found a 2xx it could not read or carry and answered 502
+    broken: bool = False  # a filter found a 2xx it could not read or carry and answered 502
+    rejected: bool = False  # the answer checks refused a whole answer: the client got the contract's 502
     sent: bool = False  # an upstream got the request
     answered: bool = False  # an upstream sent response headers
     upstream_status: str = ""  # the upstream's own status, as the Lua filter nearest the router recorded it
@@ -164,7 +169,7 @@ class Logged:
 
 @dataclass(frozen=True)
 class Charge:
-    """What a settlement charges and records, decided from a Logged exchange (charge_logged)."""
+    """What a settlement charges and records, decided from an Ending (charge_ending)."""
 
     termination: str
     usage: Usage | None
@@ -172,13 +177,15 @@ class Charge:
     micros: int  # -1: the whole reservation
     tokens: int
     kind: str  # actual, partial, ambiguous or released
+    status: int  # the status the ledger records: the client's (the checks' 502 for a refused answer)
     degraded: bool = False  # served by Envoy's degraded answer: the ledger marks it
 
 
-def charge_logged(x: Logged, dep: Deployment | None) -> Charge:
-    """The charge for an exchange as its access-log entry tells it: reported usage when a filter read
-    one (the backstop believes none), else the stream guard's chunk count for a 2xx stream, else what a
-    failure may have cost (failure_charge); the termination from how it ended."""
+def charge_ending(x: Ending, dep: Deployment | None) -> Charge:
+    """The charge for an exchange as it ended: reported usage when a filter read one (the backstop
+    believes none), else the stream guard's chunk count for a 2xx stream, else what a failure may have
+    cost (failure_charge); the termination from how it ended. The one charge rule: every settlement
+    that follows an answer comes through here."""
     usage = None if x.backstop else x.usage
     source = "reported" if usage else "none"
     if usage is None and x.stream and x.chunks and 200 <= x.status < 300 and not x.backstop:
@@ -191,9 +198,13 @@ def charge_logged(x: Logged, dep: Deployment | None) -> Charge:
     elif x.backstop:
         termination = "unknown"
     else:
-        # A stream is complete only when the Lua stream guard saw its normal end; a stream it did not
-        # guard reaches here only when Envoy cut it after it started (or it failed before).
-        termination = termination_of(x.status, x.stream_done if x.stream else True)
+        # A stream is complete only when its guard saw its normal end; a stream it did not guard
+        # reaches here only when Envoy cut it after it started (or it failed before).
+        termination = termination_of(x.status, (x.stream_done if x.stream else True) and x.whole)
+    status = x.status
+    if x.rejected:
+        # The upstream did the work; the client got the contract's 502 (or the stream's end) instead.
+        termination, status = ("upstream_error" if x.broken else ErrorCode.ANSWER_REJECTED.value), 502
     failed = "ambiguous" if x.broken else "released"  # a broken 2xx: the work was done
     if usage is None and not 200 <= x.status < 300 and not x.broken:
         usage, failed = failure_charge(stream=x.stream, sent=x.sent, answered=x.answered,
@@ -204,12 +215,12 @@ def charge_logged(x: Logged, dep: Deployment | None) -> Charge:
     if x.count:
         # Counted, not generated: no usage (the ledger's readers - exports, reconciliation, metrics - sum
         # usage as tokens processed, and no provider bills a count); its reservation of zero released.
-        return Charge(termination, None, "none", 0, 0, "released")
-    micros, tokens, kind = charge_for(usage, source, termination, x.status, dep, failed)
+        return Charge(termination, None, "none", 0, 0, "released", status)
+    micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
     if x.degraded_response and not x.answered:
         # Envoy's degraded answer (llmgw/render/errors.py): no upstream answered, nothing was generated.
-        return Charge("degraded", None, "none", 0, 0, "released", degraded=True)
-    return Charge(termination, usage, source, micros, tokens, kind)
+        return Charge("degraded", None, "none", 0, 0, "released", status, degraded=True)
+    return Charge(termination, usage, source, micros, tokens, kind, status)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -44,22 +44,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
 from extproc.accounting import (
-    Logged,
+    Ending,
     Timing,
     Usage,
     answered_by,
-    believed,
-    charge_for,
-    charge_logged,
-    estimated,
-    failure_charge,
+    charge_ending,
     first_byte_ms,
     outcome_of,
-    termination_of,
-    upstream_succeeded,
 )
 from extproc.answer_checks import (
-    ANSWER_REJECTED,
     CheckSpec,
     Verdict,
     call_policy,
@@ -342,39 +335,36 @@ class Meter:
         return self._settle(tenant, rid, hint, attrs, status, complete, True, usage, sent or b"", first_at, verdict,
                             token_at)
 
+    @staticmethod
+    def ending(held: dict[str, Any], attrs: Any, status: int, complete: bool, sse: bool, stream_usage: StreamUsage,
+               body: bytes, verdict: Verdict | None) -> Ending:
+        """What this filter saw of the answer, as the one record a charge is decided from: the usage a
+        2xx answer reported (a stream's usage chunk, a JSON answer's `usage`), the stream's count of
+        what was generated and whether it ended normally, and what the answer checks found. The
+        upstream did answer: its own status is the one the Lua filter nearest the router recorded."""
+        usage: Usage | None = None
+        if 200 <= status < 300 and sse:
+            usage = stream_usage.usage
+        elif 200 <= status < 300:
+            with contextlib.suppress(ValueError):
+                doc = orjson.loads(body)
+                if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+                    usage = doc["usage"]
+        return Ending(status=status, stream=sse, prompt_bound=held.get("p", 0), usage=usage,
+                      chunks=stream_usage.content_chunks, stream_done=stream_usage.done and not stream_usage.error,
+                      whole=complete, broken=verdict is not None and verdict.broken,
+                      rejected=verdict is not None and verdict.rejected, sent=True, answered=True,
+                      upstream_status=md_attr(attrs, Key.UPSTREAM_STATUS))
+
     def _settle(self, tenant: str, rid: str, hint: str, attrs: Any, status: int, complete: bool, sse: bool,
                 stream_usage: StreamUsage, body: bytes, first_at: float,
                 verdict: Verdict | None = None, token_at: float | None = None) -> asyncio.Future[bool]:
         snap = self.snapshot()
         dep = answering(snap, attrs)
         held = orjson.loads(hint)
-        usage: Usage | None = None
-        source = "none"
-        if 200 <= status < 300:
-            if sse:
-                usage, source = stream_usage.usage, "reported"
-                if usage is None:  # the client did not ask for usage: count chunks, bound the prompt
-                    usage, source = estimated(held.get("p", 0), stream_usage.content_chunks), "estimated"
-            else:
-                with contextlib.suppress(ValueError):
-                    doc = orjson.loads(body)
-                    if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
-                        usage, source = doc["usage"], "reported"
-        failed = "ambiguous" if verdict is not None and verdict.broken else "released"
-        if not 200 <= status < 300 and upstream_succeeded(md_attr(attrs, Key.UPSTREAM_STATUS), True):
-            # The upstream answered 2xx and Envoy replaced it (custom_response: no answer at all): the
-            # work it may have done is charged, as the access log would.
-            usage, failed = failure_charge(stream=sse, sent=True, answered=True, prompt_bound=held.get("p", 0),
-                                           succeeded=True)
-            source = "estimated" if usage else source
-        finished = complete and (not sse or stream_usage.done) and not stream_usage.error
-        termination = termination_of(status, finished)
-        upstream_status = status
-        if verdict is not None and verdict.rejected:
-            # The upstream did the work; the client got the contract's 502 (or the stream's end) instead.
-            termination, status = ("upstream_error" if verdict.broken else ANSWER_REJECTED), 502
-        usage, source = believed(usage, source)
-        micros, tokens, kind = charge_for(usage, source, termination, status, dep, failed)
+        c = charge_ending(self.ending(held, attrs, status, complete, sse, stream_usage, body, verdict), dep)
+        termination, usage, source, micros, tokens, kind = c.termination, c.usage, c.source, c.micros, c.tokens, c.kind
+        upstream_status, status = status, c.status
         replay = None
         if held.get("i") and termination == "complete":
             store = snap.gateway.store
@@ -585,8 +575,8 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         snap = self.snapshot()
         dep = answered_by(snap, attr(md, Key.DEPLOYMENT), attr(md, Key.PLAN),
                           entry.response.response_headers.get(Header.DEPLOYMENT, ""))
-        x = logged(entry, md, hint, backstop)
-        c = charge_logged(x, dep)
+        x = ending_of(entry, md, hint, backstop)
+        c = charge_ending(x, dep)
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}
         if c.degraded:
             marks[Key.DEGRADED.value] = "response"
@@ -643,8 +633,8 @@ def logged_usage(md: Any, prompt: Any) -> Usage:
     return usage
 
 
-def logged(entry: Any, md: Any, hint: str, backstop: bool) -> Logged:
-    """An access-log entry decoded: the facts settlement decides the charge from (accounting.Logged)."""
+def ending_of(entry: Any, md: Any, hint: str, backstop: bool) -> Ending:
+    """An access-log entry decoded: the facts settlement decides the charge from (accounting.Ending)."""
     common = entry.common_properties
     flags = common.response_flags
     prompt = count_attr(md, Key.USAGE_PROMPT)  # present only when a filter found a usage object
@@ -652,7 +642,7 @@ def logged(entry: Any, md: Any, hint: str, backstop: bool) -> Logged:
     if prompt is not None:
         usage = logged_usage(md, prompt)
     chunks = attr(md, Key.STREAM_CHUNKS)
-    return Logged(
+    return Ending(
         status=entry.response.response_code.value, stream=attr(md, Key.STREAM) == "1",
         prompt_bound=int(orjson.loads(hint).get("p", 0)), usage=usage, chunks=int(chunks) if chunks else 0,
         stream_done=passed_done(md), client_closed=flags.downstream_connection_termination,

@@ -10,11 +10,11 @@ from google.protobuf import struct_pb2
 
 from extproc.accounting import (
     TOKEN_CLASSES,
-    Logged,
+    Ending,
     believed,
+    charge_ending,
     charge_for,
     charge_lines,
-    charge_logged,
     charge_of,
     estimated,
     failure_charge,
@@ -230,11 +230,11 @@ def test_a_stream_sent_but_never_answered_pays_its_prompt_only() -> None:
 
 
 # An access-log entry, decoded (extproc/settlement.py `logged`), decides its charge alone
-# (accounting.charge_logged): each row is one way an exchange ends.
+# (accounting.charge_ending): each row is one way an exchange ends.
 USAGE = {"prompt_tokens": 100, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 0}}
-JSON_200 = Logged(status=200, stream=False, prompt_bound=150, usage=USAGE, sent=True, answered=True,
+JSON_200 = Ending(status=200, stream=False, prompt_bound=150, usage=USAGE, sent=True, answered=True,
                   upstream_status="200")
-STREAM_200 = Logged(status=200, stream=True, prompt_bound=150, usage=USAGE, chunks=20, stream_done=True, sent=True,
+STREAM_200 = Ending(status=200, stream=True, prompt_bound=150, usage=USAGE, chunks=20, stream_done=True, sent=True,
                     answered=True, upstream_status="200")
 
 
@@ -266,12 +266,23 @@ STREAM_200 = Logged(status=200, stream=True, prompt_bound=150, usage=USAGE, chun
     (replace(JSON_200, usage={"prompt_tokens": 3, "completion_tokens": -7}), "complete", "ambiguous",
      "unbelievable", -1),
     # Envoy's degraded answer, no upstream answered: nothing generated, nothing charged.
-    (Logged(status=200, stream=False, prompt_bound=150, degraded_response=True), "degraded", "released", "none", 0),
+    (Ending(status=200, stream=False, prompt_bound=150, degraded_response=True), "degraded", "released", "none", 0),
+    # What a response filter saw itself (the meter, the ext_proc stream guard): an answer the checks
+    # refused was generated whole - its usage is the charge, the client got 502 ...
+    (replace(JSON_200, rejected=True), "answer_rejected", "actual", "reported", 120),
+    (replace(STREAM_200, rejected=True, stream_done=False), "answer_rejected", "actual", "reported", 120),
+    # ... a 2xx its filter could not read (broken), refused: ambiguous ...
+    (replace(JSON_200, usage=None, rejected=True, broken=True), "upstream_error", "ambiguous", "none", -1),
+    # ... and an answer whose end Envoy cut before the filter saw it.
+    (replace(JSON_200, whole=False), "stream_interrupted", "partial", "reported", 120),
 ])
-def test_a_logged_exchange_decides_its_charge(logged: Logged, termination: str, kind: str, source: str,
-                                              tokens: int) -> None:
-    c = charge_logged(logged, DEP)
+def test_an_ending_decides_its_charge(logged: Ending, termination: str, kind: str, source: str,
+                                      tokens: int) -> None:
+    """Every settlement after an answer - the access log's, the meter's, the ext_proc stream guard's -
+    decodes what it saw into an Ending and charges it here: one rule."""
+    c = charge_ending(logged, DEP)
     assert (c.termination, c.kind, c.source, c.tokens) == (termination, kind, source, tokens)
+    assert c.status == (502 if logged.rejected else logged.status)
     assert c.micros == (-1 if tokens == -1 else charge_of(c.usage, DEP.prices)[0] if c.usage else 0)
     assert c.degraded == (termination == "degraded")
 
@@ -286,10 +297,10 @@ COUNT_200 = replace(JSON_200, usage={"prompt_tokens": 42, "completion_tokens": 0
     (replace(COUNT_200, status=502, usage=None, upstream_status="429"), "upstream_error"),
     (replace(COUNT_200, status=504, usage=None, upstream_timeout=True, answered=False), "deadline"),
 ])
-def test_a_token_count_is_charged_nothing(logged: Logged, termination: str) -> None:
+def test_a_token_count_is_charged_nothing(logged: Ending, termination: str) -> None:
     """A door's token count generates nothing: whatever happened, its reservation (of zero) is released
     at nothing, never ambiguous - even where a generation would have been charged in full - and it has
     no usage."""
-    c = charge_logged(logged, DEP)
+    c = charge_ending(logged, DEP)
     assert (c.termination, c.kind, c.micros, c.tokens) == (termination, "released", 0, 0)
     assert c.usage is None  # the count is recorded beside usage: no reader sums it as tokens processed

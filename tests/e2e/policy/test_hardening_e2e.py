@@ -29,6 +29,7 @@ from tests.helpers import (
     chat_body,
     clear_faults,
     inject_fault,
+    llmgw,
     raw_exchange,
     raw_post,
     request,
@@ -374,10 +375,17 @@ def test_a_client_that_gives_up_before_the_answer_is_settled_at_once(gw: Stack) 
     (seen,) = engine_entries(gw, marker)  # the engine got it (its log names Envoy's request id)
     entry = _settled_within(gw, seen["request_id"], 5)
     # A JSON answer is generated before its headers: what the engine did is unknown, so the whole
-    # reservation is charged - but at once, not after the lease, and the key is free again.
+    # reservation is charged - at once, not after the lease - and the key stays ambiguous (invariant
+    # 21): the retry is refused, naming the request, until the operator resolves the key.
     assert entry["termination"] == "client_cancel" and entry["settlement"] == "ambiguous"
     assert entry["charged_micros"] == entry["reserved_micros"]
     clear_faults(gw.engine_urls())
+    refused = chat(gw, body, {"idempotency-key": f"k-{marker}"})
+    assert_contract_error(refused, 409, "idempotency_ambiguous")
+    assert seen["request_id"] in refused.json()["error"]["message"]
+    resolved = llmgw("ledger", "resolve", "--idempotency-key", f"k-{marker}", "--config", str(gw.opts.config_dir),
+                     "--store-url", str(gw.store_url), "--tenant", "acme")
+    assert resolved.returncode == 0, resolved.stderr
     assert chat(gw, body, {"idempotency-key": f"k-{marker}"}).status == 200
 
 
