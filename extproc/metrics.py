@@ -4,7 +4,7 @@ deployment, provider, token type, termination, error code; never a tenant, a sub
 Names follow the OpenTelemetry GenAI semantic conventions as Prometheus writes them
 (`gen_ai.server.request.duration` -> `gen_ai_server_request_duration_seconds`), with their advised
 bucket boundaries, beside the gateway's own counters (`llmgw_*`). Each settled request is observed
-exactly once: when its settlement is the one the store wrote (extproc/settlement.py's Settler), so
+exactly once: when its settlement is the one the store wrote (extproc/settlement/settler.py), so
 a request settled twice (its filter, then the access log's backstop) is counted once, whichever
 worker settled it.
 
@@ -32,7 +32,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from extproc.accounting import Timing
+    from extproc.settlement.charge import Timing
 
 # `LLMGW_METRICS=off`: nothing is observed (`llmgw bench telemetry` measures what observing costs).
 ENABLED = os.environ.get("LLMGW_METRICS", "on") != "off"

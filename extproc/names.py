@@ -143,7 +143,7 @@ class Key(StrEnum):
     USAGE_PROMPT = "usage_prompt"
     USAGE_COMPLETION = "usage_completion"
     USAGE_CACHED = "usage_cached"
-    # The token classes priced apart (extproc/accounting.py `token_classes`): cache writes at the 5-minute
+    # The token classes priced apart (extproc/settlement/charge.py `token_classes`): cache writes at the 5-minute
     # (or only) rate and at the 1-hour rate, and reasoning among the completion tokens.
     USAGE_CACHE_WRITE = "usage_cache_write"
     USAGE_CACHE_WRITE_1H = "usage_cache_write_1h"

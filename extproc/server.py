@@ -5,7 +5,7 @@ needs as CEL attributes, and ext_proc answers with its decision and closes the s
 and /v1/models/{route}, which have no body, are sent as request headers and answered from them. The
 same server takes the other filters' streams by their role (the stream guard, the meter of
 idempotent answers, the attempt filter) and Envoy's gRPC access log, from which settlement reads
-JSON answers and failures (extproc/settlement.py); every request is parsed leniently
+JSON answers and failures (extproc/settlement/); every request is parsed leniently
 (extproc/wire.py). A status endpoint reports the revision.
 """
 
@@ -57,16 +57,11 @@ from extproc.ratelimit import RateLimitedLog
 from extproc.replay import Sealer
 from extproc.replies import admit, degraded_answer, immediate, longer_wait, refuse
 from extproc.secrets import SecretUnavailable, resolve
-from extproc.settlement import (
-    DEGRADED_RELEASE,
-    Meter,
-    SettlementLog,
-    Settler,
-    Sweeper,
-    record_refusal,
-    refusal,
-    release,
-)
+from extproc.settlement.access_log import SettlementLog
+from extproc.settlement.meter import Meter
+from extproc.settlement.releases import DEGRADED_RELEASE, record_refusal, refusal, release
+from extproc.settlement.settler import Settler
+from extproc.settlement.sweeper import Sweeper
 from extproc.shadow import grant_key
 from extproc.shapes.door import path_of
 from extproc.shapes.registry import ENDPOINTS, door_for, models_door

@@ -38,7 +38,7 @@ from extproc.answer_checks import CheckSpec, Failure, call_policy
 from extproc.contract import METADATA_NAMESPACE, interrupted_event
 from extproc.envoy_msgs import attr, md_attr, with_first
 from extproc.names import INTERRUPTED, KEEPALIVE, MAX_EVENT_BYTES, Filter, Key, StreamEnd
-from extproc.settlement import Meter, answering
+from extproc.settlement.meter import Meter, answering
 from extproc.sse import EventSplitter, StreamUsage, event_data
 from extproc.stream_checks import AnswerFacts, StreamChecker
 

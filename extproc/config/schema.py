@@ -467,7 +467,7 @@ class Fingerprint(Strict):
 
 class Prices(Strict):
     """Integer micro-units of `currency` per million tokens, one rate per token class
-    (extproc/accounting.py `token_classes`). The classes a provider prices like another may leave
+    (extproc/settlement/charge.py `token_classes`). The classes a provider prices like another may leave
     their rate out: cache writes then cost input, 1-hour writes what other writes cost, and reasoning
     costs output (as OpenAI and Gemini bill it)."""
 
@@ -481,7 +481,7 @@ class Prices(Strict):
     reasoning_per_mtok: int | None = Field(default=None, ge=0)
 
     def per_mtok(self, token_class: str) -> int:
-        """The rate of one token class (TOKEN_CLASSES in extproc/accounting.py)."""
+        """The rate of one token class (TOKEN_CLASSES in extproc/settlement/charge.py)."""
         write = self.input_per_mtok if self.cache_write_per_mtok is None else self.cache_write_per_mtok
         return {"input": self.input_per_mtok, "cached_input": self.cached_input_per_mtok,
                 "cache_write": write,

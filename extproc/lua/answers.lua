@@ -32,7 +32,7 @@ function envoy_on_request(h)
   dm:set(NS, K.upstream_headers, "")
 end
 
--- The internal usage object's text (extproc/accounting.py `token_classes` prices it): `prompt` counts
+-- The internal usage object's text (extproc/settlement/charge.py `token_classes` prices it): `prompt` counts
 -- every input token (the cache's reads, `cached`, and writes among them), `output` every output token
 -- (`reasoning` among them). Cache writes are apart from reads: `writes` at the 5-minute (or only) rate,
 -- `writes_1h` at the 1-hour rate, each priced on its own.

@@ -36,7 +36,7 @@ local function as_text(v, default)
   return default
 end
 
--- The internal usage's counts (extproc/accounting.py `token_classes` reads them the same way): input
+-- The internal usage's counts (extproc/settlement/charge.py `token_classes` reads them the same way): input
 -- (every prompt token), cache reads, output, of the output the reasoning's, and of the input the cache
 -- writes at the 5-minute and the 1-hour rate (each part at most what is left of its whole); nil when a
 -- count is not one (the door cannot carry it).

@@ -5,7 +5,7 @@
 --
 -- - The status of the answer's headers as the upstream sent them goes into the request's metadata,
 --   before any other filter (custom_response, a Lua translation, a buffer that overflows) changes or
---   replaces them; settlement reads it (extproc/accounting.py). Only the first status is kept: Envoy's
+--   replaces them; settlement reads it (extproc/settlement/charge.py). Only the first status is kept: Envoy's
 --   own reply after them (a body too large to read) passes here too. With it, the upstream's own
 --   request id, for the ledger.
 -- - An upstream that refused an admitted request as invalid (400, 422) or too large (413) said why,

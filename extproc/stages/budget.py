@@ -7,7 +7,7 @@ applies (tenant, key or subject, route; daily, monthly, total) must hold it; quo
 tokens per minute, GCRA) and the tenant's bulkhead (in-flight requests and reserved tokens, as
 lease-based permits) are checked in the same script. The reservation carries a lease (deadline, plus
 the stream's maximum length for streams, plus grace); a sweeper charges expired leases in full as
-`ambiguous` (extproc/settlement.py).
+`ambiguous` (extproc/settlement/).
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from extproc.accounting import token_classes
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
+from extproc.settlement.charge import token_classes
 
 FOCUS_VERSION = "1.0"
 MICRO = Decimal("0.000001")
@@ -70,7 +70,7 @@ def period_start(ts: float, period: str) -> datetime:
 
 
 def _classes(entry: Mapping[str, Any]) -> list[tuple[str, int]]:
-    """The entry's tokens by class, as the ledger charged them (extproc/accounting.py `token_classes`)."""
+    """The entry's tokens by class, as the ledger charged them (extproc/settlement/charge.py `token_classes`)."""
     return list(token_classes(entry.get("usage") or {}).items())
 
 

@@ -96,7 +96,7 @@ def _degraded_mappers(degraded: Mapping[str, str], revision_header: base_pb2.Hea
     """A route's fixed degraded answer when every upstream was down at dispatch (the decision, which
     cannot see Envoy's health, had admitted it): 200 with the answer instead of 502. Chat completions
     only (a front door's caller keeps its 502, in its shape) and not for an idempotent answer, whose
-    meter would record it for replay. Settlement charges it nothing (extproc/settlement.py)."""
+    meter would record it for replay. Settlement charges it nothing (extproc/settlement/)."""
     settle = f"('{Key.SETTLE}' in {MD} ? {MD}['{Key.SETTLE}'] == '{{}}' : true)"
     kinds = ((False, f"!('{Key.STREAM}' in {MD}) && " + settle.format(Settle.ACCESS_LOG), "application/json"),
              (True, f"('{Key.STREAM}' in {MD}) && " + settle.format(Settle.STREAM), "text/event-stream"))

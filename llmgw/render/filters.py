@@ -190,7 +190,7 @@ def ext_proc_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
 def meter_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     """Idempotent JSON answers (their own admitted route): each body chunk waits for ext_proc, which
     holds the last until the answer is recorded for replay and settled, so a repeat of the key that
-    follows the answer is replayed (extproc/settlement.py). If ext_proc fails, the answer continues
+    follows the answer is replayed (extproc/settlement/). If ext_proc fails, the answer continues
     (the access log's backstop and the lease settle it)."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
@@ -340,7 +340,7 @@ def settlement_log() -> accesslog_pb2.AccessLog:
     stream to ext_proc in batches over one long-lived stream, instead of a stream per request. Every
     admitted request is sent: JSON answers settle here; a stream or idempotent answer that failed or
     was cut settles here at once; one that ended normally is settled by its own filter, and here only
-    as a backstop (extproc/settlement.py). The first settlement wins."""
+    as a backstop (extproc/settlement/). The first settlement wins."""
     # Every request that holds a reservation (its metadata says how it settles), and every request Envoy
     # answered itself because no decision reached it (ext_proc failed or was too slow): a worker may
     # have reserved for it before the decision was lost, and nothing else would release that.

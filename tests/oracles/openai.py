@@ -39,7 +39,7 @@ def failure(status: int, body: bytes) -> Failure:
 
 def usage(native: Mapping[str, Any]) -> Usage:
     """The internal usage's counts, each part at most what is left of its whole (as
-    extproc/lua/doors.lua's `internal_usage` and extproc/accounting.py's `token_classes` read them)."""
+    extproc/lua/doors.lua's `internal_usage` and extproc/settlement/charge.py's `token_classes` read them)."""
     details = native.get("prompt_tokens_details") or {}
     out_details = native.get("completion_tokens_details") or {}
     prompt, output = token_count(native.get("prompt_tokens")), token_count(native.get("completion_tokens"))

@@ -1,4 +1,4 @@
-"""Accounting's pure functions as tables (extproc/accounting.py): what a settlement charges, and how
+"""Accounting's pure functions as tables (extproc/settlement/charge.py): what a settlement charges, and how
 the ledger names the ending."""
 
 from __future__ import annotations
@@ -8,7 +8,12 @@ from dataclasses import replace
 import pytest
 from google.protobuf import struct_pb2
 
-from extproc.accounting import (
+from extproc.config import load_snapshot
+from extproc.config.schema import Prices
+from extproc.envoy_msgs import attr, count_attr
+from extproc.names import Key
+from extproc.settlement.access_log import logged_usage
+from extproc.settlement.charge import (
     TOKEN_CLASSES,
     Ending,
     believed,
@@ -22,11 +27,6 @@ from extproc.accounting import (
     token_classes,
     upstream_succeeded,
 )
-from extproc.config import load_snapshot
-from extproc.config.schema import Prices
-from extproc.envoy_msgs import attr, count_attr
-from extproc.names import Key
-from extproc.settlement import logged_usage
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
@@ -229,7 +229,7 @@ def test_a_stream_sent_but_never_answered_pays_its_prompt_only() -> None:
     assert (tokens, kind) == (1000, "partial") and micros == -(-1000 * DEP.prices.input_per_mtok // 10**6)
 
 
-# An access-log entry, decoded (extproc/settlement.py `logged`), decides its charge alone
+# An access-log entry, decoded (extproc/settlement/access_log.py `ending_of`), decides its charge alone
 # (accounting.charge_ending): each row is one way an exchange ends.
 USAGE = {"prompt_tokens": 100, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 0}}
 JSON_200 = Ending(status=200, stream=False, prompt_bound=150, usage=USAGE, sent=True, answered=True,

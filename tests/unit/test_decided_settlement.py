@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from extproc import settlement
 from extproc.config import load_snapshot
 from extproc.contract import METADATA_NAMESPACE, ErrorCode, GatewayError
 from extproc.exchange import Exchange, Held, Identity
 from extproc.names import Key, Settle
 from extproc.replies import degraded_answer, refuse
-from extproc.settlement import SettlementLog, release
+from extproc.settlement import access_log, releases
+from extproc.settlement.access_log import SettlementLog
+from extproc.settlement.releases import release
 from extproc.store import Settlement
 from tests.conftest import POLICY
 
@@ -86,12 +87,12 @@ def settled_both_ways(ex: Exchange, reply: Any, termination: str, status: int,
 ])
 def test_a_refusal_after_reserving_is_ledgered_the_same_whoever_settles_it(
         monkeypatch: pytest.MonkeyPatch, err: GatewayError, termination: str) -> None:
-    monkeypatch.setattr(settlement, "BACKSTOP_S", 0.05)
+    monkeypatch.setattr(access_log, "BACKSTOP_S", 0.05)
     ex = reserved("shed=queue_timeout;queued_ms=1500")
     reply = refuse(ex, err)
     md = reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value
     assert md[Key.SETTLE] == Settle.DECIDED and md[Key.HOLD] == ex.held.hint  # type: ignore[union-attr]
-    named, marks = settlement.refusal(err.code.value, err.param)  # what the worker releases it with
+    named, marks = releases.refusal(err.code.value, err.param)  # what the worker releases it with
     assert named == termination
     mine, backstop, early = settled_both_ways(ex, reply, termination, err.status, marks)
     assert not early, "the access log settled the decision's own refusal before its backstop time"
@@ -103,11 +104,11 @@ def test_a_refusal_after_reserving_is_ledgered_the_same_whoever_settles_it(
 
 
 def test_the_degraded_answer_is_ledgered_the_same_whoever_settles_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(settlement, "BACKSTOP_S", 0.05)
+    monkeypatch.setattr(access_log, "BACKSTOP_S", 0.05)
     ex = reserved()
     reply = degraded_answer(ex, "the service is busy")
-    mine, backstop, early = settled_both_ways(ex, reply, settlement.DEGRADED_RELEASE[0], 200,
-                                              settlement.DEGRADED_RELEASE[1])
+    mine, backstop, early = settled_both_ways(ex, reply, releases.DEGRADED_RELEASE[0], 200,
+                                              releases.DEGRADED_RELEASE[1])
     assert not early and mine == backstop
     assert mine.outcome == {"termination": "degraded", "status": 200, "settlement": "released", "usage": None,
                            "attempts": [], "degraded": "response"}

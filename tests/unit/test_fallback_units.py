@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.accounting import answered_by
 from extproc.attempts import body_for, choose_candidate
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.plans import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
 from extproc.contract import GatewayError
+from extproc.settlement.charge import answered_by
 from llmgw.local.procs import envoy_binary, envoy_env
 from llmgw.render.bootstrap import RenderOptions, fallback_clusters, render_yaml
 from tests.conftest import stamp_evidence

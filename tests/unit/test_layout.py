@@ -226,3 +226,54 @@ def test_each_command_module_registers_the_commands_the_cli_imports_it_for() -> 
         own = next((set(names) for _, names in COMMAND_MODULES if command in names), set())
         assert set(build_parser(command)._subparsers._group_actions[0].choices) == (  # type: ignore[union-attr]
             set(BUILT_IN) | own)
+
+
+# The settlement room (extproc/settlement/): the charge is a pure function of what was seen, and only the
+# room writes settlements to the store.
+CHARGE_READS = {"__future__", "math", "dataclasses", "typing", "extproc.config", "extproc.config.plans",
+                "extproc.config.schema", "extproc.contract", "extproc.shapes.base"}
+
+
+def test_the_charge_rule_is_pure() -> None:
+    """extproc/settlement/charge.py decides from values alone: no store, no Envoy or gRPC types, no clock,
+    no event loop - so its tables (tests/unit/test_accounting.py) are the whole of it."""
+    path = ROOT / "extproc/settlement/charge.py"
+    tree = ast.parse(path.read_text(), str(path))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names - CHARGE_READS == set()
+
+
+def settlement_writers(paths: list[Path] | None = None, root: Path = ROOT) -> dict[str, list[str]]:
+    """Modules outside the settlement room and the store that make a Settlement or call the store's
+    settle: one entry point into the store."""
+    out: dict[str, list[str]] = {}
+    for path in paths if paths is not None else house_modules("extproc") + house_modules("llmgw"):
+        rel = str(path.relative_to(root))
+        if rel.startswith(("extproc/settlement/", "extproc/store/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == "Settlement":
+                out.setdefault(rel, []).append("Settlement(...)")
+            elif isinstance(f, ast.Attribute) and f.attr in ("settle", "settle_many"):
+                owner = f.value.attr if isinstance(f.value, ast.Attribute) else getattr(f.value, "id", "")
+                if "store" in owner:  # a store's settle, not another object's of the same name
+                    out.setdefault(rel, []).append(f"{owner}.{f.attr}(...)")
+    return out
+
+
+def test_only_the_settlement_room_writes_settlements() -> None:
+    assert settlement_writers() == {}
+
+
+def test_the_writer_finder_finds_a_writer(tmp_path: Path) -> None:
+    """The rule above can fail: a module that settles through the store itself is found; a stage that
+    settles through the room, or another object's `settle`, is not."""
+    (tmp_path / "extproc/stages").mkdir(parents=True)
+    stray, fine = tmp_path / "extproc/stages/stray.py", tmp_path / "extproc/stages/fine.py"
+    stray.write_text("async def f(self, s):\n    await self.store.settle(s)\n")
+    fine.write_text("async def f(loops, meter):\n    loops.settle()\n    await meter.settle(1)\n")
+    assert settlement_writers([stray, fine], tmp_path) == {"extproc/stages/stray.py": ["store.settle(...)"]}

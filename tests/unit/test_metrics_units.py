@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 
 from prometheus_client import REGISTRY
 
-from extproc.accounting import Timing
 from extproc.config import load_snapshot
 from extproc.occupancy import families
-from extproc.settlement import SettledRequest, observer
+from extproc.settlement.charge import Timing
+from extproc.settlement.observe import SettledRequest, observer
 from extproc.stages.budget import window_id
 from extproc.store import BudgetUse, Occupancy, budget_key
 from tests.conftest import POLICY

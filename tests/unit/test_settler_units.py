@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from extproc.settlement import Settler
+from extproc.settlement.settler import Settler
 from extproc.store import Settlement
 
 

@@ -15,7 +15,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from extproc import tracing
-from extproc.settlement import Sweeper
+from extproc.settlement.sweeper import Sweeper
 from extproc.store import (
     IDEM_AMBIGUOUS,
     PERIOD_MS,
@@ -320,13 +320,13 @@ def test_a_refusal_s_ledger_entry_is_appended_once_even_when_retried() -> None:
 def test_a_refusal_s_ledger_entry_waits_out_a_store_outage(monkeypatch: pytest.MonkeyPatch) -> None:
     """The store does not answer twice (a stall longer than its timeout), then does: the entry lands,
     once. It used to be dropped on the first timeout."""
-    from extproc import settlement
     from extproc.config import load_snapshot
     from extproc.exchange import Exchange, Identity
+    from extproc.settlement import releases
     from extproc.store import StoreUnavailable
     from tests.conftest import POLICY
 
-    monkeypatch.setattr(settlement, "RETRY_EVERY_S", 0.01)
+    monkeypatch.setattr(releases, "RETRY_EVERY_S", 0.01)
     calls: list[str] = []
 
     class Stalling:
@@ -338,7 +338,7 @@ def test_a_refusal_s_ledger_entry_waits_out_a_store_outage(monkeypatch: pytest.M
 
     ex = Exchange(snapshot=load_snapshot(POLICY), headers={})
     ex.identity = Identity(tenant="acme", subject="k", kind="api_key")
-    asyncio.run(settlement.record_refusal(Stalling(), ex, "refused", 400, "unsupported_field"))  # type: ignore[arg-type]
+    asyncio.run(releases.record_refusal(Stalling(), ex, "refused", 400, "unsupported_field"))  # type: ignore[arg-type]
     assert calls == [ex.request_id] * 3
 
 
@@ -365,7 +365,7 @@ def test_a_refusal_after_a_lost_reserve_reply_releases_it_and_a_late_reserve_hol
     not run yet, the refusal's marker makes it refuse when it runs late. One entry either way."""
     from extproc.config import load_snapshot
     from extproc.exchange import Exchange, Identity
-    from extproc.settlement import record_refusal
+    from extproc.settlement.releases import record_refusal
     from tests.conftest import POLICY
 
     t = tenant()

@@ -18,7 +18,7 @@ import pytest
 from google import genai
 from google.genai import types
 
-from extproc.accounting import token_classes
+from extproc.settlement.charge import token_classes
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, ledger_of, start_stack
 from tests.helpers import request, unique_marker

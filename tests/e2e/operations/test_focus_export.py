@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from extproc.accounting import charge_of
 from extproc.config import load_snapshot
+from extproc.settlement.charge import charge_of
 from extproc.store import ledger_entry, ledger_key
 from llmgw.local.stack import Stack
 from llmgw.ops.focus import FOCUS_VERSION, aggregate, record

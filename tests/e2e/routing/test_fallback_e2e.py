@@ -234,7 +234,7 @@ def test_two_slow_candidates_share_one_deadline(gw: Stack) -> None:
     entry = ledger_of(gw, r.headers["x-request-id"])
     assert [(a["deployment"], a["status"]) for a in entry["attempts"]] == [("pool-llama-8b", 0), (BACKUP, 0)]
     # Sent, never answered: a stream produced nothing before its first byte, so no output is charged;
-    # the prompt may have been processed, so its bound is (extproc/settlement.py failure_charge).
+    # the prompt may have been processed, so its bound is (extproc/settlement/charge.py failure_charge).
     assert entry["settlement"] == "partial" and entry["usage"]["completion_tokens"] == 0
     assert 0 < entry["charged_micros"] < entry["reserved_micros"]
 
