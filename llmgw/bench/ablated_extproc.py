@@ -27,6 +27,7 @@ from extproc import picker, server
 from extproc.exchange import Exchange
 from extproc.names import METADATA_NAMESPACE, Key
 from extproc.pipeline import build_stages, run_stages
+from extproc.service import decision
 from extproc.stages import Stage
 
 SKIPPED = frozenset(filter(None, os.environ.get("LLMGW_ABLATE_STAGES", "").split(",")))
@@ -50,11 +51,11 @@ async def _timed(stages: Sequence[Stage], ex: Exchange, start: int = 0) -> int |
         _decisions["n"] += start == 0
 
 
-_decide = server.Processor.decide
+_decide = decision.DecisionFilter.decide
 _fixed: list[ep.ProcessingResponse] = []
 
 
-async def _fixed_reply(self: server.Processor, first: ep.ProcessingRequest,
+async def _fixed_reply(self: decision.DecisionFilter, first: ep.ProcessingRequest,
                        _rest: AsyncIterator[ep.ProcessingRequest]) -> AsyncGenerator[ep.ProcessingResponse, None]:
     if _fixed:
         yield _fixed[0]
@@ -75,7 +76,7 @@ def _write_times() -> None:
 
 
 if os.environ.get("LLMGW_ABLATE_FIXED_REPLY"):
-    server.Processor.decide = _fixed_reply  # type: ignore[method-assign]
+    decision.DecisionFilter.decide = _fixed_reply  # type: ignore[method-assign]
 if os.environ.get("LLMGW_ABLATE_SCRAPE_S"):
     _SCRAPE_S = float(os.environ["LLMGW_ABLATE_SCRAPE_S"])
 
@@ -84,7 +85,7 @@ if os.environ.get("LLMGW_ABLATE_SCRAPE_S"):
             super().__init__(pools, **{**kw, "interval": _SCRAPE_S})
 
     server.Picker = _SlowerPicker  # type: ignore[misc,assignment]
-server.build_stages = _built
-server.run_stages = _timed
+decision.build_stages = _built
+decision.run_stages = _timed
 atexit.register(_write_times)
 server.main()

@@ -148,7 +148,7 @@ def header_mutation_filter() -> header_mutation_pb2.HeaderMutation:
 
 def _extproc_service(role: Role | None = None) -> grpc_service_pb2.GrpcService:
     """The ext_proc cluster, for every filter and the access log that talk to it; `role` (gRPC
-    metadata) tells ext_proc which kind of stream starts (extproc/server.py dispatches on it)."""
+    metadata) tells ext_proc which kind of stream starts (extproc/service/processor.py dispatches on it)."""
     service = grpc_service_pb2.GrpcService(
         envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER))
     if role is not None:

@@ -24,7 +24,7 @@ from extproc.config.reload import Live
 from extproc.contract import ErrorCode, GatewayError
 from extproc.exchange import Exchange, Identity
 from extproc.pipeline import build_stages, run_stages
-from extproc.server import Processor
+from extproc.service.processor import Processor
 from extproc.stages.identity import CallerIdentity, bearer_token
 from extproc.stages.intake import Intake
 from extproc.stages.route import RouteSelection, tenant_salts

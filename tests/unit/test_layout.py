@@ -277,3 +277,12 @@ def test_the_writer_finder_finds_a_writer(tmp_path: Path) -> None:
     stray.write_text("async def f(self, s):\n    await self.store.settle(s)\n")
     fine.write_text("async def f(loops, meter):\n    loops.settle()\n    await meter.settle(1)\n")
     assert settlement_writers([stray, fine], tmp_path) == {"extproc/stages/stray.py": ["store.settle(...)"]}
+
+
+def test_starting_ext_proc_is_a_room_of_its_own() -> None:
+    """extproc/server.py starts the service (the command line, secrets, the servers, the loops):
+    nothing in the data plane imports it but `python -m extproc`; the service it starts
+    (extproc/service/) never reaches back into it."""
+    graph = import_graph()
+    importers = sorted(m for m, targets in graph.items() if "extproc.server" in targets and m.startswith("extproc"))
+    assert importers == ["extproc.__main__"]
