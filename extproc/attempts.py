@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,13 +40,14 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
+from extproc.admission import quota_charges
 from extproc.config import Snapshot
 from extproc.config.plans import attempt_kind, decode_plan, translated
 from extproc.config.reload import Live
 from extproc.config.schema import Deployment
-from extproc.contract import CHAT_PATH, ErrorCode, GatewayError
+from extproc.contract import CHAT_PATH, RETRY_AFTER_HEADER, ErrorCode, GatewayError
 from extproc.envoy_msgs import attr, header, md_attr, with_first
-from extproc.metrics import count_attempt
+from extproc.metrics import count_admission, count_attempt
 from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, UPSTREAM_REQUEST_ID_HEADERS, Filter, Header, Key
 from extproc.ratelimit import RateLimitedLog
 from extproc.redact import plain_id
@@ -53,7 +55,7 @@ from extproc.replies import overwrite_header, refuse_attempt
 from extproc.shapes.base import Adapter, Target
 from extproc.shapes.loss import cache_hinted, without_cache_hints
 from extproc.shapes.registry import REQUEST_HEADERS, adapter_for
-from extproc.store import Store, StoreUnavailable
+from extproc.store import Store, StoreUnavailable, quota_key
 
 log = logging.getLogger("llmgw.attempts")
 _errors = RateLimitedLog(log)
@@ -116,6 +118,34 @@ class AttemptFilter:
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 
+    async def _provider_quota(self, state: _Attempt) -> GatewayError | None:
+        """A fallback attempt to a hosted candidate whose provider quota the decision did not reserve
+        (it reserved the first candidate's it admitted to: the hint's `q`) takes from that quota before
+        it is sent - the candidate's and the tenant's share, the request's token bound - so no retry
+        or fallback exceeds a quota agreed with a provider (invariant 18). A spent quota refuses the
+        attempt: 429 `overloaded` with retry-after, as admission refuses. The tokens stay taken at
+        their bound (settlement gives back only what the decision reserved): a fallback errs toward
+        the quota, never past it."""
+        dep, store = state.dep, self.store
+        if dep is None or dep.provider_quota is None or store is None or not state.hint:
+            return None
+        held = json.loads(state.hint)
+        if any(str(key).startswith(quota_key(dep.deployment, "")) for key, *_ in held.get("q", ())):
+            return None  # admission reserved this candidate's quota for the request
+        q = dep.provider_quota
+        charges = quota_charges(dep.deployment, q.requests_per_minute, q.tokens_per_minute,
+                                q.tenant_shares.get(state.tenant, q.default_share), state.tenant,
+                                int(held.get("t", 0)))
+        try:
+            ok, wait_ms = await store.reserve_quota(int(time.time() * 1000), charges) if charges else (True, 0)
+        except StoreUnavailable:
+            return GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the admission store is unavailable")
+        if ok:
+            return None
+        count_admission(dep.deployment, "fallback", "shed_quota")
+        return GatewayError(ErrorCode.OVERLOADED, f"the provider quota of {dep.deployment} is spent for now",
+                            headers={RETRY_AFTER_HEADER: str(max(1, math.ceil(wait_ms / 1000)))})
+
     @staticmethod
     async def _record(store: Store, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
         try:
@@ -141,6 +171,11 @@ class AttemptFilter:
                                                 "the gateway could not address this attempt"))
                     return
                 kind = req.WhichOneof("request")
+                if kind == "request_headers" and (spent := await self._provider_quota(state)) is not None:
+                    state.record["status"] = spent.status  # refused before it was sent: the ledger says why
+                    self._record_later(state)
+                    yield refuse_attempt(spent)
+                    return
                 if kind == "request_headers":
                     # Recorded as it starts (status 0 until its answer's headers): an attempt that
                     # times out is then in the store before the next one starts, not only when Envoy
@@ -175,6 +210,7 @@ class _Attempt:
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)  # the same, as the span's start
     trace: str = ""  # the request's trace context (metadata `trace`)
+    hint: str = ""  # the reservation's hint (metadata `hold`): the token bound, the quotas admission took
     recorded: bool = False
     adapter: Adapter | None = None  # set when the candidate is of another API shape
     target: Target | None = None
@@ -234,6 +270,7 @@ class _Attempt:
         self.tenant, plan = decode_plan(md_attr(attrs, Key.PLAN))
         self.rid = attr(attrs, "request.id")
         self.trace = md_attr(attrs, Key.TRACE)
+        self.hint = md_attr(attrs, Key.HOLD)
         count = header(req.request_headers.headers, "x-envoy-attempt-count", "1")
         self.n = n = int(count) if count.isdigit() else 1
         dep = self.dep = snap.deployments[plan[choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))]]

@@ -28,6 +28,10 @@ class Header(StrEnum):
     # Set on a translated candidate's 2xx answer for the Lua answer filter, which reads and removes them.
     ANSWER_SHAPE = "x-llmgw-answer-shape"
     ANSWER_MODEL = "x-llmgw-answer-model"
+    # Set on the attempt filter's own refusal of an attempt (a candidate's spent provider quota, a host no
+    # candidate's): the Lua filter nearest the router reads and removes it, marking the request's metadata
+    # (Key.ATTEMPT_REFUSED) so custom_response leaves the contract's error as the gateway wrote it.
+    ATTEMPT_REFUSED = "x-llmgw-attempt-refused"
 
 
 class Filter(StrEnum):
@@ -179,6 +183,9 @@ class Key(StrEnum):
     # Why an upstream refused the request as invalid or too large, as its answer said it (secrets
     # redacted, bounded): the caller's error carries it, and the attempt's ledger record.
     UPSTREAM_MESSAGE = "upstream_message"
+    # "1": the last attempt's answer is the attempt filter's own refusal, not an upstream's (its error is
+    # the contract's already: custom_response leaves it alone).
+    ATTEMPT_REFUSED = "attempt_refused"
 
 
 # Where providers name their request (Anthropic's `request-id`, AWS's `x-amzn-requestid`, OpenAI's and
@@ -222,7 +229,8 @@ class StreamEnd(StrEnum):
 
 # What the attempt filter asks for: the host's cluster, the decision's plan, losses and trace.
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.LOSSES),
-                      metadata_path(Key.PLAN_STREAM), metadata_path(Key.TRACE), "request.id")
+                      metadata_path(Key.PLAN_STREAM), metadata_path(Key.TRACE), metadata_path(Key.HOLD),
+                      "request.id")
 # The ledger's marks of how a request was served (the route's degraded answer, a canary's side of the
 # answer, the shadow candidate the request was copied to, a token count and the shape that counted,
 # the candidates left out and why, how admission let it through).

@@ -108,11 +108,12 @@ def refuse_answer(err: GatewayError, body: bytes, decision_id: str, revision: st
 
 
 def refuse_attempt(err: GatewayError) -> ep.ProcessingResponse:
-    """The attempt filter's refusal (an upstream filter has no Exchange): the contract's JSON error.
-    Envoy does not retry an upstream filter's own reply."""
+    """The attempt filter's refusal (an upstream filter has no Exchange): the contract's JSON error,
+    marked as the gateway's own (Header.ATTEMPT_REFUSED) so that nothing downstream takes it for an
+    upstream's error and rewrites it. Envoy does not retry an upstream filter's own reply."""
     return ep.ProcessingResponse(immediate_response=_immediate_response(
         err.status, err.body(), f"llmgw_{err.code.value}",
-        [_JSON, *(_header(k, v) for k, v in err.response_headers().items())]))
+        [_JSON, _header(Header.ATTEMPT_REFUSED, "1"), *(_header(k, v) for k, v in err.response_headers().items())]))
 
 
 def degraded_answer(ex: Exchange, text: str) -> ep.ProcessingResponse:

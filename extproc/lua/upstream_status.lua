@@ -13,6 +13,8 @@
 --   message (error.message, message, detail), secrets in it redacted and cut to a bound, and the
 --   ledger's attempt records it (`upstream_message`). custom_response leaves such an answer alone (the
 --   metadata says it was written here); a refusal with no message to read gets custom_response's.
+-- - The attempt filter's own refusal of an attempt (marked by its header) is the gateway's error, not an
+--   upstream's: the metadata says so (`attempt_refused`) and custom_response leaves it alone too.
 
 local find, sub, gsub, byte = string.find, string.sub, string.gsub, string.byte
 local NS, K = CONFIG.namespace, CONFIG.keys
@@ -100,6 +102,13 @@ function envoy_on_response(h)
   local headers = h:headers()
   local status = headers:get(":status") or ""
   dm:set(NS, K.upstream_status, status)
+  if headers:get(CONFIG.attempt_refused_header) ~= nil then
+    -- The attempt filter refused the attempt itself: its error is the contract's already (and no
+    -- upstream's request id to read), which custom_response must leave as it is.
+    headers:remove(CONFIG.attempt_refused_header)
+    dm:set(NS, K.attempt_refused, "1")
+    return
+  end
   -- the upstream's own request id, before Envoy puts its own x-request-id in the answer
   for _, name in ipairs(CONFIG.request_id_headers) do
     local v = headers:get(name)

@@ -180,10 +180,11 @@ class Reservation:
     @functools.cached_property
     def hint(self) -> str:
         """What settlement needs without reading the reservation back: the keys it touched (and the
-        prompt bound). Travels in Envoy's metadata, and is stored with the reservation for the sweeper."""
+        prompt and token bounds: a fallback attempt takes the tokens from its candidate's quota).
+        Travels in Envoy's metadata, and is stored with the reservation for the sweeper."""
         return packed({"b": [b.key for b in self.budgets],
                        "r": [f"{q.key}={q.ms_per_unit!r}" for q in self.rates if q.per_token],
-                       "i": self.idem_key or "", "p": self.prompt_bound}).decode()
+                       "i": self.idem_key or "", "p": self.prompt_bound, "t": self.tokens}).decode()
 
 
 @dataclass(frozen=True)

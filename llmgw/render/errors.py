@@ -257,7 +257,9 @@ def upstream_errors_filter() -> custom_response_pb2.CustomResponse:
     caller gets them in its door's shape. The rules are written once, at the filter: as per-route
     configuration (each admitted route its shape's table) they were three quarters of the whole
     Envoy configuration, 10 KB on each of about a hundred routes."""
-    admitted = _metadata_is(Key.CLUSTER, None)
+    # (An attempt the attempt filter refused itself carries the contract's error already.)
+    admitted = Predicate(and_matcher=Predicate.PredicateList(predicate=[
+        _metadata_is(Key.CLUSTER, None), Predicate(not_matcher=_metadata_is(Key.ATTEMPT_REFUSED, None))]))
     doors = [matcher_pb2.Matcher.MatcherList.FieldMatcher(
         predicate=Predicate(and_matcher=Predicate.PredicateList(
             predicate=[admitted, _metadata_is(Key.DOOR, door.name)])),

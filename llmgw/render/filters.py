@@ -428,6 +428,7 @@ def upstream_status_lua(refusals: Mapping[int, tuple[int, str, str]]) -> str:
                             for upstream, (status, before, after) in sorted(refusals.items())) + "}"
     return _lua_script("upstream_status.lua", {
         "request_id_headers": _lua_names(UPSTREAM_REQUEST_ID_HEADERS), "refusals": table,
+        "attempt_refused_header": _lua_string(Header.ATTEMPT_REFUSED),
         "max_reason_bytes": str(MAX_REASON_BYTES), "max_refusal_bytes": str(MAX_REFUSAL_BYTES)},
         helpers=("values.lua",))
 

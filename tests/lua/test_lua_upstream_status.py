@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.contract import ErrorCode
-from extproc.names import Key
+from extproc.names import Header, Key
 from extproc.redact import Redactor
 from llmgw.render.errors import UPSTREAM_ERROR_RULES, upstream_refusals
 from llmgw.render.filters import MAX_REASON_BYTES, upstream_status_lua
@@ -112,6 +112,18 @@ def test_the_first_status_and_the_upstreams_request_id_are_kept(lua: Any) -> Non
     assert sets == {}
     _, _, sets = answer(lua, 200, b"{}", headers={"request-id": "not an id; it has spaces"})
     assert Key.UPSTREAM_REQUEST_ID not in sets
+
+
+def test_the_attempt_filters_own_refusal_is_marked_and_left_as_it_came(lua: Any) -> None:
+    """A 400 the attempt filter wrote (the gateway's own refusal of an attempt) is no upstream's refusal:
+    marked so custom_response leaves it alone, its marker header removed, its body untouched."""
+    body = b'{"error": {"message": "quota spent", "type": "rate_limit_error", "code": "overloaded", "param": null}}'
+    hdrs = {Header.ATTEMPT_REFUSED: "1"}
+    status, out, sets = answer(lua, 429, body, headers=hdrs)
+    assert (status, out) == (429, body)
+    assert sets == {Key.UPSTREAM_STATUS: "429", Key.ATTEMPT_REFUSED: "1"}
+    _, same, sets = answer(lua, 400, b'{"message": "bad"}', headers=hdrs)  # a refusal status: not rewritten
+    assert same == b'{"message": "bad"}' and Key.UPSTREAM_MESSAGE not in sets
 
 
 # Secrets an upstream may echo back, each a kind the gateway's own redaction finds.

@@ -218,3 +218,62 @@ def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
     records = asyncio.run(scenario())
     assert records and records[0][:3] == ("acme", "r-1", 1)
     assert {k: records[0][3][k] for k in ("n", "deployment", "status")} == {"n": 1, "deployment": FIRST, "status": 0}
+
+
+def test_a_fallback_attempt_takes_from_its_candidates_provider_quota_before_it_is_sent() -> None:
+    """The decision reserved the pool's slot; the fallback to the hosted candidate takes from that
+    candidate's provider quota as it starts (a real store). A token bound the quota cannot hold this
+    minute refuses the attempt 429 `overloaded` with retry-after, recorded; a quota the decision
+    already took for this candidate is not taken twice."""
+    import asyncio
+
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from google.protobuf import struct_pb2
+
+    from extproc.attempts import AttemptFilter
+    from extproc.names import HOST_CLUSTER, Filter, Key, metadata_path
+    from extproc.store import Store, quota_key
+    from tests.conftest import POLICY, valkey_url
+
+    snap = load_snapshot(POLICY)
+    hosted = "demo-anthropic"
+    assert snap.deployments[hosted].provider_quota is not None
+
+    def attempt(hint: dict[str, Any]) -> ep.ProcessingRequest:
+        attrs = struct_pb2.Struct()
+        attrs.update({metadata_path(Key.PLAN): encode_plan("acme", [FIRST, hosted]), HOST_CLUSTER: f"dep_{hosted}",
+                      metadata_path(Key.HOLD): json.dumps(hint), "request.id": f"r-{len(json.dumps(hint))}"})
+        return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key="x-envoy-attempt-count", raw_value=b"2")])), attributes={Filter.EXT_PROC: attrs})
+
+    async def nothing() -> Any:
+        await asyncio.Event().wait()
+        yield ep.ProcessingRequest()
+
+    class Live:
+        snapshot = snap
+        credentials = dict.fromkeys(snap.deployments, "key")
+        credential_errors: dict[str, str] = {}
+
+    async def first_reply(hint: dict[str, Any]) -> tuple[ep.ProcessingResponse, int]:
+        store = Store(valkey_url())
+        try:
+            before = await store.client.exists(quota_key(hosted, "rpm"))
+            replies = AttemptFilter(store, lambda: Live).handle(attempt(hint), nothing())  # type: ignore[arg-type]
+            reply = await anext(replies)
+            await replies.aclose()
+            return reply, before
+        finally:
+            await store.close()
+
+    spent, _ = asyncio.run(first_reply({"p": 10, "t": 3_000_000}))  # more than the minute's 2M tokens
+    assert spent.immediate_response.status.code == 429
+    headers = {h.header.key: h.header.raw_value.decode() for h in spent.immediate_response.headers.set_headers}
+    assert int(headers["retry-after"]) >= 1 and b"overloaded" in spent.immediate_response.body
+    sent, _ = asyncio.run(first_reply({"p": 10, "t": 100}))
+    assert sent.HasField("request_headers")  # on its way, its quota taken
+    taken = asyncio.run(first_reply({"p": 10, "t": 100}))[1]
+    assert taken == 1  # the earlier attempt's request is in the candidate's bucket
+    held = {"p": 10, "t": 3_000_000, "q": [[quota_key(hosted, "rpm"), 15.0, 1, False]]}
+    assert asyncio.run(first_reply(held))[0].HasField("request_headers")  # admission took it: not again

@@ -135,3 +135,24 @@ def test_a_pool_s_bound_holds_whichever_replica_admits(replicas: tuple[Stack, St
         assert all(f.result()[0] == 200 for f in held)
     waited = chat(b, "after both are done")
     assert waited[0] == 200
+
+
+def test_a_fallback_attempt_is_held_to_its_candidates_quota(replicas: tuple[Stack, Stack]) -> None:
+    """The pool first, the hosted candidate next (chat-fallback): the decision takes a pool slot and
+    none of the hosted quota. With that quota spent and the pool failing, the fallback attempt takes
+    from the quota before it is sent - and is refused 429 `overloaded` with retry-after instead of
+    going past what was agreed: the provider receives nothing."""
+    a, _ = replicas
+    while send(a, "acme")[0] == 200:  # spend whatever the bucket regained
+        pass
+    request(f"{provider_url(a)}/admin/requests", "DELETE")
+    marker = inject_fault(a.engine_urls("engine-pool"), "status=503", count=4)
+    r = request(f"{a.url}/v1/chat/completions", "POST",
+                {"model": "chat-fallback", "max_tokens": 4, "messages": [{"role": "user", "content": marker}]},
+                {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30)
+    assert_contract_error(r, 429, "overloaded")
+    assert int(r.headers["retry-after"]) >= 1 and r.headers.get("x-should-retry") == "true"
+    assert received((a,)) == 0  # the provider saw no attempt
+    entry = ledger_of(a, r.headers["x-request-id"], "acme")
+    assert [(x["deployment"], x["status"]) for x in entry["attempts"]] == [("pool-llama-8b", 503),
+                                                                         ("demo-anthropic", 429)], entry
