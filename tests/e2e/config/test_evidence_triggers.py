@@ -55,7 +55,7 @@ def narrow_anthropic(p: Path) -> None:
 
 
 STATIC = [  # (what `llmgw check` says, the change, whether it touches every deployment)
-    ("price change (2026-12 -> 2027-01)",
+    ("price change (2026-12.2 -> 2027-01)",
      lambda p: edit(p / "deployments/demo-anthropic.yaml", lambda d: d["prices"].update(version="2027-01")), False),
     ("provider quota change", lambda p: edit(p / "deployments/demo-anthropic.yaml",
                                              lambda d: d["provider_quota"].update(requests_per_minute=1)), False),

@@ -63,7 +63,7 @@ def test_the_command_prices_low_base_high_beside_the_demo_s_hosted_route() -> No
     assert len(rows) == 3
     assert all(row.split("|")[6].strip() == "yes" for row in rows)  # stable
     # The eligible hosted candidate cheapest per accepted task, its prices over its quality score.
-    assert "hosted: chat-anthropic (demo-anthropic, prices 2026-12, USD, quality 1.00)" in out.stdout
+    assert "hosted: chat-anthropic (demo-anthropic, prices 2026-12.2, USD, quality 1.00)" in out.stdout
     assert "SLO attainment: not measured" in out.stdout
     missing = llmgw("plan", "--peak-rps", "1", "--hosted-route", "no-such-route")
     assert missing.returncode == 2 and "no route no-such-route" in missing.stderr
