@@ -205,6 +205,22 @@ def quota_charges(deployment: str, rpm: int | None, tpm: int | None, share: floa
     return out
 
 
+async def take_provider_quota(store: Store, dep: Deployment, tenant: str,
+                              tokens: int) -> tuple[list[RateCharge], int | None]:
+    """A request's take of a hosted deployment's provider quota and of the tenant's share of it, at its
+    token bound, all or none: (the charges, None) when taken, (the charges, ms until the first bucket
+    that refused has room) when spent. Admission takes the first candidate's; the attempt filter a
+    fallback candidate's (extproc/attempts.py)."""
+    q = dep.provider_quota
+    assert q is not None
+    charges = quota_charges(dep.deployment, q.requests_per_minute, q.tokens_per_minute,
+                            q.tenant_shares.get(tenant, q.default_share), tenant, tokens)
+    if not charges:
+        return charges, None
+    ok, wait_ms = await store.reserve_quota(int(time.time() * 1000), charges)
+    return charges, None if ok else wait_ms
+
+
 class AdmissionControl:
     """This worker's gates, one per pool with `admission`, made as revisions name them."""
 

@@ -40,7 +40,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
-from extproc.admission import quota_charges
+from extproc.admission import take_provider_quota
 from extproc.config import Snapshot
 from extproc.config.plans import attempt_kind, decode_plan, translated
 from extproc.config.reload import Live
@@ -132,15 +132,11 @@ class AttemptFilter:
         held = json.loads(state.hint)
         if any(str(key).startswith(quota_key(dep.deployment, "")) for key, *_ in held.get("q", ())):
             return None  # admission reserved this candidate's quota for the request
-        q = dep.provider_quota
-        charges = quota_charges(dep.deployment, q.requests_per_minute, q.tokens_per_minute,
-                                q.tenant_shares.get(state.tenant, q.default_share), state.tenant,
-                                int(held.get("t", 0)))
         try:
-            ok, wait_ms = await store.reserve_quota(int(time.time() * 1000), charges) if charges else (True, 0)
+            _, wait_ms = await take_provider_quota(store, dep, state.tenant, int(held.get("t", 0)))
         except StoreUnavailable:
             return GatewayError(ErrorCode.POLICY_UNAVAILABLE, "the admission store is unavailable")
-        if ok:
+        if wait_ms is None:
             return None
         count_admission(dep.deployment, "fallback", "shed_quota")
         return GatewayError(ErrorCode.OVERLOADED, f"the provider quota of {dep.deployment} is spent for now",

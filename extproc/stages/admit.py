@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any
 
-from extproc.admission import AdmissionControl, PoolGate, Waiter, Waiting, quota_charges
+from extproc.admission import AdmissionControl, PoolGate, Waiter, Waiting, take_provider_quota
 from extproc.config.schema import Deployment
 from extproc.contract import RETRY_AFTER_HEADER, ErrorCode, GatewayError
 from extproc.exchange import Exchange
@@ -148,15 +148,7 @@ class Admission:
         """The deployment's provider quota (and the tenant's share of it) reserved: None; else how long
         until it has room (ms)."""
         assert self.control is not None and ex.held is not None and ex.identity is not None
-        q = dep.provider_quota
-        assert q is not None
-        share = q.tenant_shares.get(ex.identity.tenant, q.default_share)
-        charges = quota_charges(dep.deployment, q.requests_per_minute, q.tokens_per_minute, share,
-                                ex.identity.tenant, ex.held.tokens)
-        if not charges:
-            return None
-        ok, wait_ms = await self.control.store.reserve_quota(int(time.time() * 1000), charges)
-        if not ok:
-            return wait_ms
-        with_hint(ex, q=[c.encode() for c in charges])
-        return None
+        charges, wait_ms = await take_provider_quota(self.control.store, dep, ex.identity.tenant, ex.held.tokens)
+        if wait_ms is None and charges:
+            with_hint(ex, q=[c.encode() for c in charges])
+        return wait_ms
