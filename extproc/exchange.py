@@ -4,7 +4,6 @@ dropped when the stream ends; every stage reads and writes it, nothing else hold
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 import time
 import urllib.parse
@@ -29,6 +28,7 @@ from extproc.shadow import Grant
 from extproc.shapes.door import path_of
 from extproc.shapes.loss import Loss
 from extproc.shapes.registry import DOORS_BY_NAME
+from extproc.store import idempotency_key_sha256
 from extproc.tracing import context_value
 
 MAX_LOGGED_REASONS = 8
@@ -162,7 +162,7 @@ class Exchange:
     @property
     def idempotency_key_sha256(self) -> str:
         """The Idempotency-Key as the store and the ledger name it ("" without one)."""
-        return hashlib.sha256(self.idempotency_key.encode()).hexdigest() if self.idempotency_key is not None else ""
+        return idempotency_key_sha256(self.idempotency_key) if self.idempotency_key is not None else ""
 
     def ledger_facts(self) -> dict[str, Any]:
         """What the ledger records about the request itself (invariant 8, docs/INVARIANTS.md); never content."""
@@ -192,8 +192,8 @@ class Exchange:
             facts["effects"] = list(self.effects)
             if self.idempotency_key is not None:
                 facts["idempotency_key"] = self.idempotency_key
-        if self.idempotency_key_sha256:  # the store's name for the key: `llmgw ledger get` finds it by it
-            facts["idempotency_key_sha256"] = self.idempotency_key_sha256
+        if sha := self.idempotency_key_sha256:  # the store's name for the key: `llmgw ledger get` finds it by it
+            facts["idempotency_key_sha256"] = sha
         if self.disqualified:
             facts[Key.DISQUALIFIED.value] = self.disqualified
         if self.admission:

@@ -185,7 +185,7 @@ def logged_usage(md: Any, prompt: Any) -> Usage:
 
 
 def ending_of(entry: Any, md: Any, hint: str, backstop: bool) -> Ending:
-    """An access-log entry decoded: the facts settlement decides the charge from (accounting.Ending)."""
+    """An access-log entry decoded: the facts settlement decides the charge from (charge.Ending)."""
     common = entry.common_properties
     flags = common.response_flags
     prompt = count_attr(md, Key.USAGE_PROMPT)  # present only when a filter found a usage object

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import time
@@ -107,6 +108,11 @@ def rate_key(tenant: str, name: str, kind: str) -> str:
 
 def idem_key(tenant: str, key_hash: str) -> str:
     return f"{tag(tenant)}:idem:{key_hash}"
+
+
+def idempotency_key_sha256(key: str) -> str:
+    """An Idempotency-Key as the store (idem_key) and the ledger (`idempotency_key_sha256`) name it."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def slots_key(pool: str) -> str:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from extproc.store import idem_key, ledger_entry, ledger_key
+from extproc.store import idem_key, idempotency_key_sha256, ledger_entry, ledger_key
 from extproc.store.scripts import FORGET_AMBIGUOUS
 
 # Entries are appended when settled, after their arrival `time`, with the store's clock as their id: a
@@ -41,16 +40,11 @@ def ttft_ms(entry: Mapping[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
-def key_sha256(key: str) -> str:
-    """An Idempotency-Key as the store and the ledger name it (`idempotency_key_sha256`)."""
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 def entries_of(client: Any, tenants: Sequence[str], request_id: str = "",
                idempotency_key: str = "") -> list[dict[str, Any]]:
     """The ledger entries of one request (by its id) or of every request sent with one Idempotency-Key,
     oldest first: a scan of the tenants' streams (an operator's question, not the request path's)."""
-    sha = key_sha256(idempotency_key) if idempotency_key else ""
+    sha = idempotency_key_sha256(idempotency_key) if idempotency_key else ""
     return [e for e in ledger_entries(client, tenants)
             if (request_id and e.get("request_id") == request_id)
             or (sha and e.get("idempotency_key_sha256") == sha)]
@@ -59,12 +53,12 @@ def entries_of(client: Any, tenants: Sequence[str], request_id: str = "",
 def key_state(client: Any, tenant: str, idempotency_key: str) -> dict[str, str]:
     """What the store holds of an Idempotency-Key now: its state (inflight, done, ambiguous) and the
     request that holds it ({} when the store keeps nothing: never used, forgotten or expired)."""
-    held = client.hgetall(idem_key(tenant, key_sha256(idempotency_key)))
+    held = client.hgetall(idem_key(tenant, idempotency_key_sha256(idempotency_key)))
     return {"state": held["state"], "request_id": held.get("rid", "")} if held.get("state") else {}
 
 
 def forget_ambiguous(client: Any, tenant: str, idempotency_key: str) -> str:
     """An operator's resolution of a key left ambiguous: forgotten, so a retry with it runs. The state
     found is returned; any other state is left as it is (a key in flight or done is not the operator's)."""
-    found = client.eval(FORGET_AMBIGUOUS, 1, idem_key(tenant, key_sha256(idempotency_key)))
+    found = client.eval(FORGET_AMBIGUOUS, 1, idem_key(tenant, idempotency_key_sha256(idempotency_key)))
     return str(found.decode() if isinstance(found, bytes) else found)

@@ -27,11 +27,12 @@ from extproc.store import (
     Store,
     budget_key,
     idem_key,
+    idempotency_key_sha256,
     ledger_entry,
     ledger_key,
     rate_key,
 )
-from llmgw.ops.ledger import forget_ambiguous, key_sha256
+from llmgw.ops.ledger import forget_ambiguous
 from tests.conftest import valkey_url
 
 
@@ -191,7 +192,7 @@ def test_an_ambiguous_outcome_keeps_its_key_refusing_until_an_operator_forgets_i
     dispatched a second time; `llmgw ledger resolve` forgets it, and a retry then runs. The key keeps
     the TTL it was reserved with."""
     t = tenant()
-    key = idem_key(t, key_sha256("k3"))  # as the gateway names the key `k3`
+    key = idem_key(t, idempotency_key_sha256("k3"))  # as the gateway names the key `k3`
 
     async def go(store: Store) -> list[Any]:
         await store.reserve(reservation(t, "a", idem_key=key, idem_body_hash="h", idem_ttl_ms=60_000))
