@@ -114,25 +114,32 @@ def plan_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _prompt_blocks(body: dict[str, Any]) -> list[Any]:
+    """The request's blocks in the order the provider caches them: tools, system blocks, then each
+    message's content (a string content as one text block)."""
+    system = body.get("system")
+    blocks: list[Any] = [*(body.get("tools") or ()), *(system if isinstance(system, list) else ())]
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        blocks += content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
+    return blocks
+
+
+def _marked(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("cache_control") is not None
+
+
 def _breakpoints(body: dict[str, Any]) -> list[Any]:
     """The request's caching breakpoints (`cache_control` on tools, system blocks and content blocks)."""
-    system = body.get("system")
-    blocks = [*(body.get("tools") or ()), *(system if isinstance(system, list) else ()),
-              *(b for m in body.get("messages") or () if isinstance(m, dict) and isinstance(m.get("content"), list)
-                for b in m["content"])]
-    return [b["cache_control"] for b in blocks if isinstance(b, dict) and b.get("cache_control") is not None]
+    return [b["cache_control"] for b in _prompt_blocks(body) if _marked(b)]
 
 
 def _cache_prefix(body: dict[str, Any], prompt: list[int]) -> tuple[int, str]:
     """The prompt's tokens through its last caching breakpoint and that breakpoint's TTL ((0, "") with
     none): the prompt less the text of every block after the breakpoint (tools come first, then the
     system blocks, then the messages' content)."""
-    system = body.get("system")
-    blocks: list[Any] = [*(body.get("tools") or ()), *(system if isinstance(system, list) else ())]
-    for m in body.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        blocks += content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
-    marked = [i for i, b in enumerate(blocks) if isinstance(b, dict) and b.get("cache_control") is not None]
+    blocks = _prompt_blocks(body)
+    marked = [i for i, b in enumerate(blocks) if _marked(b)]
     if not marked:
         return 0, ""
     after = "".join(_block_text(b) for b in blocks[marked[-1] + 1:])
