@@ -246,7 +246,9 @@ class _Attempt:
             named = next((v for n in UPSTREAM_REQUEST_ID_HEADERS if (v := header(req.response_headers.headers, n))), "")
             if named:
                 self.record[Key.UPSTREAM_REQUEST_ID.value] = plain_id(named)
-            mutation = ep.HeaderMutation(set_headers=[overwrite_header(Header.DEPLOYMENT, self.dep.deployment)])
+            # An upstream's own header of the attempt filter's refusal mark must not pass for one.
+            mutation = ep.HeaderMutation(set_headers=[overwrite_header(Header.DEPLOYMENT, self.dep.deployment)],
+                                         remove_headers=[Header.ATTEMPT_REFUSED])
             if self.losses:
                 mutation.set_headers.append(overwrite_header(Header.TRANSLATION_LOSS, self.losses))
             if self.adapter is not None and 200 <= self.status < 300:

@@ -103,11 +103,15 @@ function envoy_on_response(h)
   local status = headers:get(":status") or ""
   dm:set(NS, K.upstream_status, status)
   if headers:get(CONFIG.attempt_refused_header) ~= nil then
-    -- The attempt filter refused the attempt itself: its error is the contract's already (and no
-    -- upstream's request id to read), which custom_response must leave as it is.
     headers:remove(CONFIG.attempt_refused_header)
-    dm:set(NS, K.attempt_refused, "1")
-    return
+    -- Believed only where the attempt filter runs (a plan): it removes the mark from every upstream's
+    -- own answer, so there it is the filter's refusal, whose error is the contract's already (and no
+    -- upstream's request id to read), which custom_response must leave as it is. Elsewhere it is an
+    -- upstream's header, and its answer is judged as any other.
+    if md ~= nil and md[K.plan] ~= nil then
+      dm:set(NS, K.attempt_refused, "1")
+      return
+    end
   end
   -- the upstream's own request id, before Envoy puts its own x-request-id in the answer
   for _, name in ipairs(CONFIG.request_id_headers) do

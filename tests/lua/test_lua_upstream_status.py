@@ -115,15 +115,20 @@ def test_the_first_status_and_the_upstreams_request_id_are_kept(lua: Any) -> Non
 
 
 def test_the_attempt_filters_own_refusal_is_marked_and_left_as_it_came(lua: Any) -> None:
-    """A 400 the attempt filter wrote (the gateway's own refusal of an attempt) is no upstream's refusal:
-    marked so custom_response leaves it alone, its marker header removed, its body untouched."""
+    """A 429 the attempt filter wrote (the gateway's own refusal of an attempt, on a plan's route) is no
+    upstream's refusal: marked so custom_response leaves it alone, its body untouched. The same header
+    from an upstream on a route without the attempt filter is not believed: its answer is judged as any
+    other's (the attempt filter strips it from an upstream's answer on a plan)."""
     body = b'{"error": {"message": "quota spent", "type": "rate_limit_error", "code": "overloaded", "param": null}}'
     hdrs = {Header.ATTEMPT_REFUSED: "1"}
-    status, out, sets = answer(lua, 429, body, headers=hdrs)
+    plan = {**ADMITTED, Key.PLAN: "acme|pool-llama-8b,demo-anthropic"}
+    status, out, sets = answer(lua, 429, body, plan, headers=hdrs)
     assert (status, out) == (429, body)
     assert sets == {Key.UPSTREAM_STATUS: "429", Key.ATTEMPT_REFUSED: "1"}
-    _, same, sets = answer(lua, 400, b'{"message": "bad"}', headers=hdrs)  # a refusal status: not rewritten
+    _, same, sets = answer(lua, 400, b'{"message": "bad"}', plan, headers=hdrs)  # a refusal status: not rewritten
     assert same == b'{"message": "bad"}' and Key.UPSTREAM_MESSAGE not in sets
+    _, spoofed, sets = answer(lua, 400, b'{"message": "bad"}', headers=hdrs)  # no plan: an upstream's header
+    assert Key.ATTEMPT_REFUSED not in sets and sets[Key.UPSTREAM_MESSAGE] == "bad" and spoofed != b'{"message": "bad"}'
 
 
 # Secrets an upstream may echo back, each a kind the gateway's own redaction finds.

@@ -166,6 +166,8 @@ def test_only_the_attempt_filter_names_an_answers_shape(deployment: str, names_s
     named = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
     assert (named.get(Header.ANSWER_SHAPE) == "anthropic") == names_shape
     assert (Header.ANSWER_SHAPE in mutation.remove_headers) == (not names_shape)
+    # Nor can an upstream's own header pass its answer off as the attempt filter's refusal.
+    assert Header.ATTEMPT_REFUSED in mutation.remove_headers
 
 
 def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
