@@ -143,10 +143,10 @@ def test_a_fallback_attempt_is_held_to_its_candidates_quota(replicas: tuple[Stac
     from the quota before it is sent - and is refused 429 `overloaded` with retry-after instead of
     going past what was agreed: the provider receives nothing."""
     a, _ = replicas
-    while send(a, "acme")[0] == 200:  # spend whatever the bucket regained
+    marker = inject_fault(a.engine_urls("engine-pool"), "status=503", count=4)
+    while send(a, "acme")[0] == 200:  # spend whatever the bucket regained (one every 5 s): just before
         pass
     request(f"{provider_url(a)}/admin/requests", "DELETE")
-    marker = inject_fault(a.engine_urls("engine-pool"), "status=503", count=4)
     r = request(f"{a.url}/v1/chat/completions", "POST",
                 {"model": "chat-fallback", "max_tokens": 4, "messages": [{"role": "user", "content": marker}]},
                 {"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30)
