@@ -36,6 +36,7 @@ def trace(n: int, every_s: float, stream: bool = False, request_class: str = "re
                         data_class="internal", input_tokens=40, output_tokens=4, stream=stream) for i in range(n)]
 
 
+@pytest.mark.serial  # the generator's own lateness is measured: other workers' load must not delay it
 def test_a_slow_pool_does_not_lower_the_offered_load(gw: Stack) -> None:
     engines = gw.engine_urls("engine-pool")
     for url in engines:  # every answer takes 2 s: a closed-loop client would send far fewer
