@@ -15,7 +15,9 @@ forwards no such header anyway. SPEC is one or more of:
   delay_ms=300        wait before answering
   stall_after=3       send 3 chunks, then go silent (until the client goes away); the pool's JSON
                       answer: its status, headers and first 3 bytes, then silence
-  disconnect_after=3  send 3 chunks, then drop the connection
+  disconnect_after=3  send 3 chunks, then drop the connection; the pool's JSON answer: generated whole,
+                      then the connection dropped before its headers (an engine's worker lost after
+                      the work was done: the client cannot know whether it ran)
   malformed_after=3   send 3 chunks, then a chunk that is not JSON, then end
   stray_after=3       (the pool's streams) send 3 chunks, then an event that is JSON but no chunk, then go on
   end_after=3         send 3 chunks, then end the answer cleanly, without the stream's own end
@@ -495,6 +497,9 @@ class EngineServer:
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, seqs, outputs, rid, include_usage, fault, logprobs)
             answer = await self._complete(seqs, outputs, rid, logprobs, fault)
+            if fault.disconnect_after is not None and request.transport is not None:
+                request.transport.abort()  # the work done, the answer never sent
+                return answer
             if fault.stall_after is not None:  # a JSON answer: its headers and first bytes, then silence
                 return await stalled(request, answer, fault.stall_after)
             return answer

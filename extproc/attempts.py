@@ -48,7 +48,15 @@ from extproc.config.schema import Deployment
 from extproc.contract import CHAT_PATH, RETRY_AFTER_HEADER, ErrorCode, GatewayError
 from extproc.envoy_msgs import attr, header, md_attr, with_first
 from extproc.metrics import count_admission, count_attempt
-from extproc.names import ATTEMPT_WITHOUT_BODY, HOST_CLUSTER, UPSTREAM_REQUEST_ID_HEADERS, Filter, Header, Key
+from extproc.names import (
+    ATTEMPT_COUNT_HEADER,
+    ATTEMPT_WITHOUT_BODY,
+    HOST_CLUSTER,
+    UPSTREAM_REQUEST_ID_HEADERS,
+    Filter,
+    Header,
+    Key,
+)
 from extproc.ratelimit import RateLimitedLog
 from extproc.redact import plain_id
 from extproc.replies import overwrite_header, refuse_attempt
@@ -269,7 +277,7 @@ class _Attempt:
         self.rid = attr(attrs, "request.id")
         self.trace = md_attr(attrs, Key.TRACE)
         self.hint = md_attr(attrs, Key.HOLD)
-        count = header(req.request_headers.headers, "x-envoy-attempt-count", "1")
+        count = header(req.request_headers.headers, ATTEMPT_COUNT_HEADER, "1")
         self.n = n = int(count) if count.isdigit() else 1
         dep = self.dep = snap.deployments[plan[choose_candidate(snap, plan, n, attr(attrs, HOST_CLUSTER))]]
         # The candidate the previous attempt went to (by the composite's order).

@@ -34,6 +34,12 @@ class Header(StrEnum):
     ATTEMPT_REFUSED = "x-llmgw-attempt-refused"
 
 
+# Envoy numbers each attempt on its request (the virtual host's include_request_attempt_count), and
+# tells a response filter how many there were (a CEL attribute).
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
+ATTEMPT_COUNT = "upstream.request_attempt_count"
+
+
 class Filter(StrEnum):
     """HTTP filters by the names the rendered bootstrap gives them: the gateway's own, and Envoy's."""
 
@@ -237,7 +243,7 @@ ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.L
 LEDGER_MARKS = (Key.DEGRADED, Key.CANARY, Key.SHADOW, Key.COUNT, Key.DISQUALIFIED, Key.ADMISSION)
 # What the meter asks for at the answer's end.
 METER_ATTRIBUTES = ("request.id", "request.time", "upstream.address", "response.code",
-                    f"response.headers['{Header.DEPLOYMENT}']",
+                    f"response.headers['{Header.DEPLOYMENT}']", ATTEMPT_COUNT,
                     *(metadata_path(k) for k in (Key.TENANT, Key.ROUTE, Key.REVISION, Key.TRACE, Key.DEPLOYMENT,
                                                  Key.REDACTIONS, Key.HOLD, Key.STREAM, Key.WITHHOLD_USAGE, Key.PLAN,
                                                  *LEDGER_MARKS, Key.STREAM_ENDS_AT_MS, Key.CHECKS, Key.DOOR,

@@ -18,18 +18,20 @@ from extproc.contract import METADATA_NAMESPACE
 from extproc.envoy_msgs import attr, count_attr
 from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, Header, Key, Settle, StreamEnd
 from extproc.redact import log_safe, plain_id
+from extproc.settlement.attempt_log import AttemptLog, attempt_end, is_attempt
 from extproc.settlement.charge import (
     Ending,
     Timing,
     Usage,
     answered_by,
     charge_ending,
+    earlier_charges,
     outcome_of,
 )
 from extproc.settlement.observe import REASON_LIMIT, SettledRequest, observer
 from extproc.settlement.releases import decided_release, released
 from extproc.settlement.settler import RETRY_EVERY_S, RETRY_FOR_S, Settler, store_down
-from extproc.store import Settlement, StoreUnavailable
+from extproc.store import Settlement, StoreUnavailable, unanswered_bound
 
 BACKSTOP_S = 2.0  # how long a stream's or idempotent answer's own filter has to settle it
 
@@ -45,6 +47,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         self.settler = settler
         self.snapshot = snapshot
         self.entries = 0  # received, for GET /status
+        self.attempts = AttemptLog()  # attempts that did not answer 2xx, until their request's entry
         self._pending: set[asyncio.Task[None]] = set()
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
@@ -58,6 +61,10 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
     def settle_entry(self, entry: Any) -> None:
+        if is_attempt(entry):
+            if (decoded := attempt_end(entry)) is not None:
+                self.attempts.add(*decoded)
+            return
         common = entry.common_properties
         md = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
         undecided = md is None or not attr(md, Key.SETTLE)
@@ -75,6 +82,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         cut = any(getattr(flags, name) for name in _CUT_FIELDS
                   if not (name == "downstream_connection_termination" and passed_done(md)))
         if attr(md, Key.SETTLE) == Settle.DECIDED:
+            self.attempts.take(rid)  # (none: it was never dispatched)
             # The decision answered it itself (a refusal, a degraded answer): the worker that decided it
             # releases it. This is the backstop for a worker that died first, and it writes the same
             # entry, so the ledger says one thing whichever settles it (the first settlement wins).
@@ -128,6 +136,9 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                           entry.response.response_headers.get(Header.DEPLOYMENT, ""))
         x = ending_of(entry, md, hint, backstop)
         c = charge_ending(x, dep)
+        count = common.upstream_request_attempt_count
+        earlier, earlier_micros, earlier_tokens = earlier_charges(count, self.attempts.take(rid),
+                                                                  unanswered_bound(orjson.loads(hint)))
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}
         if c.degraded:
             marks[Key.DEGRADED.value] = "response"
@@ -142,7 +153,7 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         outcome = outcome_of(c.termination, x.status, c.kind, c.usage, c.source, dep,
                              attr(md, Key.REDACTIONS), {
                                  "upstream": f"{upstream.address}:{upstream.port_value}" if upstream.address else "",
-                                 "count": common.upstream_request_attempt_count,
+                                 "count": count, **({"n": count} if count else {}),
                                  "first_byte_ms": round(first_byte.ToNanoseconds() / 1e6, 1) if x.answered else None,
                                  # the upstream's own status (Envoy may have replaced it for the client)
                                  **({"status": int(x.upstream_status)}
@@ -161,10 +172,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
                              timing, marks)
         if x.count and x.usage:  # a token count: the number the caller got, beside (not as) usage
             outcome["counted_tokens"] = x.usage["prompt_tokens"]
+        outcome["attempts"] = [*earlier, *outcome["attempts"]]
         observe = observer(SettledRequest(
             dep, attr(md, Key.ROUTE), x.stream, x.status, outcome, rid, attr(md, Key.TRACE), attr(md, Key.REVISION),
             start, timing, tenant if snap.gateway.metrics.tenant_label else ""))
-        self.settler.submit(Settlement(tenant, rid, outcome, c.micros, c.tokens, hint=hint), observe)
+        self.settler.submit(Settlement(tenant, rid, outcome, c.micros, c.tokens, hint=hint,
+                                       earlier=(earlier_micros, earlier_tokens)), observe)
 
 
 def logged_usage(md: Any, prompt: Any) -> Usage:

@@ -223,6 +223,45 @@ def charge_ending(x: Ending, dep: Deployment | None) -> Charge:
     return Charge(termination, usage, source, micros, tokens, kind, status)
 
 
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How one attempt that did not answer 2xx ended, as Envoy's attempt log reported it
+    (extproc/settlement/attempt_log.py)."""
+
+    n: int  # its number among the request's attempts
+    status: int  # its upstream's status; 0: no response headers came
+    sent: bool  # a byte of the request reached the upstream (not a connection that failed or never came)
+    flags: tuple[str, ...] = ()  # Envoy's response flags of it (UT, UR, UF ...)
+
+
+def earlier_charges(count: int, ends: dict[int, AttemptEnd], unanswered: tuple[int, int] | None
+                    ) -> tuple[list[dict[str, Any]], int, int]:
+    """The attempts before the answering one (1 to count - 1): each one's ledger facts and charge, and
+    the total (micros, tokens). An attempt answered with an error status, or never sent, ran nothing
+    and is charged nothing. One sent and never answered (a reset, no first byte within its limit) may
+    have run to completion and reported nothing: charged `unanswered`, its bound as the reservation
+    holds it (extproc/stages/budget.py), as `unknown`. `unanswered` is None when no retry may follow
+    such an attempt (the route's policy), so none of these ran. An attempt the log did not report
+    (its entry lost, or settled by a response filter that never sees the log) is charged as one that
+    may have run: the charge errs toward its bound, never past it."""
+    lines: list[dict[str, Any]] = []
+    micros = tokens = 0
+    for n in range(1, count):
+        end = ends.get(n)
+        ran = unanswered is not None and (end is None or (end.sent and end.status == 0))
+        line: dict[str, Any] = {"n": n, "status": end.status if end else 0}
+        if end is not None and end.flags:
+            line["flags"] = list(end.flags)
+        if ran and unanswered is not None:
+            line.update(settlement="unknown", charged_micros=unanswered[0], charged_tokens=unanswered[1],
+                        logged=end is not None)
+            micros, tokens = micros + unanswered[0], tokens + unanswered[1]
+        else:
+            line.update(settlement="released", charged_micros=0, charged_tokens=0)
+        lines.append(line)
+    return lines, micros, tokens
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 

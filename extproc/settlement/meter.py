@@ -26,7 +26,7 @@ from extproc.clocks import envoy_stamp
 from extproc.config import Snapshot
 from extproc.config.schema import Deployment
 from extproc.envoy_msgs import attr, md_attr, with_first
-from extproc.names import LEDGER_MARKS, Filter, Header, Key
+from extproc.names import ATTEMPT_COUNT, LEDGER_MARKS, Filter, Header, Key
 from extproc.redact import log_safe, plain_id
 from extproc.replay import Answer, Sealer
 from extproc.replies import overwrite_header, refuse_answer
@@ -36,6 +36,7 @@ from extproc.settlement.charge import (
     Usage,
     answered_by,
     charge_ending,
+    earlier_charges,
     first_byte_ms,
     outcome_of,
 )
@@ -43,7 +44,7 @@ from extproc.settlement.observe import REASON_LIMIT, SettledRequest, observer
 from extproc.settlement.settler import Settler
 from extproc.shapes.registry import DOORS_BY_NAME
 from extproc.sse import StreamUsage
-from extproc.store import Replayable, Settlement
+from extproc.store import Replayable, Settlement, unanswered_bound
 
 MAX_JSON_BODY = 8 << 20
 
@@ -216,11 +217,18 @@ class Meter:
             outcome["attempts"][-1]["translation_loss"] = lost.split(", ")
         if reason := md_attr(attrs, Key.UPSTREAM_MESSAGE):  # why the upstream refused it (no entity kept)
             outcome["attempts"][-1][Key.UPSTREAM_MESSAGE.value] = log_safe(reason, REASON_LIMIT)
+        # The attempts before this answer: a response filter never sees the attempt log, so one that may
+        # have run is charged at its bound (earlier_charges).
+        count = attr(attrs, ATTEMPT_COUNT)
+        n = int(count) if count.isdigit() else 1
+        earlier, earlier_micros, earlier_tokens = earlier_charges(n, {}, unanswered_bound(held))
+        outcome["attempts"] = [*earlier, {**outcome["attempts"][-1], "n": n}]
         observe = observer(SettledRequest(
             dep, md_attr(attrs, Key.ROUTE), sse, status, outcome, rid, md_attr(attrs, Key.TRACE),
             md_attr(attrs, Key.REVISION), started, timing,
             tenant if snap.gateway.metrics.tenant_label else ""))
-        return self.settler.submit(Settlement(tenant, rid, outcome, micros, tokens, replay, hint), observe)
+        return self.settler.submit(Settlement(tenant, rid, outcome, micros, tokens, replay, hint,
+                                              earlier=(earlier_micros, earlier_tokens)), observe)
 
 
 def answering(snap: Snapshot, attrs: Any) -> Deployment | None:

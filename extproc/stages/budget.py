@@ -28,6 +28,7 @@ from extproc.metrics import count_admitted
 from extproc.replay import Answer
 from extproc.reservation import Held
 from extproc.stages.deadline import effective_deadline_ms
+from extproc.stages.retry import ambiguous_retries
 from extproc.store import (
     PERIOD_MS,
     BudgetCharge,
@@ -146,11 +147,19 @@ class BudgetReservation:
         gw = ex.snapshot.gateway
         prompt, tokens = bound.prompt, bound.tokens
         micros, version = price_of(ex, bound.prompt, bound.completion)
+        each: tuple[int, int, int, int] | None = None  # one attempt's bounds, when the reservation holds several
         if ex.count:
             # A token count generates nothing and is charged nothing: it holds a reservation of zero (so
             # it is settled, with its one ledger entry, like any request) and counts against the
             # requests-per-minute quotas and the bulkhead, not the token ones.
             micros = tokens = 0
+        elif retries := ambiguous_retries(route, ex.effects, ex.idempotency_key is not None):
+            # Each attempt that may follow one sent and never answered can be charged too: the earlier one
+            # at its bound - a stream's prompt (nothing is generated before its first byte), a JSON
+            # answer's whole bound (it is generated before its headers) - so every bound is held.
+            extra = (price_of(ex, bound.prompt, 0)[0], prompt) if ex.stream else (micros, tokens)
+            each = (micros, tokens, *extra)
+            micros, tokens = micros + retries * extra[0], tokens + retries * extra[1]
         now = time.time()
         when = datetime.fromtimestamp(now, UTC)
         # A shadow copy pays from the tenant's shadow budgets only, and takes none of its quotas or
@@ -185,7 +194,7 @@ class BudgetReservation:
                     "price_version": version},
             idem_key=idem_key(ident.tenant, ex.idempotency_key_sha256) if idem else None,
             idem_body_hash=hashlib.sha256(ex.raw_body).hexdigest() if idem else "",
-            idem_ttl_ms=gw.store.idempotency_ttl_s * 1000, prompt_bound=prompt)
+            idem_ttl_ms=gw.store.idempotency_ttl_s * 1000, prompt_bound=prompt, attempt_bound=each)
         late_after = gw.envoy.extproc_message_timeout_ms / 1000 * LATE_SHARE
         if time.monotonic() - ex.received_at > late_after:
             # Envoy stops waiting for this decision soon (or did) and answers 503 itself: a reservation

@@ -24,6 +24,7 @@ client's own values are overwritten).
 
 from __future__ import annotations
 
+from extproc.config.schema import Route
 from extproc.exchange import Exchange
 
 RETRY_ON = {
@@ -39,6 +40,25 @@ AMBIGUOUS = ("no_first_byte",)  # the request was sent; the upstream may have ac
 STATUS_CODES = {"rate_limited": "429", "overloaded": "529", "unavailable": "503"}
 
 
+def eligible_failures(route: Route, effects: tuple[str, ...], keyed: bool) -> tuple[str, ...]:
+    """The failures this request's attempts may be retried after (empty: none), by its route's policy:
+    only with the key the policy requires, and never after an ambiguous failure for a request with
+    effects."""
+    policy = route.retry
+    allowed = {"never": False, "idempotency_key": keyed,
+               "read_only_or_idempotency_key": keyed or not effects}[policy.requires]
+    if not allowed or policy.attempts < 1:
+        return ()
+    return tuple(f for f in policy.eligible_failures if not (effects and f in AMBIGUOUS))
+
+
+def ambiguous_retries(route: Route, effects: tuple[str, ...], keyed: bool) -> int:
+    """How many attempts may follow one that was sent and never answered (a reset, or no first byte
+    within its limit): each such attempt may have run, and is charged at its bound (invariant 23), so
+    the reservation holds one bound more for each (extproc/stages/budget.py)."""
+    return route.retry.attempts if any(f in AMBIGUOUS for f in eligible_failures(route, effects, keyed)) else 0
+
+
 class Retries:
     name = "retry"
 
@@ -46,19 +66,12 @@ class Retries:
         route = ex.route
         if route is None:
             return
-        policy = route.retry
-        keyed = ex.idempotency_key is not None
-        allowed = {"never": False, "idempotency_key": keyed,
-                   "read_only_or_idempotency_key": keyed or not ex.effects}[policy.requires]
-        if not allowed or policy.attempts < 1:
-            ex.retry_on, ex.max_retries, ex.retriable_codes = "", 0, ""
-            return
-        eligible = [f for f in policy.eligible_failures if not (ex.effects and f in AMBIGUOUS)]
+        eligible = eligible_failures(route, ex.effects, ex.idempotency_key is not None)
         if not eligible:
             ex.retry_on, ex.max_retries, ex.retriable_codes = "", 0, ""
             return
         ex.retry_on = ",".join(dict.fromkeys(part for f in eligible for part in RETRY_ON[f].split(",")))
         ex.retriable_codes = ",".join(STATUS_CODES[f] for f in eligible if f in STATUS_CODES)
-        ex.max_retries = policy.attempts
+        ex.max_retries = route.retry.attempts
         if ex.stream and ex.remaining_ms:
             ex.remaining_ms = max(1, ex.remaining_ms // (ex.max_retries + 1))

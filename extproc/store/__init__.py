@@ -182,15 +182,29 @@ class Reservation:
     idem_ttl_ms: int = 0
 
     prompt_bound: int = 0  # for a stream whose usage must be estimated
+    # When the reservation holds several attempts (retries after one that may have run:
+    # extproc/stages/retry.py ambiguous_retries): one answering attempt's bound (micros, tokens), then
+    # one unanswered attempt's (micros, tokens). None: it holds one attempt.
+    attempt_bound: tuple[int, int, int, int] | None = None
 
     @functools.cached_property
     def hint(self) -> str:
         """What settlement needs without reading the reservation back: the keys it touched (and the
-        prompt and token bounds: a fallback attempt takes the tokens from its candidate's quota).
+        prompt and token bounds of one attempt: a fallback attempt takes the tokens from its candidate's
+        quota; and `e`, one attempt's bound when the reservation holds several).
         Travels in Envoy's metadata, and is stored with the reservation for the sweeper."""
+        each = self.attempt_bound
         return packed({"b": [b.key for b in self.budgets],
                        "r": [f"{q.key}={q.ms_per_unit!r}" for q in self.rates if q.per_token],
-                       "i": self.idem_key or "", "p": self.prompt_bound, "t": self.tokens}).decode()
+                       "i": self.idem_key or "", "p": self.prompt_bound, "t": each[1] if each else self.tokens,
+                       **({"e": list(each)} if each else {})}).decode()
+
+
+def unanswered_bound(hint: dict[str, Any]) -> tuple[int, int] | None:
+    """What an attempt sent and never answered is charged (micros, tokens), from a reservation's hint;
+    None when the reservation holds one attempt (no retry may follow such an attempt)."""
+    each = hint.get("e")
+    return (int(each[2]), int(each[3])) if each else None
 
 
 @dataclass(frozen=True)
@@ -224,6 +238,21 @@ class Settlement:
     tokens: int = -1
     replay: Replayable | None = None  # a completed idempotent answer
     hint: str | None = None  # the keys the reservation touched (Reservation.hint); None: read them first
+    # What the attempts before the answering one are charged (micros, tokens): those sent and never
+    # answered, at their bound (extproc/settlement/charge.py earlier_charges). None: the attempts are
+    # not known (the sweeper's charge in full), and -1 above stays the whole reservation; known, -1
+    # is one attempt's bound (the hint's `e`) and the total is theirs added to the answer's.
+    earlier: tuple[int, int] | None = None
+
+    def amounts(self) -> tuple[int, int]:
+        """(micros, tokens) for SETTLE (-1: the whole reservation; the script cuts any charge to it)."""
+        if self.earlier is None:
+            return self.micros, self.tokens
+        each = (orjson.loads(self.hint).get("e") if self.hint and '"e"' in self.hint else None) or (-1, -1)
+        micros, tokens = (each[0] if self.micros < 0 else self.micros), (each[1] if self.tokens < 0 else self.tokens)
+        if micros < 0 or tokens < 0:  # the reservation holds one attempt: the whole of it
+            return -1, -1
+        return micros + self.earlier[0], tokens + self.earlier[1]
 
     @property
     def idempotency(self) -> tuple[str, str, int]:
@@ -391,7 +420,7 @@ class Store:
         keys = [res_key(s.tenant, s.rid), leases_key(s.tenant), inflight_key(s.tenant), ledger_key(s.tenant),
                 h.get("i") or f"{tag(s.tenant)}:idem:-", *budgets, *(k for k, _ in tpm)]
         idem_status, idem_response, idem_ttl_ms = s.idempotency
-        args: list[Any] = [s.rid, s.micros, s.tokens, packed(s.outcome), len(budgets), len(tpm),
+        args: list[Any] = [s.rid, *s.amounts(), packed(s.outcome), len(budgets), len(tpm),
                            idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
         return keys, args
 
@@ -518,13 +547,14 @@ def ledger_entry(fields: dict[str, str]) -> dict[str, Any]:
     """One ledger entry as one record: admission facts, outcome, and the amounts."""
     rec: dict[str, Any] = {**json.loads(fields.get("record") or "{}"), **json.loads(fields.get("outcome") or "{}")}
     if fields.get("attempts"):
-        # Each attempt as its filter saw it; what Envoy reported of the last one (address, first byte)
-        # joins the last.
+        # Each attempt as its filter saw it; what settlement knew of each (the last one's address and
+        # first byte, an earlier one's charge) joins it, by its number.
         attempts = json.loads(fields["attempts"])
-        final = (rec.get("attempts") or [{}])[-1]
-        if attempts:
-            attempts[-1] = {**{k: v for k, v in final.items() if k not in ("deployment", "adapter", "status")},
-                            **attempts[-1]}
+        settled = rec.get("attempts") or [{}]
+        by_n = {a["n"]: a for a in settled if "n" in a}
+        for i, att in enumerate(attempts):
+            known = by_n.get(att.get("n"), settled[-1] if i == len(attempts) - 1 else {})
+            attempts[i] = {**{k: v for k, v in known.items() if k not in ("deployment", "adapter", "status")}, **att}
         rec["attempts"] = attempts
     for k in ("reserved_micros", "reserved_tokens", "charged_micros", "charged_tokens"):
         rec[k] = int(fields.get(k, 0))

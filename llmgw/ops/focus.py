@@ -15,8 +15,10 @@ decimals: each entry's class costs are its tokens at the list price, and the rou
 applied (it charges whole micro-units) goes to the entry's last class, so a row's `BilledCost` sums
 to exactly what the ledger charged. An entry charged without usage (an ambiguous answer, charged its
 whole reservation) is one `unmetered` row with no quantity; an entry priced under another price
-version than the deployment has now is one `tokens` row at what it was charged. Entries charged
-nothing (refused, released) make no row.
+version than the deployment has now is one `tokens` row at what it was charged. An attempt before the
+answer that was sent, never answered and charged at its bound (it may have run) is an
+`unanswered_attempt` row of the deployment it went to, its quantity the bound's tokens and no unit
+price. Entries charged nothing (refused, released) make no row.
 """
 
 from __future__ import annotations
@@ -94,11 +96,24 @@ def aggregate(entries: Iterable[Mapping[str, Any]], snap: Snapshot, period: str 
         charged = Decimal(int(e.get("charged_micros") or 0)) * MICRO
         if charged <= 0:
             continue
-        name = ((e.get("attempts") or [{}])[-1]).get("deployment", "")
+        attempts = e.get("attempts") or [{}]
+        name = attempts[-1].get("deployment", "")
         dep = snap.deployments.get(name)
         currency = dep.prices.currency if dep else "USD"
-        base = (period_start(float(e.get("time") or 0), period).isoformat(), str(e.get("tenant", "")),
-                str(e.get("route", "")), str(e.get("route_revision", "")), name, str(e.get("price_version", "")))
+        start = period_start(float(e.get("time") or 0), period).isoformat()
+        base = (start, str(e.get("tenant", "")), str(e.get("route", "")), str(e.get("route_revision", "")), name,
+                str(e.get("price_version", "")))
+        # Attempts before the answer that were sent, never answered, and charged at their bound (invariant
+        # 23): a row of their own per deployment, no unit price (a bound, not metered tokens).
+        for a in attempts[:-1]:
+            if a.get("settlement") == "unknown" and (micros := int(a.get("charged_micros") or 0)) > 0:
+                cost = Decimal(micros) * MICRO
+                tried = str(a.get("deployment") or name)
+                add((start, *base[1:4], tried, base[5], "unanswered_attempt"), currency, None,
+                    snap.deployments.get(tried), int(a.get("charged_tokens") or 0), cost, cost, False)
+                charged -= cost
+        if charged <= 0:
+            continue
         classes = [(c, n) for c, n in _classes(e) if n > 0]
         if not classes or dep is None:
             add((*base, "unmetered"), currency, None, dep, 0, charged, charged, True)

@@ -51,6 +51,7 @@ from llmgw.render.common import UNIX, duration_ms, hp, http_filter, pack, socket
 from llmgw.render.errors import local_reply_config, upstream_errors_filter, upstream_refusals
 from llmgw.render.filters import (
     FORWARDED_HEADERS,
+    attempt_log,
     ext_proc_filter,
     header_mutation_filter,
     lua_answers,
@@ -173,7 +174,7 @@ def _hcm(snap: Snapshot, clusters: list[str], access_log: bool) -> hcm_pb2.HttpC
             # The upstream's own status, before any filter above changes or replaces the answer; an
             # upstream's refusal with its reason in the contract's error.
             http_filter(Filter.UPSTREAM_STATUS, upstream_status(upstream_refusals())),
-            http_filter(Filter.ROUTER, router_pb2.Router()),
+            http_filter(Filter.ROUTER, router_pb2.Router(upstream_log=[attempt_log()] if meters(snap) else [])),
         ],
     )
 

@@ -35,6 +35,7 @@ from extproc.contract import (
 )
 from extproc.names import (
     ATTEMPT_ATTRIBUTES,
+    ATTEMPT_COUNT_HEADER,
     ATTEMPT_WITH_BODY,
     ATTEMPT_WITHOUT_BODY,
     EXTPROC_CLUSTER,
@@ -353,14 +354,41 @@ def settlement_log() -> accesslog_pb2.AccessLog:
         match_if_key_not_found=wrappers_pb2.BoolValue(value=False)))
     which = accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=[
         holds, cel_filter(f"response.code_details.startsWith('{EXTPROC_FAILED}')")]))
-    config = als_pb2.HttpGrpcAccessLogConfig(common_config=als_pb2.CommonGrpcAccessLogConfig(
-        log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3,
-        grpc_service=_extproc_service(),
-        buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536)),
-        additional_response_headers_to_log=[Header.DEPLOYMENT, Header.DEGRADED])
+    config = als_pb2.HttpGrpcAccessLogConfig(common_config=_settlement_stream(),
+                                             additional_response_headers_to_log=[Header.DEPLOYMENT, Header.DEGRADED])
     return accesslog_pb2.AccessLog(
         name="envoy.access_loggers.http_grpc",
         filter=which,
+        typed_config=pack(config))
+
+
+def _settlement_stream() -> als_pb2.CommonGrpcAccessLogConfig:
+    """The settlement log's stream. Envoy keeps one stream per worker thread for each such config, so
+    the attempt log (the same config) shares it: a request's attempts reach ext_proc before its own
+    entry, on the same stream, hence the same ext_proc worker."""
+    return als_pb2.CommonGrpcAccessLogConfig(
+        log_name="llmgw-settlement", transport_api_version=config_source_pb2.V3, grpc_service=_extproc_service(),
+        buffer_flush_interval=duration_ms(20), buffer_size_bytes=wrappers_pb2.UInt32Value(value=65536))
+
+
+def attempt_log() -> accesslog_pb2.AccessLog:
+    """The router's log of each attempt that ended without an answer (no response headers: a reset, a
+    timeout, a connection that failed) or with an error status: settlement charges the attempts before
+    the answering one from it - one sent and never answered may have run, and is charged at its bound
+    (invariant 23). An attempt answered 2xx is never logged here: the common path costs nothing. The
+    entries carry no metadata of the request (an upstream request has its own), only its headers: its
+    id and attempt number."""
+    unanswered = accesslog_pb2.AccessLogFilter(status_code_filter=accesslog_pb2.StatusCodeFilter(
+        comparison=accesslog_pb2.ComparisonFilter(op=accesslog_pb2.ComparisonFilter.EQ,
+                                                  value=base_pb2.RuntimeUInt32(default_value=0, runtime_key=""))))
+    refused = accesslog_pb2.AccessLogFilter(status_code_filter=accesslog_pb2.StatusCodeFilter(
+        comparison=accesslog_pb2.ComparisonFilter(op=accesslog_pb2.ComparisonFilter.GE,
+                                                  value=base_pb2.RuntimeUInt32(default_value=400, runtime_key=""))))
+    config = als_pb2.HttpGrpcAccessLogConfig(common_config=_settlement_stream(),
+                                             additional_request_headers_to_log=["x-request-id", ATTEMPT_COUNT_HEADER])
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=accesslog_pb2.AccessLogFilter(or_filter=accesslog_pb2.OrFilter(filters=[unanswered, refused])),
         typed_config=pack(config))
 
 

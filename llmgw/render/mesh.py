@@ -38,6 +38,10 @@ EXTPROC_PORT, ENGINE_PORT = 50051, 8000
 HCM_SETTINGS = ("request_headers_timeout", "request_timeout", "common_http_protocol_options", "local_reply_config",
                 "access_log", "always_set_request_id_in_response")
 VHOST_SETTINGS = ("include_attempt_count_in_response", "include_request_attempt_count")
+# Router settings the gateway needs on the mesh's router: the attempt log settlement charges every
+# attempt from (invariant 23).
+ROUTER_SETTINGS = ("upstream_log",)
+ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 
 
 def as_dict(msg: Message) -> dict[str, Any]:
@@ -69,6 +73,7 @@ class Pieces:
     routes: list[dict[str, Any]]  # in order, the catch-all left out
     clusters: list[dict[str, Any]]
     runtime: dict[str, Any]  # the bootstrap's static runtime layer
+    router: dict[str, Any]  # what the gateway sets on the mesh's own router (its attempt log)
 
 
 def pieces(snap: Snapshot, target: MeshTarget) -> Pieces:
@@ -82,13 +87,15 @@ def pieces(snap: Snapshot, target: MeshTarget) -> Pieces:
     (listener,) = [x for x in boot["static_resources"]["listeners"] if x["name"] == "llmgw"]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (vhost,) = hcm["route_config"]["virtual_hosts"]
+    router = next(f for f in hcm["http_filters"] if f["name"] == ROUTER)
     return Pieces(
         filters=[f for f in hcm["http_filters"] if f["name"] != ROUTER],
         hcm={k: hcm[k] for k in HCM_SETTINGS if k in hcm},
         vhost={k: vhost[k] for k in VHOST_SETTINGS if k in vhost},
         routes=[r for r in vhost["routes"] if r.get("name") != "not_found"],
         clusters=boot["static_resources"]["clusters"],
-        runtime=next(layer["static_layer"] for layer in boot["layered_runtime"]["layers"] if "static_layer" in layer))
+        runtime=next(layer["static_layer"] for layer in boot["layered_runtime"]["layers"] if "static_layer" in layer),
+        router={k: v for k, v in router["typed_config"].items() if k in ROUTER_SETTINGS})
 
 
 def runtime_layer(runtime: dict[str, Any]) -> dict[str, Any]:
@@ -124,6 +131,8 @@ def istio(snap: Snapshot, target: MeshTarget) -> list[dict[str, Any]]:
         {"applyTo": "NETWORK_FILTER", "match": on_listener,
          "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": {"@type": HCM_TYPE, **p.hcm}}}},
         {"applyTo": "VIRTUAL_HOST", "match": on_routes, "patch": {"operation": "MERGE", "value": p.vhost}},
+        *([{"applyTo": "HTTP_FILTER", "match": before_router, "patch": {"operation": "MERGE", "value": {
+            "name": ROUTER, "typed_config": {"@type": ROUTER_TYPE, **p.router}}}}] if p.router else []),
         # INSERT_FIRST in reverse: the gateway's routes end up first, in their order.
         *({"applyTo": "HTTP_ROUTE", "match": on_routes, "patch": {"operation": "INSERT_FIRST", "value": r}}
           for r in reversed(p.routes)),
@@ -143,6 +152,7 @@ def envoy_gateway(snap: Snapshot, target: MeshTarget) -> list[dict[str, Any]]:
     listener_t, routes_t = ("type.googleapis.com/envoy.config.listener.v3.Listener",
                             "type.googleapis.com/envoy.config.route.v3.RouteConfiguration")
     hcm_path = "/default_filter_chain/filters/0/typed_config"
+    router_at = f"$.default_filter_chain.filters[0].typed_config.http_filters[?(@.name=='{ROUTER}')].typed_config"
 
     def op(kind: str, resource: str, path: str, value: Any) -> dict[str, Any]:
         return {"type": kind, "name": resource, "operation": {"op": "add", "path": path, "value": value}}
@@ -151,6 +161,9 @@ def envoy_gateway(snap: Snapshot, target: MeshTarget) -> list[dict[str, Any]]:
         *(op(listener_t, name, f"{hcm_path}/http_filters/{i}", f) for i, f in enumerate(p.filters)),
         *(op(listener_t, name, f"{hcm_path}/{k}", v) for k, v in p.hcm.items()),
         *(op(routes_t, name, f"/virtual_hosts/0/{k}", v) for k, v in p.vhost.items()),
+        # The router is Envoy Gateway's, last in its chain at an index the policy cannot know: found by name.
+        *({"type": listener_t, "name": name, "operation": {"op": "add", "jsonPath": router_at, "path": f"/{k}",
+                                                             "value": v}} for k, v in p.router.items()),
         *(op(routes_t, name, f"/virtual_hosts/0/routes/{i}", r) for i, r in enumerate(p.routes)),
         *(op("type.googleapis.com/envoy.config.cluster.v3.Cluster", c["name"], "", c) for c in p.clusters),
     ]

@@ -15,18 +15,21 @@ from extproc.names import Key
 from extproc.settlement.access_log import logged_usage
 from extproc.settlement.charge import (
     TOKEN_CLASSES,
+    AttemptEnd,
     Ending,
     believed,
     charge_ending,
     charge_for,
     charge_lines,
     charge_of,
+    earlier_charges,
     estimated,
     failure_charge,
     termination_of,
     token_classes,
     upstream_succeeded,
 )
+from extproc.store import Settlement
 from tests.conftest import POLICY
 
 SNAP = load_snapshot(POLICY)
@@ -304,3 +307,43 @@ def test_a_token_count_is_charged_nothing(logged: Ending, termination: str) -> N
     c = charge_ending(logged, DEP)
     assert (c.termination, c.kind, c.micros, c.tokens) == (termination, "released", 0, 0)
     assert c.usage is None  # the count is recorded beside usage: no reader sums it as tokens processed
+
+
+UNANSWERED = (7, 40)  # what one attempt sent and never answered costs, as the reservation holds it
+UT, UF = ("UT",), ("UF",)
+
+
+@pytest.mark.parametrize(("count", "ends", "unanswered", "charged", "lines"), [
+    # One attempt: nothing before it.
+    (1, {}, UNANSWERED, (0, 0), []),
+    # Sent, no headers within its limit: may have run whole - its bound, as `unknown`.
+    (2, {1: AttemptEnd(1, 0, True, UT)}, UNANSWERED, UNANSWERED, [(1, 0, "unknown", 7)]),
+    # Answered an error: it said what it did (nothing).
+    (2, {1: AttemptEnd(1, 503, True)}, UNANSWERED, (0, 0), [(1, 503, "released", 0)]),
+    # Never reached an upstream (a refused connection): ran nothing.
+    (2, {1: AttemptEnd(1, 0, False, UF)}, UNANSWERED, (0, 0), [(1, 0, "released", 0)]),
+    # Not in the log (a response filter settles, or the entry was lost): may have run.
+    (3, {2: AttemptEnd(2, 429, True)}, UNANSWERED, UNANSWERED, [(1, 0, "unknown", 7), (2, 429, "released", 0)]),
+    # The route retries no attempt that may have run: the earlier ones failed before sending or said so.
+    (3, {}, None, (0, 0), [(1, 0, "released", 0), (2, 0, "released", 0)]),
+    # Envoy's count is 0 when no attempt was made at all.
+    (0, {}, UNANSWERED, (0, 0), []),
+])
+def test_each_earlier_attempt_is_charged_what_it_may_have_cost(
+        count: int, ends: dict[int, AttemptEnd], unanswered: tuple[int, int] | None, charged: tuple[int, int],
+        lines: list[tuple[int, int, str, int]]) -> None:
+    got, micros, tokens = earlier_charges(count, ends, unanswered)
+    assert (micros, tokens) == charged
+    assert [(a["n"], a["status"], a["settlement"], a["charged_micros"]) for a in got] == lines
+
+
+def test_a_settlement_that_knows_its_attempts_charges_one_bound_for_an_unknown_answer() -> None:
+    hint = '{"e":[20,100,7,40]}'  # one answer's bound 20 micros; an unanswered attempt's 7
+    assert Settlement("t", "r", {}, -1, -1, hint=hint, earlier=(14, 80)).amounts() == (34, 180)
+    assert Settlement("t", "r", {}, 5, 30, hint=hint, earlier=(7, 40)).amounts() == (12, 70)
+    # Attempts not known (the sweeper): the whole reservation, whatever it holds.
+    assert Settlement("t", "r", {}, -1, -1, hint=hint).amounts() == (-1, -1)
+    # A reservation of one attempt: an unknown answer is the whole of it.
+    assert Settlement("t", "r", {}, -1, -1, hint='{"p":3}', earlier=(0, 0)).amounts() == (-1, -1)
+    # The key of an unknown answer stays ambiguous either way.
+    assert Settlement("t", "r", {}, -1, -1, hint=hint, earlier=(0, 0)).idempotency[0] == "ambiguous"

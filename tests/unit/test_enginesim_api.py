@@ -201,6 +201,13 @@ def test_fault_disconnect_mid_stream(engine: str) -> None:
                 {"x-enginesim-fault": "disconnect_after=2"})
 
 
+def test_fault_disconnect_before_a_json_answers_headers_after_the_work(engine: str) -> None:
+    with pytest.raises((http.client.RemoteDisconnected, http.client.IncompleteRead, ConnectionError)):
+        request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL, max_tokens=5),
+                {"x-enginesim-fault": "disconnect_after=0"})
+    assert request(f"{engine}/admin/requests").json()[-1]["output_tokens"] == 5  # generated whole, never sent
+
+
 def test_fault_queued_by_admin_endpoint(engine: str) -> None:
     assert request(f"{engine}/admin/faults", "POST", {"fault": "status=503", "count": 1}).status == 200
     assert request(f"{engine}/v1/chat/completions", "POST", chat_body(MODEL)).status == 503

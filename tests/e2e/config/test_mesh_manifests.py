@@ -117,6 +117,11 @@ def apply_envoy_filter(boot: dict[str, Any], envoy_filter: dict[str, Any]) -> di
             case "HTTP_FILTER", "INSERT_BEFORE":
                 at = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == ROUTER)
                 hcm["http_filters"].insert(at, value)
+            case "HTTP_FILTER", "MERGE":
+                (router,) = [f for f in hcm["http_filters"] if f["name"] == p["match"]["listener"]["filterChain"][
+                    "filter"]["subFilter"]["name"]]
+                assert value["typed_config"]["@type"] == router["typed_config"]["@type"]
+                router.update(merged(router, value))
             case "NETWORK_FILTER", "MERGE":
                 assert value["typed_config"]["@type"] == hcm["@type"]
                 hcm.update(merged(hcm, value["typed_config"]))
@@ -147,8 +152,16 @@ def apply_envoy_gateway(proxy: dict[str, Any], policy: dict[str, Any]) -> dict[s
         if kind == "Cluster" and p["operation"]["path"] == "":
             clusters.append(p["operation"]["value"])
             continue
-        resources[(kind, p["name"])] = jsonpatch.apply_patch(resources[(kind, p["name"])], [p["operation"]],
-                                                             in_place=True)
+        operation = dict(p["operation"])
+        if found := operation.pop("jsonPath", None):  # the one form the policy uses: a filter found by name
+            chain, name_is = found.split("[?(@.name=='")
+            filter_name, rest = name_is.split("')]")
+            assert chain == "$.default_filter_chain.filters[0].typed_config.http_filters", found
+            filters = resources[(kind, p["name"])]["default_filter_chain"]["filters"][0]["typed_config"]["http_filters"]
+            at = next(i for i, f in enumerate(filters) if f["name"] == filter_name)
+            operation["path"] = (f"/default_filter_chain/filters/0/typed_config/http_filters/{at}"
+                                 f"{rest.replace('.', '/')}{operation['path']}")
+        resources[(kind, p["name"])] = jsonpatch.apply_patch(resources[(kind, p["name"])], [operation], in_place=True)
     listener = resources[("Listener", name)]
     hcm = listener["default_filter_chain"]["filters"][0]["typed_config"]
     hcm["route_config"] = resources[("RouteConfiguration", name)]
@@ -180,6 +193,9 @@ def test_the_patches_applied_give_a_config_envoy_accepts_with_the_gateway_in_pla
     # The decision filter, then the buffer that holds the headers until it decided, before the router.
     assert names.index("envoy.filters.http.ext_proc") < names.index("envoy.filters.http.buffer") < names.index(ROUTER)
     assert names[-1] == ROUTER and "envoy.filters.http.cors" in names  # the mesh's own filters stay
+    # The mesh's router logs each attempt to settlement (invariant 23).
+    (router,) = [f for f in hcm["http_filters"] if f["name"] == ROUTER]
+    assert router["typed_config"]["upstream_log"][0]["name"] == "envoy.access_loggers.http_grpc"
     routes = [r["name"] for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
     assert routes[0] == "healthz" and routes[-1] == "app"  # the gateway's first, the app's kept
     assert "not_found" not in routes  # no catch-all of the gateway's in someone else's listener

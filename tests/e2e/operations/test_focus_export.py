@@ -90,6 +90,22 @@ def test_unmetered_and_repriced_entries_keep_their_charge() -> None:
     assert record(by_class["unmetered"], "day")["ConsumedQuantity"] == ""  # no quantity to claim
 
 
+def test_an_attempt_charged_at_its_bound_is_a_row_of_its_own() -> None:
+    """Attempts sent and never answered before the answer (invariant 23): their charge is a row of its
+    own, never folded into the answer's classes as rounding; the rows still sum to the charge."""
+    e = entry(5 + 2 * 3, prompt=11, output=5)
+    e["attempts"] = [{"n": 1, "status": 0, "settlement": "unknown", "charged_micros": 3, "charged_tokens": 16},
+                     {"n": 2, "status": 503, "settlement": "released", "charged_micros": 0, "charged_tokens": 0},
+                     {"n": 3, "status": 0, "settlement": "unknown", "charged_micros": 3, "charged_tokens": 16},
+                     {"deployment": DEP.deployment, "n": 4, "status": 200}]
+    rows = {r.key[-1]: r for r in aggregate([e], SNAP)}
+    assert set(rows) == {"input", "output", "unanswered_attempt"}
+    assert (rows["unanswered_attempt"].billed, rows["unanswered_attempt"].tokens) == (Decimal(6) / 1_000_000, 32)
+    assert rows["unanswered_attempt"].key[4] == DEP.deployment and rows["unanswered_attempt"].unit_price is None
+    assert rows["input"].billed + rows["output"].billed == Decimal(5) / 1_000_000
+    assert sum(r.billed for r in rows.values()) == Decimal(11) / 1_000_000
+
+
 def test_periods_split_days_or_hours() -> None:
     two = [entry(5, prompt=4, output=1, time=1796130000.0), entry(5, prompt=4, output=1, time=1796130000.0 + 7200)]
     assert len({r.key[0] for r in aggregate(two, SNAP, "hour")}) == 2
