@@ -27,6 +27,9 @@ from tests.conftest import POLICY
 from tests.e2e.operations.test_up import children_of, log_tails, wait_up
 from tests.helpers import request
 
+# How long before a crash Valkey's acknowledged writes may be lost under `appendfsync everysec`: it
+# postpones a write for up to 2 s while a background fsync runs.
+STORE_WRITE_BOUND_S = 2.0
 VICTIMS = {  # what a child's command line holds
     "valkey": "valkey-server",
     "engine": "enginesim",
@@ -75,6 +78,7 @@ def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger
     url, key = f"{info['url']}/v1/chat/completions", info["tenants"]["acme"]["api_key"]
     body = {"model": "chat-default", "max_tokens": 2, "messages": [{"role": "user", "content": "keep going"}]}
     answered: list[str] = []  # request ids of 200s
+    answered_at: dict[str, float] = {}  # and when each came (monotonic)
     stop = threading.Event()
 
     def load() -> None:
@@ -82,6 +86,7 @@ def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger
             try:
                 r = request(url, "POST", body, {"authorization": f"Bearer {key}"}, timeout=5)
                 if r.status == 200:
+                    answered_at[r.headers["x-request-id"]] = time.monotonic()
                     answered.append(r.headers["x-request-id"])
             except OSError:
                 time.sleep(0.05)  # Envoy itself is down for a moment
@@ -91,11 +96,12 @@ def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger
         c.start()
     try:
         recovered = {}
+        killed_at = {}
         for name, what in VICTIMS.items():
             pid = child_pid(proc.pid, what)
             assert pid, f"no {name} child"
             os.kill(pid, signal.SIGKILL)
-            t0 = time.monotonic()
+            t0 = killed_at[name] = time.monotonic()
             before = len(answered)
             while True:  # serving again: a new answer arrives, from a gateway whose child was replaced
                 new = child_pid(proc.pid, what)
@@ -122,9 +128,15 @@ def test_each_child_killed_under_load_is_restarted_and_nothing_leaves_the_ledger
         assert store.zcard(leases_key("acme")) == 0, "reservations never settled"
         ids = [ledger_entry(f).get("request_id") for _, f in store.xrange(ledger_key("acme"))]
         assert len(ids) == len(set(ids)), "a request was settled twice"
+        # Valkey runs with `appendfsync everysec` (record 0023): a write it postponed while a background
+        # fsync ran - up to 2 s of them - dies with it, though its caller was answered. Only answers
+        # settled in that window before Valkey was killed may be missing; any other is a lost entry.
+        lost_with_store = {rid for rid, at in answered_at.items()
+                           if killed_at["valkey"] - STORE_WRITE_BOUND_S <= at <= killed_at["valkey"] + 1.0}
         missing = set(answered) - set(ids)
-        assert len(answered) >= ENOUGH_ANSWERS and not missing, \
-            f"{len(missing)} of {len(answered)} answers not in the ledger"
+        print(f"{len(missing & lost_with_store)} answer(s) lost with the killed store's last writes")
+        assert len(answered) >= ENOUGH_ANSWERS and not missing - lost_with_store, \
+            f"{len(missing - lost_with_store)} of {len(answered)} answers not in the ledger"
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
