@@ -24,7 +24,7 @@ from llmgw.ops.gateway_state import new_key
 from llmgw.ops.store import store_client
 from tests.conftest import start_stack
 from tests.e2e.budgets.test_budgets_e2e import KEYS, burst_holds_the_budget, idempotency_holds, make_policy
-from tests.helpers import Response, chat_body, inject_fault, request
+from tests.helpers import Response, chat_body, inject_fault, request, unique_marker
 
 pytestmark = pytest.mark.e2e
 STEADY_BUDGET = "steady-tokens"
@@ -93,7 +93,7 @@ def test_two_stacks_never_overshoot_one_budget(cluster: ValkeyCluster, stacks: t
 
 def test_one_bulkhead_across_both_stacks(stacks: tuple[Stack, Stack]) -> None:
     a, b = stacks
-    marker = f"FAULT-flood-{time.time_ns()}"
+    marker = unique_marker("FAULT-flood")  # letters only: digits can be redacted before the engine sees them
     for s in stacks:
         inject_fault(s.engine_urls(), "delay_ms=1500", count=12, marker=marker)
     body = chat_body(max_tokens=4, content=f"flood {marker}")
