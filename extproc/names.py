@@ -237,6 +237,16 @@ class StreamEnd(StrEnum):
 ATTEMPT_ATTRIBUTES = (HOST_CLUSTER, metadata_path(Key.PLAN), metadata_path(Key.LOSSES),
                       metadata_path(Key.PLAN_STREAM), metadata_path(Key.TRACE), metadata_path(Key.HOLD),
                       "request.id")
+# The internal usage object's counts, each by the io.llmgw metadata key it travels under from Envoy's
+# filters to settlement (json_to_metadata for a JSON answer, the Lua stream guard for a stream) and its
+# path in the usage object. The classes priced apart are there only when the upstream reported them.
+USAGE_COUNTS: tuple[tuple[Key, tuple[str, ...]], ...] = (
+    (Key.USAGE_PROMPT, ("prompt_tokens",)), (Key.USAGE_COMPLETION, ("completion_tokens",)),
+    (Key.USAGE_CACHED, ("prompt_tokens_details", "cached_tokens")),
+    (Key.USAGE_CACHE_WRITE, ("prompt_tokens_details", "cache_write_tokens")),
+    (Key.USAGE_CACHE_WRITE_1H, ("prompt_tokens_details", "cache_write_1h_tokens")),
+    (Key.USAGE_REASONING, ("completion_tokens_details", "reasoning_tokens")))
+PRICED_APART = (Key.USAGE_CACHE_WRITE, Key.USAGE_CACHE_WRITE_1H, Key.USAGE_REASONING)
 # The ledger's marks of how a request was served (the route's degraded answer, a canary's side of the
 # answer, the shadow candidate the request was copied to, a token count and the shape that counted,
 # the candidates left out and why, how admission let it through).

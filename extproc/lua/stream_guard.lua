@@ -167,9 +167,9 @@ local function json_answer(h, md)
   if renamed then body:setBytes(renamed) end
 end
 
--- The usage's token classes priced apart, by metadata key (absent from most usage: set only when there).
-local PRICED_APART = {usage_cache_write = "cache_write_tokens", usage_cache_write_1h = "cache_write_1h_tokens",
-                      usage_reasoning = "reasoning_tokens"}
+-- The usage's token classes priced apart, by metadata key (absent from most usage: set only when there;
+-- extproc/names.py USAGE_COUNTS).
+local PRICED_APART = CONFIG.priced_apart
 
 local function metadata(h, key, v)
   h:streamInfo():dynamicMetadata():set(NS, key, v)
@@ -231,7 +231,7 @@ function envoy_on_response(h)
               metadata(h, K.usage_completion, usage_number(usage, "completion_tokens"))
               metadata(h, K.usage_cached, usage_number(usage, "cached_tokens"))
               for key, name in pairs(PRICED_APART) do
-                if find(usage, name, 1, true) then metadata(h, K[key], usage_number(usage, name)) end
+                if find(usage, name, 1, true) then metadata(h, key, usage_number(usage, name)) end
               end
               keep = not (withhold and (fields.choices == nil or find(fields.choices, "^%[%s*%]$")))
             end

@@ -16,7 +16,7 @@ from envoy.service.accesslog.v3 import als_pb2_grpc as als_grpc
 from extproc.config import Snapshot
 from extproc.contract import METADATA_NAMESPACE
 from extproc.envoy_msgs import attr, count_attr
-from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, Header, Key, Settle, StreamEnd
+from extproc.names import EXTPROC_FAILED, LEDGER_MARKS, PRICED_APART, USAGE_COUNTS, Header, Key, Settle, StreamEnd
 from extproc.redact import log_safe, plain_id
 from extproc.settlement.attempt_log import AttemptLog, attempt_end, is_attempt
 from extproc.settlement.charge import (
@@ -181,19 +181,18 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
 
 
 def logged_usage(md: Any, prompt: Any) -> Usage:
-    """A usage object as Envoy's filters left it in the metadata, in the internal shape: a class the
-    upstream did not report is absent (a cache write, reasoning), a count it did not give is 0."""
-    def counted(key: Key) -> Any:
-        v = count_attr(md, key)
-        return 0 if v is None else v
-    details = {"cached_tokens": counted(Key.USAGE_CACHED),
-               **{name: v for key, name in ((Key.USAGE_CACHE_WRITE, "cache_write_tokens"),
-                                           (Key.USAGE_CACHE_WRITE_1H, "cache_write_1h_tokens"))
-                  if (v := count_attr(md, key)) is not None}}
-    usage: Usage = {"prompt_tokens": prompt, "completion_tokens": counted(Key.USAGE_COMPLETION),
-                    "prompt_tokens_details": details}
-    if (reasoning := count_attr(md, Key.USAGE_REASONING)) is not None:
-        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    """A usage object as Envoy's filters left it in the metadata, in the internal shape
+    (extproc/names.py USAGE_COUNTS): a class the upstream did not report and that is priced apart is
+    absent (a cache write, reasoning); any other count it did not give is 0."""
+    usage: Usage = {}
+    for key, path in USAGE_COUNTS:
+        v = prompt if key is Key.USAGE_PROMPT else count_attr(md, key)
+        if v is None and key in PRICED_APART:
+            continue
+        node = usage
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = 0 if v is None else v
     return usage
 
 

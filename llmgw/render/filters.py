@@ -46,7 +46,9 @@ from extproc.names import (
     LB_NAMESPACE,
     MAX_EVENT_BYTES,
     METER_ATTRIBUTES,
+    PRICED_APART,
     UPSTREAM_REQUEST_ID_HEADERS,
+    USAGE_COUNTS,
     Header,
     Key,
     Settle,
@@ -272,7 +274,8 @@ def stream_guard_lua() -> str:
     events = {end.value: interrupted_event(message).decode() for end, message in INTERRUPTED.items()}
     return _lua_script("stream_guard.lua", {
         "settle_stream": _lua_string(Settle.STREAM), "degraded_header": _lua_string(Header.DEGRADED),
-        "events": _lua_table(events), "keepalive": _lua_string(KEEPALIVE.decode())})
+        "events": _lua_table(events), "keepalive": _lua_string(KEEPALIVE.decode()),
+        "priced_apart": _lua_table({key.value: path[-1] for key, path in USAGE_COUNTS if key in PRICED_APART})})
 
 
 def lua_stream_guard() -> lua_pb2.Lua:
@@ -315,11 +318,7 @@ def lua_answers() -> lua_pb2.Lua:
                        clear_route_cache=wrappers_pb2.BoolValue(value=False))
 
 
-USAGE_FIELDS = ((Key.USAGE_PROMPT, ("usage", "prompt_tokens")), (Key.USAGE_COMPLETION, ("usage", "completion_tokens")),
-                (Key.USAGE_CACHED, ("usage", "prompt_tokens_details", "cached_tokens")),
-                (Key.USAGE_CACHE_WRITE, ("usage", "prompt_tokens_details", "cache_write_tokens")),
-                (Key.USAGE_CACHE_WRITE_1H, ("usage", "prompt_tokens_details", "cache_write_1h_tokens")),
-                (Key.USAGE_REASONING, ("usage", "completion_tokens_details", "reasoning_tokens")),
+USAGE_FIELDS = (*((key, ("usage", *path)) for key, path in USAGE_COUNTS),
                 (Key.UPSTREAM_ID, ("id",)), (Key.UPSTREAM_MODEL, ("model",)))
 
 
