@@ -54,6 +54,7 @@ class Variant:
     what: str  # "filter", "access log", "stage", or "" (the full gateway)
     edit: Edit | None = None
     env: tuple[tuple[str, str], ...] = ()  # for the ablated worker (llmgw/bench/ablated_extproc.py)
+    module: str = "llmgw.bench.ablated_extproc"  # what runs in place of each ext_proc worker
 
 
 def _hcm(boot: bootstrap_pb2.Bootstrap) -> tuple[Any, hcm_pb2.HttpConnectionManager]:
@@ -103,6 +104,8 @@ def variants(boot: bootstrap_pb2.Bootstrap, cluster: str) -> list[Variant]:
                        decision_stand_in(cluster)))
     out.append(Variant("the decision -> its first reply, repeated (the round trip alone)", "stage",
                        env=(("LLMGW_ABLATE_FIXED_REPLY", "1"),)))
+    out.append(Variant("the worker -> a minimal grpc.aio server's constant reply (the floor)", "stage",
+                       module="llmgw.bench.floor_extproc"))
     out += [Variant(f"- {h.name}" + (" (off by default, on per route)" if h.disabled else ""), "filter",
                     without_filter(h.name))
             for h in hcm.http_filters if h.name not in (Filter.EXT_PROC, Filter.ROUTER)]
@@ -124,7 +127,7 @@ def chosen_variants(snap: Snapshot, render: RenderOptions, only: str | None,
 def with_variant(opts: StackOptions, v: Variant | None) -> StackOptions:
     """A gateway's options run through the ablated worker, with the variant's piece taken out (none:
     the full gateway)."""
-    opts.extproc_module = "llmgw.bench.ablated_extproc"
+    opts.extproc_module = v.module if v else Variant.module
     opts.extproc_env = dict(v.env if v else ())
     opts.bootstrap_edit = v.edit if v else None
     return opts

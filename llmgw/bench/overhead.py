@@ -1,12 +1,17 @@
 """`llmgw bench overhead`: what the gateway adds over bare Envoy, measured in one run.
 
-Three Envoys on loopback, one configuration style:
+Envoys on loopback, one configuration style:
   upstream  answers every chat completion itself (direct response: JSON, or SSE for stream=true),
-            so the upstream costs the same microseconds in both conditions;
+            so the upstream costs the same microseconds in every condition;
   bare      a plain proxy to that upstream: the baseline;
-  gateway   `llmgw envoy render` output with the pool pointed at the same upstream, plus ext_proc.
-wrk drives both proxies with the same request, alternating between them round by round so that
-drift on the shared 2-core machine hits both alike. Figures: p50/p99 latency and requests/s.
+  gateway   `llmgw envoy render` output with the pool pointed at the same upstream, plus ext_proc;
+  floor     the same rendered Envoy with a minimal grpc.aio ext_proc server in place of the workers,
+            answering every decision with a constant (llmgw/bench/floor_extproc.py): what the design
+            (Envoy, this filter configuration, Python gRPC) costs before the gateway decides anything;
+  LiteLLM   the peer's proxy to the same upstream.
+wrk drives every condition with the same request, alternating between them round by round so that
+drift on the shared 2-core machine hits all alike. Figures: p50 latency, requests/s, CPU and wake-ups
+per request from /proc.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from llmgw.bench.kit import (
     wrk_missing,
 )
 from llmgw.local.procs import Child, cpu_seconds, wakeups
-from llmgw.local.stack import Stack, gateway_processes
+from llmgw.local.stack import Stack, StackOptions, gateway_processes
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -41,6 +46,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     work, keys, snap, up_port = beside.work, beside.keys, beside.snap, beside.up_port
     children = [beside.upstream, beside.bare]
     stack = Stack(beside.gateway_options(work / "gw", args.workers))
+    floor = Stack(floor_options(beside.gateway_options(work / "floor", args.workers))) if args.floor else None
     rows: list[str] = []
     try:
         stack.start()
@@ -48,6 +54,10 @@ def run_overhead(args: argparse.Namespace) -> int:
                 "gateway": f"{stack.url}/v1/chat/completions"}
         procs: dict[str, dict[str, list[Child]]] = {"bare": {"envoy": [children[1]]},
                                                      "gateway": gateway_processes(stack)}
+        if floor is not None:
+            floor.start()
+            urls["floor"] = f"{floor.url}/v1/chat/completions"
+            procs["floor"] = gateway_processes(floor)
         if args.litellm:
             peer, port = litellm_proxy(work, up_port, list(snap.routes), Path(args.litellm_venv))
             children.append(peer)
@@ -86,6 +96,8 @@ def run_overhead(args: argparse.Namespace) -> int:
         picked = _picked_share(stack.logs / "envoy.log", f"127.0.0.1:{up_port}")
     finally:
         stack.stop()
+        if floor is not None:
+            floor.stop()
         for ch in children:
             ch.stop()
     table = _table(rows, args) + f"Endpoint picker named the engine on {picked:.0%} of the gateway's requests.\n"
@@ -97,6 +109,12 @@ def run_overhead(args: argparse.Namespace) -> int:
             config=args.config, streams=48, tokens=256, gap_ms=10.0, concurrency=8, rounds=3, workers=args.workers,
             output=None))
     return report(table, args.output)
+
+
+def floor_options(opts: StackOptions) -> StackOptions:
+    """A gateway's options with the floor's server in place of each ext_proc worker."""
+    opts.extproc_module = "llmgw.bench.floor_extproc"
+    return opts
 
 
 def _picked_share(envoy_log: Path, engine: str) -> float:
@@ -129,6 +147,14 @@ def _row(kind: str, c: int, got: dict[str, list[Result]], cpu: dict[str, dict[st
            f"{gcpu.get('store', 0):.0f} | {sum(gcpu.values()) / max(1.0, sum(bcpu.values())):.1f}x "
            f"| {bwake:.1f} | {gwake.get('envoy', 0):.1f} / {gwake.get('ext_proc', 0):.1f} / "
            f"{gwake.get('store', 0):.1f} | {errors} |")
+    if "floor" in got:
+        flo = got["floor"]
+        f50, frps = _med([r.p50_ms for r in flo]), _med([r.rps for r in flo])
+        fcpu = {proc: s * 1e6 for proc, s in per_request(cpu, "floor").items()}
+        row += (f" {f50:.3f} | +{f50 - b50:.3f} | {frps:,.0f} | {fcpu.get('envoy', 0):.0f} / "
+                f"{fcpu.get('ext_proc', 0):.0f} | {sum(fcpu.values()) / max(1.0, sum(bcpu.values())):.1f}x "
+                f"| {sum(gcpu.values()) / max(1.0, sum(fcpu.values())):.2f}x | +{g50 - f50:.3f} "
+                f"| {sum(r.non_2xx for r in flo)} |")
     if "litellm" in got:
         lit = got["litellm"]
         l50, lrps = _med([r.p50_ms for r in lit]), _med([r.rps for r in lit])
@@ -143,6 +169,10 @@ def _table(rows: list[str], args: argparse.Namespace) -> str:
             "| bare CPU us/req | gw CPU us/req (Envoy / ext_proc / store) | gw/bare CPU | bare wake-ups/req "
             "| gw wake-ups/req (Envoy / ext_proc / store) | non-2xx |")
     rule = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    if args.floor:
+        head += (" floor p50 ms | floor added p50 | floor req/s | floor CPU us/req (Envoy / ext_proc) "
+                 "| floor/bare CPU | gw/floor CPU | gw p50 above the floor's | floor non-2xx |")
+        rule += "---|---|---|---|---|---|---|---|"
     if args.litellm:
         head += (" LiteLLM p50 ms | LiteLLM added p50 | LiteLLM req/s | LiteLLM CPU us/req | gw/LiteLLM req/s "
                  "| LiteLLM non-2xx |")

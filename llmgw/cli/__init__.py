@@ -424,6 +424,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="leave out the one-event-per-token stream table (llmgw bench stream)")
     o.add_argument("--checked", action="store_true",
                    help="also requests offering a tool: their answers (a call of it) are checked (issue 31)")
+    o.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="leave out the floor: the same Envoy configuration with a minimal grpc.aio ext_proc "
+                        "server answering every decision with a constant (llmgw/bench/floor_extproc.py)")
     o.set_defaults(func=cmd_bench_overhead)
     if command in (None, "bench"):
         for module in BENCH_MODULES:
