@@ -210,7 +210,7 @@ async def take_provider_quota(store: Store, dep: Deployment, tenant: str,
     """A request's take of a hosted deployment's provider quota and of the tenant's share of it, at its
     token bound, all or none: (the charges, None) when taken, (the charges, ms until the first bucket
     that refused has room) when spent. Admission takes the first candidate's; the attempt filter a
-    fallback candidate's (extproc/attempts.py)."""
+    fallback candidate's (extproc/service/attempts.py)."""
     q = dep.provider_quota
     assert q is not None
     charges = quota_charges(dep.deployment, q.requests_per_minute, q.tokens_per_minute,

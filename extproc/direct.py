@@ -1,6 +1,6 @@
 """A lone candidate of another API shape, translated without the attempt filter.
 
-The attempt filter (extproc/attempts.py) costs four ext_proc messages per translated attempt: request
+The attempt filter (extproc/service/attempts.py) costs four ext_proc messages per translated attempt: request
 headers and body, response headers and body. When a request's plan is one candidate whose shape
 Envoy's Lua answer filter can read (extproc/lua/answers.lua), and its answer is JSON that settles
 through the access log or a stream the Lua stream guard settles, the decision translates the request

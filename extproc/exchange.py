@@ -269,7 +269,7 @@ class Exchange:
             # that is no chat completion becomes the contract's 502 (charged as the work it may have been).
             md[Key.ANSWER_SHAPE] = POOL_ANSWER_SHAPE
         elif uses_attempt_filter(self.candidates) and self.identity is not None:
-            # Read by the upstream filter of each attempt (extproc/attempts.py).
+            # Read by the upstream filter of each attempt (extproc/service/attempts.py).
             md[Key.PLAN] = encode_plan(self.identity.tenant, [d.deployment for d in self.candidates])
             if self.stream:
                 md[Key.PLAN_STREAM] = "1"

@@ -8,7 +8,7 @@ route's candidates, so whichever candidates qualify for a request, the cluster i
 no other: a candidate that failed qualification is never tried, not even as a fallback.
 
 The composite's upstream filter chain holds ext_proc, which runs once per attempt
-(extproc/attempts.py): it learns the candidate from the attempt plan and the chosen host, rewrites
+(extproc/service/attempts.py): it learns the candidate from the attempt plan and the chosen host, rewrites
 the body for it, injects its credential and records the attempt.
 """
 

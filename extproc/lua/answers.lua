@@ -1,7 +1,7 @@
 -- The answer filter, in Envoy (LuaJIT): a request that ext_proc's decision translated for a lone
 -- candidate of another API shape (extproc/direct.py) passes here, with no round trip to ext_proc, and
 -- so does every answer of a plan's candidate of another shape, which the attempt filter
--- (extproc/attempts.py) names in headers of its own.
+-- (extproc/service/attempts.py) names in headers of its own.
 -- The renderer (llmgw/render/filters.py) prepends `CONFIG` (the metadata namespace and key names from
 -- extproc/names.py, each shape's stop reasons from its adapter, the contract's 502 body and
 -- `stream_interrupted` event) and extproc/lua/json.lua, sse.lua, values.lua and eventstream.lua, and

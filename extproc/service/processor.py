@@ -1,7 +1,7 @@
 """The ext_proc gRPC service: one receive loop per stream, its handler chosen by the filter's role (gRPC
 metadata the rendered Envoy config sets): the decision filter (extproc/service/decision.py), the
 stream guard (extproc/streams.py), the meter of idempotent and checked answers
-(extproc/settlement/meter.py) and the attempt filter (extproc/attempts.py). Every request is parsed
+(extproc/settlement/meter.py) and the attempt filter (extproc/service/attempts.py). Every request is parsed
 leniently (extproc/wire.py)."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc.admission import AdmissionControl
-from extproc.attempts import AttemptFilter
 from extproc.config.reload import Live, Reloader
 from extproc.contract import ROLE_KEY, Role
 from extproc.decisions import DecisionRecorder
 from extproc.jwks import JwksCache
 from extproc.picker import Picker
+from extproc.service.attempts import AttemptFilter
 from extproc.service.decision import DecisionFilter
 from extproc.settlement.meter import Meter
 from extproc.settlement.settler import Settler

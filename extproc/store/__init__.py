@@ -469,7 +469,7 @@ class Store:
         return results
 
     async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
-        """One attempt of a fallback route (extproc/attempts.py); settlement puts them in the ledger."""
+        """One attempt of a fallback route (extproc/service/attempts.py); settlement puts them in the ledger."""
         await self.pipe.evalsha(ATTEMPT, [res_key(tenant, rid)], [n, packed(record)])
 
     async def append_ledger(self, tenant: str, rid: str, facts: dict[str, Any], outcome: dict[str, Any]) -> bool:

@@ -418,7 +418,7 @@ def stdout_access_log() -> accesslog_pb2.AccessLog:
 
 def attempt_filter(snap: Snapshot) -> ext_proc_pb2.ExternalProcessor:
     """ext_proc once per attempt (an upstream filter): which candidate this attempt goes to, its body
-    and credential, and the attempt's record (extproc/attempts.py). Fails closed: an attempt that
+    and credential, and the attempt's record (extproc/service/attempts.py). Fails closed: an attempt that
     cannot be addressed is not sent."""
     pm = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(

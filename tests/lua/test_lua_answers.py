@@ -375,7 +375,7 @@ def lua_stream(lua: Any, chunks: list[bytes], shape: str = "anthropic",
 
 
 def python_stream(chunks: list[bytes], adapter: Adapter = ANTHROPIC) -> bytes:
-    """What the attempt filter makes of the same chunks (extproc/attempts.py `_translate_chunk`)."""
+    """What the attempt filter makes of the same chunks (extproc/service/attempts.py `_translate_chunk`)."""
     translator = adapter.stream(include_usage=True)
     translator.model = MODEL
     out: list[bytes] = []

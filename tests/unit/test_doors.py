@@ -548,7 +548,7 @@ def test_a_malformed_breakpoint_is_refused_naming_it(hint: Any) -> None:
 
 
 def test_the_contracts_own_shape_is_sent_without_breakpoints() -> None:
-    from extproc.attempts import body_for
+    from extproc.service.attempts import body_for
     from extproc.shapes.base import Target
     from extproc.shapes.openai.adapter import OpenAIAdapter
     marked = [{"type": "text", "text": "x", "cache_control": CC}]

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.attempts import body_for, choose_candidate
 from extproc.config import Snapshot, load_snapshot
 from extproc.config.plans import attempt_kind, candidate_subsets, composite_name, decode_plan, encode_plan, sub_clusters
 from extproc.contract import GatewayError
+from extproc.service.attempts import body_for, choose_candidate
 from extproc.settlement.charge import answered_by
 from llmgw.local.procs import envoy_binary, envoy_env
 from llmgw.render.bootstrap import RenderOptions, fallback_clusters, render_yaml
@@ -149,9 +149,9 @@ def test_only_the_attempt_filter_names_an_answers_shape(deployment: str, names_s
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-    from extproc.attempts import _Attempt
     from extproc.config.plans import translated
     from extproc.names import Header
+    from extproc.service.attempts import _Attempt
     from extproc.shapes.registry import adapter_for
     from tests.conftest import POLICY
 
@@ -180,8 +180,8 @@ def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from google.protobuf import struct_pb2
 
-    from extproc.attempts import AttemptFilter
     from extproc.names import HOST_CLUSTER, Filter, Key, metadata_path
+    from extproc.service.attempts import AttemptFilter
 
     class Store:
         def __init__(self) -> None:
@@ -233,8 +233,8 @@ def test_a_fallback_attempt_takes_from_its_candidates_provider_quota_before_it_i
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from google.protobuf import struct_pb2
 
-    from extproc.attempts import AttemptFilter
     from extproc.names import HOST_CLUSTER, Filter, Key, metadata_path
+    from extproc.service.attempts import AttemptFilter
     from extproc.store import Store, quota_key
     from tests.conftest import POLICY, valkey_url
 
