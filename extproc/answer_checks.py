@@ -1,7 +1,7 @@
 """Answers checked after generation: what a request offered and asked for, held against what came back.
 
 A request that offers tools or asks for a JSON answer carries a `CheckSpec` from the decision to the
-filter that reads its answer (extproc/settlement/meter.py for JSON, extproc/streams.py's guard for
+filter that reads its answer (extproc/settlement/meter.py for JSON, extproc/service/streams.py's guard for
 streams). There each tool call must name a tool the request offered, its arguments must parse as a
 JSON object and satisfy the tool's parameter schema, and the policy (package `llmgw.answers`) decides
 its effect with its arguments; a `json_object` answer must parse as one JSON object and a

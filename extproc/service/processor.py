@@ -1,6 +1,6 @@
 """The ext_proc gRPC service: one receive loop per stream, its handler chosen by the filter's role (gRPC
 metadata the rendered Envoy config sets): the decision filter (extproc/service/decision.py), the
-stream guard (extproc/streams.py), the meter of idempotent and checked answers
+stream guard (extproc/service/streams.py), the meter of idempotent and checked answers
 (extproc/settlement/meter.py) and the attempt filter (extproc/service/attempts.py). Every request is parsed
 leniently (extproc/wire.py)."""
 
@@ -24,10 +24,10 @@ from extproc.jwks import JwksCache
 from extproc.picker import Picker
 from extproc.service.attempts import AttemptFilter
 from extproc.service.decision import DecisionFilter
+from extproc.service.streams import StreamGuard
 from extproc.settlement.meter import Meter
 from extproc.settlement.settler import Settler
 from extproc.store import Store
-from extproc.streams import StreamGuard
 from extproc.wire import lenient_parser
 
 DECISION = "decision"  # the decision filter's streams carry no role

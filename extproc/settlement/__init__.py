@@ -11,7 +11,7 @@ no upstream answered), observe (metrics and spans of what the store kept), sweep
   json_to_metadata.
 - Streams: the access log too, usage (and how the stream ended, and the chunks generated so far)
   written into the metadata by the Lua stream guard in Envoy (extproc/lua/stream_guard.lua).
-- Idempotent streams: ext_proc's stream guard (extproc/streams.py) settles through the Meter's
+- Idempotent streams: ext_proc's stream guard (extproc/service/streams.py) settles through the Meter's
   settle_stream, after recording what the client received for replay.
 - Idempotent JSON answers: the meter, a blocking ext_proc filter on the response body that records
   the answer for replay and settles before the answer's last chunk reaches the client, so a repeat

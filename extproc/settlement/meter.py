@@ -1,5 +1,5 @@
 """Settlement by the response filters that hold an answer themselves: idempotent and checked JSON
-answers (the meter role), and streams the ext_proc stream guard guards (extproc/streams.py)."""
+answers (the meter role), and streams the ext_proc stream guard guards (extproc/service/streams.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ MAX_JSON_BODY = 8 << 20
 
 class Meter:
     """Settles answers the response filters saw: idempotent JSON answers (the meter role) and
-    streams (for the stream guard, extproc/streams.py)."""
+    streams (for the stream guard, extproc/service/streams.py)."""
 
     def __init__(self, settler: Settler, snapshot: Callable[[], Snapshot], sealer: Callable[[], Sealer]):
         self.settler = settler

@@ -410,7 +410,7 @@ class PlanRequest:
         body["cache_salt"] = ex.cache_salt = salt
         if ex.stream and ex.held is not None:
             # Exact metering: ask for the usage chunk; the stream guard withholds it from a client that
-            # did not ask for it (extproc/streams.py).
+            # did not ask for it (extproc/service/streams.py).
             given = body.get("stream_options")
             options: dict[str, Any] = given if isinstance(given, dict) else {}
             if options.get("include_usage") is not True:

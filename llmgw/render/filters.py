@@ -280,7 +280,7 @@ def stream_guard_lua() -> str:
 
 def lua_stream_guard() -> lua_pb2.Lua:
     """Streams (their own admitted route): every chunk passes through LuaJIT in Envoy, never a round
-    trip to ext_proc; the script does what extproc/streams.py does for idempotent streams, and leaves
+    trip to ext_proc; the script does what extproc/service/streams.py does for idempotent streams, and leaves
     settlement to the access log (extproc/lua/stream_guard.lua)."""
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=stream_guard_lua()))
 
