@@ -57,6 +57,11 @@ class Variant:
     module: str = "llmgw.bench.ablated_extproc"  # what runs in place of each ext_proc worker
 
 
+# The floor: every worker replaced by a minimal grpc.aio server's constant reply (llmgw/bench/floor_extproc.py).
+FLOOR = Variant("the worker -> a minimal grpc.aio server's constant reply (the floor)", "stage",
+                module="llmgw.bench.floor_extproc")
+
+
 def _hcm(boot: bootstrap_pb2.Bootstrap) -> tuple[Any, hcm_pb2.HttpConnectionManager]:
     """The gateway listener's connection manager, decoded (`_editing` packs it back)."""
     f = boot.static_resources.listeners[0].filter_chains[0].filters[0]
@@ -104,8 +109,7 @@ def variants(boot: bootstrap_pb2.Bootstrap, cluster: str) -> list[Variant]:
                        decision_stand_in(cluster)))
     out.append(Variant("the decision -> its first reply, repeated (the round trip alone)", "stage",
                        env=(("LLMGW_ABLATE_FIXED_REPLY", "1"),)))
-    out.append(Variant("the worker -> a minimal grpc.aio server's constant reply (the floor)", "stage",
-                       module="llmgw.bench.floor_extproc"))
+    out.append(FLOOR)
     out += [Variant(f"- {h.name}" + (" (off by default, on per route)" if h.disabled else ""), "filter",
                     without_filter(h.name))
             for h in hcm.http_filters if h.name not in (Filter.EXT_PROC, Filter.ROUTER)]

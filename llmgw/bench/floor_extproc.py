@@ -3,18 +3,21 @@ configuration, for `llmgw bench overhead` and `llmgw bench ablate`. The benchmar
 `python -m llmgw.bench.floor_extproc` in place of each ext_proc worker, with the worker's arguments.
 
 It is grpc.aio, as the gateway's worker is, with nothing of the gateway: every decision message is
-answered with one constant, built at start - the request goes on to the route's first pool, the route
-cache cleared (what an admitting decision does), and nothing decided, reserved, redacted or settled;
-every other message (a response filter's, if a route turns one on) continues unchanged; the access log
-is read and dropped. Its status server says the configuration's revision and that it is healthy, so
-the stack starts it as it starts a worker. What the gateway costs above this is its own: the decision,
-the store, settlement."""
+answered with one of two constants, built at start - the request goes on to the route's first pool by
+the route the gateway takes for it (a stream's, where the Lua stream guard runs, or a JSON answer's),
+the route cache cleared (what an admitting decision does), and nothing decided, reserved, redacted or
+settled. Which of the two is a byte search of the body for `"stream": true`, not a parse. Every other
+message (a response filter's, if a route turns one on) continues unchanged; the access log, which
+Envoy sends as it does for the gateway, is read and dropped. Its status server says the
+configuration's revision and that it is healthy, so the stack starts it as it starts a worker. What
+the gateway costs above this is its own: the decision, the store, settlement."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import re
 import signal
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,14 +31,14 @@ from google.protobuf import struct_pb2
 
 from extproc.config import load_snapshot
 from extproc.contract import METADATA_NAMESPACE, WORKER_HEALTH_PATH
-from extproc.names import POOL_CLUSTER_PREFIX, Key
+from extproc.names import POOL_CLUSTER_PREFIX, Key, Settle
 from llmgw.bench.kit import POOL_ROUTE
 
 
-def admitted(cluster: str) -> ep.ProcessingResponse:
-    """The one answer to every decision: continue to `cluster`, the route matched again."""
+def admitted(cluster: str, settle: Settle) -> ep.ProcessingResponse:
+    """An answer to a decision: continue to `cluster` by the route of this settle kind, matched again."""
     md = struct_pb2.Struct()
-    md.fields[METADATA_NAMESPACE].struct_value.update({Key.CLUSTER: cluster})
+    md.fields[METADATA_NAMESPACE].struct_value.update({Key.CLUSTER: cluster, Key.SETTLE: settle.value})
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
         header_mutation=ep.HeaderMutation(), clear_route_cache=True)), dynamic_metadata=md)
 
@@ -48,15 +51,21 @@ _CONTINUE = {"request_headers": ep.ProcessingResponse(request_headers=ep.Headers
              "response_trailers": ep.ProcessingResponse(response_trailers=ep.TrailersResponse())}
 
 
+STREAMED = re.compile(rb'"stream"\s*:\s*true')
+
+
 class Floor(ep_grpc.ExternalProcessorServicer, als_pb2_grpc.AccessLogServiceServicer):
     def __init__(self, cluster: str):
-        self.decision = admitted(cluster)
+        self.json, self.stream = admitted(cluster, Settle.ACCESS_LOG), admitted(cluster, Settle.STREAM)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: Any) -> AsyncIterator[ep.ProcessingResponse]:
         async for req in request_iterator:
             kind = req.WhichOneof("request")
-            yield self.decision if kind == "request_body" else _CONTINUE[kind]
+            if kind == "request_body":
+                yield self.stream if STREAMED.search(req.request_body.body) else self.json
+            else:
+                yield _CONTINUE[kind]
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         async for _ in request_iterator:

@@ -107,7 +107,7 @@ def run_overhead(args: argparse.Namespace) -> int:
         table += "\nStreams of one event per token (`llmgw bench stream`, defaults):\n\n"
         table += measure_token_streams(argparse.Namespace(
             config=args.config, streams=48, tokens=256, gap_ms=10.0, concurrency=8, rounds=3, workers=args.workers,
-            output=None))
+            output=None, floor=args.floor))
     return report(table, args.output)
 
 

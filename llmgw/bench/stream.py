@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.config import Snapshot, load_snapshot
-from llmgw.bench.ablate import Variant, chosen_variants, with_variant
+from llmgw.bench.ablate import FLOOR, Variant, chosen_variants, with_variant
 from llmgw.bench.kit import METRICS, POOL_ROUTE, bare_bootstrap, demo_policy, report, start_envoy, without_quotas
 from llmgw.local.procs import Child, cpu_seconds, free_port, http_ok, wait_until
 from llmgw.local.stack import Stack, StackOptions, gateway_processes
@@ -207,19 +207,24 @@ class _Setup:
 
 
 def measure_token_streams(args: argparse.Namespace) -> str:
-    """Both proxies in alternating rounds: the markdown table of the figures."""
+    """The proxies in alternating rounds - bare Envoy, the gateway and (unless `--no-floor`) the floor,
+    the gateway's Envoy with a minimal ext_proc server: the markdown table of the figures."""
     setup = _Setup.start(args)
-    stack = setup.gateway("gw", args)
+    stacks = {"gateway": setup.gateway("gw", args)}
+    if getattr(args, "floor", True):
+        stacks["floor"] = setup.gateway("floor", args, FLOOR)
     body, headers = setup.request(args)
     try:
-        stack.start()
-        bare = Streamed(setup.bare_url, {"envoy": [setup.bare]})
-        gw = Streamed(f"{stack.url}/v1/chat/completions", gateway_processes(stack))
-        _rounds([bare, gw], body, headers, args)
+        proxies = {"bare": Streamed(setup.bare_url, {"envoy": [setup.bare]})}
+        for name, stack in stacks.items():
+            stack.start()
+            proxies[name] = Streamed(f"{stack.url}/v1/chat/completions", gateway_processes(stack))
+        _rounds(list(proxies.values()), body, headers, args)
     finally:
-        stack.stop()
+        for stack in stacks.values():
+            stack.stop()
         setup.stop()
-    return _table({"bare": bare.run, "gateway": gw.run}, {"bare": bare.cpu, "gateway": gw.cpu}, args)
+    return _table({n: p.run for n, p in proxies.items()}, {n: p.cpu for n, p in proxies.items()}, args)
 
 
 def ablate_token_streams(args: argparse.Namespace) -> str:
@@ -301,7 +306,9 @@ def _table(runs: dict[str, StreamRun], cpu: dict[str, dict[str, float]], args: a
         "",
         f"Gateway CPU per token / bare Envoy's: {gw_total / bare_total:.2f}x "
         f"({gw_total:.1f} vs {bare_total:.1f} us). TTFT added (p50): {ttft_added:+.2f} ms. "
-        f"TPOT added (p50): {tpot_added:+.2f}%.",
+        f"TPOT added (p50): {tpot_added:+.2f}%."
+        + (f" The floor's CPU per token / bare Envoy's: {sum(per_token['floor'].values()) / bare_total:.2f}x."
+           if "floor" in per_token else ""),
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.streams} streams per proxy of {args.tokens} "
         f"tokens, one event each, {args.gap_ms} ms apart, {args.concurrency} at a time; {args.rounds} alternating "
         f"rounds; ext_proc workers: {args.workers}; Envoy --concurrency 1.",
@@ -321,6 +328,8 @@ def register(bsub: Any) -> None:
     b.add_argument("--ablate", action="store_true",
                    help="price each piece per token: every variant of `bench ablate` in turn beside the full gateway")
     b.add_argument("--only", help="with --ablate: only the variants whose names hold one of these substrings")
+    b.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="leave out the floor (the gateway's Envoy with a minimal ext_proc server)")
     b.add_argument("--output")
     b.set_defaults(func=run_stream_bench)
 
