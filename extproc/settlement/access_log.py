@@ -134,11 +134,12 @@ class SettlementLog(als_grpc.AccessLogServiceServicer):
         snap = self.snapshot()
         dep = answered_by(snap, attr(md, Key.DEPLOYMENT), attr(md, Key.PLAN),
                           entry.response.response_headers.get(Header.DEPLOYMENT, ""))
-        x = ending_of(entry, md, hint, backstop)
+        held = orjson.loads(hint)
+        x = ending_of(entry, md, held, backstop)
         c = charge_ending(x, dep)
         count = common.upstream_request_attempt_count
         earlier, earlier_micros, earlier_tokens = earlier_charges(count, self.attempts.take(rid),
-                                                                  unanswered_bound(orjson.loads(hint)))
+                                                                  unanswered_bound(held))
         marks = {k.value: attr(md, k) for k in LEDGER_MARKS}
         if c.degraded:
             marks[Key.DEGRADED.value] = "response"
@@ -196,8 +197,9 @@ def logged_usage(md: Any, prompt: Any) -> Usage:
     return usage
 
 
-def ending_of(entry: Any, md: Any, hint: str, backstop: bool) -> Ending:
-    """An access-log entry decoded: the facts settlement decides the charge from (charge.Ending)."""
+def ending_of(entry: Any, md: Any, held: dict[str, Any], backstop: bool) -> Ending:
+    """An access-log entry decoded: the facts settlement decides the charge from (charge.Ending); `held`
+    is the reservation's hint, decoded."""
     common = entry.common_properties
     flags = common.response_flags
     prompt = count_attr(md, Key.USAGE_PROMPT)  # present only when a filter found a usage object
@@ -207,7 +209,7 @@ def ending_of(entry: Any, md: Any, hint: str, backstop: bool) -> Ending:
     chunks = attr(md, Key.STREAM_CHUNKS)
     return Ending(
         status=entry.response.response_code.value, stream=attr(md, Key.STREAM) == "1",
-        prompt_bound=int(orjson.loads(hint).get("p", 0)), usage=usage, chunks=int(chunks) if chunks else 0,
+        prompt_bound=int(held.get("p", 0)), usage=usage, chunks=int(chunks) if chunks else 0,
         stream_done=passed_done(md), client_closed=flags.downstream_connection_termination,
         upstream_timeout=flags.upstream_request_timeout, backstop=backstop,
         broken=bool(attr(md, Key.ANSWER_BROKEN)), sent=common.HasField("time_to_first_upstream_tx_byte"),

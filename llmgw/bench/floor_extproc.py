@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import signal
 from collections.abc import AsyncIterator
@@ -113,11 +112,7 @@ def main() -> None:
     args, _ = parser.parse_known_args()  # the rest of the worker's arguments mean nothing here
     if args.tls_cert:
         raise SystemExit("floor_extproc: no mTLS (the floor is measured on loopback without it)")
-    if args.listen.startswith("unix:"):
-        with_path = args.listen.removeprefix("unix:")
-        if os.path.exists(with_path):
-            os.unlink(with_path)
-    asyncio.run(serve(args))
+    asyncio.run(serve(args))  # (the stack removes a socket a worker left behind before it starts this)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+from llmgw.bench.ablate import FLOOR, with_variant
 from llmgw.bench.kit import (
     BENCH_TOOL,
     LITELLM,
@@ -36,7 +37,7 @@ from llmgw.bench.kit import (
     wrk_missing,
 )
 from llmgw.local.procs import Child, cpu_seconds, wakeups
-from llmgw.local.stack import Stack, StackOptions, gateway_processes
+from llmgw.local.stack import Stack, gateway_processes
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -46,7 +47,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     work, keys, snap, up_port = beside.work, beside.keys, beside.snap, beside.up_port
     children = [beside.upstream, beside.bare]
     stack = Stack(beside.gateway_options(work / "gw", args.workers))
-    floor = Stack(floor_options(beside.gateway_options(work / "floor", args.workers))) if args.floor else None
+    floor = Stack(with_variant(beside.gateway_options(work / "floor", args.workers), FLOOR)) if args.floor else None
     rows: list[str] = []
     try:
         stack.start()
@@ -109,12 +110,6 @@ def run_overhead(args: argparse.Namespace) -> int:
             config=args.config, streams=48, tokens=256, gap_ms=10.0, concurrency=8, rounds=3, workers=args.workers,
             output=None, floor=args.floor))
     return report(table, args.output)
-
-
-def floor_options(opts: StackOptions) -> StackOptions:
-    """A gateway's options with the floor's server in place of each ext_proc worker."""
-    opts.extproc_module = "llmgw.bench.floor_extproc"
-    return opts
 
 
 def _picked_share(envoy_log: Path, engine: str) -> float:

@@ -15,9 +15,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.contract import METADATA_NAMESPACE
 from extproc.names import Key, Settle
+from llmgw.bench.ablate import FLOOR, with_variant
 from llmgw.bench.floor_extproc import Floor
 from llmgw.bench.kit import POOL_ROUTE, Beside
-from llmgw.bench.overhead import floor_options
 from llmgw.local.stack import Stack
 from tests.conftest import POLICY
 from tests.helpers import request
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 def test_the_floor_serves_through_the_gateways_own_envoy(tmp_path: Path) -> None:
     beside = Beside.start(POLICY, str(tmp_path / "floor-"))
-    floor = Stack(floor_options(beside.gateway_options(beside.work / "floor", 2)))
+    floor = Stack(with_variant(beside.gateway_options(beside.work / "floor", 2), FLOOR))
     try:
         floor.start()
         assert all(json.loads(request(url).body).get("floor") is True for url in floor.status_urls)
