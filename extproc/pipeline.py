@@ -10,6 +10,7 @@ from extproc.decisions import DecisionRecorder
 from extproc.exchange import Exchange
 from extproc.jwks import JwksCache
 from extproc.picker import Picker
+from extproc.slices import SliceBook
 from extproc.stages import Stage
 from extproc.stages.admit import Admission
 from extproc.stages.authorize import Authorization
@@ -29,14 +30,14 @@ from extproc.store import Store
 # comes after the route stage's plan and before the plan's request is made (it may drop candidates).
 def build_stages(picker: Picker | None = None, jwks: JwksCache | None = None,
                  store: Store | None = None, recorder: DecisionRecorder | None = None,
-                 admission: AdmissionControl | None = None) -> tuple[Stage, ...]:
+                 admission: AdmissionControl | None = None, slices: SliceBook | None = None) -> tuple[Stage, ...]:
     """The request stages, with the endpoint picker after routing when the service runs one."""
     stages: tuple[Stage, ...] = (
         CallerIdentity(jwks),
         Intake(),
         Authorization(recorder),
         RequestSize(),
-        BudgetReservation(store, admission),
+        BudgetReservation(store, admission, slices),
         Redaction(),
         RouteSelection(),
         Admission(admission),

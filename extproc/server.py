@@ -139,6 +139,8 @@ async def serve(reloader: Reloader, listen: str, pools: Mapping[str, list[str]] 
     if sweeper is not None:
         await sweeper
     await server.stop(grace=2)
+    if processor.slices is not None:  # every admission written, every slice given back
+        await processor.slices.close()
     if processor.admission is not None:
         await processor.admission.stop()
     tracing.shutdown()

@@ -34,6 +34,7 @@ from extproc.replies import admit, degraded_answer, immediate, longer_wait, refu
 from extproc.service.models import answer_models
 from extproc.settlement.releases import DEGRADED_RELEASE, record_refusal, refusal, release
 from extproc.shapes.registry import door_for
+from extproc.slices import SliceBook
 from extproc.stages.budget import Replay
 from extproc.stages.identity import CallerIdentity
 from extproc.stages.route import Degraded
@@ -86,10 +87,10 @@ class DecisionFilter:
     """The decision filter's streams, each decided by the stages under the revision live when it came."""
 
     def __init__(self, live: Callable[[], Live], picker: Picker | None, jwks: JwksCache, store: Store | None,
-                 decisions: DecisionRecorder, admission: AdmissionControl | None):
+                 decisions: DecisionRecorder, admission: AdmissionControl | None, slices: SliceBook | None = None):
         self._live = live
         self.store = store
-        self.stages = build_stages(picker, jwks, store, decisions, admission)
+        self.stages = build_stages(picker, jwks, store, decisions, admission, slices)
         self._identity = CallerIdentity(jwks)
         self._background: set[asyncio.Task[None]] = set()
 

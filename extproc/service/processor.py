@@ -27,6 +27,7 @@ from extproc.service.decision import DecisionFilter
 from extproc.service.streams import StreamGuard
 from extproc.settlement.meter import Meter
 from extproc.settlement.settler import Settler
+from extproc.slices import SliceBook
 from extproc.store import Store
 from extproc.wire import lenient_parser
 
@@ -47,7 +48,10 @@ class Processor(ep_grpc.ExternalProcessorServicer):
         self.decisions = DecisionRecorder(store)
         self.admission = (AdmissionControl(store, picker.pool_loads if picker is not None else None)
                           if store is not None else None)
-        self.decision = DecisionFilter(lambda: self.live, picker, jwks, store, self.decisions, self.admission)
+        # This worker's slices of tenants' budgets (extproc/slices.py; used where gateway.yaml turns them on).
+        self.slices = SliceBook(store) if store is not None else None
+        self.decision = DecisionFilter(lambda: self.live, picker, jwks, store, self.decisions, self.admission,
+                                       self.slices)
         self.settler = Settler(store) if store is not None else None
         self.meter = (Meter(self.settler, lambda: self.live.snapshot, lambda: self.live.sealer)
                       if self.settler is not None else None)

@@ -14,7 +14,8 @@ import orjson
 
 from extproc.settlement.observe import swept
 from extproc.settlement.settler import log
-from extproc.store import Settlement, Store, StoreUnavailable
+from extproc.slices import NOT_PROCESSED, lost_facts
+from extproc.store import SLICE_MEMBER, Settlement, SliceCommit, Store, StoreUnavailable
 
 
 class Sweeper:
@@ -28,6 +29,9 @@ class Sweeper:
         settled = 0
         for tenant in self.tenants():
             for rid in await self.store.expired_leases(tenant, now_ms):
+                if rid.startswith(SLICE_MEMBER):  # a slice whose worker died holding it
+                    settled += await self.end_slice(tenant, rid.removeprefix(SLICE_MEMBER).rsplit(":", 1)[0])
+                    continue
                 held = await self.store.reservation(tenant, rid)
                 if not held:
                     continue  # settled since the lease was read
@@ -38,6 +42,23 @@ class Sweeper:
                     log.warning("request %s (%s): lease expired; charged in full as ambiguous", rid, tenant)
                     swept(rid, orjson.loads(held.get("record") or "{}"), outcome)()
         return settled
+
+    async def end_slice(self, tenant: str, slice_id: str) -> int:
+        """A slice expired unended (its worker died holding it): the outcomes that came for its unwritten
+        admissions are settled, what it held unused goes back (extproc/slices.py). Returns how many it
+        settled."""
+        held = await self.store.slice_held(tenant, slice_id)
+        if not held:
+            return 0  # ended since its permits were read
+        keys = orjson.loads(held.get("keys") or "{}")
+        (out,) = await self.store.commit_slices([SliceCommit(
+            tenant, slice_id, keys.get("b", []), [tuple(r) for r in keys.get("r", [])], [], True, NOT_PROCESSED,
+            lost_facts(tenant))])
+        if isinstance(out, BaseException):
+            raise out
+        log.warning("slice %s (%s) expired with its worker: ended, %d outcome(s) settled", slice_id, tenant,
+                    int(out[1]))
+        return int(out[1])
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

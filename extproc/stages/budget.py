@@ -27,6 +27,7 @@ from extproc.exchange import Exchange
 from extproc.metrics import count_admitted
 from extproc.replay import Answer
 from extproc.reservation import Held
+from extproc.slices import SliceBook
 from extproc.stages.deadline import effective_deadline_ms
 from extproc.stages.retry import ambiguous_retries
 from extproc.store import (
@@ -49,6 +50,8 @@ LATE_SHARE = 0.75
 
 # Envoy answers a decision that outlasts its message timeout itself (503): reserving for it then is refused.
 TOO_LATE = "the decision took longer than Envoy waits for it"
+
+SLICED = ReserveResult("ok")  # admitted from this worker's slice (extproc/slices.py)
 
 
 class Replay(Exception):
@@ -100,9 +103,11 @@ def lease_until_ms(ex: Exchange) -> int:
 class BudgetReservation:
     name = "budget"
 
-    def __init__(self, store: Store | None = None, admission: AdmissionControl | None = None):
+    def __init__(self, store: Store | None = None, admission: AdmissionControl | None = None,
+                 slices: SliceBook | None = None):
         self.store = store
         self.admission = admission
+        self.slices = slices
 
     def _early_gate(self, ex: Exchange) -> PoolGate | None:
         """The gate of the pool admission would ask first (the route's first candidate's), when it has
@@ -113,26 +118,38 @@ class BudgetReservation:
         first = ex.snapshot.deployments[ex.route.candidates[0].deployment_name]
         return self.admission.gate_of(ex.snapshot.gateway, first)
 
-    async def _reserve(self, ex: Exchange, reservation: Reservation) -> ReserveResult:
+    async def _hold(self, ex: Exchange, r: Reservation) -> tuple[ReserveResult, Reservation]:
+        """The reservation: admitted from this worker's slice when it may be (no store round trip), else
+        reserved in the store on its own. Returns the outcome and the reservation as held (a slice's
+        admission names the slice in its hint)."""
+        assert self.store is not None and ex.route is not None
+        settings = ex.snapshot.gateway.store
+        if (self.slices is not None and settings.slice_requests >= 2 and r.idem_key is None and r.attempt_bound is None
+                and ex.shadow_of is None and len(ex.route.candidates) == 1):
+            span = effective_deadline_ms(ex) + ex.route.max_stream_ms + settings.lease_grace_ms
+            if (admitted := await self.slices.admit(r, span, settings)) is not None:
+                return SLICED, admitted
+        return await self.store.reserve(r), r
+
+    async def _reserve(self, ex: Exchange, reservation: Reservation) -> tuple[ReserveResult, Reservation]:
         """The reservation, and with it (one write) the first pool's slot. A slot the request will not
         use (the reservation refused, or failed) goes back; the admission stage uses the answer
         (ex.early_slot), and the slot, once granted, rides in the hint like one admission grants."""
         assert self.store is not None and ex.route is not None
         gate = self._early_gate(ex)
         if gate is None:
-            return await self.store.reserve(reservation)
+            return await self._hold(ex, reservation)
         waiter = Waiter.of(ex.snapshot.gateway, ex.route.request_class, reservation.tenant, ex.request_id,
                            reservation.lease_until_ms)
-        result, asked = await asyncio.gather(self.store.reserve(reservation), gate.ask(waiter),
-                                             return_exceptions=True)
+        held, asked = await asyncio.gather(self._hold(ex, reservation), gate.ask(waiter), return_exceptions=True)
         granted = not isinstance(asked, BaseException) and asked[0]
-        if granted and (isinstance(result, BaseException) or result.outcome != "ok"):
+        if granted and (isinstance(held, BaseException) or held[0].outcome != "ok"):
             gate.give_back(ex.request_id)
-        if isinstance(result, BaseException):
-            raise result
+        if isinstance(held, BaseException):
+            raise held
         if not isinstance(asked, BaseException):  # a failed ask: admission asks again, and fails closed
             ex.early_slot = (gate.pool, granted)
-        return result
+        return held
 
     async def run(self, ex: Exchange) -> None:
         route, ident, bound = ex.route, ex.identity, ex.bound
@@ -202,7 +219,7 @@ class BudgetReservation:
             # was charged in full. Refused instead, reserving nothing.
             raise GatewayError(ErrorCode.POLICY_UNAVAILABLE, TOO_LATE)
         try:
-            result = await self._reserve(ex, reservation)
+            result, reservation = await self._reserve(ex, reservation)
         except StoreUnavailable as e:
             # The script may have run before its reply was lost (a failover, a timeout): the refusal's
             # ledger entry releases what it may hold (settlement.record_refusal).

@@ -33,6 +33,7 @@ from extproc.store.scripts import (
     ADMIT,
     APPEND_ONCE,
     ATTEMPT,
+    COMMIT_SLICE,
     DECISIONS,
     LEAVE,
     QUOTA,
@@ -40,6 +41,7 @@ from extproc.store.scripts import (
     RELEASE_SLOT,
     RESERVE,
     SETTLE,
+    TAKE_SLICE,
 )
 
 __all__ = ["Store", "StoreUnavailable"]
@@ -86,6 +88,14 @@ def unprocessed_key(tenant: str, rid: str) -> str:
     reserve of it still on its way is refused (RESERVE), so nothing is held for a request no upstream
     will see - and charged in full when its lease expires."""
     return f"{tag(tenant)}:unprocessed:{rid}"
+
+
+def slice_key(tenant: str, slice_id: str) -> str:
+    """A slice a worker holds of the tenant's budgets, quotas and bulkhead (extproc/slices.py)."""
+    return f"{tag(tenant)}:slice:{slice_id}"
+
+
+SLICE_MEMBER = "~"  # a slice's permits in the tenant's leases set: `~<slice id>:<j>`
 
 
 def decisions_key(tenant: str) -> str:
@@ -182,6 +192,7 @@ class Reservation:
     idem_ttl_ms: int = 0
 
     prompt_bound: int = 0  # for a stream whose usage must be estimated
+    slice_id: str = ""  # admitted from a worker's slice (extproc/slices.py): its admission is written behind
     # When the reservation holds several attempts (retries after one that may have run:
     # extproc/stages/retry.py ambiguous_retries): one answering attempt's bound (micros, tokens), then
     # one unanswered attempt's (micros, tokens). None: it holds one attempt.
@@ -197,7 +208,8 @@ class Reservation:
         return packed({"b": [b.key for b in self.budgets],
                        "r": [f"{q.key}={q.ms_per_unit!r}" for q in self.rates if q.per_token],
                        "i": self.idem_key or "", "p": self.prompt_bound, "t": each[1] if each else self.tokens,
-                       **({"e": list(each)} if each else {})}).decode()
+                       **({"e": list(each)} if each else {}),
+                       **({"s": [self.slice_id, self.micros, self.tokens]} if self.slice_id else {})}).decode()
 
 
 def unanswered_bound(hint: dict[str, Any]) -> tuple[int, int] | None:
@@ -205,6 +217,33 @@ def unanswered_bound(hint: dict[str, Any]) -> tuple[int, int] | None:
     None when the reservation holds one attempt (no retry may follow such an attempt)."""
     each = hint.get("e")
     return (int(each[2]), int(each[3])) if each else None
+
+
+@dataclass(frozen=True)
+class SliceAdmission:
+    """A request admitted from a slice, as its admission is written behind (scripts.COMMIT_SLICE)."""
+
+    rid: str
+    member: str  # the slice's permit it took (`~<slice id>:<j>`)
+    micros: int
+    tokens: int
+    lease_until_ms: int
+    record: bytes  # the ledger facts, packed
+    hint: str
+
+
+@dataclass(frozen=True)
+class SliceCommit:
+    """One slice's admissions to write, and whether the slice ends with them (scripts.COMMIT_SLICE)."""
+
+    tenant: str
+    slice_id: str
+    budgets: Sequence[str]  # the keys the slice holds of
+    rates: Sequence[tuple[str, float, bool]]  # key, ms per unit, per token
+    admissions: Sequence[SliceAdmission]
+    final: bool
+    released: dict[str, Any]  # the outcome of a request Envoy answered itself
+    lost_facts: dict[str, Any]  # the ledger facts of a request whose admission died with its worker
 
 
 @dataclass(frozen=True)
@@ -313,7 +352,7 @@ class Store:
 
     async def prepare(self) -> None:
         """At start: the hot-path connection open and its scripts loaded (StoreUnavailable if not)."""
-        await self.pipe.load(RESERVE, SETTLE, ADMIT, QUOTA)
+        await self.pipe.load(RESERVE, SETTLE, ADMIT, QUOTA, TAKE_SLICE, COMMIT_SLICE)
 
     async def close(self) -> None:
         await self.pipe.close()
@@ -346,6 +385,54 @@ class Store:
         out = await self.pipe.evalsha(RESERVE, keys, args)
         observe_store("reserve", time.perf_counter() - started)
         return ReserveResult(out[0], tuple(str(x) for x in out[1:]))
+
+    async def take_slice(self, r: Reservation, slice_id: str, expires_ms: int, wanted: int, share: int) -> int:
+        """A slice of `wanted` requests like `r` (scripts.TAKE_SLICE) for a worker to admit from: how many
+        it holds (0: too little room left; `r` reserves on its own)."""
+        t = r.tenant
+        keys = [slice_key(t, slice_id), leases_key(t), inflight_key(t), *(b.key for b in r.budgets),
+                *(q.key for q in r.rates)]
+        args: list[Any] = [slice_id, r.now_ms, expires_ms, wanted, r.micros, r.tokens,
+                           -1 if r.max_in_flight is None else r.max_in_flight,
+                           -1 if r.max_in_flight_tokens is None else r.max_in_flight_tokens,
+                           len(r.budgets), len(r.rates), share]
+        for b in r.budgets:
+            args += [-1 if b.limit_micros is None else b.limit_micros,
+                     -1 if b.limit_tokens is None else b.limit_tokens, b.expire_at_s]
+        for q in r.rates:
+            args += [repr(q.ms_per_unit), q.cost]
+        args.append(packed({"b": [b.key for b in r.budgets],
+                            "r": [[q.key, q.ms_per_unit, q.per_token] for q in r.rates]}))
+        started = time.perf_counter()
+        out = await self.pipe.evalsha(TAKE_SLICE, keys, args)
+        observe_store("take_slice", time.perf_counter() - started)
+        return int(out[0])
+
+    async def commit_slices(self, commits: Sequence[SliceCommit]) -> list[Any]:
+        """Slices' admissions written (and final ones ended), one script each, pipelined: per commit,
+        {admissions written, settled} or its exception."""
+        calls = []
+        for c in commits:
+            t = c.tenant
+            keys = [slice_key(t, c.slice_id), leases_key(t), inflight_key(t), ledger_key(t), *c.budgets,
+                    *(k for k, _, _ in c.rates)]
+            args: list[Any] = [c.slice_id, int(c.final), len(c.budgets), len(c.rates), packed(c.released),
+                               packed(c.lost_facts)]
+            for _, ms, per_token in c.rates:
+                args += [repr(ms), int(per_token)]
+            for a in c.admissions:
+                keys += [res_key(t, a.rid), unprocessed_key(t, a.rid)]
+                args += [a.rid, a.member, a.micros, a.tokens, a.lease_until_ms, a.record, a.hint]
+            calls.append((keys, args))
+        started = time.perf_counter()
+        out = await self.pipe.evalsha_many(COMMIT_SLICE, calls)
+        observe_store("commit_slices", time.perf_counter() - started)
+        return out
+
+    async def slice_held(self, tenant: str, slice_id: str) -> dict[str, str]:
+        """What a slice holds (the sweeper ends a dead worker's; empty when it has ended)."""
+        held: dict[str, str] = await self._call(self.client.hgetall(slice_key(tenant, slice_id)))
+        return held
 
     async def admit(self, pool: str, rid: str, now_ms: int, lease_until_ms: int, limit: int, priority: int,
                     tenant: str, weight: float, wait_until_ms: int = 0) -> tuple[bool, float | None]:
@@ -422,6 +509,9 @@ class Store:
         idem_status, idem_response, idem_ttl_ms = s.idempotency
         args: list[Any] = [s.rid, *s.amounts(), packed(s.outcome), len(budgets), len(tpm),
                            idem_status, idem_response, idem_ttl_ms, *(ms for _, ms in tpm)]
+        if sliced := h.get("s"):  # its admission may not be written yet: the outcome can wait in the slice
+            keys.append(slice_key(s.tenant, sliced[0]))
+            args += sliced
         return keys, args
 
     async def settle(self, s: Settlement) -> Settled | None:

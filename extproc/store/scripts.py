@@ -101,22 +101,36 @@ end
 return {'ok'}
 """
 
-# KEYS: res, leases, inflight, ledger, idem (a dummy key of the same tag when none), budgets..., tpm rates...
+# KEYS: res, leases, inflight, ledger, idem (a dummy key of the same tag when none), budgets..., tpm rates...,
+#       and for a request admitted from a slice, the slice
 # ARGV: rid, charge_micros (-1: the whole reservation), charge_tokens (-1: likewise), outcome_json, n_budgets,
 #       n_tpm, idem_status ('' = forget the key; 'ambiguous' = keep it refusing retries, under the TTL it
 #       was reserved with; else its answer's status: replay it), idem_response, idem_ttl_ms, then per tpm:
-#       ms_per_token
+#       ms_per_token; then for a request admitted from a slice: the slice's id, the request's micros, tokens
 # The ledger entry: the admission facts stored with the reservation, the outcome, and the amounts
 # (a charge above the reservation is cut to it: invariant 3 holds whatever an upstream reports).
 # Returns {1, reserved_micros, reserved_tokens, charged_micros, charged_tokens}, or {0} when already settled.
 SETTLE = GCRA + """
 local res = redis.call('HMGET', KEYS[1], 'micros', 'tokens', 'idem', 'record', 'att:1')
-if not res[1] then return {0} end
+local nb, nt = tonumber(ARGV[5]), tonumber(ARGV[6])
+if not res[1] then
+  -- A request admitted from a worker's slice whose admission is not written yet (COMMIT_SLICE): its
+  -- outcome waits in the slice, which settles it when the admission is written (or the slice ends).
+  local sid = ARGV[10 + nt]
+  if not sid or sid == '' or redis.call('EXISTS', KEYS[#KEYS]) == 0 then return {0} end
+  if redis.call('HEXISTS', KEYS[#KEYS], 'c:' .. ARGV[1]) == 1 then return {0} end
+  local sm, st = tonumber(ARGV[11 + nt]), tonumber(ARGV[12 + nt])
+  local early = ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. sm .. ' ' .. st .. ' ' .. ARGV[4]
+  if redis.call('HSETNX', KEYS[#KEYS], 'e:' .. ARGV[1], early) == 0 then return {0} end
+  local em, et = tonumber(ARGV[2]), tonumber(ARGV[3])
+  if em < 0 or em > sm then em = sm end
+  if et < 0 or et > st then et = st end
+  return {1, sm, st, em, et}
+end
 local rm, rt = tonumber(res[1]), tonumber(res[2])
 local cm, ct = tonumber(ARGV[2]), tonumber(ARGV[3])
 if cm < 0 or cm > rm then cm = rm end
 if ct < 0 or ct > rt then ct = rt end
-local nb, nt = tonumber(ARGV[5]), tonumber(ARGV[6])
 for b = 1, nb do
   local key = KEYS[5 + b]
   redis.call('HINCRBY', key, 'reserved_micros', -rm)
@@ -281,4 +295,167 @@ return {'ok'}
 QUOTA_RETURN = GCRA + """
 for i = 1, #KEYS do gcra_return(KEYS[i], tonumber(ARGV[i])) end
 return 1
+"""
+
+# Slices (extproc/slices.py): a worker holds a slice of a tenant's budgets, quotas and bulkhead, admits
+# requests against it without the store, and writes their admissions behind, in batches.
+# KEYS: slice, leases, inflight, budgets..., rates...
+# ARGV: slice id, now_ms, expires_ms, requests wanted, one request's micros, its tokens, max_inflight,
+#       max_inflight_tokens, n_budgets, n_rates, share, then per budget: limit_micros, limit_tokens,
+#       expire_at_s; then per rate: ms_per_unit, units of one request (1 for requests, its tokens for
+#       tokens); last, the keys it holds of as JSON (the sweeper ends a dead worker's slice with them)
+# The slice holds k requests' worth: k no more than wanted and no more than 1/share of what every limit
+# has left, so slices never take a limit's last room (near a limit, requests reserve one by one). Its
+# requests are the tenant's open leases (members `~<id>:<j>` of the leases set, ending when the slice
+# does), so the bulkhead counts them as in flight. Returns {k} (taken), or {0} (too little room: nothing
+# taken).
+TAKE_SLICE = GCRA + """
+local id, now, expires = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local xm, xt = tonumber(ARGV[5]), tonumber(ARGV[6])
+local max_inflight, max_tokens = tonumber(ARGV[7]), tonumber(ARGV[8])
+local nb, nr, share = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local k = tonumber(ARGV[4])
+local function fit(room, each)
+  if each > 0 then k = math.min(k, math.floor(room / each / share)) end
+end
+if max_inflight >= 0 then fit(max_inflight - redis.call('ZCARD', KEYS[2]), 1) end
+if max_tokens >= 0 then fit(max_tokens - tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0'), xt) end
+for b = 1, nb do
+  local a = 12 + 3 * (b - 1)
+  local lim_m, lim_t = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local h = redis.call('HMGET', KEYS[3 + b], 'reserved_micros', 'settled_micros', 'reserved_tokens', 'settled_tokens')
+  if lim_m >= 0 then fit(lim_m - tonumber(h[1] or '0') - tonumber(h[2] or '0'), xm) end
+  if lim_t >= 0 then fit(lim_t - tonumber(h[3] or '0') - tonumber(h[4] or '0'), xt) end
+end
+local a = 12 + 3 * nb
+for r = 1, nr do
+  local tat = tonumber(redis.call('GET', KEYS[3 + nb + r]) or '0')
+  if tat < now then tat = now end
+  fit((60000 - (tat - now)) / tonumber(ARGV[a + 2 * (r - 1)]), tonumber(ARGV[a + 2 * (r - 1) + 1]))
+end
+if k < 2 then return {0} end
+for b = 1, nb do
+  local key = KEYS[3 + b]
+  local fresh = redis.call('HINCRBY', key, 'reserved_micros', k * xm) == k * xm
+  redis.call('HINCRBY', key, 'reserved_tokens', k * xt)
+  local expire_at = tonumber(ARGV[14 + 3 * (b - 1)])
+  if expire_at > 0 and fresh then redis.call('EXPIREAT', key, expire_at) end
+end
+for r = 1, nr do
+  local ms, each = tonumber(ARGV[a + 2 * (r - 1)]), tonumber(ARGV[a + 2 * (r - 1) + 1])
+  local tat = gcra_charge(KEYS[3 + nb + r], now, ms, k * each)
+  gcra_set(KEYS[3 + nb + r], now, tat)
+end
+redis.call('HINCRBY', KEYS[3], 'tokens', k * xt)
+for j = 1, k do redis.call('ZADD', KEYS[2], expires, '~' .. id .. ':' .. j) end
+redis.call('HSET', KEYS[1], 'm', k * xm, 't', k * xt, 'n', k, 'k', k, 'expires', expires, 'keys', ARGV[#ARGV])
+redis.call('PEXPIREAT', KEYS[1], expires + 86400000)
+return {k}
+"""
+
+# KEYS: slice, leases, inflight, ledger, budgets..., rates..., then per admission: its res, its
+#       not-processed mark
+# ARGV: slice id, final (1: the slice ends: what it still holds goes back), n_budgets, n_rates, the outcome
+#       of a request Envoy answered itself (released), the ledger facts of a request whose admission was
+#       lost with its worker, then per rate: ms_per_unit, per_token (1/0); then per admission: rid,
+#       member, micros, tokens, lease_until_ms, record_json, hint
+# Each admission moves its amounts from the slice to a reservation of its own, as RESERVE would have
+# made it - or, when its outcome came first (SETTLE left it in the slice), settles it at once; so does a
+# request Envoy answered itself (released). A final call, or one after the slice's holder died (the
+# sweeper's, with no admissions), settles outcomes still waiting (their admission facts lost with the
+# worker) and gives back what the slice holds unused: its budgets' reservation, its quotas' units, its
+# permits. A slice already gone (ended by the sweeper while its holder could not write) reserves each
+# admission again, unchecked, rather than lose track of it. Returns {admissions written, settled}.
+COMMIT_SLICE = GCRA + """
+local id, final = ARGV[1], ARGV[2] == '1'
+local nb, nr = tonumber(ARGV[3]), tonumber(ARGV[4])
+local released, lost = ARGV[5], ARGV[6]
+local rb, rr = 5, 5 + nb  -- KEYS: budgets from 5, rates from 5 + nb
+local live = redis.call('EXISTS', KEYS[1]) == 1
+local written, settled = 0, 0
+
+local function settle(rid, xm, xt, cm, ct, record, outcome)
+  if cm < 0 or cm > xm then cm = xm end
+  if ct < 0 or ct > xt then ct = xt end
+  for b = 1, nb do
+    redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_micros', -xm)
+    redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_tokens', -xt)
+    redis.call('HINCRBY', KEYS[rb + b - 1], 'settled_micros', cm)
+    redis.call('HINCRBY', KEYS[rb + b - 1], 'settled_tokens', ct)
+  end
+  for r = 1, nr do
+    if ARGV[6 + 2 * r] == '1' then gcra_return(KEYS[rr + r - 1], (xt - ct) * tonumber(ARGV[5 + 2 * r])) end
+  end
+  redis.call('HINCRBY', KEYS[3], 'tokens', -xt)
+  redis.call('XADD', KEYS[4], '*', 'record', record, 'outcome', outcome, 'reserved_micros', xm,
+             'reserved_tokens', xt, 'charged_micros', cm, 'charged_tokens', ct)
+  settled = settled + 1
+end
+
+local a = 7 + 2 * nr
+local i = 0
+while a <= #ARGV do
+  local rid, member = ARGV[a], ARGV[a + 1]
+  local xm, xt, lease_until = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local record, hint = ARGV[a + 5], ARGV[a + 6]
+  local res, unprocessed = KEYS[rr + nr + 2 * i], KEYS[rr + nr + 2 * i + 1]
+  a, i = a + 7, i + 1
+  redis.call('ZREM', KEYS[2], member)
+  if live then
+    redis.call('HSET', KEYS[1], 'c:' .. rid, '1')
+    redis.call('HINCRBY', KEYS[1], 'm', -xm)
+    redis.call('HINCRBY', KEYS[1], 't', -xt)
+    redis.call('HINCRBY', KEYS[1], 'n', -1)
+  else
+    for b = 1, nb do
+      redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_micros', xm)
+      redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_tokens', xt)
+    end
+    redis.call('HINCRBY', KEYS[3], 'tokens', xt)
+  end
+  local early = live and redis.call('HGET', KEYS[1], 'e:' .. rid)
+  if early then
+    redis.call('HDEL', KEYS[1], 'e:' .. rid)
+    local cm, ct, _, _, outcome = string.match(early, '^(%S+) (%S+) (%S+) (%S+) (.*)$')
+    settle(rid, xm, xt, tonumber(cm), tonumber(ct), record, outcome)
+  elseif redis.call('EXISTS', unprocessed) == 1 then
+    settle(rid, xm, xt, 0, 0, record, released)
+  else
+    redis.call('ZADD', KEYS[2], lease_until, rid)
+    redis.call('HSET', res, 'micros', xm, 'tokens', xt, 'lease_until', lease_until, 'record', record,
+               'hint', hint, 'idem', '')
+    written = written + 1
+  end
+end
+
+if final and live then
+  local h = redis.call('HGETALL', KEYS[1])
+  for f = 1, #h, 2 do
+    local rid = string.match(h[f], '^e:(.*)$')
+    if rid then
+      -- an outcome whose admission never came: its worker died holding it (amounts in the outcome's hint)
+      local cm, ct, xm, xt, outcome = string.match(h[f + 1], '^(%S+) (%S+) (%S+) (%S+) (.*)$')
+      redis.call('HINCRBY', KEYS[1], 'm', -tonumber(xm))
+      redis.call('HINCRBY', KEYS[1], 't', -tonumber(xt))
+      redis.call('HINCRBY', KEYS[1], 'n', -1)
+      local facts = cjson.decode(lost)
+      facts['request_id'] = rid
+      settle(rid, tonumber(xm), tonumber(xt), tonumber(cm), tonumber(ct), cjson.encode(facts), outcome)
+    end
+  end
+  local m, t = tonumber(redis.call('HGET', KEYS[1], 'm')), tonumber(redis.call('HGET', KEYS[1], 't'))
+  local n, k = tonumber(redis.call('HGET', KEYS[1], 'n')), tonumber(redis.call('HGET', KEYS[1], 'k'))
+  for b = 1, nb do
+    redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_micros', -m)
+    redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_tokens', -t)
+  end
+  for r = 1, nr do
+    local ms = tonumber(ARGV[5 + 2 * r])
+    gcra_return(KEYS[rr + r - 1], (ARGV[6 + 2 * r] == '1' and t or n) * ms)
+  end
+  redis.call('HINCRBY', KEYS[3], 'tokens', -t)
+  for j = 1, k do redis.call('ZREM', KEYS[2], '~' .. id .. ':' .. j) end
+  redis.call('DEL', KEYS[1])
+end
+return {written, settled}
 """

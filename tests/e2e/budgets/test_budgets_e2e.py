@@ -4,6 +4,7 @@ ext_proc workers sharing one Valkey, simulated engines. Invariants 3, 4, 8 and 1
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import http.client
 import json
@@ -28,6 +29,7 @@ from llmgw.ops.store import store_client
 from tests.conftest import DEMO_KEYS, POLICY, module_stack, start_stack
 from tests.e2e.routing.test_e2e_served_path import clear_engine_logs, engine_log
 from tests.helpers import assert_contract_error, chat_body, inject_fault, request
+from tests.promtext import parse, value
 
 pytestmark = pytest.mark.e2e
 KEYS = {t: f"sk-test-{t}-0123456789" for t in ("burst", "flood", "steady", "quota")}
@@ -48,7 +50,7 @@ BURST_MARKER = "FAULT-burst-delay"  # the engines hold these 3 s (a queued fault
 BURST_BODY = chat_body(max_tokens=4, content=f"burst {BURST_MARKER}")
 
 
-def make_policy(root: Path, **route_over: Any) -> Path:
+def make_policy(root: Path, store_over: dict[str, Any] | None = None, **route_over: Any) -> Path:
     dst = root / "policy"
     shutil.copytree(POLICY, dst)
     gw = yaml.safe_load((dst / "gateway.yaml").read_text())
@@ -60,6 +62,7 @@ def make_policy(root: Path, **route_over: Any) -> Path:
                           "limit_tokens": N * bound(BURST_BODY)})
     gw["quotas"].append({"name": "quota-rpm", "tenant": "quota", "requests_per_minute": 3})
     gw["store"]["lease_grace_ms"] = 500
+    gw["store"].update(store_over or {})
     (dst / "gateway.yaml").write_text(yaml.safe_dump(gw))
     if route_over:
         route = yaml.safe_load((dst / "routes/chat-default.yaml").read_text())
@@ -69,6 +72,9 @@ def make_policy(root: Path, **route_over: Any) -> Path:
 
 
 gw = module_stack("budgets", make_policy, workers=2)
+# The same with every worker admitting from slices (extproc/slices.py) where a request may be.
+SLICES = {"slice_requests": 16, "slice_ms": 500, "slice_commit_ms": 20}
+gw_sliced = module_stack("budgets-sliced", functools.partial(make_policy, store_over=SLICES), workers=2)
 
 
 def store(s: Stack) -> Any:
@@ -77,6 +83,12 @@ def store(s: Stack) -> Any:
 
 def ledger(s: Stack, tenant: str) -> list[dict[str, Any]]:
     return [ledger_entry(f) for _, f in store(s).xrange(ledger_key(tenant))]
+
+
+def store_calls(s: Stack, operation: str) -> float:
+    """How many store round trips of one kind the stack's workers made (their metrics)."""
+    return value(parse(request(s.metrics_url).body.decode()), "llmgw_store_duration_seconds_count",
+                 operation=operation)
 
 
 def chat(s: Stack, tenant: str, body: dict[str, Any] | None = None, **headers: str) -> Any:
@@ -88,6 +100,18 @@ def chat(s: Stack, tenant: str, body: dict[str, Any] | None = None, **headers: s
 @pytest.mark.serial  # a 500-request burst: refusals must all be the budget's, not a loaded machine's timeouts
 def test_500_concurrent_never_overshoot_the_budget_across_two_workers(gw: Stack) -> None:
     burst_holds_the_budget([gw], 500, str(gw.store_url))
+
+
+@pytest.mark.serial
+def test_500_concurrent_admitted_from_slices_never_overshoot_the_budget(gw_sliced: Stack) -> None:
+    """The same burst with both workers admitting from slices: the same invariants, and the slices did
+    admit (the budget's first requests took no store round trip each)."""
+    burst_holds_the_budget([gw_sliced], 500, str(gw_sliced.store_url))
+    records = ledger(gw_sliced, "burst")
+    # A slice's admission is written behind, each one a reservation of its own: its ledger entry is an
+    # ordinary one; what shows that slices admitted is the store's count of the scripts that took them.
+    assert store_calls(gw_sliced, "take_slice") >= 1, "no slice was taken"
+    assert len({r["request_id"] for r in records}) == len(records) == 500
 
 
 def burst_holds_the_budget(stacks: list[Stack], per_stack: int, store_url: str) -> None:
@@ -358,3 +382,54 @@ def test_a_store_down_from_the_start_refuses_fast_until_it_comes_up(tmp_path: Pa
         s.stop()
         if valkey is not None:
             valkey.stop()
+
+
+@pytest.mark.serial  # workers killed and restarted, timed against their slices' expiry
+def test_workers_killed_holding_slices_give_back_at_expiry_and_the_ledger_stays_exact(tmp_path: Path) -> None:
+    """Both workers admit from slices whose admissions they write only every 4 s, and are SIGKILLed
+    before writing any: the answers' outcomes (from the access log) wait in the slices; the restarted
+    workers' sweeper ends the slices when they expire, settling each of those outcomes into one ledger
+    entry and giving back everything else they held."""
+    policy = make_policy(tmp_path, store_over={"slice_requests": 16, "slice_ms": 1000, "slice_commit_ms": 4000},
+                         deadline_ms=2000, max_stream_ms=1000)
+    gw_doc = yaml.safe_load((policy / "gateway.yaml").read_text())
+    gw_doc["budgets"].append({"name": "steady-total", "tenant": "steady", "window": "total", "limit_tokens": 10**7})
+    (policy / "gateway.yaml").write_text(yaml.safe_dump(gw_doc))
+    s = start_stack(tmp_path / "state", policy, workers=2)
+    try:
+        key = budget_key("steady", "steady-total", "total")
+        taken_at = time.monotonic()
+        rids = []
+        for _ in range(6):
+            resp = chat(s, "steady")
+            assert resp.status == 200, resp.body
+            rids.append(resp.headers["x-request-id"])
+        held = store(s).hgetall(key)
+        assert int(held["reserved_tokens"]) > 0 and "settled_tokens" not in held  # held by slices, none written
+        assert not ledger(s, "steady")  # the outcomes wait for their admissions
+        time.sleep(0.5)  # every access log in (they reach the workers after the answers)
+        assert time.monotonic() - taken_at < 3.5, "the requests took longer than the workers wait to write"
+        for i, ext in enumerate(s.extprocs):
+            ext.signal(signal.SIGKILL)
+            ext.proc.wait(5)
+            s.extprocs[i] = Child(ext.name, ext.argv, ext.log_path, env=ext.env, probe=ext.probe).start()
+        for ext in s.extprocs:
+            assert ext.probe is not None
+            wait_until(ext.probe, 30, "the restarted worker", ext)
+        # The slices expire 1 s (admitting) + 2 s (deadline) + 1 s (a stream's life) + 0.5 s (grace) after
+        # they were taken; the sweeper runs every second.
+        deadline = time.monotonic() + 20
+        entries: list[dict[str, Any]] = []
+        while time.monotonic() < deadline and len(entries) < len(rids):
+            entries = ledger(s, "steady")
+            time.sleep(0.2)
+        assert sorted(e["request_id"] for e in entries) == sorted(rids)  # one each
+        assert all(e["admission"] == "lost with its worker" and e["settlement"] == "actual" for e in entries)
+        time.sleep(1.5)  # nothing more is settled, nothing held
+        after = {k: int(v) for k, v in store(s).hgetall(key).items()}
+        assert after["reserved_tokens"] == 0 and after["reserved_micros"] == 0, after
+        assert after["settled_tokens"] == sum(e["charged_tokens"] for e in ledger(s, "steady")) > 0
+        assert store(s).zcard("llmgw:{steady}:leases") == 0
+        assert len(ledger(s, "steady")) == len(rids)
+    finally:
+        s.stop()
