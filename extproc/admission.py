@@ -34,22 +34,26 @@ import asyncio
 import bisect
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.config.schema import Deployment, GatewayConfig, PoolAdmission
 from extproc.contract import ErrorCode, GatewayError
 from extproc.picker import EngineLoad
-from extproc.store import PERIOD_MS, RateCharge, Store, StoreUnavailable, quota_key
+from extproc.store import PERIOD_MS, SLICE_MEMBER, RateCharge, Store, StoreUnavailable, quota_key, slots_key
 
 log = logging.getLogger("llmgw.admission")
 
 POLL_S = 0.02  # how often a worker with waiters asks the store whether the first of them is admitted
+SLOT_SHARE = 8  # a worker's slice of a pool's slots is at most 1/SLOT_SHARE of those free
+MEMBERS_KEPT_S = 30.0  # how long a request's slice member is known after its slice ended (its decision ends first)
 RATE_WINDOW_S = 10.0  # admissions over this window estimate how soon a slot frees (Retry-After)
 
 
@@ -113,6 +117,14 @@ class PoolGate:
         self.loads = loads
         self._task: asyncio.Task[None] | None = None
         self._admitted: deque[float] = deque()  # monotonic times of recent admissions (Retry-After)
+        # Slices of the pool's slots (gateway.yaml store.slice_requests, slice_ms; set by AdmissionControl):
+        # with room and nobody waiting, a worker takes a few slots at once and admits from them locally.
+        self.slicing = (0, 0)
+        self._slice: SlotSlice | None = None
+        self._taking: asyncio.Future[None] | None = None
+        self._no_room_until_ms = 0
+        self._members: dict[str, str] = {}  # request id -> the slice member it holds as its slot
+        self._ids = (f"{uuid.uuid4().hex[:12]}.{n}" for n in itertools.count(1))
 
     def limit(self) -> int:
         return derived_limit(self.settings, self.loads())
@@ -132,7 +144,12 @@ class PoolGate:
         return max(1, min(60, math.ceil((len(self.waiters) + 1) / (recent / RATE_WINDOW_S))))
 
     async def ask(self, w: Waiter, wait_until_ms: int = 0) -> tuple[bool, float | None]:
-        """The store's answer for this request: admitted, or waiting (its start tag), or neither."""
+        """The store's answer for this request: admitted, or waiting (its start tag), or neither. A
+        request that may not wait is admitted from this worker's slice of the pool's slots when there is
+        one (or one can be taken), without its own round trip."""
+        if wait_until_ms == 0 and self.slicing[0] >= 2 and await self._from_slice(w):
+            self._note_admitted()
+            return True, None
         ok, start = await self.store.admit(self.pool, w.rid, int(time.time() * 1000), w.lease_until_ms, self.limit(),
                                            w.priority, w.tenant, w.weight, wait_until_ms)
         if ok:
@@ -142,7 +159,64 @@ class PoolGate:
     def give_back(self, rid: str) -> None:
         """A slot granted to a request that will not use it, returned in the background (a lost return
         ends with the slot's lease)."""
-        _background(self.store.release_slot(self.pool, rid))
+        _background(self.store.release_slot(self.pool, self._members.pop(rid, rid)))
+
+    def slot_hint(self, rid: str) -> dict[str, str | None]:
+        """The slot a request holds, as its hint names it for settlement to give back: the pool's slots,
+        and the slice member when it was admitted from a slice."""
+        return {"a": slots_key(self.pool), "m": self._members.get(rid)}
+
+    async def _from_slice(self, w: Waiter) -> bool:
+        """A slot for `w` from this worker's slice, taking a slice when there is none (False: ask the
+        store for this request alone)."""
+        now = int(time.time() * 1000)
+        for _ in range(2):
+            s = self._slice
+            if s is not None and (now >= s.admit_until_ms or s.used >= s.size):
+                self._end(s)
+                s = None
+            if s is not None:
+                if w.lease_until_ms > s.expires_ms:
+                    return False  # a longer lease than the slice's members end at
+                s.used += 1
+                self._members[w.rid] = f"{SLICE_MEMBER}{s.id}:{s.used}"
+                s.rids.append(w.rid)
+                return True
+            if now < self._no_room_until_ms:
+                return False
+            if self._taking is not None:
+                await self._taking
+                continue
+            self._taking = asyncio.get_running_loop().create_future()
+            try:
+                wanted, slice_ms = self.slicing
+                sid, admit_until, expires = next(self._ids), now + slice_ms, w.lease_until_ms + slice_ms
+                k = await self.store.take_slots(self.pool, sid, now, expires, wanted, self.limit(), SLOT_SHARE)
+            finally:
+                self._taking.set_result(None)
+                self._taking = None
+            if k < 2:
+                self._no_room_until_ms = now + slice_ms
+                return False
+            self._slice = SlotSlice(sid, k, admit_until, expires)
+            asyncio.get_running_loop().call_later(slice_ms / 1000, self._end, self._slice)
+        return False
+
+    def _end(self, s: SlotSlice) -> None:
+        """A slice's time is up (or it is used up): its unused slots go back now, and its members are
+        forgotten once every decision that took one has ended."""
+        if s.ended:
+            return
+        s.ended = True
+        if self._slice is s:
+            self._slice = None
+        _background(self.store.release_slot(self.pool, *(f"{SLICE_MEMBER}{s.id}:{j}"
+                                                         for j in range(s.used + 1, s.size + 1))))
+        asyncio.get_running_loop().call_later(MEMBERS_KEPT_S, self._forget, list(s.rids))
+
+    def _forget(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._members.pop(rid, None)
 
     def wait(self, w: Waiter) -> bool:
         """Hold a waiter the store queued (False: this worker holds max_queued already)."""
@@ -242,7 +316,10 @@ class AdmissionControl:
 
     def gate_of(self, gw: GatewayConfig, dep: Deployment) -> PoolGate | None:
         """The gate of a candidate's pool, when it is a pool's and the pool has admission."""
-        return self.gate(dep.pool, gw.pools[dep.pool].admission) if dep.pool is not None else None
+        gate = self.gate(dep.pool, gw.pools[dep.pool].admission) if dep.pool is not None else None
+        if gate is not None:
+            gate.slicing = (gw.store.slice_requests, gw.store.slice_ms)  # a reload's
+        return gate
 
     def status(self) -> dict[str, dict[str, int]]:
         """Per pool: its bound now and the requests waiting here (GET /status)."""
@@ -251,6 +328,20 @@ class AdmissionControl:
     async def stop(self) -> None:
         for g in self.gates.values():
             await g.stop()
+
+
+@dataclass
+class SlotSlice:
+    """This worker's slice of a pool's slots: members `~<id>:1..size` of the pool's slots, ending at
+    `expires_ms` in the store whatever becomes of this worker."""
+
+    id: str
+    size: int
+    admit_until_ms: int
+    expires_ms: int
+    used: int = 0
+    rids: list[str] = field(default_factory=list)
+    ended: bool = False
 
 
 @dataclass

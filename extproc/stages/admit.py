@@ -22,7 +22,7 @@ from extproc.exchange import Exchange
 from extproc.metrics import count_admission
 from extproc.stages.budget import lease_until_ms
 from extproc.stages.deadline import effective_deadline_ms
-from extproc.store import StoreUnavailable, slots_key
+from extproc.store import StoreUnavailable
 
 ANSWER_MARGIN_S = 0.05  # of the deadline, kept for the rest of the decision after a wait
 
@@ -63,7 +63,7 @@ class Admission:
         early, ex.early_slot = ex.early_slot, None
         if early is not None and early[1] and (not ex.candidates or ex.candidates[0].pool != early[0]):
             # The plan does not start at the pool the reservation's write asked a slot of: it goes back.
-            with_hint(ex, a=None)
+            with_hint(ex, a=None, m=None)
             control.gates[early[0]].give_back(ex.request_id)
         try:
             for k, dep in enumerate(ex.candidates):
@@ -123,7 +123,7 @@ class Admission:
         if k:
             ex.admission = "skipped=" + ",".join(skipped)
         if gate is not None:
-            with_hint(ex, a=slots_key(gate.pool))
+            with_hint(ex, **gate.slot_hint(ex.request_id))
         count_admission(gate.pool if gate is not None else dep.deployment, ex.route.request_class,
                         "next_candidate" if k else "admitted")
 
@@ -132,7 +132,7 @@ class Admission:
         waited = time.monotonic() - w.enqueued
         _start_at(ex, k)
         ex.admission = f"queued_ms={round(waited * 1000)}"
-        with_hint(ex, a=slots_key(gate.pool))
+        with_hint(ex, **gate.slot_hint(ex.request_id))
         count_admission(gate.pool, ex.route.request_class, "queued_admitted", waited)
 
     @staticmethod

@@ -41,7 +41,6 @@ from extproc.store import (
     budget_key,
     idem_key,
     rate_key,
-    slots_key,
 )
 
 # The share of Envoy's wait for a decision after which a worker no longer reserves for it: what is left
@@ -233,8 +232,8 @@ class BudgetReservation:
                 count_admitted(route.route_contract)
                 ex.held = Held(micros, tokens, prompt, bound.per_choice, ex.n, version, reservation.hint,
                                idem is not None)
-                if ex.early_slot is not None and ex.early_slot[1]:
-                    ex.held = ex.held.with_hint(a=slots_key(ex.early_slot[0]))
+                if ex.early_slot is not None and ex.early_slot[1] and self.admission is not None:
+                    ex.held = ex.held.with_hint(**self.admission.gates[ex.early_slot[0]].slot_hint(ex.request_id))
             case "budget_exhausted":
                 name = budgets[int(result.detail[0]) - 1].key.rsplit(":", 2)[1]
                 raise GatewayError(ErrorCode.BUDGET_EXHAUSTED, f"budget {name!r} cannot hold this request's "

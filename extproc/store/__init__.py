@@ -42,6 +42,7 @@ from extproc.store.scripts import (
     RESERVE,
     SETTLE,
     TAKE_SLICE,
+    TAKE_SLOTS,
 )
 
 __all__ = ["Store", "StoreUnavailable"]
@@ -352,7 +353,7 @@ class Store:
 
     async def prepare(self) -> None:
         """At start: the hot-path connection open and its scripts loaded (StoreUnavailable if not)."""
-        await self.pipe.load(RESERVE, SETTLE, ADMIT, QUOTA, TAKE_SLICE, COMMIT_SLICE)
+        await self.pipe.load(RESERVE, SETTLE, ADMIT, QUOTA, TAKE_SLICE, COMMIT_SLICE, TAKE_SLOTS)
 
     async def close(self) -> None:
         await self.pipe.close()
@@ -452,8 +453,19 @@ class Store:
         """A waiter leaves the pool's queue (its wait ended, its client went away)."""
         await self.pipe.evalsha(LEAVE, queue_keys(pool), [rid])
 
-    async def release_slot(self, pool: str, rid: str) -> None:
-        await self.pipe.evalsha(RELEASE_SLOT, [slots_key(pool)], [rid])
+    async def release_slot(self, pool: str, *slots: str) -> None:
+        """Slots given back: request ids, or a slice's members."""
+        if slots:
+            await self.pipe.evalsha(RELEASE_SLOT, [slots_key(pool)], list(slots))
+
+    async def take_slots(self, pool: str, slice_id: str, now_ms: int, expires_ms: int, wanted: int, limit: int,
+                         share: int) -> int:
+        """A worker's slice of a pool's slots (scripts.TAKE_SLOTS): how many it holds (0: none)."""
+        started = time.perf_counter()
+        out = await self.pipe.evalsha(TAKE_SLOTS, [slots_key(pool), queue_keys(pool)[0]],
+                                      [slice_id, now_ms, expires_ms, wanted, limit, share])
+        observe_store("take_slots", time.perf_counter() - started)
+        return int(out)
 
     async def reserve_quota(self, now_ms: int, charges: Sequence[RateCharge]) -> tuple[bool, int]:
         """Every bucket charged, or none: (True, 0), or (False, ms until the first refusing one has room)."""
@@ -547,7 +559,8 @@ class Store:
         waits on those), then what the ones that won held of a provider quota and did not use (known
         once their charges are). Each item's result, or its exception."""
         calls = [self._settle_call(item) for item in items]
-        slots = [([slot], [item.rid]) for item in items if (slot := _slot_of(item.hint or ""))]
+        slots = [([slot], [member or item.rid]) for item in items if (slot := _slot_of(item.hint or ""))
+                 for member in [_slot_member(item.hint or "")]]
         results, freed = await asyncio.gather(self.pipe.evalsha_many(SETTLE, calls),
                                               self.pipe.evalsha_many(RELEASE_SLOT, slots) if slots else _none())
         if any(isinstance(r, BaseException) for r in freed):  # a slot's lease ends by itself
@@ -622,6 +635,11 @@ class Store:
 def _slot_of(hint: str) -> str:
     """The pool slot a reservation's hint names ("" when none: no admission-controlled pool)."""
     return str(orjson.loads(hint).get("a") or "") if '"a"' in hint else ""
+
+
+def _slot_member(hint: str) -> str:
+    """The slice member a request's pool slot is (`m` in its hint), or "" when the slot is its own."""
+    return str(orjson.loads(hint).get("m") or "") if '"m"' in hint else ""
 
 
 async def _none() -> list[Any]:

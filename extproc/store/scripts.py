@@ -269,9 +269,25 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 return redis.call('HDEL', KEYS[3], 's|' .. ARGV[1])
 """
 
-# KEYS: a pool's slots. ARGV: rid. Settlement (or a release) gives the slot back.
+# KEYS: a pool's slots. ARGV: the slots (request ids, or a slice's members). Settlement (or a release)
+# gives them back.
 RELEASE_SLOT = """
-return redis.call('ZREM', KEYS[1], ARGV[1])
+return redis.call('ZREM', KEYS[1], unpack(ARGV))
+"""
+
+# KEYS: a pool's slots, its waiting requests. ARGV: slice id, now_ms, expires_ms, slots wanted, the pool's
+# limit, share. A worker's slice of a pool's slots (extproc/admission.py PoolGate): k members
+# `~<id>:<j>` ending at the slice's expiry, k at most 1/share of the slots free, and none while anyone
+# waits (the queue's order is the store's). Returns k (0: no slice).
+TAKE_SLOTS = """
+local now, expires = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[2]) > 0 then return 0 end
+local free = tonumber(ARGV[5]) - redis.call('ZCARD', KEYS[1])
+local k = math.min(tonumber(ARGV[4]), math.floor(free / tonumber(ARGV[6])))
+if k < 2 then return 0 end
+for j = 1, k do redis.call('ZADD', KEYS[1], expires, '~' .. ARGV[1] .. ':' .. j) end
+return k
 """
 
 # A deployment's provider quota and its tenants' shares: token buckets of a minute's size, refilled

@@ -251,3 +251,75 @@ def test_a_waiter_is_admitted_when_the_engines_queue_drains_with_no_other_reques
     bound, still_waiting, admitted_after = run(go)
     assert bound == 2 and still_waiting
     assert admitted_after < 0.5, admitted_after
+
+
+def sliced_gate(store: Store, pool: str, limit: int = 64, slice_ms: int = 60_000) -> Any:
+    gate = AdmissionControl(store).gate(pool, PoolAdmission(max_in_flight=limit))
+    assert gate is not None
+    gate.slicing = (4, slice_ms)  # as store.slice_requests and slice_ms set it
+    return gate
+
+
+def waiter(rid: str) -> Waiter:
+    return Waiter.of(load_snapshot(POLICY).gateway, "read_only_chat", "acme", rid, int(time.time() * 1000) + 5_000)
+
+
+def test_a_worker_admits_from_its_slice_of_a_pools_slots_and_settlement_gives_each_back() -> None:
+    """Four slots taken at once (one store round trip), four requests admitted from them, the fifth
+    takes the next slice; each request's hint names the member it holds, and settling it frees that
+    member; the slice's unused slots go back when its time is up."""
+    async def go(store: Store, pool: str) -> tuple[list[int], dict[str, Any], int, int]:
+        gate = sliced_gate(store, pool)
+        held = []
+        for i in range(5):
+            assert (await gate.ask(waiter(f"r{i}")))[0]
+            held.append(await store.client.zcard(slots_key(pool)))
+        hint = gate.slot_hint("r0")
+        await store.settle_many([Settlement("t", "r0", {"settlement": "released"}, 0, 0,
+                                            hint=orjson.dumps({"b": [], **hint}).decode())])
+        after_settle = await store.client.zcard(slots_key(pool))
+        assert gate._slice is not None
+        gate._end(gate._slice)  # its time is up: 3 of the second slice's 4 unused
+        for _ in range(50):
+            if await store.client.zcard(slots_key(pool)) == 4:
+                break
+            await asyncio.sleep(0.01)
+        return held, hint, after_settle, await store.client.zcard(slots_key(pool))
+
+    held, hint, after_settle, at_end = run(go)
+    assert held == [4, 4, 4, 4, 8]  # one slice of four, then a second
+    assert hint["a"].endswith(":slots") and hint["m"].startswith("~") and hint["m"].endswith(":1")
+    assert after_settle == 7 and at_end == 4  # r0's member freed; the second slice's 3 unused given back
+
+
+def test_no_slice_of_a_pools_slots_while_anyone_waits_nor_of_its_last_room() -> None:
+    async def go(store: Store, pool: str) -> tuple[int, int]:
+        gate = sliced_gate(store, pool, limit=16)
+        now = int(time.time() * 1000)
+        far = now + 600_000
+        # 16 slots: 1/8 of the free ones is 2, a slice; 12 held by others leave 4: no slice.
+        for i in range(12):
+            await store.admit(pool, f"other{i}", now, far, 16, 0, "x", 1.0)
+        assert await store.take_slots(pool, "a", now, far, 4, 16, 8) == 0
+        assert (await gate.ask(waiter("alone")))[0]  # admitted by the store on its own
+        for i in range(3):
+            await store.admit(pool, f"fill{i}", now, far, 16, 0, "x", 1.0)
+        queued = await store.admit(pool, "queued", now, far, 16, 0, "x", 1.0, far)
+        assert not queued[0] and queued[1] is not None  # full: it waits
+        await store.release_slot(pool, *(f"other{i}" for i in range(12)), *(f"fill{i}" for i in range(3)),
+                                 gate._members.get("alone", "alone"))
+        waiting = await store.take_slots(pool, "b", now, far, 4, 16, 8)
+        return waiting, await store.client.zcard(slots_key(pool))
+
+    assert run(go) == (0, 0)  # all 16 free, room for a slice of 2, but someone waits: no slice
+
+
+def test_a_slice_of_slots_whose_worker_died_ends_at_its_expiry() -> None:
+    async def go(store: Store, pool: str) -> tuple[Any, Any]:
+        now = int(time.time() * 1000)
+        assert await store.take_slots(pool, "dead", now, now + 1_000, 4, 4 * 8, 8) == 4
+        before = await store.admit(pool, "x", now + 999, now + 60_000, 4, 0, "t", 1.0)
+        after = await store.admit(pool, "x", now + 1_001, now + 60_000, 4, 0, "t", 1.0)
+        return before, after
+
+    assert run(go) == ((False, None), (True, None))
