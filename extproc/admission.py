@@ -170,9 +170,12 @@ class PoolGate:
         """A slot for `w` from this worker's slice, taking a slice when there is none (False: ask the
         store for this request alone)."""
         now = int(time.time() * 1000)
+        limit = self.limit()
         for _ in range(2):
             s = self._slice
-            if s is not None and (now >= s.admit_until_ms or s.used >= s.size):
+            # The engines' signals shrank the pool's bound since the slice was taken: what it still holds
+            # goes back, and the request asks the store under the bound as it is now.
+            if s is not None and (now >= s.admit_until_ms or s.used >= s.size or limit < s.limit):
                 self._end(s)
                 s = None
             if s is not None:
@@ -191,14 +194,14 @@ class PoolGate:
             try:
                 wanted, slice_ms = self.slicing
                 sid, admit_until, expires = next(self._ids), now + slice_ms, w.lease_until_ms + slice_ms
-                k = await self.store.take_slots(self.pool, sid, now, expires, wanted, self.limit(), SLOT_SHARE)
+                k = await self.store.take_slots(self.pool, sid, now, expires, wanted, limit, SLOT_SHARE)
             finally:
                 self._taking.set_result(None)
                 self._taking = None
             if k < 2:
                 self._no_room_until_ms = now + slice_ms
                 return False
-            self._slice = SlotSlice(sid, k, admit_until, expires)
+            self._slice = SlotSlice(sid, k, admit_until, expires, limit)
             asyncio.get_running_loop().call_later(slice_ms / 1000, self._end, self._slice)
         return False
 
@@ -339,6 +342,7 @@ class SlotSlice:
     size: int
     admit_until_ms: int
     expires_ms: int
+    limit: int  # the pool's bound when it was taken
     used: int = 0
     rids: list[str] = field(default_factory=list)
     ended: bool = False

@@ -1,24 +1,22 @@
 """Slices: a worker admits requests against a slice of a tenant's budgets, quotas and bulkhead that it
-took from the store, so the common request reserves without a store round trip.
+took from the store, so the common request does not wait for the store.
 
 A slice is taken in one script (scripts.TAKE_SLICE) under the same limits a reservation is checked
 against: it holds k requests' worth (each as large as the request that took it) of every budget, quota
 and permit the tenant's requests of that kind draw on, k at most `slice_requests` and at most 1/SHARE
 of what any limit has left - so slices never overshoot a limit (what they hold is counted as reserved)
 and never take its last room (near a limit, requests reserve one by one, exactly). The worker then
-admits each request that fits what the slice has left, for at most `slice_ms`, and writes the
-admissions behind every `slice_commit_ms` (scripts.COMMIT_SLICE): each becomes a reservation of its own,
-as if it had reserved alone, and from then on settles, expires and is swept like one. An outcome that
-arrives before its admission is written waits in the slice (scripts.SETTLE), and the admission settles
-it. When the slice's time is up, or a request does not fit it, its last commit gives back what it
-holds unused.
+admits each request that fits what the slice has left, for at most `slice_ms`. Each admission is
+written to the store at once (scripts.COMMIT_SLICE), before the decision goes on and without waiting
+for the reply: it is in the store before Envoy can dispatch the request, whatever becomes of this
+worker, and becomes a reservation of its own there, which settles, expires and is swept like one. An
+outcome that reaches the store before its admission waits in the slice (scripts.SETTLE), and the
+admission settles it. When the slice's time is up, or a request does not fit it, its last write gives
+back what it holds unused.
 
-What a crash can strand: a worker that dies holding a slice leaves what it holds until the slice
-expires (its admitting time, plus the longest lease of one of its requests): then the sweeper ends it,
-settling the outcomes that came for it (their admission facts died with the worker: the ledger entry
-says so) and giving back the rest. Admissions not yet written when the worker died are known only by
-their outcomes; a request whose outcome is also lost (its Envoy died with it) is in no ledger. That is at
-most `slice_commit_ms` of one worker's admissions, the same kind of bound as the store's own fsync.
+What a crash can strand: a worker that dies holding a slice leaves what it holds unused until the
+slice expires (its admitting time, plus the lease of one of its requests); then the sweeper ends it and
+gives that back. Record 0033 has the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -80,11 +79,12 @@ class Slice:
     size: int  # k, the requests it was taken for
     admit_until_ms: int
     expires_ms: int
-    pending: list[SliceAdmission] = field(default_factory=list)
+    pending: list[SliceAdmission] = field(default_factory=list)  # writes that failed: tried again
     closed: bool = False  # no more admissions: its next commit is its last
 
-    def admit(self, r: Reservation) -> Reservation | None:
-        """`r` admitted from what is left (its hint names the slice), or None when it does not fit."""
+    def admit(self, r: Reservation) -> tuple[Reservation, SliceAdmission] | None:
+        """`r` admitted from what is left (its hint names the slice) and its admission to write, or None
+        when it does not fit."""
         if (self.closed or r.now_ms >= self.admit_until_ms or self.requests < 1 or r.micros > self.micros
                 or r.tokens > self.tokens):
             return None
@@ -93,23 +93,26 @@ class Slice:
         self.requests -= 1
         member = f"{SLICE_MEMBER}{self.id}:{self.size - self.requests}"
         admitted = dataclasses.replace(r, slice_id=self.id)
-        self.pending.append(SliceAdmission(r.rid, member, r.micros, r.tokens, r.lease_until_ms, packed(r.record),
-                                           admitted.hint))
-        return admitted
+        return admitted, SliceAdmission(r.rid, member, r.micros, r.tokens, r.lease_until_ms, packed(r.record),
+                                        admitted.hint)
 
-    def commit(self, now_ms: int) -> SliceCommit | None:
-        """What to write now (the pending admissions; the end, once its time is up), or None."""
+    def commit(self, admissions: list[SliceAdmission], final: bool) -> SliceCommit:
+        return SliceCommit(self.tenant, self.id, self.budgets, self.rates, admissions, final, NOT_PROCESSED,
+                           lost_facts(self.tenant))
+
+    def due(self, now_ms: int) -> SliceCommit | None:
+        """What to write now (the failed writes again; the end, once its time is up), or None."""
         if now_ms >= self.admit_until_ms or self.requests < 1:
             self.closed = True
         if not self.pending and not self.closed:
             return None
         batch, self.pending = self.pending, []
-        return SliceCommit(self.tenant, self.id, self.budgets, self.rates, batch, self.closed, NOT_PROCESSED,
-                           lost_facts(self.tenant))
+        return self.commit(batch, self.closed)
 
 
 class SliceBook:
-    """This worker's slices, one open per account, and the task that writes their admissions behind."""
+    """This worker's slices, one open per account kind, and the task that ends them (and writes again
+    what failed)."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -123,19 +126,20 @@ class SliceBook:
         self._task: asyncio.Task[None] | None = None
         self._commit_s = 0.02
 
-    async def admit(self, r: Reservation, span_ms: int, settings: StoreSettings) -> Reservation | None:
+    async def admit(self, r: Reservation, settings: StoreSettings, kind: str = "") -> Reservation | None:
         """`r` admitted from this worker's slice of its account (taking one when none fits), or None:
-        reserve it in the store on its own. `span_ms`: the longest lease of a request that may share the
-        slice (it expires no earlier than its last admission's lease). StoreUnavailable when a slice
-        was needed and the store did not answer."""
-        account = account_of(r)
+        reserve it in the store on its own. Requests of one `kind` share slices (streams and JSON answers
+        apart: a stream's lease is far longer, and a slice lasts as long as its longest). StoreUnavailable
+        when a slice was needed and the store did not answer."""
+        account = (kind, *account_of(r))
         for _ in range(2):
             current = self._open.get(account)
             if current is not None and r.lease_until_ms > current.expires_ms:
                 return None  # a longer lease than the slice's (another route's): this one reserves alone
             if current is not None:
                 if (admitted := current.admit(r)) is not None:
-                    return admitted
+                    await self._write(current, admitted[1])
+                    return admitted[0]
                 current.closed = True
                 self._ending.append(self._open.pop(account))
             if self._no_room.get(account, 0) > r.now_ms:
@@ -146,7 +150,7 @@ class SliceBook:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._taking[account] = done
             try:
-                taken = await self._take(r, span_ms, settings)
+                taken = await self._take(r, settings)
             finally:
                 del self._taking[account]
                 done.set_result(None)
@@ -157,10 +161,12 @@ class SliceBook:
             self._open[account] = taken
         return None
 
-    async def _take(self, r: Reservation, span_ms: int, settings: StoreSettings) -> Slice | None:
+    async def _take(self, r: Reservation, settings: StoreSettings) -> Slice | None:
+        """A slice like `r`: it admits for slice_ms, and expires once the lease of a request like `r`
+        admitted last would have."""
         slice_id = next(self._ids)
         admit_until = r.now_ms + settings.slice_ms
-        expires = admit_until + span_ms
+        expires = admit_until + (r.lease_until_ms - r.now_ms)
         k = await self.store.take_slice(r, slice_id, expires, settings.slice_requests, SHARE)
         if k < 2:
             return None
@@ -169,6 +175,35 @@ class SliceBook:
         return Slice(slice_id, r.tenant, tuple(b.key for b in r.budgets),
                      tuple((q.key, q.ms_per_unit, q.per_token) for q in r.rates),
                      k * r.micros, k * r.tokens, k, k, admit_until, expires)
+
+    async def _write(self, s: Slice, a: SliceAdmission) -> None:
+        """The admission written to the store before the decision goes on: its bytes leave now and the
+        decision does not wait for the reply - so it is in the store before Envoy can dispatch the
+        request, whatever then becomes of this worker. A reply that says it failed queues it to be
+        written again (writing it twice changes nothing). Where it cannot be written at once (a
+        cluster, replicas to wait for) the decision waits for it, and fails closed when it fails."""
+        commit = s.commit([a], False)
+        sent = self.store.commit_now(commit)
+        if sent is None:
+            (out,) = await self.store.commit_slices([commit])
+            if isinstance(out, BaseException):
+                raise out
+            return
+        sent.add_done_callback(functools.partial(self._written, s, a))
+
+    def _written(self, s: Slice, a: SliceAdmission, reply: asyncio.Future[Any]) -> None:
+        if reply.exception() is not None:
+            s.pending.append(a)
+            self._stop_admitting()
+            _log.warning("a slice's admission was not written (%s); tried again in %.0f ms", reply.exception(),
+                         self._commit_s * 1000)
+
+    def _stop_admitting(self) -> None:
+        """The store is not answering: nothing more is admitted from a slice until it does (what was
+        admitted is written when it answers again)."""
+        for account, s in list(self._open.items()):
+            s.closed = True
+            self._ending.append(self._open.pop(account))
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
@@ -181,14 +216,14 @@ class SliceBook:
                 await self.flush()
 
     async def flush(self, everything: bool = False) -> None:
-        """Write every slice's pending admissions, and end the slices whose time is up (all of them when
-        `everything`: the worker stops). A write that fails is tried again at the next flush."""
+        """Write again the admissions whose write failed, and end the slices whose time is up (all of them
+        when `everything`: the worker stops). What fails is tried again at the next flush."""
         now_ms = int(time.time() * 1000)
         if everything:
             for s in self._open.values():
                 s.closed = True
         slices = [*self._ending, *self._open.values()]
-        commits = [(s, c) for s in slices if (c := s.commit(now_ms)) is not None]
+        commits = [(s, c) for s in slices if (c := s.due(now_ms)) is not None]
         if not commits:
             return
         try:
@@ -203,6 +238,7 @@ class SliceBook:
             elif c.final:
                 self._forget(s)
         if failed:
+            self._stop_admitting()
             _log.warning("%d slice commit(s) failed; tried again in %.0f ms", failed, self._commit_s * 1000)
             raise StoreUnavailable(f"{failed} slice commit(s) failed")
 

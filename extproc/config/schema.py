@@ -232,11 +232,11 @@ class StoreSettings(Strict):
     replica_acks: int = Field(default=0, ge=0)
     replica_ack_timeout_ms: int = Field(default=50, gt=0)
     # Slices (extproc/slices.py): a worker holds up to `slice_requests` requests' worth of a tenant's
-    # budgets, quotas and bulkhead and admits against it without a store round trip, writing the
-    # admissions behind every `slice_commit_ms`; it admits from one slice for at most `slice_ms`. 0: every
-    # request reserves in the store. A request with an Idempotency-Key, a shadow copy, a route of several
-    # candidates or one retrying after an unanswered attempt always reserves in the store.
-    slice_requests: int = Field(default=0, ge=0)
+    # budgets, quotas and bulkhead (and of a pool's slots) and admits against it without waiting for the
+    # store; it admits from one slice for at most `slice_ms`, and every `slice_commit_ms` writes again what
+    # failed and ends slices whose time is up. 0: every request reserves in the store. A request with an
+    # Idempotency-Key always does (record 0033).
+    slice_requests: int = Field(default=16, ge=0)
     slice_ms: int = Field(default=1_000, gt=0)
     slice_commit_ms: int = Field(default=20, gt=0)
 

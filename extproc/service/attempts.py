@@ -122,7 +122,7 @@ class AttemptFilter:
         """Queue the attempt's record as it stands on the store's one pipelined connection."""
         if self.store is not None and state.tenant and state.rid and state.record:
             task = asyncio.ensure_future(self._record(self.store, state.tenant, state.rid, state.n,
-                                                      dict(state.record)))
+                                                      dict(state.record), state.hint))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 
@@ -151,9 +151,9 @@ class AttemptFilter:
                             headers={RETRY_AFTER_HEADER: str(max(1, math.ceil(wait_ms / 1000)))})
 
     @staticmethod
-    async def _record(store: Store, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
+    async def _record(store: Store, tenant: str, rid: str, n: int, record: dict[str, Any], hint: str) -> None:
         try:
-            await store.record_attempt(tenant, rid, n, record)
+            await store.record_attempt(tenant, rid, n, record, hint)
         except StoreUnavailable:
             # The attempt still runs: settlement records what Envoy reported of the last one.
             log.error("request %s: attempt %d not recorded (store unavailable)", rid, n)

@@ -123,11 +123,10 @@ class BudgetReservation:
         admission names the slice in its hint)."""
         assert self.store is not None and ex.route is not None
         settings = ex.snapshot.gateway.store
-        if (self.slices is not None and settings.slice_requests >= 2 and r.idem_key is None and r.attempt_bound is None
-                and ex.shadow_of is None and len(ex.route.candidates) == 1):
-            span = effective_deadline_ms(ex) + ex.route.max_stream_ms + settings.lease_grace_ms
-            if (admitted := await self.slices.admit(r, span, settings)) is not None:
-                return SLICED, admitted
+        # A request with an Idempotency-Key needs the store's answer (a replay, a conflict) before it runs.
+        if (self.slices is not None and settings.slice_requests >= 2 and r.idem_key is None
+                and (admitted := await self.slices.admit(r, settings, "stream" if ex.stream else "json")) is not None):
+            return SLICED, admitted
         return await self.store.reserve(r), r
 
     async def _reserve(self, ex: Exchange, reservation: Reservation) -> tuple[ReserveResult, Reservation]:

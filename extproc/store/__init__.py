@@ -409,26 +409,33 @@ class Store:
         observe_store("take_slice", time.perf_counter() - started)
         return int(out[0])
 
+    @staticmethod
+    def _commit_call(c: SliceCommit) -> tuple[list[str], list[Any]]:
+        t = c.tenant
+        keys = [slice_key(t, c.slice_id), leases_key(t), inflight_key(t), ledger_key(t), *c.budgets,
+                *(k for k, _, _ in c.rates)]
+        args: list[Any] = [c.slice_id, int(c.final), len(c.budgets), len(c.rates), packed(c.released),
+                           packed(c.lost_facts)]
+        for _, ms, per_token in c.rates:
+            args += [repr(ms), int(per_token)]
+        for a in c.admissions:
+            keys += [res_key(t, a.rid), unprocessed_key(t, a.rid), ledgered_key(t, a.rid)]
+            args += [a.rid, a.member, a.micros, a.tokens, a.lease_until_ms, a.record, a.hint]
+        return keys, args
+
     async def commit_slices(self, commits: Sequence[SliceCommit]) -> list[Any]:
         """Slices' admissions written (and final ones ended), one script each, pipelined: per commit,
         {admissions written, settled} or its exception."""
-        calls = []
-        for c in commits:
-            t = c.tenant
-            keys = [slice_key(t, c.slice_id), leases_key(t), inflight_key(t), ledger_key(t), *c.budgets,
-                    *(k for k, _, _ in c.rates)]
-            args: list[Any] = [c.slice_id, int(c.final), len(c.budgets), len(c.rates), packed(c.released),
-                               packed(c.lost_facts)]
-            for _, ms, per_token in c.rates:
-                args += [repr(ms), int(per_token)]
-            for a in c.admissions:
-                keys += [res_key(t, a.rid), unprocessed_key(t, a.rid)]
-                args += [a.rid, a.member, a.micros, a.tokens, a.lease_until_ms, a.record, a.hint]
-            calls.append((keys, args))
         started = time.perf_counter()
-        out = await self.pipe.evalsha_many(COMMIT_SLICE, calls)
+        out = await self.pipe.evalsha_many(COMMIT_SLICE, [self._commit_call(c) for c in commits])
         observe_store("commit_slices", time.perf_counter() - started)
         return out
+
+    def commit_now(self, c: SliceCommit) -> asyncio.Future[Any] | None:
+        """A slice's admissions written to the store before the caller goes on (ScriptPipe.send_now), the
+        reply left to come; None when they cannot be written at once (then: commit_slices)."""
+        send = getattr(self.pipe, "send_now", None)  # a cluster's pipe routes by slot first: it awaits
+        return send(COMMIT_SLICE, *self._commit_call(c)) if send is not None else None
 
     async def slice_held(self, tenant: str, slice_id: str) -> dict[str, str]:
         """What a slice holds (the sweeper ends a dead worker's; empty when it has ended)."""
@@ -571,9 +578,12 @@ class Store:
             await self._return_quotas(quotas)
         return results
 
-    async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
-        """One attempt of a fallback route (extproc/service/attempts.py); settlement puts them in the ledger."""
-        await self.pipe.evalsha(ATTEMPT, [res_key(tenant, rid)], [n, packed(record)])
+    async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any], hint: str = "") -> None:
+        """One attempt of a fallback route (extproc/service/attempts.py); settlement puts them in the ledger.
+        `hint`: the reservation's, which names its slice when it was admitted from one."""
+        sliced = orjson.loads(hint).get("s") if '"s"' in hint else None
+        await self.pipe.evalsha(ATTEMPT, [res_key(tenant, rid), *([slice_key(tenant, sliced[0])] if sliced else [])],
+                                [n, packed(record), rid])
 
     async def append_ledger(self, tenant: str, rid: str, facts: dict[str, Any], outcome: dict[str, Any]) -> bool:
         """The entry of a request that reserved nothing (denied, refused before dispatch), once:

@@ -220,6 +220,31 @@ class ScriptPipe:
         except _Reload:
             return await self.evalsha(script, keys, args)
 
+    def send_now(self, script: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any] | None:
+        """One script call written to the connection now, before the caller does anything else (its bytes
+        are in the kernel's socket buffer when this returns), its reply left to come: the future of its
+        result. None when it cannot be written at once (no connection yet, the script not loaded, a WAIT
+        for replicas holding the connection): the caller awaits evalsha instead."""
+        conn, sha = self._conn, _sha1(script)
+        if (conn is None or sha not in self._loaded or self.replica_acks or conn.transport is None
+                or conn.transport.is_closing()):
+            return None
+        raw = self._queue(conn, ("EVALSHA", sha, len(keys), *keys, *args))
+        self._flush(conn)
+        result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def done(f: asyncio.Future[Any]) -> None:
+            try:
+                if f.cancelled():
+                    raise StoreUnavailable("store call cancelled")
+                result.set_result(self._result(f.result()))
+            except _Reload:
+                result.set_exception(StoreUnavailable("the store forgot the script (a restart)"))
+            except StoreUnavailable as e:
+                result.set_exception(e)
+        raw.add_done_callback(done)
+        return result
+
     async def evalsha_many(self, script: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
         """Many calls of one script, written together; each is still its own atomic script. A failed
         call is returned as its exception (StoreUnavailable), the others as their results."""

@@ -187,12 +187,20 @@ if state == 'ambiguous' then redis.call('DEL', KEYS[1]) end
 return state or ''
 """
 
-# KEYS: res. ARGV: attempt number, record_json. An attempt of a reservation that is still open (a
-# settled or unknown one gains nothing: no stray keys); settlement copies the attempts into the ledger.
+# KEYS: res, and for a request admitted from a slice, the slice. ARGV: attempt number, record_json, rid.
+# An attempt of a reservation that is still open (a settled or unknown one gains nothing: no stray keys);
+# settlement copies the attempts into the ledger. One whose admission is not written yet waits in the
+# slice with it (COMMIT_SLICE moves it to the reservation, or into the ledger entry it settles).
 ATTEMPT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'att:' .. ARGV[1], ARGV[2])
-return 1
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'att:' .. ARGV[1], ARGV[2])
+  return 1
+end
+if KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1 and redis.call('HEXISTS', KEYS[2], 'c:' .. ARGV[3]) == 0 then
+  redis.call('HSET', KEYS[2], 'a' .. ARGV[1] .. ':' .. ARGV[3], ARGV[2])
+  return 1
+end
+return 0
 """
 
 # KEYS: the tenant's decision log stream
@@ -370,18 +378,19 @@ return {k}
 """
 
 # KEYS: slice, leases, inflight, ledger, budgets..., rates..., then per admission: its res, its
-#       not-processed mark
+#       not-processed mark, its ledgered-refusal mark
 # ARGV: slice id, final (1: the slice ends: what it still holds goes back), n_budgets, n_rates, the outcome
 #       of a request Envoy answered itself (released), the ledger facts of a request whose admission was
 #       lost with its worker, then per rate: ms_per_unit, per_token (1/0); then per admission: rid,
 #       member, micros, tokens, lease_until_ms, record_json, hint
 # Each admission moves its amounts from the slice to a reservation of its own, as RESERVE would have
 # made it - or, when its outcome came first (SETTLE left it in the slice), settles it at once; so does a
-# request Envoy answered itself (released). A final call, or one after the slice's holder died (the
-# sweeper's, with no admissions), settles outcomes still waiting (their admission facts lost with the
-# worker) and gives back what the slice holds unused: its budgets' reservation, its quotas' units, its
-# permits. A slice already gone (ended by the sweeper while its holder could not write) reserves each
-# admission again, unchecked, rather than lose track of it. Returns {admissions written, settled}.
+# request Envoy answered itself (released). Writing an admission twice changes nothing. A final call, or
+# one after the slice's holder died (the sweeper's, with no admissions), settles outcomes still waiting
+# (their admission facts lost with the worker) and gives back what the slice holds unused: its budgets'
+# reservation, its quotas' units, its permits. A slice already gone (ended by the sweeper while its
+# holder could not write) reserves each admission again, unchecked, rather than lose track of it.
+# Returns {admissions written, settled}.
 COMMIT_SLICE = GCRA + """
 local id, final = ARGV[1], ARGV[2] == '1'
 local nb, nr = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -389,6 +398,22 @@ local released, lost = ARGV[5], ARGV[6]
 local rb, rr = 5, 5 + nb  -- KEYS: budgets from 5, rates from 5 + nb
 local live = redis.call('EXISTS', KEYS[1]) == 1
 local written, settled = 0, 0
+
+-- The attempts recorded for a request while its admission was unwritten (ATTEMPT), taken out of the slice.
+local function attempts_of(rid)
+  local list = {}
+  if not live then return list end
+  local names = {}
+  for n = 1, 6 do names[n] = 'a' .. n .. ':' .. rid end
+  local atts = redis.call('HMGET', KEYS[1], unpack(names))
+  for n = 1, 6 do
+    if atts[n] then
+      list[#list + 1] = {n, atts[n]}
+      redis.call('HDEL', KEYS[1], names[n])
+    end
+  end
+  return list
+end
 
 local function settle(rid, xm, xt, cm, ct, record, outcome)
   if cm < 0 or cm > xm then cm = xm end
@@ -403,26 +428,33 @@ local function settle(rid, xm, xt, cm, ct, record, outcome)
     if ARGV[6 + 2 * r] == '1' then gcra_return(KEYS[rr + r - 1], (xt - ct) * tonumber(ARGV[5 + 2 * r])) end
   end
   redis.call('HINCRBY', KEYS[3], 'tokens', -xt)
-  redis.call('XADD', KEYS[4], '*', 'record', record, 'outcome', outcome, 'reserved_micros', xm,
-             'reserved_tokens', xt, 'charged_micros', cm, 'charged_tokens', ct)
+  local entry = {'record', record, 'outcome', outcome, 'reserved_micros', xm, 'reserved_tokens', xt,
+                 'charged_micros', cm, 'charged_tokens', ct}
+  local atts = attempts_of(rid)
+  if #atts > 0 then
+    local list = {}
+    for _, a in ipairs(atts) do list[#list + 1] = a[2] end
+    entry[#entry + 1] = 'attempts'
+    entry[#entry + 1] = '[' .. table.concat(list, ',') .. ']'
+  end
+  redis.call('XADD', KEYS[4], '*', unpack(entry))
   settled = settled + 1
 end
 
-local a = 7 + 2 * nr
-local i = 0
-while a <= #ARGV do
-  local rid, member = ARGV[a], ARGV[a + 1]
-  local xm, xt, lease_until = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  local record, hint = ARGV[a + 5], ARGV[a + 6]
-  local res, unprocessed = KEYS[rr + nr + 2 * i], KEYS[rr + nr + 2 * i + 1]
-  a, i = a + 7, i + 1
+-- One admission: its amounts move from the slice to a reservation of its own (or it is settled at once).
+local function write(rid, member, xm, xt, lease_until, record, hint, res, unprocessed, ledgered)
+  if live and redis.call('HEXISTS', KEYS[1], 'c:' .. rid) == 1 then return end  -- written already
+  if not live and redis.call('EXISTS', res) == 1 then return end
+  if live then redis.call('HSET', KEYS[1], 'c:' .. rid, '1') end
+  -- Refused after its write's reply was lost, and ledgered as refused: it holds nothing (the slice gives
+  -- its amounts back when it ends) and no later outcome may settle it.
+  if redis.call('EXISTS', ledgered) == 1 then return end
   redis.call('ZREM', KEYS[2], member)
   if live then
-    redis.call('HSET', KEYS[1], 'c:' .. rid, '1')
     redis.call('HINCRBY', KEYS[1], 'm', -xm)
     redis.call('HINCRBY', KEYS[1], 't', -xt)
     redis.call('HINCRBY', KEYS[1], 'n', -1)
-  else
+  else  -- the slice ended without it: reserved again, unchecked, rather than lost track of
     for b = 1, nb do
       redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_micros', xm)
       redis.call('HINCRBY', KEYS[rb + b - 1], 'reserved_tokens', xt)
@@ -440,8 +472,16 @@ while a <= #ARGV do
     redis.call('ZADD', KEYS[2], lease_until, rid)
     redis.call('HSET', res, 'micros', xm, 'tokens', xt, 'lease_until', lease_until, 'record', record,
                'hint', hint, 'idem', '')
+    for _, att in ipairs(attempts_of(rid)) do redis.call('HSET', res, 'att:' .. att[1], att[2]) end
     written = written + 1
   end
+end
+
+local a, k = 7 + 2 * nr, rr + nr
+while a <= #ARGV do
+  write(ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), ARGV[a + 5],
+        ARGV[a + 6], KEYS[k], KEYS[k + 1], KEYS[k + 2])
+  a, k = a + 7, k + 3
 end
 
 if final and live then

@@ -187,7 +187,7 @@ def test_an_attempt_is_in_the_store_as_it_starts(snap: Snapshot) -> None:
         def __init__(self) -> None:
             self.records: list[tuple[str, str, int, dict[str, Any]]] = []
 
-        async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any]) -> None:
+        async def record_attempt(self, tenant: str, rid: str, n: int, record: dict[str, Any], hint: str = "") -> None:
             self.records.append((tenant, rid, n, record))
 
     attrs = struct_pb2.Struct()

@@ -22,6 +22,7 @@ from extproc.store import (
     RateCharge,
     Reservation,
     Settlement,
+    SliceCommit,
     Store,
     budget_key,
     inflight_key,
@@ -35,7 +36,7 @@ from extproc.store import (
 from tests.conftest import valkey_url
 
 SETTINGS = StoreSettings(slice_requests=8, slice_ms=60_000, slice_commit_ms=10_000)  # commits by hand here
-SPAN_MS = 5_000
+SPAN_MS = 3_000  # a request's lease, from now
 DONE = {"termination": "complete", "settlement": "actual", "usage": {"prompt_tokens": 10, "completion_tokens": 5}}
 
 
@@ -48,7 +49,7 @@ def request(t: str, rid: str, micros: int = 10, tokens: int = 100, limit_tokens:
     now = int(time.time() * 1000)
     rates = [RateCharge(rate_key(t, "q", "rpm"), PERIOD_MS / rpm, 1, False),
              RateCharge(rate_key(t, "q", "tpm"), PERIOD_MS / 1_000_000, tokens, True)] if rpm else []
-    return Reservation(tenant=t, rid=rid, now_ms=now, lease_until_ms=now + 3_000, micros=micros, tokens=tokens,
+    return Reservation(tenant=t, rid=rid, now_ms=now, lease_until_ms=now + SPAN_MS, micros=micros, tokens=tokens,
                        budgets=[BudgetCharge(budget_key(t, "b", "total"), None, limit_tokens, 0)], rates=rates,
                        max_in_flight=max_in_flight, max_in_flight_tokens=None,
                        record={"request_id": rid, "tenant": t, "route": "chat"})
@@ -80,21 +81,43 @@ def settle(store: Store, r: Reservation, micros: int = 4, tokens: int = 15) -> A
     return store.settle(Settlement(r.tenant, r.rid, DONE, micros, tokens, hint=r.hint))
 
 
-def test_admitted_from_a_slice_written_behind_settled_once_and_the_rest_given_back() -> None:
+def deferring(store: Store) -> list[SliceCommit]:
+    """The store's admission writes held back (returned to the test, to write when it chooses): as if
+    their bytes reached the store after the requests' outcomes - or never, their worker dead."""
+    held: list[SliceCommit] = []
+
+    def commit_now(c: SliceCommit) -> asyncio.Future[Any]:
+        held.append(c)
+        sent: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        sent.set_result([0, 0])
+        return sent
+    store.commit_now = commit_now  # type: ignore[method-assign]
+    return held
+
+
+async def written(store: Store, t: str, rid: str) -> dict[str, str]:
+    """The reservation a slice's admission became, once its write (not awaited by the decision) lands."""
+    for _ in range(100):
+        if held := await store.reservation(t, rid):
+            return held
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{rid}'s admission was never written")
+
+
+def test_admitted_from_a_slice_written_at_once_settled_once_and_the_rest_given_back() -> None:
     t = tenant()
 
     async def go(store: Store) -> None:
         book = SliceBook(store)
-        held = [await book.admit(request(t, f"r{i}"), SPAN_MS, SETTINGS) for i in range(3)]
+        held = [await book.admit(request(t, f"r{i}"), SETTINGS) for i in range(3)]
         assert all(h is not None and h.slice_id for h in held)
         assert len({h.slice_id for h in held if h}) == 1  # one slice, one store round trip
-        # The slice holds 8 requests' worth; nothing is written per request yet.
-        assert budget(t)["reserved_tokens"] == 800 and not sync().exists(res_key(t, "r0"))
+        assert budget(t)["reserved_tokens"] == 800  # the slice holds 8 requests' worth
         assert sync().zcard(leases_key(t)) == 8  # its permits count as in flight
-        await book.flush()
-        assert sync().hget(res_key(t, "r0"), "tokens") == "100"  # now a reservation of its own
+        assert (await written(store, t, "r0"))["tokens"] == "100"  # a reservation of its own
         for h in held:
             assert h is not None
+            await written(store, t, h.rid)
             assert await settle(store, h) is not None
             assert await settle(store, h) is None  # once
         await book.flush(everything=True)  # the slice ends: what it held unused goes back
@@ -111,12 +134,14 @@ def test_an_outcome_before_its_admission_is_written_waits_and_is_settled_by_it()
 
     async def go(store: Store) -> None:
         book = SliceBook(store)
-        first = await book.admit(request(t, "early"), SPAN_MS, SETTINGS)
+        late = deferring(store)
+        first = await book.admit(request(t, "early"), SETTINGS)
         assert first is not None
         assert await settle(store, first, 3, 30) is not None  # the access log came first
         assert await settle(store, first) is None  # a second settlement of it is refused
         assert not ledger(t)  # the entry waits for the admission's facts
-        await book.flush()
+        await store.commit_slices(late)
+        await store.commit_slices(late)  # written twice: nothing more
         assert await settle(store, first) is None  # still once, after the admission is written
         await book.flush(everything=True)
     run(go)
@@ -132,8 +157,10 @@ def test_a_request_envoy_answered_itself_before_its_admission_was_written_is_rel
 
     async def go(store: Store) -> None:
         book = SliceBook(store)
-        assert await book.admit(request(t, "late"), SPAN_MS, SETTINGS) is not None
+        late = deferring(store)
+        assert await book.admit(request(t, "late"), SETTINGS) is not None
         sync().set(unprocessed_key(t, "late"), "1")  # the access log's mark (Store.mark_unprocessed)
+        await store.commit_slices(late)
         await book.flush(everything=True)
     run(go)
     (entry,) = ledger(t)
@@ -154,7 +181,7 @@ def test_slices_never_overshoot_nor_take_a_limits_last_room_across_workers() -> 
             out = []
             for i in range(40):
                 r = request(t, f"w{b}r{i}", limit_tokens=limit)
-                admitted = await books[b].admit(r, SPAN_MS, SETTINGS)
+                admitted = await books[b].admit(r, SETTINGS)
                 if admitted is None:
                     admitted = r if (await store.reserve(r)).outcome == "ok" else None
                 used = budget(t)
@@ -175,7 +202,7 @@ def test_a_slice_takes_no_part_of_a_small_limit() -> None:
     t = tenant()
 
     async def go(store: Store) -> Any:
-        return await SliceBook(store).admit(request(t, "x", limit_tokens=1_000), SPAN_MS, SETTINGS)
+        return await SliceBook(store).admit(request(t, "x", limit_tokens=1_000), SETTINGS)
     assert run(go) is None
     assert budget(t) == {}
 
@@ -186,7 +213,7 @@ def test_a_slice_takes_quota_units_and_gives_back_the_unused() -> None:
 
     async def go(store: Store) -> tuple[float, float]:
         book = SliceBook(store)
-        assert await book.admit(request(t, "a", rpm=600), SPAN_MS, SETTINGS) is not None
+        assert await book.admit(request(t, "a", rpm=600), SETTINGS) is not None
         taken = float(sync().get(tat)) - time.time() * 1000  # 8 requests at 100 ms each, ahead of now
         await book.flush(everything=True)
         return taken, float(sync().get(tat)) - time.time() * 1000
@@ -195,16 +222,17 @@ def test_a_slice_takes_quota_units_and_gives_back_the_unused() -> None:
 
 
 def test_a_slice_whose_worker_died_is_ended_at_its_expiry() -> None:
-    """A worker admits four requests and dies after writing one admission: the written one is a
-    reservation like any (its lease, its sweep); an outcome that came for an unwritten one is settled
+    """A worker admits four requests and dies; two admissions were written (reservations like any: their
+    lease, their sweep), two never reached the store. An outcome that came for one of those is settled
     when the sweeper ends the slice, its facts lost with the worker; the rest goes back."""
     t = tenant()
 
     async def go(store: Store) -> None:
         book = SliceBook(store)
-        held = [await book.admit(request(t, f"d{i}"), SPAN_MS, SETTINGS) for i in range(2)]
-        await book.flush()  # d0, d1 written
-        held += [await book.admit(request(t, f"d{i}"), SPAN_MS, SETTINGS) for i in range(2, 4)]
+        held = [await book.admit(request(t, f"d{i}"), SETTINGS) for i in range(2)]
+        await written(store, t, "d1")
+        deferring(store)  # from here on, nothing this worker writes arrives
+        held += [await book.admit(request(t, f"d{i}"), SETTINGS) for i in range(2, 4)]
         assert all(held)
         assert await settle(store, held[0]) is not None  # settled as usual
         assert await settle(store, held[2], 5, 20) is not None  # waits in the slice
@@ -229,7 +257,7 @@ def test_the_bulkhead_counts_a_slices_permits() -> None:
 
     async def go(store: Store) -> str:
         book = SliceBook(store)
-        assert await book.admit(request(t, "a", max_in_flight=32), SPAN_MS, SETTINGS) is not None
+        assert await book.admit(request(t, "a", max_in_flight=32), SETTINGS) is not None
         # 32 permits: a slice of at most 32/8 = 4 holds them; 28 are left for requests reserving alone.
         outcomes = [(await store.reserve(request(t, f"b{i}", max_in_flight=32))).outcome for i in range(29)]
         await book.flush(everything=True)
@@ -242,10 +270,37 @@ def test_a_request_of_a_longer_lease_reserves_alone() -> None:
 
     async def go(store: Store) -> Any:
         book = SliceBook(store)
-        assert await book.admit(request(t, "a"), SPAN_MS, SETTINGS) is not None
+        assert await book.admit(request(t, "a"), SETTINGS) is not None
         long = request(t, "b")
         long = dataclasses.replace(long, lease_until_ms=long.now_ms + SETTINGS.slice_ms + SPAN_MS + 1)
-        out = await book.admit(long, SPAN_MS, SETTINGS)
+        out = await book.admit(long, SETTINGS)
         await book.flush(everything=True)
         return out
     assert run(go) is None
+
+
+def test_attempts_recorded_before_the_admission_is_written_reach_the_ledger() -> None:
+    """A fallback route's attempt filter records each attempt as it happens, which may be before the
+    worker writes the admission: the attempts wait in the slice and reach the reservation (written
+    first) or the ledger entry (settled first)."""
+    t = tenant()
+
+    async def go(store: Store) -> dict[str, str]:
+        book = SliceBook(store)
+        late = deferring(store)
+        first, second = [await book.admit(request(t, rid), SETTINGS) for rid in ("w", "s")]
+        assert first is not None and second is not None
+        for r in (first, second):
+            await store.record_attempt(t, r.rid, 1, {"n": 1, "deployment": "first", "status": 503}, r.hint)
+        assert await settle(store, second) is not None
+        await store.commit_slices(late)
+        held = await store.reservation(t, "w")
+        await store.record_attempt(t, "w", 2, {"n": 2, "deployment": "second", "status": 200}, first.hint)
+        assert await settle(store, first) is not None
+        await book.flush(everything=True)
+        return held
+    held = run(go)
+    assert '"first"' in held["att:1"]
+    by_rid = {e["request_id"]: e for e in ledger(t)}
+    assert [a["deployment"] for a in by_rid["s"]["attempts"]] == ["first"]
+    assert [a["deployment"] for a in by_rid["w"]["attempts"]] == ["first", "second"]
