@@ -148,7 +148,6 @@ class PoolGate:
         request that may not wait is admitted from this worker's slice of the pool's slots when there is
         one (or one can be taken), without its own round trip."""
         if wait_until_ms == 0 and self.slicing[0] >= 2 and await self._from_slice(w):
-            self._note_admitted()
             return True, None
         ok, start = await self.store.admit(self.pool, w.rid, int(time.time() * 1000), w.lease_until_ms, self.limit(),
                                            w.priority, w.tenant, w.weight, wait_until_ms)
@@ -166,25 +165,35 @@ class PoolGate:
         and the slice member when it was admitted from a slice."""
         return {"a": slots_key(self.pool), "m": self._members.get(rid)}
 
+    def slot_now(self, w: Waiter) -> bool:
+        """A slot for `w` from this worker's open slice, without waiting for anything (False: none fits)."""
+        s = self._slice
+        if self.slicing[0] < 2 or s is None:
+            return False
+        # The engines' signals shrank the pool's bound since the slice was taken: what it still holds goes
+        # back, and the request asks the store under the bound as it is now.
+        limit = self.limit()
+        if int(time.time() * 1000) >= s.admit_until_ms or s.used >= s.size or limit < s.limit:
+            self._end(s)
+            return False
+        if w.lease_until_ms > s.expires_ms:
+            return False  # a longer lease than the slice's members end at
+        s.used += 1
+        self._members[w.rid] = f"{SLICE_MEMBER}{s.id}:{s.used}"
+        s.rids.append(w.rid)
+        self._note_admitted()
+        return True
+
     async def _from_slice(self, w: Waiter) -> bool:
         """A slot for `w` from this worker's slice, taking a slice when there is none (False: ask the
         store for this request alone)."""
         now = int(time.time() * 1000)
         limit = self.limit()
         for _ in range(2):
-            s = self._slice
-            # The engines' signals shrank the pool's bound since the slice was taken: what it still holds
-            # goes back, and the request asks the store under the bound as it is now.
-            if s is not None and (now >= s.admit_until_ms or s.used >= s.size or limit < s.limit):
-                self._end(s)
-                s = None
-            if s is not None:
-                if w.lease_until_ms > s.expires_ms:
-                    return False  # a longer lease than the slice's members end at
-                s.used += 1
-                self._members[w.rid] = f"{SLICE_MEMBER}{s.id}:{s.used}"
-                s.rids.append(w.rid)
+            if self.slot_now(w):
                 return True
+            if self._slice is not None:
+                return False  # it is open, and `w` does not fit it (a longer lease)
             if now < self._no_room_until_ms:
                 return False
             if self._taking is not None:

@@ -161,6 +161,19 @@ class SliceBook:
             self._open[account] = taken
         return None
 
+    def admit_now(self, r: Reservation, kind: str = "") -> Reservation | None:
+        """`r` admitted from the open slice of its account without waiting for anything - its admission's
+        bytes written now - or None (no open slice fits it, or its write cannot leave at once): admit()."""
+        current = self._open.get((kind, *account_of(r)))
+        if current is None or r.lease_until_ms > current.expires_ms or not self.store.commits_now():
+            return None
+        if (admitted := current.admit(r)) is None:
+            return None
+        sent = self.store.commit_now(current.commit([admitted[1]], False))
+        assert sent is not None  # (commits_now said so, and nothing ran in between)
+        sent.add_done_callback(functools.partial(self._written, current, admitted[1]))
+        return admitted[0]
+
     async def _take(self, r: Reservation, settings: StoreSettings) -> Slice | None:
         """A slice like `r`: it admits for slice_ms, and expires once the lease of a request like `r`
         admitted last would have."""

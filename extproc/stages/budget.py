@@ -19,6 +19,7 @@ import hashlib
 import math
 import time
 from datetime import UTC, date, datetime
+from typing import TypeVar
 
 from extproc.admission import AdmissionControl, PoolGate, Waiter
 from extproc.bounds import candidate_deployments
@@ -99,6 +100,14 @@ def lease_until_ms(ex: Exchange) -> int:
             + ex.snapshot.gateway.store.lease_grace_ms)
 
 
+T = TypeVar("T")
+
+
+async def _value(v: T) -> T:
+    """What is already known, as one of gather's awaitables."""
+    return v
+
+
 class BudgetReservation:
     name = "budget"
 
@@ -117,15 +126,17 @@ class BudgetReservation:
         first = ex.snapshot.deployments[ex.route.candidates[0].deployment_name]
         return self.admission.gate_of(ex.snapshot.gateway, first)
 
-    async def _hold(self, ex: Exchange, r: Reservation) -> tuple[ReserveResult, Reservation]:
-        """The reservation: admitted from this worker's slice when it may be (no store round trip), else
-        reserved in the store on its own. Returns the outcome and the reservation as held (a slice's
-        admission names the slice in its hint)."""
-        assert self.store is not None and ex.route is not None
-        settings = ex.snapshot.gateway.store
+    def _sliceable(self, ex: Exchange, r: Reservation) -> bool:
         # A request with an Idempotency-Key needs the store's answer (a replay, a conflict) before it runs.
-        if (self.slices is not None and settings.slice_requests >= 2 and r.idem_key is None
-                and (admitted := await self.slices.admit(r, settings, "stream" if ex.stream else "json")) is not None):
+        return self.slices is not None and ex.snapshot.gateway.store.slice_requests >= 2 and r.idem_key is None
+
+    async def _hold(self, ex: Exchange, r: Reservation) -> tuple[ReserveResult, Reservation]:
+        """The reservation: admitted from this worker's slice when it may be (no store round trip; a slice
+        taken first when none fits), else reserved in the store on its own. Returns the outcome and the
+        reservation as held (a slice's admission names the slice in its hint)."""
+        assert self.store is not None
+        if (self._sliceable(ex, r) and self.slices is not None and (admitted := await self.slices.admit(
+                r, ex.snapshot.gateway.store, "stream" if ex.stream else "json")) is not None):
             return SLICED, admitted
         return await self.store.reserve(r), r
 
@@ -135,11 +146,20 @@ class BudgetReservation:
         (ex.early_slot), and the slot, once granted, rides in the hint like one admission grants."""
         assert self.store is not None and ex.route is not None
         gate = self._early_gate(ex)
+        # The common request: its open slices fit it, and nothing is awaited (no turn of the event loop).
+        now = (self.slices.admit_now(reservation, "stream" if ex.stream else "json")
+               if self._sliceable(ex, reservation) and self.slices is not None else None)
         if gate is None:
-            return await self._hold(ex, reservation)
+            return (SLICED, now) if now is not None else await self._hold(ex, reservation)
         waiter = Waiter.of(ex.snapshot.gateway, ex.route.request_class, reservation.tenant, ex.request_id,
                            reservation.lease_until_ms)
-        held, asked = await asyncio.gather(self._hold(ex, reservation), gate.ask(waiter), return_exceptions=True)
+        slot = gate.slot_now(waiter)
+        if now is not None and slot:
+            ex.early_slot = (gate.pool, True)
+            return SLICED, now
+        known: tuple[bool, float | None] = (True, None)
+        held, asked = await asyncio.gather(_value((SLICED, now)) if now is not None else self._hold(ex, reservation),
+                                           _value(known) if slot else gate.ask(waiter), return_exceptions=True)
         granted = not isinstance(asked, BaseException) and asked[0]
         if granted and (isinstance(held, BaseException) or held[0].outcome != "ok"):
             gate.give_back(ex.request_id)

@@ -431,6 +431,11 @@ class Store:
         observe_store("commit_slices", time.perf_counter() - started)
         return out
 
+    def commits_now(self) -> bool:
+        """Whether commit_now can write at once (the pipe connected, the script loaded, no WAIT)."""
+        ready = getattr(self.pipe, "ready_now", None)
+        return ready is not None and ready(COMMIT_SLICE)
+
     def commit_now(self, c: SliceCommit) -> asyncio.Future[Any] | None:
         """A slice's admissions written to the store before the caller goes on (ScriptPipe.send_now), the
         reply left to come; None when they cannot be written at once (then: commit_slices)."""

@@ -220,16 +220,21 @@ class ScriptPipe:
         except _Reload:
             return await self.evalsha(script, keys, args)
 
+    def ready_now(self, script: str) -> bool:
+        """Whether send_now can write `script` at once."""
+        conn = self._conn
+        return (conn is not None and _sha1(script) in self._loaded and not self.replica_acks
+                and conn.transport is not None and not conn.transport.is_closing())
+
     def send_now(self, script: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any] | None:
         """One script call written to the connection now, before the caller does anything else (its bytes
         are in the kernel's socket buffer when this returns), its reply left to come: the future of its
         result. None when it cannot be written at once (no connection yet, the script not loaded, a WAIT
         for replicas holding the connection): the caller awaits evalsha instead."""
-        conn, sha = self._conn, _sha1(script)
-        if (conn is None or sha not in self._loaded or self.replica_acks or conn.transport is None
-                or conn.transport.is_closing()):
+        conn = self._conn
+        if conn is None or not self.ready_now(script):
             return None
-        raw = self._queue(conn, ("EVALSHA", sha, len(keys), *keys, *args))
+        raw = self._queue(conn, ("EVALSHA", _sha1(script), len(keys), *keys, *args))
         self._flush(conn)
         result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 

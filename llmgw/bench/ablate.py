@@ -115,6 +115,8 @@ def variants(boot: bootstrap_pb2.Bootstrap, cluster: str) -> list[Variant]:
             for h in hcm.http_filters if h.name not in (Filter.EXT_PROC, Filter.ROUTER)]
     out += [Variant(f"- {a.name}", "access log", without_access_log(a.name)) for a in hcm.access_log]
     out += [Variant(f"- stage {s}", "stage", env=(("LLMGW_ABLATE_STAGES", s),)) for s in OPTIONAL_STAGES]
+    out.append(Variant("- slices (every request reserves in the store, and waits)", "stage",
+                       env=(("LLMGW_ABLATE_NO_SLICES", "1"),)))
     return out
 
 

@@ -6,6 +6,8 @@ LLMGW_ABLATE_FIXED_REPLY: when set, the first decision is made in full and its r
 that sends it to settlement, answers every later request: what the ext_proc round trip costs alone.
 LLMGW_ABLATE_SCRAPE_S: the engine picker's scrape interval while traffic runs (its idle pace, 1 s,
 prices the scraping's share of a slow stream's cost).
+LLMGW_ABLATE_NO_SLICES: when set, no request is admitted from a slice (extproc/slices.py, a pool's
+slot slices): each reserves in the store and waits for it, as before slices - what they save.
 LLMGW_ABLATE_TIMES: a file the worker writes at exit, each stage's summed wall time in the decision
 (microseconds, awaits included) and the number of decisions: every stage's in-place cost.
 
@@ -23,7 +25,7 @@ from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc import picker, server
+from extproc import admission, picker, server, slices
 from extproc.exchange import Exchange
 from extproc.names import METADATA_NAMESPACE, Key
 from extproc.pipeline import build_stages, run_stages
@@ -85,6 +87,12 @@ if os.environ.get("LLMGW_ABLATE_SCRAPE_S"):
             super().__init__(pools, **{**kw, "interval": _SCRAPE_S})
 
     server.Picker = _SlowerPicker  # type: ignore[misc,assignment]
+if os.environ.get("LLMGW_ABLATE_NO_SLICES"):
+    async def _never(*_args: Any, **_kw: Any) -> Any:
+        return None
+
+    slices.SliceBook.admit = _never  # type: ignore[method-assign]
+    admission.PoolGate._from_slice = _never  # type: ignore[method-assign]
 decision.build_stages = _built
 decision.run_stages = _timed
 atexit.register(_write_times)

@@ -38,7 +38,8 @@ def test_each_variant_takes_out_its_piece_and_nothing_else() -> None:
     filters = [v for v in found if v.what == "filter"]
     assert len(filters) == len(chain) - 1  # the decision's replaced, the others taken out; not the router
     assert len([v for v in found if v.what == "access log"]) == len(logs)
-    assert [dict(v.env).get("LLMGW_ABLATE_STAGES") for v in found if v.what == "stage"][2:] == list(OPTIONAL_STAGES)
+    assert [dict(v.env).get("LLMGW_ABLATE_STAGES") for v in found if v.what == "stage"][2:-1] == list(OPTIONAL_STAGES)
+    assert dict(found[-1].env) == {"LLMGW_ABLATE_NO_SLICES": "1"}  # every request reserving in the store
     # The floor: the same Envoy configuration, a minimal server in place of every worker.
     (floor,) = [v for v in found if v.module != "llmgw.bench.ablated_extproc"]
     assert floor.module == "llmgw.bench.floor_extproc" and floor.edit is None and not floor.env
