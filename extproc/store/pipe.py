@@ -229,8 +229,9 @@ class ScriptPipe:
     def send_now(self, script: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any] | None:
         """One script call written to the connection now, before the caller does anything else (its bytes
         are in the kernel's socket buffer when this returns, unless the store has fallen behind reading
-        and the transport is buffering), its reply left to come: the future of its result. None when it cannot be written at once (no connection yet, the script not loaded, a WAIT
-        for replicas holding the connection): the caller awaits evalsha instead."""
+        and the transport is buffering), its reply left to come: the future of its result. None when it
+        cannot be written at once (no connection yet, the script not loaded, a WAIT for replicas holding
+        the connection): the caller awaits evalsha instead."""
         conn = self._conn
         if conn is None or not self.ready_now(script):
             return None
