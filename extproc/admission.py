@@ -11,7 +11,7 @@ Two capacities are held before dispatch, both in the store, so every worker and 
 - **A hosted deployment's provider quota** (`provider_quota`: requests and tokens per minute, as agreed)
   and each tenant's share of it: token buckets of a minute's size refilled continuously, the way
   providers count, all charged by one script or none; the token bound is charged, and what the
-  request did not use of it is given back at settlement.
+  request did not use of it is given back at settlement (extproc/provider_quota.py, with its slices).
 
 The plan's candidates are tried in order: the first with room is where the request goes (`skipped=` in
 the ledger names those passed over), before any byte left. None with room: the request waits for the
@@ -42,12 +42,12 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from extproc.config.schema import Deployment, GatewayConfig, PoolAdmission
 from extproc.contract import ErrorCode, GatewayError
 from extproc.picker import EngineLoad
-from extproc.store import PERIOD_MS, SLICE_MEMBER, RateCharge, Store, StoreUnavailable, quota_key, slots_key
+from extproc.provider_quota import ProviderQuotas
+from extproc.store import SLICE_MEMBER, RateCharge, Store, StoreUnavailable, in_background, slots_key
 
 log = logging.getLogger("llmgw.admission")
 
@@ -95,12 +95,6 @@ class Waiter:
     def place(self) -> tuple[int, float]:
         """Its place in the pool's queue: the store's order (priority, then start tag)."""
         return -self.priority, self.start
-
-
-def _background(coro: Any) -> None:
-    """A store call nothing waits for; its failure is left to the lease that ends what it would free."""
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 class PoolGate:
@@ -158,7 +152,7 @@ class PoolGate:
     def give_back(self, rid: str) -> None:
         """A slot granted to a request that will not use it, returned in the background (a lost return
         ends with the slot's lease)."""
-        _background(self.store.release_slot(self.pool, self._members.pop(rid, rid)))
+        in_background(self.store.release_slot(self.pool, self._members.pop(rid, rid)))
 
     def slot_hint(self, rid: str) -> dict[str, str | None]:
         """The slot a request holds, as its hint names it for settlement to give back: the pool's slots,
@@ -222,7 +216,7 @@ class PoolGate:
         s.ended = True
         if self._slice is s:
             self._slice = None
-        _background(self.store.release_slot(self.pool, *(f"{SLICE_MEMBER}{s.id}:{j}"
+        in_background(self.store.release_slot(self.pool, *(f"{SLICE_MEMBER}{s.id}:{j}"
                                                          for j in range(s.used + 1, s.size + 1))))
         asyncio.get_running_loop().call_later(MEMBERS_KEPT_S, self._forget, list(s.rids))
 
@@ -243,7 +237,7 @@ class PoolGate:
         """It stops waiting: out of this worker's list now, out of the store's queue in the background."""
         if w in self.waiters:
             self.waiters.remove(w)
-        _background(self.store.leave(self.pool, w.rid))  # a lost leave ends with its wait
+        in_background(self.store.leave(self.pool, w.rid))  # a lost leave ends with its wait
 
     async def _serve(self) -> None:
         """While this worker has waiters: ask for the first; admitted, ask for the next at once; not yet,
@@ -277,36 +271,6 @@ class PoolGate:
                 await self._task
 
 
-def quota_charges(deployment: str, rpm: int | None, tpm: int | None, share: float, tenant: str,
-                  tokens: int) -> list[RateCharge]:
-    """The buckets a request takes from: the deployment's, and the tenant's share of it (below 1)."""
-    out = []
-    for kind, limit, cost in (("rpm", rpm, 1), ("tpm", tpm, tokens)):
-        if limit is None:
-            continue
-        out.append(RateCharge(quota_key(deployment, kind), PERIOD_MS / limit, cost, kind == "tpm"))
-        if share < 1:
-            out.append(RateCharge(quota_key(deployment, kind, tenant), PERIOD_MS / max(1e-9, limit * share), cost,
-                                   kind == "tpm"))
-    return out
-
-
-async def take_provider_quota(store: Store, dep: Deployment, tenant: str,
-                              tokens: int) -> tuple[list[RateCharge], int | None]:
-    """A request's take of a hosted deployment's provider quota and of the tenant's share of it, at its
-    token bound, all or none: (the charges, None) when taken, (the charges, ms until the first bucket
-    that refused has room) when spent. Admission takes the first candidate's; the attempt filter a
-    fallback candidate's (extproc/service/attempts.py)."""
-    q = dep.provider_quota
-    assert q is not None
-    charges = quota_charges(dep.deployment, q.requests_per_minute, q.tokens_per_minute,
-                            q.tenant_shares.get(tenant, q.default_share), tenant, tokens)
-    if not charges:
-        return charges, None
-    ok, wait_ms = await store.reserve_quota(int(time.time() * 1000), charges)
-    return charges, None if ok else wait_ms
-
-
 class AdmissionControl:
     """This worker's gates, one per pool with `admission`, made as revisions name them."""
 
@@ -314,6 +278,7 @@ class AdmissionControl:
         self.store = store
         self._loads = loads  # a pool's fresh engine readings (the picker's), when it runs one
         self.gates: dict[str, PoolGate] = {}
+        self.quotas = ProviderQuotas(store)
 
     def gate(self, pool: str, settings: PoolAdmission | None) -> PoolGate | None:
         if settings is None:
@@ -333,6 +298,13 @@ class AdmissionControl:
             gate.slicing = (gw.store.slice_requests, gw.store.slice_ms)  # a reload's
         return gate
 
+    async def provider_quota(self, gw: GatewayConfig, dep: Deployment, tenant: str,
+                             tokens: int) -> tuple[list[RateCharge], int | None]:
+        """A request's take of a hosted candidate's provider quota (ProviderQuotas.take): (its charges,
+        None), or (its charges, ms until there is room)."""
+        self.quotas.slicing = (gw.store.slice_requests, gw.store.slice_ms)  # a reload's
+        return await self.quotas.take(dep, tenant, tokens)
+
     def status(self) -> dict[str, dict[str, int]]:
         """Per pool: its bound now and the requests waiting here (GET /status)."""
         return {p: {"limit": g.limit(), "waiting": len(g.waiters)} for p, g in sorted(self.gates.items())}
@@ -340,6 +312,8 @@ class AdmissionControl:
     async def stop(self) -> None:
         for g in self.gates.values():
             await g.stop()
+        with contextlib.suppress(StoreUnavailable):
+            await self.quotas.close()
 
 
 @dataclass

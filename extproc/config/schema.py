@@ -232,9 +232,10 @@ class StoreSettings(Strict):
     replica_acks: int = Field(default=0, ge=0)
     replica_ack_timeout_ms: int = Field(default=50, gt=0)
     # Slices (extproc/slices.py): a worker holds up to `slice_requests` requests' worth of a tenant's
-    # budgets, quotas and bulkhead (and of a pool's slots) and admits against it without waiting for the
-    # store; it admits from one slice for at most `slice_ms`, and every `slice_commit_ms` writes again what
-    # failed and ends slices whose time is up. 0: every request reserves in the store. A request with an
+    # budgets, quotas and bulkhead (and of a pool's slots, and of a hosted deployment's provider quota:
+    # extproc/provider_quota.py) and admits against it without waiting for the store; it admits from one
+    # slice for at most `slice_ms`, and every `slice_commit_ms` writes again what failed and ends slices
+    # whose time is up. 0: every request reserves in the store. A request with an
     # Idempotency-Key always does (record 0033).
     slice_requests: int = Field(default=16, ge=0)
     slice_ms: int = Field(default=1_000, gt=0)
@@ -529,7 +530,7 @@ class ProviderQuota(Strict):
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
     # What each tenant may take of it (a share in (0, 1]); a tenant not named may take `default_share`.
-    # Reserved in the store before dispatch across every replica (extproc/admission.py); not part of the
+    # Reserved in the store before dispatch across every replica (extproc/provider_quota.py); not part of the
     # evidence's quota digest (the agreement with the provider is the same).
     tenant_shares: dict[Name, float] = {}
     default_share: float = Field(default=1.0, gt=0, le=1)

@@ -40,7 +40,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc import tracing
-from extproc.admission import take_provider_quota
 from extproc.config import Snapshot
 from extproc.config.plans import attempt_kind, decode_plan, translated
 from extproc.config.reload import Live
@@ -57,6 +56,7 @@ from extproc.names import (
     Header,
     Key,
 )
+from extproc.provider_quota import take_provider_quota
 from extproc.ratelimit import RateLimitedLog
 from extproc.redact import plain_id
 from extproc.replies import overwrite_header, refuse_attempt

@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any
 
-from extproc.admission import AdmissionControl, PoolGate, Waiter, Waiting, take_provider_quota
+from extproc.admission import AdmissionControl, PoolGate, Waiter, Waiting
 from extproc.config.schema import Deployment
 from extproc.contract import RETRY_AFTER_HEADER, ErrorCode, GatewayError
 from extproc.exchange import Exchange
@@ -148,7 +148,8 @@ class Admission:
         """The deployment's provider quota (and the tenant's share of it) reserved: None; else how long
         until it has room (ms)."""
         assert self.control is not None and ex.held is not None and ex.identity is not None
-        charges, wait_ms = await take_provider_quota(self.control.store, dep, ex.identity.tenant, ex.held.tokens)
+        charges, wait_ms = await self.control.provider_quota(ex.snapshot.gateway, dep, ex.identity.tenant,
+                                                             ex.held.tokens)
         if wait_ms is None and charges:
             with_hint(ex, q=[c.encode() for c in charges])
         return wait_ms

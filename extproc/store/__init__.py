@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from extproc.store.scripts import (
     RELEASE_SLOT,
     RESERVE,
     SETTLE,
+    TAKE_QUOTA,
     TAKE_SLICE,
     TAKE_SLOTS,
 )
@@ -57,6 +58,13 @@ def packed(doc: Any) -> bytes:
     """Compact JSON for what the scripts store (ledger facts, outcomes, hints): orjson, several times
     faster than the standard library on the per-request path; the ledger reads it back as JSON."""
     return orjson.dumps(doc)
+
+
+def in_background(call: Coroutine[Any, Any, Any]) -> None:
+    """A store call nothing waits for (a slot, a quota's unused part given back): its failure is left to
+    what ends the hold by itself (a lease's end, a bucket's refill)."""
+    task = asyncio.ensure_future(call)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def tag(tenant: str) -> str:
@@ -353,7 +361,7 @@ class Store:
 
     async def prepare(self) -> None:
         """At start: the hot-path connection open and its scripts loaded (StoreUnavailable if not)."""
-        await self.pipe.load(RESERVE, SETTLE, ADMIT, QUOTA, TAKE_SLICE, COMMIT_SLICE, TAKE_SLOTS)
+        await self.pipe.load(RESERVE, SETTLE, ADMIT, QUOTA, TAKE_QUOTA, TAKE_SLICE, COMMIT_SLICE, TAKE_SLOTS)
 
     async def close(self) -> None:
         await self.pipe.close()
@@ -487,15 +495,29 @@ class Store:
         observe_store("quota", time.perf_counter() - started)
         return (True, 0) if out[0] == "ok" else (False, int(out[1]))
 
-    async def _return_quotas(self, items: Sequence[tuple[str, int, bool]]) -> None:
-        """What settled requests held of a provider quota and did not use, given back (each bucket is in
-        its deployment's slot, not the tenant's). Items: (hint, charged tokens, released before dispatch)."""
-        calls = [([k for k, _ in back], [repr(ms) for _, ms in back]) for hint, charged, released in items
-                 if (back := returned_ms(orjson.loads(hint), charged, released))]
+    async def take_quota(self, now_ms: int, charges: Sequence[RateCharge], wanted: int, share: int) -> int:
+        """A worker's slice of a provider quota (scripts.TAKE_QUOTA): `wanted` requests like the one
+        `charges` are for, charged at once; how many it holds (0: too little room, nothing charged)."""
+        started = time.perf_counter()
+        args = [now_ms, wanted, share, *(x for c in charges for x in (repr(c.ms_per_unit), c.cost))]
+        out = await self.pipe.evalsha(TAKE_QUOTA, [c.key for c in charges], args)
+        observe_store("take_quota", time.perf_counter() - started)
+        return int(out)
+
+    async def return_quota(self, backs: Sequence[Sequence[tuple[str, float]]]) -> None:
+        """Milliseconds given back to provider quotas' buckets, one script per list (each list's buckets
+        are one deployment's, in its slot). A return that fails only under-uses the provider: logged."""
+        calls = [([k for k, _ in back], [repr(ms) for _, ms in back]) for back in backs if back]
         failed = [r for r in (await self.pipe.evalsha_many(QUOTA_RETURN, calls) if calls else [])
                   if isinstance(r, BaseException)]
-        if failed:  # a quota not given back only under-uses the provider
+        if failed:
             _log.warning("%d quota return(s) failed: %s", len(failed), failed[0])
+
+    async def _return_quotas(self, items: Sequence[tuple[str, int, bool]]) -> None:
+        """What settled requests held of a provider quota and did not use, given back. Items: (hint,
+        charged tokens, released before dispatch)."""
+        await self.return_quota([returned_ms(orjson.loads(hint), charged, released)
+                                 for hint, charged, released in items])
 
     async def mark_unprocessed(self, rid: str, tenants: Sequence[str]) -> tuple[str, str] | None:
         """Envoy answered request `rid` itself (its decision never came): no tenant's reserve of it may

@@ -19,6 +19,13 @@ local function gcra_set(key, now, tat)
   redis.call('SET', key, tostring(tat), 'PX', math.ceil(tat - now) + 60000)
 end
 
+-- How many units at `ms` each a bucket has room for now.
+local function gcra_room(key, now, ms)
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  return (60000 - (tat - now)) / ms
+end
+
 -- Give back `ms` of a charge (what it did not use); an expired bucket has nothing left to correct.
 local function gcra_return(key, ms)
   local tat = tonumber(redis.call('GET', key) or '0')
@@ -314,6 +321,24 @@ for i = 1, #KEYS do gcra_set(KEYS[i], now, tats[i]) end
 return {'ok'}
 """
 
+# A worker's slice of a provider quota (extproc/provider_quota.py): k requests' worth charged at once, k
+# no more than wanted and no more than 1/share of the room any bucket has, so a slice never takes a
+# bucket's last room (near the quota, requests are charged one by one, by QUOTA). KEYS: the buckets.
+# ARGV: now_ms, requests wanted, share, then per bucket: ms_per_unit, units of one request (1 for
+# requests, its token bound for tokens). Returns k, or 0 (too little room: nothing charged).
+TAKE_QUOTA = GCRA + """
+local now, k, share = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 1, #KEYS do
+  local each = tonumber(ARGV[3 + 2 * i])
+  if each > 0 then k = math.min(k, math.floor(gcra_room(KEYS[i], now, tonumber(ARGV[2 + 2 * i])) / each / share)) end
+end
+if k < 2 then return 0 end
+for i = 1, #KEYS do
+  gcra_set(KEYS[i], now, gcra_charge(KEYS[i], now, tonumber(ARGV[2 + 2 * i]), k * tonumber(ARGV[3 + 2 * i])))
+end
+return k
+"""
+
 # KEYS: buckets. ARGV: per bucket, the milliseconds to give back (what a request held of it and did not
 # use: the token bound less the tokens charged, or all of it for a request never dispatched).
 QUOTA_RETURN = GCRA + """
@@ -353,9 +378,7 @@ for b = 1, nb do
 end
 local a = 12 + 3 * nb
 for r = 1, nr do
-  local tat = tonumber(redis.call('GET', KEYS[3 + nb + r]) or '0')
-  if tat < now then tat = now end
-  fit((60000 - (tat - now)) / tonumber(ARGV[a + 2 * (r - 1)]), tonumber(ARGV[a + 2 * (r - 1) + 1]))
+  fit(gcra_room(KEYS[3 + nb + r], now, tonumber(ARGV[a + 2 * (r - 1)])), tonumber(ARGV[a + 2 * (r - 1) + 1]))
 end
 if k < 2 then return {0} end
 for b = 1, nb do

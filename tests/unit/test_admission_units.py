@@ -16,11 +16,12 @@ import orjson
 import pytest
 import redis
 
-from extproc.admission import AdmissionControl, Waiter, derived_limit, quota_charges
+from extproc.admission import AdmissionControl, Waiter, derived_limit
 from extproc.config import load_snapshot
 from extproc.config.schema import PoolAdmission
 from extproc.exchange import Exchange, Identity
 from extproc.picker import EngineLoad
+from extproc.provider_quota import quota_charges
 from extproc.reservation import Held
 from extproc.stages.admit import Admission
 from extproc.store import PERIOD_MS, RateCharge, Settlement, Store, queue_keys, quota_key, returned_ms, slots_key
