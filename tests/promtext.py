@@ -35,6 +35,15 @@ def value(samples: dict[Sample, float], name: str, **labels: str) -> float:
     return sum(found)
 
 
+def store_rounds(metrics_url: str, operation: str) -> float:
+    """How many store round trips of one kind a stack's workers made (llmgw_store_duration_seconds)."""
+    try:
+        return value(parse(request(metrics_url).body.decode()), "llmgw_store_duration_seconds_count",
+                     operation=operation)
+    except KeyError:  # none of that kind yet
+        return 0.0
+
+
 def names(samples: dict[Sample, float]) -> set[str]:
     return {n for n, _ in samples}
 

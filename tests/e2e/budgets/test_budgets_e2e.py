@@ -29,7 +29,7 @@ from llmgw.ops.store import store_client
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, module_stack, start_stack
 from tests.e2e.routing.test_e2e_served_path import clear_engine_logs, engine_log
 from tests.helpers import assert_contract_error, chat_body, inject_fault, request
-from tests.promtext import parse, value
+from tests.promtext import store_rounds
 
 pytestmark = pytest.mark.e2e
 KEYS = {t: f"sk-test-{t}-0123456789" for t in ("burst", "flood", "steady", "quota")}
@@ -85,12 +85,6 @@ def ledger(s: Stack, tenant: str) -> list[dict[str, Any]]:
     return [ledger_entry(f) for _, f in store(s).xrange(ledger_key(tenant))]
 
 
-def store_calls(s: Stack, operation: str) -> float:
-    """How many store round trips of one kind the stack's workers made (their metrics)."""
-    return value(parse(request(s.metrics_url).body.decode()), "llmgw_store_duration_seconds_count",
-                 operation=operation)
-
-
 def chat(s: Stack, tenant: str, body: dict[str, Any] | None = None, **headers: str) -> Any:
     return request(f"{s.url}/v1/chat/completions", "POST", body or chat_body(max_tokens=4),
                    headers={"authorization": f"Bearer {KEYS.get(tenant) or DEMO_KEYS[tenant]}", **headers},
@@ -110,7 +104,7 @@ def test_500_concurrent_admitted_from_slices_never_overshoot_the_budget(gw_slice
     records = ledger(gw_sliced, "burst")
     # A slice's admission is written behind, each one a reservation of its own: its ledger entry is an
     # ordinary one; what shows that slices admitted is the store's count of the scripts that took them.
-    assert store_calls(gw_sliced, "take_slice") >= 1, "no slice was taken"
+    assert store_rounds(gw_sliced.metrics_url, "take_slice") >= 1, "no slice was taken"
     assert len({r["request_id"] for r in records}) == len(records) == 500
 
 

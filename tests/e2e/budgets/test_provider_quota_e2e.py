@@ -6,6 +6,7 @@ providers themselves - and a pool's bound, whichever replica admits."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from collections.abc import Iterator
@@ -20,18 +21,19 @@ from extproc.store import slots_key
 from llmgw.local.stack import Stack
 from tests.conftest import DEMO_KEYS, POLICY, ledger_of, stamp_evidence, start_stack
 from tests.helpers import assert_contract_error, inject_fault, request
+from tests.promtext import store_rounds
 
 pytestmark = pytest.mark.e2e
 RPM = 12  # the agreed requests per minute: a bucket of 12, refilled one every 5 s
 GLOBEX_SHARE = 0.25  # globex may take 3 of them
 
 
-def quota_policy(tmp: Path, store_url: str | None = None) -> Path:
+def quota_policy(tmp: Path, store_url: str | None = None, rpm: int = RPM) -> Path:
     policy = tmp / "policy"
     shutil.copytree(POLICY, policy)
     path = policy / "deployments/demo-anthropic.yaml"
     dep = yaml.safe_load(path.read_text())
-    dep["provider_quota"] = {"requests_per_minute": RPM, "tokens_per_minute": 2_000_000,
+    dep["provider_quota"] = {"requests_per_minute": rpm, "tokens_per_minute": 2_000_000,
                              "tenant_shares": {"globex": GLOBEX_SHARE}}
     path.write_text(yaml.safe_dump(dep))
     # A plan whose first candidate is the hosted one and whose next is the pool.
@@ -49,18 +51,24 @@ def quota_policy(tmp: Path, store_url: str | None = None) -> Path:
     return policy
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Stack]]:
-    tmp = tmp_path_factory.mktemp("provider-quota")
-    a = start_stack(tmp / "a", quota_policy(tmp / "pa"), simulate_providers=True)
+@contextlib.contextmanager
+def two_replicas(tmp: Path, rpm: int) -> Iterator[tuple[Stack, Stack]]:
+    a = start_stack(tmp / "a", quota_policy(tmp / "pa", rpm=rpm), simulate_providers=True)
     b = None
     try:
-        b = start_stack(tmp / "b", quota_policy(tmp / "pb", a.store_url), simulate_providers=True, with_valkey=False)
+        b = start_stack(tmp / "b", quota_policy(tmp / "pb", a.store_url, rpm), simulate_providers=True,
+                        with_valkey=False)
         yield a, b
     finally:
         if b is not None:
             b.stop()
         a.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Stack]]:
+    with two_replicas(tmp_path_factory.mktemp("provider-quota"), RPM) as both:
+        yield both
 
 
 def provider_url(s: Stack) -> str:
@@ -156,3 +164,27 @@ def test_a_fallback_attempt_is_held_to_its_candidates_quota(replicas: tuple[Stac
     entry = ledger_of(a, r.headers["x-request-id"], "acme")
     assert [(x["deployment"], x["status"]) for x in entry["attempts"]] == [("pool-llama-8b", 503),
                                                                          ("demo-anthropic", 429)], entry
+
+
+SLICED_RPM = 240  # room for slices: each worker takes up to 16 requests' worth (1/8 of the room) at once
+
+
+def test_sliced_provider_quota_holds_across_two_replicas(tmp_path: Path) -> None:
+    """A quota large enough to be sliced (extproc/provider_quota.py): both replicas admit from slices
+    of it, 16 requests at a time, and near the quota one by one. The providers still receive no more
+    than the quota (and what refilled meanwhile), and what the slices held unused comes back: the
+    quota is used to within one slice's share of its room."""
+    with two_replicas(tmp_path, SLICED_RPM) as (a, b):
+        started = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            out = list(pool.map(lambda i: send((a, b)[i % 2], "acme")[0], range(SLICED_RPM + 60)))
+        elapsed = time.monotonic() - started
+        got = received((a, b))
+        sliced, alone = (sum(store_rounds(s.metrics_url, op) for s in (a, b)) for op in ("take_quota", "quota"))
+    refill = int(SLICED_RPM * elapsed / 60) + 1
+    print(f"sliced provider quota: admitted {out.count(200)} of {len(out)}, providers received {got}, "
+          f"in {elapsed:.1f} s; quota round trips: {sliced:.0f} slices, {alone:.0f} alone")
+    assert got == out.count(200)  # each admitted request reached a provider once
+    assert sliced >= 1 and sliced + alone < out.count(200) / 2, (sliced, alone)  # most came from slices
+    assert out.count(200) <= SLICED_RPM + refill, out.count(200)
+    assert out.count(200) >= SLICED_RPM * (1 - 1 / 8), out.count(200)
