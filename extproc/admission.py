@@ -47,6 +47,7 @@ from extproc.config.schema import Deployment, GatewayConfig, PoolAdmission
 from extproc.contract import ErrorCode, GatewayError
 from extproc.picker import EngineLoad
 from extproc.provider_quota import ProviderQuotas
+from extproc.single_flight import SingleFlight
 from extproc.store import SLICE_MEMBER, RateCharge, Store, StoreUnavailable, in_background, slots_key
 
 log = logging.getLogger("llmgw.admission")
@@ -115,7 +116,7 @@ class PoolGate:
         # with room and nobody waiting, a worker takes a few slots at once and admits from them locally.
         self.slicing = (0, 0)
         self._slice: SlotSlice | None = None
-        self._taking: asyncio.Future[None] | None = None
+        self._taking = SingleFlight()
         self._no_room_until_ms = 0
         self._members: dict[str, str] = {}  # request id -> the slice member it holds as its slot
         self._ids = (f"{uuid.uuid4().hex[:12]}.{n}" for n in itertools.count(1))
@@ -190,17 +191,12 @@ class PoolGate:
                 return False  # it is open, and `w` does not fit it (a longer lease)
             if now < self._no_room_until_ms:
                 return False
-            if self._taking is not None:
-                await self._taking
+            if await self._taking.joined():  # another request is taking one: share it
                 continue
-            self._taking = asyncio.get_running_loop().create_future()
-            try:
-                wanted, slice_ms = self.slicing
-                sid, admit_until, expires = next(self._ids), now + slice_ms, w.lease_until_ms + slice_ms
+            wanted, slice_ms = self.slicing
+            sid, admit_until, expires = next(self._ids), now + slice_ms, w.lease_until_ms + slice_ms
+            with self._taking.taking():
                 k = await self.store.take_slots(self.pool, sid, now, expires, wanted, limit, SLOT_SHARE)
-            finally:
-                self._taking.set_result(None)
-                self._taking = None
             if k < 2:
                 self._no_room_until_ms = now + slice_ms
                 return False

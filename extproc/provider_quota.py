@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from extproc.config.schema import Deployment
+from extproc.single_flight import SingleFlight
 from extproc.store import PERIOD_MS, RateCharge, Store, in_background, quota_key
 
 SHARE = 8  # a slice takes at most 1/SHARE of the room any bucket of the quota has
@@ -106,7 +107,7 @@ class ProviderQuotas:
         self.store = store
         self.slicing = (0, 0)  # gateway.yaml store.slice_requests, slice_ms (set by AdmissionControl)
         self._open: dict[Account, QuotaSlice] = {}
-        self._taking: dict[Account, asyncio.Future[None]] = {}
+        self._taking = SingleFlight()
         self._no_room_until: dict[Account, int] = {}  # no slice asked for until then: too little room
 
     async def take(self, dep: Deployment, tenant: str, tokens: int) -> tuple[list[RateCharge], int | None]:
@@ -134,17 +135,11 @@ class ProviderQuotas:
             if self._no_room_until.get(account, 0) > now:
                 return False
             self._no_room_until.pop(account, None)
-            if (taking := self._taking.get(account)) is not None:
-                await taking  # another request of this quota is taking one: share it
+            if await self._taking.joined(account):  # another request of this quota is taking one: share it
                 continue
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._taking[account] = done
             wanted, slice_ms = self.slicing
-            try:
+            with self._taking.taking(account):
                 k = await self.store.take_quota(now, charges, wanted, SHARE)
-            finally:
-                del self._taking[account]
-                done.set_result(None)
             if k < 2:
                 self._no_room_until[account] = now + slice_ms
                 return False

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.config.schema import StoreSettings
+from extproc.single_flight import SingleFlight
 from extproc.store import (
     SLICE_MEMBER,
     Reservation,
@@ -119,7 +120,7 @@ class SliceBook:
         self._ids = (f"{uuid.uuid4().hex[:12]}.{n}" for n in itertools.count(1))
         self._open: dict[tuple[Any, ...], Slice] = {}
         self._ending: list[Slice] = []  # closed, their last commit not yet written
-        self._taking: dict[tuple[Any, ...], asyncio.Future[None]] = {}
+        self._taking = SingleFlight()
         # Accounts whose limits had too little room for a slice, and until when none is asked for (their
         # requests reserve one by one, exactly, meanwhile).
         self._no_room: dict[tuple[Any, ...], int] = {}
@@ -144,16 +145,10 @@ class SliceBook:
                 self._ending.append(self._open.pop(account))
             if self._no_room.get(account, 0) > r.now_ms:
                 return None
-            if (taking := self._taking.get(account)) is not None:
-                await taking  # another request of the account is taking one: share it
+            if await self._taking.joined(account):  # another request of the account is taking one: share it
                 continue
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._taking[account] = done
-            try:
+            with self._taking.taking(account):
                 taken = await self._take(r, settings)
-            finally:
-                del self._taking[account]
-                done.set_result(None)
             if taken is None:
                 self._no_room[account] = r.now_ms + settings.slice_ms
                 return None

@@ -324,3 +324,32 @@ def test_a_slice_of_slots_whose_worker_died_ends_at_its_expiry() -> None:
         return before, after
 
     assert run(go) == ((False, None), (True, None))
+
+
+def test_a_request_cancelled_while_another_takes_the_slice_leaves_the_gate_serving() -> None:
+    """Requests that wait while another takes the pool's slot slice share one future. Envoy cancels a
+    decision it stopped waiting for: that cancellation must not cancel the shared future, or the taker
+    fails and every later request meets a cancelled take (the worker that served nothing more under a
+    load of 32 in the benchmark)."""
+    async def go(store: Store, pool: str) -> list[bool]:
+        gate = sliced_gate(store, pool)
+        real = store.take_slots
+        release = asyncio.Event()
+
+        async def slow_take(*args: Any) -> int:
+            await release.wait()
+            return await real(*args)
+        store.take_slots = slow_take  # type: ignore[method-assign]
+        taker = asyncio.ensure_future(gate.ask(waiter("taker")))
+        await asyncio.sleep(0.01)
+        cancelled = asyncio.ensure_future(gate.ask(waiter("gone")))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()  # its client went away while the slice was being taken
+        await asyncio.sleep(0.01)
+        release.set()
+        first = (await asyncio.wait_for(taker, 5))[0]
+        store.take_slots = real  # type: ignore[method-assign]
+        later = [(await asyncio.wait_for(gate.ask(waiter(f"later{i}")), 5))[0] for i in range(6)]
+        return [first, *later]
+
+    assert run(go) == [True] * 7

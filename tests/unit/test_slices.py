@@ -304,3 +304,30 @@ def test_attempts_recorded_before_the_admission_is_written_reach_the_ledger() ->
     by_rid = {e["request_id"]: e for e in ledger(t)}
     assert [a["deployment"] for a in by_rid["s"]["attempts"]] == ["first"]
     assert [a["deployment"] for a in by_rid["w"]["attempts"]] == ["first", "second"]
+
+
+def test_a_request_cancelled_while_another_takes_the_slice_leaves_the_book_admitting() -> None:
+    t = tenant()
+
+    async def go(store: Store) -> list[bool]:
+        book = SliceBook(store)
+        real, release = store.take_slice, asyncio.Event()
+
+        async def slow_take(*args: Any) -> int:
+            await release.wait()
+            return await real(*args)
+        store.take_slice = slow_take  # type: ignore[method-assign]
+        taker = asyncio.ensure_future(book.admit(request(t, "taker"), SETTINGS))
+        await asyncio.sleep(0.01)
+        gone = asyncio.ensure_future(book.admit(request(t, "gone"), SETTINGS))
+        await asyncio.sleep(0.01)
+        gone.cancel()  # Envoy stopped waiting for its decision
+        await asyncio.sleep(0.01)
+        release.set()
+        first = await asyncio.wait_for(taker, 5)
+        store.take_slice = real  # type: ignore[method-assign]
+        later = [await asyncio.wait_for(book.admit(request(t, f"later{i}"), SETTINGS), 5) for i in range(3)]
+        await book.flush(everything=True)
+        return [h is not None for h in (first, *later)]
+
+    assert run(go) == [True] * 4
