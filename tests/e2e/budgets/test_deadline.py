@@ -48,11 +48,14 @@ def test_deadline_header_bounds_the_wait(stack: Stack, stream: bool) -> None:
 @pytest.mark.e2e
 def test_upstream_is_told_the_remaining_time(stack: Stack) -> None:
     marker = unique_marker("deadline")
-    _, r = chat(stack, chat_body(content=marker, max_tokens=1), {"x-llmgw-deadline-ms": "1500"})
+    elapsed, r = chat(stack, chat_body(content=marker, max_tokens=1), {"x-llmgw-deadline-ms": "1500"})
     assert r.status == 200  # type: ignore[attr-defined]
     (entry,) = [e for u in stack.engine_urls() for e in request(f"{u}/admin/requests").json()
                 if marker in json.dumps(e["messages"])]
-    assert 1400 <= int(entry["headers"]["x-envoy-expected-rq-timeout-ms"]) <= 1500
+    # The deadline less what passed before dispatch - at most the whole exchange as the client timed it
+    # (a loaded machine's decision once took 113 ms of it: a fixed 100 ms margin failed).
+    told = int(entry["headers"]["x-envoy-expected-rq-timeout-ms"])
+    assert 1500 - elapsed * 1000 - 5 <= told <= 1500, (told, elapsed)
 
 
 @pytest.mark.e2e
