@@ -87,10 +87,16 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+@pytest.mark.serial
 def test_a_worker_that_dies_after_reserving_leaves_nothing_charged(two: Stack) -> None:
     """The worker deciding a request writes its reservation, then dies (SIGKILL) while it redacts:
     Envoy answers the request itself, the surviving worker's access log releases the reservation at
-    nothing, and the ledger says `not_processed` - not an ambiguous full charge when the lease expires."""
+    nothing, and the ledger says `not_processed` - not an ambiguous full charge when the lease expires.
+
+    It holds when Envoy's settlement log reaches the surviving worker. On a loaded machine (the parallel
+    tier, twice in four runs) Envoy sent the entry toward the worker just killed, before that worker
+    left rotation, and it was lost: the hole invariant 4 names. So the kill is timed on a machine to
+    itself, like the other faults timed against requests in flight."""
     store = redis.Redis.from_url(str(two.store_url))
     marker = unique_marker("dies")
     with ThreadPoolExecutor(1) as pool:
