@@ -48,12 +48,12 @@ from extproc.contract import ErrorCode, GatewayError
 from extproc.picker import EngineLoad
 from extproc.provider_quota import ProviderQuotas
 from extproc.single_flight import SingleFlight
+from extproc.slices import SHARE  # a worker's slice of a pool's slots: at most 1/SHARE of those free
 from extproc.store import SLICE_MEMBER, RateCharge, Store, StoreUnavailable, in_background, slots_key
 
 log = logging.getLogger("llmgw.admission")
 
 POLL_S = 0.02  # how often a worker with waiters asks the store whether the first of them is admitted
-SLOT_SHARE = 8  # a worker's slice of a pool's slots is at most 1/SLOT_SHARE of those free
 MEMBERS_KEPT_S = 30.0  # how long a request's slice member is known after its slice ended (its decision ends first)
 RATE_WINDOW_S = 10.0  # admissions over this window estimate how soon a slot frees (Retry-After)
 
@@ -196,7 +196,7 @@ class PoolGate:
             wanted, slice_ms = self.slicing
             sid, admit_until, expires = next(self._ids), now + slice_ms, w.lease_until_ms + slice_ms
             with self._taking.taking():
-                k = await self.store.take_slots(self.pool, sid, now, expires, wanted, limit, SLOT_SHARE)
+                k = await self.store.take_slots(self.pool, sid, now, expires, wanted, limit, SHARE)
             if k < 2:
                 self._no_room_until_ms = now + slice_ms
                 return False

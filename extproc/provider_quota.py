@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 from extproc.config.schema import Deployment
 from extproc.single_flight import SingleFlight
+from extproc.slices import SHARE
 from extproc.store import PERIOD_MS, RateCharge, Store, in_background, quota_key
-
-SHARE = 8  # a slice takes at most 1/SHARE of the room any bucket of the quota has
 
 Account = tuple[tuple[str, float, bool], ...]  # the buckets a slice is of, and how each is charged
 
@@ -53,20 +52,6 @@ def charges_of(dep: Deployment, tenant: str, tokens: int) -> list[RateCharge]:
     assert q is not None
     return quota_charges(dep.deployment, q.requests_per_minute, q.tokens_per_minute,
                          q.tenant_shares.get(tenant, q.default_share), tenant, tokens)
-
-
-async def take_provider_quota(store: Store, dep: Deployment, tenant: str,
-                              tokens: int) -> tuple[list[RateCharge], int | None]:
-    """A request's take of a hosted deployment's provider quota and of the tenant's share of it, at its
-    token bound, all or none, in one round trip of its own: (the charges, None) when taken, (the
-    charges, ms until the first bucket that refused has room) when spent. Admission takes the first
-    candidate's through ProviderQuotas (slices); the attempt filter a fallback candidate's this way
-    (extproc/service/attempts.py)."""
-    charges = charges_of(dep, tenant, tokens)
-    if not charges:
-        return charges, None
-    ok, wait_ms = await store.reserve_quota(int(time.time() * 1000), charges)
-    return charges, None if ok else wait_ms
 
 
 def account_of(charges: list[RateCharge] | tuple[RateCharge, ...]) -> Account:
@@ -111,8 +96,9 @@ class ProviderQuotas:
         self._no_room_until: dict[Account, int] = {}  # no slice asked for until then: too little room
 
     async def take(self, dep: Deployment, tenant: str, tokens: int) -> tuple[list[RateCharge], int | None]:
-        """As take_provider_quota, from this worker's slice of the quota when the request fits one (or one
-        can be taken): then without a round trip of its own."""
+        """The request's charges, and None when taken or ms until there is room: from this worker's slice
+        of the quota when the request fits one (or one can be taken), without a round trip of its own;
+        else charged alone."""
         charges = charges_of(dep, tenant, tokens)
         if not charges:
             return charges, None
@@ -163,3 +149,13 @@ class ProviderQuotas:
         for s in held:
             s.ended = True
         await self.store.return_quota([s.unused() for s in held])
+
+
+async def take_provider_quota(store: Store, dep: Deployment, tenant: str,
+                              tokens: int) -> tuple[list[RateCharge], int | None]:
+    """A request's take of a hosted deployment's provider quota and of the tenant's share of it, at its
+    token bound, all or none, in one round trip of its own (no slice): (the charges, None) when taken,
+    (the charges, ms until the first bucket that refused has room) when spent. Admission takes the
+    first candidate's through its worker's ProviderQuotas (slices); the attempt filter a fallback
+    candidate's this way (extproc/service/attempts.py)."""
+    return await ProviderQuotas(store).take(dep, tenant, tokens)

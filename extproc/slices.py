@@ -44,7 +44,7 @@ from extproc.store import (
     packed,
 )
 
-SHARE = 8  # a slice takes at most 1/SHARE of what any limit has left
+SHARE = 8  # a slice takes at most 1/SHARE of what any limit has left (budgets, quotas, slots, provider quotas)
 
 _log = logging.getLogger("llmgw.slices")
 
